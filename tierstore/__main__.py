@@ -1,0 +1,5 @@
+import sys
+
+from tierstore.cli import main
+
+sys.exit(main())

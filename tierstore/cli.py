@@ -1,0 +1,64 @@
+"""The `tierstore` command: one entry point, one module per subcommand.
+
+Each module in COMMANDS exposes `add_arguments(parser)` and `run(args) -> int`
+and keeps heavy imports (torch, grpc) inside `run`, so `tierstore --help` is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "hash": ("tierstore.commands.hash", "hash token ids to Engram row ids (JSON)"),
+    "tokenizer-map": ("tierstore.commands.tokenizer_map", "build the tokenizer compression map from tokenizer.json"),
+    "demo-table": ("tierstore.commands.demo_table", "write a deterministic synthetic table with a preset's layout"),
+    "ingest": ("tierstore.commands.ingest", "ingest safetensors / .npy / torch state dict as a new table version"),
+    "tables": ("tierstore.commands.tables", "list tables and versions"),
+    "verify": ("tierstore.commands.verify", "re-check every block checksum"),
+    "export": ("tierstore.commands.export", "export a table version as a zstd-compressed portable file"),
+    "import": ("tierstore.commands.import_", "import a portable file as a new table version"),
+    "serve": ("tierstore.commands.serve", "run the sidecar (gRPC over a unix socket)"),
+    "lookup": ("tierstore.commands.lookup", "read rows from a running sidecar"),
+    "demo": ("tierstore.commands.demo", "end-to-end demo: sidecar + model forward pass vs in-process table"),
+    "bench": ("tierstore.commands.bench", "storage benchmarks against simple alternatives"),
+    "profile": ("tierstore.commands.profile", "build a frequency profile (hot set) from token traces"),
+    "audit": ("tierstore.commands.audit", "compare execution paths of a model served by tierstore"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue  # command not built yet
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, KeyError, FileNotFoundError, PermissionError) as e:
+        # typed errors carry the fix; no traceback for a user's mistake
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"tierstore {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

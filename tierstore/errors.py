@@ -1,0 +1,62 @@
+"""Typed errors. Each message says what was wrong and how to fix it.
+
+The server maps each class to one gRPC status code (GRPC_CODE), so a client
+sees the same class name and message on the other side of the socket.
+"""
+from __future__ import annotations
+
+
+class TierstoreError(Exception):
+    """Base class; GRPC_CODE names the grpc.StatusCode member it maps to."""
+
+    GRPC_CODE = "INTERNAL"
+
+
+class InvalidArgument(TierstoreError, ValueError):
+    GRPC_CODE = "INVALID_ARGUMENT"
+
+
+class IdOutOfRange(InvalidArgument):
+    """An id < 0 or >= the table's row count."""
+
+
+class SpecMismatch(InvalidArgument):
+    """A checkpoint whose shape, dtype or row count does not match its spec."""
+
+
+class NotFound(TierstoreError, KeyError):
+    GRPC_CODE = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0] if self.args else ""
+
+
+class TableNotFound(NotFound):
+    pass
+
+
+class VersionNotFound(NotFound):
+    pass
+
+
+class ResourceExhausted(TierstoreError):
+    """Arena full of leased rows, request over the size limit, budget over /dev/shm."""
+
+    GRPC_CODE = "RESOURCE_EXHAUSTED"
+
+
+class DataLoss(TierstoreError):
+    """A checksum mismatch: a corrupt block is never served as a row."""
+
+    GRPC_CODE = "DATA_LOSS"
+
+
+class ChecksumError(DataLoss):
+    def __init__(self, table: str, version: int, block: int, detail: str = ""):
+        self.table, self.version, self.block = table, version, block
+        msg = f"table {table!r} version {version}: checksum mismatch in block {block}"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class Unavailable(TierstoreError):
+    GRPC_CODE = "UNAVAILABLE"
