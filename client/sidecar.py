@@ -1,0 +1,230 @@
+"""Client of a local tierstore sidecar.
+
+    from tierstore.client import Client
+    with Client("/run/tierstore.sock") as c:
+        rows = c.lookup("l1", ids)                 # uint8 [n, row_bytes], read from the shared arena
+        with c.plan("l1", ids) as step:            # async: returns at once
+            ...                                    # run the first blocks meanwhile
+            slots = step.slots()                   # int64 arena slot per id, leased to this step
+            rows = step.rows()                     # gathered straight from the mapped arena
+
+Row bytes never travel through gRPC on this path; `lookup(..., inline=True)`
+fetches them inline (remote clients, debugging) and returns the same bytes.
+
+Failures raise tierstore.errors types: IdOutOfRange / InvalidArgument (bad ids),
+TableNotFound, ResourceExhausted (arena full of leased rows, request too big),
+DataLoss (a corrupt cold block), Unavailable (no sidecar on the socket; the
+call fails within `timeout` seconds instead of hanging).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from tierstore import errors
+from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
+from tierstore.proto import tierstore_pb2 as pb
+from tierstore.proto import tierstore_pb2_grpc as pb_grpc
+from tierstore.tiers.base import check_ids
+from tierstore.tiers.dram import map_readonly
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+}
+
+
+def to_error(e: grpc.RpcError) -> errors.TierstoreError:
+    """The tierstore error a status carries ("ClassName: message"), by name or by code."""
+    detail = e.details() or ""
+    name, _, msg = detail.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.TierstoreError) and cls is not errors.ChecksumError:
+        return cls(msg)
+    return _BY_CODE.get(e.code(), errors.TierstoreError)(f"{e.code().name}: {detail}")
+
+
+def pack_ids(ids) -> tuple[np.ndarray, bytes]:
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise errors.InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
+    arr = arr.reshape(-1).astype("<i8", copy=False)
+    return arr, arr.tobytes()
+
+
+class TableHandle:
+    """What a client knows about one served table, with its arena mapped read-only."""
+
+    def __init__(self, info: pb.TableInfo):
+        self.table, self.version, self.rows = info.table, info.version, info.rows
+        self.row_format, self.row_dim, self.row_bytes = info.row_format, info.row_dim, info.row_bytes
+        self.spec = json.loads(info.spec_json) if info.spec_json else None
+        self.layer_id = None if info.layer_id < 0 else info.layer_id
+        self.full_resident = info.arena.full_resident
+        self.arena_np = map_readonly(info.arena.path, info.arena.slots, info.row_bytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapping: we never write through it
+            self.arena = torch.from_numpy(self.arena_np)
+
+    def info(self) -> dict:
+        return dict(rows=self.rows, row_bytes=self.row_bytes, row_format=self.row_format, row_dim=self.row_dim,
+                    spec=self.spec, version=self.version, layer_id=self.layer_id, full_resident=self.full_resident)
+
+
+class StepPlan:
+    """One step's lease on rows of one table (a tierstore.client.source.PlanHandle)."""
+
+    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future):
+        self._client, self._handle, self._ids, self._future = client, handle, ids, future
+        self.table = handle.table
+        self.arena = handle.arena
+        self.lease_id = 0
+        self._slots = None
+        self.hits = self.misses = 0
+        self._released = False
+
+    def slots(self, timeout: float | None = None) -> np.ndarray:
+        if self._slots is None:
+            if self._future is None:  # full-resident: slot == id, checked client-side
+                self._slots = self._ids
+            else:
+                try:
+                    resp = self._future.result(timeout=timeout)
+                except grpc.RpcError as e:
+                    raise to_error(e) from None
+                self.lease_id = resp.lease_id
+                self.hits, self.misses = resp.hits, resp.misses
+                self._slots = np.frombuffer(resp.slots, dtype="<i8")
+        return self._slots
+
+    def rows(self, timeout: float | None = None) -> np.ndarray:
+        """uint8 [n, row_bytes] gathered from the mapped arena, request order."""
+        return self._handle.arena_np[self.slots(timeout)]
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._future is not None:
+            try:
+                self.slots()
+            except errors.TierstoreError:
+                return
+            if self.lease_id:
+                self._client._release_async(self.lease_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Client:
+    """Connection to one sidecar: `Client(socket_path)` or `Client(target="host:port", token=...)`.
+
+    timeout: seconds any call may take before it fails with Unavailable.
+    """
+
+    def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
+                 token: str | None = None, client_name: str = ""):
+        if (socket is None) == (target is None):
+            raise ValueError("give exactly one of socket=PATH or target=HOST:PORT")
+        self.target = f"unix:{socket}" if socket is not None else target
+        self.timeout = timeout
+        self.client_name = client_name
+        self._metadata = (("x-tierstore-token", token),) if token else None
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+        ])
+        self._stub = pb_grpc.TierstoreStub(self._channel)
+        self._handles: dict[str, TableHandle] = {}
+        self._lock = threading.Lock()
+        self._ended: list[int] = []  # released leases, repeated on the next Plan (idempotent)
+
+    # ---- plumbing -----------------------------------------------------------
+    def _call(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise to_error(e) from None
+
+    def _release_async(self, lease_id: int) -> None:
+        with self._lock:
+            self._ended.append(lease_id)
+        self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]), timeout=self.timeout,
+                                  metadata=self._metadata)
+
+    def handle(self, table: str) -> TableHandle:
+        with self._lock:
+            h = self._handles.get(table)
+        if h is None:
+            h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)))
+            with self._lock:
+                self._handles[table] = h
+        return h
+
+    # ---- public API ---------------------------------------------------------
+    def tables(self) -> list[dict]:
+        resp = self._call("ListTables", pb.ListTablesRequest())
+        return [dict(table=t.table, version=t.version, rows=t.rows, row_format=t.row_format, row_dim=t.row_dim,
+                     row_bytes=t.row_bytes, full_resident=t.arena.full_resident, arena_slots=t.arena.slots)
+                for t in resp.tables]
+
+    def table_info(self, table: str) -> dict:
+        return self.handle(table).info()
+
+    def plan(self, table: str, ids, ttl_s: float | None = None) -> StepPlan:
+        """Lease `ids` of `table` for one step; returns at once (the RPC runs in the background).
+
+        ids: any integer array (flattened; duplicates fine). For a full-resident
+        table no RPC is made: slots are the ids, range-checked here.
+        """
+        h = self.handle(table)
+        arr, raw = pack_ids(ids)
+        if h.full_resident:
+            return StepPlan(self, h, check_ids(arr, h.rows, table), None)
+        with self._lock:
+            ended, self._ended = self._ended, []
+        req = pb.PlanRequest(table=table, version=h.version, ids=raw, client=self.client_name,
+                             ttl_ms=int(ttl_s * 1000) if ttl_s else 0, release=ended)
+        fut = self._stub.Plan.future(req, timeout=self.timeout, metadata=self._metadata)
+        return StepPlan(self, h, arr, fut)
+
+    def lookup(self, table: str, ids, inline: bool = False) -> np.ndarray:
+        """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored; via the arena unless inline."""
+        if inline:
+            _, raw = pack_ids(ids)
+            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=raw))
+            return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
+        with self.plan(table, ids) as step:
+            return step.rows()
+
+    def release(self, lease_ids) -> int:
+        return self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids))).released
+
+    def stats(self) -> dict:
+        resp = self._call("Stats", pb.StatsRequest())
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,44 @@
+"""The contract between where rows live and the code that gathers them.
+
+A RowSource answers `plan(table, ids)` with a PlanHandle: the arena slot of
+every requested row, leased until the handle is released. The rows themselves
+are read by the gather kernel straight from `handle.arena` (a uint8 tensor
+[arena_rows, row_bytes] mapped from shared memory for the sidecar, the table
+itself for an in-process source); no row bytes pass through the control path.
+
+Two implementations: `tierstore.client.local.LocalTable` (table in process
+memory, slot == id) and `tierstore.client.sidecar.Client` (the sidecar).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@runtime_checkable
+class PlanHandle(Protocol):
+    """One step's lease on the rows of one table."""
+
+    table: str
+    arena: torch.Tensor  # uint8 [arena_rows, row_bytes]; CPU (pinned/mapped) or device
+
+    def slots(self, timeout: float | None = None) -> np.ndarray:
+        """int64 arena slot of each requested id (same order); blocks until planned.
+
+        Raises tierstore.errors.ResourceExhausted when the arena is full of leased
+        rows, IdOutOfRange / TableNotFound for bad input, Unavailable when the
+        sidecar is gone."""
+
+    def release(self) -> None:
+        """End the lease early (idempotent). Rows must not be read afterwards."""
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    def plan(self, table: str, ids: np.ndarray) -> PlanHandle:
+        """Start planning `ids` (int64, any shape, flattened) of `table`; returns at once."""
+
+    def table_info(self, table: str) -> dict:
+        """{'rows', 'row_bytes', 'row_format', 'row_dim', 'spec' (dict or None), 'version'}."""

@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class DescribeTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class Arena(_message.Message):
+    __slots__ = ("path", "slots", "full_resident", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FULL_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    slots: int
+    full_resident: bool
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ROW_DIM_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    rows: int
+    row_format: str
+    row_dim: int
+    row_bytes: int
+    spec_json: str
+    layer_id: int
+    arena: Arena
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("table", "version", "ids", "ttl_ms", "client", "release")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    ids: bytes
+    ttl_ms: int
+    client: str
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., client: _Optional[str] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    slots: bytes
+    version: int
+    unique_ids: int
+    hits: int
+    misses: int
+    expires_unix_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("table", "version", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("rows", "row_bytes", "version")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    row_bytes: int
+    version: int
+    def __init__(self, rows: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    mode: str
+    capacity: int
+    resident: int
+    hits: int
+    misses: int
+    promotions: int
+    evictions: int
+    leases_active: int
+    leased_slots: int
+    lease_refusals: int
+    bytes_read: int
+    plans: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tables", "uptime_s", "leases_active")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    uptime_s: float
+    leases_active: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., leases_active: _Optional[int] = ...) -> None: ...

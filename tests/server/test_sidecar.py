@@ -1,0 +1,183 @@
+"""The sidecar as users meet it: a real `tierstore serve` process on a unix socket."""
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierstore import errors
+from tierstore.client.sidecar import Client
+from tierstore.formats import encode_rows
+from tierstore.ingest import write_version
+from tierstore.launcher import SidecarProcess
+
+ROWS, DIM = 20_000, 32
+
+
+@pytest.fixture(scope="module")
+def table_dir(tmp_path_factory):
+    """Two small tables in different row formats; `expected` is what disk holds."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(7)
+    expected = {}
+    for name, fmt, n in (("t32", "fp32", ROWS), ("t8", "fp8-e4m3-ue8m0", ROWS // 2)):
+        rows = encode_rows(rng.standard_normal((n, DIM)).astype(np.float32), fmt)
+        write_version(d, name, [rows[: n // 3], rows[n // 3:]], rows=n, row_format=fmt, row_dim=DIM)
+        expected[name] = rows
+    return d, expected
+
+
+def _sidecar(data_dir, budget, *extra):
+    return SidecarProcess(data_dir, dram_budget=budget, extra_args=extra)
+
+
+@pytest.fixture(scope="module")
+def full(table_dir):
+    d, expected = table_dir
+    with _sidecar(d, "64MiB") as sc, Client(sc.socket, timeout=10) as c:
+        yield sc, c, expected
+
+
+@pytest.fixture(scope="module")
+def cached(table_dir):
+    # the two tables need ~1.1 MiB; 10% of that forces cache mode and evictions
+    d, expected = table_dir
+    with _sidecar(d, "110KiB", "--lease-ttl", "2") as sc, Client(sc.socket, timeout=10) as c:
+        yield sc, c, expected
+
+
+def test_full_resident_rows_are_bit_exact_on_every_path(full):
+    sc, c, expected = full
+    info = {t["table"]: t for t in c.tables()}
+    assert info["t32"]["full_resident"] and info["t8"]["full_resident"]
+    ids = np.random.default_rng(1).integers(0, ROWS, 5000)
+    assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
+    assert np.array_equal(c.lookup("t32", ids, inline=True), expected["t32"][ids])
+    with c.plan("t32", ids) as step:
+        assert np.array_equal(step.slots(), ids)  # slot == id when the table fits
+        assert np.array_equal(step.rows(), expected["t32"][ids])
+
+
+def test_cache_mode_serves_bit_exact_rows_and_evicts(cached):
+    sc, c, expected = cached
+    info = {t["table"]: t for t in c.tables()}
+    assert not info["t32"]["full_resident"]
+    assert info["t32"]["arena_slots"] < ROWS
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        ids = rng.integers(0, ROWS, 600)
+        with c.plan("t32", ids) as step:
+            rows = step.rows()
+        assert np.array_equal(rows, expected["t32"][ids])
+        assert np.array_equal(c.lookup("t32", ids, inline=True), expected["t32"][ids])
+    s = {t["table"]: t for t in c.stats()["tables"]}["t32"]
+    assert int(s["evictions"]) > 0 and int(s["promotions"]) > 0 and int(s["bytes_read"]) > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, ROWS - 1), min_size=0, max_size=400), table=st.sampled_from(["t32", "t8"]))
+def test_any_ids_read_back_bit_exact_in_cache_mode(cached, ids, table):
+    sc, c, expected = cached
+    ids = np.array(ids, dtype=np.int64) % len(expected[table])
+    assert np.array_equal(c.lookup(table, ids), expected[table][ids])
+    assert np.array_equal(c.lookup(table, ids, inline=True), expected[table][ids])
+
+
+def test_a_leased_row_is_not_evicted_until_release(cached):
+    sc, c, expected = cached
+    capacity = {t["table"]: t for t in c.tables()}["t32"]["arena_slots"]
+    rng = np.random.default_rng(3)
+    held_ids = rng.choice(ROWS, capacity // 2, replace=False)
+    held = c.plan("t32", held_ids)
+    slots = held.slots().copy()
+    # churn through many other rows; the held slots must keep their rows
+    for _ in range(8):
+        other = rng.choice(ROWS, capacity // 3, replace=False)
+        with c.plan("t32", other) as step:
+            step.slots()
+    assert np.array_equal(held.slots(), slots)
+    assert np.array_equal(held.rows(), expected["t32"][held_ids])
+    # a step that needs more than the unleased space is refused, not served wrong rows
+    with pytest.raises(errors.ResourceExhausted):
+        c.plan("t32", rng.choice(ROWS, capacity - capacity // 4, replace=False)).slots()
+    held.release()
+    with c.plan("t32", rng.choice(ROWS, capacity - capacity // 4, replace=False)) as step:
+        step.slots()
+
+
+def test_bad_input_gets_a_status_and_the_next_request_is_served(cached):
+    sc, c, expected = cached
+    with pytest.raises(errors.IdOutOfRange, match="20000 rows; id 20000"):
+        c.lookup("t32", [1, ROWS])
+    with pytest.raises(errors.IdOutOfRange):
+        c.lookup("t32", [-1], inline=True)
+    with pytest.raises(errors.TableNotFound):
+        c.lookup("nope", [1])
+    with pytest.raises(errors.NotFound):
+        c.lookup("../x", [1], inline=True)
+    with pytest.raises(errors.InvalidArgument):
+        c.lookup("t32", np.array([1.5]))
+    # a malformed message: ids not a multiple of 8 bytes
+    from tierstore.proto import tierstore_pb2 as pb
+    with pytest.raises(errors.InvalidArgument, match="8 bytes"):
+        c._call("Lookup", pb.LookupRequest(table="t32", ids=b"\x01\x02\x03"))
+    with pytest.raises(errors.VersionNotFound):
+        c._call("Lookup", pb.LookupRequest(table="t32", version=999, ids=np.array([1], "<i8").tobytes()))
+    assert np.array_equal(c.lookup("t32", [5, 6]), expected["t32"][[5, 6]])
+
+
+def test_leases_of_a_dead_client_expire(cached, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    sc, c, expected = cached
+    code = (
+        "import sys, numpy as np\n"
+        "from tierstore.client.sidecar import Client\n"
+        f"c = Client({str(sc.socket)!r})\n"
+        "s = c.plan('t32', np.arange(0, 500)); s.slots()\n"
+        "print('planned', flush=True); import time; time.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=tmp_path)
+    try:
+        assert p.stdout.readline().strip() == b"planned"
+        leased = lambda: int({t["table"]: t for t in c.stats()["tables"]}["t32"]["leased_slots"])
+        assert leased() >= 500
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while leased() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leased() == 0  # TTL is 2 s here
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_socket_and_arena_are_private_and_cleaned_up(table_dir):
+    d, _ = table_dir
+    sc = _sidecar(d, "64MiB").start()
+    try:
+        assert stat.S_IMODE(os.stat(sc.socket).st_mode) == 0o600
+        arenas = sc.arena_files()
+        assert len(arenas) == 2
+        for a in arenas:
+            st_ = os.stat(a)
+            assert stat.S_IMODE(st_.st_mode) == 0o600 and st_.st_uid == os.getuid()
+    finally:
+        sc.stop()
+    assert not sc.socket.exists() and sc.arena_files() == []
+    sc.cleanup()
+
+
+def test_unreachable_sidecar_is_unavailable_quickly(tmp_path):
+    import time
+    t0 = time.monotonic()
+    with Client(tmp_path / "none.sock", timeout=3) as c, pytest.raises(errors.Unavailable):
+        c.tables()
+    assert time.monotonic() - t0 < 5

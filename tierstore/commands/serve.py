@@ -1,0 +1,56 @@
+"""tierstore serve: run the sidecar until SIGTERM/SIGINT.
+
+On a clean stop the socket is removed and the arenas are unlinked, unless
+--persist-arena leaves them in /dev/shm for the next sidecar to re-attach
+(after verifying every block). Clients that still map an arena keep a valid
+mapping either way: unlinking a shm file never pulls pages from under a reader.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="data directory (catalog + segments)")
+    p.add_argument("--socket", help="unix socket path (created 0600)")
+    p.add_argument("--dram-budget", help="bytes of /dev/shm for all arenas, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--listen", help="HOST:PORT to also listen on TCP (needs --allow-tcp and a token)")
+    p.add_argument("--allow-tcp", action="store_true", default=None, help="permit --listen")
+    p.add_argument("--auth-token", help="shared token TCP clients must send (or TIERSTORE_AUTH_TOKEN)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
+    p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
+    p.add_argument("--max-leases", type=int)
+    p.add_argument("--workers", type=int, help="gRPC worker threads")
+    p.add_argument("--persist-arena", action="store_true", default=None,
+                   help="leave arenas in /dev/shm on shutdown for re-attach")
+    p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
+    p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    from tierstore.config import ServeConfig
+    from tierstore.server import Server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = ServeConfig.from_env(
+        data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
+        allow_tcp=args.allow_tcp, auth_token=args.auth_token, metrics_port=args.metrics_port,
+        lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
+        persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy)
+    server = Server(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.sidecar.engines.items())
+    print(f"tierstore serving {len(server.sidecar.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
+          flush=True)
+    stop.wait()
+    server.stop()
+    print("tierstore stopped", flush=True)
+    return 0

@@ -1,0 +1,101 @@
+"""Start and stop a sidecar as a child process (used by `tierstore demo`, the
+benchmarks and the tests — the real server in a real process).
+
+    with SidecarProcess(data_dir, socket, dram_budget="1GiB") as sc:
+        client = Client(sc.socket)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class SidecarProcess:
+    def __init__(self, data_dir, socket=None, *, dram_budget="1GiB", extra_args=(), env=None,
+                 start_timeout: float = 60.0, log_path=None):
+        self.data_dir = Path(data_dir)
+        self._tmp = None
+        if socket is None:
+            self._tmp = tempfile.mkdtemp(prefix="tierstore-")
+            socket = Path(self._tmp) / "sidecar.sock"
+        self.socket = Path(socket)
+        self.args = [sys.executable, "-m", "tierstore", "serve", "--data", str(self.data_dir),
+                     "--socket", str(self.socket), "--dram-budget", str(dram_budget), *map(str, extra_args)]
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout = start_timeout
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tierstore-sidecar-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "SidecarProcess":
+        self._log = open(self.log_path, "wb")
+        # cwd=/ keeps a checkout's top-level folders off sys.path of the child
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd="/")
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with code {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists() and self.healthy(timeout=1.0):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"sidecar not healthy after {self.start_timeout}s:\n{self.log()}")
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        try:
+            with grpc.insecure_channel(f"unix:{self.socket}") as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def arena_files(self) -> list[Path]:
+        """The /dev/shm segments this sidecar owns (left behind only by a kill or --persist-arena)."""
+        from tierstore.tiers.dram import arena_path
+
+        probe = arena_path(Path("/dev/shm"), str(self.socket), "T", 0)
+        return sorted(probe.parent.glob(probe.name.rsplit(".T.v0", 1)[0] + ".*"))
+
+    def cleanup(self) -> None:
+        self.stop()
+        for f in self.arena_files():
+            f.unlink(missing_ok=True)
+        self.log_path.unlink(missing_ok=True)
+        if self._tmp:
+            import shutil
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.cleanup()

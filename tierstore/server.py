@@ -1,0 +1,162 @@
+"""gRPC server: the control plane of the sidecar.
+
+Every handler maps tierstore errors to one status code (errors.GRPC_CODE) and
+keeps serving; an unexpected exception is INTERNAL and logged, never a crash.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
+from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError
+from tierstore.proto import tierstore_pb2 as pb
+from tierstore.proto import tierstore_pb2_grpc as pb_grpc
+from tierstore.sidecar import Sidecar
+
+log = logging.getLogger("tierstore.server")
+SERVICE = "tierstore.v1.Tierstore"
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def decode_ids(raw: bytes, limit: int) -> np.ndarray:
+    if len(raw) % 8:
+        raise InvalidArgument(f"ids must be packed little-endian int64 (8 bytes each); got {len(raw)} bytes")
+    n = len(raw) // 8
+    if n > limit:
+        raise ResourceExhausted(f"{n} ids in one request; the limit is {limit}: split the request")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+def _rpc(method):
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except TierstoreError as e:
+            context.abort(getattr(grpc.StatusCode, e.GRPC_CODE), f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - keep serving, say what happened
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self.metrics.observe(method.__name__, time.perf_counter() - t0)
+    return wrapper
+
+
+class TierstoreService(pb_grpc.TierstoreServicer):
+    def __init__(self, sidecar: Sidecar, metrics):
+        self.sidecar = sidecar
+        self.metrics = metrics
+        self.cfg = sidecar.config
+
+    def _info(self, eng) -> pb.TableInfo:
+        v = eng.version
+        import json
+        return pb.TableInfo(
+            table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
+            row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
+            layer_id=-1 if v.layer_id is None else v.layer_id,
+            arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
+                           size_bytes=eng.arena.size))
+
+    @_rpc
+    def ListTables(self, request, context):
+        return pb.ListTablesResponse(tables=[self._info(e) for e in self.sidecar.engines.values()])
+
+    @_rpc
+    def DescribeTable(self, request, context):
+        return self._info(self.sidecar.engine(request.table))
+
+    @_rpc
+    def Plan(self, request, context):
+        eng = self.sidecar.engine(request.table, request.version)
+        ids = decode_ids(request.ids, self.cfg.max_request_ids)
+        if request.release:
+            self.sidecar.leases.release(list(request.release))
+        ttl = request.ttl_ms / 1000.0 if request.ttl_ms else self.cfg.lease_ttl_s
+        res = eng.plan(ids, min(ttl, self.cfg.lease_ttl_s * 10))
+        expires = int((time.time() + ttl) * 1000) if res.lease_id else 0
+        return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
+                               version=eng.version.version, unique_ids=res.unique, hits=res.hits,
+                               misses=res.misses, expires_unix_ms=expires)
+
+    @_rpc
+    def Release(self, request, context):
+        return pb.ReleaseResponse(released=self.sidecar.leases.release(list(request.lease_ids)))
+
+    @_rpc
+    def Lookup(self, request, context):
+        eng = self.sidecar.engine(request.table, request.version)
+        ids = decode_ids(request.ids, self.cfg.max_request_ids)
+        if ids.size * eng.version.row_bytes > MAX_RESPONSE_BYTES - 4096:
+            raise ResourceExhausted(
+                f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_RESPONSE_BYTES >> 20} MiB response "
+                f"limit; split the lookup or use plan() and the shared arena")
+        rows = eng.lookup(ids)
+        return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.version)
+
+    @_rpc
+    def Stats(self, request, context):
+        tables = [pb.TableStats(**e.stats()) for e in self.sidecar.engines.values()]
+        return pb.StatsResponse(tables=tables, uptime_s=time.monotonic() - self.sidecar.started,
+                                leases_active=len(self.sidecar.leases))
+
+
+class Server:
+    """The sidecar process: gRPC on a unix socket (0600), optional TCP and metrics."""
+
+    def __init__(self, config: ServeConfig):
+        from tierstore.metrics import Metrics
+
+        self.config = config
+        self.sidecar = Sidecar(config)
+        self.metrics = Metrics(self.sidecar)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
+                                options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64)
+        pb_grpc.add_TierstoreServicer_to_server(TierstoreService(self.sidecar, self.metrics), self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.addresses = []
+        if config.socket is not None:
+            path = config.socket
+            if path.exists():
+                path.unlink()  # a stale socket of a dead sidecar
+            old = os.umask(0o177)  # the socket is born 0600
+            try:
+                self.grpc.add_insecure_port(f"unix:{path}")
+            finally:
+                os.umask(old)
+            self.addresses.append(f"unix:{path}")
+        if config.listen is not None:
+            self.grpc.add_insecure_port(config.listen)
+            self.addresses.append(config.listen)
+
+    def start(self) -> None:
+        self.grpc.start()
+        if self.config.socket is not None:
+            os.chmod(self.config.socket, 0o600)
+        self.sidecar.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace).wait()
+        self.sidecar.close()
+        self.metrics.close()
+        if self.config.socket is not None:
+            self.config.socket.unlink(missing_ok=True)
