@@ -152,6 +152,7 @@ class Client:
         self._handles: dict[str, TableHandle] = {}
         self._lock = threading.Lock()
         self._ended: list[int] = []  # released leases, repeated on the next Plan (idempotent)
+        self._inflight: list = []    # Release calls not yet answered; close() waits for them
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request):
@@ -161,10 +162,11 @@ class Client:
             raise to_error(e) from None
 
     def _release_async(self, lease_id: int) -> None:
+        fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]), timeout=self.timeout,
+                                        metadata=self._metadata)
         with self._lock:
             self._ended.append(lease_id)
-        self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]), timeout=self.timeout,
-                                  metadata=self._metadata)
+            self._inflight = [f for f in self._inflight if not f.done()] + [fut]
 
     def handle(self, table: str) -> TableHandle:
         with self._lock:
@@ -221,6 +223,14 @@ class Client:
         return MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     def close(self) -> None:
+        """Wait (bounded) for outstanding releases, then close the channel."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, []
+        for fut in inflight:
+            try:
+                fut.result(timeout=min(self.timeout, 5.0))
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass  # the lease ends by its TTL instead
         self._channel.close()
 
     def __enter__(self):

@@ -183,7 +183,8 @@ class EngramSpec:
         """The same layout with every bucket count divided by `scale` (demo tables)."""
         d = self.to_dict()
         d["scale"] = scale
-        d["name"] = f"{self.name}/{scale}" if scale > 1 else self.name.split("/")[0]
+        base = self.name.split("/")[0]  # scale replaces, never compounds
+        d["name"] = f"{base}/{scale}" if scale > 1 else base
         return EngramSpec.from_dict(d)
 
 
