@@ -70,6 +70,14 @@ class TableEngine:
             if progress is not None:
                 progress(n)
 
+    def verify_arena(self, checksums: np.ndarray) -> list[int]:
+        """Blocks of a full-mode arena whose bytes no longer match the catalog."""
+        import xxhash
+
+        br, flat = self.version.block_rows, self.arena.rows
+        return [b for b in range(self.version.n_blocks)
+                if xxhash.xxh3_64_intdigest(flat[b * br:(b + 1) * br]) != int(checksums[b])]
+
     # ---- requests -----------------------------------------------------------
     def check_ids(self, ids) -> np.ndarray:
         return check_ids(ids, self.rows, self.table)

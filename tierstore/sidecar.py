@@ -57,8 +57,11 @@ class Sidecar:
             else:
                 share = cfg.dram_budget * (v.rows * v.row_bytes) / total
                 slots = int(min(v.rows, max(1, share // v.row_bytes)))
-            reader = SegmentReader(cfg.data_dir, v, self.catalog.checksums(v.table, v.version))
-            arena = Arena(arena_path(cfg.shm_dir, owner, v.table, v.version), slots, v.row_bytes)
+            checksums = self.catalog.checksums(v.table, v.version)
+            reader = SegmentReader(cfg.data_dir, v, checksums)
+            # only a full arena can be verified block by block; a cache arena starts empty
+            arena = Arena(arena_path(cfg.shm_dir, owner, v.table, v.version), slots, v.row_bytes,
+                          reuse=cfg.persist_arena and full)
             policy = None
             if not full:
                 from tierstore.policy import CachePolicy, PolicyConfig
@@ -66,7 +69,13 @@ class Sidecar:
             engine = TableEngine(v, reader, arena, leases=self.leases, full=full, policy=policy)
             self.engines[v.table] = engine
             t0 = time.monotonic()
-            if full:
+            if full and arena.reattached:
+                bad = engine.verify_arena(checksums)
+                log.info("table %s v%d: re-attached arena %s, %d bad blocks%s", v.table, v.version, arena.path,
+                         len(bad), "; reloading from disk" if bad else "")
+                if bad:
+                    engine.load_full()
+            elif full:
                 engine.load_full()
             log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB) ready in %.2fs",
                      v.table, v.version, "full" if full else "cache", slots, v.row_bytes,

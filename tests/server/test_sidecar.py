@@ -181,3 +181,79 @@ def test_unreachable_sidecar_is_unavailable_quickly(tmp_path):
     with Client(tmp_path / "none.sock", timeout=3) as c, pytest.raises(errors.Unavailable):
         c.tables()
     assert time.monotonic() - t0 < 5
+
+
+def test_persisted_arena_is_reattached_after_verification(table_dir):
+    d, expected = table_dir
+    sc = _sidecar(d, "64MiB", "--persist-arena").start()
+    try:
+        sc.stop()
+        arenas = sc.arena_files()
+        assert len(arenas) == 2  # left for the next sidecar
+        # corrupt one byte of one arena: the next sidecar must notice and reload that table
+        t32 = next(a for a in arenas if ".t32." in a.name)
+        with open(t32, "r+b") as f:
+            f.seek(1000)
+            b = f.read(1)
+            f.seek(1000)
+            f.write(bytes([b[0] ^ 0xFF]))
+        sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
+        try:
+            log = sc2.log()
+            assert "re-attached" in log and "reloading from disk" in log
+            with Client(sc2.socket) as c:
+                ids = np.arange(ROWS)
+                assert np.array_equal(c.lookup("t32", ids), expected["t32"])
+        finally:
+            sc2.stop()
+            sc2.cleanup()
+    finally:
+        sc.cleanup()
+    assert sc.arena_files() == []
+
+
+def test_corrupt_cold_block_is_data_loss_and_the_rest_keeps_serving(tmp_path):
+    rng = np.random.default_rng(5)
+    rows = encode_rows(rng.standard_normal((4000, DIM)).astype(np.float32), "fp32")
+    tv = write_version(tmp_path, "c", [rows], rows=4000, row_format="fp32", row_dim=DIM)
+    seg = tmp_path / tv.segments[0]
+    bad_row = 1234
+    with open(seg, "r+b") as f:
+        f.seek(bad_row * tv.row_bytes + 3)
+        b = f.read(1)
+        f.seek(bad_row * tv.row_bytes + 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    bad_block = bad_row // tv.block_rows
+    with _sidecar(tmp_path, "64KiB") as sc, Client(sc.socket) as c:
+        assert not c.table_info("c")["full_resident"]
+        with pytest.raises(errors.DataLoss, match=f"'c' version {tv.version}.*block {bad_block}"):
+            c.lookup("c", [bad_row])
+        with pytest.raises(errors.DataLoss):
+            c.lookup("c", [bad_row], inline=True)
+        good = np.array([0, 10, 3999])
+        assert np.array_equal(c.lookup("c", good), rows[good])
+
+
+def test_oversize_requests_are_refused_cleanly(full):
+    sc, c, expected = full
+    from tierstore.proto import tierstore_pb2 as pb
+    big = np.zeros(9_000_000, dtype="<i8").tobytes()  # 72 MB > the 64 MiB request limit
+    with pytest.raises(errors.ResourceExhausted):
+        c._call("Lookup", pb.LookupRequest(table="t32", ids=big))
+    assert np.array_equal(c.lookup("t32", [1]), expected["t32"][[1]])
+
+
+def test_metrics_endpoint_counts_per_tier(table_dir):
+    import socket as socketlib
+    import urllib.request
+
+    d, _ = table_dir
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with _sidecar(d, "110KiB", "--metrics-port", port) as sc, Client(sc.socket) as c:
+        c.lookup("t32", np.arange(500))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'tierstore_misses_total{table="t32",tier="dram"} 500.0' in text
+    assert 'tierstore_bytes_read_total{table="t32",tier="nvme"}' in text
+    assert "tierstore_rpc_seconds_bucket" in text and "tierstore_evictions_total" in text
