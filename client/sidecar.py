@@ -41,6 +41,7 @@ _BY_CODE = {
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
 }
 
 
@@ -71,10 +72,27 @@ class TableHandle:
         self.spec = json.loads(info.spec_json) if info.spec_json else None
         self.layer_id = None if info.layer_id < 0 else info.layer_id
         self.full_resident = info.arena.full_resident
-        self.arena_np = map_readonly(info.arena.path, info.arena.slots, info.row_bytes)
+        self._arena_path, self._arena_slots = info.arena.path, info.arena.slots
+        self._arena_np = self._arena = None
+
+    def _map(self) -> None:
+        # mapped on first use: a remote client that only uses inline lookups never maps
+        self._arena_np = map_readonly(self._arena_path, self._arena_slots, self.row_bytes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only mapping: we never write through it
-            self.arena = torch.from_numpy(self.arena_np)
+            self._arena = torch.from_numpy(self._arena_np)
+
+    @property
+    def arena_np(self) -> np.ndarray:
+        if self._arena_np is None:
+            self._map()
+        return self._arena_np
+
+    @property
+    def arena(self) -> torch.Tensor:
+        if self._arena is None:
+            self._map()
+        return self._arena
 
     def info(self) -> dict:
         return dict(rows=self.rows, row_bytes=self.row_bytes, row_format=self.row_format, row_dim=self.row_dim,
@@ -87,11 +105,15 @@ class StepPlan:
     def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future):
         self._client, self._handle, self._ids, self._future = client, handle, ids, future
         self.table = handle.table
-        self.arena = handle.arena
         self.lease_id = 0
         self._slots = None
         self.hits = self.misses = 0
         self._released = False
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """uint8 [arena_slots, row_bytes]: the shared arena, mapped read-only."""
+        return self._handle.arena
 
     def slots(self, timeout: float | None = None) -> np.ndarray:
         if self._slots is None:
@@ -143,7 +165,7 @@ class Client:
         self.target = f"unix:{socket}" if socket is not None else target
         self.timeout = timeout
         self.client_name = client_name
-        self._metadata = (("x-tierstore-token", token),) if token else None
+        self._metadata = (("x-tierstore-token", token),) if token else None  # server.TOKEN_HEADER
         self._channel = grpc.insecure_channel(self.target, options=[
             ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),

@@ -41,6 +41,8 @@ class ServeConfig:
     listen: str | None = None           # HOST:PORT for TCP; needs allow_tcp
     allow_tcp: bool = False
     auth_token: str | None = None       # required on TCP
+    tls_cert: Path | None = None        # PEM certificate chain: TCP then speaks TLS
+    tls_key: Path | None = None
     metrics_port: int | None = None     # Prometheus text endpoint on 127.0.0.1
     lease_ttl_s: float = 30.0           # a dead client's leases end after this
     max_leases: int = 65536
@@ -57,6 +59,10 @@ class ServeConfig:
         self.dram_budget = parse_size(self.dram_budget)
         if self.socket is not None:
             self.socket = Path(self.socket)
+        self.tls_cert = Path(self.tls_cert) if self.tls_cert else None
+        self.tls_key = Path(self.tls_key) if self.tls_key else None
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.socket is None and self.listen is None:
             raise ValueError("give --socket PATH (or --listen HOST:PORT with --allow-tcp)")
         if self.listen is not None and not self.allow_tcp:

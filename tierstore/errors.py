@@ -60,3 +60,7 @@ class ChecksumError(DataLoss):
 
 class Unavailable(TierstoreError):
     GRPC_CODE = "UNAVAILABLE"
+
+
+class Unauthenticated(TierstoreError):
+    GRPC_CODE = "UNAUTHENTICATED"

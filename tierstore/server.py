@@ -6,6 +6,7 @@ keeps serving; an unexpected exception is INTERNAL and logged, never a crash.
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 import time
@@ -16,13 +17,14 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
-from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError
+from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar import Sidecar
 
 log = logging.getLogger("tierstore.server")
 SERVICE = "tierstore.v1.Tierstore"
+TOKEN_HEADER = "x-tierstore-token"
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -44,6 +46,7 @@ def _rpc(method):
     def wrapper(self, request, context):
         t0 = time.perf_counter()
         try:
+            self._authorize(context)
             return method(self, request, context)
         except TierstoreError as e:
             context.abort(getattr(grpc.StatusCode, e.GRPC_CODE), f"{type(e).__name__}: {e}")
@@ -60,6 +63,14 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         self.sidecar = sidecar
         self.metrics = metrics
         self.cfg = sidecar.config
+
+    def _authorize(self, context) -> None:
+        """Unix-socket peers are trusted by file mode (0600); TCP peers must send the token."""
+        if context.peer().startswith("unix:") or not self.cfg.auth_token:
+            return
+        sent = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(sent.encode(), self.cfg.auth_token.encode()):
+            raise Unauthenticated(f"this sidecar needs the shared token in the {TOKEN_HEADER!r} metadata header")
 
     def _info(self, eng) -> pb.TableInfo:
         v = eng.version
@@ -140,8 +151,13 @@ class Server:
                 os.umask(old)
             self.addresses.append(f"unix:{path}")
         if config.listen is not None:
-            self.grpc.add_insecure_port(config.listen)
-            self.addresses.append(config.listen)
+            if config.tls_cert and config.tls_key:
+                creds = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                self.grpc.add_secure_port(config.listen, creds)
+                self.addresses.append(f"{config.listen} (tls)")
+            else:
+                self.grpc.add_insecure_port(config.listen)
+                self.addresses.append(config.listen)
 
     def start(self) -> None:
         self.grpc.start()

@@ -257,3 +257,28 @@ def test_metrics_endpoint_counts_per_tier(table_dir):
     assert 'tierstore_misses_total{table="t32",tier="dram"} 500.0' in text
     assert 'tierstore_bytes_read_total{table="t32",tier="nvme"}' in text
     assert "tierstore_rpc_seconds_bucket" in text and "tierstore_evictions_total" in text
+
+
+def test_tcp_needs_an_explicit_flag_and_the_token(table_dir, tmp_path):
+    import socket as socketlib
+    import subprocess
+    import sys
+
+    d, expected = table_dir
+    refused = subprocess.run([sys.executable, "-m", "tierstore", "serve", "--data", str(d),
+                              "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0"],
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert refused.returncode != 0 and "--allow-tcp" in refused.stderr
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token", "s3cret"]
+    with _sidecar(d, "64MiB", *extra) as sc:
+        with Client(target=f"127.0.0.1:{port}", timeout=5) as anon, pytest.raises(errors.Unauthenticated):
+            anon.lookup("t32", [1], inline=True)
+        with Client(target=f"127.0.0.1:{port}", token="wrong", timeout=5) as bad, pytest.raises(errors.Unauthenticated):
+            bad.tables()
+        with Client(target=f"127.0.0.1:{port}", token="s3cret", timeout=5) as ok:
+            assert np.array_equal(ok.lookup("t32", [3, 4], inline=True), expected["t32"][[3, 4]])
+        with Client(sc.socket) as local:  # the 0600 unix socket needs no token
+            assert np.array_equal(local.lookup("t32", [3]), expected["t32"][[3]])
