@@ -34,6 +34,7 @@ from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.tiers.base import check_ids
 from tierstore.tiers.dram import map_readonly
 
+RECONNECT_WAIT_S = 2.0
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -73,6 +74,7 @@ class TableHandle:
         self.layer_id = None if info.layer_id < 0 else info.layer_id
         self.full_resident = info.arena.full_resident
         self._arena_path, self._arena_slots = info.arena.path, info.arena.slots
+        self.instance = info.arena.instance
         self._arena_np = self._arena = None
 
     def _map(self) -> None:
@@ -102,8 +104,9 @@ class TableHandle:
 class StepPlan:
     """One step's lease on rows of one table (a tierstore.client.source.PlanHandle)."""
 
-    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future):
+    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future, request=None):
         self._client, self._handle, self._ids, self._future = client, handle, ids, future
+        self._request = request
         self.table = handle.table
         self.lease_id = 0
         self._slots = None
@@ -123,7 +126,12 @@ class StepPlan:
                 try:
                     resp = self._future.result(timeout=timeout)
                 except grpc.RpcError as e:
-                    raise to_error(e) from None
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
+                        raise to_error(e) from None
+                    resp = self._client._call("Plan", self._request)
+                if resp.instance != self._handle.instance:
+                    # the sidecar restarted since we mapped its arena: these slots index the new one
+                    self._handle = self._client._refresh(self.table)
                 self.lease_id = resp.lease_id
                 self.hits, self.misses = resp.hits, resp.misses
                 self._slots = np.frombuffer(resp.slots, dtype="<i8")
@@ -131,7 +139,8 @@ class StepPlan:
 
     def rows(self, timeout: float | None = None) -> np.ndarray:
         """uint8 [n, row_bytes] gathered from the mapped arena, request order."""
-        return self._handle.arena_np[self.slots(timeout)]
+        slots = self.slots(timeout)  # first: a restarted sidecar swaps the handle
+        return self._handle.arena_np[slots]
 
     def release(self) -> None:
         if self._released:
@@ -169,6 +178,10 @@ class Client:
         self._channel = grpc.insecure_channel(self.target, options=[
             ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+            # a restarted sidecar is found again within ~0.5 s, not gRPC's default 1-120 s backoff
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
         ])
         self._stub = pb_grpc.TierstoreStub(self._channel)
         self._handles: dict[str, TableHandle] = {}
@@ -178,10 +191,20 @@ class Client:
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request):
+        for attempt in (0, 1):
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if attempt or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
+                    raise to_error(e) from None
+
+    def _reconnected(self) -> bool:
+        """After UNAVAILABLE: wait briefly for the sidecar to come back (one retry, bounded)."""
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise to_error(e) from None
+            grpc.channel_ready_future(self._channel).result(timeout=min(self.timeout, RECONNECT_WAIT_S))
+            return True
+        except grpc.FutureTimeoutError:
+            return False
 
     def _release_async(self, lease_id: int) -> None:
         fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]), timeout=self.timeout,
@@ -198,6 +221,11 @@ class Client:
             with self._lock:
                 self._handles[table] = h
         return h
+
+    def _refresh(self, table: str) -> TableHandle:
+        with self._lock:
+            self._handles.pop(table, None)
+        return self.handle(table)
 
     # ---- public API ---------------------------------------------------------
     def tables(self) -> list[dict]:
@@ -224,7 +252,7 @@ class Client:
         req = pb.PlanRequest(table=table, version=h.version, ids=raw, client=self.client_name,
                              ttl_ms=int(ttl_s * 1000) if ttl_s else 0, release=ended)
         fut = self._stub.Plan.future(req, timeout=self.timeout, metadata=self._metadata)
-        return StepPlan(self, h, arr, fut)
+        return StepPlan(self, h, arr, fut, req)
 
     def lookup(self, table: str, ids, inline: bool = False) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored; via the arena unless inline."""

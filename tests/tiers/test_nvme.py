@@ -1,0 +1,146 @@
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tierstore import ingest
+from tierstore.catalog import Catalog
+from tierstore.errors import ChecksumError, IdOutOfRange, InvalidArgument
+from tierstore.tiers import nvme
+from tierstore.tiers.nvme import SegmentReader, default_block_rows
+
+ROWS, RB, BR = 1000, 64, 7  # 143 blocks, the last one short (6 rows)
+
+
+@pytest.fixture
+def table(data_dir, make_table, monkeypatch):
+    # small segments so reads cross segment files: 20 blocks (8960 B) per segment
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 20 * BR * RB)
+    tv, data = make_table("t", rows=ROWS, row_bytes=RB, block_rows=BR)
+    with Catalog(data_dir, readonly=True) as cat:
+        sums = cat.checksums("t", tv.version)
+    reader = SegmentReader(data_dir, tv, sums)
+    yield reader, tv, data
+    reader.close()
+
+
+def test_default_block_is_about_16_kib():
+    assert default_block_rows(256) == 64
+    assert default_block_rows(264) * 264 <= 16384 < (default_block_rows(264) + 1) * 264
+    assert default_block_rows(1 << 20) == 1
+
+
+def test_manifest_layout(table):
+    _, tv, _ = table
+    assert tv.n_blocks == 143 and tv.segment_rows == 140 and len(tv.segments) == 8
+
+
+def test_read_rows_in_caller_order_with_duplicates(table):
+    reader, _, data = table
+    ids = np.array([999, 0, 5, 5, 998, 140, 139, 500, 0], dtype=np.int64)
+    assert np.array_equal(reader.read_rows(ids), data[ids])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16, np.uint64])
+def test_any_integer_dtype_and_shape(table, dtype):
+    reader, _, data = table
+    ids = np.array([[3, 700], [999, 3]], dtype=dtype)
+    assert np.array_equal(reader.read_rows(ids), data[ids.reshape(-1).astype(np.int64)])
+
+
+def test_out_buffer_is_filled_in_place(table):
+    reader, _, data = table
+    out = np.zeros((3, RB), dtype=np.uint8)
+    got = reader.read_rows(np.array([10, 20, 30]), out=out)
+    assert got is out and np.array_equal(out, data[[10, 20, 30]])
+    with pytest.raises(InvalidArgument, match=r"shape \(3, 64\)"):
+        reader.read_rows(np.array([10, 20, 30]), out=np.zeros((3, RB + 1), dtype=np.uint8))
+
+
+def test_each_block_is_read_once_and_neighbours_coalesce(table):
+    reader, _, _ = table
+    before = reader.bytes_read
+    reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
+    assert reader.bytes_read - before == BR * RB
+    before = reader.bytes_read
+    reader.read_rows(np.arange(0, 70))  # blocks 0..9: one pread
+    assert reader.bytes_read - before == 10 * BR * RB
+
+
+def test_empty_request(table):
+    reader, _, _ = table
+    assert reader.read_rows(np.array([], dtype=np.int64)).shape == (0, RB)
+
+
+def test_ids_out_of_range_name_table_rows_and_id(table):
+    reader, _, _ = table
+    with pytest.raises(IdOutOfRange, match=r"table 't' has 1000 rows; id 1000 is out of range"):
+        reader.read_rows(np.array([1, 1000]))
+    with pytest.raises(IdOutOfRange, match="id -1 is out of range"):
+        reader.read_rows(np.array([-1]))
+    with pytest.raises(IdOutOfRange):
+        reader.read_rows(np.array([2 ** 64 - 1], dtype=np.uint64))
+    with pytest.raises(InvalidArgument, match="must be integers, got dtype float64"):
+        reader.read_rows(np.array([1.0, 2.0]))
+
+
+def test_read_range_and_blocks(table):
+    reader, _, data = table
+    for start, n in [(0, ROWS), (3, 500), (140, 140), (995, 5), (999, 1), (10, 0)]:
+        assert np.array_equal(reader.read_range(start, n), data[start:start + n])
+    with pytest.raises(InvalidArgument, match="out of range"):
+        reader.read_range(990, 11)
+    seen = np.concatenate([rows.copy() for _, rows in reader.iter_blocks(50)])
+    assert np.array_equal(seen, data)
+
+
+def test_small_read_groups(table, monkeypatch):
+    reader, _, data = table
+    monkeypatch.setattr(nvme, "GROUP_BYTES", 3 * BR * RB)
+    ids = np.random.default_rng(1).integers(0, ROWS, 400)
+    assert np.array_equal(reader.read_rows(ids), data[ids])
+    assert np.array_equal(reader.read_range(2, 990), data[2:992])
+
+
+def _flip(data_dir, tv, row, byte=5):
+    seg = row // tv.segment_rows
+    path = data_dir / tv.segments[seg]
+    raw = bytearray(path.read_bytes())
+    raw[(row % tv.segment_rows) * tv.row_bytes + byte] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_bit_is_never_served(table, data_dir):
+    reader, tv, data = table
+    _flip(data_dir, tv, 300)  # block 42
+    with pytest.raises(ChecksumError, match="table 't' version 1: checksum mismatch in block 42") as e:
+        reader.read_rows(np.array([0, 300]))
+    assert e.value.block == 42
+    with pytest.raises(ChecksumError):
+        reader.read_range(290, 20)
+    ok = np.array([0, 293, 301, 999])  # other blocks still serve
+    assert np.array_equal(reader.read_rows(ok), data[ok])
+    assert reader.verify() == [42]
+
+
+def test_truncated_and_missing_segments(table, data_dir):
+    reader, tv, _ = table
+    last = data_dir / tv.segments[-1]  # rows 980..999, blocks 140..142
+    last.write_bytes(last.read_bytes()[:RB * 8])  # keeps block 140 and 1 row of 141
+    assert reader.verify() == [141, 142]
+    with pytest.raises(ChecksumError, match="block 141.*truncated"):
+        reader.read_rows(np.array([990]))
+    (data_dir / tv.segments[0]).unlink()
+    with Catalog(data_dir, readonly=True) as cat:
+        fresh = SegmentReader(data_dir, tv, cat.checksums("t", 1))
+    with pytest.raises(ChecksumError, match="block 0.*missing"):
+        fresh.read_rows(np.array([0]))
+    assert fresh.verify() == list(range(20)) + [141, 142]
+    fresh.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, ROWS - 1), max_size=200))
+def test_read_rows_matches_numpy_gather(table, ids):
+    reader, _, data = table  # read-only, so sharing it across examples is sound
+    ids = np.array(ids, dtype=np.int64)
+    assert np.array_equal(reader.read_rows(ids), data[ids])

@@ -1,0 +1,325 @@
+"""The catalog: which tables exist, their immutable versions, and which is current.
+
+Layout of a data directory::
+
+    DATA/catalog/          LMDB environment (this module)
+    DATA/tables/T/vN/      segment files of version N of table T (immutable)
+    DATA/tmp/              versions being written; a crashed ingest leaves them here
+
+LMDB keeps three key spaces in its main database (named databases would need
+a write transaction to open, which a read-only sidecar must never take):
+``c/`` table -> current version, ``v/`` table, version -> manifest JSON and
+``k/`` table, version -> uint64 xxh3-64 per block. A new version becomes visible in one
+write transaction that moves its directory into place and flips the pointer, so
+readers see either the old version or the whole new one, never a mix.
+
+Opening read-only is safe while another process writes (the sidecar does that):
+each call reads in its own short read transaction and sees the latest commit.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
+
+__all__ = ["Catalog", "TableVersion", "validate_table_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# The map is sparse: LMDB only grows the file as pages are used. 1 TiB of
+# address space holds manifests and checksums for petabytes of rows.
+MAP_SIZE = 1 << 40
+LOCK_NAME = ".lock"
+
+
+def validate_table_name(name: str) -> str:
+    """Return `name` if it is a safe table name, else raise InvalidArgument.
+
+    Names become directory names, so they must match
+    ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`` (no ``/``, no leading dot).
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"invalid table name {name!r}: use 1-64 characters from [A-Za-z0-9_.-], starting with a letter or digit")
+    return name
+
+
+@dataclass(frozen=True)
+class TableVersion:
+    """Manifest of one immutable table version.
+
+    Rows are ``row_bytes`` bytes each, stored back to back; row i lives in
+    segment ``i // segment_rows`` at byte ``(i % segment_rows) * row_bytes``.
+    Checksums cover blocks of ``block_rows`` rows (the last block may be short).
+    """
+
+    table: str
+    version: int
+    rows: int
+    row_format: str
+    row_dim: int
+    row_bytes: int
+    block_rows: int
+    n_blocks: int
+    segments: tuple[str, ...]  # paths relative to the data directory
+    segment_rows: int
+    spec: dict | None
+    layer_id: int | None
+    created_at: float
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_rows * self.row_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["segments"] = list(self.segments)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableVersion":
+        d = dict(d)
+        d["segments"] = tuple(d["segments"])
+        return cls(**d)
+
+
+_CUR, _VER, _SUM = b"c/", b"v/", b"k/"
+
+
+def _vkey(space: bytes, table: str, version: int) -> bytes:
+    return space + table.encode() + b"\0" + struct.pack(">Q", version)
+
+
+# LMDB forbids opening one environment twice in a process (closing either
+# drops the other's locks), so Catalog objects share one handle per path.
+_ENVS: dict[str, list] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
+    key = str(path.resolve())
+    with _ENVS_LOCK:
+        if key in _ENVS:
+            _ENVS[key][1] += 1
+            return _ENVS[key][0]
+        if not (path / "data.mdb").exists():
+            if not create:
+                raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
+                               f"`tierstore ingest` or `tierstore demo-table`")
+            path.mkdir(parents=True, exist_ok=True)
+        env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True,
+                        readonly=not os.access(path, os.W_OK))
+        _ENVS[key] = [env, 1]
+        return env
+
+
+def _release_env(env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for key, entry in list(_ENVS.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _ENVS[key]
+                    env.close()
+                return
+
+
+class Catalog:
+    """Tables, versions and checksums of one data directory.
+
+    data_dir: the directory given as ``--data``; created when opened for writing.
+    readonly: open for reading only (never creates, never cleans up). Raises
+        NotFound when the directory holds no catalog.
+
+    Opening for writing removes leftovers of killed writers (staging
+    directories nobody holds a lock on, version directories never committed).
+    """
+
+    def __init__(self, data_dir, *, readonly: bool = False):
+        self.data_dir = Path(data_dir)
+        self.readonly = readonly
+        self._env = _acquire_env(self.data_dir / "catalog", create=not readonly)
+        if not readonly:
+            self.clean_leftovers()
+
+    # ---- reading -----------------------------------------------------------
+    def tables(self) -> list[str]:
+        """Names of all tables with a current version, sorted."""
+        with self._env.begin() as txn:
+            cur = txn.cursor()
+            out = []
+            if cur.set_range(_CUR):
+                for k in cur.iternext(values=False):
+                    if not k.startswith(_CUR):
+                        break
+                    out.append(k[len(_CUR):].decode())
+            return out
+
+    def current(self, table: str) -> TableVersion:
+        """Manifest of the current version of `table`; TableNotFound if none."""
+        validate_table_name(table)
+        with self._env.begin() as txn:
+            raw = txn.get(_CUR + table.encode())
+            if raw is None:
+                raise TableNotFound(f"no table {table!r} in {self.data_dir}; tables are {self.tables()}")
+            return self._manifest(txn, table, struct.unpack(">Q", raw)[0])
+
+    def get(self, table: str, version: int | None = None) -> TableVersion:
+        """Manifest of `version` (default: current); VersionNotFound if it does not exist."""
+        if version is None:
+            return self.current(table)
+        validate_table_name(table)
+        with self._env.begin() as txn:
+            return self._manifest(txn, table, int(version))
+
+    def versions(self, table: str) -> list[TableVersion]:
+        """Every committed version of `table`, oldest first; TableNotFound if none."""
+        validate_table_name(table)
+        prefix = _VER + table.encode() + b"\0"
+        out = []
+        with self._env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out.append(TableVersion.from_dict(json.loads(v)))
+        if not out:
+            raise TableNotFound(f"no table {table!r} in {self.data_dir}; tables are {self.tables()}")
+        return out
+
+    def checksums(self, table: str, version: int) -> np.ndarray:
+        """xxh3-64 of every block of a version, uint64 [n_blocks]."""
+        with self._env.begin() as txn:
+            raw = txn.get(_vkey(_SUM, table, version))
+            if raw is None:
+                self._manifest(txn, table, version)  # raises the useful error
+                raise VersionNotFound(f"table {table!r} version {version} has no checksums")
+            return np.frombuffer(raw, dtype="<u8").copy()
+
+    def _manifest(self, txn, table: str, version: int) -> TableVersion:
+        raw = txn.get(_vkey(_VER, table, version))
+        if raw is None:
+            known = [v.version for v in self.versions(table)]  # TableNotFound when no versions
+            raise VersionNotFound(f"table {table!r} has no version {version}; versions are {known}")
+        return TableVersion.from_dict(json.loads(raw))
+
+    # ---- writing -----------------------------------------------------------
+    def commit_version(self, table: str, staged: Path, fields: dict, checksums: np.ndarray) -> TableVersion:
+        """Move a fully written, fsynced staging directory into place as the next
+        version of `table` and make it current, in one write transaction."""
+        self._check_writable()
+        validate_table_name(table)
+        with self._env.begin(write=True) as txn:
+            last = self._last_version(txn, table)
+            version = last + 1
+            final = self.data_dir / "tables" / table / f"v{version}"
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():  # an uncommitted leftover under the same number
+                shutil.rmtree(final)
+            segs = sorted(p.name for p in staged.iterdir() if p.name.startswith("seg-"))
+            (staged / LOCK_NAME).unlink(missing_ok=True)
+            os.rename(staged, final)
+            _fsync_dir(final.parent)
+            tv = TableVersion(table=table, version=version, created_at=time.time(),
+                              segments=tuple(f"tables/{table}/v{version}/{s}" for s in segs), **fields)
+            txn.put(_vkey(_VER, table, version), json.dumps(tv.to_dict(), sort_keys=True).encode())
+            txn.put(_vkey(_SUM, table, version), np.ascontiguousarray(checksums, dtype="<u8").tobytes())
+            txn.put(_CUR + table.encode(), struct.pack(">Q", version))
+        return tv
+
+    def set_current(self, table: str, version: int) -> TableVersion:
+        """Make an existing version current (roll back or forward)."""
+        self._check_writable()
+        with self._env.begin(write=True) as txn:
+            tv = self._manifest(txn, table, int(version))
+            txn.put(_CUR + table.encode(), struct.pack(">Q", tv.version))
+        return tv
+
+    def _last_version(self, txn, table: str) -> int:
+        prefix = _VER + table.encode() + b"\0"
+        cur = txn.cursor()
+        # versions sort big-endian after the prefix: step back from just past the last one
+        found = cur.prev() if cur.set_range(prefix + b"\xff" * 8) else cur.last()
+        if found and cur.key().startswith(prefix):
+            return struct.unpack(">Q", cur.key()[len(prefix):])[0]
+        return 0
+
+    def clean_leftovers(self) -> list[Path]:
+        """Remove staging dirs of dead writers and version dirs never committed.
+
+        Runs inside a write transaction so it never races a committing writer.
+        """
+        self._check_writable()
+        removed = []
+        with self._env.begin(write=True) as txn:
+            for d in sorted((self.data_dir / "tmp").glob("*")):
+                if d.is_dir() and not _held(d / LOCK_NAME):
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(d)
+            for d in sorted((self.data_dir / "tables").glob("*/v*")):
+                m = re.fullmatch(r"v(\d+)", d.name)
+                if m and txn.get(_vkey(_VER, d.parent.name, int(m.group(1)))) is None:
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(d)
+        return removed
+
+    def _check_writable(self) -> None:
+        if self.readonly:
+            raise InvalidArgument(f"catalog in {self.data_dir} was opened read-only")
+
+    def close(self) -> None:
+        if self._env is not None:
+            _release_env(self._env)
+            self._env = None
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _held(lock_path: Path) -> bool:
+    """True when a live writer holds the staging directory's lock."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,83 @@
+"""The small interface every tier shares: fixed-size rows addressed by id.
+
+A tier overrides only what it does better than the defaults here: `read_rows`
+is the one method a tier must provide; `read_row`, `contains` and id checking
+work on top of it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tierstore.errors import IdOutOfRange, InvalidArgument
+
+__all__ = ["Tier", "check_ids", "check_out"]
+
+
+def check_ids(ids, rows: int, table: str) -> np.ndarray:
+    """Validate row ids and return them as a flat int64 array.
+
+    Raises InvalidArgument for non-integer ids and IdOutOfRange (naming the
+    table, its row count and the first bad id) for ids outside [0, rows).
+    """
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        if ids.size == 0 and ids.dtype.kind == "f":  # np.asarray([]) is float64
+            return np.zeros(0, dtype=np.int64)
+        raise InvalidArgument(f"row ids for table {table!r} must be integers, got dtype {ids.dtype}")
+    if ids.dtype.kind == "u" and ids.size and ids.max() > np.iinfo(np.int64).max:
+        bad = int(ids.max())
+        raise IdOutOfRange(f"table {table!r} has {rows} rows; id {bad} is out of range")
+    flat = ids.reshape(-1).astype(np.int64, copy=False)
+    if flat.size:
+        bad_mask = (flat < 0) | (flat >= rows)
+        if bad_mask.any():
+            bad = int(flat[np.argmax(bad_mask)])
+            raise IdOutOfRange(f"table {table!r} has {rows} rows; id {bad} is out of range")
+    return flat
+
+
+def check_out(out, n: int, row_bytes: int) -> np.ndarray:
+    """Allocate or validate a caller's output buffer: C-contiguous uint8 [n, row_bytes]."""
+    if out is None:
+        return np.empty((n, row_bytes), dtype=np.uint8)
+    if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, row_bytes) \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        shape = getattr(out, "shape", None)
+        dtype = getattr(out, "dtype", type(out).__name__)
+        raise InvalidArgument(f"out must be a writable C-contiguous uint8 array of shape ({n}, {row_bytes}), "
+                              f"got {dtype} {shape}")
+    return out
+
+
+class Tier:
+    """Rows of one table version held by one tier.
+
+    Attributes: `table` (name, for messages), `rows` (row count), `row_bytes`.
+    """
+
+    table: str = "?"
+    rows: int = 0
+    row_bytes: int = 0
+
+    def read_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `ids` (any integer array) as uint8 [len(ids), row_bytes], in the
+        order given; written into `out` when given. Raises IdOutOfRange."""
+        raise NotImplementedError
+
+    def read_row(self, row_id: int) -> np.ndarray:
+        """One row as uint8 [row_bytes]."""
+        return self.read_rows(np.array([row_id], dtype=np.int64))[0]
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """bool [len(ids)]: which rows this tier can serve without going elsewhere.
+        A tier holding the whole table answers True for every valid id."""
+        return np.ones(check_ids(ids, self.rows, self.table).shape, dtype=bool)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
