@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from tierstore.errors import InvalidArgument, NotFound, TierstoreError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("tierstore.commands.hash", "hash token ids to Engram row ids (JSON)"),
     "tokenizer-map": ("tierstore.commands.tokenizer_map", "build the tokenizer compression map from tokenizer.json"),
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except TierstoreError as e:
+        # bad input (2) vs a fault of the data or the machine (1)
+        print(f"tierstore {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, (InvalidArgument, NotFound)) else 1
     except (ValueError, KeyError, FileNotFoundError, PermissionError) as e:
         # typed errors carry the fix; no traceback for a user's mistake
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

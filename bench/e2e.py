@@ -1,0 +1,168 @@
+"""End to end: the demo model with Engram served by the sidecar vs the table in process.
+
+The same model (weights from a seed) runs over the same tokens with two
+RowSources: a LocalTable holding the rows read from disk, and the sidecar
+Client. Outputs must be bit-identical (same rows, same kernels); tokens/s are
+measured in interleaved rounds so machine noise hits both alike.
+
+Variants: `sidecar` serves a full-resident arena (slot == id: no Plan RPC at
+all, rows read straight from shared memory); `sidecar-cache` serves from a
+cache-mode arena (DRAM budget below the table), planning at model entry (the
+attach hook) and collecting at the Engram block, so the Plan RPC and any NVMe
+promotion overlap the first blocks; `sidecar-cache-no-overlap` waits for each
+plan before the model goes on (what a naive integration does).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierstore.catalog import Catalog
+from tierstore.client.spec import EngramSpec
+from tierstore.tiers.nvme import SegmentReader
+
+
+def spec_from_catalog(data_dir) -> EngramSpec:
+    """The EngramSpec stored with the data directory's tables (all layers must agree)."""
+    with Catalog(data_dir, readonly=True) as cat:
+        specs = {t: cat.current(t).spec for t in cat.tables()}
+    found = {repr(sorted(s.items())) for s in specs.values() if s}
+    if len(found) != 1:
+        raise ValueError(f"tables in {data_dir} carry {len(found)} different Engram specs; "
+                         f"create them with one `tierstore demo-table` run")
+    return EngramSpec.from_dict(next(s for s in specs.values() if s))
+
+
+def local_source(data_dir, spec: EngramSpec):
+    """A LocalTable holding every layer's rows exactly as stored on disk (verified on read)."""
+    from tierstore.client.local import LocalTable
+
+    src = LocalTable(spec)
+    with Catalog(data_dir, readonly=True) as cat:
+        for layer in spec.layer_ids:
+            v = cat.current(spec.table_name(layer))
+            reader = SegmentReader(data_dir, v, cat.checksums(v.table, v.version))
+            try:
+                src.add(v.table, reader.read_range(0, v.rows), version=v.version)
+            finally:
+                reader.close()
+    return src
+
+
+class BlockingSource:
+    """Wraps a RowSource so each plan completes before the caller goes on (no overlap)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def plan(self, table, ids):
+        handle = self.source.plan(table, ids)
+        handle.slots()
+        return handle
+
+    def table_info(self, table):
+        return self.source.table_info(table)
+
+
+def _tokens(spec, vocab, batch, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Zipf-ish tokens, as text: many repeats, so dedupe and caches have work to do
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = ranks ** -1.1
+    return torch.multinomial(probs / probs.sum(), batch * seq, replacement=True, generator=g).reshape(batch, seq)
+
+
+def _sidecar_stats(client) -> dict:
+    out = {}
+    for t in client.stats()["tables"]:
+        hits, misses = int(t["hits"]), int(t["misses"])
+        out[t["table"]] = dict(mode=t["mode"], hits=hits, misses=misses,
+                               hit_ratio=hits / max(1, hits + misses))
+    return out
+
+
+@torch.no_grad()
+def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8, rounds: int = 3,
+            seed: int = 0, cache_budget_fraction: float | None = 0.25, threads: int | None = None,
+            log=print) -> dict:
+    """Run the comparison; returns a dict of results (tokens/s, ratios, equality, hit ratios)."""
+    from tierstore.client.demo_model import EngramDemoModel
+    from tierstore.client.sidecar import Client
+    from tierstore.launcher import SidecarProcess
+
+    if threads:
+        torch.set_num_threads(threads)
+    data_dir = Path(data_dir)
+    spec = spec_from_catalog(data_dir)
+    table_bytes = sum(spec.rows(l) * spec.row_bytes for l in spec.layer_ids)
+    local = local_source(data_dir, spec)
+    model = EngramDemoModel(spec, local, seed=seed).eval()
+    ids = _tokens(spec, model.vocab_size, batch, seq, seed)
+
+    def forward_and_decode():
+        cache = model.new_cache()
+        logits = model(ids, cache)
+        nxt = logits[:, -1].argmax(-1)
+        steps = [logits]
+        for _ in range(decode_tokens):
+            step = model.decode_step(nxt, cache)
+            steps.append(step[:, None])
+            nxt = step.argmax(-1)
+        return steps
+
+    sidecars = {"sidecar": dict(budget=f"{int(table_bytes * 1.5) + (64 << 20)}")}
+    if cache_budget_fraction:
+        sidecars["sidecar-cache"] = dict(budget=str(max(1 << 20, int(table_bytes * cache_budget_fraction))))
+    procs, clients = {}, {}
+    try:
+        for name, cfg in sidecars.items():
+            procs[name] = SidecarProcess(data_dir, dram_budget=cfg["budget"]).start()
+            clients[name] = Client(procs[name].socket, client_name="e2e")
+        sources = {"in-process": local, "sidecar": clients["sidecar"]}
+        if "sidecar-cache" in clients:
+            sources["sidecar-cache"] = clients["sidecar-cache"]
+            sources["sidecar-cache-no-overlap"] = BlockingSource(clients["sidecar-cache"])
+
+        reference = None
+        exact = {}
+        times = {name: [] for name in sources}
+        for r in range(rounds + 1):  # round 0 is the warm-up
+            for name, src in sources.items():
+                model.set_source(src)
+                t0 = time.perf_counter()
+                outs = forward_and_decode()
+                dt = time.perf_counter() - t0
+                if r == 0:
+                    if reference is None:
+                        reference = outs
+                    exact[name] = all(torch.equal(a, b) for a, b in zip(reference, outs))
+                else:
+                    times[name].append(dt)
+        tokens = batch * (seq + decode_tokens)
+        med = {n: float(np.median(t)) for n, t in times.items()}
+        res = {
+            "batch": batch, "seq": seq, "decode_tokens": decode_tokens, "rounds": rounds, "seed": seed,
+            "table_bytes": table_bytes, "spec": spec.name,
+            "tokens_per_s": {n: tokens / med[n] for n in med},
+            "ratio_to_in_process": {n: med["in-process"] / med[n] for n in med},
+            "penalty_pct": {n: 100.0 * (med[n] / med["in-process"] - 1.0) for n in med},
+            "bit_exact": exact,
+            "sidecar_tiers": {n: _sidecar_stats(c) for n, c in clients.items()},
+        }
+        return res
+    finally:
+        model.set_source(local)
+        for c in clients.values():
+            c.close()
+        for p in procs.values():
+            p.cleanup()
+
+
+def summary(res: dict) -> str:
+    tps, pen = res["tokens_per_s"], res["penalty_pct"]
+    parts = [f"{n} {tps[n]:.0f} tok/s ({pen[n]:+.1f}%)" for n in tps]
+    exact = "bit-exact" if all(res["bit_exact"].values()) else f"NOT exact: {res['bit_exact']}"
+    return "e2e: " + ", ".join(parts) + f"; outputs {exact}"
