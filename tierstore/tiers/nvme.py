@@ -85,35 +85,41 @@ class SegmentReader(Tier):
         seg = blocks // self._blocks_per_seg
         brk = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(seg) != 0)) + 1
         starts = np.concatenate([[0], brk])
-        ends = np.concatenate([brk, [len(blocks)]])
         lens = self._block_len(blocks)
+        ends_b = np.cumsum(lens)
+        # per-run arithmetic in numpy, so the loop below is one syscall per run and nothing else
+        run_bytes = np.add.reduceat(lens, starts)
+        run_buf = starts * self._block_bytes
+        run_seg = seg[starts]
+        run_off = (blocks[starts] - run_seg * self._blocks_per_seg) * self._block_bytes
         total = 0
-        for a, b in zip(starts.tolist(), ends.tolist()):  # one iteration per coalesced run
-            first = int(blocks[a])
-            s = int(seg[a])
-            nbytes = int(lens[a:b].sum())
-            view = buf[a * self._block_bytes: a * self._block_bytes + nbytes]
-            fd = self._fds[s]
+        fds = self._fds
+        for j, (s, off, pos, nbytes) in enumerate(zip(run_seg.tolist(), run_off.tolist(), run_buf.tolist(),
+                                                     run_bytes.tolist())):
+            fd = fds[s]
             got = 0
             if fd is not None:
-                off = (first - s * self._blocks_per_seg) * self._block_bytes
-                while got < nbytes:
+                view = buf[pos:pos + nbytes]
+                got = os.preadv(fd, [view], off)
+                while 0 < got < nbytes:  # short read: the file ends, or a signal
                     n = os.preadv(fd, [view[got:]], off + got)
                     if n == 0:
                         break
                     got += n
             total += got
             if got < nbytes:
-                bad = first + got // self._block_bytes
+                bad = int(blocks[starts[j]]) + got // self._block_bytes
                 what = "missing" if fd is None else "truncated"
                 raise ChecksumError(self.table, self.version.version, bad,
                                     f"segment {self.version.segments[s]} is {what}")
         with self._lock:
             self.bytes_read += total
-        for j, (blk, n) in enumerate(zip(blocks.tolist(), lens.tolist())):
-            off = j * self._block_bytes
-            if xxhash.xxh3_64_intdigest(buf[off:off + n]) != int(self.checksums[blk]):
-                raise ChecksumError(self.table, self.version.version, blk)
+        expect = self.checksums[blocks].tolist()
+        h = xxhash.xxh3_64_intdigest
+        bb = self._block_bytes
+        for j, (e, n) in enumerate(zip(expect, lens.tolist())):
+            if h(buf[j * bb:j * bb + n]) != e:
+                raise ChecksumError(self.table, self.version.version, int(blocks[j]))
 
     def _group_blocks(self) -> int:
         return max(1, GROUP_BYTES // self._block_bytes)

@@ -1,0 +1,318 @@
+"""`tierstore bench cold`: a table 4x larger than the DRAM budget, served from
+the NVMe tier through the DRAM cache, against the all-DRAM case and a
+memory-mapped file.
+
+Competitors (same ids, same table, interleaved rounds, medians):
+  dram            full-resident sidecar (the whole table in the arena)
+  tierstore-cold  sidecar with a DRAM budget of 1/4 of the table (cache mode)
+  mmap-cold       np.memmap of the segment files (MADV_RANDOM) in a child process
+
+Fair memory: when a memory cgroup can be made (v2 memory.max, else v1
+memory.limit_in_bytes), mmap-cold runs in one capped at budget + slack, and the
+cache-mode sidecar is moved into one capped at slack once its arena (= budget)
+is allocated, so both hold about the same DRAM and the rest comes from disk.
+Without a cgroup the page cache is unbounded and the results say so.
+
+Before each competitor's cold-start pass the segment files are dropped from
+the page cache (posix_fadvise DONTNEED); that pass is reported on its own,
+then every competitor gets a warm-up pass and the timed rounds (steady state).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.bench.lookup import _Arena, check_same_rows, run_rounds, summarize
+
+__all__ = ["run_cold_bench", "MemoryCgroup", "drop_page_cache"]
+
+UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
+         "ratio_vs_dram": "x (rows/s over the all-DRAM sidecar's, median of per-round ratios)",
+         "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena", "bytes": "bytes"}
+
+
+def drop_page_cache(paths) -> str:
+    """Evict `paths` from the page cache; returns how ('posix_fadvise(DONTNEED)')."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "posix_fadvise(POSIX_FADV_DONTNEED) on the segment files"
+
+
+class MemoryCgroup:
+    """A child memory cgroup capped at `limit` bytes, or `.error` saying why not."""
+
+    _n = 0
+
+    def __init__(self, limit: int):
+        self.limit, self.path, self.kind, self.error = int(limit), None, None, None
+        MemoryCgroup._n += 1
+        name = f"tierstore-bench-{os.getpid()}-{MemoryCgroup._n}"
+        tried = []
+        for kind, base, limit_file in self._candidates():
+            d = base / name
+            try:
+                d.mkdir()
+                (d / limit_file).write_text(str(self.limit))
+                self.path, self.kind = d, kind
+                return
+            except OSError as e:
+                tried.append(f"{kind} at {base}: {e.strerror or e}")
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+        self.error = "no memory cgroup could be made (" + ("; ".join(tried) or "no cgroup filesystem found") + ")"
+
+    @staticmethod
+    def _candidates():
+        root = Path("/sys/fs/cgroup")
+        for v2 in (root, root / "unified"):
+            try:
+                if "memory" in (v2 / "cgroup.controllers").read_text().split():
+                    own = _own_cgroup("")
+                    yield "v2", v2 / own.lstrip("/") if own else v2, "memory.max"
+            except OSError:
+                pass
+        own = _own_cgroup("memory")
+        if (root / "memory").is_dir() and own is not None:
+            yield "v1", root / "memory" / own.lstrip("/"), "memory.limit_in_bytes"
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def peak(self) -> int | None:
+        for f in ("memory.peak", "memory.max_usage_in_bytes"):
+            try:
+                return int((self.path / f).read_text())
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def close(self) -> None:
+        if self.path is not None:
+            for _ in range(50):  # processes leave the cgroup asynchronously after exit
+                try:
+                    self.path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.05)
+
+
+def _own_cgroup(controller: str) -> str | None:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if (controller == "" and ctrls == "") or controller in ctrls.split(","):
+                return path
+    except OSError:
+        pass
+    return None
+
+
+def _mmap_worker(conn, paths, seg_rows, row_bytes, batches):
+    import mmap as _mmap
+
+    maps = []
+    for p in paths:
+        m = np.memmap(p, dtype=np.uint8, mode="r").reshape(-1, row_bytes)
+        m._mmap.madvise(_mmap.MADV_RANDOM)  # random gathers: no readaround
+        maps.append(m)
+
+    def get(ids):
+        if len(maps) == 1:
+            return maps[0][ids]
+        out = np.empty((ids.size, row_bytes), dtype=np.uint8)
+        seg = ids // seg_rows
+        for s in np.unique(seg).tolist():
+            sel = seg == s
+            out[sel] = maps[s][ids[sel] - s * seg_rows]
+        return out
+
+    conn.send("ready")
+    while True:
+        op, i = conn.recv()
+        if op == "stop":
+            break
+        rows = get(batches[i])
+        conn.send(rows.tobytes() if op == "rows" else rows.shape[0])
+
+
+class _MmapChild:
+    def __init__(self, data_dir, version, batches):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        paths = [str(Path(data_dir) / s) for s in version.segments]
+        self.proc = ctx.Process(target=_mmap_worker, args=(child, paths, version.segment_rows, version.row_bytes,
+                                                           batches), daemon=True)
+        self.proc.start()
+        child.close()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("mmap baseline process did not start")
+        self.index = {id(b): i for i, b in enumerate(batches)}
+        self.row_bytes = version.row_bytes
+
+    def get(self, ids):
+        self.conn.send(("get", self.index[id(ids)]))
+        return self.conn.recv()
+
+    def rows(self, ids):
+        self.conn.send(("rows", self.index[id(ids)]))
+        return np.frombuffer(self.conn.recv(), dtype=np.uint8).reshape(-1, self.row_bytes)
+
+    def close(self):
+        try:
+            self.conn.send(("stop", 0))
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0, progress=False):
+    """A random table of about `table_bytes` in `cache_dir`, written once and reused."""
+    from tierstore.catalog import Catalog
+    from tierstore.ingest import write_version
+
+    rows = max(1024, table_bytes // row_bytes)
+    name = "cold"
+    try:
+        with Catalog(cache_dir, readonly=True) as cat:
+            v = cat.current(name)
+            if v.rows == rows and v.row_bytes == row_bytes and v.source == f"bench-cold seed={seed}":
+                return v
+    except (KeyError, FileNotFoundError):
+        pass
+    rng = np.random.default_rng(seed)
+    step = (16 << 20) // row_bytes
+    chunks = (rng.integers(0, 256, size=(min(step, rows - a), row_bytes), dtype=np.uint8)
+              for a in range(0, rows, step))
+    return write_version(cache_dir, name, chunks, rows=rows, row_format="fp32", row_dim=row_bytes // 4,
+                         source=f"bench-cold seed={seed}", progress=progress)
+
+
+def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
+                   batch: int = 4096, dist: str = "zipf1.0", quick: bool = False, seed: int = 0,
+                   rounds: int | None = None, rows_per_pass: int | None = None, slack_bytes: int = 32 << 20,
+                   progress: bool = True, log=print) -> dict:
+    """Run the cold-tier scenario on a random table of `table_bytes` (default
+    768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once).
+
+    data_dir is unused (the scenario needs a table of a chosen size) and kept
+    for a uniform signature. Returns the scenario dict for results.json.
+    """
+    from tqdm import tqdm
+
+    from tierstore.bench.workload import make_batches
+    from tierstore.client.sidecar import Client
+    from tierstore.launcher import SidecarProcess
+
+    table_bytes = table_bytes or ((160 if quick else 768) << 20)
+    rounds = rounds or (3 if quick else 5)
+    rows_per_pass = rows_per_pass or (16384 if quick else 65536)
+    cache_dir = Path(out_dir) / "baselines" / "cold-data"
+    log(f"cold: table of {table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
+    version = cold_table(cache_dir, table_bytes, seed=seed, progress=progress)
+    budget = int(version.nbytes * budget_fraction)
+    seg_paths = [cache_dir / s for s in version.segments]
+    calls = max(3, rows_per_pass // batch)
+    # fresh ids every pass (cold start, warm-up, each round): a cold tier must see the distribution's tail
+    stream = make_batches(dist, version.rows, batch, calls * (rounds + 2), seed)
+    passes = [stream[i * calls:(i + 1) * calls] for i in range(rounds + 2)]
+    ids = passes[0]
+    closers, memory = [], {}
+    try:
+        full = SidecarProcess(cache_dir, dram_budget=int(version.nbytes * 1.02) + (8 << 20)).start()
+        closers.append(full.cleanup)
+        dram = Client(full.socket)
+        closers.append(dram.close)
+        cold = SidecarProcess(cache_dir, dram_budget=budget).start()
+        closers.append(cold.cleanup)
+        cclient = Client(cold.socket)
+        closers.append(cclient.close)
+        cap = int(cclient.tables()[0]["arena_slots"])
+        child = _MmapChild(cache_dir, version, stream)
+        closers.append(child.close)
+        cg_side, cg_mmap = MemoryCgroup(slack_bytes), MemoryCgroup(budget + slack_bytes)
+        closers[:0] = [cg_side.close, cg_mmap.close]  # removed last, once their processes are gone
+        if cg_side.error is None and cg_mmap.error is None:
+            cg_side.add(cold.proc.pid)
+            cg_mmap.add(child.proc.pid)
+            memory = {"cgroup": cg_side.kind, "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes}",
+                      "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
+                      "note": "page cache is shared: pages one cgroup holds are hits for the other too"}
+        else:
+            memory = {"cgroup": None, "reason": cg_side.error or cg_mmap.error,
+                      "note": "page cache unbounded: after warm-up mmap-cold and tierstore misses are served "
+                              "from DRAM page cache, not disk"}
+        fns = {"dram": _Arena(dram, "cold").get, "tierstore-cold": _Arena(cclient, "cold", piece=max(1, cap // 2)).get,
+               "mmap-cold": child.get}
+        # cold start: page cache dropped before each competitor's first pass
+        cold_start, how = {}, None
+        for name in ("tierstore-cold", "mmap-cold"):
+            how = drop_page_cache(seg_paths)
+            lat = []
+            t0 = time.perf_counter()
+            for b in ids:
+                t = time.perf_counter()
+                fns[name](b)
+                lat.append(time.perf_counter() - t)
+            dt = time.perf_counter() - t0
+            lat_ms = np.asarray(lat) * 1e3
+            cold_start[name] = {"rows_per_s": len(ids) * batch / dt, "p50_ms": float(np.percentile(lat_ms, 50)),
+                                "p99_ms": float(np.percentile(lat_ms, 99))}
+        # checked after the cold starts: a mapped page survives DONTNEED, so checking first would warm mmap
+        table_rows = dram.handle("cold").arena_np  # full-resident arena == the table, verified on load
+        for name, fn in [("dram", fns["dram"]), ("tierstore-cold", fns["tierstore-cold"]), ("mmap-cold", child.rows)]:
+            check_same_rows(name, np.asarray(fn(ids[0])), table_rows[ids[0]])
+        s0 = cclient.stats()["tables"][0]
+        with tqdm(total=rounds, desc=f"cold {dist} b={batch}", unit="round", disable=not progress, leave=False) as bar:
+            timings = run_rounds(fns, passes[1], rounds, progress=bar.update, round_batches=passes[2:])
+        s1 = cclient.stats()["tables"][0]
+        comps = summarize(timings, len(ids) * batch, ref="dram")
+        for d in comps.values():
+            d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
+        h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
+        comps["tierstore-cold"]["hit_ratio"] = h / (h + m) if h + m else None
+        comps["tierstore-cold"]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
+        if cg_side.error is None and cg_mmap.error is None:
+            memory["tierstore_cold_cgroup_peak_bytes"] = cg_side.peak()
+            memory["mmap_cold_cgroup_peak_bytes"] = cg_mmap.peak()
+        if cold.proc.poll() is not None:
+            raise RuntimeError(f"the cache-mode sidecar died (killed by its {slack_bytes >> 20} MiB memory cgroup?); "
+                               f"rerun with a larger slack:\n{cold.log()}")
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - clean up the rest regardless
+                pass
+    result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
+              "dram_budget_bytes": budget, "arena_slots": cap, "dist": dist, "batch": batch,
+              "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
+              "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps}
+    log(cold_line(result))
+    return result
+
+
+def cold_line(r: dict) -> str:
+    c = r["competitors"]
+    hit = c["tierstore-cold"].get("hit_ratio")
+    cg = (r.get("memory_limits") or {}).get("cgroup")
+    return (f"cold {r['dist']} b={r['batch']} table {r['table_bytes'] / 2**20:.0f} MiB, budget "
+            f"{r['dram_budget_bytes'] / 2**20:.0f} MiB ({'cgroup ' + cg if cg else 'no cgroup'}): "
+            f"tierstore-cold {c['tierstore-cold']['ratio_vs_dram']:.3g}x dram (hit {hit if hit is None else round(hit, 2)}, "
+            f"p99 {c['tierstore-cold']['p99_ms']:.2f} vs {c['dram']['p99_ms']:.2f} ms), "
+            f"mmap-cold {c['mmap-cold']['ratio_vs_dram']:.3g}x (p99 {c['mmap-cold']['p99_ms']:.2f} ms); "
+            f"cold start {r['cold_start']['tierstore-cold']['rows_per_s'] / 1e3:.0f}k vs "
+            f"{r['cold_start']['mmap-cold']['rows_per_s'] / 1e3:.0f}k rows/s")

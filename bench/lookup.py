@@ -1,0 +1,257 @@
+"""`tierstore bench lookup`: rows/s and batch latency of every way to read rows.
+
+Competitors, all reading the same table and the same id batches:
+  ceiling      in-process numpy gather (bench/baselines.py)
+  arena        tierstore, full-resident sidecar: plan() + gather from the mapped arena
+  arena-cache  tierstore, sidecar with a DRAM budget of 10% of the table (cache
+               mode: Plan RPC, misses promoted from the segment files)
+  inline       tierstore Lookup RPC, rows inside the gRPC reply
+  mmap, lmdb, redis   the baselines of bench/baselines.py
+
+The machine is shared and noisy, so competitors are interleaved: every round
+runs one pass of each (the order rotates every round) and figures are medians
+over rounds; ratios are taken per round against the ceiling's pass in the same
+round, then the median. Every competitor's rows are checked byte for byte
+against the ceiling on the first batch of every cell before anything is timed.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tierstore.errors import TierstoreError
+
+__all__ = ["run_lookup_bench", "run_rounds", "check_same_rows", "summarize", "WrongRows", "UNITS"]
+
+UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
+         "ratio_vs_ceiling": "x (rows/s over the in-process ceiling's rows/s, median of per-round ratios)",
+         "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena",
+         "latency_quantiles_ms": "ms per batch at percentiles 0..100", "bytes": "bytes"}
+QUANTILES = np.linspace(0, 100, 101)
+
+
+class WrongRows(TierstoreError):
+    """A competitor returned bytes that differ from the table: its numbers would be meaningless."""
+
+
+def check_same_rows(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    if got.shape != want.shape or not np.array_equal(got, want):
+        bad = "shape" if got.shape != want.shape else f"{int((got != want).any(axis=1).sum())} rows differ"
+        raise WrongRows(f"benchmark competitor {name!r} returned wrong rows ({bad}: got {got.shape}, "
+                        f"want {want.shape}); its figures would be meaningless, fix it before benchmarking")
+
+
+def run_rounds(fns: dict[str, Callable], batches: list, rounds: int, progress=None,
+               before_pass: Callable | None = None, round_batches: list | None = None) -> dict[str, dict]:
+    """One untimed warm-up pass of each competitor over `batches`, then `rounds`
+    timed rounds of one pass each, order rotated per round; round r reads
+    `round_batches[r]` when given (fresh ids), else `batches` again.
+    Returns {name: {pass_s, lat_s}}."""
+    names = list(fns)
+    for name in names:  # warm-up: page faults, connections, caches, lazy imports
+        for b in batches:
+            fns[name](b)
+    out = {n: {"pass_s": [], "lat_s": []} for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        order = names[k:] + names[:k]
+        for name in order:
+            if before_pass is not None:
+                before_pass(name)
+            fn, lat = fns[name], out[name]["lat_s"]
+            t0 = time.perf_counter()
+            for b in (round_batches[r] if round_batches is not None else batches):
+                t = time.perf_counter()
+                fn(b)
+                lat.append(time.perf_counter() - t)
+            out[name]["pass_s"].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(1)
+    return out
+
+
+def summarize(timings: dict[str, dict], rows_per_pass: int, ref: str = "ceiling") -> dict[str, dict]:
+    res = {}
+    for name, t in timings.items():
+        passes, lat = np.asarray(t["pass_s"]), np.asarray(t["lat_s"]) * 1e3
+        d = {"rows_per_s": float(rows_per_pass / np.median(passes)), "p50_ms": float(np.percentile(lat, 50)),
+             "p99_ms": float(np.percentile(lat, 99)),
+             "latency_quantiles_ms": np.percentile(lat, QUANTILES).round(5).tolist(), "passes": len(passes)}
+        if ref in timings:
+            d["ratio_vs_ceiling"] = float(np.median(np.asarray(timings[ref]["pass_s"]) / passes))
+        res[name] = d
+    return res
+
+
+class _Arena:
+    """plan() + gather from the mapped arena; in cache mode a batch is planned in
+    pieces of at most half the arena (one step may not need more rows than fit)."""
+
+    def __init__(self, client, table: str, piece: int | None = None):
+        self.client, self.table, self.piece = client, table, piece
+
+    def get(self, ids):
+        if self.piece is None or ids.size <= self.piece:
+            with self.client.plan(self.table, ids) as step:
+                return step.rows()
+        out = np.empty((ids.size, self.client.handle(self.table).row_bytes), dtype=np.uint8)
+        for a in range(0, ids.size, self.piece):
+            with self.client.plan(self.table, ids[a:a + self.piece]) as step:
+                out[a:a + self.piece] = step.rows()
+        return out
+
+
+class _Inline:
+    def __init__(self, client, table: str, row_bytes: int):
+        from tierstore.config import MAX_RESPONSE_BYTES
+
+        self.client, self.table = client, table
+        self.piece = max(1, (MAX_RESPONSE_BYTES - (1 << 20)) // row_bytes)
+
+    def get(self, ids):
+        if ids.size <= self.piece:
+            return self.client.lookup(self.table, ids, inline=True)
+        return np.concatenate([self.client.lookup(self.table, ids[a:a + self.piece], inline=True)
+                               for a in range(0, ids.size, self.piece)])
+
+
+def _table_stats(client, table: str) -> dict:
+    for t in client.stats().get("tables", []):
+        if t.get("table") == table:
+            return t
+    return {}
+
+
+def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(256, 4096, 32768, 65536),
+                     dists=("zipf0.8", "zipf1.0", "zipf1.2", "uniform"), quick: bool = False, seed: int = 0,
+                     rounds: int | None = None, rows_per_pass: int | None = None, cache_fraction: float = 0.10,
+                     competitors: tuple[str, ...] | None = None, progress: bool = True, log=print) -> dict:
+    """Run the lookup scenario on `table` (default: the first table) of `data_dir`.
+
+    out_dir: where LMDB's copy of the table is built once (OUT/baselines).
+    rounds / rows_per_pass: timed rounds per cell and ids per pass (defaults
+        5 / 131072, quick 3 / 32768); each pass has at least 3 batches.
+    Raises WrongRows when any competitor returns bytes that differ from the table.
+    Returns the scenario dict written to results.json.
+    """
+    from tqdm import tqdm
+
+    from tierstore.bench import baselines as bl
+    from tierstore.catalog import Catalog
+    from tierstore.client.sidecar import Client
+    from tierstore.launcher import SidecarProcess
+
+    rounds = rounds or (3 if quick else 5)
+    rows_per_pass = rows_per_pass or (32768 if quick else 131072)
+    with Catalog(data_dir, readonly=True) as cat:
+        names = cat.tables()
+        table = table or names[0]
+        version = cat.current(table)
+        total_bytes = sum(cat.current(t).nbytes for t in names)
+    want = set(competitors or ("ceiling", "arena", "arena-cache", "inline", "mmap", "lmdb", "redis"))
+    want.add("ceiling")
+    skipped: dict[str, str] = {}
+    closers: list = []
+    fns: dict[str, Callable] = {}
+    meta: dict = {}
+    bar_opts = dict(file=None, disable=not progress, leave=False)
+    try:
+        log(f"lookup: table {table!r} v{version.version}: {version.rows:,} rows x {version.row_bytes} B "
+            f"({version.nbytes / 2**20:.1f} MiB)")
+        table_np = bl.load_table(data_dir, version)
+        fns["ceiling"] = bl.InProcessTable(table_np).get
+        if "arena" in want or "inline" in want:
+            full = SidecarProcess(data_dir, dram_budget=int(total_bytes * 1.02) + (8 << 20)).start()
+            closers.append(full.cleanup)
+            client = Client(full.socket)
+            closers.append(client.close)
+            if "arena" in want:
+                fns["arena"] = _Arena(client, table).get
+            if "inline" in want:
+                fns["inline"] = _Inline(client, table, version.row_bytes).get
+        if "arena-cache" in want:
+            budget = max(int(total_bytes * cache_fraction), 1 << 16)
+            cached = SidecarProcess(data_dir, dram_budget=budget).start()
+            closers.append(cached.cleanup)
+            cclient = Client(cached.socket)
+            closers.append(cclient.close)
+            info = next(t for t in cclient.tables() if t["table"] == table)
+            cap = int(info["arena_slots"])
+            meta["arena_cache"] = {"dram_budget_bytes": budget, "arena_slots": cap,
+                                   "fraction_of_table": cap / version.rows, "plan_piece_ids": max(1, cap // 2)}
+            fns["arena-cache"] = _Arena(cclient, table, piece=max(1, cap // 2)).get
+        if "mmap" in want:
+            mm = bl.MmapTable(data_dir, version)
+            closers.append(mm.close)
+            fns["mmap"] = mm.get
+        if "lmdb" in want:
+            with tqdm(total=version.rows, desc="build lmdb baseline", unit="row", **bar_opts) as b:
+                db = bl.LmdbTable(Path(out_dir) / "baselines", version, table_np, progress=b.update)
+            closers.append(db.close)
+            fns["lmdb"] = db.get
+        if "redis" in want:
+            why = bl.redis_available()
+            if why is None:
+                try:
+                    with tqdm(total=version.rows, desc="load redis baseline", unit="row", **bar_opts) as b:
+                        rd = bl.RedisTable(table_np, progress=b.update)
+                    closers.append(rd.close)
+                    fns["redis"] = rd.get
+                except RuntimeError as e:
+                    why = str(e)
+            if why is not None:
+                skipped["redis"] = why
+                log(f"lookup: redis skipped: {why}")
+        cells = []
+        total = len(dists) * len(batches) * rounds
+        with tqdm(total=total, desc="lookup", unit="round", **bar_opts) as bar:
+            for dist in dists:
+                for batch in batches:
+                    calls = max(3, rows_per_pass // batch)
+                    ids = _batches(dist, version.rows, batch, calls, seed)
+                    want_rows = table_np[ids[0]]
+                    for name, fn in fns.items():
+                        check_same_rows(name, fn(ids[0]), want_rows)
+                    bar.set_description(f"lookup {dist} b={batch}")
+                    s0 = _table_stats(cclient, table) if "arena-cache" in fns else None
+                    timings = run_rounds(fns, ids, rounds, progress=bar.update)
+                    cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
+                            "competitors": summarize(timings, calls * batch)}
+                    if s0 is not None:
+                        s1 = _table_stats(cclient, table)
+                        h, m = int(s1.get("hits", 0)) - int(s0.get("hits", 0)), int(s1.get("misses", 0)) - int(s0.get("misses", 0))
+                        cell["competitors"]["arena-cache"]["hit_ratio"] = h / (h + m) if h + m else None
+                    cells.append(cell)
+                    log(line_for(cell))
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - clean up the rest regardless
+                pass
+    return {"table": table, "version": version.version, "rows": version.rows, "row_bytes": version.row_bytes,
+            "table_bytes": version.nbytes, "rounds": rounds, "quick": quick, "units": UNITS,
+            "competitors": list(fns), "skipped": skipped, "config": meta, "cells": cells}
+
+
+def _batches(dist, rows, batch, calls, seed):
+    from tierstore.bench.workload import make_batches
+    return make_batches(dist, rows, batch, calls, seed)
+
+
+def line_for(cell: dict) -> str:
+    """`lookup zipf1.0 b=32768: arena 0.91x ceiling, inline 0.07x, ...` (ceiling in rows/s)."""
+    comps = cell["competitors"]
+    parts = []
+    for name, d in comps.items():
+        if name == "ceiling":
+            continue
+        s = f"{name} {d['ratio_vs_ceiling']:.3g}x"
+        if d.get("hit_ratio") is not None:
+            s += f" (hit {d['hit_ratio']:.2f})"
+        parts.append(s)
+    ceil = comps["ceiling"]["rows_per_s"]
+    return f"lookup {cell['dist']} b={cell['batch']}: " + ", ".join(parts) + f" of ceiling ({ceil / 1e6:.1f} M rows/s)"

@@ -1,0 +1,77 @@
+"""The lookup and cold scenarios on tiny tables: sane figures, wrong rows caught."""
+import numpy as np
+import pytest
+
+from tierstore.bench import baselines
+from tierstore.bench.lookup import WrongRows, run_lookup_bench, run_rounds
+from tierstore.bench.workload import make_batches, parse_dist
+
+
+def test_workload_is_seeded_in_range_and_skewed():
+    a = make_batches("zipf1.2", 5000, 512, 4, seed=3)
+    assert all(np.array_equal(x, y) for x, y in zip(a, make_batches("zipf1.2", 5000, 512, 4, seed=3)))
+    flat = np.concatenate(a)
+    assert flat.min() >= 0 and flat.max() < 5000 and flat.dtype == np.int64
+    u = np.concatenate(make_batches("uniform", 5000, 512, 4))
+    assert np.unique(flat).size < np.unique(u).size  # Zipf repeats its head
+    with pytest.raises(ValueError, match="zipf"):
+        parse_dist("pareto")
+
+
+def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
+    tv, rows = make_table("t", rows=3000, row_bytes=64)
+    res = run_lookup_bench(data_dir, tmp_path / "out", batches=(256,), dists=("zipf1.0",), rounds=2,
+                           rows_per_pass=768, progress=False, log=lambda *_: None)
+    comps = res["cells"][0]["competitors"]
+    expected = {"ceiling", "arena", "arena-cache", "inline", "mmap", "lmdb"}
+    if baselines.redis_available() is None:
+        expected.add("redis")
+    else:
+        assert "redis" in res["skipped"]
+    assert expected <= set(comps)
+    for name, d in comps.items():
+        assert d["rows_per_s"] > 0 and d["ratio_vs_ceiling"] > 0, name
+        assert 0 < d["p50_ms"] <= d["p99_ms"], name
+    assert 0.0 <= comps["arena-cache"]["hit_ratio"] <= 1.0
+    assert (tmp_path / "out" / "baselines" / f"lmdb-t-v{tv.version}").is_dir()
+
+
+def test_interleaved_rounds_time_every_competitor():
+    calls = []
+    fns = {"a": lambda b: calls.append("a"), "b": lambda b: calls.append("b")}
+    t = run_rounds(fns, [1, 2], rounds=3)
+    assert calls[:4] == ["a", "a", "b", "b"]  # warm-up pass first
+    assert calls[4:8] == ["a", "a", "b", "b"] and calls[8:10] == ["b", "b"]  # order rotates
+    assert all(len(v["pass_s"]) == 3 and len(v["lat_s"]) == 6 for v in t.values())
+
+
+def test_a_competitor_returning_wrong_rows_fails_loudly(make_table, data_dir, tmp_path, monkeypatch):
+    make_table("t", rows=2000, row_bytes=64)
+    real = baselines.MmapTable.get
+
+    def corrupt(self, ids):
+        out = real(self, ids).copy()
+        out[0, 0] ^= 1
+        return out
+
+    monkeypatch.setattr(baselines.MmapTable, "get", corrupt)
+    with pytest.raises(WrongRows, match="mmap"):
+        run_lookup_bench(data_dir, tmp_path / "out", batches=(64,), dists=("uniform",), rounds=1, rows_per_pass=64,
+                         competitors=("mmap",), progress=False, log=lambda *_: None)
+
+
+def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
+    from tierstore.bench.cold import run_cold_bench
+
+    res = run_cold_bench(None, tmp_path / "out", table_bytes=4 << 20, batch=1024, rounds=2, rows_per_pass=3072,
+                         slack_bytes=16 << 20, progress=False, log=lambda *_: None)
+    comps = res["competitors"]
+    assert set(comps) == {"dram", "tierstore-cold", "mmap-cold"}
+    assert res["dram_budget_bytes"] == res["table_bytes"] // 4
+    assert 0.0 <= comps["tierstore-cold"]["hit_ratio"] <= 1.0
+    for name, d in comps.items():
+        assert d["rows_per_s"] > 0 and d["ratio_vs_dram"] > 0, name
+    assert set(res["cold_start"]) == {"tierstore-cold", "mmap-cold"}
+    assert "fadvise" in res["page_cache_drop"]
+    mem = res["memory_limits"]
+    assert mem["cgroup"] in ("v1", "v2") or mem["reason"]
