@@ -23,9 +23,9 @@ def table(data_dir, make_table, monkeypatch):
     reader.close()
 
 
-def test_default_block_is_about_16_kib():
-    assert default_block_rows(256) == 64
-    assert default_block_rows(264) * 264 <= 16384 < (default_block_rows(264) + 1) * 264
+def test_default_block_is_about_one_4_kib_page():
+    assert default_block_rows(256) == 16
+    assert default_block_rows(264) * 264 <= 4096 < (default_block_rows(264) + 1) * 264
     assert default_block_rows(1 << 20) == 1
 
 
