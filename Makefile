@@ -52,7 +52,9 @@ test-slow: $(STAMP)
 test-reliability: $(STAMP)
 	$(VENV)/bin/pytest -q -m reliability
 
+# Redis is a baseline of the lookup scenario: a real server, installed here.
 bench: $(STAMP) $(DATA)/catalog
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) || echo "redis-server unavailable: the Redis baseline will be skipped"
 	$(VENV)/bin/tierstore bench all --data $(DATA) --out bench-results
 
 clean:

@@ -166,3 +166,15 @@ def summary(res: dict) -> str:
     parts = [f"{n} {tps[n]:.0f} tok/s ({pen[n]:+.1f}%)" for n in tps]
     exact = "bit-exact" if all(res["bit_exact"].values()) else f"NOT exact: {res['bit_exact']}"
     return "e2e: " + ", ".join(parts) + f"; outputs {exact}"
+
+
+def run_e2e_bench(data_dir, out_dir, *, quick: bool = False, seed: int = 0) -> dict:
+    """`tierstore bench e2e`: run_e2e sized for the bench, plus its PNG."""
+    from tierstore.bench.plots import plot_e2e
+
+    res = run_e2e(data_dir, batch=2 if quick else 4, seq=64 if quick else 256, decode_tokens=4 if quick else 16,
+                  rounds=2 if quick else 5, seed=seed)
+    res["plot"] = str(plot_e2e(res, Path(out_dir) / "e2e.png"))
+    res["units"] = {"tokens_per_s": "tokens/s", "penalty_pct": "% time vs in-process", "table_bytes": "B"}
+    res["summary"] = summary(res)
+    return res

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_lookup", "plot_cold"]
+__all__ = ["plot_lookup", "plot_cold", "plot_e2e"]
 
 
 def _plt():
@@ -106,3 +106,23 @@ def headline(cells: list) -> dict:
     """The cell the one-line summary quotes: zipf1.0 at the batch nearest 32768."""
     pool = [c for c in cells if c["dist"] == "zipf1.0"] or cells
     return min(pool, key=lambda c: abs(np.log2(c["batch"]) - 15))
+
+
+def plot_e2e(result: dict, path) -> Path:
+    """Bars of the demo model's tokens/s per serving path, penalty vs in-process labelled."""
+    plt = _plt()
+    tps, pen = result["tokens_per_s"], result["penalty_pct"]
+    names = list(tps)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bars = ax.bar(names, [tps[n] for n in names], color=["#555"] + ["#3a7"] * (len(names) - 1))
+    for b, n in zip(bars, names):
+        ax.annotate(f"{pen[n]:+.1f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_ylabel("tokens/s (prefill + decode)")
+    ax.set_title(f"e2e: demo model, batch {result['batch']} x {result['seq']} + {result['decode_tokens']} decode")
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
