@@ -25,7 +25,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import torch
 
 from tierstore import errors
 from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
@@ -77,23 +76,21 @@ class TableHandle:
         self.instance = info.arena.instance
         self._arena_np = self._arena = None
 
-    def _map(self) -> None:
-        # mapped on first use: a remote client that only uses inline lookups never maps
-        self._arena_np = map_readonly(self._arena_path, self._arena_slots, self.row_bytes)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only mapping: we never write through it
-            self._arena = torch.from_numpy(self._arena_np)
-
     @property
     def arena_np(self) -> np.ndarray:
         if self._arena_np is None:
-            self._map()
+            # mapped on first use: a remote client that only uses inline lookups never maps
+            self._arena_np = map_readonly(self._arena_path, self._arena_slots, self.row_bytes)
         return self._arena_np
 
     @property
-    def arena(self) -> torch.Tensor:
+    def arena(self) -> "torch.Tensor":
         if self._arena is None:
-            self._map()
+            import torch  # here: a numpy-only client does not pay torch's import
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mapping: we never write through it
+                self._arena = torch.from_numpy(self.arena_np)
         return self._arena
 
     def info(self) -> dict:
@@ -114,7 +111,7 @@ class StepPlan:
         self._released = False
 
     @property
-    def arena(self) -> torch.Tensor:
+    def arena(self) -> "torch.Tensor":
         """uint8 [arena_slots, row_bytes]: the shared arena, mapped read-only."""
         return self._handle.arena
 
@@ -132,6 +129,9 @@ class StepPlan:
                 if resp.instance != self._handle.instance:
                     # the sidecar restarted since we mapped its arena: these slots index the new one
                     self._handle = self._client._refresh(self.table)
+                    if resp.instance != self._handle.instance:  # and restarted again since this Plan
+                        raise errors.Unavailable(f"the sidecar restarted while planning a step of table "
+                                                 f"{self.table!r}; plan the step again")
                 self.lease_id = resp.lease_id
                 self.hits, self.misses = resp.hits, resp.misses
                 self._slots = np.frombuffer(resp.slots, dtype="<i8")
@@ -165,29 +165,40 @@ class Client:
     """Connection to one sidecar: `Client(socket_path)` or `Client(target="host:port", token=...)`.
 
     timeout: seconds any call may take before it fails with Unavailable.
+    token: the sidecar's shared token (--auth-token), sent on TCP.
+    root_certificates: PEM bytes of the CA (or self-signed certificate) that
+        signed the sidecar's --tls-cert; the TCP channel then speaks TLS.
     """
 
     def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
-                 token: str | None = None, client_name: str = ""):
+                 token: str | None = None, client_name: str = "", root_certificates: bytes | None = None):
         if (socket is None) == (target is None):
             raise ValueError("give exactly one of socket=PATH or target=HOST:PORT")
         self.target = f"unix:{socket}" if socket is not None else target
+        self.local = socket is not None
         self.timeout = timeout
         self.client_name = client_name
         self._metadata = (("x-tierstore-token", token),) if token else None  # server.TOKEN_HEADER
-        self._channel = grpc.insecure_channel(self.target, options=[
+        self._channel = self._open_channel(root_certificates)
+        self._stub = pb_grpc.TierstoreStub(self._channel)
+        self._handles: dict[str, TableHandle] = {}
+        self._lock = threading.Lock()
+        self._ended: list[int] = []  # released leases, repeated on the next Plan (idempotent)
+        self._inflight: list = []    # Release calls not yet answered; close() waits for them
+
+    def _open_channel(self, root_certificates: bytes | None):
+        options = [
             ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
             # a restarted sidecar is found again within ~0.5 s, not gRPC's default 1-120 s backoff
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500),
-        ])
-        self._stub = pb_grpc.TierstoreStub(self._channel)
-        self._handles: dict[str, TableHandle] = {}
-        self._lock = threading.Lock()
-        self._ended: list[int] = []  # released leases, repeated on the next Plan (idempotent)
-        self._inflight: list = []    # Release calls not yet answered; close() waits for them
+        ]
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            return grpc.secure_channel(self.target, creds, options=options)
+        return grpc.insecure_channel(self.target, options=options)
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request):
@@ -218,6 +229,10 @@ class Client:
             h = self._handles.get(table)
         if h is None:
             h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)))
+            if self.local:
+                # map now, not at first read: a sidecar restarting in between would swap the
+                # file under this handle while its instance still names the old one
+                h.arena_np
             with self._lock:
                 self._handles[table] = h
         return h

@@ -23,16 +23,18 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("path", "slots", "full_resident", "size_bytes")
+    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FULL_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     path: str
     slots: int
     full_resident: bool
     size_bytes: int
-    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena")
@@ -73,7 +75,7 @@ class PlanRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., client: _Optional[str] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms")
+    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms", "instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class PlanResponse(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     slots: bytes
     version: int
@@ -88,7 +91,8 @@ class PlanResponse(_message.Message):
     hits: int
     misses: int
     expires_unix_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

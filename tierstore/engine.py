@@ -84,7 +84,7 @@ class TableEngine:
 
     def plan(self, ids: np.ndarray, ttl_s: float) -> PlanResult:
         ids = self.check_ids(ids)
-        if self.full:
+        if self.full or ids.size == 0:  # nothing to pin: no lease to hold or leak
             self.counters.plans += 1
             self.counters.hits += ids.size
             return PlanResult(ids, 0, ids.size, ids.size, 0)

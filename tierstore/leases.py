@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ class LeaseTable:
         self.max_leases = max_leases
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
-        self._ids = itertools.count(1)
+        # ids start at a random epoch: a client that outlived a sidecar restart and
+        # releases an old id must not end a new client's lease with the same number
+        self._ids = itertools.count((int.from_bytes(os.urandom(4), "little") >> 1) << 32 | 1)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

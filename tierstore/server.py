@@ -41,12 +41,41 @@ def decode_ids(raw: bytes, limit: int) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
 
 
+class _Malformed:
+    """A request that did not parse: answered INVALID_ARGUMENT by the handler
+    (gRPC itself would answer INTERNAL for a deserializer that raises)."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+
+def _lenient(cls):
+    def parse(raw: bytes):
+        try:
+            return cls.FromString(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field
+            return _Malformed(f"malformed {cls.__name__} ({len(raw)} bytes): {e}")
+    return parse
+
+
+def add_service(servicer, server) -> None:
+    """Register every method of the Tierstore service with lenient request parsing."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["Tierstore"].methods:
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name), request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 def _rpc(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         t0 = time.perf_counter()
         try:
             self._authorize(context)
+            if isinstance(request, _Malformed):
+                raise InvalidArgument(f"{request.detail}; send a tierstore.v1 protobuf message")
             return method(self, request, context)
         except TierstoreError as e:
             context.abort(getattr(grpc.StatusCode, e.GRPC_CODE), f"{type(e).__name__}: {e}")
@@ -80,7 +109,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
-                           size_bytes=eng.arena.size))
+                           size_bytes=eng.arena.size, instance=self.sidecar.instance))
 
     @_rpc
     def ListTables(self, request, context):
@@ -97,11 +126,12 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         if request.release:
             self.sidecar.leases.release(list(request.release))
         ttl = request.ttl_ms / 1000.0 if request.ttl_ms else self.cfg.lease_ttl_s
-        res = eng.plan(ids, min(ttl, self.cfg.lease_ttl_s * 10))
+        ttl = min(ttl, self.cfg.lease_ttl_s * 10)  # the expiry we report is the one the reaper applies
+        res = eng.plan(ids, ttl)
         expires = int((time.time() + ttl) * 1000) if res.lease_id else 0
         return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
                                version=eng.version.version, unique_ids=res.unique, hits=res.hits,
-                               misses=res.misses, expires_unix_ms=expires)
+                               misses=res.misses, expires_unix_ms=expires, instance=self.sidecar.instance)
 
     @_rpc
     def Release(self, request, context):
@@ -136,7 +166,7 @@ class Server:
         self.metrics = Metrics(self.sidecar)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
                                 options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64)
-        pb_grpc.add_TierstoreServicer_to_server(TierstoreService(self.sidecar, self.metrics), self.grpc)
+        add_service(TierstoreService(self.sidecar, self.metrics), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.addresses = []

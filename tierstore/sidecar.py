@@ -7,6 +7,7 @@ proportion to its bytes.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -27,6 +28,7 @@ class Sidecar:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.started = time.monotonic()
+        self.instance = os.urandom(8).hex()  # clients remap arenas when this changes
         self.leases = LeaseTable(config.max_leases)
         self.catalog = Catalog(config.data_dir, readonly=True)
         self.engines: dict[str, TableEngine] = {}
@@ -77,6 +79,7 @@ class Sidecar:
                     engine.load_full()
             elif full:
                 engine.load_full()
+            arena.publish()
             log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB) ready in %.2fs",
                      v.table, v.version, "full" if full else "cache", slots, v.row_bytes,
                      slots * v.row_bytes / 2**20, time.monotonic() - t0)
@@ -92,7 +95,9 @@ class Sidecar:
         try:
             eng = self.engines[table]
         except KeyError:
-            raise TableNotFound(f"no table {table!r} is served; tables: {sorted(self.engines)}") from None
+            # a hostile name may be megabytes: echo a bounded prefix (status details travel as a header)
+            shown = repr(table) if len(table) <= 80 else f"{table[:64]!r}... ({len(table)} characters)"
+            raise TableNotFound(f"no table {shown} is served; tables: {sorted(self.engines)}") from None
         if version and version != eng.version.version:
             raise VersionNotFound(f"table {table!r} is served at version {eng.version.version}, not {version}")
         return eng

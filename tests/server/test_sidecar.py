@@ -282,3 +282,26 @@ def test_tcp_needs_an_explicit_flag_and_the_token(table_dir, tmp_path):
             assert np.array_equal(ok.lookup("t32", [3, 4], inline=True), expected["t32"][[3, 4]])
         with Client(sc.socket) as local:  # the 0600 unix socket needs no token
             assert np.array_equal(local.lookup("t32", [3]), expected["t32"][[3]])
+
+
+def test_client_survives_a_sidecar_restart_in_cache_mode(table_dir):
+    d, expected = table_dir
+    sc = _sidecar(d, "110KiB").start()
+    try:
+        c = Client(sc.socket, timeout=5)
+        ids = np.arange(100, 400)
+        assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
+        sc.kill()
+        with pytest.raises(errors.Unavailable):
+            c.lookup("t32", ids)
+        sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="110KiB").start()
+        try:
+            # a new instance fills its arena in a different order: the client must remap, not reuse old slots
+            other = np.arange(5000, 5300)
+            assert np.array_equal(c.lookup("t32", other), expected["t32"][other])
+            assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
+        finally:
+            c.close()
+            sc2.cleanup()
+    finally:
+        sc.cleanup()

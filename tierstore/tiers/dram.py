@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -39,19 +40,22 @@ class Arena:
         self.slots, self.row_bytes = int(slots), int(row_bytes)
         self.size = self.slots * self.row_bytes
         self.reattached = False
-        if reuse and self.path.exists() and self.path.stat().st_size == self.size and self.path.stat().st_uid == os.getuid():
-            fd = os.open(self.path, os.O_RDWR)
+        self._staging: Path | None = None
+        fd = self._reopen() if reuse else None
+        if fd is not None:
             self.reattached = True
         else:
-            if self.path.exists():
-                self.path.unlink()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # built under a private name and renamed into place by publish(): a client
+            # opening `path` meanwhile maps the previous complete arena, never a half-loaded one
+            self._staging = self.path.with_name(f"{self.path.name}.new-{os.getpid()}")
+            self._staging.unlink(missing_ok=True)
+            fd = os.open(self._staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
                 os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
                 os.posix_fallocate(fd, 0, max(self.size, 1))
             except OSError as e:
                 os.close(fd)
-                self.path.unlink(missing_ok=True)
+                self._staging.unlink(missing_ok=True)
                 raise ResourceExhausted(
                     f"cannot reserve {self.size / 2**20:.1f} MiB for arena {self.path.name} in {self.path.parent} "
                     f"({e.strerror}); lower --dram-budget or enlarge /dev/shm") from None
@@ -61,13 +65,38 @@ class Arena:
             os.close(fd)
         self.rows = np.frombuffer(self._mmap, dtype=np.uint8, count=self.size).reshape(self.slots, self.row_bytes)
 
+    def _reopen(self) -> int | None:
+        """fd of a previous arena at `path` fit to re-attach, else None.
+
+        O_NOFOLLOW and fstat on the fd: /dev/shm is world-writable, so a link
+        planted there must never make the sidecar write rows into another file.
+        """
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600 \
+                and st.st_size == self.size:
+            return fd
+        os.close(fd)
+        return None
+
+    def publish(self) -> None:
+        """Make a newly built arena visible at `path` (atomically replacing an old one)."""
+        if self._staging is not None:
+            os.replace(self._staging, self.path)
+            self._staging = None
+
     def close(self, unlink: bool = True) -> None:
         self.rows = None
         try:
             self._mmap.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with it
-        if unlink:
+        if self._staging is not None:  # never published: `path` is not ours to remove
+            self._staging.unlink(missing_ok=True)
+        elif unlink:
             self.path.unlink(missing_ok=True)
 
 
