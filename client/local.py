@@ -29,6 +29,7 @@ import torch
 
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.formats import RowFormat, encode_rows
+from tierstore.tiers.base import check_ids
 
 
 class LocalHandle:
@@ -44,22 +45,6 @@ class LocalHandle:
 
     def release(self) -> None:
         pass
-
-
-def check_ids(table: str, ids, n_rows: int) -> np.ndarray:
-    """ids (any int array/tensor, any shape) -> flat int64 numpy, range-checked."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    ids = np.asarray(ids)
-    if ids.dtype.kind not in "iu":
-        raise InvalidArgument(f"table {table!r}: ids must be integers, got dtype {ids.dtype}")
-    ids = ids.reshape(-1).astype(np.int64, copy=False)
-    if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= n_rows:
-            bad = lo if lo < 0 else hi
-            raise IdOutOfRange(f"table {table!r} has {n_rows} rows; id {bad} is out of range")
-    return ids
 
 
 class LocalTable:
@@ -153,7 +138,9 @@ class LocalTable:
     def plan(self, table: str, ids) -> LocalHandle:
         """Slots of `ids` (== ids). Raises TableNotFound / IdOutOfRange at once."""
         rows = self._get(table)[0]
-        return LocalHandle(table, rows, check_ids(table, ids, rows.shape[0]))
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+        return LocalHandle(table, rows, check_ids(ids, rows.shape[0], table))
 
     def table_info(self, table: str) -> dict:
         rows, fmt, dim, version = self._get(table)
