@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, TableNotFound
+from tierstore.errors import InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.formats import RowFormat, encode_rows
 from tierstore.tiers.base import check_ids
 

@@ -21,12 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 class SidecarProcess:
     def __init__(self, data_dir, socket=None, *, dram_budget="1GiB", extra_args=(), env=None,
                  start_timeout: float = 60.0, log_path=None):
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # the child runs in /, so paths must be absolute
         self._tmp = None
         if socket is None:
             self._tmp = tempfile.mkdtemp(prefix="tierstore-")
             socket = Path(self._tmp) / "sidecar.sock"
-        self.socket = Path(socket)
+        self.socket = Path(socket).absolute()
         self.args = [sys.executable, "-m", "tierstore", "serve", "--data", str(self.data_dir),
                      "--socket", str(self.socket), "--dram-budget", str(dram_budget), *map(str, extra_args)]
         self.env = {**os.environ, **(env or {})}
