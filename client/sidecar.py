@@ -109,6 +109,7 @@ class StepPlan:
         self._slots = None
         self.hits = self.misses = 0
         self._released = False
+        self._error: errors.TierstoreError | None = None
 
     @property
     def arena(self) -> "torch.Tensor":
@@ -117,25 +118,34 @@ class StepPlan:
 
     def slots(self, timeout: float | None = None) -> np.ndarray:
         if self._slots is None:
+            if self._error is not None:  # a failed step fails again at once: no second wait on a dead sidecar
+                raise self._error
             if self._future is None:  # full-resident: slot == id, checked client-side
                 self._slots = self._ids
             else:
                 try:
-                    resp = self._future.result(timeout=timeout)
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
-                        raise to_error(e) from None
-                    resp = self._client._call("Plan", self._request)
-                if resp.instance != self._handle.instance:
-                    # the sidecar restarted since we mapped its arena: these slots index the new one
-                    self._handle = self._client._refresh(self.table)
-                    if resp.instance != self._handle.instance:  # and restarted again since this Plan
-                        raise errors.Unavailable(f"the sidecar restarted while planning a step of table "
-                                                 f"{self.table!r}; plan the step again")
-                self.lease_id = resp.lease_id
-                self.hits, self.misses = resp.hits, resp.misses
-                self._slots = np.frombuffer(resp.slots, dtype="<i8")
+                    self._resolve(timeout)
+                except errors.TierstoreError as e:
+                    self._error = e
+                    raise
         return self._slots
+
+    def _resolve(self, timeout: float | None) -> None:
+        try:
+            resp = self._future.result(timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
+                raise to_error(e) from None
+            resp = self._client._call("Plan", self._request, retry=False)  # the one retry
+        if resp.instance != self._handle.instance:
+            # the sidecar restarted since we mapped its arena: these slots index the new one
+            self._handle = self._client._refresh(self.table)
+            if resp.instance != self._handle.instance:  # and restarted again since this Plan
+                raise errors.Unavailable(f"the sidecar restarted while planning a step of table "
+                                         f"{self.table!r}; plan the step again")
+        self.lease_id = resp.lease_id
+        self.hits, self.misses = resp.hits, resp.misses
+        self._slots = np.frombuffer(resp.slots, dtype="<i8")
 
     def rows(self, timeout: float | None = None) -> np.ndarray:
         """uint8 [n, row_bytes] gathered from the mapped arena, request order."""
@@ -201,12 +211,12 @@ class Client:
         return grpc.insecure_channel(self.target, options=options)
 
     # ---- plumbing -----------------------------------------------------------
-    def _call(self, method: str, request):
+    def _call(self, method: str, request, retry: bool = True):
         for attempt in (0, 1):
             try:
                 return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
-                if attempt or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
+                if attempt or not retry or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
                     raise to_error(e) from None
 
     def _reconnected(self) -> bool:

@@ -1,0 +1,167 @@
+"""Area 7: access. Only the serving user reaches a table: the socket and every
+shm segment are 0600 (whatever the umask), another local user can neither
+connect, map an arena nor read a segment, a link planted in /dev/shm never
+redirects the sidecar's writes, and TCP needs --allow-tcp, the shared token and
+(when certificates are given) TLS."""
+from __future__ import annotations
+
+import json
+import os
+import socket as socketlib
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstore import errors
+from tierstore.client.sidecar import Client
+from tierstore.tiers.dram import arena_path
+
+NOBODY = 65534
+ROWS = 3000
+
+
+@pytest.fixture
+def open_dir():
+    """A world-searchable directory (0755) outside tmp_path's private parents, removed after."""
+    import shutil
+
+    d = Path(tempfile.mkdtemp(prefix="tierstore-access-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+PROBE = """
+import json, os, socket, sys
+paths = json.loads(sys.argv[1])
+out = {}
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(paths["socket"]); out["socket"] = "connected"
+except OSError as e:
+    out["socket"] = e.errno
+for k in ("arena", "segment", "catalog"):
+    try:
+        os.close(os.open(paths[k], os.O_RDONLY if k != "catalog" else os.O_RDWR)); out[k] = "opened"
+    except OSError as e:
+        out[k] = e.errno
+print(json.dumps(out))
+"""
+
+
+def _another_user_reaches_nothing(sc, vdir, data):
+    """As `nobody` (we are root): connect to the socket, open the arena, a segment, the catalog."""
+    paths = dict(socket=str(sc.socket), arena=str(sc.arena_files()[0]), segment=str(next(vdir.glob("seg-*"))),
+                 catalog=str(data / "catalog" / "data.mdb"))
+    # a system python: ours may live under a home only root can enter
+    py = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
+    if py is None:
+        return  # no system python for the other user
+    out = subprocess.run([py, "-I", "-c", PROBE, json.dumps(paths)], user=NOBODY, group=NOBODY,
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    import errno
+    assert got == dict(socket=errno.EACCES, arena=errno.EACCES, segment=errno.EACCES, catalog=errno.EACCES), got
+    with Client(sc.socket) as c:  # while the owner is served
+        assert c.lookup("t", [1]).shape == (1, 64)
+
+
+def test_everything_is_private_even_under_umask_0(open_dir, sidecars, rel):
+    old = os.umask(0)
+    try:
+        rel.write_table(open_dir / "data", "t", ROWS, dim=16)
+        full = sidecars(open_dir / "data", "64MiB", socket=open_dir / "full.sock")
+    finally:
+        os.umask(old)
+    for sc in (full,):  # cache-mode arenas come from the same Arena code path
+        assert stat.S_IMODE(os.stat(sc.socket).st_mode) == 0o600
+        segs = sc.arena_files()
+        assert len(segs) == 1
+        for f in segs:
+            st = os.lstat(f)
+            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    vdir = open_dir / "data" / "tables" / "t" / "v1"
+    assert stat.S_IMODE(os.stat(vdir).st_mode) == 0o700  # segment files sit behind a private directory
+    if os.geteuid() == 0:
+        _another_user_reaches_nothing(full, vdir, open_dir / "data")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a link owned by another user")
+def test_a_link_planted_in_dev_shm_never_redirects_arena_writes(tmp_path, sidecars, rel):
+    expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
+    sock = tmp_path / "s.sock"
+    path = arena_path(Path("/dev/shm"), str(sock), "t", 1)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\xab" * expected.nbytes)  # the serving user's file, the arena's exact size
+    victim.chmod(0o600)
+    path.symlink_to(victim)
+    os.lchown(path, NOBODY, NOBODY)  # as another user would leave it in the sticky, world-writable /dev/shm
+    try:
+        sc = sidecars(tmp_path / "data", "64MiB", "--persist-arena", socket=sock)
+        assert victim.read_bytes() == b"\xab" * expected.nbytes, "the sidecar wrote through a planted link"
+        st = os.lstat(path)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        with Client(sc.socket) as c:
+            assert np.array_equal(c.lookup("t", np.arange(ROWS)), expected)
+    finally:
+        if path.is_symlink():
+            path.unlink()
+
+
+def _free_port() -> int:
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _self_signed(d: Path, name: str) -> tuple[Path, Path]:
+    cert, key = d / f"{name}.crt", d / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.mark.reliability  # the default run has tests/server's --allow-tcp check
+def test_tcp_needs_allow_tcp_and_a_token(tmp_path, rel):
+    rel.write_table(tmp_path / "data", "t", 100, dim=16)
+    base = [sys.executable, "-m", "tierstore", "serve", "--data", str(tmp_path / "data"), "--socket",
+            str(tmp_path / "s.sock"), "--listen", f"127.0.0.1:{_free_port()}"]
+    for extra, needs in (([], "--allow-tcp"), (["--allow-tcp"], "shared token")):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env={k: v for k, v in os.environ.items() if k != "TIERSTORE_AUTH_TOKEN"})
+        assert out.returncode != 0 and needs in out.stderr, out.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.skipif(not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(":")),
+                    reason="needs openssl to make a certificate")
+def test_tls_with_token_serves_rows_and_nothing_else_does(tmp_path, sidecars, rel):
+    expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
+    cert, key = _self_signed(tmp_path, "server")
+    other, _ = _self_signed(tmp_path, "other")
+    port = _free_port()
+    sidecars(tmp_path / "data", "64MiB", "--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token", "s3cret",
+             "--tls-cert", cert, "--tls-key", key)
+    target, root = f"localhost:{port}", cert.read_bytes()
+    with Client(target=target, token="s3cret", root_certificates=root, timeout=10) as c:
+        ids = np.array([0, 17, ROWS - 1])
+        assert np.array_equal(c.lookup("t", ids, inline=True), expected[ids])
+        assert c.tables()[0]["rows"] == ROWS
+    with Client(target=target, root_certificates=root, timeout=5) as c, pytest.raises(errors.Unauthenticated):
+        c.lookup("t", [1], inline=True)
+    with Client(target=target, token="wrong", root_certificates=root, timeout=5) as c, \
+            pytest.raises(errors.Unauthenticated):
+        c.tables()
+    # a server it cannot verify, or plain text to a TLS port: no connection, and no hang
+    with Client(target=target, token="s3cret", root_certificates=other.read_bytes(), timeout=1) as c, \
+            pytest.raises(errors.Unavailable):
+        c.tables()
+    with Client(target=target, token="s3cret", timeout=1) as c, pytest.raises(errors.Unavailable):
+        c.tables()
