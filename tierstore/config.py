@@ -50,7 +50,7 @@ class ServeConfig:
     workers: int = 8
     shm_dir: Path = Path("/dev/shm")
     persist_arena: bool = False         # leave arenas in /dev/shm on shutdown for re-attach
-    verify_sample: float = 0.0          # fraction of served rows re-checked off the hot path
+    verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "tinylfu"
 
     def __post_init__(self):

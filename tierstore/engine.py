@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.errors import DataLoss, ResourceExhausted
+import xxhash
+
+from tierstore.errors import ChecksumError, DataLoss, ResourceExhausted
 from tierstore.leases import LeaseTable
 from tierstore.tiers.base import check_ids
 from tierstore.tiers.dram import Arena
+from tierstore.verifier import VerifyCounters
 
 
 @dataclass(slots=True)
@@ -53,6 +56,9 @@ class TableEngine:
         self.counters = Counters()
         self._lock = threading.Lock()
         self.capacity = arena.slots
+        self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
+        self.verify_counters = VerifyCounters()
+        self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
         if not full:
             self.policy = policy
             self.slot_of = np.full(self.rows, -1, dtype=np.int32)   # 4 B per row against >= 128 B rows
@@ -72,8 +78,6 @@ class TableEngine:
 
     def verify_arena(self, checksums: np.ndarray) -> list[int]:
         """Blocks of a full-mode arena whose bytes no longer match the catalog."""
-        import xxhash
-
         br, flat = self.version.block_rows, self.arena.rows
         return [b for b in range(self.version.n_blocks)
                 if xxhash.xxh3_64_intdigest(flat[b * br:(b + 1) * br]) != int(checksums[b])]
@@ -82,8 +86,18 @@ class TableEngine:
     def check_ids(self, ids) -> np.ndarray:
         return check_ids(ids, self.rows, self.table)
 
+    def _refuse_bad_blocks(self, ids: np.ndarray) -> None:
+        """DATA_LOSS for ids in a block online verification found corrupt (never a silent wrong row)."""
+        hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
+        if hit.any():
+            block = int(ids[np.argmax(hit)] // self.version.block_rows)
+            raise ChecksumError(self.table, self.version.version, block,
+                                "found by online verification; re-ingest or import a good copy")
+
     def plan(self, ids: np.ndarray, ttl_s: float) -> PlanResult:
         ids = self.check_ids(ids)
+        if self.bad_blocks.size:
+            self._refuse_bad_blocks(ids)
         if self.full or ids.size == 0:  # nothing to pin: no lease to hold or leak
             self.counters.plans += 1
             self.counters.hits += ids.size
@@ -100,12 +114,16 @@ class TableEngine:
                 self.counters.lease_refusals += 1
                 raise
             misses = self._last_misses
+        if self.verifier is not None:
+            self.verifier.sample(self, uniq, slots)
         return PlanResult(slots[inverse], lease.lease_id, uniq.size, uniq.size - misses, misses)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (inline path)."""
         ids = self.check_ids(ids)
         self.counters.lookups += 1
+        if self.bad_blocks.size:
+            self._refuse_bad_blocks(ids)
         if self.full:
             self.counters.hits += ids.size
             return self.arena.rows[ids]
@@ -118,6 +136,63 @@ class TableEngine:
     def unpin(self, slots: np.ndarray) -> None:
         with self._lock:
             self.pins[slots] -= 1
+
+    # ---- online verification (the verifier thread; never the hot path) ---------
+    def _mark_bad(self, block: int) -> None:
+        with self._lock:
+            self.bad_blocks = np.union1d(self.bad_blocks, [block])
+
+    def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
+        """Check sampled served rows: their cold block's checksum, and the arena copy
+        against the verified disk copy (repaired in place when it differs)."""
+        found, vc = [], self.verify_counters
+        blocks = ids // self.version.block_rows
+        for b in np.unique(blocks).tolist():  # the sample only: a few rows per pass
+            sel = blocks == b
+            vc.checked["nvme"] += int(sel.sum())
+            try:
+                disk = self.reader.read_rows(ids[sel])
+            except ChecksumError as e:
+                vc.mismatches["nvme"] += int(sel.sum())
+                self._mark_bad(b)
+                found.append(("nvme", b, None, str(e)))
+                continue
+            with self._lock:
+                s = slots[sel]
+                still = self.id_of[s] == ids[sel]  # a slot may hold another row by now
+                s, disk = s[still], disk[still]
+                bad = np.any(self.arena.rows[s] != disk, axis=1)
+                vc.checked["dram"] += int(s.size)
+                if bad.any():
+                    self.arena.rows[s[bad]] = disk[bad]
+                    vc.mismatches["dram"] += int(bad.sum())
+                    found.append(("dram", b, int(s[bad][0]),
+                                  f"{int(bad.sum())} arena rows differed from the verified disk copy; repaired"))
+        return found
+
+    def scrub_blocks(self, blocks: np.ndarray) -> list[tuple]:
+        """Full mode: hash arena blocks against the catalog, read the same cold blocks
+        (verified); repair an arena block from disk, mark a corrupt cold block bad."""
+        found, vc, br = [], self.verify_counters, self.version.block_rows
+        sums = self.reader.checksums
+        for b in np.sort(blocks).tolist():
+            lo, hi = b * br, min((b + 1) * br, self.rows)
+            vc.checked["nvme"] += hi - lo
+            try:
+                disk = self.reader.read_range(lo, hi - lo)
+            except ChecksumError as e:
+                vc.mismatches["nvme"] += hi - lo
+                self._mark_bad(b)
+                found.append(("nvme", b, None, str(e)))
+                disk = None
+            vc.checked["dram"] += hi - lo
+            if xxhash.xxh3_64_intdigest(self.arena.rows[lo:hi]) == int(sums[b]) or disk is None:
+                continue
+            diff = np.any(self.arena.rows[lo:hi] != disk, axis=1)
+            self.arena.rows[lo:hi] = disk
+            vc.mismatches["dram"] += int(diff.sum())
+            found.append(("dram", b, lo + int(np.argmax(diff)), f"{int(diff.sum())} arena rows repaired from disk"))
+        return found
 
     # ---- cache mode internals (called with the lock held) --------------------
     def _make_resident(self, uniq: np.ndarray) -> np.ndarray:

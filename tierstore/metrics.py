@@ -35,6 +35,17 @@ class _EngineCollector:
             "resident": GaugeMetricFamily("tierstore_resident_rows", "Rows in the DRAM arena", labels=["table"]),
             "capacity": GaugeMetricFamily("tierstore_arena_slots", "Arena capacity in rows", labels=["table"]),
         }
+        checked = CounterMetricFamily("tierstore_verified_rows", "Served rows re-checked by online verification",
+                                      labels=["table", "tier"])
+        bad = CounterMetricFamily("tierstore_verify_mismatches", "Rows online verification found corrupt",
+                                  labels=["table", "tier"])
+        for eng in list(self.sidecar.engines.values()):
+            vc = eng.verify_counters
+            for tier in ("dram", "nvme"):
+                checked.add_metric([eng.table, tier], vc.checked[tier])
+                bad.add_metric([eng.table, tier], vc.mismatches[tier])
+        yield checked
+        yield bad
         for eng in list(self.sidecar.engines.values()):
             s = eng.stats()
             t = s["table"]

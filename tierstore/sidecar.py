@@ -20,6 +20,7 @@ from tierstore.errors import ResourceExhausted, TableNotFound, VersionNotFound
 from tierstore.leases import LeaseTable
 from tierstore.tiers.dram import Arena, arena_path, shm_free_bytes
 from tierstore.tiers.nvme import SegmentReader
+from tierstore.verifier import Verifier
 
 log = logging.getLogger("tierstore.sidecar")
 
@@ -33,6 +34,7 @@ class Sidecar:
         self.catalog = Catalog(config.data_dir, readonly=True)
         self.engines: dict[str, TableEngine] = {}
         self._stop = threading.Event()
+        self.verifier = Verifier(config.verify_sample)
         self._reaper = threading.Thread(target=self._reap_loop, name="lease-reaper", daemon=True)
         try:
             self._open_tables()
@@ -86,6 +88,9 @@ class Sidecar:
 
     def start(self) -> None:
         self._reaper.start()
+        for eng in self.engines.values():
+            eng.verifier = self.verifier if self.verifier.enabled else None
+        self.verifier.start(self.engines.values())
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(0.05):
@@ -104,6 +109,7 @@ class Sidecar:
 
     def close(self) -> None:
         self._stop.set()
+        self.verifier.stop()
         for eng in self.engines.values():
             eng.arena.close(unlink=not self.config.persist_arena)
             eng.reader.close()
