@@ -297,9 +297,22 @@ class CachePolicy:
         while need > 0:
             usable = [q for q in (_PROBATION, _MAIN)
                       if self._count[q] > 0 and fruitless[q] <= (self.config.max_hits + 1) * self._count[q]]
-            if not usable:  # put back what this call took, so a failed call changes nothing
-                self._push(_PROBATION, np.concatenate(out) if out else np.zeros(0, np.int64))
-                self._not_enough(k, evictable)
+            if not usable:
+                # the queues' heads are all leased or still have CLOCK credit: take the rest
+                # straight from the evictable mask (one O(capacity) pass, rare) rather than
+                # refuse a step that fits
+                taken = np.concatenate(out) if out else np.zeros(0, np.int64)
+                mask = evictable & (self._where != _FREE)
+                mask[taken] = False
+                extra = np.flatnonzero(mask)[:need]
+                if extra.size < need:  # put back what this call took, so a failed call changes nothing
+                    self._push(_PROBATION, taken)
+                    self._not_enough(k, evictable)
+                for q in (_PROBATION, _MAIN):
+                    self._count[q] -= int(np.count_nonzero(self._where[extra] == q))
+                self._where[extra] = _FREE
+                out.append(extra)
+                break
             q = _PROBATION if _PROBATION in usable and (
                 self._count[_PROBATION] > self._window or _MAIN not in usable) else _MAIN
             got = self._scan(q, need, evictable)

@@ -104,9 +104,6 @@ def test_live_leases_never_exceed_max_leases(table, sidecars):
             assert np.array_equal(s.rows(), expected[5000:5100])
 
 
-@pytest.mark.reliability
-@pytest.mark.xfail(reason="tierstore/policy.py (tinylfu) refuses a step that fits the evictable slots; "
-                          "reported to the policy owner", strict=False)
 def test_a_step_that_fits_the_evictable_slots_is_served(table, sidecars):
     data, _, _ = table
     sc = sidecars(data, "1MiB", "--lease-ttl", 1)
