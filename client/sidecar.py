@@ -63,6 +63,26 @@ def pack_ids(ids) -> tuple[np.ndarray, bytes]:
     return arr, arr.tobytes()
 
 
+# cudaHostRegister flags: Portable | Mapped | ReadOnly (our mapping is PROT_READ)
+_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02 | 0x08
+
+
+def register_for_cuda(arr: np.ndarray) -> bool:
+    """Page-lock a mapped arena so CUDA kernels read it over UVA (no staging copy).
+
+    Returns False (with a warning) when the driver refuses, e.g. a GPU without
+    read-only host registration: the layer then gathers on the host and copies.
+    Not yet exercised on a GPU in CI (no device there).
+    """
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, _CUDA_HOST_REGISTER_FLAGS)
+    if int(err) != 0:
+        warnings.warn(f"cudaHostRegister of the arena failed ({err}); CUDA gathers will copy through the host")
+        return False
+    return True
+
+
 class TableHandle:
     """What a client knows about one served table, with its arena mapped read-only."""
 
@@ -91,6 +111,8 @@ class TableHandle:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only mapping: we never write through it
                 self._arena = torch.from_numpy(self.arena_np)
+            if torch.cuda.is_available():
+                register_for_cuda(self.arena_np)
         return self._arena
 
     def info(self) -> dict:
