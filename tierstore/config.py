@@ -52,6 +52,7 @@ class ServeConfig:
     persist_arena: bool = False         # leave arenas in /dev/shm on shutdown for re-attach
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "tinylfu"
+    profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -59,6 +60,9 @@ class ServeConfig:
         self.dram_budget = parse_size(self.dram_budget)
         if self.socket is not None:
             self.socket = Path(self.socket)
+        self.profile = Path(self.profile) if self.profile else None
+        if self.profile is not None and not self.profile.is_file():
+            raise FileNotFoundError(f"--profile {self.profile} does not exist; make one with `tierstore profile`")
         self.tls_cert = Path(self.tls_cert) if self.tls_cert else None
         self.tls_key = Path(self.tls_key) if self.tls_key else None
         if bool(self.tls_cert) != bool(self.tls_key):

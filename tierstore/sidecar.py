@@ -55,6 +55,10 @@ class Sidecar:
         total = sum(v.rows * v.row_bytes for v in versions)
         full = total <= cfg.dram_budget
         owner = str(cfg.socket or cfg.listen)
+        profile = None
+        if cfg.profile is not None:
+            from tierstore.client.profile import Profile
+            profile = Profile.load(cfg.profile)
         for v in versions:
             if full:
                 slots = v.rows
@@ -70,6 +74,8 @@ class Sidecar:
             if not full:
                 from tierstore.policy import CachePolicy, PolicyConfig
                 policy = CachePolicy(slots, v.rows, PolicyConfig(kind=cfg.policy))
+                if profile is not None and v.table in profile.ids:
+                    policy.load_profile(profile.ids[v.table], profile.counts[v.table])
             engine = TableEngine(v, reader, arena, leases=self.leases, full=full, policy=policy)
             self.engines[v.table] = engine
             t0 = time.monotonic()

@@ -305,3 +305,22 @@ def test_client_survives_a_sidecar_restart_in_cache_mode(table_dir):
             sc2.cleanup()
     finally:
         sc.cleanup()
+
+
+def test_a_profile_seeds_the_cache_and_a_missing_one_is_refused(table_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from tierstore.client.profile import Profile
+    from tierstore.client.spec import preset
+
+    d, expected = table_dir
+    hot = np.arange(50, 80)
+    prof = Profile(preset("engram-paper-demo", 512), {"t32": hot}, {"t32": np.full(hot.size, 100)}, tokens=1)
+    path = prof.save(tmp_path / "p.npz")
+    with _sidecar(d, "110KiB", "--profile", path) as sc, Client(sc.socket) as c:
+        assert np.array_equal(c.lookup("t32", hot), expected["t32"][hot])
+    bad = subprocess.run([sys.executable, "-m", "tierstore", "serve", "--data", str(d), "--socket",
+                          str(tmp_path / "s.sock"), "--profile", str(tmp_path / "nope.npz")],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and "tierstore profile" in bad.stderr

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave arenas in /dev/shm on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
+    p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -44,7 +45,8 @@ def run(args) -> int:
         allow_tcp=args.allow_tcp, auth_token=args.auth_token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
-        persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy)
+        persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
+        profile=args.profile)
     server = Server(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
