@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -98,16 +95,8 @@ def test_bad_arguments_raise_invalid_argument(bad, msg):
 # ---------------------------------------------------------------- Triton kernel (interpreter child)
 
 @pytest.mark.skipif(CHILD, reason="this is the parent of the interpreter run")
-def test_triton_gate_under_interpreter():
-    if not triton_available():
-        pytest.skip("triton is not installed; the Triton kernel cannot be checked")
-    env = dict(os.environ, TRITON_INTERPRET="1", TIERSTORE_KERNEL_TEST_CHILD="1")
-    env.pop("TIERSTORE_FORCE_TORCH", None)
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-k", "interp_", str(Path(__file__))],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+def test_triton_gate_under_interpreter(interpreter_child):
+    interpreter_child(__file__)
 
 
 def both(*x, **kw):
