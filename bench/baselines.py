@@ -17,7 +17,6 @@ Each `get(ids)` returns uint8 [len(ids), row_bytes] in request order.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile

@@ -19,7 +19,6 @@ each order's mix is built from the previous one with a single multiply-xor.
 from __future__ import annotations
 
 import dataclasses
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 

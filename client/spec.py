@@ -7,7 +7,7 @@ DeepSeek-V4.1 values in tests/client/test_spec.py.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import numpy as np

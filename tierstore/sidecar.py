@@ -11,7 +11,6 @@ import os
 import threading
 import time
 
-import numpy as np
 
 from tierstore.catalog import Catalog
 from tierstore.config import ServeConfig

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tierstore.errors import InvalidArgument
-from tierstore.kernels import dispatch, engram_gate, triton_available
+from tierstore.kernels import dispatch, engram_gate
 
 CHILD = os.environ.get("TIERSTORE_KERNEL_TEST_CHILD") == "1"
 interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter child of test_triton_gate_under_interpreter")

@@ -5,13 +5,11 @@ The restarted sidecar holds none of the old leases."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tierstore import errors
 from tierstore.client.sidecar import RECONNECT_WAIT_S, Client
 from tierstore.launcher import SidecarProcess
 from tierstore.tiers.dram import map_readonly
