@@ -22,6 +22,9 @@ def _cdf(ax, comps: dict, title: str) -> None:
         if q:
             ax.plot(q, pct, label=name)
     ax.set_xscale("log")
+    from matplotlib.ticker import LogLocator, NullFormatter
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on narrow decades
     ax.set_xlabel("batch latency (ms, log)")
     ax.set_ylabel("fraction of batches")
     ax.set_title(title)
@@ -37,8 +40,14 @@ def plot_lookup(result: dict, path) -> Path:
     dists = list(dict.fromkeys(c["dist"] for c in cells))
     batches = sorted({c["batch"] for c in cells})
     names = result["competitors"]
-    fig, axes = plt.subplots(1, len(dists) + 2, figsize=(4.5 * (len(dists) + 2), 4.2), squeeze=False)
-    axes = axes[0]
+    n = len(dists) + 2
+    ncols = min(3, n)
+    nrows = -(-n // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
+    axes = list(grid.ravel())
+    for extra in axes[n:]:
+        extra.set_visible(False)
+    axes = axes[:n]
     width = 0.8 / len(names)
     for ax, dist in zip(axes, dists):
         for j, name in enumerate(names):
