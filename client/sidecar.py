@@ -55,12 +55,12 @@ def to_error(e: grpc.RpcError) -> errors.TierstoreError:
     return _BY_CODE.get(e.code(), errors.TierstoreError)(f"{e.code().name}: {detail}")
 
 
-def pack_ids(ids) -> tuple[np.ndarray, bytes]:
+def as_ids(ids) -> np.ndarray:
+    """Flat little-endian int64 ids (no copy when they already are)."""
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
-    arr = arr.reshape(-1).astype("<i8", copy=False)
-    return arr, arr.tobytes()
+    return arr.reshape(-1).astype("<i8", copy=False)
 
 
 # cudaHostRegister flags: Portable | Mapped | ReadOnly (our mapping is PROT_READ)
@@ -291,12 +291,12 @@ class Client:
         table no RPC is made: slots are the ids, range-checked here.
         """
         h = self.handle(table)
-        arr, raw = pack_ids(ids)
-        if h.full_resident:
+        arr = as_ids(ids)
+        if h.full_resident:  # slot == id: no RPC, no packing
             return StepPlan(self, h, check_ids(arr, h.rows, table), None)
         with self._lock:
             ended, self._ended = self._ended, []
-        req = pb.PlanRequest(table=table, version=h.version, ids=raw, client=self.client_name,
+        req = pb.PlanRequest(table=table, version=h.version, ids=arr.tobytes(), client=self.client_name,
                              ttl_ms=int(ttl_s * 1000) if ttl_s else 0, release=ended)
         fut = self._stub.Plan.future(req, timeout=self.timeout, metadata=self._metadata)
         return StepPlan(self, h, arr, fut, req)
@@ -304,8 +304,7 @@ class Client:
     def lookup(self, table: str, ids, inline: bool = False) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored; via the arena unless inline."""
         if inline:
-            _, raw = pack_ids(ids)
-            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=raw))
+            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
         with self.plan(table, ids) as step:
             return step.rows()
