@@ -102,7 +102,10 @@ class TableEngine:
             self.counters.plans += 1
             self.counters.hits += ids.size
             return PlanResult(ids, 0, ids.size, ids.size, 0)
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+            uniq, inverse = ids, None  # already sorted and unique (EngramLayer dedupes): skip the sort
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
         with self._lock:
             self.counters.plans += 1
             slots = self._make_resident(uniq)
@@ -116,7 +119,8 @@ class TableEngine:
             misses = self._last_misses
         if self.verifier is not None:
             self.verifier.sample(self, uniq, slots)
-        return PlanResult(slots[inverse], lease.lease_id, uniq.size, uniq.size - misses, misses)
+        return PlanResult(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
+                          uniq.size - misses, misses)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (inline path)."""
