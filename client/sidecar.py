@@ -45,13 +45,16 @@ _BY_CODE = {
 }
 
 
-def to_error(e: grpc.RpcError) -> errors.TierstoreError:
+def to_error(e: grpc.RpcError, target: str = "") -> errors.TierstoreError:
     """The tierstore error a status carries ("ClassName: message"), by name or by code."""
     detail = e.details() or ""
     name, _, msg = detail.partition(": ")
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.TierstoreError) and cls is not errors.ChecksumError:
         return cls(msg)
+    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and target:
+        return errors.Unavailable(f"no tierstore sidecar answers at {target} (is `tierstore serve` running "
+                                  f"there?): {e.code().name}: {detail}")
     return _BY_CODE.get(e.code(), errors.TierstoreError)(f"{e.code().name}: {detail}")
 
 
@@ -157,7 +160,7 @@ class StepPlan:
             resp = self._future.result(timeout=timeout)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
-                raise to_error(e) from None
+                raise to_error(e, self._client.target) from None
             resp = self._client._call("Plan", self._request, retry=False)  # the one retry
         if resp.instance != self._handle.instance:
             # the sidecar restarted since we mapped its arena: these slots index the new one
@@ -239,7 +242,7 @@ class Client:
                 return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 if attempt or not retry or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
-                    raise to_error(e) from None
+                    raise to_error(e, self.target) from None
 
     def _reconnected(self) -> bool:
         """After UNAVAILABLE: wait briefly for the sidecar to come back (one retry, bounded)."""
