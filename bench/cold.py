@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.bench.lookup import _Arena, check_same_rows, run_rounds, summarize
+from tierstore.bench.lookup import _Arena, check_same_rows, close_all, run_rounds, summarize
 
 __all__ = ["run_cold_bench", "MemoryCgroup", "drop_page_cache"]
 
@@ -305,11 +305,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             raise RuntimeError(f"the cache-mode sidecar died (killed by its {slack_bytes >> 20} MiB memory cgroup?); "
                                f"rerun with a larger slack:\n{cold.log()}")
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - clean up the rest regardless
-                pass
+        close_all(closers)
     result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
               "dram_budget_bytes": budget, "arena_slots": cap, "dist": dist, "batch": batch,
               "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,

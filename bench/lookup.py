@@ -44,6 +44,15 @@ def check_same_rows(name: str, got: np.ndarray, want: np.ndarray) -> None:
                         f"want {want.shape}); its figures would be meaningless, fix it before benchmarking")
 
 
+def close_all(closers: list) -> None:
+    """Run cleanup callbacks last-first; one failing must not leave the rest (processes, shm) behind."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - clean up the rest regardless
+            pass
+
+
 def run_rounds(fns: dict[str, Callable], batches: list, rounds: int, progress=None,
                before_pass: Callable | None = None, round_batches: list | None = None) -> dict[str, dict]:
     """One untimed warm-up pass of each competitor over `batches`, then `rounds`
@@ -227,11 +236,7 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                     cells.append(cell)
                     log(line_for(cell))
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - clean up the rest regardless
-                pass
+        close_all(closers)
     return {"table": table, "version": version.version, "rows": version.rows, "row_bytes": version.row_bytes,
             "table_bytes": version.nbytes, "rounds": rounds, "quick": quick, "units": UNITS,
             "competitors": list(fns), "skipped": skipped, "config": meta, "cells": cells}
