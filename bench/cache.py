@@ -68,7 +68,7 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
                 if np.count_nonzero(evictable) < k:  # lookahead is a hint, never a failure
                     evictable = held >= 0
                     evictable[slots[hit]] = False
-            out = policy.victims(k, evictable)
+            out = policy.victims(k, ~evictable)
             slot_of[held[out]] = -1
             fresh = np.concatenate([fresh, out])
         held[fresh] = miss

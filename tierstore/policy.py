@@ -4,7 +4,7 @@ The engine drives one `CachePolicy` per cached table, once per step:
 
     policy.record(step_ids)                 # every unique id the step reads
     policy.touch(hit_slots)                 # slots that were already resident
-    slots = policy.victims(k, evictable)    # k slots to reuse for the misses
+    slots = policy.victims(k, pins)         # k unpinned resident slots to reuse for the misses
     policy.admitted(slots_written, miss_ids)
 
 `kind="tinylfu"` (the default) is S3-FIFO's queue structure with TinyLFU's
@@ -121,12 +121,17 @@ class CachePolicy:
     slots to empty (`victims`) and learns what was written (`admitted`).
     """
 
-    def __init__(self, capacity: int, n_ids: int, config: PolicyConfig | None = None):
+    def __init__(self, capacity: int, n_ids: int, config: PolicyConfig | None = None,
+                 slot_id: np.ndarray | None = None):
         if capacity < 1 or n_ids < 1:
             raise InvalidArgument(f"capacity and n_ids must be >= 1, got {capacity}, {n_ids}")
         self.capacity, self.n_ids = int(capacity), int(n_ids)
         self.config = cfg = config or PolicyConfig()
-        self.slot_id = np.full(capacity, -1, dtype=np.int64)  # id held by each slot, -1 free
+        # id held by each slot, -1 free; the engine passes its own slot table's array,
+        # so one id map serves both (the writes here repeat the engine's, harmlessly)
+        self.slot_id = np.full(capacity, -1, dtype=np.int64) if slot_id is None else slot_id
+        if self.slot_id.shape != (capacity,):
+            raise InvalidArgument(f"slot_id must have shape [{capacity}], got {self.slot_id.shape}")
         budget = int(cfg.sketch_max_mib * 2**20) // cfg.sketch_depth // 2  # the width rounds up to 2^n
         self.sketch = FrequencySketch(
             width=max(16, min(int(cfg.sketch_width * capacity), budget)), depth=cfg.sketch_depth,
@@ -181,27 +186,32 @@ class CachePolicy:
             self._push(_MAIN, slots[to_main])
             self._push(_PROBATION, slots[~to_main])
 
-    def victims(self, k: int, evictable: np.ndarray) -> np.ndarray:
-        """k distinct slots to empty now, each with evictable[slot] True.
+    def victims(self, k: int, pins: np.ndarray) -> np.ndarray:
+        """k distinct resident slots to empty now, none of them pinned.
 
-        evictable: bool [capacity], True where a slot is resident and unleased.
+        pins: [capacity] array (the engine's pin counts, or a bool "leased"
+        mask); a nonzero entry means the slot is in use and must not be evicted.
+        Only the entries the queues walk past are read, so a call costs
+        O(k + pinned slots met), never a pass over the arena (except the rare
+        fallback when the queue heads are all pinned or still have CLOCK credit).
         The returned slots are forgotten by the policy (they read as free until
         admitted again). Raises NotEnoughEvictable (a ValueError and a
-        ResourceExhausted) when fewer than k slots are evictable: the arena is
-        full of leased rows, so the caller must wait for releases or plan less.
+        ResourceExhausted) when fewer than k slots are resident and unpinned:
+        the arena is full of leased rows, so the caller must wait for releases
+        or plan less. A failed call changes nothing.
         """
-        evictable = np.asarray(evictable)
-        if evictable.shape != (self.capacity,) or evictable.dtype != np.bool_:
-            raise InvalidArgument(f"evictable must be bool [{self.capacity}], got {evictable.dtype} {evictable.shape}")
+        pins = np.asarray(pins)
+        if pins.shape != (self.capacity,):
+            raise InvalidArgument(f"pins must have shape [{self.capacity}], got {pins.dtype} {pins.shape}")
         if k <= 0:
             return np.zeros(0, dtype=np.int64)
         kind = self.config.kind
         if kind == "tinylfu":
-            out = self._victims_fifo(k, evictable)
+            out = self._victims_fifo(k, pins)
         else:
-            cand = np.flatnonzero(evictable & (self.slot_id >= 0)) if kind == "lru" else self._sample(k, evictable)
+            cand = np.flatnonzero((pins == 0) & (self.slot_id >= 0)) if kind == "lru" else self._sample(k, pins)
             if cand.size < k:
-                self._not_enough(k, evictable)
+                self._not_enough(k, pins)
             if kind == "lru":
                 cand = cand[np.argpartition(self._last[cand], k - 1)[:k]] if cand.size > k else cand
             out = cand[:k]
@@ -267,19 +277,19 @@ class CachePolicy:
             raise InvalidArgument(f"table has {self.n_ids} rows; id {bad} is out of range")
         return ids
 
-    def _not_enough(self, k: int, evictable: np.ndarray):
-        n = int(np.count_nonzero(evictable))
+    def _not_enough(self, k: int, pins: np.ndarray):
+        n = int(np.count_nonzero((pins == 0) & (self.slot_id >= 0)))  # error path only
         raise NotEnoughEvictable(
             f"asked for {k} victims but only {n} of {self.capacity} slots are evictable; "
             "release leases or plan fewer ids per step")
 
-    def _sample(self, k: int, evictable: np.ndarray) -> np.ndarray:
+    def _sample(self, k: int, pins: np.ndarray) -> np.ndarray:
         for _ in range(4):  # cheap when most slots are evictable
             s = np.unique(self._rng.integers(0, self.capacity, size=4 * k + 16))
-            s = s[evictable[s]]
+            s = s[(pins[s] == 0) & (self.slot_id[s] >= 0)]
             if s.size >= k:
                 return self._rng.permutation(s)[:k]
-        return self._rng.permutation(np.flatnonzero(evictable))
+        return self._rng.permutation(np.flatnonzero((pins == 0) & (self.slot_id >= 0)))
 
     def _push(self, q: int, slots: np.ndarray) -> None:
         if slots.size == 0:
@@ -291,7 +301,7 @@ class CachePolicy:
         self._count[q] += slots.size
         self._queues[q].push(slots, tickets, lambda s, t: (self._where[s] == q) & (self._ticket[s] == t))
 
-    def _victims_fifo(self, k: int, evictable: np.ndarray) -> np.ndarray:
+    def _victims_fifo(self, k: int, pins: np.ndarray) -> np.ndarray:
         out, need = [], k
         fruitless = {_PROBATION: 0, _MAIN: 0}  # entries scanned since a queue last gave a victim
         while need > 0:
@@ -299,15 +309,15 @@ class CachePolicy:
                       if self._count[q] > 0 and fruitless[q] <= (self.config.max_hits + 1) * self._count[q]]
             if not usable:
                 # the queues' heads are all leased or still have CLOCK credit: take the rest
-                # straight from the evictable mask (one O(capacity) pass, rare) rather than
+                # from one pass over the pins (O(capacity), rare) rather than
                 # refuse a step that fits
                 taken = np.concatenate(out) if out else np.zeros(0, np.int64)
-                mask = evictable & (self._where != _FREE)
+                mask = (pins == 0) & (self._where != _FREE)
                 mask[taken] = False
                 extra = np.flatnonzero(mask)[:need]
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
                     self._push(_PROBATION, taken)
-                    self._not_enough(k, evictable)
+                    self._not_enough(k, pins)
                 for q in (_PROBATION, _MAIN):
                     self._count[q] -= int(np.count_nonzero(self._where[extra] == q))
                 self._where[extra] = _FREE
@@ -315,18 +325,18 @@ class CachePolicy:
                 break
             q = _PROBATION if _PROBATION in usable and (
                 self._count[_PROBATION] > self._window or _MAIN not in usable) else _MAIN
-            got = self._scan(q, need, evictable)
+            got = self._scan(q, need, pins)
             fruitless[q] = 0 if got.size else fruitless[q] + self._last_scanned
             out.append(got)
             need -= got.size
         return np.concatenate(out)
 
-    def _scan(self, q: int, need: int, evictable: np.ndarray) -> np.ndarray:
+    def _scan(self, q: int, need: int, pins: np.ndarray) -> np.ndarray:
         """Pop one chunk from queue q's head; return its victims, requeue the rest."""
         queue = self._queues[q]
         s, t = queue.peek(max(2 * need, 256))
         live = (self._where[s] == q) & (self._ticket[s] == t)
-        free = evictable[s] & live
+        free = (pins[s] == 0) & live
         hits = self._hits[s]
         victim = free & (hits == 0)
         cum = np.cumsum(victim)
