@@ -40,12 +40,19 @@ from torch import nn
 import torch.nn.functional as F
 
 import tierstore.kernels as K
-from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
+from tierstore.client.speccheck import check_table_spec
+from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, StaleRows
 from tierstore.formats import RowFormat
 
 # nn.RMSNorm(eps=None) in the paper demo uses the dtype's machine epsilon
 GATE_EPS = float(torch.finfo(torch.float32).eps)
 CONV_EPS = 1e-5
+
+
+def _still_valid(handle) -> bool:
+    """A source's handle says whether its rows were still its own (LocalTable's always are)."""
+    valid = getattr(handle, "valid", None)
+    return True if handle is None or valid is None else bool(valid())
 
 
 class ShortConv(nn.Module):
@@ -140,6 +147,7 @@ class EngramLayer(nn.Module):
         self.short_conv = (ShortConv(D, M, spec.kernel_size, spec.max_ngram, dtype=compute_dtype)
                            if self.use_conv else None)
         self._pending: deque[_Step] = deque()
+        self._checked_source = None  # the source whose table spec was checked against ours
         self._conv_state: torch.Tensor | None = None
         self._in_flight: list[tuple[object, object]] = []  # (handle, cuda event) awaiting release
 
@@ -157,6 +165,10 @@ class EngramLayer(nn.Module):
         Steps queue up: each forward consumes the oldest prepared step."""
         if self.source is None:
             raise InvalidArgument(f"EngramLayer {self.table!r} has no RowSource; pass source= when building it")
+        if self._checked_source is not self.source:
+            info = self.source.table_info(self.table)
+            check_table_spec(self.spec, info.get("spec"), self.layer_id, self.table, info.get("rows"))
+            self._checked_source = self.source
         ids = row_ids.detach().cpu() if isinstance(row_ids, torch.Tensor) else torch.from_numpy(np.asarray(row_ids))
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise InvalidArgument(f"row ids must be integers, got {ids.dtype}")
@@ -200,6 +212,13 @@ class EngramLayer(nn.Module):
         try:
             h = self._check_hidden(hidden_states, step.shape)
             e = self._gather(step, h.device)
+            if not e.is_cuda and not _still_valid(step.handle):
+                # the lease ended before the gather did (a stalled step): plan and read again
+                step.handle.replan()
+                e = self._gather(step, h.device)
+                if not _still_valid(step.handle):
+                    raise StaleRows(f"EngramLayer {self.table!r}: the rows of this step were reassigned while "
+                                    "it read them, twice; raise the sidecar's --lease-ttl")
         finally:
             self._finish_gather(step, on_device=e is not None and e.is_cuda)
         return self._combine(h, e, step).to(hidden_states.dtype)
@@ -256,15 +275,20 @@ class EngramLayer(nn.Module):
 
     def release_finished(self, wait: bool = False) -> None:
         """Release leases whose gathers have run on the device (all of them if `wait`)."""
-        keep = []
+        keep, stale = [], None
         for handle, ev in self._in_flight:
             if wait:
                 ev.synchronize()
             if wait or ev.query():
+                if not _still_valid(handle):
+                    stale = handle.table
                 handle.release()
             else:
                 keep.append((handle, ev))
         self._in_flight = keep
+        if stale is not None:
+            raise StaleRows(f"EngramLayer {self.table!r}: a step's lease on table {stale!r} ended before its "
+                            "gather ran on the device; its output is not to be used (raise --lease-ttl)")
 
     def _combine(self, h: torch.Tensor, e: torch.Tensor, step: _Step) -> torch.Tensor:
         B, L = step.shape

@@ -252,6 +252,38 @@ class Catalog:
             txn.put(_CUR + table.encode(), struct.pack(">Q", tv.version))
         return tv
 
+    def collect_garbage(self, table: str, keep: int = 2, dry_run: bool = False) -> tuple[list[int], list[int]]:
+        """Remove versions of `table` other than the current one and the `keep` newest,
+        skipping any a running sidecar serves (it holds a shared flock on the version's
+        directory). Returns (removed, skipped because served)."""
+        self._check_writable()
+        cur = self.current(table).version
+        versions = [v.version for v in self.versions(table)]
+        newest = set(sorted(versions)[-keep:]) if keep else set()
+        removed, served = [], []
+        for v in versions:
+            if v >= cur or v in newest:  # never a number the next ingest could hand out again
+                continue
+            vdir = self.data_dir / "tables" / table / f"v{v}"
+            fd = os.open(vdir, os.O_RDONLY | os.O_DIRECTORY) if vdir.is_dir() else None
+            try:
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        served.append(v)
+                        continue
+                if not dry_run:
+                    with self._env.begin(write=True) as txn:  # the record first: never a record without files
+                        txn.delete(_vkey(_VER, table, v))
+                        txn.delete(_vkey(_SUM, table, v))
+                    shutil.rmtree(vdir, ignore_errors=True)
+                removed.append(v)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        return removed, served
+
     def _last_version(self, txn, table: str) -> int:
         prefix = _VER + table.encode() + b"\0"
         cur = txn.cursor()

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("tierstore.commands.export", "export a table version as a zstd-compressed portable file"),
     "import": ("tierstore.commands.import_", "import a portable file as a new table version"),
     "serve": ("tierstore.commands.serve", "run the sidecar (gRPC over a unix socket)"),
+    "reload": ("tierstore.commands.reload", "make a running sidecar serve another table version, live"),
+    "gc": ("tierstore.commands.gc", "remove table versions nobody serves"),
     "lookup": ("tierstore.commands.lookup", "read rows from a running sidecar"),
     "demo": ("tierstore.commands.demo", "end-to-end demo: sidecar + model forward pass vs in-process table"),
     "bench": ("tierstore.commands.bench", "storage benchmarks against simple alternatives"),

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
+from tierstore.config import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
@@ -102,14 +102,16 @@ class TierstoreService(pb_grpc.TierstoreServicer):
             raise Unauthenticated(f"this sidecar needs the shared token in the {TOKEN_HEADER!r} metadata header")
 
     def _info(self, eng) -> pb.TableInfo:
-        v = eng.version
+        v, board = eng.version, self.sidecar.leases.board
         import json
         return pb.TableInfo(
             table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
-                           size_bytes=eng.arena.size, instance=self.sidecar.instance))
+                           size_bytes=eng.arena.size, instance=self.sidecar.instance,
+                           lease_board=str(board.path) if board else "",
+                           lease_board_entries=board.n if board else 0))
 
     @_rpc
     def ListTables(self, request, context):
@@ -123,28 +125,48 @@ class TierstoreService(pb_grpc.TierstoreServicer):
     def Plan(self, request, context):
         eng = self.sidecar.engine(request.table, request.version)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
+        owner = bytes(request.owner)
         if request.release:
-            self.sidecar.leases.release(list(request.release))
-        ttl = request.ttl_ms / 1000.0 if request.ttl_ms else self.cfg.lease_ttl_s
-        ttl = min(ttl, self.cfg.lease_ttl_s * 10)  # the expiry we report is the one the reaper applies
-        res = eng.plan(ids, ttl)
-        expires = int((time.time() + ttl) * 1000) if res.lease_id else 0
+            self.sidecar.leases.release(list(request.release), owner)
+        ttl = self.cfg.lease_ttl_s
+        if request.ttl_ms:
+            ttl = request.ttl_ms / 1000.0
+            if ttl > self.cfg.lease_ttl_s * 10:  # never capped silently: the client would trust its own TTL
+                raise InvalidArgument(f"ttl_ms {request.ttl_ms} is over this sidecar's longest lease "
+                                      f"({self.cfg.lease_ttl_s * 10:g} s = 10 x --lease-ttl)")
+        res = eng.plan(ids, ttl, owner, request.request_id)
+        expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
         return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
                                version=eng.version.version, unique_ids=res.unique, hits=res.hits,
-                               misses=res.misses, expires_unix_ms=expires, instance=self.sidecar.instance)
+                               misses=res.misses, expires_unix_ms=expires, instance=self.sidecar.instance,
+                               arena=str(eng.arena.path), arena_slots=eng.arena.slots)
 
     @_rpc
     def Release(self, request, context):
-        return pb.ReleaseResponse(released=self.sidecar.leases.release(list(request.lease_ids)))
+        return pb.ReleaseResponse(released=self.sidecar.leases.release(list(request.lease_ids), bytes(request.owner)))
+
+    @_rpc
+    def Prefetch(self, request, context):
+        eng = self.sidecar.engine(request.table)
+        ids = eng.check_ids(decode_ids(request.ids, self.cfg.max_request_ids))
+        self.sidecar.prefetch(eng, ids)
+        return pb.PrefetchResponse(queued=ids.size)
+
+    @_rpc
+    def Reload(self, request, context):
+        changed = self.sidecar.reload(request.table, request.version)
+        return pb.ReloadResponse(changed=[pb.ReloadResponse.Change(table=t, old_version=a, new_version=b)
+                                          for t, a, b in changed])
 
     @_rpc
     def Lookup(self, request, context):
         eng = self.sidecar.engine(request.table, request.version)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
-        if ids.size * eng.version.row_bytes > MAX_RESPONSE_BYTES - 4096:
+        if ids.size * eng.version.row_bytes > MAX_INLINE_BYTES:
+            # three copies of the rows live at once (gather, bytes, message): bound them
             raise ResourceExhausted(
-                f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_RESPONSE_BYTES >> 20} MiB response "
-                f"limit; split the lookup or use plan() and the shared arena")
+                f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_INLINE_BYTES >> 20} MiB inline "
+                f"lookup limit; split the lookup or use plan() and the shared arena")
         rows = eng.lookup(ids)
         return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.version)
 

@@ -19,7 +19,7 @@ import pytest
 
 from tierstore import errors
 from tierstore.client.sidecar import Client
-from tierstore.tiers.dram import arena_path
+from tierstore.tiers.dram import arena_tag
 
 NOBODY = 65534
 ROWS = 3000
@@ -96,7 +96,9 @@ def test_everything_is_private_even_under_umask_0(open_dir, sidecars, rel):
 def test_a_link_planted_in_dev_shm_never_redirects_arena_writes(tmp_path, sidecars, rel):
     expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
     sock = tmp_path / "s.sock"
-    path = arena_path(Path("/dev/shm"), str(sock), "t", 1)
+    # names carry random bits now; plant a link where a persisted arena of this sidecar would be found
+    tag = arena_tag(tmp_path / "data", str(sock.resolve()))
+    path = Path("/dev/shm") / f"tierstore.{os.getuid()}.{tag}.000000000000.t.v1"
     victim = tmp_path / "victim"
     victim.write_bytes(b"\xab" * expected.nbytes)  # the serving user's file, the arena's exact size
     victim.chmod(0o600)
