@@ -185,6 +185,13 @@ class Server:
 
         self.config = config
         self.sidecar = Sidecar(config)
+        try:
+            self._build(config, Metrics)
+        except BaseException:
+            self.sidecar.close()  # its arenas must not outlive a failed start
+            raise
+
+    def _build(self, config: ServeConfig, Metrics) -> None:
         self.metrics = Metrics(self.sidecar)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
                                 options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64)

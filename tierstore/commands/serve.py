@@ -50,11 +50,18 @@ def run(args) -> int:
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile)
+    # until serving starts, a signal unwinds the start-up, which removes every arena made so far
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_now)
     server = Server(cfg)
+    try:
+        server.start()
+    except BaseException:
+        server.stop(grace=0)  # e.g. --metrics-port in use: leave no socket or arena behind
+        raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
     modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.sidecar.engines.items())
     print(f"tierstore serving {len(server.sidecar.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
           flush=True)
@@ -76,3 +83,7 @@ def _return_big_buffers_to_the_os() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
+
+
+def _exit_now(signum, frame) -> None:
+    raise SystemExit(128 + signum)

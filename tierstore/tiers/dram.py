@@ -126,8 +126,16 @@ class Arena:
                 raise ResourceExhausted(
                     f"cannot reserve {self.size / 2**20:.1f} MiB for arena {self.path.name} in {self.path.parent} "
                     f"({e.strerror}); lower --dram-budget or enlarge {self.path.parent}") from None
+            except BaseException:  # a signal while reserving: the file is ours to remove
+                os.close(fd)
+                self._staging.unlink(missing_ok=True)
+                raise
         try:
             self._mmap = mmap.mmap(fd, self.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if self._staging is not None:
+                self._staging.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         whole = np.frombuffer(self._mmap, dtype=np.uint8)
