@@ -5,6 +5,7 @@
     tierstore bench cache  --out OUT [--quick]          (cache-policy simulation)
     tierstore bench hash   --out OUT [--quick]          (hashing vs plain numpy)
     tierstore bench e2e    --data DIR --out OUT [--quick]
+    tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
     tierstore bench all    --data DIR --out OUT [--quick]
     tierstore bench report OUT
 
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e")
+SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e", "scale")
 DEMO_PRESET, DEMO_SCALE = "engram-paper-demo", 64
 
 
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hsh.add_argument("--preset", default="deepseek-v4.1-flash")
     e2e = sub.add_parser("e2e", help="model forward pass fed by the sidecar vs an in-process table")
     _common(e2e)
+    sc = sub.add_parser("scale", help="Plan time against a full cache-mode arena of 0.5 M vs 16 M slots")
+    _common(sc, data=False)
+    sc.add_argument("--large", type=int, help="slots of the large arena (default 16,000,000; quick 4,000,000)")
     al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
     _common(al)
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
@@ -168,6 +172,10 @@ def _run_one(name: str, args) -> int:
                           f"{res['speedup']:.2f}x plain numpy ({res['tierstore_tokens_per_s'] / 1e6:.2f} M tokens/s), "
                           f"outputs equal: {res['outputs_equal']}")
         res["units"] = {"*_tokens_per_s": "tokens/s", "*_s": "s", "speedup": "x"}
+    elif name == "scale":
+        from tierstore.bench.scale import run_scale_bench
+
+        res = run_scale_bench(out, quick=quick, seed=seed, large=getattr(args, "large", None), log=_log)
     else:  # e2e
         fn = _optional("tierstore.bench.e2e", "run_e2e_bench", "e2e")
         if fn is None:
