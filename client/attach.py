@@ -71,6 +71,28 @@ class EngramAttachment:
             layer.prepare(rows[lid])
         self.decode_state = self.hasher.state_from_prefix(ids)
 
+    def prefetch(self, ids) -> int:
+        """Request admission: hash a queued request's token ids [B, T] (or [T]) and ask the
+        source to promote their rows now, without a lease, so its cold reads overlap the
+        time the request waits to run. Returns the ids asked for (0 when the source
+        cannot prefetch, e.g. an in-process table)."""
+        ids = self.compress(ids)
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        if ids.ndim != 2:
+            raise InvalidArgument(f"token ids must be [B, T] or [T], got shape {tuple(ids.shape)}")
+        rows = self.hasher.hash_all(ids)
+        asked = 0
+        for lid, layer in self.layers.items():
+            fetch = getattr(layer.source, "prefetch", None)
+            if fetch is None:
+                continue
+            uniq = np.unique(rows[lid])
+            if layer.hbm_cache is not None:
+                uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
+            fetch(layer.table, uniq)
+            asked += uniq.size
+        return asked
+
     def prepare_decode(self, new_ids) -> None:
         """Hash one new token per sequence from the carried state; plan with continue_state."""
         if self.decode_state is None:

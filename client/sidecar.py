@@ -495,8 +495,10 @@ class Client:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
         at once): their disk reads overlap the time the request waits to run."""
         self._check_open()
-        self._stub.Prefetch.future(pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes()),
-                                   timeout=self.timeout, metadata=self._metadata)
+        fut = self._stub.Prefetch.future(pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes()),
+                                         timeout=self.timeout, metadata=self._metadata)
+        with self._lock:  # held until answered: a collected future cancels its call
+            self._inflight = [f for f in self._inflight if not f.done()] + [fut]
 
     def reload(self, table: str = "", version: int = 0) -> list[tuple[str, int, int]]:
         """Make the sidecar serve the catalog's current versions (or `table` at `version`)
