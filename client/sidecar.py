@@ -107,9 +107,9 @@ def unregister_for_cuda(arr: np.ndarray) -> None:
 class MappedArena:
     """One arena file mapped read-only (numpy view, its header, a torch view on demand)."""
 
-    def __init__(self, path: str, slots: int, row_bytes: int, instance: str | None):
+    def __init__(self, path: str, slots: int, row_bytes: int, instance: str | None, allow_retired: bool = False):
         self.path = path
-        self.rows, self.header = map_readonly(path, slots, row_bytes, instance=instance)
+        self.rows, self.header = map_readonly(path, slots, row_bytes, instance=instance, allow_retired=allow_retired)
         self._tensor = None
         self._registered = False
 
@@ -199,6 +199,7 @@ class StepPlan:
         self._mapped: MappedArena | None = None if future is not None else handle.mapped
         self.hits = self.misses = 0
         self._released = False
+        self._retried = False
         self._error: errors.TierstoreError | None = None
 
     @property
@@ -233,8 +234,18 @@ class StepPlan:
         if resp.instance != self._handle.instance:
             # the sidecar restarted since we described the table: refresh what we know of it
             self._handle = self._client._refresh(self.table)
-        self._mapped = self._client.arena(resp.arena, resp.arena_slots, self._handle.row_bytes, resp.instance)
         self.lease_id, self.expires_unix_ms = resp.lease_id, resp.expires_unix_ms
+        try:
+            self._mapped = self._client.arena(resp.arena, resp.arena_slots, self._handle.row_bytes, resp.instance,
+                                              leased=True)
+        except errors.StaleArena:
+            # freed already: the lease ended before we got here (it is dead, nothing to release)
+            if self._retried:
+                raise
+            self._retried = True
+            fresh = self._client.plan(self.table, self._ids)
+            self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
+            return self._resolve(timeout)
         self.hits, self.misses = resp.hits, resp.misses
         self._slots = np.frombuffer(resp.slots, dtype="<i8")
 
@@ -425,15 +436,17 @@ class Client:
             self._handles.pop(table, None)
         return self.handle(table)
 
-    def arena(self, path: str, slots: int, row_bytes: int, instance: str) -> MappedArena:
-        """The mapped arena at `path` (mapped once per client; retired ones are let go)."""
+    def arena(self, path: str, slots: int, row_bytes: int, instance: str, leased: bool = False) -> MappedArena:
+        """The mapped arena at `path` (mapped once per client; retired ones are let go).
+
+        leased: the caller holds a lease in it, so a retired arena may still be read."""
         with self._lock:
             m = self._arenas.get(path)
-            if m is not None and not m.retired:
+            if m is not None and (leased or not m.retired):
                 return m
-            for p in [p for p, x in self._arenas.items() if x.retired]:
+            for p in [p for p, x in self._arenas.items() if x.retired and p != path]:
                 self._arenas.pop(p).drop()
-        m = MappedArena(path, slots, row_bytes, instance)
+        m = MappedArena(path, slots, row_bytes, instance, allow_retired=leased)
         with self._lock:
             self._arenas[path] = m
         return m

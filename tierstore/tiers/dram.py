@@ -204,11 +204,14 @@ def retire_file(path: Path) -> bool:
         os.close(fd)
 
 
-def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str | None = None):
+def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str | None = None,
+                 allow_retired: bool = False):
     """A client's read-only view of an arena: (rows uint8 [slots, row_bytes], ArenaHeader).
 
     Raises StaleArena when the file is not the arena described (another host's
     path, another sidecar instance, already retired, or the wrong shape).
+    allow_retired: a step holding a lease in a retired cache arena may still
+    read it (its rows stay pinned until the lease ends).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -233,7 +236,7 @@ def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str 
         problem = "belongs to another host (a remote sidecar's path): use inline lookups"
     elif instance is not None and h["instance"] != instance:
         problem = f"belongs to sidecar instance {h['instance']}, not {instance}"
-    elif h["retired"]:
+    elif h["retired"] and not allow_retired:
         problem = "is retired"
     elif (h["slots"], h["row_bytes"]) != (slots, row_bytes):
         problem = f"holds {h['slots']} x {h['row_bytes']} B rows, not {slots} x {row_bytes}"
