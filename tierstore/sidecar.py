@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 
@@ -73,6 +74,13 @@ class Sidecar:
         --persist-arena); keep persisted full arenas to re-attach: {(table, version): path}."""
         keep = {}
         for path in own_files(self.config.shm_dir, self.tag):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                log.warning("ignoring %s: not a file this user made (planted by someone else?)", path)
+                continue
             name = path.name
             if self.config.persist_arena and not name.endswith((".new", ".leases")):
                 table, _, v = name.split(".", 4)[-1].rpartition(".v")
