@@ -1,0 +1,205 @@
+"""Client of the sidecar's local fast path: a step's Plan for all its tables, in one round trip.
+
+    from tierstore.client.fastpath import FastPathClient, PlanItem
+    with FastPathClient("/run/tierstore.sock.fast") as fp:
+        l1, l14 = fp.plan([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
+        slots = l1.slots                   # int64, one per id, read-only view of the reply (no copy)
+
+Each PlanResult carries `instance`: when it differs from the one whose arena you
+mapped, the sidecar restarted (the client reconnects once by itself) and the
+slots index the new arena: remap it. Errors of one table come back as that
+item's entry (a tierstore.errors instance, same class as the server raised);
+use raise_errors(results) to raise the first. Whole-request failures raise.
+
+Failure modes: Unavailable (no sidecar on the socket, or no reply within
+`timeout` seconds; the message names the socket), ResourceExhausted (request
+over the sidecar's size limit, or max_clients reached), InvalidArgument (bad
+items, protocol mismatch). Thread-safe: calls on one client take turns on its
+connection; use one client per thread for parallel steps.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tierstore import errors
+from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, PLAN, PLAN_REQ,
+                                PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
+                                PlanResult, decode_error, pad8, send_frame)
+
+__all__ = ["FastPathClient", "PlanItem", "PlanResult", "raise_errors"]
+
+RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
+_PAD = bytes(8)
+
+
+def raise_errors(results: list) -> list[PlanResult]:
+    """The results, or the first item's error raised."""
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class FastPathClient:
+    """One connection to the fast path at `path` (the sidecar's `<socket>.fast`).
+
+    owner: 16 bytes naming this connection's leases (random when None); the
+           sidecar ends an owner's leases when its connection closes, and a
+           reconnect takes a fresh owner.
+    timeout: seconds a call may wait for the sidecar before Unavailable.
+    """
+
+    def __init__(self, path, owner: bytes | None = None, timeout: float = 30.0):
+        if owner is not None and (not isinstance(owner, bytes) or len(owner) != 16):
+            raise errors.InvalidArgument(f"fast-path owner must be 16 bytes, got {owner!r}")
+        if not timeout > 0:
+            raise errors.InvalidArgument(f"timeout must be positive seconds, got {timeout}")
+        self.path, self.timeout = Path(path), float(timeout)
+        self.owner, self.instance, self.max_request_bytes = owner or os.urandom(16), "", 0
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        with self._lock:
+            self._connect(self.owner, wait=0.0)
+
+    # -- public calls ----------------------------------------------------------------------
+
+    def plan(self, items: list[PlanItem], release=()) -> list:
+        """Release `release` (lease ids), then plan every item: one PlanResult or error per item."""
+        items = list(items)
+        rel = np.ascontiguousarray(release, dtype="<u8") if len(release) else np.empty(0, "<u8")
+        parts, size = [PLAN_REQ.pack(len(items), rel.size), rel], PLAN_REQ.size + rel.nbytes
+        for i, it in enumerate(items):
+            ids = np.asarray(it.ids)
+            if ids.dtype.kind not in "iu":
+                raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, got {ids.dtype}")
+            ids = np.ascontiguousarray(ids.ravel(), dtype="<i8")
+            name = it.table.encode("utf-8")
+            if len(name) > MAX_NAME:
+                raise errors.InvalidArgument(f"plan item {i}: table name of {len(name)} B is over {MAX_NAME} B")
+            try:
+                head = ITEM.pack(it.version, it.request_id, ids.size, it.ttl_ms, len(name))
+            except struct.error as e:
+                raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): version, request_id, ttl_ms or the "
+                                             f"id count is out of range: {e}") from None
+            parts += [head, name, _PAD[:pad8(len(name))], ids]
+            size += ITEM.size + len(name) + pad8(len(name)) + ids.nbytes
+        body = self._call(PLAN, parts, size)
+        return self._parse_plan(body, len(items))
+
+    def release(self, lease_ids) -> int:
+        """End these leases now (for a client with no next step to carry them); returns how many were live."""
+        ids = np.ascontiguousarray(lease_ids, dtype="<u8")
+        body = self._call(RELEASE, [COUNT.pack(ids.size), ids], COUNT.size + ids.nbytes)
+        return U64.unpack_from(body)[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _unavailable(self, why) -> errors.Unavailable:
+        return errors.Unavailable(f"no tierstore sidecar fast path answers at {self.path} (is `tierstore serve` "
+                                  f"running there?): {why}")
+
+    def _connect(self, owner: bytes, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise self._unavailable(e) from None
+                time.sleep(0.02)  # a restarting sidecar: its socket comes back within `wait`
+            except OSError as e:
+                sock.close()
+                raise self._unavailable(e) from None
+        reader = FrameReader(sock, 1 << 20)
+        try:
+            try:
+                send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner)])
+            except OSError:
+                pass  # a refusal (max_clients) may already wait to be read
+            op, body = reader.read(owned=True)
+        except (EOFError, OSError, FrameError) as e:
+            sock.close()
+            raise self._unavailable(f"the handshake failed: {e}") from None
+        if op == ERROR:
+            sock.close()
+            raise decode_error(body, 0)[0]
+        magic, version, limit = HELLO_RESP.unpack_from(body) if len(body) >= HELLO_RESP.size else (b"", 0, 0)
+        if op != HELLO or magic != MAGIC or version != PROTOCOL_VERSION:
+            sock.close()
+            raise errors.InvalidArgument(f"{self.path} does not speak tierstore fast-path v{PROTOCOL_VERSION} "
+                                         f"(got {magic!r} v{version}); client and sidecar versions differ")
+        self.instance = body[HELLO_RESP.size:].decode("utf-8", "replace")
+        self.owner, self.max_request_bytes = owner, limit
+        reader.limit = 2 * limit + (1 << 20)  # a reply carries one slot per id plus small headers
+        self._sock, self._reader = sock, reader
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _call(self, op: int, parts: list, size: int):
+        with self._lock:
+            if self._closed:
+                raise errors.InvalidArgument(f"fast-path client of {self.path} is closed")
+            for attempt in (0, 1):
+                if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+                    self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+                if size > self.max_request_bytes:
+                    raise errors.ResourceExhausted(f"fast-path request of {size} B exceeds the sidecar's "
+                                                   f"{self.max_request_bytes} B limit; split the step")
+                try:
+                    send_frame(self._sock, op, parts)
+                    rop, body = self._reader.read(owned=True)
+                    break
+                except TimeoutError:
+                    self._drop()
+                    raise self._unavailable(f"no reply within {self.timeout:g} s") from None
+                except (EOFError, OSError, FrameError) as e:
+                    self._drop()
+                    if attempt:
+                        raise self._unavailable(e) from None
+        if rop == ERROR:
+            raise decode_error(body, 0)[0]
+        if rop != op:
+            raise errors.TierstoreError(f"fast path at {self.path} answered op {rop} to op {op}")
+        return body
+
+    def _parse_plan(self, body: bytes, n_items: int) -> list:
+        (n,), off, out = COUNT.unpack_from(body), COUNT.size, []
+        if n != n_items:
+            raise errors.TierstoreError(f"fast path at {self.path} answered {n} of {n_items} plan items")
+        for _ in range(n):
+            if body[off] == 0:
+                _, n_slots, lease_id, version, expires, hits, misses, unique = RES_OK.unpack_from(body, off)
+                off += RES_OK.size
+                slots = np.frombuffer(body, "<i8", n_slots, off)
+                off += 8 * n_slots
+                out.append(PlanResult(lease_id, version, slots, hits, misses, unique, expires, self.instance))
+            else:
+                err, off = decode_error(body, off)
+                out.append(err)
+        return out
