@@ -46,6 +46,9 @@ U64 = struct.Struct("<Q")
 MAX_ITEMS = 4096            # tables in one step; far above any model's Engram layer count
 MAX_NAME = 1024
 SCRATCH = 64 << 10
+SMALL_FRAME = 16 << 10
+KEEP_BUFFER = 8 << 20      # a connection keeps a receive buffer up to this size between requests
+SOCKET_BUFFER = 4 << 20    # asked of SO_SNDBUF/SO_RCVBUF (the kernel caps it): a 32k-id step in one go
 
 
 @dataclass(slots=True)
@@ -110,7 +113,11 @@ def decode_error(body, off: int) -> tuple[errors.TierstoreError, int]:
 def send_frame(sock: socket.socket, op: int, parts: list) -> None:
     """Send one frame from a list of buffers without joining them (slots/ids go out zero-copy)."""
     views = [memoryview(p).cast("B") for p in parts]
-    views.insert(0, memoryview(HDR.pack(sum(v.nbytes for v in views), op)))
+    size = sum(v.nbytes for v in views)
+    if size <= SMALL_FRAME:  # one small copy is cheaper than a scatter list
+        sock.sendall(HDR.pack(size, op) + b"".join(views))
+        return
+    views.insert(0, memoryview(HDR.pack(size, op)))
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= views[0].nbytes:
@@ -124,6 +131,8 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, limit: int):
         self.sock, self.limit = sock, limit
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         self.buf = bytearray(SCRATCH)
         self.start = self.end = 0
 
@@ -179,7 +188,7 @@ class FrameReader:
         except BufferError:
             self._move(SCRATCH)
             return
-        if len(self.buf) > 4 * SCRATCH and self.end - self.start <= SCRATCH:
+        if len(self.buf) > KEEP_BUFFER and self.end - self.start <= SCRATCH:
             self._move(SCRATCH)
 
 

@@ -1,0 +1,334 @@
+"""The local fast path (tierstore/fastpath.py + client/fastpath.py) over a real unix socket.
+
+The handler is bench/fastpath.py's ModuloHandler (slot = id & mask, leases in a
+dict): the transport's harness, not a model of the engine."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierstore import errors
+from tierstore.bench.fastpath import ChildServer, ModuloHandler
+from tierstore.client.fastpath import FastPathClient, PlanItem, raise_errors
+from tierstore.fastpath import FastPathServer, fast_socket_path
+from tierstore.fastwire import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, PLAN, PLAN_REQ, PROTOCOL_VERSION,
+                                FrameReader, decode_error)
+
+MASK = (1 << 20) - 1
+
+
+@pytest.fixture
+def sock_dir():
+    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))  # unix socket paths must stay under 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(sock_dir):
+    """serve(handler=None, **kw) -> (FastPathServer, handler), stopped at teardown."""
+    started = []
+
+    def start(handler=None, path=None, **kw):
+        handler = handler or ModuloHandler()
+        srv = FastPathServer(path or sock_dir / "s.sock.fast", handler, **{"max_clients": 8, **kw})
+        srv.start()
+        started.append(srv)
+        return srv, handler
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+def ids_of(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 1 << 30, n, dtype=np.int64)
+
+
+def raw_client(path, owner=None):
+    """A socket past HELLO (or before it when owner is False), for speaking bytes by hand."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    if owner is not False:
+        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner or os.urandom(16)))
+        assert FrameReader(s, 1 << 20).read(owned=True)[0] == HELLO
+    return s
+
+
+def read_reply(s):
+    """(op, body) of the next frame, or None when the server closed the connection."""
+    try:
+        return FrameReader(s, 1 << 30).read(owned=True)
+    except (EOFError, ConnectionError):
+        return None
+
+
+def test_plan_returns_slots_per_item_and_release_rides_along(serve):
+    srv, h = serve()
+    with FastPathClient(srv.path) as c:
+        assert c.instance == h.instance()
+        a, b = ids_of(256, 1), ids_of(1000, 2)
+        res = raise_errors(c.plan([PlanItem("l1", a, ttl_ms=500, request_id=7), PlanItem("l14", b, version=3)]))
+        assert [r.slots.tolist() for r in res] == [(a & MASK).tolist(), (b & MASK).tolist()]
+        assert res[0].slots.dtype == np.dtype("<i8") and not res[0].slots.flags.writeable
+        assert res[1].version == 3 and res[0].instance == h.instance() and res[0].hits == 256
+        assert len(h.leases) == 2
+        res2 = raise_errors(c.plan([PlanItem("l1", a[:0])], release=[r.lease_id for r in res]))
+        assert res2[0].slots.size == 0 and list(h.leases) == [res2[0].lease_id]  # the old two released first
+        assert c.release([res2[0].lease_id, 12345]) == 1 and not h.leases
+
+
+def test_errors_come_back_per_item_as_the_same_class(serve):
+    srv, _ = serve()
+    with FastPathClient(srv.path) as c:
+        res = c.plan([PlanItem("nope", ids_of(3)), PlanItem("l1", ids_of(3)), PlanItem("l1", np.array([-1]))])
+        assert type(res[0]) is errors.TableNotFound and "nope" in str(res[0])
+        assert res[1].slots.size == 3
+        assert type(res[2]) is errors.IdOutOfRange
+        with pytest.raises(errors.TableNotFound):
+            raise_errors(res)
+        with pytest.raises(errors.InvalidArgument, match="integers"):
+            c.plan([PlanItem("l1", np.array([1.5]))])
+
+
+class Broken(ModuloHandler):
+    def plan(self, owner, items, release):
+        if items and items[0].table == "boom":
+            raise RuntimeError("handler bug")
+        if items and items[0].table == "odd":
+            return [ValueError("not a tierstore error")]
+        return super().plan(owner, items, release)
+
+
+def test_a_handler_bug_is_an_error_reply_and_the_connection_survives(serve):
+    srv, _ = serve(Broken())
+    with FastPathClient(srv.path) as c:
+        with pytest.raises(errors.TierstoreError, match="internal error.*RuntimeError: handler bug"):
+            c.plan([PlanItem("boom", ids_of(2))])
+        assert type(c.plan([PlanItem("odd", ids_of(2))])[0]) is errors.TierstoreError
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(4))]))[0].slots.size == 4
+
+
+def test_socket_is_0600_and_only_a_stale_one_is_replaced(serve, sock_dir):
+    path = sock_dir / "s.sock.fast"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # a socket file nothing answers on
+    srv, _ = serve(path=path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(errors.InvalidArgument, match="another process serves"):
+        FastPathServer(path, ModuloHandler()).start()
+    (sock_dir / "file").write_text("keep me")
+    with pytest.raises(errors.InvalidArgument, match="not a socket"):
+        FastPathServer(sock_dir / "file", ModuloHandler()).start()
+    assert (sock_dir / "file").read_text() == "keep me"
+    srv.stop()
+    assert not path.exists()
+    assert fast_socket_path(Path("/run/t.sock")) == Path("/run/t.sock.fast")
+
+
+def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
+    srv, _ = serve(max_clients=2)
+    a, b = FastPathClient(srv.path), FastPathClient(srv.path)
+    with pytest.raises(errors.ResourceExhausted, match="max_clients=2"):
+        FastPathClient(srv.path)
+    a.close()
+    for _ in range(200):  # the server notices the close on its own thread
+        if srv.clients < 2:
+            break
+        time.sleep(0.01)
+    with FastPathClient(srv.path) as c:
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(5))]))[0].slots.size == 5
+    b.close()
+
+
+def test_a_closed_connection_ends_its_owners_leases(serve):
+    srv, h = serve()
+    owner = os.urandom(16)
+    keep = FastPathClient(srv.path)
+    keep.plan([PlanItem("l1", ids_of(5))])
+    c = FastPathClient(srv.path, owner=owner)
+    c.plan([PlanItem("l1", ids_of(5)), PlanItem("l14", ids_of(5))])
+    assert len(h.leases) == 3
+    c.close()
+    for _ in range(200):
+        if owner in h.disconnects:
+            break
+        time.sleep(0.01)
+    assert h.disconnects == [owner] and list(h.leases.values()) == [keep.owner]
+    keep.close()
+
+
+def test_no_server_is_unavailable_naming_the_socket(sock_dir):
+    with pytest.raises(errors.Unavailable, match=str(sock_dir / "none")):
+        FastPathClient(sock_dir / "none", timeout=1)
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never answers
+    mute.bind(str(sock_dir / "mute"))
+    mute.listen()
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable, match="mute"):
+        FastPathClient(sock_dir / "mute", timeout=0.3)
+    assert time.monotonic() - t0 < 10  # it gave up instead of hanging
+    mute.close()
+
+
+def test_the_client_reconnects_once_after_a_restart_and_reports_the_new_instance(serve):
+    srv, h = serve()
+    c = FastPathClient(srv.path, timeout=5)
+    raise_errors(c.plan([PlanItem("l1", ids_of(3))]))
+    srv.stop()
+    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
+    res = raise_errors(c.plan([PlanItem("l1", ids_of(3))], release=[1]))
+    assert res[0].instance == c.instance == "second" != h.instance()
+    srv2.stop()
+    with pytest.raises(errors.Unavailable, match=str(srv.path)):
+        c.plan([PlanItem("l1", ids_of(3))])
+    c.close()
+    with pytest.raises(errors.InvalidArgument, match="closed"):
+        c.release([1])
+
+
+def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
+    srv, _ = serve()
+    for magic, version in ((b"HTTP", PROTOCOL_VERSION), (MAGIC, PROTOCOL_VERSION + 1)):
+        s = raw_client(srv.path, owner=False)
+        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(magic, version, os.urandom(16)))
+        op, body = read_reply(s)
+        err = decode_error(body, 0)[0]
+        assert op == ERROR and type(err) is errors.InvalidArgument and "different tierstore versions" in str(err)
+        assert read_reply(s) is None  # and the connection is closed
+        s.close()
+
+
+def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
+    srv, _ = serve(max_request_bytes=4096)
+    with FastPathClient(srv.path) as c:
+        with pytest.raises(errors.ResourceExhausted, match="4096 B limit"):
+            c.plan([PlanItem("l1", ids_of(1000))])  # refused before sending
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(10))]))[0].slots.size == 10
+    s = raw_client(srv.path)
+    s.sendall(HDR.pack(1 << 31, PLAN))
+    op, body = read_reply(s)
+    assert op == ERROR and type(decode_error(body, 0)[0]) is errors.ResourceExhausted
+    assert read_reply(s) is None
+    s.close()
+
+
+class Keeper(ModuloHandler):
+    """Keeps the ids it was given past the call: the server must then not reuse that buffer."""
+
+    kept: list = []
+
+    def plan(self, owner, items, release):
+        self.kept.append(items[0].ids)
+        return super().plan(owner, items, release)
+
+
+def test_ids_a_handler_keeps_are_not_overwritten_by_the_next_request(serve):
+    srv, h = serve(Keeper())
+    with FastPathClient(srv.path) as c:
+        first, second = ids_of(100, 1), ids_of(100, 2)
+        c.plan([PlanItem("l1", first)])
+        c.plan([PlanItem("l1", second)])
+    assert np.array_equal(h.kept[0], first) and np.array_equal(h.kept[1], second)
+
+
+def test_threads_share_one_client(serve):
+    srv, _ = serve()
+    failures = []
+    with FastPathClient(srv.path) as c:
+        def worker(seed):
+            for i in range(30):
+                ids = ids_of(64 + i, seed * 100 + i)
+                res = raise_errors(c.plan([PlanItem("l1", ids)]))
+                if not np.array_equal(res[0].slots, ids & MASK):
+                    failures.append(seed)
+                c.release([res[0].lease_id])
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures
+
+
+def frames():
+    """Hostile frames: random ops and bytes, and PLANs whose declared sizes lie."""
+    plan_body = st.builds(
+        lambda n_items, n_rel, ver, n_ids, ttl, name_len, name, tail: (
+            PLAN_REQ.pack(n_items, n_rel) + ITEM.pack(ver, 0, n_ids, ttl, name_len) + name + tail),
+        st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**16 - 1),
+        st.binary(max_size=40), st.binary(max_size=256))
+    return st.one_of(
+        st.tuples(st.integers(0, 255), st.binary(max_size=512)),
+        st.tuples(st.just(PLAN), plan_body),
+        st.tuples(st.sampled_from([HELLO, PLAN, 3, 0x7F, 200]), st.binary(max_size=64)))
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.lists(frames(), min_size=1, max_size=4), truncate=st.booleans())
+def test_hostile_frames_never_break_the_server(fuzz_target, data, truncate):
+    srv, good = fuzz_target
+    s = raw_client(srv.path)
+    try:
+        for op, body in data:
+            frame = HDR.pack(len(body), op) + body
+            s.sendall(frame[:len(frame) // 2] if truncate else frame)
+            if truncate:
+                break
+            reply = read_reply(s)
+            if reply is None:
+                break
+            assert reply[0] in (ERROR, op)
+            if reply[0] == ERROR:
+                assert isinstance(decode_error(reply[1], 0)[0], errors.TierstoreError)
+    finally:
+        s.close()
+    ids = ids_of(50)
+    assert np.array_equal(raise_errors(good.plan([PlanItem("l1", ids)]))[0].slots, ids & MASK)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))
+    srv = FastPathServer(d / "f.fast", ModuloHandler(), max_request_bytes=1 << 16, max_clients=4)
+    srv.start()
+    good = FastPathClient(srv.path, timeout=10)
+    yield srv, good
+    good.close()
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_server_in_another_process(sock_dir):
+    path = sock_dir / "child.fast"
+    child = ChildServer(path)
+    try:
+        c = FastPathClient(path, timeout=5)
+        ids = ids_of(32768)
+        res = raise_errors(c.plan([PlanItem("l1", ids), PlanItem("l14", ids[:256])]))
+        assert np.array_equal(res[0].slots, ids & MASK) and res[0].instance == child.instance
+        assert child.leases()["leases"] == 2
+        c.release([r.lease_id for r in res])
+        assert child.leases()["leases"] == 0
+        child.kill()  # a crashed sidecar: nothing answers, the client says so and names the socket
+        with pytest.raises(errors.Unavailable, match="child.fast"):
+            c.plan([PlanItem("l1", ids[:4])])
+        c.close()
+    finally:
+        child.kill()
