@@ -101,8 +101,7 @@ def _grpc_server(path: str, handler: ModuloHandler):
 
     def plan(request: bytes, context) -> bytes:
         items, release = parse_plan(request)
-        return b"".join(bytes(memoryview(p).cast("B")) for p in encode_plan_results(
-            handler.plan(b"grpc", items, release)))
+        return b"".join(encode_plan_results(handler.plan(b"grpc", items, release))[0])
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])

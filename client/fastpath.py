@@ -37,6 +37,7 @@ __all__ = ["FastPathClient", "PlanItem", "PlanResult", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 _PAD = bytes(8)
+_I8 = np.dtype("<i8")
 
 
 def raise_errors(results: list) -> list[PlanResult]:
@@ -77,10 +78,13 @@ class FastPathClient:
         rel = np.ascontiguousarray(release, dtype="<u8") if len(release) else np.empty(0, "<u8")
         parts, size = [PLAN_REQ.pack(len(items), rel.size), rel], PLAN_REQ.size + rel.nbytes
         for i, it in enumerate(items):
-            ids = np.asarray(it.ids)
-            if ids.dtype.kind not in "iu":
-                raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, got {ids.dtype}")
-            ids = np.ascontiguousarray(ids.ravel(), dtype="<i8")
+            ids = it.ids
+            if type(ids) is not np.ndarray or ids.dtype != _I8 or not ids.flags.c_contiguous:
+                ids = np.asarray(ids)
+                if ids.dtype.kind not in "iu":
+                    raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, "
+                                                 f"got {ids.dtype}")
+                ids = np.ascontiguousarray(ids.ravel(), dtype=_I8)
             name = it.table.encode("utf-8")
             if len(name) > MAX_NAME:
                 raise errors.InvalidArgument(f"plan item {i}: table name of {len(name)} B is over {MAX_NAME} B")
@@ -133,6 +137,11 @@ class FastPathClient:
             except OSError as e:
                 sock.close()
                 raise self._unavailable(e) from None
+        # kernel timeouts on a blocking socket: Python's own timeout polls before every send and recv
+        sock.settimeout(None)
+        tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         reader = FrameReader(sock, 1 << 20)
         try:
             try:
@@ -172,10 +181,10 @@ class FastPathClient:
                     raise errors.ResourceExhausted(f"fast-path request of {size} B exceeds the sidecar's "
                                                    f"{self.max_request_bytes} B limit; split the step")
                 try:
-                    send_frame(self._sock, op, parts)
+                    send_frame(self._sock, op, parts, size)
                     rop, body = self._reader.read(owned=True)
                     break
-                except TimeoutError:
+                except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
                     self._drop()
                     raise self._unavailable(f"no reply within {self.timeout:g} s") from None
                 except (EOFError, OSError, FrameError) as e:

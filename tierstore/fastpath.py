@@ -185,15 +185,15 @@ class FastPathServer:
             while True:
                 op, body = reader.read()
                 try:
-                    op, parts = self._dispatch(owner, op, body)
+                    op, parts, size = self._dispatch(owner, op, body)
                 except errors.TierstoreError as e:
-                    op, parts = ERROR, encode_error(e)
+                    op, parts, size = ERROR, encode_error(e), None
                 except Exception as e:  # a handler bug must not end the connection, let alone the sidecar
                     log.exception("fast path handler failed")
-                    op, parts = ERROR, encode_error(errors.TierstoreError(
-                        f"internal error in the sidecar fast path: {type(e).__name__}: {e}"))
+                    op, parts, size = ERROR, encode_error(errors.TierstoreError(
+                        f"internal error in the sidecar fast path: {type(e).__name__}: {e}")), None
                 del body
-                send_frame(sock, op, parts)
+                send_frame(sock, op, parts, size)
                 del parts
                 reader.recycle()
         except FrameError as e:
@@ -235,19 +235,19 @@ class FastPathServer:
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
         return owner
 
-    def _dispatch(self, owner: bytes, op: int, body) -> tuple[int, list]:
+    def _dispatch(self, owner: bytes, op: int, body) -> tuple[int, list, int]:
         if op == PLAN:
             items, release = parse_plan(body)
             results = self.handler.plan(owner, items, release)
             if len(results) != len(items):
                 raise errors.TierstoreError(f"internal error: the sidecar planned {len(results)} of "
                                             f"{len(items)} tables")
-            return PLAN, encode_plan_results(results)
+            return (PLAN, *encode_plan_results(results))
         if op == RELEASE:
             if len(body) < COUNT.size or COUNT.unpack_from(body)[0] * 8 != len(body) - COUNT.size:
                 raise errors.InvalidArgument(f"fast-path RELEASE body of {len(body)} B does not match its count")
             ids = np.frombuffer(body, "<u8", offset=COUNT.size).tolist()
-            return RELEASE, [U64.pack(int(self.handler.release(owner, ids)))]
+            return RELEASE, [U64.pack(int(self.handler.release(owner, ids)))], U64.size
         if op == HELLO:
             raise errors.InvalidArgument("fast-path HELLO sent twice on one connection")
         raise errors.InvalidArgument(f"unknown fast-path op {op}; client and sidecar come from different "

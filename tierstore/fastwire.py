@@ -110,11 +110,16 @@ def decode_error(body, off: int) -> tuple[errors.TierstoreError, int]:
     return err, off + nlen + mlen + pad8(nlen + mlen)
 
 
-def send_frame(sock: socket.socket, op: int, parts: list) -> None:
-    """Send one frame from a list of buffers without joining them (slots/ids go out zero-copy)."""
+def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = None) -> None:
+    """Send one frame from contiguous buffers; a large one goes out as a scatter list, not joined.
+
+    `size` (the parts' total bytes) lets a small frame skip a memoryview per part."""
+    if size is not None and size <= SMALL_FRAME:  # one small copy is cheaper than a scatter list
+        sock.sendall(HDR.pack(size, op) + b"".join(parts))
+        return
     views = [memoryview(p).cast("B") for p in parts]
     size = sum(v.nbytes for v in views)
-    if size <= SMALL_FRAME:  # one small copy is cheaper than a scatter list
+    if size <= SMALL_FRAME:
         sock.sendall(HDR.pack(size, op) + b"".join(views))
         return
     views.insert(0, memoryview(HDR.pack(size, op)))
@@ -228,14 +233,17 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
     return items, release
 
 
-def encode_plan_results(results: list) -> list:
-    parts = [COUNT.pack(len(results))]
+def encode_plan_results(results: list) -> tuple[list, int]:
+    """(parts, their total bytes) of a PLAN reply."""
+    parts, size = [COUNT.pack(len(results))], COUNT.size
     for r in results:
         if isinstance(r, PlanResult):
-            slots = np.ascontiguousarray(r.slots, dtype="<i8")
+            slots = np.ascontiguousarray(r.slots, dtype="<i8").ravel()
             parts += [RES_OK.pack(0, slots.size, r.lease_id, r.version, r.expires_unix_ms, r.hits, r.misses,
                                   r.unique), slots]
+            size += RES_OK.size + slots.nbytes
         else:
             parts += encode_error(r)
-    return parts
+            size += sum(len(p) for p in parts[-4:])
+    return parts, size
 
