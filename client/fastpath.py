@@ -33,7 +33,7 @@ from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM
                                 PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
                                 PlanResult, decode_error, pad8, send_frame)
 
-__all__ = ["FastPathClient", "PlanItem", "PlanResult", "raise_errors"]
+__all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 _PAD = bytes(8)
@@ -46,6 +46,35 @@ def raise_errors(results: list) -> list[PlanResult]:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+class PendingPlan:
+    """A request sent by FastPathClient.submit; result() returns its reply (or raises)."""
+
+    __slots__ = ("client", "op", "parts", "size", "n_items", "error", "_value", "_error", "_done")
+
+    def __init__(self, client: "FastPathClient", op: int, parts: list, size: int, n_items: int):
+        self.client, self.op, self.parts, self.size, self.n_items = client, op, parts, size, n_items
+        self.error = None  # a send that failed: resend after reconnecting
+        self._value = self._error = None
+        self._done = False
+
+    def _settle(self, value=None, error=None) -> None:
+        self._value, self._error, self._done, self.parts = value, error, True, None
+
+    def done(self) -> bool:
+        """Whether the reply has been read (a later call on the client reads it)."""
+        return self._done
+
+    def result(self):
+        """The reply: a list with one PlanResult or error per item (PLAN), the released count (RELEASE)."""
+        if not self._done:
+            with self.client._lock:
+                if not self._done:
+                    self.client._finish(self)
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class FastPathClient:
@@ -65,6 +94,7 @@ class FastPathClient:
         self.path, self.timeout = Path(path), float(timeout)
         self.owner, self.instance, self.max_request_bytes = owner or os.urandom(16), "", 0
         self._sock: socket.socket | None = None
+        self._inflight: PendingPlan | None = None
         self._lock = threading.Lock()
         self._closed = False
         with self._lock:
@@ -74,6 +104,16 @@ class FastPathClient:
 
     def plan(self, items: list[PlanItem], release=()) -> list:
         """Release `release` (lease ids), then plan every item: one PlanResult or error per item."""
+        return self.submit(items, release).result()
+
+    def submit(self, items: list[PlanItem], release=()) -> "PendingPlan":
+        """Send the step's PLAN now and return at once; `.result()` waits for the reply.
+
+        Overlaps the round trip with the caller's work. One request is in flight
+        per client: the next call first collects this reply (kept for its
+        result()). Keep `ids` unchanged until result(): a reconnect resends them.
+        Bad items raise here (InvalidArgument, ResourceExhausted); a lost sidecar
+        raises Unavailable here or from result()."""
         items = list(items)
         rel = np.ascontiguousarray(release, dtype="<u8") if len(release) else np.empty(0, "<u8")
         parts, size = [PLAN_REQ.pack(len(items), rel.size), rel], PLAN_REQ.size + rel.nbytes
@@ -95,17 +135,19 @@ class FastPathClient:
                                              f"id count is out of range: {e}") from None
             parts += [head, name, _PAD[:pad8(len(name))], ids]
             size += ITEM.size + len(name) + pad8(len(name)) + ids.nbytes
-        body = self._call(PLAN, parts, size)
-        return self._parse_plan(body, len(items))
+        return self._submit(PendingPlan(self, PLAN, parts, size, len(items)))
 
     def release(self, lease_ids) -> int:
         """End these leases now (for a client with no next step to carry them); returns how many were live."""
         ids = np.ascontiguousarray(lease_ids, dtype="<u8")
-        body = self._call(RELEASE, [COUNT.pack(ids.size), ids], COUNT.size + ids.nbytes)
-        return U64.unpack_from(body)[0]
+        return self._submit(PendingPlan(self, RELEASE, [COUNT.pack(ids.size), ids], COUNT.size + ids.nbytes,
+                                        0)).result()
 
     def close(self) -> None:
         with self._lock:
+            if self._inflight is not None:
+                self._inflight._settle(error=errors.Unavailable(f"fast-path client of {self.path} was closed"))
+                self._inflight = None
             self._closed = True
             self._drop()
 
@@ -170,32 +212,61 @@ class FastPathClient:
             self._sock.close()
             self._sock = None
 
-    def _call(self, op: int, parts: list, size: int):
+    def _submit(self, req: "PendingPlan") -> "PendingPlan":
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument(f"fast-path client of {self.path} is closed")
-            for attempt in (0, 1):
-                if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+            if self._inflight is not None:
+                self._finish(self._inflight)  # one in flight: a reply never waits behind our next send
+            if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+                self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+            if req.size > self.max_request_bytes:
+                raise errors.ResourceExhausted(f"fast-path request of {req.size} B exceeds the sidecar's "
+                                               f"{self.max_request_bytes} B limit; split the step")
+            self._inflight = req
+            try:
+                send_frame(self._sock, req.op, req.parts, req.size)
+            except OSError as e:
+                self._drop()
+                req.error = e  # the reply read in _finish reconnects and resends once
+        return req
+
+    def _finish(self, req: "PendingPlan") -> None:
+        """Read req's reply (it is the one in flight); on a lost connection reconnect once and resend."""
+        self._inflight = None
+        for attempt in (0, 1):
+            try:
+                if self._sock is None or req.error is not None:
+                    if attempt == 0 and req.error is None:
+                        raise EOFError("connection lost")
+                    self._drop()
                     self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
-                if size > self.max_request_bytes:
-                    raise errors.ResourceExhausted(f"fast-path request of {size} B exceeds the sidecar's "
-                                                   f"{self.max_request_bytes} B limit; split the step")
-                try:
-                    send_frame(self._sock, op, parts, size)
-                    rop, body = self._reader.read(owned=True)
-                    break
-                except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
-                    self._drop()
-                    raise self._unavailable(f"no reply within {self.timeout:g} s") from None
-                except (EOFError, OSError, FrameError) as e:
-                    self._drop()
-                    if attempt:
-                        raise self._unavailable(e) from None
-        if rop == ERROR:
-            raise decode_error(body, 0)[0]
-        if rop != op:
-            raise errors.TierstoreError(f"fast path at {self.path} answered op {rop} to op {op}")
-        return body
+                    req.error = None
+                    send_frame(self._sock, req.op, req.parts, req.size)
+                op, body = self._reader.read(owned=True)
+                break
+            except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
+                self._drop()
+                req._settle(error=self._unavailable(f"no reply within {self.timeout:g} s"))
+                return
+            except errors.TierstoreError as e:  # the reconnect failed
+                req._settle(error=e)
+                return
+            except (EOFError, OSError, FrameError) as e:
+                self._drop()
+                req.error = e
+                if attempt:
+                    req._settle(error=self._unavailable(e))
+                    return
+        if op == ERROR:
+            req._settle(error=decode_error(body, 0)[0])
+        elif op != req.op:
+            req._settle(error=errors.TierstoreError(f"fast path at {self.path} answered op {op} to op {req.op}"))
+        else:
+            try:
+                req._settle(value=self._parse_plan(body, req.n_items) if op == PLAN else U64.unpack_from(body)[0])
+            except errors.TierstoreError as e:
+                req._settle(error=e)
 
     def _parse_plan(self, body: bytes, n_items: int) -> list:
         (n,), off, out = COUNT.unpack_from(body), COUNT.size, []

@@ -91,6 +91,31 @@ def test_plan_returns_slots_per_item_and_release_rides_along(serve):
         assert c.release([res2[0].lease_id, 12345]) == 1 and not h.leases
 
 
+def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
+    srv, h = serve()
+    with FastPathClient(srv.path) as c:
+        a, b = ids_of(300, 1), ids_of(40000, 2)
+        first = c.submit([PlanItem("l1", a)])
+        second = c.submit([PlanItem("l14", b)], release=[])  # collects first's reply before sending
+        assert first.done() and not second.done()
+        assert np.array_equal(raise_errors(second.result())[0].slots, b & MASK)
+        assert np.array_equal(raise_errors(first.result())[0].slots, a & MASK)
+        assert len(h.leases) == 2
+        gone = c.submit([PlanItem("l1", a)])
+    with pytest.raises(errors.Unavailable, match="closed"):
+        gone.result()
+
+
+def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
+    srv, _ = serve()
+    c = FastPathClient(srv.path, timeout=5)
+    srv.stop()  # the sidecar dies with our connection open ...
+    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
+    pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
+    assert raise_errors(pending.result())[0].instance == "second" and len(h2.leases) == 1
+    c.close()
+
+
 def test_errors_come_back_per_item_as_the_same_class(serve):
     srv, _ = serve()
     with FastPathClient(srv.path) as c:
