@@ -28,7 +28,7 @@ import numpy as np
 from tierstore import errors
 from tierstore.fastwire import PlanItem, PlanResult, encode_plan_results, parse_plan
 
-__all__ = ["ModuloHandler", "ChildServer", "serve_child", "run_fastpath_bench", "main"]
+__all__ = ["ModuloHandler", "ChildServer", "serve_child", "run_fastpath_bench", "run_clients_bench", "main"]
 
 GRPC_METHOD = "/tierstore.bench.FastPath/Plan"
 
@@ -242,12 +242,56 @@ def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), ta
     return cells
 
 
+def _client_loop(path: str, n_ids: int, calls: int, go, out) -> None:
+    from tierstore.client.fastpath import FastPathClient, raise_errors
+
+    with FastPathClient(path) as c:
+        items, held, ns = [PlanItem("l1", np.random.default_rng(os.getpid()).integers(0, 1 << 30, n_ids))], [], []
+        go.wait()
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            held = [r.lease_id for r in raise_errors(c.plan(items, release=held))]
+            ns.append(time.perf_counter_ns() - t0)
+    out.put(ns)
+
+
+def run_clients_bench(clients=(1, 4), n_ids: int = 256, calls: int = 2000) -> list:
+    """Several client processes planning at once against one server: per-call p50 and aggregate calls/s."""
+    import multiprocessing as mp
+
+    ctx, cells = mp.get_context("fork"), []  # fork: before any gRPC channel exists in this process
+    with tempfile.TemporaryDirectory(prefix="tsfp-") as d:
+        server = ChildServer(Path(d) / "s.fast")
+        try:
+            for k in clients:
+                go, out = ctx.Event(), ctx.Queue()
+                procs = [ctx.Process(target=_client_loop, args=(str(server.path), n_ids, calls, go, out))
+                         for _ in range(k)]
+                for p in procs:
+                    p.start()
+                time.sleep(0.5)
+                t0 = time.perf_counter()
+                go.set()
+                lat = [out.get(timeout=300) for _ in procs]
+                wall = time.perf_counter() - t0
+                for p in procs:
+                    p.join(30)
+                us = np.concatenate(lat) / 1000.0
+                cells.append(dict(clients=k, ids=n_ids, p50_us=float(np.percentile(us, 50)),
+                                  p99_us=float(np.percentile(us, 99)), calls_per_s=k * calls / wall))
+        finally:
+            server.stop()
+    return cells
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=300, help="calls per round per competitor (256-id cells)")
     ap.add_argument("--ids", type=int, nargs="+", default=[256, 32768], help="ids per table per step")
     ap.add_argument("--tables", type=int, nargs="+", default=[1, 4], help="tables per step")
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 4],
+                    help="also run these numbers of concurrent client processes (256 ids, fast path only)")
     ap.add_argument("--out", type=Path, help="write the cells as JSON here")
     ap.add_argument("--serve", help=argparse.SUPPRESS)  # the child of ChildServer
     ap.add_argument("--serve-grpc", help=argparse.SUPPRESS)
@@ -255,6 +299,10 @@ def main(argv=None) -> int:
     if args.serve:
         serve_child(args.serve, args.serve_grpc)
         return 0
+    scaling = run_clients_bench(clients=args.clients) if args.clients else []
+    for c in scaling:
+        print(f"{c['clients']} client processes x {c['ids']} ids: p50 {c['p50_us']:.1f} µs p99 {c['p99_us']:.1f} µs, "
+              f"{c['calls_per_s']:.0f} plans/s in all")
     cells = run_fastpath_bench(rounds=args.rounds, calls=args.calls, sizes=args.ids, tables=args.tables)
     for c in cells:
         print(f"{c['ids']:>6} ids x {c['tables']} tables (handler {c['handler_us']:6.1f} µs): fastpath p50 {c['fastpath']['p50_us']:8.1f} µs "
@@ -262,7 +310,8 @@ def main(argv=None) -> int:
               f"p99 {c['grpc']['p99_us']:8.1f} µs | grpc/fast p50 {c['grpc_over_fastpath_p50']:.1f}x "
               f"p99 {c['grpc_over_fastpath_p99']:.1f}x")
     if args.out:
-        args.out.write_text(json.dumps(dict(bench="fastpath", unit="µs per round trip", cells=cells), indent=1))
+        args.out.write_text(json.dumps(dict(bench="fastpath", unit="µs per round trip", cells=cells,
+                                            clients=scaling), indent=1))
     return 0
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tierstore import errors
 from tierstore.bench.fastpath import ChildServer, ModuloHandler
-from tierstore.client.fastpath import FastPathClient, PlanItem, raise_errors
+from tierstore.client.fastpath import FastPathClient, PlanItem, PlanResult, raise_errors
 from tierstore.fastpath import FastPathServer, fast_socket_path
 from tierstore.fastwire import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, PLAN, PLAN_REQ, PROTOCOL_VERSION,
                                 FrameReader, decode_error)
@@ -135,6 +135,8 @@ class Broken(ModuloHandler):
             raise RuntimeError("handler bug")
         if items and items[0].table == "odd":
             return [ValueError("not a tierstore error")]
+        if items and items[0].table == "short":
+            return [PlanResult(1, 1, np.zeros(1, np.int64))]
         return super().plan(owner, items, release)
 
 
@@ -144,6 +146,7 @@ def test_a_handler_bug_is_an_error_reply_and_the_connection_survives(serve):
         with pytest.raises(errors.TierstoreError, match="internal error.*RuntimeError: handler bug"):
             c.plan([PlanItem("boom", ids_of(2))])
         assert type(c.plan([PlanItem("odd", ids_of(2))])[0]) is errors.TierstoreError
+        assert "1 slots for 2 ids" in str(c.plan([PlanItem("short", ids_of(2))])[0])
         assert raise_errors(c.plan([PlanItem("l1", ids_of(4))]))[0].slots.size == 4
 
 
@@ -236,6 +239,9 @@ def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
         assert op == ERROR and type(err) is errors.InvalidArgument and "different tierstore versions" in str(err)
         assert read_reply(s) is None  # and the connection is closed
         s.close()
+    with FastPathClient(srv.path) as c:
+        with pytest.raises(errors.InvalidArgument, match="already connected"):
+            FastPathClient(srv.path, owner=c.owner)  # one owner, one connection: leases are never shared
 
 
 def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
@@ -331,7 +337,7 @@ def test_hostile_frames_never_break_the_server(fuzz_target, data, truncate):
 @pytest.fixture(scope="module")
 def fuzz_target():
     d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))
-    srv = FastPathServer(d / "f.fast", ModuloHandler(), max_request_bytes=1 << 16, max_clients=4)
+    srv = FastPathServer(d / "f.fast", ModuloHandler(), max_request_bytes=1 << 16, max_clients=64)
     srv.start()
     good = FastPathClient(srv.path, timeout=10)
     yield srv, good
