@@ -53,7 +53,7 @@ class PendingPlan:
 
     __slots__ = ("client", "op", "parts", "size", "n_items", "error", "_value", "_error", "_done")
 
-    def __init__(self, client: "FastPathClient", op: int, parts: list, size: int, n_items: int):
+    def __init__(self, client: FastPathClient, op: int, parts: list, size: int, n_items: int):
         self.client, self.op, self.parts, self.size, self.n_items = client, op, parts, size, n_items
         self.error = None  # a send that failed: resend after reconnecting
         self._value = self._error = None
@@ -106,7 +106,7 @@ class FastPathClient:
         """Release `release` (lease ids), then plan every item: one PlanResult or error per item."""
         return self.submit(items, release).result()
 
-    def submit(self, items: list[PlanItem], release=()) -> "PendingPlan":
+    def submit(self, items: list[PlanItem], release=()) -> PendingPlan:
         """Send the step's PLAN now and return at once; `.result()` waits for the reply.
 
         Overlaps the round trip with the caller's work. One request is in flight
@@ -212,7 +212,7 @@ class FastPathClient:
             self._sock.close()
             self._sock = None
 
-    def _submit(self, req: "PendingPlan") -> "PendingPlan":
+    def _submit(self, req: PendingPlan) -> PendingPlan:
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument(f"fast-path client of {self.path} is closed")
@@ -231,7 +231,7 @@ class FastPathClient:
                 req.error = e  # the reply read in _finish reconnects and resends once
         return req
 
-    def _finish(self, req: "PendingPlan") -> None:
+    def _finish(self, req: PendingPlan) -> None:
         """Read req's reply (it is the one in flight); on a lost connection reconnect once and resend."""
         self._inflight = None
         for attempt in (0, 1):

@@ -144,7 +144,7 @@ class FastPathServer:
         while not self._stopping:
             try:
                 sock, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 if self._stopping:

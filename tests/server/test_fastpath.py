@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import tempfile
 import threading
 import time
