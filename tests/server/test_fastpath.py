@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import tempfile
@@ -165,6 +166,19 @@ def test_socket_is_0600_and_only_a_stale_one_is_replaced(serve, sock_dir):
     srv.stop()
     assert not path.exists()
     assert fast_socket_path(Path("/run/t.sock")) == Path("/run/t.sock.fast")
+
+
+def test_a_connection_that_never_says_hello_gives_its_slot_back(serve, monkeypatch):
+    import tierstore.fastpath as fastpath
+
+    monkeypatch.setattr(fastpath, "HELLO_TIMEOUT_S", 0.2)
+    srv, h = serve(max_clients=1)
+    s = raw_client(srv.path, owner=False)
+    assert read_reply(s) is None  # closed by the server, without a word
+    s.close()
+    with FastPathClient(srv.path) as c:
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(3))]))[0].slots.size == 3
+    assert not h.disconnects[:-1]  # no owner was ever announced for the silent one
 
 
 def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
@@ -356,6 +370,16 @@ def test_a_server_in_another_process(sock_dir):
         assert child.leases()["leases"] == 2
         c.release([r.lease_id for r in res])
         assert child.leases()["leases"] == 0
+        quick = FastPathClient(path, timeout=0.5)
+        os.kill(child.proc.pid, signal.SIGSTOP)  # a hung sidecar: the call gives up after `timeout`
+        while Path(f"/proc/{child.proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
+            time.sleep(0.01)
+        try:
+            with pytest.raises(errors.Unavailable, match="no reply within 0.5 s"):
+                quick.plan([PlanItem("l1", ids[:4])])
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        quick.close()
         child.kill()  # a crashed sidecar: nothing answers, the client says so and names the socket
         with pytest.raises(errors.Unavailable, match="child.fast"):
             c.plan([PlanItem("l1", ids[:4])])
