@@ -305,7 +305,8 @@ def main(argv=None) -> int:
               f"{c['calls_per_s']:.0f} plans/s in all")
     cells = run_fastpath_bench(rounds=args.rounds, calls=args.calls, sizes=args.ids, tables=args.tables)
     for c in cells:
-        print(f"{c['ids']:>6} ids x {c['tables']} tables (handler {c['handler_us']:6.1f} µs): fastpath p50 {c['fastpath']['p50_us']:8.1f} µs "
+        print(f"{c['ids']:>6} ids x {c['tables']} tables (handler {c['handler_us']:6.1f} µs): "
+              f"fastpath p50 {c['fastpath']['p50_us']:8.1f} µs "
               f"p99 {c['fastpath']['p99_us']:8.1f} µs | grpc p50 {c['grpc']['p50_us']:8.1f} µs "
               f"p99 {c['grpc']['p99_us']:8.1f} µs | grpc/fast p50 {c['grpc_over_fastpath_p50']:.1f}x "
               f"p99 {c['grpc_over_fastpath_p99']:.1f}x")

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from tierstore import errors
-from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, PLAN, PLAN_REQ,
-                                PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
+from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, MAX_RELEASE, PLAN,
+                                PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
                                 PlanResult, decode_error, pad8, send_frame)
 
 __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "raise_errors"]
@@ -115,7 +115,10 @@ class FastPathClient:
         Bad items raise here (InvalidArgument, ResourceExhausted); a lost sidecar
         raises Unavailable here or from result()."""
         items = list(items)
-        rel = np.ascontiguousarray(release, dtype="<u8") if len(release) else np.empty(0, "<u8")
+        rel = np.ascontiguousarray(release, dtype="<u8").ravel() if len(release) else np.empty(0, "<u8")
+        if rel.size > MAX_RELEASE:
+            raise errors.InvalidArgument(f"a step can carry at most {MAX_RELEASE} releases, got {rel.size}; "
+                                         f"call release() for the rest first")
         parts, size = [PLAN_REQ.pack(len(items), rel.size), rel], PLAN_REQ.size + rel.nbytes
         for i, it in enumerate(items):
             ids = it.ids
@@ -139,9 +142,13 @@ class FastPathClient:
 
     def release(self, lease_ids) -> int:
         """End these leases now (for a client with no next step to carry them); returns how many were live."""
-        ids = np.ascontiguousarray(lease_ids, dtype="<u8")
-        return self._submit(PendingPlan(self, RELEASE, [COUNT.pack(ids.size), ids], COUNT.size + ids.nbytes,
-                                        0)).result()
+        ids = np.ascontiguousarray(lease_ids, dtype="<u8").ravel()
+        released = 0
+        for at in range(0, max(ids.size, 1), MAX_RELEASE):
+            part = ids[at:at + MAX_RELEASE]
+            released += self._submit(PendingPlan(self, RELEASE, [COUNT.pack(part.size), part],
+                                                 COUNT.size + part.nbytes, 0)).result()
+        return released
 
     def close(self) -> None:
         with self._lock:

@@ -27,9 +27,9 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.config import MAX_REQUEST_BYTES
-from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, PLAN, PROTOCOL_VERSION, RELEASE,
-                                U64, FrameError, FrameReader, PlanItem, PlanResult, encode_error,
-                                encode_plan_results, parse_plan, send_frame)
+from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
+                                PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
+                                encode_error, encode_plan_results, parse_plan, send_frame)
 
 __all__ = ["FastPathServer", "FastPathHandler", "PlanItem", "PlanResult", "fast_socket_path"]
 
@@ -250,6 +250,8 @@ class FastPathServer:
         if op == RELEASE:
             if len(body) < COUNT.size or COUNT.unpack_from(body)[0] * 8 != len(body) - COUNT.size:
                 raise errors.InvalidArgument(f"fast-path RELEASE body of {len(body)} B does not match its count")
+            if len(body) - COUNT.size > MAX_RELEASE * 8:
+                raise errors.InvalidArgument(f"fast-path RELEASE of more than {MAX_RELEASE} leases; split it")
             ids = np.frombuffer(body, "<u8", offset=COUNT.size).tolist()
             return RELEASE, [U64.pack(int(self.handler.release(owner, ids)))], U64.size
         if op == HELLO:

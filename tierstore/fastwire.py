@@ -45,6 +45,7 @@ RES_ERR = struct.Struct("<BxxxII4x")
 U64 = struct.Struct("<Q")
 MAX_ITEMS = 4096            # tables in one step; far above any model's Engram layer count
 MAX_NAME = 1024
+MAX_RELEASE = 1 << 16       # lease ids per request: a list of Python ints, so not left to the frame size
 SCRATCH = 64 << 10
 SMALL_FRAME = 16 << 10
 KEEP_BUFFER = 8 << 20      # a connection keeps a receive buffer up to this size between requests
@@ -206,6 +207,8 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
     if n_items > MAX_ITEMS:
         raise bad(f"fast-path PLAN names {n_items} tables; at most {MAX_ITEMS} per step")
     off = PLAN_REQ.size
+    if n_release > MAX_RELEASE:
+        raise bad(f"fast-path PLAN releases {n_release} leases; at most {MAX_RELEASE} per request")
     if n_release * 8 > len(body) - off:
         raise bad(f"fast-path PLAN declares {n_release} releases but carries {len(body) - off} B")
     release = np.frombuffer(body, "<u8", n_release, off).tolist()

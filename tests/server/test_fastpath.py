@@ -23,8 +23,8 @@ from tierstore import errors
 from tierstore.bench.fastpath import ChildServer, ModuloHandler
 from tierstore.client.fastpath import FastPathClient, PlanItem, PlanResult, raise_errors
 from tierstore.fastpath import FastPathServer, fast_socket_path
-from tierstore.fastwire import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, PLAN, PLAN_REQ, PROTOCOL_VERSION,
-                                FrameReader, decode_error)
+from tierstore.fastwire import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
+                                PROTOCOL_VERSION, FrameReader, decode_error)
 
 MASK = (1 << 20) - 1
 
@@ -89,6 +89,9 @@ def test_plan_returns_slots_per_item_and_release_rides_along(serve):
         res2 = raise_errors(c.plan([PlanItem("l1", a[:0])], release=[r.lease_id for r in res]))
         assert res2[0].slots.size == 0 and list(h.leases) == [res2[0].lease_id]  # the old two released first
         assert c.release([res2[0].lease_id, 12345]) == 1 and not h.leases
+        assert c.release(np.arange(1, 3 * MAX_RELEASE, dtype=np.uint64)) == 0  # sent in pieces the server takes
+        with pytest.raises(errors.InvalidArgument, match="at most"):
+            c.plan([PlanItem("l1", a)], release=np.arange(1, 2 * MAX_RELEASE))
 
 
 def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
