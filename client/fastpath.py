@@ -38,6 +38,7 @@ __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "raise_err
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
+_NO_LEASES = np.empty(0, "<u8")
 
 
 def raise_errors(results: list) -> list[PlanResult]:
@@ -95,6 +96,8 @@ class FastPathClient:
         self.owner, self.instance, self.max_request_bytes = owner or os.urandom(16), "", 0
         self._sock: socket.socket | None = None
         self._inflight: PendingPlan | None = None
+        self._queued: list[int] = []  # release_later's lease ids, sent with the next request
+        self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
         with self._lock:
@@ -115,11 +118,11 @@ class FastPathClient:
         Bad items raise here (InvalidArgument, ResourceExhausted); a lost sidecar
         raises Unavailable here or from result()."""
         items = list(items)
-        rel = np.ascontiguousarray(release, dtype="<u8").ravel() if len(release) else np.empty(0, "<u8")
+        rel = np.ascontiguousarray(release, dtype="<u8").ravel() if len(release) else _NO_LEASES
         if rel.size > MAX_RELEASE:
             raise errors.InvalidArgument(f"a step can carry at most {MAX_RELEASE} releases, got {rel.size}; "
                                          f"call release() for the rest first")
-        parts, size = [PLAN_REQ.pack(len(items), rel.size), rel], PLAN_REQ.size + rel.nbytes
+        parts, size = [None, None], PLAN_REQ.size
         for i, it in enumerate(items):
             ids = it.ids
             if type(ids) is not np.ndarray or ids.dtype != _I8 or not ids.flags.c_contiguous:
@@ -138,11 +141,35 @@ class FastPathClient:
                                              f"id count is out of range: {e}") from None
             parts += [head, name, _PAD[:pad8(len(name))], ids]
             size += ITEM.size + len(name) + pad8(len(name)) + ids.nbytes
-        return self._submit(PendingPlan(self, PLAN, parts, size, len(items)))
+        rel, queued = self._with_queued(rel, MAX_RELEASE)
+        parts[:2] = PLAN_REQ.pack(len(items), rel.size), rel
+        try:
+            return self._submit(PendingPlan(self, PLAN, parts, size + rel.nbytes, len(items)))
+        except BaseException:
+            self.release_later(queued)  # not sent: they ride on the next request instead
+            raise
+
+    def release_later(self, lease_ids) -> None:
+        """Queue leases to end on this client's next request (no round trip of their own).
+
+        For a handle's release() in a step loop: the next step's PLAN carries them.
+        A client that closes needs no flush: the sidecar ends a closed owner's leases."""
+        with self._queue_lock:
+            self._queued.extend(int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel())
+
+    def _with_queued(self, rel: np.ndarray, cap: int) -> tuple[np.ndarray, list[int]]:
+        with self._queue_lock:
+            if not self._queued:
+                return rel, []
+            room = max(cap - rel.size, 0)
+            queued, self._queued = self._queued[:room], self._queued[room:]
+        return np.concatenate([rel, np.asarray(queued, dtype="<u8")]), queued
 
     def release(self, lease_ids) -> int:
-        """End these leases now (for a client with no next step to carry them); returns how many were live."""
+        """End these leases (and any queued by release_later) now; returns how many were live."""
         ids = np.ascontiguousarray(lease_ids, dtype="<u8").ravel()
+        with self._queue_lock:
+            ids, self._queued = np.concatenate([ids, np.asarray(self._queued, dtype="<u8")]), []
         released = 0
         for at in range(0, max(ids.size, 1), MAX_RELEASE):
             part = ids[at:at + MAX_RELEASE]

@@ -94,6 +94,19 @@ def test_plan_returns_slots_per_item_and_release_rides_along(serve):
             c.plan([PlanItem("l1", a)], release=np.arange(1, 2 * MAX_RELEASE))
 
 
+def test_release_later_rides_on_the_next_request(serve):
+    srv, h = serve()
+    with FastPathClient(srv.path) as c:
+        first = raise_errors(c.plan([PlanItem("l1", ids_of(4)), PlanItem("l14", ids_of(4))]))
+        c.release_later([first[0].lease_id])
+        c.release_later(np.array([first[1].lease_id]))
+        assert len(h.leases) == 2  # nothing sent yet
+        nxt = raise_errors(c.plan([PlanItem("l1", ids_of(4))]))
+        assert list(h.leases) == [nxt[0].lease_id]
+        c.release_later([nxt[0].lease_id])
+        assert c.release([]) == 1 and not h.leases
+
+
 def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
     srv, h = serve()
     with FastPathClient(srv.path) as c:
