@@ -5,6 +5,10 @@
         l1, l14 = fp.plan([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
         slots = l1.slots                   # int64, one per id, read-only view of the reply (no copy)
 
+        step = fp.submit(items)            # or: send now, overlap the round trip with other work,
+        results = step.result()            #     collect the reply when the slots are needed
+        fp.release_later([r.lease_id for r in results])   # ends them on the next request, no round trip
+
 Each PlanResult carries `instance`: when it differs from the one whose arena you
 mapped, the sidecar restarted (the client reconnects once by itself) and the
 slots index the new arena: remap it. Errors of one table come back as that
@@ -292,6 +296,10 @@ class FastPathClient:
                 if attempt:
                     req._settle(error=self._unavailable(e))
                     return
+            except BaseException:  # interrupted mid-frame: the stream is out of step, start afresh
+                self._drop()
+                req._settle(error=self._unavailable("the call was interrupted"))
+                raise
         if op == ERROR:
             req._settle(error=decode_error(body, 0)[0])
         elif op != req.op:

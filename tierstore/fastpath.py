@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +36,7 @@ __all__ = ["FastPathServer", "FastPathHandler", "PlanItem", "PlanResult", "fast_
 
 log = logging.getLogger("tierstore.fastpath")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
+SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
 MAX_UNIX_PATH = 107
 
 
@@ -74,6 +76,7 @@ class FastPathServer:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._owners: set[bytes] = set()
         self._listener: socket.socket | None = None
+        self._ino: int | None = None
         self._acceptor: threading.Thread | None = None
         self._stopping = False
 
@@ -124,6 +127,9 @@ class FastPathServer:
                 path.unlink()  # stale: a dead sidecar's socket, nothing answers on it
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot tell whether {path} is in use ({e}); remove it or use "
+                                             f"another --socket") from None
             else:
                 raise errors.InvalidArgument(f"another process serves the fast path at {path}; stop it or use "
                                              f"another --socket")
@@ -159,8 +165,13 @@ class FastPathServer:
                     self._conns[sock] = thread
             if full:
                 self._refuse(sock)
-            else:
+                continue
+            try:
                 thread.start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep serving the rest
+                with self._lock:
+                    self._conns.pop(sock, None)
+                self._refuse(sock)
 
     def _refuse(self, sock: socket.socket) -> None:
         err = errors.ResourceExhausted(f"the tierstore fast path at {self.path} already serves max_clients="
@@ -182,6 +193,8 @@ class FastPathServer:
             sock.settimeout(HELLO_TIMEOUT_S)
             owner = self._hello(sock, *reader.read())
             sock.settimeout(None)
+            # a client that stops reading its replies frees its thread after SEND_TIMEOUT_S (kernel timer, no poll)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
             while True:
                 op, body = reader.read()
                 try:

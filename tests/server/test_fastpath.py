@@ -197,6 +197,28 @@ def test_a_connection_that_never_says_hello_gives_its_slot_back(serve, monkeypat
     assert not h.disconnects[:-1]  # no owner was ever announced for the silent one
 
 
+def test_a_client_that_never_reads_its_replies_is_dropped(serve, monkeypatch):
+    import tierstore.fastpath as fastpath
+
+    monkeypatch.setattr(fastpath, "SEND_TIMEOUT_S", 1)
+    srv, h = serve()
+    s = raw_client(srv.path)
+    ids = ids_of(16384).astype("<i8").tobytes()
+    body = PLAN_REQ.pack(1, 0) + ITEM.pack(0, 0, 16384, 0, 2) + b"l1" + bytes(6) + ids
+    s.settimeout(0.5)
+    try:
+        for _ in range(400):  # far more replies than any socket buffer holds
+            s.sendall(HDR.pack(len(body), PLAN) + body)
+    except TimeoutError:
+        pass
+    for _ in range(1000):
+        if srv.clients == 0:
+            break
+        time.sleep(0.01)
+    assert srv.clients == 0 and len(h.disconnects) == 1 and not h.leases
+    s.close()
+
+
 def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
     srv, _ = serve(max_clients=2)
     a, b = FastPathClient(srv.path), FastPathClient(srv.path)
