@@ -356,7 +356,17 @@ def frames():
         st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
         st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**16 - 1),
         st.binary(max_size=40), st.binary(max_size=256))
+    item = st.builds(
+        lambda name, ids, lie, ver, ttl: (ITEM.pack(ver, 0, max(len(ids) + lie, 0), ttl, len(name)) + name
+                                          + bytes(-len(name) % 8) + np.asarray(ids, "<i8").tobytes()),
+        st.one_of(st.sampled_from([b"l1", b"l14", b""]), st.binary(max_size=12)),
+        st.lists(st.integers(-2**63, 2**63 - 1), max_size=20), st.sampled_from([0, 0, 0, -1, 1, 1000]),
+        st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1))
+    nearly_valid = st.builds(lambda items, rel: PLAN_REQ.pack(len(items), len(rel)) + np.asarray(
+        rel, "<u8").tobytes() + b"".join(items), st.lists(item, max_size=3), st.lists(st.integers(0, 2**64 - 1),
+                                                                                      max_size=3))
     return st.one_of(
+        st.tuples(st.just(PLAN), nearly_valid),
         st.tuples(st.integers(0, 255), st.binary(max_size=512)),
         st.tuples(st.just(PLAN), plan_body),
         st.tuples(st.sampled_from([HELLO, PLAN, 3, 0x7F, 200]), st.binary(max_size=64)))
