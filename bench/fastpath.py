@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -34,17 +33,25 @@ GRPC_METHOD = "/tierstore.bench.FastPath/Plan"
 
 
 class ModuloHandler:
-    """A real, small FastPathHandler over numpy: tables of `rows` ids, slot = id % slots (a power of two)."""
+    """A real, small FastPathHandler over numpy: tables of `rows` ids, slot = id % slots (a power of two).
+
+    Also the shape of a sidecar's handler: per-item errors, releases first, leases kept per owner."""
 
     def __init__(self, tables: dict[str, int] | None = None, slots: int = 1 << 20, instance: str | None = None):
+        from tierstore.fastpath import OwnedLeases
+
         self.tables = tables or {"l1": 1 << 30, "l14": 1 << 30}
         if slots & (slots - 1):
             raise ValueError(f"slots must be a power of two, got {slots}")
         self.mask, self._instance = slots - 1, instance or os.urandom(8).hex()
-        self.leases: dict[int, bytes] = {}
+        self.owned = OwnedLeases()
         self.disconnects: list[bytes] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+
+    @property
+    def leases(self) -> dict[int, bytes]:
+        """lease id -> owner of every live lease."""
+        return self.owned.holders()
 
     def instance(self) -> str:
         return self._instance
@@ -59,23 +66,17 @@ class ModuloHandler:
             elif it.ids.size and int(it.ids.view(np.uint64).max()) >= rows:  # a negative id is huge as uint64
                 out.append(errors.IdOutOfRange(f"table {it.table!r} has {rows} rows; an id is out of range"))
             else:
-                with self._lock:
-                    lease = next(self._ids)
-                    self.leases[lease] = owner
+                lease = next(self._ids)
+                self.owned.add(owner, lease, time.monotonic() + (it.ttl_ms or 30_000) / 1000)
                 out.append(PlanResult(lease, it.version or 1, it.ids & self.mask, hits=it.ids.size))
         return out
 
     def release(self, owner: bytes, lease_ids: list[int]) -> int:
-        with self._lock:
-            mine = [i for i in lease_ids if self.leases.get(i) == owner]
-            for i in mine:
-                del self.leases[i]
-        return len(mine)
+        return len(self.owned.take(owner, lease_ids))
 
     def disconnected(self, owner: bytes) -> None:
-        with self._lock:
-            self.leases = {k: v for k, v in self.leases.items() if v != owner}
-            self.disconnects.append(owner)
+        self.owned.take_all(owner)
+        self.disconnects.append(owner)
 
 
 def serve_child(path: str, grpc_path: str | None) -> None:

@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from tierstore import errors
+from tierstore.fastpath import fast_socket_path
 from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, MAX_RELEASE, PLAN,
                                 PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
                                 PlanResult, decode_error, pad8, send_frame)
 
-__all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "raise_errors"]
+__all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "fast_socket_path", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 _PAD = bytes(8)

@@ -8,9 +8,26 @@ blocking recv wakes exactly the thread that serves that client, with no poll
 round in between (bench/fastpath.py measures it); connections are few (one per
 worker process) and bounded by max_clients. gRPC stays the service API.
 
-Wiring (the sidecar owns the handler; see FastPathHandler):
+Wiring (the sidecar owns the handler; see FastPathHandler, and bench/fastpath.py's
+ModuloHandler for a complete one):
 
-    fast = FastPathServer(fast_socket_path(config.socket), handler, max_request_bytes=..., max_clients=...)
+    class SidecarFastPath:                      # implements FastPathHandler
+        def plan(self, owner, items, release):
+            self.release(owner, release)
+            out = []
+            for it in items:
+                try:
+                    res = sidecar.engine(it.table, it.version).plan(it.ids, ttl_of(it.ttl_ms))
+                    self.owned.add(owner, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
+                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, res.misses, res.unique))
+                except TierstoreError as e:
+                    out.append(e)
+            return out
+        def release(self, owner, ids): return sidecar.leases.release(self.owned.take(owner, ids))
+        def disconnected(self, owner): sidecar.leases.release(self.owned.take_all(owner))
+        def instance(self): return sidecar.instance
+
+    fast = FastPathServer(fast_socket_path(config.socket), SidecarFastPath(), max_request_bytes=..., max_clients=...)
     fast.start()   ...   fast.stop()
 """
 from __future__ import annotations
@@ -21,6 +38,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -32,7 +50,7 @@ from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGI
                                 PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
                                 encode_error, encode_plan_results, parse_plan, send_frame)
 
-__all__ = ["FastPathServer", "FastPathHandler", "PlanItem", "PlanResult", "fast_socket_path"]
+__all__ = ["FastPathServer", "FastPathHandler", "OwnedLeases", "PlanItem", "PlanResult", "fast_socket_path"]
 
 log = logging.getLogger("tierstore.fastpath")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
@@ -60,6 +78,47 @@ class FastPathHandler(Protocol):
     def release(self, owner: bytes, lease_ids: list[int]) -> int: ...
     def disconnected(self, owner: bytes) -> None: ...
     def instance(self) -> str: ...
+
+
+class OwnedLeases:
+    """Which fast-path owner holds which lease, for a handler to keep: a client may end only its
+    own leases, and all of them end when its connection closes. Thread-safe. Entries past their
+    expiry are pruned as new ones arrive, so a client that never releases cannot grow it."""
+
+    def __init__(self):
+        self._by_owner: dict[bytes, dict[int, float]] = {}
+        self._lock = threading.Lock()
+        self._adds = 0
+
+    def add(self, owner: bytes, lease_id: int, expires: float) -> None:
+        """`expires`: time.monotonic() deadline after which the sidecar has reaped the lease anyway."""
+        with self._lock:
+            mine = self._by_owner.setdefault(owner, {})
+            mine[lease_id] = expires
+            self._adds += 1
+            if self._adds % 1024 == 0 and len(mine) > 1024:
+                now = time.monotonic()
+                for k in [k for k, t in mine.items() if t < now]:
+                    del mine[k]
+
+    def take(self, owner: bytes, lease_ids) -> list[int]:
+        """The ones of `lease_ids` that `owner` holds, forgotten here: release those in the sidecar."""
+        with self._lock:
+            mine = self._by_owner.get(owner)
+            return [i for i in lease_ids if mine.pop(i, None) is not None] if mine else []
+
+    def take_all(self, owner: bytes) -> list[int]:
+        with self._lock:
+            return list(self._by_owner.pop(owner, {}))
+
+    def holders(self) -> dict[int, bytes]:
+        """lease id -> owner, of every lease held here."""
+        with self._lock:
+            return {i: o for o, mine in self._by_owner.items() for i in mine}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(m) for m in self._by_owner.values())
 
 
 class FastPathServer:

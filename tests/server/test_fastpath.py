@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tierstore import errors
 from tierstore.bench.fastpath import ChildServer, ModuloHandler
 from tierstore.client.fastpath import FastPathClient, PlanItem, PlanResult, raise_errors
-from tierstore.fastpath import FastPathServer, fast_socket_path
+from tierstore.fastpath import FastPathServer, OwnedLeases, fast_socket_path
 from tierstore.fastwire import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
                                 PROTOCOL_VERSION, FrameReader, decode_error)
 
@@ -130,6 +130,17 @@ def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
     pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
     assert raise_errors(pending.result())[0].instance == "second" and len(h2.leases) == 1
     c.close()
+
+
+def test_owned_leases_end_only_their_owners_and_forget_the_expired():
+    owned, a, b = OwnedLeases(), b"a" * 16, b"b" * 16
+    owned.add(a, 1, time.monotonic() + 60)
+    owned.add(b, 2, time.monotonic() + 60)
+    assert owned.take(a, [2, 1, 99]) == [1] and owned.take(a, [1]) == []  # b's lease 2 is not a's to end
+    assert owned.take_all(b) == [2] and len(owned) == 0
+    for i in range(3000):  # a client that never releases: expired entries go as new ones come
+        owned.add(a, 10 + i, time.monotonic() - 1)
+    assert len(owned) < 2100
 
 
 def test_errors_come_back_per_item_as_the_same_class(serve):
