@@ -211,7 +211,7 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
         raise bad(f"fast-path PLAN releases {n_release} leases; at most {MAX_RELEASE} per request")
     if n_release * 8 > len(body) - off:
         raise bad(f"fast-path PLAN declares {n_release} releases but carries {len(body) - off} B")
-    release = np.frombuffer(body, "<u8", n_release, off).tolist()
+    release = np.frombuffer(body, "<u8", n_release, off).tolist() if n_release else []
     off += n_release * 8
     items = []
     for i in range(n_items):
