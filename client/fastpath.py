@@ -317,11 +317,15 @@ class FastPathClient:
             raise errors.TierstoreError(f"fast path at {self.path} answered {n} of {n_items} plan items")
         for _ in range(n):
             if body[off] == 0:
-                _, n_slots, lease_id, version, expires, hits, misses, unique = RES_OK.unpack_from(body, off)
+                _, n_slots, lease_id, version, expires, hits, misses, unique, alen, aslots = \
+                    RES_OK.unpack_from(body, off)
                 off += RES_OK.size
                 slots = np.frombuffer(body, "<i8", n_slots, off)
                 off += 8 * n_slots
-                out.append(PlanResult(lease_id, version, slots, hits, misses, unique, expires, self.instance))
+                arena = bytes(body[off:off + alen]).decode("utf-8", "replace")
+                off += alen + pad8(alen)
+                out.append(PlanResult(lease_id, version, slots, hits, misses, unique, expires, self.instance,
+                                      arena, aslots))
             else:
                 err, off = decode_error(body, off)
                 out.append(err)

@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.tiers.base import check_ids
+from tierstore.client.fastpath import FastPathClient
+from tierstore.fastpath import PlanItem, PlanResult, fast_socket_path
 from tierstore.leases import INDEX_MASK
 from tierstore.tiers.dram import map_readonly
 
@@ -54,6 +57,8 @@ _BY_CODE = {
 }
 # a gather whose lease ended meanwhile is planned again this many times, then StaleRows
 REPLANS = 1
+# a fast-path release waits this long for the next step's request to carry it
+RELEASE_LINGER_S = 0.02
 
 
 def to_error(e: grpc.RpcError, target: str = "") -> errors.TierstoreError:
@@ -200,6 +205,7 @@ class StepPlan:
         self.hits = self.misses = 0
         self._released = False
         self._retried = False
+        self._fast = False
         self._error: errors.TierstoreError | None = None
 
     @property
@@ -231,6 +237,10 @@ class StepPlan:
             if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
                 raise to_error(e, self._client.target) from None
             resp = self._client._call("Plan", self._request, retry=False)  # the one retry (same request id)
+        if isinstance(resp, PlanResult):  # the local fast path
+            slots, self._fast = resp.slots, True
+        else:
+            slots, self._fast = np.frombuffer(resp.slots, dtype="<i8"), False
         if resp.instance != self._handle.instance:
             # the sidecar restarted since we described the table: refresh what we know of it
             self._handle = self._client._refresh(self.table)
@@ -247,7 +257,7 @@ class StepPlan:
             self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
             return self._resolve(timeout)
         self.hits, self.misses = resp.hits, resp.misses
-        self._slots = np.frombuffer(resp.slots, dtype="<i8")
+        self._slots = slots
 
     def valid(self) -> bool:
         """True while this step's rows are its own: its lease lives (cache mode), or
@@ -296,7 +306,7 @@ class StepPlan:
             except errors.TierstoreError:
                 return
         if self.lease_id:
-            self._client._release_async(self.lease_id)
+            self._client._release_async(self.lease_id, fast=self._fast)
             self.lease_id = 0
 
     def __enter__(self):
@@ -304,6 +314,21 @@ class StepPlan:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class _FastReply:
+    """One item of a fast-path request, awaited like a gRPC future."""
+
+    __slots__ = ("pending", "index")
+
+    def __init__(self, pending, index: int):
+        self.pending, self.index = pending, index
+
+    def result(self, timeout: float | None = None):
+        r = self.pending.result()[self.index]
+        if isinstance(r, BaseException):
+            raise r
+        return r
 
 
 class _InlineStep:
@@ -342,6 +367,9 @@ class Client:
 
     timeout: seconds any call may take before it fails with Unavailable.
     token: the sidecar's shared token (--auth-token), sent on TCP.
+    fast_path: plan over the sidecar's local fast path (`<socket>.fast`: one round
+        trip of tens of µs per step, every table of a step in one request) when
+        it is there; gRPC otherwise, and for everything else.
     root_certificates: PEM bytes of the CA (or self-signed certificate) that
         signed the sidecar's --tls-cert; the TCP channel then speaks TLS.
 
@@ -351,9 +379,11 @@ class Client:
     """
 
     def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
-                 token: str | None = None, client_name: str = "", root_certificates: bytes | None = None):
+                 token: str | None = None, client_name: str = "", root_certificates: bytes | None = None,
+                 fast_path: bool = True):
         if (socket is None) == (target is None):
             raise ValueError("give exactly one of socket=PATH or target=HOST:PORT")
+        self.socket = Path(socket) if socket is not None else None
         self.target = f"unix:{socket}" if socket is not None else target
         self.local = socket is not None
         self.timeout = timeout
@@ -370,6 +400,9 @@ class Client:
         self._ended: list[int] = []  # released leases, repeated on the next Plan (idempotent)
         self._inflight: list = []    # Release calls not yet answered; close() waits for them
         self._closed = False
+        self._fast_wanted = fast_path and self.local
+        self._fast: FastPathClient | None = None
+        self._flusher, self._flush_event, self._flush_due = None, threading.Event(), 0.0
 
     def _open_channel(self, root_certificates: bytes | None):
         options = [
@@ -407,9 +440,13 @@ class Client:
         if self._closed:
             raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new one")
 
-    def _release_async(self, lease_id: int) -> None:
+    def _release_async(self, lease_id: int, fast: bool = False) -> None:
         if self._closed:
             return  # the lease ends by its TTL
+        if fast and self._fast is not None:
+            self._fast.release_later([lease_id])  # rides on the next step's request...
+            self._flusher_wake()                  # ...or goes alone if none comes soon
+            return
         fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id], owner=self.owner),
                                         timeout=self.timeout, metadata=self._metadata)
         with self._lock:
@@ -487,6 +524,12 @@ class Client:
         h = self.handle(table)
         if h.full_resident:  # slot == id: no RPC, no packing
             return StepPlan(self, h, check_ids(arr, h.rows, table), None)
+        if self._fast_client() is not None:
+            return self.plan_many({table: arr}, ttl_s)[table]
+        return self._plan_grpc(table, arr, ttl_s)
+
+    def _plan_grpc(self, table: str, arr: np.ndarray, ttl_s: float | None) -> StepPlan:
+        h = self.handle(table)
         with self._lock:
             ended, self._ended = self._ended, []
         req = pb.PlanRequest(table=table, ids=arr.tobytes(), client=self.client_name,
@@ -494,6 +537,69 @@ class Client:
                              request_id=next(self._request_ids))
         fut = self._stub.Plan.future(req, timeout=self.timeout, metadata=self._metadata)
         return StepPlan(self, h, arr, fut, req)
+
+    def plan_many(self, tables: dict, ttl_s: float | None = None) -> dict[str, StepPlan]:
+        """plan() for every table of a step ({table: ids}) in one round trip on the fast
+        path (one Plan RPC per cache-mode table over gRPC); returns {table: StepPlan}."""
+        self._check_open()
+        out, items, arrs = {}, [], {}
+        for table, ids in tables.items():
+            arrs[table] = arr = as_ids(ids)
+            if not self.local:
+                out[table] = _InlineStep(self, table, arr)
+                continue
+            h = self.handle(table)
+            if h.full_resident:
+                out[table] = StepPlan(self, h, check_ids(arr, h.rows, table), None)
+            else:
+                items.append(PlanItem(table, arr, 0, int(ttl_s * 1000) if ttl_s else 0, next(self._request_ids)))
+        fast = self._fast_client() if items else None
+        if fast is None:
+            for it in items:
+                out[it.table] = self._plan_grpc(it.table, arrs[it.table], ttl_s)
+            return out
+        pending = fast.submit(items)
+        for k, it in enumerate(items):
+            out[it.table] = StepPlan(self, self.handle(it.table), arrs[it.table], _FastReply(pending, k))
+        return out
+
+    def _flusher_wake(self) -> None:
+        """Releases queued on the fast path go out with the next request; a client that
+        stops planning sends them after RELEASE_LINGER_S (a lease left until its TTL would
+        hold its rows, and a retired arena, for nothing)."""
+        self._flush_due = time.monotonic() + RELEASE_LINGER_S
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="tierstore-release", daemon=True)
+            self._flusher.start()
+        self._flush_event.set()
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._flush_event.wait()
+            self._flush_event.clear()
+            while not self._closed and time.monotonic() < self._flush_due:
+                time.sleep(max(0.0, self._flush_due - time.monotonic()))
+            fast = self._fast
+            if fast is not None and not self._closed and fast._queued:
+                try:
+                    fast.release([])
+                except errors.TierstoreError:
+                    pass  # the sidecar is gone: its leases went with it
+
+    def _fast_client(self) -> "FastPathClient | None":
+        """The fast-path connection, made on first use; None when the sidecar has none."""
+        if not self._fast_wanted:
+            return None
+        if self._fast is None:
+            with self._lock:
+                if self._fast is None:
+                    path = fast_socket_path(self.socket)
+                    try:
+                        self._fast = FastPathClient(path, owner=self.owner, timeout=self.timeout)
+                    except errors.TierstoreError:
+                        self._fast_wanted = False  # an older sidecar, or refused: gRPC it is
+                        return None
+        return self._fast
 
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored; via the arena
@@ -520,7 +626,10 @@ class Client:
         return [(c.table, c.old_version, c.new_version) for c in resp.changed]
 
     def release(self, lease_ids) -> int:
-        return self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids), owner=self.owner)).released
+        """End leases this client took now; returns how many were live (others' ids are ignored)."""
+        lease_ids = [int(i) for i in lease_ids]
+        n = self._fast.release(lease_ids) if self._fast is not None else 0
+        return n + self._call("Release", pb.ReleaseRequest(lease_ids=lease_ids, owner=self.owner)).released
 
     def stats(self) -> dict:
         resp = self._call("Stats", pb.StatsRequest())
@@ -540,6 +649,10 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # the lease ends by its TTL instead
         self._closed = True
+        self._flush_event.set()
+        if self._fast is not None:
+            self._fast.close()  # the sidecar ends this connection's leases
+            self._fast = None
         self._channel.close()
         for m in self._arenas.values():
             m.drop()

@@ -40,7 +40,7 @@ HELLO_RESP = struct.Struct("<4sH2xQ")
 PLAN_REQ = struct.Struct("<II")
 ITEM = struct.Struct("<QQIIH6x")
 COUNT = struct.Struct("<I4x")
-RES_OK = struct.Struct("<BxxxIQQQIII4x")
+RES_OK = struct.Struct("<BxxxIQQQIIIIQ")  # ..., arena name length, arena slots
 RES_ERR = struct.Struct("<BxxxII4x")
 U64 = struct.Struct("<Q")
 MAX_ITEMS = 4096            # tables in one step; far above any model's Engram layer count
@@ -75,6 +75,8 @@ class PlanResult:
     unique: int = 0
     expires_unix_ms: int = 0
     instance: str = ""        # filled by the client: the sidecar instance that answered
+    arena: str = ""           # the arena file the slots index (it changes with a version swap)
+    arena_slots: int = 0
 
 
 class FrameError(Exception):
@@ -104,7 +106,9 @@ def decode_error(body, off: int) -> tuple[errors.TierstoreError, int]:
     name = bytes(body[off:off + nlen]).decode("utf-8", "replace")
     msg = bytes(body[off + nlen:off + nlen + mlen]).decode("utf-8", "replace")
     cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, errors.TierstoreError) and cls is not errors.ChecksumError:
+    if cls is errors.ChecksumError:  # its constructor takes the block's coordinates, the message has them
+        cls = errors.DataLoss
+    if isinstance(cls, type) and issubclass(cls, errors.TierstoreError):
         err = cls(msg)
     else:
         err = errors.TierstoreError(f"{name}: {msg}")
@@ -242,9 +246,10 @@ def encode_plan_results(results: list) -> tuple[list, int]:
     for r in results:
         if isinstance(r, PlanResult):
             slots = np.ascontiguousarray(r.slots, dtype="<i8").ravel()
+            arena = r.arena.encode()
             parts += [RES_OK.pack(0, slots.size, r.lease_id, r.version, r.expires_unix_ms, r.hits, r.misses,
-                                  r.unique), slots]
-            size += RES_OK.size + slots.nbytes
+                                  r.unique, len(arena), r.arena_slots), slots, arena, bytes(pad8(len(arena)))]
+            size += RES_OK.size + slots.nbytes + len(arena) + pad8(len(arena))
         else:
             parts += encode_error(r)
             size += sum(len(p) for p in parts[-4:])

@@ -25,6 +25,7 @@ from tierstore.sidecar import Sidecar
 log = logging.getLogger("tierstore.server")
 SERVICE = "tierstore.v1.Tierstore"
 TOKEN_HEADER = "x-tierstore-token"
+FAST_PATH_CLIENTS = 256  # local fast-path connections (one per worker process, or per thread)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -128,13 +129,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         owner = bytes(request.owner)
         if request.release:
             self.sidecar.leases.release(list(request.release), owner)
-        ttl = self.cfg.lease_ttl_s
-        if request.ttl_ms:
-            ttl = request.ttl_ms / 1000.0
-            if ttl > self.cfg.lease_ttl_s * 10:  # never capped silently: the client would trust its own TTL
-                raise InvalidArgument(f"ttl_ms {request.ttl_ms} is over this sidecar's longest lease "
-                                      f"({self.cfg.lease_ttl_s * 10:g} s = 10 x --lease-ttl)")
-        res = eng.plan(ids, ttl, owner, request.request_id)
+        res = eng.plan(ids, _ttl(self.cfg, request.ttl_ms), owner, request.request_id)
         expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
         return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
                                version=eng.version.version, unique_ids=res.unique, hits=res.hits,
@@ -177,8 +172,59 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                                 leases_active=len(self.sidecar.leases))
 
 
+class _FastPlans:
+    """The sidecar behind the local fast path (tierstore/fastpath.py): every table of a
+    step in one request, releases riding along; leases belong to the connection's owner
+    and end when it disconnects."""
+
+    def __init__(self, sidecar: Sidecar, cfg: ServeConfig, metrics):
+        self.sidecar, self.cfg, self.metrics = sidecar, cfg, metrics
+
+    def plan(self, owner: bytes, items, release) -> list:
+        from tierstore.fastpath import PlanResult
+
+        t0 = time.perf_counter()
+        if len(release):
+            self.sidecar.leases.release(release, owner)
+        out = []
+        for it in items:
+            try:
+                eng = self.sidecar.engine(it.table, it.version)
+                ttl = _ttl(self.cfg, it.ttl_ms)
+                res = eng.plan(np.array(it.ids), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
+                out.append(PlanResult(res.lease_id, eng.version.version, res.slots, res.hits, res.misses,
+                                      res.unique, expires, arena=str(eng.arena.path), arena_slots=eng.arena.slots))
+            except TierstoreError as e:
+                out.append(e)
+        self.metrics.observe("FastPlan", time.perf_counter() - t0)
+        return out
+
+    def release(self, owner: bytes, lease_ids) -> int:
+        return self.sidecar.leases.release(lease_ids, owner)
+
+    def disconnected(self, owner: bytes) -> None:
+        self.sidecar.leases.release_client(owner)
+
+    def instance(self) -> str:
+        return self.sidecar.instance
+
+
+def _ttl(cfg: ServeConfig, ttl_ms: int) -> float:
+    """A Plan's lease TTL: the default, or the client's, never over 10 x --lease-ttl (refused, not capped:
+    the client would trust its own TTL)."""
+    if not ttl_ms:
+        return cfg.lease_ttl_s
+    ttl = ttl_ms / 1000.0
+    if ttl > cfg.lease_ttl_s * 10:
+        raise InvalidArgument(f"ttl_ms {ttl_ms} is over this sidecar's longest lease "
+                              f"({cfg.lease_ttl_s * 10:g} s = 10 x --lease-ttl)")
+    return ttl
+
+
 class Server:
-    """The sidecar process: gRPC on a unix socket (0600), optional TCP and metrics."""
+    """The sidecar process: gRPC on a unix socket (0600) beside the local fast path
+    (`<socket>.fast`), optional TCP and metrics."""
 
     def __init__(self, config: ServeConfig):
         from tierstore.metrics import Metrics
@@ -222,6 +268,12 @@ class Server:
         self.grpc.start()
         if self.config.socket is not None:
             os.chmod(self.config.socket, 0o600)
+            from tierstore.fastpath import FastPathServer, fast_socket_path
+
+            self.fast = FastPathServer(fast_socket_path(self.config.socket),
+                                       _FastPlans(self.sidecar, self.config, self.metrics),
+                                       max_request_bytes=MAX_REQUEST_BYTES, max_clients=FAST_PATH_CLIENTS)
+            self.fast.start()
         self.sidecar.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -229,6 +281,9 @@ class Server:
             self.metrics.serve(self.config.metrics_port)
 
     def stop(self, grace: float = 2.0) -> None:
+        if getattr(self, "fast", None) is not None:
+            self.fast.stop()
+            self.fast = None
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace).wait()
         self.sidecar.close()
