@@ -163,6 +163,12 @@ class EngramLayer(nn.Module):
         continue_state: this step continues the previous forward's sequences
             (decode); the conv reads the carried state instead of zero padding.
         Steps queue up: each forward consumes the oldest prepared step."""
+        step, ask = self.stage(row_ids, continue_state)
+        self.commit(step, self.source.plan(self.table, ask) if ask.size else None)
+
+    def stage(self, row_ids, continue_state: bool = False):
+        """The first half of prepare(): dedupe and consult the HBM cache; returns (step, ids to
+        plan). EngramAttachment plans every layer's ids in one request, then commit()s."""
         if self.source is None:
             raise InvalidArgument(f"EngramLayer {self.table!r} has no RowSource; pass source= when building it")
         if self._checked_source is not self.source:
@@ -190,11 +196,15 @@ class EngramLayer(nn.Module):
             ask = unique[miss]
             counts = torch.bincount(inverse, minlength=unique.size).numpy()
             cache.observe(unique, counts)
-        handle = self.source.plan(self.table, ask) if ask.size else None
-        if cache is not None:
-            cache.pins += 1
-        self._pending.append(_Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique,
-                                   cache_slots, miss, handle, bool(continue_state)))
+        return _Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique, cache_slots, miss, None,
+                     bool(continue_state)), ask
+
+    def commit(self, step: _Step, handle) -> None:
+        """The second half of prepare(): queue the staged step with its plan handle."""
+        step.handle = handle
+        if self.hbm_cache is not None:
+            self.hbm_cache.pins += 1
+        self._pending.append(step)
 
     # ---- phase 2: gather + gate -------------------------------------------
     def forward(self, hidden_states: torch.Tensor, row_ids=None) -> torch.Tensor:
