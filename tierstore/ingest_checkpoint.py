@@ -6,8 +6,9 @@ interleaved into packed rows (weight || scale, 264 bytes: tierstore's
 fp8-e4m3-ue8m0 format), written as a new version of table `engram.l{L}` with
 the spec (every hashing constant, from config.json) in its manifest.
 
-Memory: two chunk buffers (read-ahead in a thread while the previous chunk is
-written) plus one packed chunk, about 3 x chunk_bytes whatever the shard size.
+Memory: one raw and two packed chunk buffers (the next chunk is read and
+interleaved in a thread while this one is written), about 3 x chunk_bytes
+(32 MiB) whatever the shard size.
 Atomicity is write_version's: a killed ingest leaves the old current version
 serving; a rerun skips layers whose current version already came from the same
 shard bytes (same path, size and mtime) and restarts the others.
@@ -25,7 +26,7 @@ import numpy as np
 
 from tierstore.checkpoint import Checkpoint, TensorRef
 
-__all__ = ["ingest_checkpoint", "plain_read_seconds"]
+__all__ = ["ingest_checkpoint", "plain_read_seconds", "evict_from_page_cache"]
 
 
 def _source_note(w: TensorRef, s: TensorRef) -> str:
@@ -45,39 +46,39 @@ def _current(data_dir: Path, table: str):
         return None
 
 
-def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 64 << 20):
+def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 32 << 20):
     """uint8 [n, w.row_bytes + s.row_bytes] chunks of packed rows, in row order.
 
-    The next chunk's preads run in a thread while the caller consumes this one;
-    a yielded array is reused two chunks later, so consume it before then."""
+    A thread preads and interleaves the next chunk while the caller writes this
+    one (read and write overlap); a yielded array is reused two chunks later,
+    so consume it before asking for the one after next."""
     rows, wb, sb = w.shape[0], w.row_bytes, s.row_bytes
     step = max(1, chunk_bytes // (wb + sb))
-    bufs = [(np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)) for _ in range(2)]
-    packed = np.empty((step, wb + sb), np.uint8)
+    wbuf, sbuf = np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)
+    packed = [np.empty((step, wb + sb), np.uint8) for _ in range(2)]
 
-    def read(i: int):
+    def read(i: int) -> np.ndarray:
         a = i * step
         n = min(step, rows - a)
-        wbuf, sbuf = bufs[i % 2]
         w.pread(wbuf[:n], a)
         s.pread(sbuf[:n], a)
-        return n
+        out = packed[i % 2][:n]
+        out[:, :wb] = wbuf[:n]
+        out[:, wb:] = sbuf[:n]
+        return out
 
     n_chunks = -(-rows // step)
     with ThreadPoolExecutor(1, thread_name_prefix="tierstore-pread") as pool:
         nxt = pool.submit(read, 0)
         for i in range(n_chunks):
-            n = nxt.result()
+            chunk = nxt.result()
             if i + 1 < n_chunks:
                 nxt = pool.submit(read, i + 1)
-            wbuf, sbuf = bufs[i % 2]
-            packed[:n, :wb] = wbuf[:n]
-            packed[:n, wb:] = sbuf[:n]
-            yield packed[:n]
+            yield chunk
 
 
 def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "engram.", progress: bool = True,
-                      chunk_bytes: int = 64 << 20, block_rows: int | None = None, force: bool = False,
+                      chunk_bytes: int = 32 << 20, block_rows: int | None = None, force: bool = False,
                       name: str | None = None) -> list:
     """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
 
@@ -138,3 +139,14 @@ def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
         finally:
             os.close(fd)
     return time.perf_counter() - t0
+
+
+def evict_from_page_cache(refs) -> None:
+    """Drop the shard pages of `refs` from the page cache (posix_fadvise DONTNEED),
+    so the next read of them comes from the disk: a cold, fair comparison."""
+    for path in {r.path for r in refs}:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

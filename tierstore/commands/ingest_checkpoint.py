@@ -15,6 +15,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-rows", type=int, help="rows per checksum block (default: ~16 KiB)")
     p.add_argument("--compare-read", action="store_true",
                    help="also time a plain sequential read of the same bytes and print the speed ratio")
+    p.add_argument("--cold", action="store_true",
+                   help="with --compare-read: evict the shards from the page cache before each timed pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -24,7 +26,7 @@ def run(args) -> int:
 
     from tierstore.checkpoint import Checkpoint
     from tierstore.errors import InvalidArgument
-    from tierstore.ingest_checkpoint import ingest_checkpoint, plain_read_seconds
+    from tierstore.ingest_checkpoint import evict_from_page_cache, ingest_checkpoint, plain_read_seconds
 
     try:
         layers = None if not args.layers else [int(v) for v in args.layers.split(",") if v.strip()]
@@ -35,7 +37,11 @@ def run(args) -> int:
         ck = Checkpoint(args.checkpoint)
         refs = [r for L in (layers or ck.spec.layer_ids)
                 for k, r in ck.engram_tensors(L).items() if k in ("weight", "scale")]
+        if args.cold:
+            evict_from_page_cache(refs)
         plain = plain_read_seconds(refs)
+        if args.cold:
+            evict_from_page_cache(refs)
     t0 = time.perf_counter()
     done = ingest_checkpoint(args.checkpoint, args.data, layers=layers, prefix=args.prefix,
                              progress=not args.quiet, block_rows=args.block_rows, force=args.force)
