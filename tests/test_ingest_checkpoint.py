@@ -37,6 +37,12 @@ def ingested(ckpt, tmp_path_factory):
     return data
 
 
+@pytest.fixture(scope="module")
+def client(ingested):
+    with SidecarProcess(ingested, dram_budget="64MiB") as sc, Client(sc.socket) as c:
+        yield c
+
+
 def shard_rows(ckpt: Path, layer: int) -> np.ndarray:
     """weight || scale of a layer, read with the safetensors library (an independent reader)."""
     from safetensors import safe_open
@@ -92,23 +98,48 @@ def test_tables_per_layer_with_spec_from_config(ingested):
     assert tv.rows % 2 == 1  # a sum of 9 odd primes: a multiple of nothing convenient
 
 
-def test_rows_served_by_sidecar_are_bit_exact_with_the_shard(ckpt, ingested, capsys):
+def test_rows_served_by_sidecar_are_bit_exact_with_the_shard(ckpt, client, capsys):
     ids = [5, 17, 3, IMAGE_TOKEN, 4, 4, 498, 0, 1, 2]
-    with SidecarProcess(ingested, dram_budget="64MiB") as sc, Client(sc.socket) as client:
-        for L in (1, 3):
-            want = shard_rows(ckpt, L)
-            capsys.readouterr()
-            assert main(["hash", "--checkpoint", str(ckpt), "--layer", str(L),
-                         "--ids", ",".join(map(str, ids))]) == 0
-            got = json.loads(capsys.readouterr().out)
-            hashed = np.asarray(got["ids"])
-            assert got["table"] == f"engram.l{L}"
-            assert np.array_equal(hashed, hash_from_config(ckpt / "config.json", L, ids))
-            every = np.arange(len(want))
-            for inline in (True, False):
-                assert np.array_equal(client.lookup(got["table"], hashed.reshape(-1), inline=inline),
-                                      want[hashed.reshape(-1)])
-            assert np.array_equal(client.lookup(got["table"], every, inline=True), want)
+    for L in (1, 3):
+        want = shard_rows(ckpt, L)
+        capsys.readouterr()
+        assert main(["hash", "--checkpoint", str(ckpt), "--layer", str(L),
+                     "--ids", ",".join(map(str, ids))]) == 0
+        got = json.loads(capsys.readouterr().out)
+        hashed = np.asarray(got["ids"])
+        assert got["table"] == f"engram.l{L}"
+        assert np.array_equal(hashed, hash_from_config(ckpt / "config.json", L, ids))
+        every = np.arange(len(want))
+        for inline in (True, False):
+            assert np.array_equal(client.lookup(got["table"], hashed.reshape(-1), inline=inline),
+                                  want[hashed.reshape(-1)])
+        assert np.array_equal(client.lookup(got["table"], every, inline=True), want)
+
+
+@torch.no_grad()
+def test_v41_layer_served_by_sidecar_equals_layer_on_shard_rows(ckpt, client):
+    """README's model-side recipe: spec from config.json, layers from the checkpoint, rows from the sidecar."""
+    from tierstore.client import EngramSpec, LocalTable, NgramHasher
+    from tierstore.client.v41_layer import V41EngramLayer
+
+    spec = EngramSpec.from_config(ckpt)
+    hasher = NgramHasher(spec)
+    raw = np.random.default_rng(3).integers(0, 500, (2, 12))
+    raw[1, 4] = IMAGE_TOKEN
+    dead = hasher.dead_mask(raw)
+    rows = hasher.hash_all(hasher.check_ids(raw), dead=dead)
+    h = torch.randn(2, 12, spec.hc_mult, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    local = LocalTable(spec)
+    for L in spec.layer_ids:
+        local.add(f"engram.l{L}", shard_rows(ckpt, L), row_format=spec.row_format, row_dim=spec.row_dim)
+    want = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=local)(h, rows[L], dead=dead) for L in spec.layer_ids}
+    engram = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=client) for L in spec.layer_ids}
+    for L, layer in engram.items():
+        layer.prepare(rows[L], dead=dead)
+    got = {L: engram[L](h) for L in spec.layer_ids}
+    for L in spec.layer_ids:
+        assert torch.equal(got[L], want[L])
+        assert torch.equal(got[L][1, 4], h[1, 4])
 
 
 def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
