@@ -142,12 +142,12 @@ class V41EngramLayer(EngramLayer):
 
     # ---- weights -------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, ckpt_dir, layer_id: int, source=None, *, prefix: str = "engram.",
+    def from_checkpoint(cls, ckpt_dir, layer_id: int, source=None, *, prefix: str = "",
                         table: str | None = None, **kw) -> "V41EngramLayer":
         """Build layer `layer_id` from a checkpoint directory (config.json + index + shards).
 
         Reads only the small tensors (wkv, wkv.scale, q/k weights); the table
-        itself is served by `source` as table `{prefix}l{layer_id}` (what
+        itself is served by `source` as table `{prefix}l{layer_id}` (`l1`: what
         `tierstore ingest-checkpoint` names it). Raises SpecMismatch naming the
         file and tensor for a malformed checkpoint."""
         from tierstore.checkpoint import Checkpoint

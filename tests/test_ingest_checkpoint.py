@@ -91,8 +91,8 @@ def hash_from_config(cfg_path: Path, layer: int, ids: list[int]) -> np.ndarray:
 
 def test_tables_per_layer_with_spec_from_config(ingested):
     with Catalog(ingested, readonly=True) as cat:
-        assert cat.tables() == ["engram.l1", "engram.l3"]
-        tv = cat.current("engram.l1")
+        assert cat.tables() == ["l1", "l3"]
+        tv = cat.current("l1")
     assert (tv.row_bytes, tv.row_format, tv.layer_id) == (264, "fp8-e4m3-ue8m0", 1)
     assert tv.spec["rms_norm_eps"] == 1e-20 and tv.spec["image_token_id"] == IMAGE_TOKEN
     assert tv.rows % 2 == 1  # a sum of 9 odd primes: a multiple of nothing convenient
@@ -107,7 +107,7 @@ def test_rows_served_by_sidecar_are_bit_exact_with_the_shard(ckpt, client, capsy
                      "--ids", ",".join(map(str, ids))]) == 0
         got = json.loads(capsys.readouterr().out)
         hashed = np.asarray(got["ids"])
-        assert got["table"] == f"engram.l{L}"
+        assert got["table"] == f"l{L}"
         assert np.array_equal(hashed, hash_from_config(ckpt / "config.json", L, ids))
         every = np.arange(len(want))
         for inline in (True, False):
@@ -131,7 +131,7 @@ def test_v41_layer_served_by_sidecar_equals_layer_on_shard_rows(ckpt, client):
     h = torch.randn(2, 12, spec.hc_mult, spec.hidden_size, generator=torch.Generator().manual_seed(0))
     local = LocalTable(spec)
     for L in spec.layer_ids:
-        local.add(f"engram.l{L}", shard_rows(ckpt, L), row_format=spec.row_format, row_dim=spec.row_dim)
+        local.add(f"l{L}", shard_rows(ckpt, L), row_format=spec.row_format, row_dim=spec.row_dim)
     want = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=local)(h, rows[L], dead=dead) for L in spec.layer_ids}
     engram = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=client) for L in spec.layer_ids}
     for L, layer in engram.items():
@@ -147,10 +147,10 @@ def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "3"]) == 0
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0
     with Catalog(data, readonly=True) as cat:
-        assert [cat.current(t).version for t in ("engram.l1", "engram.l3")] == [1, 1]
+        assert [cat.current(t).version for t in ("l1", "l3")] == [1, 1]
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--force", "--layers", "1"]) == 0
     with Catalog(data, readonly=True) as cat:
-        assert cat.current("engram.l1").version == 2
+        assert cat.current("l1").version == 2
 
 
 def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monkeypatch):
@@ -172,10 +172,10 @@ def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monke
         from tierstore.ingest_checkpoint import ingest_checkpoint
         ingest_checkpoint(ckpt, data, force=True, progress=False, chunk_bytes=64 << 10)
     monkeypatch.undo()
-    assert _snapshot(data) == before  # staging removed, v1 of engram.l1 current, no engram.l3
+    assert _snapshot(data) == before  # staging removed, v1 of l1 current, no l3
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0  # resumes
     with Catalog(data, readonly=True) as cat:
-        assert (cat.current("engram.l1").version, cat.current("engram.l3").version) == (1, 1)
+        assert (cat.current("l1").version, cat.current("l3").version) == (1, 1)
 
 
 def _snapshot(data: Path) -> dict:

@@ -180,5 +180,5 @@ class Checkpoint:
             "k_weight": self._expect(p + "k_weight", "BF16", (hc, D)),
         }
 
-    def table_name(self, layer_id: int, prefix: str = "engram.") -> str:
+    def table_name(self, layer_id: int, prefix: str = "") -> str:
         return f"{prefix}l{layer_id}"

@@ -3,7 +3,7 @@
 For each Engram layer of config.json, `embed.weight` (F8_E4M3 [rows, 256]) and
 `embed.scale` (F8_E8M0 [rows, 8]) are streamed from their shard with pread and
 interleaved into packed rows (weight || scale, 264 bytes: tierstore's
-fp8-e4m3-ue8m0 format), written as a new version of table `engram.l{L}` with
+fp8-e4m3-ue8m0 format), written as a new version of table `l{L}` (spec.table_name) with
 the spec (every hashing constant, from config.json) in its manifest.
 
 Memory: one raw and two packed chunk buffers (the next chunk is read and
@@ -77,14 +77,15 @@ def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 32 << 20):
             yield chunk
 
 
-def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "engram.", progress: bool = True,
+def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", progress: bool = True,
                       chunk_bytes: int = 32 << 20, block_rows: int | None = None, force: bool = False,
                       name: str | None = None) -> list:
     """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
 
     ckpt_dir: config.json + model.safetensors.index.json + shards.
     layers: Engram layer ids to ingest (default all of config.json's).
-    prefix: table name prefix; layer L becomes `{prefix}l{L}` (engram.l1).
+    prefix: table name prefix; layer L becomes `{prefix}l{L}` (default l1, the name
+        spec.table_name gives, which the layers, audit and hash use).
     force: re-ingest a layer even when its current version came from the
         same shard bytes (default: skip it, so an interrupted run resumes).
     name: spec name stored in the manifest (default config's model type).

@@ -73,7 +73,7 @@ def _local(ckpt, spec):
     src = LocalTable(spec)
     for L in spec.layer_ids:
         packed = np.concatenate([arrays[L]["embed.weight"], arrays[L]["embed.scale"]], axis=1)
-        src.add(f"engram.l{L}", packed, row_format=spec.row_format, row_dim=spec.row_dim)
+        src.add(f"l{L}", packed, row_format=spec.row_format, row_dim=spec.row_dim)
     return src
 
 
@@ -135,7 +135,7 @@ def test_weights_are_the_checkpoint_tensors(ckpt):
     d, arrays = ckpt
     layer = V41EngramLayer.from_checkpoint(d, 3)
     a = arrays[3]
-    assert layer.table == "engram.l3" and layer.eps == 1e-20
+    assert layer.table == "l3" and layer.eps == 1e-20
     assert np.array_equal(layer.wkv.weight.view(torch.uint8).numpy(), a["wkv.weight"])
     assert np.array_equal(layer.wkv.scale.numpy(), a["wkv.scale"])
     assert np.array_equal(layer.q_weight.float().numpy(), a["q_weight"])

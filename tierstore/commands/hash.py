@@ -12,7 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated token ids of one sequence, e.g. 0,1,2,3 (compressed ids unless --raw-ids)")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="take the spec from a Hugging Face checkpoint's config.json (DeepSeek-V4.1) instead of "
-                        "--preset; tables are then named engram.l<LAYER>, image-token positions are dead")
+                        "--preset; image-token positions are dead")
     p.add_argument("--scale", type=int, default=1, help="divide bucket counts by S, as demo tables do (default 1)")
     p.add_argument("--raw-ids", action="store_true", help="--ids are raw tokenizer ids: map them first")
     p.add_argument("--tokenizer", metavar="MAP",
@@ -45,8 +45,7 @@ def run(args) -> int:
     # image_token_id is a raw id: compare it with raw ids (compressed ids equal raw ones without a map)
     dead = hasher.dead_mask(ids) if args.raw_ids or not args.tokenizer else None
     rows = hasher.hash(compressed, args.layer, dead=dead)
-    table = f"engram.l{args.layer}" if args.checkpoint else spec.table_name(args.layer)
-    out = {"preset": spec.name, "layer": args.layer, "table": table,
+    out = {"preset": spec.name, "layer": args.layer, "table": spec.table_name(args.layer),
            "rows": hasher.spec.rows(args.layer), "columns": hasher.columns,
            "compressed_vocab_size": hasher.vocab, "pad_id": hasher.pad,
            "input_ids": ids.tolist(), "compressed_ids": compressed.tolist(), "ids": rows.tolist()}

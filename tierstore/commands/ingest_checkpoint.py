@@ -9,7 +9,8 @@ def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint directory: config.json, model.safetensors.index.json, shards")
     p.add_argument("--data", required=True, help="data directory (created if missing)")
     p.add_argument("--layers", help="comma-separated Engram layer ids (default: all in config.json)")
-    p.add_argument("--prefix", default="engram.", help="table name prefix; layer 1 -> %(default)sl1")
+    p.add_argument("--prefix", default="", help="table name prefix (default none: layer 1 -> l1, the name the "
+                   "model side and `tierstore hash` use; with a prefix pass table= to the layers)")
     p.add_argument("--force", action="store_true",
                    help="re-ingest layers whose current version came from the same shard bytes")
     p.add_argument("--block-rows", type=int, help="rows per checksum block (default: ~16 KiB)")
