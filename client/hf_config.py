@@ -64,11 +64,12 @@ def spec_from_config(src, name: str | None = None):
         raise SpecMismatch(f"{where}: engram_num_embeddings has {len(rows)} entries for "
                            f"{len(layers)} engram_layer_ids")
     image = cfg.get("image_token_id", t.get("image_token_id"))
+    evs = t["engram_vocab_size"]  # one value (V4.1) or one per n-gram order
     try:
         spec = EngramSpec(
             name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "checkpoint"),
             layer_ids=tuple(layers), max_ngram=int(t["engram_max_ngram_size"]), n_heads=int(t["engram_n_heads"]),
-            engram_vocab_size=int(t["engram_vocab_size"]),
+            engram_vocab_size=tuple(int(v) for v in evs) if isinstance(evs, list) else int(evs),
             compressed_vocab_size=int(t["engram_compressed_vocab_size"]),
             row_dim=int(t["engram_head_dim"]), row_format=RowFormat.FP8_E4M3_UE8M0.value,
             pad_id=int(t["engram_pad_token_id"]), hidden_size=int(t["hidden_size"]), hc_mult=int(t["hc_mult"]),

@@ -262,3 +262,25 @@ def test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp
     import re
     assert re.search(names, err), err
     assert _snapshot(data) == before
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
+    """Peak RSS growth during ingest is the chunk buffers (~3 x 32 MiB), not the table (~500 MB)."""
+    import subprocess
+
+    from v41_checkpoint import write_big_checkpoint
+
+    rows = write_big_checkpoint(tmp_path / "ck", 210_000)
+    assert rows * 264 > 450e6
+    code = ("import sys, re\n"
+            "from tierstore.ingest_checkpoint import ingest_checkpoint\n"
+            "import tierstore.ingest, tqdm\n"
+            "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            "before = hwm()\n"
+            "ingest_checkpoint(sys.argv[1], sys.argv[2], progress=False)\n"
+            "print(before, hwm())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck"), str(tmp_path / "d")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert (after - before) * 1024 < 160 << 20, (before, after)

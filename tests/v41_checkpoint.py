@@ -119,3 +119,44 @@ def _bf16(x: np.ndarray) -> bytes:
 
 def _bf16_round(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def write_big_checkpoint(d: Path, vocab: int) -> int:
+    """One Engram layer whose table is ~vocab * 9 * 264 bytes, written in pieces
+    (valid e4m3 / ue8m0 bytes, no NaNs) so the writer stays small. Returns the rows."""
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    text = {**CONFIG, "engram_vocab_size": vocab, "engram_layer_ids": [1]}
+    rows = _rows(dict(text, engram_num_embeddings=[0]))[1]
+    text["engram_num_embeddings"] = [rows]
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "image_token_id": IMAGE_TOKEN,
+                                               "text_config": text}))
+    D, hc, dim = text["hidden_size"], text["hc_mult"], text["engram_head_dim"]
+    E = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"] * dim
+    p = "layers.1.engram."
+    spec = [(p + "embed.weight", "F8_E4M3", [rows, dim]), (p + "embed.scale", "F8_E8M0", [rows, dim // 32]),
+            (p + "wkv.weight", "F8_E4M3", [(hc + 1) * D, E]), (p + "wkv.scale", "F8_E8M0", [-(-(hc + 1) * D // 32), E // 32]),
+            (p + "q_weight", "BF16", [hc, D]), (p + "k_weight", "BF16", [hc, D])]
+    header, pos = {}, 0
+    for name, dt, shape in spec:
+        n = int(np.prod(shape)) * (2 if dt == "BF16" else 1)
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard = "model-00001-of-00001.safetensors"
+    rng = np.random.default_rng(0)
+    with open(d / shard, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, dt, shape in spec:
+            left = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            while left:
+                n = min(left, 16 << 20)
+                if dt == "BF16":
+                    f.write(np.full(n // 2, 0x3F80, np.uint16).tobytes())  # 1.0
+                else:
+                    lo, hi = (0, 0x7E) if dt == "F8_E4M3" else (120, 130)
+                    f.write(rng.integers(lo, hi, n, dtype=np.uint8).tobytes())
+                left -= n
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n, _, _ in spec}}))
+    return rows

@@ -143,7 +143,9 @@ class Checkpoint:
             a, b = (int(v) for v in meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise SpecMismatch(f"{path}:{name}: malformed header entry ({e})") from None
-        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 0)
+        if dtype not in _ITEMSIZE:
+            raise SpecMismatch(f"{path}:{name}: unknown safetensors dtype {dtype!r}")
+        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
         if b - a != want:
             raise SpecMismatch(f"{path}:{name}: header says {b - a} bytes for {dtype} {list(shape)} ({want} expected)")
         ref = TensorRef(name, path, dtype, shape, head["__data_start__"] + a, b - a)
