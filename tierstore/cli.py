@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer-map": ("tierstore.commands.tokenizer_map", "build the tokenizer compression map from tokenizer.json"),
     "demo-table": ("tierstore.commands.demo_table", "write a deterministic synthetic table with a preset's layout"),
     "ingest": ("tierstore.commands.ingest", "ingest safetensors / .npy / torch state dict as a new table version"),
+    "ingest-checkpoint": ("tierstore.commands.ingest_checkpoint",
+                          "ingest every Engram layer of a Hugging Face checkpoint dir (DeepSeek-V4.1)"),
     "tables": ("tierstore.commands.tables", "list tables and versions"),
     "verify": ("tierstore.commands.verify", "re-check every block checksum"),
     "export": ("tierstore.commands.export", "export a table version as a zstd-compressed portable file"),
