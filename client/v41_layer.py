@@ -96,11 +96,21 @@ class V41EngramLayer(EngramLayer):
             mask = torch.as_tensor(np.asarray(dead) if not isinstance(dead, torch.Tensor) else dead)
             if mask.dtype != torch.bool:
                 raise InvalidArgument(f"dead must be a bool mask [B, L], got {mask.dtype}")
-        super().prepare(row_ids, continue_state)
+        self._next_dead = mask
+        try:
+            super().prepare(row_ids, continue_state)
+        finally:
+            self._next_dead = None
         shape = self._pending[-1].shape
         if mask is not None and tuple(mask.shape) != shape:
             self._finish_gather(self._pending.pop())
+            self._dead.pop()
             raise InvalidArgument(f"dead mask must be [B, L] = {list(shape)} like the row ids, got {list(mask.shape)}")
+
+    def commit(self, step, handle) -> None:
+        """As EngramLayer.commit; the step's dead mask (from prepare, else none) queues beside it."""
+        super().commit(step, handle)
+        mask = getattr(self, "_next_dead", None)
         self._dead.append(mask if mask is not None and bool(mask.any()) else None)
 
     def forward(self, hidden_states: torch.Tensor, row_ids=None, dead=None) -> torch.Tensor:
