@@ -247,7 +247,7 @@ class TableEngine:
                     st.unpin(hit_slots)
                     raise
                 miss_ids = uniq[~hit]
-                fill = Fill(next(self._fill_ids), miss_ids, new)
+                fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
                 st.assign(new, miss_ids, fill.fill_id)
                 st.pin(new, times=2)  # one for the step, one for the fill
                 self.policy.admitted(new, miss_ids)

@@ -36,11 +36,12 @@ class SlotTable:
 
     def __init__(self, capacity: int, rows: int):
         self.capacity, self.rows = int(capacity), int(rows)
+        # 4 B per row and 13 B per slot at V4.1 scale (rows and slots < 2^31)
         self.slot_of = np.full(self.rows, -1, dtype=np.int32 if self.capacity < 2**31 else np.int64)
-        self.id_of = np.full(self.capacity, -1, dtype=np.int64)  # also the policy's slot_id
+        self.id_of = np.full(self.capacity, -1, dtype=np.int32 if self.rows < 2**31 else np.int64)  # = policy.slot_id
         self.pins = np.zeros(self.capacity, dtype=np.int32)
         self.state = np.zeros(self.capacity, dtype=np.uint8)
-        self.fill_of = np.zeros(self.capacity, dtype=np.int64)  # fill id of a FILLING slot
+        self.fill_of = np.zeros(self.capacity, dtype=np.int32)  # fill id (mod 2^31) of a FILLING slot
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
         self.n_free = self.capacity
         self.n_pinned = 0  # slots with pins > 0, kept incrementally for stats
