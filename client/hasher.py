@@ -179,13 +179,18 @@ class NgramHasher:
             mix = v * m[0] if s == 0 else mix ^ (v * m[s])
             if s:
                 mixes[..., s - 1] = mix
-        want = (*shape, self.columns)
+        out = self._out(out, (*shape, self.columns))
+        self._finish(mixes, layer_id, out.reshape(B, T, self.columns))
+        return out
+
+    @staticmethod
+    def _out(out, want: tuple) -> np.ndarray:
+        """A caller's output array checked (or a new one): C-contiguous int64 of shape `want`."""
         if out is None:
-            out = np.empty(want, np.int64)
-        elif out.shape != want or out.dtype != np.int64 or not out.flags.c_contiguous:
+            return np.empty(want, np.int64)
+        if out.shape != want or out.dtype != np.int64 or not out.flags.c_contiguous:
             raise InvalidArgument(f"out must be a C-contiguous int64 array of shape {want}, "
                                   f"got {out.dtype} {out.shape}")
-        self._finish(mixes, layer_id, out.reshape(B, T, self.columns))
         return out
 
     def _prepare(self, ids) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -201,12 +206,7 @@ class NgramHasher:
 
     def _hash_padded(self, padded, shape, layer_id, out):
         B, T = padded.shape[0], padded.shape[1] - (self.order - 1)
-        want = (*shape, self.columns)
-        if out is None:
-            out = np.empty(want, np.int64)
-        elif out.shape != want or out.dtype != np.int64 or not out.flags.c_contiguous:
-            raise InvalidArgument(f"out must be a C-contiguous int64 array of shape {want}, "
-                                  f"got {out.dtype} {out.shape}")
+        out = self._out(out, (*shape, self.columns))
         out3 = out.reshape(B, T, self.columns)
         if B * T == 0:
             return out

@@ -34,7 +34,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
 
-__all__ = ["Catalog", "TableVersion", "validate_table_name"]
+__all__ = ["Catalog", "TableVersion", "has_tables", "validate_table_name"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # The map is sparse: LMDB only grows the file as pages are used. 1 TiB of
@@ -332,6 +332,15 @@ class Catalog:
             self.close()
         except Exception:
             pass
+
+
+def has_tables(data_dir) -> bool:
+    """True when `data_dir` holds a catalog with at least one table."""
+    try:
+        with Catalog(data_dir, readonly=True) as cat:
+            return bool(cat.tables())
+    except NotFound:
+        return False
 
 
 def _held(lock_path: Path) -> bool:

@@ -158,14 +158,8 @@ def run(args) -> int:
 
 def _ensure_checkpoint_tables(checkpoint, data) -> None:
     """Ingest the checkpoint's Engram tables into `data` unless it holds tables already."""
-    from tierstore.catalog import Catalog
-    from tierstore.errors import NotFound
+    from tierstore.catalog import has_tables
     from tierstore.ingest_checkpoint import ingest_checkpoint
 
-    try:
-        with Catalog(data, readonly=True) as cat:
-            if cat.tables():
-                return
-    except NotFound:
-        pass
-    ingest_checkpoint(checkpoint, data, progress=True)
+    if not has_tables(data):
+        ingest_checkpoint(checkpoint, data, progress=True)
