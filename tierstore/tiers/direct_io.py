@@ -133,7 +133,7 @@ class DirectFiles:
         pos = r_pos[run_of] + (off - r_off[run_of])
         if short >= 0:
             pos = pos[:short]
-        np.take(window, pos, axis=0, out=out[:pos.size])
+        out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
         return total, short
 
     def close(self) -> None:

@@ -52,15 +52,19 @@ BLOCK_TARGET_BYTES = 4 * 1024
 GROUP_BYTES = 8 << 20
 
 
-# Reads of many scattered blocks go out from a small thread pool: NVMe needs a
-# queue depth to reach its IOPS, and preadv releases the GIL.
-READ_THREADS = 8
+# Reads of many scattered blocks or rows go out from a small thread pool: NVMe
+# needs a queue depth to reach its IOPS, and preadv (like a gather that faults
+# pages in) releases the GIL.
+READ_THREADS = 32
 PARALLEL_MIN_RUNS = 32
-# Row reads: misses go in chunks of about CHUNK_BYTES (hashed while in cache);
-# a call with more than one chunk spreads them over the pool. O_DIRECT chunks
-# are smaller so a step's preads spread over all threads (queue depth).
+# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES (hashed
+# while in cache) and the chunks dealt to at most ROW_TASKS pool tasks (one
+# hand-off each, however many chunks: a warm step pays little for the pool, a
+# cold one has that many page faults in flight). O_DIRECT waits on the device
+# for every row, so it uses more tasks.
 CHUNK_BYTES = 256 << 10
-DIRECT_CHUNK_ROWS = 128
+ROW_TASKS, ROWS_PER_TASK = 16, 512
+DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -301,18 +305,21 @@ class SegmentReader(Tier):
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
         cut = np.searchsorted(ids, segs * sr)
         cut = np.append(cut, n)
-        chunk = DIRECT_CHUNK_ROWS if self.direct is not None else max(1, CHUNK_BYTES // self.row_bytes)
-        tasks = []
+        direct = self.direct is not None
+        chunk = DIRECT_CHUNK_ROWS if direct else max(1, CHUNK_BYTES // self.row_bytes)
+        chunks = []
         for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
             if lo == hi:
                 continue
             src = self._source(s, ids[lo:hi] - s * sr, ids[lo])
-            tasks += [(s, src, a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
-        run = lambda t: self._fill(t, ids, dest, slots)
-        if len(tasks) > 1:
-            results = list(_pool().map(run, tasks))
+            chunks += [(s, src, a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if direct else (ROWS_PER_TASK, ROW_TASKS)
+        k = max(1, min(most, len(chunks), n // per))
+        run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
+        if k > 1:
+            results = [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
         else:
-            results = [run(tasks[0])]
+            results = run(chunks)
         with self._lock:
             self.bytes_read += sum(r[0] for r in results)
         bad = [r[1:] for r in results if r[1] >= 0]
