@@ -346,7 +346,7 @@ class SegmentReader(Tier):
         size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
         limit = min(view.shape[0], size // self.row_bytes)
         if int(local[-1]) >= limit:
-            row = int(first_id) + int(np.argmax(local >= limit))
+            row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
             err = ChecksumError(self.table, self.version.version, row // self.block_rows,
                                 f"row {row}: segment {self.version.segments[s]} is truncated")
             err.row = row
