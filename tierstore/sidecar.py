@@ -65,7 +65,7 @@ class Sidecar:
                 share = cfg.dram_budget * (v.rows * v.row_bytes) / total
                 slots = int(min(v.rows, max(1, share // v.row_bytes)))
             checksums = self.catalog.checksums(v.table, v.version)
-            reader = SegmentReader(cfg.data_dir, v, checksums)
+            reader = SegmentReader(cfg.data_dir, v, checksums, direct_io=cfg.direct_io)
             # only a full arena can be verified block by block; a cache arena starts empty
             arena = Arena(arena_path(cfg.shm_dir, owner, v.table, v.version), slots, v.row_bytes,
                           reuse=cfg.persist_arena and full)

@@ -15,24 +15,10 @@ from tierstore.ingest import write_version
 from tierstore.tiers.nvme import SegmentReader
 
 
-def _direct_ok(path) -> str | None:
-    """None when `path`'s filesystem takes O_DIRECT, else why not."""
-    probe = path / ".odirect-probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-        os.close(fd)
-        return None
-    except OSError as e:
-        return f"{path} refuses O_DIRECT ({e.strerror})"
-    finally:
-        probe.unlink()
-
-
 @pytest.fixture(params=["page-cache", "direct"])
-def mode(request, tmp_path):
+def mode(request, tmp_path, odirect):
     if request.param == "direct":
-        why = _direct_ok(tmp_path)
+        why = odirect(tmp_path)
         if why:
             pytest.skip(why)
     return request.param == "direct"
@@ -185,9 +171,9 @@ def test_a_fifo_or_directory_in_place_of_a_segment_is_data_loss_and_never_hangs(
         r.read_rows(np.array([0, 299]))  # other segments serve
 
 
-def test_direct_io_on_a_filesystem_without_it_is_a_clear_error(tmp_path, monkeypatch):
+def test_direct_io_on_a_filesystem_without_it_is_a_clear_error(odirect):
     shm = "/dev/shm"
-    if not os.path.isdir(shm) or _direct_ok_path(shm) is None:
+    if not os.path.isdir(shm) or odirect(shm) is None:
         pytest.skip("no tmpfs that refuses O_DIRECT here")
     import tempfile
     d = tempfile.mkdtemp(prefix="tierstore-test-", dir=shm)
@@ -202,11 +188,6 @@ def test_direct_io_on_a_filesystem_without_it_is_a_clear_error(tmp_path, monkeyp
     finally:
         import shutil
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _direct_ok_path(path) -> str | None:
-    from pathlib import Path
-    return _direct_ok(Path(path))
 
 
 def test_direct_io_refused_at_open_is_a_clear_error(data_dir, make_table, monkeypatch):
@@ -225,3 +206,13 @@ def test_direct_io_refused_at_open_is_a_clear_error(data_dir, make_table, monkey
     monkeypatch.setattr(direct_io.os, "open", refuse)
     with pytest.raises(InvalidArgument, match="refuses O_DIRECT"):
         _reader(data_dir, tv, direct_io=True)
+
+
+def test_verify_cli_reports_a_fifo_segment_and_returns(data_dir, make_table, cli, monkeypatch):
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
+    tv, _ = make_table("t", rows=300, row_bytes=256)
+    seg = data_dir / tv.segments[1]
+    seg.unlink()
+    os.mkfifo(seg)
+    code, out, err = cli("verify", "--data", data_dir)
+    assert code == 1 and "block 4 is corrupt" in err and "seg-00001.bin" in err

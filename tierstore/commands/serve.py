@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
+    p.add_argument("--direct-io", action="store_true", default=None,
+                   help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -46,7 +48,7 @@ def run(args) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
-        profile=args.profile)
+        profile=args.profile, direct_io=args.direct_io)
     server = Server(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
