@@ -22,7 +22,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["DirectFiles", "probe_alignment"]
+__all__ = ["DirectFiles", "pread_rows", "probe_alignment"]
 
 _ALIGNS = (512, 4096)
 
@@ -44,6 +44,49 @@ def probe_alignment(fd: int, path) -> int:
         buf.close()
 
 
+def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buffer) -> tuple[int, int]:
+    """pread rows `local` (sorted row numbers of the file at fd, rows of rb bytes)
+    into out[:len(local)], reading the `a`-aligned spans that hold them (a = 1:
+    exactly the rows); rows whose spans touch share one pread. buffer(n) gives
+    an a-aligned scratch of >= n bytes. Returns (bytes read, index of the first
+    row the file did not hold in full, or -1)."""
+    off = local * rb
+    start = off // a * a
+    end = -(-(off + rb) // a) * a
+    # rows whose spans touch share one read; ends never decrease (ids are sorted)
+    new = np.ones(local.size, dtype=bool)
+    new[1:] = start[1:] > end[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], local.size) - 1
+    r_off, r_len = start[first], end[last] - start[first]
+    r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
+    run_of = np.cumsum(new) - 1
+    flat = buffer(int(r_len.sum()))
+    buf = memoryview(flat)
+    total, short = 0, -1
+    for j, (o, p, n) in enumerate(zip(r_off.tolist(), r_pos.tolist(), r_len.tolist())):
+        got = os.preadv(fd, [buf[p:p + n]], o)
+        while 0 < got < n:  # a signal; or the file ends (its last sector is short)
+            more = os.preadv(fd, [buf[p + got:p + n]], o + got)
+            if more == 0:
+                break
+            got += more
+        total += got
+        if got < n:
+            need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
+            bad = np.flatnonzero(need > got)
+            if bad.size:
+                short = int(first[j] + bad[0])
+                break
+    # every row as a window at its byte position in the scratch buffer: one gather
+    window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1), writeable=False)
+    pos = r_pos[run_of] + (off - r_off[run_of])
+    if short >= 0:
+        pos = pos[:short]
+    out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
+    return total, short
+
+
 class _Scratch(threading.local):
     buf: np.ndarray | None = None
 
@@ -52,6 +95,13 @@ def _aligned(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     skip = -raw.ctypes.data % align
     return raw[skip:skip + nbytes]
+
+
+def thread_buffer(scratch: _Scratch, nbytes: int) -> np.ndarray:
+    """`scratch`'s page-aligned buffer for this thread, grown to >= nbytes and reused."""
+    if scratch.buf is None or scratch.buf.size < nbytes:
+        scratch.buf = _aligned(max(nbytes, 1 << 20))
+    return scratch.buf
 
 
 class DirectFiles:
@@ -88,53 +138,13 @@ class DirectFiles:
             raise
 
     def _buffer(self, nbytes: int) -> np.ndarray:
-        """This thread's aligned scratch buffer, reused across calls."""
-        sc = self._scratch
-        if sc.buf is None or sc.buf.size < nbytes:
-            sc.buf = _aligned(max(nbytes, 1 << 20))
-        return sc.buf
+        return thread_buffer(self._scratch, nbytes)
 
     def read_rows(self, seg: int, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         """Read rows `local` (sorted row numbers within segment `seg`) into uint8
         [len(local), row_bytes] `out`. Returns (bytes read, index of the first row
         the file did not hold in full, or -1)."""
-        a, rb, fd = self.align, self.row_bytes, self.fds[seg]
-        off = local * rb
-        start = off // a * a
-        end = -(-(off + rb) // a) * a
-        # rows whose sector spans touch share one read; ends never decrease (ids are sorted)
-        new = np.ones(local.size, dtype=bool)
-        new[1:] = start[1:] > end[:-1]
-        first = np.flatnonzero(new)
-        last = np.append(first[1:], local.size) - 1
-        r_off, r_len = start[first], end[last] - start[first]
-        r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
-        run_of = np.cumsum(new) - 1
-        flat = self._buffer(int(r_len.sum()))
-        buf = memoryview(flat)
-        total, short = 0, -1
-        for j, (o, p, n) in enumerate(zip(r_off.tolist(), r_pos.tolist(), r_len.tolist())):
-            got = os.preadv(fd, [buf[p:p + n]], o)
-            while 0 < got < n:  # a signal; or the file ends (its last sector is short)
-                more = os.preadv(fd, [buf[p + got:p + n]], o + got)
-                if more == 0:
-                    break
-                got += more
-            total += got
-            if got < n:
-                need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
-                bad = np.flatnonzero(need > got)
-                if bad.size:
-                    short = int(first[j] + bad[0])
-                    break
-        # every row as a window at its byte position in the scratch buffer: one gather
-        window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1),
-                                                 writeable=False)
-        pos = r_pos[run_of] + (off - r_off[run_of])
-        if short >= 0:
-            pos = pos[:short]
-        out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
-        return total, short
+        return pread_rows(self.fds[seg], local, self.row_bytes, self.align, out, self._buffer)
 
     def close(self) -> None:
         fds, self.fds = self.fds, []

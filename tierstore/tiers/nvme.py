@@ -35,6 +35,7 @@ from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers import rowsum
 from tierstore.tiers.base import Tier, check_ids, check_out
+from tierstore.tiers.direct_io import _Scratch, pread_rows, thread_buffer
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +98,16 @@ class _Tls(threading.local):
     buf: np.ndarray | None = None
 
 
-_TLS = _Tls()
+_TLS, _TLS2, _PREAD_SCRATCH = _Tls(), _Tls(), _Scratch()
+PAGE_SHIFT = 12
 
 
-def _scratch(n: int, row_bytes: int) -> np.ndarray:
+def _scratch(n: int, row_bytes: int, tls: _Tls = _TLS) -> np.ndarray:
     """This thread's reusable uint8 [n, row_bytes] buffer (one chunk of rows)."""
     need = n * row_bytes
-    if _TLS.buf is None or _TLS.buf.size < need:
-        _TLS.buf = np.empty(max(need, CHUNK_BYTES), dtype=np.uint8)
-    return _TLS.buf[:need].reshape(n, row_bytes)
+    if tls.buf is None or tls.buf.size < need:
+        tls.buf = np.empty(max(need, CHUNK_BYTES), dtype=np.uint8)
+    return tls.buf[:need].reshape(n, row_bytes)
 
 
 def default_block_rows(row_bytes: int) -> int:
@@ -305,15 +307,21 @@ class SegmentReader(Tier):
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
         cut = np.searchsorted(ids, segs * sr)
         cut = np.append(cut, n)
-        direct = self.direct is not None
-        chunk = DIRECT_CHUNK_ROWS if direct else max(1, CHUNK_BYTES // self.row_bytes)
-        chunks = []
+        groups, cold = [], n if self.direct is not None else 0
         for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
             if lo == hi:
                 continue
             src = self._source(s, ids[lo:hi] - s * sr, ids[lo])
-            chunks += [(s, src, a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
-        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if direct else (ROWS_PER_TASK, ROW_TASKS)
+            groups.append((s, src, lo, hi))
+            if self.direct is None:
+                pages = (ids[lo:hi] - s * sr) * self.row_bytes >> PAGE_SHIFT
+                cold += int(pages.size - np.count_nonzero(src[1][pages]))
+        # mostly reads that wait on the device: small chunks over many tasks (queue depth);
+        # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
+        deep = cold * 4 > n
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
+        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else (ROWS_PER_TASK, ROW_TASKS)
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
         if k > 1:
@@ -344,7 +352,7 @@ class SegmentReader(Tier):
             return s
         view = self._map(s)
         size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
-        limit = min(view.shape[0], size // self.row_bytes)
+        limit = min(view[0].shape[0], size // self.row_bytes)
         if int(local[-1]) >= limit:
             row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
             err = ChecksumError(self.table, self.version.version, row // self.block_rows,
@@ -353,8 +361,9 @@ class SegmentReader(Tier):
             raise err
         return view
 
-    def _map(self, s: int) -> np.ndarray:
-        """Segment s as a read-only uint8 [rows held, row_bytes] view, mapped once."""
+    def _map(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment s as a read-only uint8 [rows held, row_bytes] view, mapped once,
+        and its pages' seen flags."""
         view = self._maps[s]
         if view is None:
             with self._lock:
@@ -363,12 +372,13 @@ class SegmentReader(Tier):
                     size = os.fstat(self._fds[s]).st_size
                     held = size // self.row_bytes
                     if held == 0:
-                        view = np.empty((0, self.row_bytes), dtype=np.uint8)
+                        rows = np.empty((0, self.row_bytes), dtype=np.uint8)
                     else:
                         mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
                         mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
-                        view = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
-                    self._maps[s] = view
+                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
+                    # one flag per page: has this reader read it (so it is likely cached and mapped)?
+                    view = self._maps[s] = (rows, np.zeros((size >> PAGE_SHIFT) + 1, dtype=bool))
         return view
 
     def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
@@ -378,17 +388,45 @@ class SegmentReader(Tier):
         local = ids[a:b] - s * self.version.segment_rows
         tmp = _scratch(b - a, self.row_bytes)
         if self.direct is None:
-            np.take(src, local, axis=0, out=tmp)
-            nbytes, short = tmp.nbytes, -1
+            nbytes, short = self._fetch_buffered(s, src, local, tmp)
         else:
             nbytes, short = self.direct.read_rows(s, local, tmp)
-            if short >= 0:
-                return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
+        if short >= 0:
+            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
         ok = rowsum.row_sums(tmp, ids[a:b]) == self.row_sums[ids[a:b]]
         dest[slots[a:b]] = tmp
         if not ok.all():
             return nbytes, a + int(np.argmin(ok)), ""
         return nbytes, -1, ""
+
+    def _fetch_buffered(self, s: int, src, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Page-cache mode: rows on pages this reader has read before come from its
+        map (a gather: no syscall once mapped); rows on pages it has not are
+        pread (a page fault on a cold page would wait for the device one at a
+        time per thread, and a first touch of a cached page costs a few us too),
+        after which their pages count as seen."""
+        view, seen = src
+        pages = local * self.row_bytes >> PAGE_SHIFT
+        warm = seen[pages]
+        nbytes, short = 0, -1
+        if warm.all():
+            np.take(view, local, axis=0, out=out)
+            return out.nbytes, -1
+        cold = np.flatnonzero(~warm)
+        got = out if cold.size == local.size else _scratch(cold.size, self.row_bytes, _TLS2)
+        nbytes, short = pread_rows(self._fds[s], local[cold], self.row_bytes, 1, got, self._pread_buffer)
+        if short >= 0:
+            return nbytes, int(cold[short])
+        if got is not out:
+            out[cold] = got
+            hot = np.flatnonzero(warm)
+            out[hot] = view[local[hot]]
+            nbytes += hot.size * self.row_bytes
+        seen[pages] = True  # racy between threads, harmless: a page read twice
+        return nbytes, -1
+
+    def _pread_buffer(self, nbytes: int) -> np.ndarray:
+        return thread_buffer(_PREAD_SCRATCH, nbytes)
 
     def _read_rows_by_block(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
         blocks = flat // self.block_rows
