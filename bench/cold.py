@@ -3,9 +3,19 @@ the NVMe tier through the DRAM cache, against the all-DRAM case and a
 memory-mapped file.
 
 Competitors (same ids, same table, interleaved rounds, medians):
-  dram            full-resident sidecar (the whole table in the arena)
-  tierstore-cold  sidecar with a DRAM budget of 1/4 of the table (cache mode)
-  mmap-cold       np.memmap of the segment files (MADV_RANDOM) in a child process
+  dram              full-resident sidecar (the whole table in the arena)
+  tierstore-cold    sidecar with a DRAM budget of 1/4 of the table (cache mode;
+                    misses read through the page cache)
+  tierstore-direct  the same with --direct-io (misses read with O_DIRECT: the
+                    page cache holds none of the table); skipped, with the
+                    reason, where the filesystem refuses O_DIRECT
+  mmap-cold         np.memmap of the segment files (MADV_RANDOM) in a child process
+
+Hit ratios: the sidecars' (unique ids per Plan found in the arena); mmap's is
+1 - major page faults / rows gathered (a gathered row whose page was resident).
+Memory each cache-mode sidecar causes, measured after a pass from a dropped
+page cache: its RSS (heap + arena + mapped files) and the segment files' pages
+in the page cache (mincore), against --dram-budget.
 
 Fair memory: when a memory cgroup can be made (v2 memory.max, else v1
 memory.limit_in_bytes), mmap-cold runs in one capped at budget + slack, and the
@@ -127,8 +137,43 @@ def _own_cgroup(controller: str) -> str | None:
     return None
 
 
+def resident_bytes(paths) -> int:
+    """Bytes of `paths` now in the page cache (mincore over a fresh map; mapping
+    a file faults nothing in)."""
+    import ctypes
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as f, _mmap.mmap(f.fileno(), size, prot=_mmap.PROT_READ) as m:
+            vec = np.zeros(-(-size // _mmap.PAGESIZE), dtype=np.uint8)
+            view = np.frombuffer(m, np.uint8)
+            rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec.ctypes.data)
+            del view  # the map cannot close while an array exports it
+            if rc != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            total += int((vec & 1).sum()) * _mmap.PAGESIZE
+    return total
+
+
+def _proc_memory(pid: int) -> dict:
+    """RssAnon / RssFile / RssShmem of a process, in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+
 def _mmap_worker(conn, paths, seg_rows, row_bytes, batches):
     import mmap as _mmap
+    import resource
 
     maps = []
     for p in paths:
@@ -151,6 +196,9 @@ def _mmap_worker(conn, paths, seg_rows, row_bytes, batches):
         op, i = conn.recv()
         if op == "stop":
             break
+        if op == "faults":  # major page faults so far: gathered rows that went to disk
+            conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
+            continue
         rows = get(batches[i])
         conn.send(rows.tobytes() if op == "rows" else rows.shape[0])
 
@@ -177,6 +225,10 @@ class _MmapChild:
         self.conn.send(("rows", self.index[id(ids)]))
         return np.frombuffer(self.conn.recv(), dtype=np.uint8).reshape(-1, self.row_bytes)
 
+    def faults(self) -> int:
+        self.conn.send(("faults", 0))
+        return self.conn.recv()
+
     def close(self):
         try:
             self.conn.send(("stop", 0))
@@ -198,7 +250,8 @@ def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0,
     try:
         with Catalog(cache_dir, readonly=True) as cat:
             v = cat.current(name)
-            if v.rows == rows and v.row_bytes == row_bytes and v.source == f"bench-cold seed={seed}":
+            # a table written before row checksums is rewritten: its misses would verify by block
+            if v.rows == rows and v.row_bytes == row_bytes and v.source == f"bench-cold seed={seed}" and v.row_sums:
                 return v
     except (KeyError, FileNotFoundError):
         pass
@@ -239,7 +292,13 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     stream = make_batches(dist, version.rows, batch, calls * (rounds + 2), seed)
     passes = [stream[i * calls:(i + 1) * calls] for i in range(rounds + 2)]
     ids = passes[0]
-    closers, memory = [], {}
+    closers, memory, footprint = [], {}, {}
+    from tierstore.tiers.direct_io import DirectFiles
+    try:  # O_DIRECT where the filesystem takes it (tmpfs before Linux 6.6 does not)
+        DirectFiles(seg_paths[:1], version.row_bytes).close()
+        no_direct = None
+    except Exception as e:
+        no_direct = str(e)
     try:
         full = SidecarProcess(cache_dir, dram_budget=int(version.nbytes * 1.02) + (8 << 20)).start()
         closers.append(full.cleanup)
@@ -250,6 +309,12 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         cclient = Client(cold.socket)
         closers.append(cclient.close)
         cap = int(cclient.tables()[0]["arena_slots"])
+        dclient = direct = None
+        if no_direct is None:
+            direct = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--direct-io"]).start()
+            closers.append(direct.cleanup)
+            dclient = Client(direct.socket)
+            closers.append(dclient.close)
         child = _MmapChild(cache_dir, version, stream)
         closers.append(child.close)
         # the sidecar's own heap (id->slot map, policy sketch: ~50 B per row) is not DRAM for rows;
@@ -257,9 +322,14 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         heap = _rss_anon(cold.proc.pid)
         cg_side, cg_mmap = MemoryCgroup(slack_bytes + heap), MemoryCgroup(budget + slack_bytes)
         closers[:0] = [cg_side.close, cg_mmap.close]  # removed last, once their processes are gone
+        cg_direct = MemoryCgroup(slack_bytes + heap) if direct is not None else None
+        if cg_direct is not None:
+            closers[:0] = [cg_direct.close]
         if cg_side.error is None and cg_mmap.error is None:
             cg_side.add(cold.proc.pid)
             cg_mmap.add(child.proc.pid)
+            if cg_direct is not None and cg_direct.error is None:
+                cg_direct.add(direct.proc.pid)
             memory = {"cgroup": cg_side.kind,
                       "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} + its heap {heap}",
                       "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
@@ -270,10 +340,18 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
                               "from DRAM page cache, not disk"}
         fns = {"dram": _Arena(dram, "cold").get, "tierstore-cold": _Arena(cclient, "cold", piece=max(1, cap // 2)).get,
                "mmap-cold": child.get}
-        # cold start: page cache dropped before each competitor's first pass
+        sides = {"tierstore-cold": (cold, cclient)}
+        if direct is not None:
+            fns["tierstore-direct"] = _Arena(dclient, "cold", piece=max(1, cap // 2)).get
+            sides["tierstore-direct"] = (direct, dclient)
+        at_start = {n: _proc_memory(p.proc.pid) for n, (p, _) in sides.items()}
+        # cold start: page cache dropped before each competitor's first pass; then what each
+        # cache-mode sidecar holds: its RSS and the segment pages it left in the page cache
         cold_start, how = {}, None
-        for name in ("tierstore-cold", "mmap-cold"):
+        # O_DIRECT first: pages a mapping holds survive DONTNEED and would be hits for the next
+        for name in [n for n in ("tierstore-direct", "tierstore-cold", "mmap-cold") if n in fns]:
             how = drop_page_cache(seg_paths)
+            pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
             lat = []
             t0 = time.perf_counter()
             for b in ids:
@@ -284,34 +362,63 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             lat_ms = np.asarray(lat) * 1e3
             cold_start[name] = {"rows_per_s": len(ids) * batch / dt, "p50_ms": float(np.percentile(lat_ms, 50)),
                                 "p99_ms": float(np.percentile(lat_ms, 99))}
+            if name in sides:
+                footprint[name] = _footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
         # checked after the cold starts: a mapped page survives DONTNEED, so checking first would warm mmap
         table_rows = dram.handle("cold").arena_np  # full-resident arena == the table, verified on load
-        for name, fn in [("dram", fns["dram"]), ("tierstore-cold", fns["tierstore-cold"]), ("mmap-cold", child.rows)]:
+        for name, fn in [(n, child.rows if n == "mmap-cold" else f) for n, f in fns.items()]:
             check_same_rows(name, np.asarray(fn(ids[0])), table_rows[ids[0]])
-        s0 = cclient.stats()["tables"][0]
+        s0 = {n: c.stats()["tables"][0] for n, (_, c) in sides.items()}
+        f0 = child.faults()
         with tqdm(total=rounds, desc=f"cold {dist} b={batch}", unit="round", disable=not progress, leave=False) as bar:
             timings = run_rounds(fns, passes[1], rounds, progress=bar.update, round_batches=passes[2:])
-        s1 = cclient.stats()["tables"][0]
+        faults = child.faults() - f0
         comps = summarize(timings, len(ids) * batch, ref="dram")
         for d in comps.values():
             d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
-        h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
-        comps["tierstore-cold"]["hit_ratio"] = h / (h + m) if h + m else None
-        comps["tierstore-cold"]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
+        for n, (proc, c) in sides.items():
+            s1 = c.stats()["tables"][0]
+            h, m = int(s1["hits"]) - int(s0[n]["hits"]), int(s1["misses"]) - int(s0[n]["misses"])
+            comps[n]["hit_ratio"] = h / (h + m) if h + m else None
+            comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0[n].get("bytes_read", 0))
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"the {n} sidecar died (killed by its {slack_bytes >> 20} MiB memory cgroup?); "
+                                   f"rerun with a larger slack:\n{proc.log()}")
+        # rows gathered = unique ids per call (as the sidecars count), warm-up pass and every round
+        gathered = sum(np.unique(b).size for p in [passes[1]] + passes[2:2 + rounds] for b in p)
+        comps["mmap-cold"]["hit_ratio"] = max(0.0, 1 - faults / gathered)
+        comps["mmap-cold"]["major_faults"] = faults
+        if "tierstore-direct" in comps:
+            comps["tierstore-direct"]["x_mmap"] = comps["tierstore-direct"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
+        comps["tierstore-cold"]["x_mmap"] = comps["tierstore-cold"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
         if cg_side.error is None and cg_mmap.error is None:
             memory["tierstore_cold_cgroup_peak_bytes"] = cg_side.peak()
             memory["mmap_cold_cgroup_peak_bytes"] = cg_mmap.peak()
-        if cold.proc.poll() is not None:
-            raise RuntimeError(f"the cache-mode sidecar died (killed by its {slack_bytes >> 20} MiB memory cgroup?); "
-                               f"rerun with a larger slack:\n{cold.log()}")
+            if cg_direct is not None and cg_direct.error is None:
+                memory["tierstore_direct_cgroup_peak_bytes"] = cg_direct.peak()
     finally:
         close_all(closers)
     result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
               "dram_budget_bytes": budget, "arena_slots": cap, "dist": dist, "batch": batch,
               "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
-              "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps}
+              "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps,
+              "memory_footprint": footprint, "direct_io": no_direct or "on"}
     log(cold_line(result))
     return result
+
+
+def _footprint(pid: int, seg_paths, budget: int, start: dict, pinned: int = 0) -> dict:
+    """What a cache-mode sidecar's reads cost in memory beyond its arena (= the
+    budget, in /dev/shm): its heap growth since it started serving, and the
+    segment pages it brought into the page cache (`pinned`: there before).
+    The process's fixed size at start (interpreter, libraries, the id map and
+    row checksums loaded at open) is reported beside it."""
+    m = _proc_memory(pid)
+    cache = max(0, resident_bytes(seg_paths) - pinned)
+    growth = m.get("RssAnon", 0) - start.get("RssAnon", 0)
+    return {"rss_anon_at_start": start.get("RssAnon", 0), "rss_file_at_start": start.get("RssFile", 0),
+            "rss_anon": m.get("RssAnon", 0), "rss_file": m.get("RssFile", 0), "heap_growth": growth,
+            "segment_page_cache": cache, "dram_budget": budget, "over_budget": growth + cache}
 
 
 def cold_line(r: dict) -> str:
@@ -322,6 +429,20 @@ def cold_line(r: dict) -> str:
             f"{r['dram_budget_bytes'] / 2**20:.0f} MiB ({'cgroup ' + cg if cg else 'no cgroup'}): "
             f"tierstore-cold {c['tierstore-cold']['ratio_vs_dram']:.3g}x dram (hit {hit if hit is None else round(hit, 2)}, "
             f"p99 {c['tierstore-cold']['p99_ms']:.2f} vs {c['dram']['p99_ms']:.2f} ms), "
-            f"mmap-cold {c['mmap-cold']['ratio_vs_dram']:.3g}x (p99 {c['mmap-cold']['p99_ms']:.2f} ms); "
+            f"mmap-cold {c['mmap-cold']['ratio_vs_dram']:.3g}x (hit {round(c['mmap-cold']['hit_ratio'], 2)}, "
+            f"p99 {c['mmap-cold']['p99_ms']:.2f} ms); "
             f"cold start {r['cold_start']['tierstore-cold']['rows_per_s'] / 1e3:.0f}k vs "
-            f"{r['cold_start']['mmap-cold']['rows_per_s'] / 1e3:.0f}k rows/s")
+            f"{r['cold_start']['mmap-cold']['rows_per_s'] / 1e3:.0f}k rows/s" + _direct_part(r))
+
+
+def _direct_part(r: dict) -> str:
+    d = r["competitors"].get("tierstore-direct")
+    if d is None:
+        return f"; no tierstore-direct ({r.get('direct_io')})"
+    fp = r.get("memory_footprint", {}).get("tierstore-direct", {})
+    return (f"; tierstore-direct {d['ratio_vs_dram']:.3g}x dram = {d['x_mmap']:.3g}x mmap (hit "
+            f"{round(d['hit_ratio'], 2)}, p99 {d['p99_ms']:.2f} ms, cold start "
+            f"{r['cold_start']['tierstore-direct']['rows_per_s'] / 1e3:.0f}k rows/s, beyond its "
+            f"{r['dram_budget_bytes'] / 2**20:.0f} MiB arena: {fp.get('over_budget', 0) / 2**20:.1f} MiB "
+            f"(page cache {fp.get('segment_page_cache', 0) / 2**20:.1f} MiB) vs tierstore-cold "
+            f"{r.get('memory_footprint', {}).get('tierstore-cold', {}).get('over_budget', 0) / 2**20:.1f} MiB)")

@@ -26,16 +26,13 @@ class FaultyReader(SegmentReader):
     fail_next = 0
     delay_s = 0.0
 
-    def read_rows(self, ids, out=None):
+    def read_into(self, ids, dest, slots):
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return super().read_rows(ids, out)
-
-    def read_into(self, ids, dest, slots):
-        dest[slots] = self.read_rows(ids)
+        return super().read_into(ids, dest, slots)
 
 
 @pytest.fixture

@@ -62,6 +62,10 @@ class TableVersion:
     Rows are ``row_bytes`` bytes each, stored back to back; row i lives in
     segment ``i // segment_rows`` at byte ``(i % segment_rows) * row_bytes``.
     Checksums cover blocks of ``block_rows`` rows (the last block may be short).
+    ``row_sums`` (versions written since per-row checksums exist, else None):
+    ``{"file": name in the version directory, "algo": tierstore.tiers.rowsum.ALGO,
+    "xxh3": xxh3-64 of that file}``; the file holds one little-endian uint64
+    per row.
     """
 
     table: str
@@ -78,6 +82,7 @@ class TableVersion:
     layer_id: int | None
     created_at: float
     source: str
+    row_sums: dict | None = None
 
     @property
     def nbytes(self) -> int:

@@ -56,6 +56,7 @@ class ServeConfig:
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "tinylfu"
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
+    direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)

@@ -25,6 +25,7 @@ import xxhash
 from tierstore.catalog import LOCK_NAME, Catalog, TableVersion, _fsync_dir, validate_table_name
 from tierstore.errors import DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.formats import RowFormat
+from tierstore.tiers import rowsum
 from tierstore.tiers.nvme import SegmentReader, default_block_rows
 
 __all__ = ["write_version", "ingest_file", "SEGMENT_BYTES"]
@@ -32,11 +33,14 @@ __all__ = ["write_version", "ingest_file", "SEGMENT_BYTES"]
 # Segments are capped at ~1 GiB so a 98 GB layer is ~100 files that copy,
 # rsync and checksum in pieces; reads never cross a segment (whole blocks each).
 SEGMENT_BYTES = 1 << 30
+# one uint64 checksum per row (tierstore.tiers.rowsum), beside the segments
+ROW_SUMS_FILE = "rowsums.u64"
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class _Staging:
-    """Segment files of one version being written, plus their block checksums."""
+    """Segment files of one version being written, plus their block checksums
+    and the row-checksum file (one uint64 per row, hashed as it is written)."""
 
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
         tmp = data_dir / "tmp"
@@ -56,11 +60,15 @@ class _Staging:
         self._seg = -1
         self._hash = xxhash.xxh3_64()
         self._block = 0
+        self._sums_fd: int | None = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+        self._sums_hash = xxhash.xxh3_64()
 
     def write(self, data: memoryview) -> None:
+        """Append whole rows (data is a byte view of uint8 [n, row_bytes])."""
         if self.pos + len(data) > self.total:
             raise SpecMismatch(f"the source yields more than the declared {self.rows} rows")
         self._checksum(data)
+        self._row_sums(data)
         while len(data):
             seg = self.pos // self.segment_bytes
             if seg != self._seg:
@@ -89,6 +97,19 @@ class _Staging:
             if p == end:
                 self._block += 1
 
+    def _row_sums(self, data: memoryview) -> None:
+        first = self.pos // self.row_bytes
+        rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, self.row_bytes)
+        sums = rowsum.row_sums(rows, np.arange(first, first + rows.shape[0], dtype=np.int64))
+        raw = memoryview(sums.astype("<u8", copy=False)).cast("B")
+        self._sums_hash.update(raw)
+        while len(raw):
+            raw = raw[os.write(self._sums_fd, raw):]
+
+    @property
+    def row_sums_meta(self) -> dict:
+        return {"file": ROW_SUMS_FILE, "algo": rowsum.ALGO, "xxh3": self._sums_hash.intdigest()}
+
     def _close_segment(self) -> None:
         if self._fd is not None:
             os.fsync(self._fd)
@@ -100,14 +121,18 @@ class _Staging:
             raise SpecMismatch(f"the source ended after {self.pos // self.row_bytes} rows; "
                                f"{self.rows} were declared")
         self._close_segment()
+        os.fsync(self._sums_fd)
+        os.close(self._sums_fd)
+        self._sums_fd = None
         _fsync_dir(self.dir)
 
     def abort(self) -> None:
         import shutil
 
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._sums_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._sums_fd = None
         shutil.rmtree(self.dir, ignore_errors=True)
         self.release()
 
@@ -169,7 +194,7 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
                                    f"checksum; the source is corrupt, nothing was committed")
             fields = dict(rows=rows, row_format=fmt.value, row_dim=int(row_dim), row_bytes=row_bytes,
                           block_rows=block_rows, n_blocks=stage.n_blocks, segment_rows=stage.segment_rows,
-                          spec=spec, layer_id=layer_id, source=str(source))
+                          spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta)
             if verify:
                 _verify_staged(data_dir, stage, table, fields)
             tv = cat.commit_version(table, stage.dir, fields, stage.checksums)

@@ -162,8 +162,7 @@ class Sidecar:
         return engine
 
     def _reader_options(self) -> dict:
-        direct = getattr(self.config, "direct_io", False)
-        return {"direct_io": True} if direct else {}
+        return {"direct_io": True} if self.config.direct_io else {}
 
     def _hold_version(self, engine: TableEngine) -> None:
         """A shared flock on the version's directory: `tierstore gc` skips what is served."""

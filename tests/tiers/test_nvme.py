@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -56,14 +58,26 @@ def test_out_buffer_is_filled_in_place(table):
         reader.read_rows(np.array([10, 20, 30]), out=np.zeros((3, RB + 1), dtype=np.uint8))
 
 
-def test_each_block_is_read_once_and_neighbours_coalesce(table):
+def test_rows_are_read_once_each_not_their_blocks(table):
     reader, _, _ = table
+    before = reader.bytes_read
+    reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
+    assert reader.bytes_read - before == 4 * RB
+
+
+def test_block_path_reads_each_block_once_and_neighbours_coalesce(table, data_dir):
+    _, tv, _ = table
+    old = dataclasses.replace(tv, row_sums=None)  # a version written before row checksums
+    with Catalog(data_dir, readonly=True) as cat:
+        reader = SegmentReader(data_dir, old, cat.checksums("t", 1))
+    assert reader.row_sums is None
     before = reader.bytes_read
     reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
     assert reader.bytes_read - before == BR * RB
     before = reader.bytes_read
     reader.read_rows(np.arange(0, 70))  # blocks 0..9: one pread
     assert reader.bytes_read - before == 10 * BR * RB
+    reader.close()
 
 
 def test_empty_request(table):

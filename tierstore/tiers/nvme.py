@@ -1,18 +1,30 @@
 """The cold tier: rows read straight from a version's segment files.
 
-Addresses are computed (row i sits at a fixed offset), so a read is: map ids to
-blocks, sort and dedupe the blocks, merge neighbours into one pread each, check
-every block's xxh3-64 against the catalog, then gather rows into the caller's
-order. A block whose checksum does not match raises ChecksumError; its rows are
-never returned.
+Addresses are computed (row i sits at a fixed offset). Two read paths:
 
-Reads go through the page cache (no O_DIRECT): blocks are not 4 KiB aligned for
-every row width, and re-reads of hot blocks are common before the DRAM tier
-admits them.
+- Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
+  per-row checksum (tierstore.tiers.rowsum, written at ingest): each miss reads
+  only its row, verified in one vectorised pass per chunk of the step's misses,
+  and is written straight into the caller's arena slots. Page-cache mode
+  gathers from a read-only memory map of each segment (MADV_RANDOM: a cold
+  fault reads one page, not a read-around window); chunks go to a thread pool
+  so cold faults are in flight together. O_DIRECT mode (`direct_io=True`)
+  preads the aligned sectors of each row (tierstore.tiers.direct_io), so the
+  cold tier is not cached twice.
+- Blocks (`read_range`, `iter_blocks`, `verify`, and rows of versions written
+  before row checksums existed): sort and dedupe the blocks, merge neighbours
+  into one pread each, check every block's xxh3-64 against the catalog.
+
+A row or block that does not match raises ChecksumError; it is never returned.
+A segment that is missing, truncated, or not a regular file (a FIFO or a
+directory in its place) reads as corrupt, naming the segment; it never hangs.
 """
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -21,7 +33,11 @@ import xxhash
 
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
+from tierstore.tiers import rowsum
 from tierstore.tiers.base import Tier, check_ids, check_out
+from tierstore.tiers.direct_io import _Scratch, pread_rows, thread_buffer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SegmentReader", "default_block_rows"]
 
@@ -37,10 +53,19 @@ BLOCK_TARGET_BYTES = 4 * 1024
 GROUP_BYTES = 8 << 20
 
 
-# Reads of many scattered blocks go out from a small thread pool: NVMe needs a
-# queue depth to reach its IOPS, and preadv releases the GIL.
-READ_THREADS = 8
+# Reads of many scattered blocks or rows go out from a small thread pool: NVMe
+# needs a queue depth to reach its IOPS, and preadv (like a gather that faults
+# pages in) releases the GIL.
+READ_THREADS = 32
 PARALLEL_MIN_RUNS = 32
+# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES (hashed
+# while in cache) and the chunks dealt to at most ROW_TASKS pool tasks (one
+# hand-off each, however many chunks: a warm step pays little for the pool, a
+# cold one has that many page faults in flight). O_DIRECT waits on the device
+# for every row, so it uses more tasks.
+CHUNK_BYTES = 256 << 10
+ROW_TASKS, ROWS_PER_TASK = 16, 512
+DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -54,6 +79,37 @@ def _pool():
         return _POOL
 
 
+def _open_segment(path: Path) -> tuple[int | None, str | None]:
+    """(fd, None) for a regular file, else (None, why). O_NONBLOCK: opening a
+    FIFO put where a segment was must not wait for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, "missing"
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd, None
+    os.close(fd)
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file"
+    return None, f"not a regular file ({kind}); restore it or re-ingest the table"
+
+
+class _Tls(threading.local):
+    buf: np.ndarray | None = None
+
+
+_TLS, _TLS2, _PREAD_SCRATCH = _Tls(), _Tls(), _Scratch()
+PAGE_SHIFT = 12
+
+
+def _scratch(n: int, row_bytes: int, tls: _Tls = _TLS) -> np.ndarray:
+    """This thread's reusable uint8 [n, row_bytes] buffer (one chunk of rows)."""
+    need = n * row_bytes
+    if tls.buf is None or tls.buf.size < need:
+        tls.buf = np.empty(max(need, CHUNK_BYTES), dtype=np.uint8)
+    return tls.buf[:need].reshape(n, row_bytes)
+
+
 def default_block_rows(row_bytes: int) -> int:
     return max(1, BLOCK_TARGET_BYTES // row_bytes)
 
@@ -64,13 +120,20 @@ class SegmentReader(Tier):
     data_dir: the data directory the manifest's segment paths are relative to.
     version: the manifest (Catalog.get / Catalog.current).
     checksums: uint64 [n_blocks] from Catalog.checksums.
+    direct_io: read rows with O_DIRECT (no page cache); InvalidArgument when
+        the filesystem refuses it (tmpfs). Block reads stay buffered and drop
+        what they read from the page cache.
 
-    Thread-safe: reads use pread, never a shared file offset. A missing or
-    truncated segment file reads as a corrupt block (ChecksumError).
-    `bytes_read` counts bytes read from the files, for metrics.
+    Thread-safe: reads use pread or a read-only map, never a shared file
+    offset. A missing, truncated or non-regular segment file reads as corrupt
+    (ChecksumError). `bytes_read` counts bytes read from the files (rows in
+    page-cache mode, sectors with O_DIRECT, whole blocks on the block path).
+    `row_sums` is the per-row checksum array (8 B per row, held in memory) or
+    None for a version written without one (then rows verify by block);
+    `row_sums_error` says why a version's row sums were not usable.
     """
 
-    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray):
+    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False):
         self.data_dir = Path(data_dir)
         self.version = version
         self.table = version.table
@@ -84,13 +147,49 @@ class SegmentReader(Tier):
         self._block_bytes = self.block_rows * self.row_bytes
         self._blocks_per_seg = version.segment_rows // self.block_rows
         self._fds: list[int | None] = []
-        for rel in version.segments:
-            try:
-                self._fds.append(os.open(self.data_dir / rel, os.O_RDONLY))
-            except FileNotFoundError:
-                self._fds.append(None)
+        self._why: list[str | None] = []  # why a segment cannot be read
+        self._maps: list = [None] * len(version.segments)
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.direct = None
+        for rel in version.segments:
+            fd, why = _open_segment(self.data_dir / rel)
+            self._fds.append(fd)
+            self._why.append(why)
+        self.row_sums, self.row_sums_error = self._load_row_sums()
+        if direct_io:
+            from tierstore.tiers.direct_io import DirectFiles
+
+            paths = [self.data_dir / rel if fd is not None else None for rel, fd in zip(version.segments, self._fds)]
+            try:
+                self.direct = DirectFiles(paths, self.row_bytes)
+            except BaseException:
+                self.close()
+                raise
+
+    def _load_row_sums(self) -> tuple[np.ndarray | None, str | None]:
+        meta = getattr(self.version, "row_sums", None)
+        if not meta:
+            return None, None
+        where = f"table {self.table!r} version {self.version.version}"
+        if meta.get("algo") != rowsum.ALGO:
+            return None, f"{where}: row checksums use {meta.get('algo')!r}, this build knows {rowsum.ALGO!r}"
+        path = self.data_dir / Path(self.version.segments[0]).parent / meta["file"]
+        fd, why = _open_segment(path)
+        if fd is None:
+            err = f"{where}: row checksum file {path} is {why}"
+        else:
+            try:
+                raw = np.empty(self.rows, dtype="<u8")
+                got = os.preadv(fd, [memoryview(raw).cast("B")], 0)
+                ok = got == raw.nbytes and xxhash.xxh3_64_intdigest(raw) == int(meta["xxh3"])
+                err = None if ok else f"{where}: row checksum file {path} is corrupt or truncated"
+            finally:
+                os.close(fd)
+        if err:
+            log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
+            return None, err
+        return raw.view(np.uint64), None
 
     # ---- block I/O ---------------------------------------------------------
     def _block_len(self, blocks: np.ndarray) -> np.ndarray:
@@ -124,7 +223,7 @@ class SegmentReader(Tier):
         if failed:
             s, first_block, got = min(failed, key=lambda f: f[1])
             bad = first_block + got // self._block_bytes
-            what = "missing" if self._fds[s] is None else "truncated"
+            what = self._why[s] or "truncated"
             raise ChecksumError(self.table, self.version.version, bad,
                                 f"segment {self.version.segments[s]} is {what}")
         with self._lock:
@@ -151,6 +250,8 @@ class SegmentReader(Tier):
                     if n == 0:
                         break
                     got += n
+                if self.direct is not None and got:  # O_DIRECT mode: leave no page cache behind
+                    os.posix_fadvise(fd, off, got, os.POSIX_FADV_DONTNEED)
             total += got
             if got < nbytes:
                 return total, (s, s * bps + off // bb, got)
@@ -171,6 +272,163 @@ class SegmentReader(Tier):
         out = check_out(out, flat.size, self.row_bytes)
         if flat.size == 0:
             return out
+        if self.row_sums is None:
+            return self._read_rows_by_block(flat, out)
+        if flat.size == 1 or np.all(flat[1:] > flat[:-1]):  # already sorted and unique: no bounce
+            self.read_into(flat, out, np.arange(flat.size))
+            return out
+        uniq, inv = np.unique(flat, return_inverse=True)
+        tmp = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+        self.read_into(uniq, tmp, np.arange(uniq.size))
+        np.take(tmp, inv.reshape(-1), axis=0, out=out)
+        return out
+
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
+        """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
+
+        ids: int64, sorted, unique and in range (not re-checked: the engine
+            validated them at the edge).
+        dest: writable uint8 [capacity, row_bytes] (the arena view); rows are
+            written in place, no bounce copy in page-cache mode.
+        slots: integer [len(ids)], distinct rows of dest.
+        Thread-safe: call concurrently on one reader, no lock needed.
+        Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
+        row fails verification or its segment is missing/truncated/not a file;
+        dest rows of that call may then hold anything (free those slots).
+        OSError passes through.
+        """
+        n = int(ids.size)
+        if n == 0:
+            return
+        if self.row_sums is None:  # a version written before row checksums: verify whole blocks
+            dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
+            return
+        sr = self.version.segment_rows
+        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
+        cut = np.searchsorted(ids, segs * sr)
+        cut = np.append(cut, n)
+        groups, cold = [], n if self.direct is not None else 0
+        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
+            if lo == hi:
+                continue
+            src = self._source(s, ids[lo:hi] - s * sr, ids[lo])
+            groups.append((s, src, lo, hi))
+            if self.direct is None:
+                pages = (ids[lo:hi] - s * sr) * self.row_bytes >> PAGE_SHIFT
+                cold += int(pages.size - np.count_nonzero(src[1][pages]))
+        # mostly reads that wait on the device: small chunks over many tasks (queue depth);
+        # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
+        deep = cold * 4 > n
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
+        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else (ROWS_PER_TASK, ROW_TASKS)
+        k = max(1, min(most, len(chunks), n // per))
+        run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
+        if k > 1:
+            results = [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+        else:
+            results = run(chunks)
+        with self._lock:
+            self.bytes_read += sum(r[0] for r in results)
+        bad = [r[1:] for r in results if r[1] >= 0]
+        if bad:
+            i, why = min(bad)
+            row = int(ids[i])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}" + (f": {why}" if why else ""))
+            err.row = row
+            raise err
+
+    def _source(self, s: int, local: np.ndarray, first_id) -> object:
+        """Where rows of segment s come from: its row view (page-cache mode) or
+        its index (O_DIRECT); ChecksumError for a segment that is not there."""
+        if self._fds[s] is None:
+            row = int(first_id)
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: segment {self.version.segments[s]} is {self._why[s]}")
+            err.row = row
+            raise err
+        if self.direct is not None:
+            return s
+        view = self._map(s)
+        size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
+        limit = min(view[0].shape[0], size // self.row_bytes)
+        if int(local[-1]) >= limit:
+            row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: segment {self.version.segments[s]} is truncated")
+            err.row = row
+            raise err
+        return view
+
+    def _map(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment s as a read-only uint8 [rows held, row_bytes] view, mapped once,
+        and its pages' seen flags."""
+        view = self._maps[s]
+        if view is None:
+            with self._lock:
+                view = self._maps[s]
+                if view is None:
+                    size = os.fstat(self._fds[s]).st_size
+                    held = size // self.row_bytes
+                    if held == 0:
+                        rows = np.empty((0, self.row_bytes), dtype=np.uint8)
+                    else:
+                        mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
+                        mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
+                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
+                    # one flag per page: has this reader read it (so it is likely cached and mapped)?
+                    view = self._maps[s] = (rows, np.zeros((size >> PAGE_SHIFT) + 1, dtype=bool))
+        return view
+
+    def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
+        """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
+        index of the first bad row or -1, why)."""
+        s, src, a, b = task
+        local = ids[a:b] - s * self.version.segment_rows
+        tmp = _scratch(b - a, self.row_bytes)
+        if self.direct is None:
+            nbytes, short = self._fetch_buffered(s, src, local, tmp)
+        else:
+            nbytes, short = self.direct.read_rows(s, local, tmp)
+        if short >= 0:
+            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
+        ok = rowsum.row_sums(tmp, ids[a:b]) == self.row_sums[ids[a:b]]
+        dest[slots[a:b]] = tmp
+        if not ok.all():
+            return nbytes, a + int(np.argmin(ok)), ""
+        return nbytes, -1, ""
+
+    def _fetch_buffered(self, s: int, src, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Page-cache mode: rows on pages this reader has read before come from its
+        map (a gather: no syscall once mapped); rows on pages it has not are
+        pread (a page fault on a cold page would wait for the device one at a
+        time per thread, and a first touch of a cached page costs a few us too),
+        after which their pages count as seen."""
+        view, seen = src
+        pages = local * self.row_bytes >> PAGE_SHIFT
+        warm = seen[pages]
+        nbytes, short = 0, -1
+        if warm.all():
+            np.take(view, local, axis=0, out=out)
+            return out.nbytes, -1
+        cold = np.flatnonzero(~warm)
+        got = out if cold.size == local.size else _scratch(cold.size, self.row_bytes, _TLS2)
+        nbytes, short = pread_rows(self._fds[s], local[cold], self.row_bytes, 1, got, self._pread_buffer)
+        if short >= 0:
+            return nbytes, int(cold[short])
+        if got is not out:
+            out[cold] = got
+            hot = np.flatnonzero(warm)
+            out[hot] = view[local[hot]]
+            nbytes += hot.size * self.row_bytes
+        seen[pages] = True  # racy between threads, harmless: a page read twice
+        return nbytes, -1
+
+    def _pread_buffer(self, nbytes: int) -> np.ndarray:
+        return thread_buffer(_PREAD_SCRATCH, nbytes)
+
+    def _read_rows_by_block(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
         blocks = flat // self.block_rows
         ub = np.unique(blocks)
         pos = np.searchsorted(ub, blocks)
@@ -229,12 +487,14 @@ class SegmentReader(Tier):
             yield r, self.read_range(r, k, out=buf[:k])
 
     def verify(self) -> list[int]:
-        """Re-check every block; return the numbers of bad (corrupt, truncated
-        or missing) blocks, empty when the version is intact."""
+        """Re-check every block, and every row against its row checksum when the
+        version has them; return the numbers of bad (corrupt, truncated, missing,
+        or holding a row that fails its row checksum) blocks, empty when intact."""
         bad: list[int] = []
         g = self._group_blocks()
-        scratch = memoryview(np.empty(g * self._block_bytes, dtype=np.uint8))
-        n_blocks = self.version.n_blocks
+        buf = np.empty(g * self._block_bytes, dtype=np.uint8)
+        scratch = memoryview(buf)
+        n_blocks, br = self.version.n_blocks, self.block_rows
         a = 0
         while a < n_blocks:
             blocks = np.arange(a, min(a + g, n_blocks), dtype=np.int64)
@@ -244,13 +504,23 @@ class SegmentReader(Tier):
             except ChecksumError as e:
                 bad.append(e.block)
                 a = e.block + 1
+                continue
+            if self.row_sums is not None:
+                r0, r1 = int(blocks[0]) * br, min(a * br, self.rows)
+                ids = np.arange(r0, r1, dtype=np.int64)
+                rows = buf[:(r1 - r0) * self.row_bytes].reshape(-1, self.row_bytes)
+                wrong = rowsum.row_sums(rows, ids) != self.row_sums[r0:r1]
+                bad += np.unique(ids[wrong] // br).tolist()
         return bad
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
+        self._maps = [None] * len(self._maps)  # a map goes with its last view
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+        if self.direct is not None:
+            self.direct.close()
 
     def __del__(self):
         try:

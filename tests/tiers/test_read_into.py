@@ -1,0 +1,218 @@
+"""SegmentReader.read_into: the engine's miss path (rows verified by their row
+checksum, written straight into arena slots), page-cache and O_DIRECT modes."""
+import dataclasses
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from tierstore import ingest
+from tierstore.catalog import Catalog
+from tierstore.errors import ChecksumError, InvalidArgument
+from tierstore.formats import RowFormat
+from tierstore.ingest import write_version
+from tierstore.tiers.nvme import SegmentReader
+
+
+@pytest.fixture(params=["page-cache", "direct"])
+def mode(request, tmp_path, odirect):
+    if request.param == "direct":
+        why = odirect(tmp_path)
+        if why:
+            pytest.skip(why)
+    return request.param == "direct"
+
+
+def _write(data_dir, name, data, fmt="fp32", dim=None, **kw):
+    rows, rb = data.shape
+    dim = dim or rb // 4
+    return write_version(data_dir, name, (data[i:i + 97] for i in range(0, rows, 97)), rows=rows,
+                         row_format=fmt, row_dim=dim, **kw)
+
+
+def _reader(data_dir, tv, **kw):
+    with Catalog(data_dir, readonly=True) as cat:
+        return SegmentReader(data_dir, tv, cat.checksums(tv.table, tv.version), **kw)
+
+
+# fp32 x 64 (256 B), bf16 x 64 (128 B), fp8-e4m3-ue8m0 x 256 (264 B: not a power of two,
+# straddles 512-B sectors), fp16 x 3 (6 B: not whole words), fp32 x 33 (132 B)
+WIDTHS = [("fp32", 64), ("bf16", 64), ("fp8-e4m3-ue8m0", 256), ("fp16", 3), ("fp32", 33)]
+
+
+@pytest.mark.parametrize("fmt,dim", WIDTHS)
+def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim):
+    rb = RowFormat.parse(fmt).row_bytes(dim)
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 3001 * rb // 4)  # several segments per table
+    data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)
+    tv = _write(data_dir, "w", data, fmt=fmt, dim=dim)
+    assert len(tv.segments) > 2 and tv.row_sums["algo"] == "fmix64-v1"
+    rng = np.random.default_rng(0)
+    with _reader(data_dir, tv, direct_io=mode) as r:
+        for n in (1, 2, 50, 3001):
+            ids = np.sort(rng.choice(3001, n, replace=False)).astype(np.int64)
+            dest = np.zeros((4000, rb), dtype=np.uint8)
+            slots = rng.choice(4000, n, replace=False)
+            r.read_into(ids, dest, slots)
+            assert np.array_equal(dest[slots], data[ids])
+            untouched = np.setdiff1d(np.arange(4000), slots)
+            assert not dest[untouched].any()  # nothing written outside the given slots
+        assert np.array_equal(r.read_rows(np.array([3000, 0, 0, 17])), data[[3000, 0, 0, 17]])
+        r.read_into(np.zeros(0, np.int64), np.zeros((1, rb), np.uint8), np.zeros(0, np.int64))
+
+
+def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode):
+    tv, data = make_table("t", rows=20_000, row_bytes=256)
+    dest = np.zeros((20_000, 256), dtype=np.uint8)
+    errors = []
+
+    def work(k, r):
+        try:
+            rng = np.random.default_rng(k)
+            for _ in range(10):
+                ids = np.sort(rng.choice(20_000, 1500, replace=False)).astype(np.int64)
+                mine = np.arange(k * 5000, (k + 1) * 5000)  # each thread owns its slots
+                slots = rng.choice(mine, ids.size, replace=False)
+                r.read_into(ids, dest, slots)
+                assert np.array_equal(dest[slots], data[ids])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with _reader(data_dir, tv, direct_io=mode) as r:
+        threads = [threading.Thread(target=work, args=(k, r)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+
+
+def _flip(data_dir, tv, row, byte):
+    seg = data_dir / tv.segments[row // tv.segment_rows]
+    with open(seg, "r+b") as f:
+        f.seek((row % tv.segment_rows) * tv.row_bytes + byte)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, make_table, mode):
+    tv, data = make_table("t", rows=5000, row_bytes=256)  # 16 rows per block
+    _flip(data_dir, tv, 1234, byte=200)
+    with _reader(data_dir, tv, direct_io=mode) as r:
+        dest = np.zeros((5000, 256), dtype=np.uint8)
+        with pytest.raises(ChecksumError, match=r"table 't' version 1: checksum mismatch in block 77 "
+                                                 r"\(row 1234\)") as e:
+            r.read_into(np.array([5, 1234, 4000]), dest, np.array([0, 1, 2]))
+        assert e.value.block == 77 and e.value.row == 1234
+        # the bad row's block-mates and every other row still serve, bit-exact
+        good = np.setdiff1d(np.arange(5000), [1234])
+        r.read_into(good, dest, np.arange(good.size))
+        assert np.array_equal(dest[:good.size], data[good])
+        assert r.verify() == [77]
+
+
+def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mode):
+    tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=8)
+    old = dataclasses.replace(tv, row_sums=None)  # as written before row checksums existed
+    with _reader(data_dir, old, direct_io=mode) as r:
+        assert r.row_sums is None
+        ids = np.array([0, 9, 10, 2999])
+        dest = np.zeros((10, 64), dtype=np.uint8)
+        r.read_into(ids, dest, np.array([9, 0, 5, 1]))
+        assert np.array_equal(dest[[9, 0, 5, 1]], data[ids])
+        _flip(data_dir, tv, 10, byte=3)
+        with pytest.raises(ChecksumError, match="block 1"):
+            r.read_into(np.array([9]), dest, np.array([0]))  # row 9 shares row 10's block
+        assert r.verify() == [1]
+
+
+def test_a_corrupt_row_sum_file_falls_back_to_blocks(data_dir, make_table):
+    tv, data = make_table("t", rows=2000, row_bytes=64)
+    path = data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"]
+    raw = bytearray(path.read_bytes())
+    raw[8] ^= 1
+    path.write_bytes(bytes(raw))
+    with _reader(data_dir, tv) as r:
+        assert r.row_sums is None and "row checksum file" in r.row_sums_error
+        assert np.array_equal(r.read_rows(np.arange(2000)), data)  # still verified, by block
+
+
+def test_a_truncated_segment_is_data_loss_not_a_crash(data_dir, make_table, mode, monkeypatch):
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
+    tv, data = make_table("t", rows=1000, row_bytes=256)
+    with _reader(data_dir, tv, direct_io=mode) as r:
+        r.read_rows(np.arange(1000))  # maps every segment while whole
+        seg = data_dir / tv.segments[1]  # rows 64..127
+        os.truncate(seg, 10 * 256 + 100)
+        dest = np.zeros((4, 256), dtype=np.uint8)
+        with pytest.raises(ChecksumError, match=r"row 74: segment .*seg-00001.bin is truncated"):
+            r.read_into(np.array([64, 73, 74, 500]), dest, np.arange(4))
+        r.read_into(np.array([64, 73, 500]), dest, np.arange(3))
+        assert np.array_equal(dest[:3], data[[64, 73, 500]])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_directory_in_place_of_a_segment_is_data_loss_and_never_hangs(data_dir, make_table, kind,
+                                                                                monkeypatch):
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
+    tv, _ = make_table("t", rows=300, row_bytes=256)
+    seg = data_dir / tv.segments[2]  # rows 128..191, blocks 8..11
+    seg.unlink()
+    os.mkfifo(seg) if kind == "fifo" else seg.mkdir()
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    with _reader(data_dir, tv) as r:  # opening does not block on the FIFO
+        assert r.verify() == [8, 9, 10, 11]
+        with pytest.raises(ChecksumError, match=f"seg-00002.bin is not a regular file \\({what}\\)"):
+            r.read_rows(np.array([130]))
+        with pytest.raises(ChecksumError, match=f"row 140: segment .* is not a regular file"):
+            r.read_into(np.array([3, 140]), np.zeros((2, 256), np.uint8), np.arange(2))
+        r.read_rows(np.array([0, 299]))  # other segments serve
+
+
+def test_direct_io_on_a_filesystem_without_it_is_a_clear_error(odirect):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or odirect(shm) is None:
+        pytest.skip("no tmpfs that refuses O_DIRECT here")
+    import tempfile
+    d = tempfile.mkdtemp(prefix="tierstore-test-", dir=shm)
+    try:
+        data = np.random.default_rng(0).integers(0, 256, (100, 64), dtype=np.uint8)
+        tv = _write(d, "t", data)
+        with pytest.raises(InvalidArgument, match=r"--direct-io: the filesystem holding .*seg-00000.bin "
+                                                  r"refuses O_DIRECT \(tmpfs does\)"):
+            _reader(d, tv, direct_io=True)
+        with _reader(d, tv) as r:  # page-cache mode is fine there
+            assert np.array_equal(r.read_rows(np.arange(100)), data)
+    finally:
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_direct_io_refused_at_open_is_a_clear_error(data_dir, make_table, monkeypatch):
+    # tmpfs takes O_DIRECT since Linux 6.6; inject the EINVAL older kernels and other filesystems give
+    import errno
+
+    from tierstore.tiers import direct_io
+    tv, _ = make_table("t", rows=100, row_bytes=64)
+    real_open = os.open
+
+    def refuse(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(direct_io.os, "open", refuse)
+    with pytest.raises(InvalidArgument, match="refuses O_DIRECT"):
+        _reader(data_dir, tv, direct_io=True)
+
+
+def test_verify_cli_reports_a_fifo_segment_and_returns(data_dir, make_table, cli, monkeypatch):
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
+    tv, _ = make_table("t", rows=300, row_bytes=256)
+    seg = data_dir / tv.segments[1]
+    seg.unlink()
+    os.mkfifo(seg)
+    code, out, err = cli("verify", "--data", data_dir)
+    assert code == 1 and "block 4 is corrupt" in err and "seg-00001.bin" in err

@@ -1,0 +1,153 @@
+"""O_DIRECT row reads: the sectors holding each row, read around the page cache.
+
+With `--direct-io` the cold tier is not cached twice (page cache + arena): a
+miss reads the aligned sectors that hold its row (512 B for a 256-B row on a
+512-B-sector disk, against a 4 KiB checksum block before) into an aligned
+scratch buffer; rows whose sectors touch are read with one pread. The reads of
+one call go out from the caller's thread while sibling tasks of the same call
+run on the reader's pool, so the device sees a queue (preadv drops the GIL).
+
+Alignment is the device's logical sector size: tried at 512 B, then 4 KiB.
+A filesystem that refuses O_DIRECT (tmpfs) is an InvalidArgument naming the
+file, raised when the reader opens.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from tierstore.errors import InvalidArgument
+
+__all__ = ["DirectFiles", "pread_rows", "probe_alignment"]
+
+_ALIGNS = (512, 4096)
+
+
+def probe_alignment(fd: int, path) -> int:
+    """The smallest O_DIRECT alignment the file accepts (512 or 4096)."""
+    buf = mmap.mmap(-1, max(_ALIGNS))  # page-aligned
+    try:
+        for a in _ALIGNS:
+            try:
+                os.preadv(fd, [memoryview(buf)[:a]], 0)
+                return a
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        raise InvalidArgument(f"--direct-io: reads of {path} fail at 512 B and 4 KiB alignment; "
+                              f"serve without --direct-io")
+    finally:
+        buf.close()
+
+
+def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buffer) -> tuple[int, int]:
+    """pread rows `local` (sorted row numbers of the file at fd, rows of rb bytes)
+    into out[:len(local)], reading the `a`-aligned spans that hold them (a = 1:
+    exactly the rows); rows whose spans touch share one pread. buffer(n) gives
+    an a-aligned scratch of >= n bytes. Returns (bytes read, index of the first
+    row the file did not hold in full, or -1)."""
+    off = local * rb
+    start = off // a * a
+    end = -(-(off + rb) // a) * a
+    # rows whose spans touch share one read; ends never decrease (ids are sorted)
+    new = np.ones(local.size, dtype=bool)
+    new[1:] = start[1:] > end[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], local.size) - 1
+    r_off, r_len = start[first], end[last] - start[first]
+    r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
+    run_of = np.cumsum(new) - 1
+    flat = buffer(int(r_len.sum()))
+    buf = memoryview(flat)
+    total, short = 0, -1
+    for j, (o, p, n) in enumerate(zip(r_off.tolist(), r_pos.tolist(), r_len.tolist())):
+        got = os.preadv(fd, [buf[p:p + n]], o)
+        while 0 < got < n:  # a signal; or the file ends (its last sector is short)
+            more = os.preadv(fd, [buf[p + got:p + n]], o + got)
+            if more == 0:
+                break
+            got += more
+        total += got
+        if got < n:
+            need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
+            bad = np.flatnonzero(need > got)
+            if bad.size:
+                short = int(first[j] + bad[0])
+                break
+    # every row as a window at its byte position in the scratch buffer: one gather
+    window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1), writeable=False)
+    pos = r_pos[run_of] + (off - r_off[run_of])
+    if short >= 0:
+        pos = pos[:short]
+    out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
+    return total, short
+
+
+class _Scratch(threading.local):
+    buf: np.ndarray | None = None
+
+
+def _aligned(nbytes: int, align: int = 4096) -> np.ndarray:
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip:skip + nbytes]
+
+
+def thread_buffer(scratch: _Scratch, nbytes: int) -> np.ndarray:
+    """`scratch`'s page-aligned buffer for this thread, grown to >= nbytes and reused."""
+    if scratch.buf is None or scratch.buf.size < nbytes:
+        scratch.buf = _aligned(max(nbytes, 1 << 20))
+    return scratch.buf
+
+
+class DirectFiles:
+    """O_DIRECT descriptors of one version's segments and sector-aligned row reads.
+
+    paths: segment paths (None for a segment that is missing or not a regular file).
+    Raises InvalidArgument when the filesystem refuses O_DIRECT.
+    """
+
+    def __init__(self, paths, row_bytes: int):
+        self.row_bytes = row_bytes
+        self.fds: list[int | None] = []
+        self.align = max(_ALIGNS)
+        self._scratch = _Scratch()
+        try:
+            for p in paths:
+                if p is None:
+                    self.fds.append(None)
+                    continue
+                try:
+                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    raise InvalidArgument(f"--direct-io: the filesystem holding {p} refuses O_DIRECT "
+                                          f"(tmpfs does); serve without --direct-io or keep the data "
+                                          f"directory on a disk") from None
+                self.fds.append(fd)
+            first = next((i for i, fd in enumerate(self.fds) if fd is not None), None)
+            if first is not None:
+                self.align = probe_alignment(self.fds[first], paths[first])
+        except BaseException:
+            self.close()
+            raise
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        return thread_buffer(self._scratch, nbytes)
+
+    def read_rows(self, seg: int, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Read rows `local` (sorted row numbers within segment `seg`) into uint8
+        [len(local), row_bytes] `out`. Returns (bytes read, index of the first row
+        the file did not hold in full, or -1)."""
+        return pread_rows(self.fds[seg], local, self.row_bytes, self.align, out, self._buffer)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
