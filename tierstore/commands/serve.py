@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", help="HOST:PORT to also listen on TCP (needs --allow-tcp and a token)")
     p.add_argument("--allow-tcp", action="store_true", default=None, help="permit --listen")
     p.add_argument("--auth-token", help="shared token TCP clients must send (or TIERSTORE_AUTH_TOKEN)")
+    p.add_argument("--auth-token-file", help="file holding the token (mode 0600); instead of --auth-token")
     p.add_argument("--tls-cert", help="PEM certificate chain for the TCP listener")
     p.add_argument("--tls-key", help="PEM private key for the TCP listener")
     p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
@@ -42,7 +43,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServeConfig.from_env(
         data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
-        allow_tcp=args.allow_tcp, auth_token=args.auth_token,
+        allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
