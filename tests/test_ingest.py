@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tierstore.catalog import Catalog
 from tierstore.client.spec import preset
 from tierstore.errors import InvalidArgument, SpecMismatch
-from tierstore.formats import encode_rows
+from tierstore.formats import decode_rows, encode_rows
 from tierstore.ingest import ingest_file, write_version
 from tierstore.tiers.nvme import SegmentReader
 
@@ -206,3 +206,30 @@ def test_kill_9_mid_ingest_leaves_old_version_current(data_dir, make_table):
         pass
     assert list((data_dir / "tmp").iterdir()) == []
     assert read_all(data_dir, "t")[0].version == 1
+
+
+@pytest.mark.parametrize("fmt", ["fp8-e4m3-ue8m0", "bf16", "fp16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_values_are_refused_for_lossy_formats(tmp_path, data_dir, cli, fmt, bad):
+    w = torch.randn(300, 64)
+    w[257, 33] = bad
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    code, _, err = cli("ingest", tmp_path / "m.safetensors", "--data", data_dir, "--table", "t", "--format", fmt,
+                       "--quiet")
+    assert code == 2 and "row 257, column 33" in err and "not finite" in err and "Traceback" not in err
+    assert not (data_dir / "tables" / "t").exists() or not list((data_dir / "tables" / "t").iterdir())
+    w[257, 33] = 1.0  # the same file without the bad value ingests
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    assert ingest_file(tmp_path / "m.safetensors", data_dir, "t", row_format=fmt, progress=False).version == 1
+
+
+@pytest.mark.parametrize("fmt,big,ok", [("fp16", 65520.0, 65519.0), ("bf16", 3.3961775e38, 3.3961773e38)])
+def test_finite_values_that_round_to_inf_are_refused(data_dir, fmt, big, ok):
+    vals = np.zeros((4, 32), np.float32)
+    vals[3, 7] = ok
+    assert np.isfinite(decode_rows(encode_rows(vals, fmt), fmt, 32)).all()
+    vals[3, 7] = -big
+    with pytest.raises(InvalidArgument, match=f"row 3, column 7 rounds to inf in {fmt}"):
+        encode_rows(vals, fmt)
+    vals[3, 7] = np.inf  # fp32 stores it bit-exact: nothing is lost
+    assert np.isinf(decode_rows(encode_rows(vals, "fp32"), "fp32", 32)[3, 7])

@@ -387,7 +387,7 @@ def ingest_file(src, data_dir, table=None, *, key=None, scale_key=None, row_form
             if scales is not None:
                 raw = np.concatenate([raw, scales.read(a, b).view(_torch_uint8()).numpy().reshape(b - a, -1)], axis=1)
             if target is not src_fmt:
-                raw = encode_rows(decode_rows(raw, src_fmt, dim), target)
+                raw = encode_rows(decode_rows(raw, src_fmt, dim), target, first_row=a)
             yield raw
 
     note = f"{src}:{t.name}" + (f"+{scales.name}" if scales is not None else "")
