@@ -112,3 +112,46 @@ def test_write_open_cleans_leftovers_of_dead_writers(data_dir, make_table):
         assert (data_dir / "tables" / "t" / "v1").exists()
     finally:
         os.close(fd)
+
+
+def _tamper(data_dir, table, ver, changes):
+    """Rewrite fields of a stored manifest (or its checksums, key 'checksums') behind the catalog's back."""
+    import json
+    import lmdb
+
+    env = lmdb.open(str(data_dir / "catalog"), map_size=catalog_mod.MAP_SIZE, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            if "checksums" in changes:
+                txn.put(catalog_mod._vkey(catalog_mod._SUM, table, ver), changes.pop("checksums"))
+            key = catalog_mod._vkey(catalog_mod._VER, table, ver)
+            d = json.loads(txn.get(key))
+            d.update(changes)
+            txn.put(key, json.dumps(d).encode())
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(row_bytes=32), "row_bytes = 32 but fp32 x 16 is 64 bytes"),
+    (dict(rows=5000), "n_blocks"),
+    (dict(block_rows=7), "n_blocks"),
+    (dict(segment_rows=1), "segment_rows"),
+    (dict(segment_rows=200), "segments: 1 segments of 200 rows"),
+    (dict(segments=[]), "segments"),
+    (dict(segments=["../../../etc/passwd"]), "not a path inside"),
+    (dict(row_format="fp7"), "row_format"),
+    (dict(rows="1000"), "rows"),
+    (dict(version=2), "stored under 1"),
+    (dict(checksums=b"\0" * 8), "checksums hold 1 entries"),
+])
+def test_an_inconsistent_record_is_data_loss_naming_the_field(data_dir, make_table, cli, changes, field):
+    from tierstore.errors import DataLoss
+
+    make_table("t", rows=1000, row_bytes=64, block_rows=100)
+    _tamper(data_dir, "t", 1, dict(changes))
+    with Catalog(data_dir, readonly=True) as cat, pytest.raises(DataLoss, match="table 't' version 1") as e:
+        cat.checksums("t", cat.get("t").version)
+    assert field in str(e.value)
+    code, _, err = cli("verify", "--data", data_dir)
+    assert code == 1 and field in err and "Traceback" not in err

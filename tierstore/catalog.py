@@ -32,7 +32,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
+from tierstore.errors import DataLoss, InvalidArgument, NotFound, TableNotFound, VersionNotFound
 
 __all__ = ["Catalog", "TableVersion", "validate_table_name"]
 
@@ -93,10 +93,65 @@ class TableVersion:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TableVersion":
+    def from_dict(cls, d: dict, table: str | None = None, version: int | None = None) -> "TableVersion":
+        """A manifest from its stored record, checked for internal consistency:
+        DataLoss naming table, version and field when any check fails (a record
+        that disagrees with itself would serve half rows or read past a segment).
+        `table`/`version`: the catalog key the record was stored under."""
+        where = f"table {table!r} version {version}"
+        if not isinstance(d, dict):
+            raise DataLoss(f"catalog record of {where} is not a JSON object; the catalog is corrupt")
+        if table is None or version is None:
+            where = f"table {d.get('table', table)!r} version {d.get('version', version)}"
+        bad = _record_problem(d, table, version)
+        if bad:
+            raise DataLoss(f"catalog record of {where} is inconsistent: {bad}; the catalog is corrupt "
+                           f"(restore it or ingest the table again)")
         d = dict(d)
         d["segments"] = tuple(d["segments"])
         return cls(**d)
+
+
+_INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
+
+
+def _record_problem(d: dict, table: str | None, version: int | None) -> str | None:
+    """What is wrong with a stored manifest record, or None."""
+    from dataclasses import fields as dc_fields
+
+    from tierstore.formats import RowFormat
+
+    names = {f.name for f in dc_fields(TableVersion)}
+    if set(d) != names:
+        return f"fields {sorted(names ^ set(d))} missing or unknown"
+    for k in _INT_FIELDS:
+        if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1:
+            return f"{k} = {d[k]!r} is not a positive integer"
+    if table is not None and d["table"] != table:
+        return f"table = {d['table']!r} but the record is stored under {table!r}"
+    if version is not None and d["version"] != version:
+        return f"version = {d['version']!r} but the record is stored under {version}"
+    try:
+        want = RowFormat.parse(d["row_format"]).row_bytes(d["row_dim"])
+    except (ValueError, TypeError) as e:
+        return f"row_format/row_dim: {e}"
+    if d["row_bytes"] != want:
+        return f"row_bytes = {d['row_bytes']} but {d['row_format']} x {d['row_dim']} is {want} bytes"
+    if d["n_blocks"] != -(-d["rows"] // d["block_rows"]):
+        return (f"n_blocks = {d['n_blocks']} but {d['rows']} rows in blocks of {d['block_rows']} "
+                f"make {-(-d['rows'] // d['block_rows'])}")
+    if d["segment_rows"] % d["block_rows"]:
+        return f"segment_rows = {d['segment_rows']} is not a whole number of blocks of {d['block_rows']} rows"
+    segs = d["segments"]
+    if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
+        return "segments is not a list of paths"
+    if len(segs) != -(-d["rows"] // d["segment_rows"]):
+        return (f"segments: {len(segs)} segments of {d['segment_rows']} rows cannot hold exactly "
+                f"{d['rows']} rows")
+    for p in segs:
+        if p.startswith("/") or ".." in Path(p).parts:
+            return f"segments: {p!r} is not a path inside the data directory"
+    return None
 
 
 _CUR, _VER, _SUM = b"c/", b"v/", b"k/"
@@ -199,7 +254,7 @@ class Catalog:
                 for k, v in cur:
                     if not k.startswith(prefix):
                         break
-                    out.append(TableVersion.from_dict(json.loads(v)))
+                    out.append(_parse(v, table, struct.unpack(">Q", k[len(prefix):])[0]))
         if not out:
             raise TableNotFound(f"no table {table!r} in {self.data_dir}; tables are {self.tables()}")
         return out
@@ -211,6 +266,10 @@ class Catalog:
             if raw is None:
                 self._manifest(txn, table, version)  # raises the useful error
                 raise VersionNotFound(f"table {table!r} version {version} has no checksums")
+            tv = self._manifest(txn, table, version)
+            if len(raw) != 8 * tv.n_blocks:
+                raise DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums "
+                               f"hold {len(raw) / 8:g} entries for {tv.n_blocks} blocks; the catalog is corrupt")
             return np.frombuffer(raw, dtype="<u8").copy()
 
     def _manifest(self, txn, table: str, version: int) -> TableVersion:
@@ -218,7 +277,7 @@ class Catalog:
         if raw is None:
             known = [v.version for v in self.versions(table)]  # TableNotFound when no versions
             raise VersionNotFound(f"table {table!r} has no version {version}; versions are {known}")
-        return TableVersion.from_dict(json.loads(raw))
+        return _parse(raw, table, version)
 
     # ---- writing -----------------------------------------------------------
     def commit_version(self, table: str, staged: Path, fields: dict, checksums: np.ndarray) -> TableVersion:
@@ -300,6 +359,15 @@ class Catalog:
             self.close()
         except Exception:
             pass
+
+
+def _parse(raw: bytes, table: str, version: int) -> TableVersion:
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        raise DataLoss(f"catalog record of table {table!r} version {version} is not JSON; the catalog is "
+                       f"corrupt") from None
+    return TableVersion.from_dict(d, table, version)
 
 
 def _held(lock_path: Path) -> bool:
