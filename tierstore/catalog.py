@@ -26,7 +26,7 @@ import shutil
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import lmdb
@@ -122,8 +122,9 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
     from tierstore.formats import RowFormat
 
     names = {f.name for f in dc_fields(TableVersion)}
-    if set(d) != names:
-        return f"fields {sorted(names ^ set(d))} missing or unknown"
+    required = {f.name for f in dc_fields(TableVersion) if f.default is MISSING and f.default_factory is MISSING}
+    if not required <= set(d) <= names:
+        return f"fields {sorted(required - set(d))} missing, {sorted(set(d) - names)} unknown"
     for k in _INT_FIELDS:
         if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1:
             return f"{k} = {d[k]!r} is not a positive integer"
