@@ -155,3 +155,23 @@ def test_an_inconsistent_record_is_data_loss_naming_the_field(data_dir, make_tab
     assert field in str(e.value)
     code, _, err = cli("verify", "--data", data_dir)
     assert code == 1 and field in err and "Traceback" not in err
+
+
+def test_data_dir_catalog_and_segments_are_private_even_under_umask_0(tmp_path, make_table):
+    import stat
+
+    data = tmp_path / "open" / "data"
+    old = os.umask(0)
+    try:
+        from tierstore.ingest import write_version
+
+        write_version(data, "t", [np.zeros((10, 16), np.uint8)], rows=10, row_format="fp32", row_dim=4)
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    for d in (data, data / "catalog", data / "tables", data / "tables" / "t", data / "tables" / "t" / "v1",
+              data / "tmp"):
+        assert mode(d) == 0o700, d
+    for f in [data / "catalog" / "data.mdb", data / "catalog" / "lock.mdb", *(data / "tables" / "t" / "v1").iterdir()]:
+        assert mode(f) == 0o600, f
+    assert mode(tmp_path / "open") == 0o777  # a parent the user asked for keeps the umask

@@ -178,11 +178,29 @@ def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
             if not create:
                 raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
                                f"`tierstore ingest` or `tierstore demo-table`")
-            path.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True,
+            private_dirs(path)
+        env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True, mode=0o600,
                         readonly=not os.access(path, os.W_OK))
         _ENVS[key] = [env, 1]
         return env
+
+
+def private_dirs(path: Path) -> None:
+    """mkdir -p, with the data directory and everything tierstore makes in it 0700
+    (table names and sources are nobody else's business; parents keep the umask)."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    if path.parent != path:
+        if path.name in ("catalog", "tables", "tmp") or path.parent.name == "tables":
+            private_dirs(path.parent)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # mkdir's mode passes through the umask, which may be wider
+    except FileExistsError:
+        pass
 
 
 def _release_env(env: lmdb.Environment) -> None:
@@ -290,7 +308,7 @@ class Catalog:
             last = self._last_version(txn, table)
             version = last + 1
             final = self.data_dir / "tables" / table / f"v{version}"
-            final.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(final.parent)
             if final.exists():  # an uncommitted leftover under the same number
                 shutil.rmtree(final)
             segs = sorted(p.name for p in staged.iterdir() if p.name.startswith("seg-"))

@@ -22,7 +22,7 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from tierstore.catalog import LOCK_NAME, Catalog, TableVersion, _fsync_dir, validate_table_name
+from tierstore.catalog import LOCK_NAME, Catalog, TableVersion, _fsync_dir, private_dirs, validate_table_name
 from tierstore.errors import DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.formats import RowFormat
 from tierstore.tiers.nvme import SegmentReader, default_block_rows
@@ -40,7 +40,7 @@ class _Staging:
 
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
         tmp = data_dir / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        private_dirs(tmp)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
         self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
@@ -65,7 +65,7 @@ class _Staging:
             seg = self.pos // self.segment_bytes
             if seg != self._seg:
                 self._close_segment()
-                self._fd = os.open(self.dir / f"seg-{seg:05d}.bin", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+                self._fd = os.open(self.dir / f"seg-{seg:05d}.bin", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
                 self._seg = seg
             take = min(len(data), (seg + 1) * self.segment_bytes - self.pos)
             n = os.write(self._fd, data[:take])
