@@ -233,3 +233,29 @@ def test_finite_values_that_round_to_inf_are_refused(data_dir, fmt, big, ok):
         encode_rows(vals, fmt)
     vals[3, 7] = np.inf  # fp32 stores it bit-exact: nothing is lost
     assert np.isinf(decode_rows(encode_rows(vals, "fp32"), "fp32", 32)[3, 7])
+
+
+WRITER = """
+import sys, numpy as np
+from tierstore.ingest import write_version
+data, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+failed = 0
+for i in range(n):
+    try:
+        write_version(data, name, [np.full((64, 16), i, np.uint8)], rows=64, row_format="fp32", row_dim=4)
+    except Exception as e:
+        failed += 1
+        print(type(e).__name__, e, file=sys.stderr)
+print(failed)
+"""
+
+
+def test_concurrent_writers_into_one_data_dir_all_succeed(data_dir):
+    write_version(data_dir, "seed", [np.zeros((1, 16), np.uint8)], rows=1, row_format="fp32", row_dim=4)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(data_dir), name, "25"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b", "a")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [o[0].strip() for o in outs] == ["0", "0", "0"], [o[1][-2000:] for o in outs]
+    with Catalog(data_dir, readonly=True) as cat:
+        assert len(cat.versions("a")) == 50 and len(cat.versions("b")) == 25
+    assert not list((data_dir / "tmp").iterdir()) or [p.name for p in (data_dir / "tmp").iterdir()] == [".lock"]

@@ -26,6 +26,7 @@ import shutil
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
@@ -346,11 +347,14 @@ class Catalog:
         """
         self._check_writable()
         removed = []
+        tmp = self.data_dir / "tmp"
         with self._env.begin(write=True) as txn:
-            for d in sorted((self.data_dir / "tmp").glob("*")):
-                if d.is_dir() and not _held(d / LOCK_NAME):
-                    shutil.rmtree(d, ignore_errors=True)
-                    removed.append(d)
+            if tmp.is_dir():
+                with staging_guard(tmp, exclusive=True):  # no writer is between mkdtemp and its flock
+                    for d in sorted(tmp.glob("*")):
+                        if d.is_dir() and not _held(d / LOCK_NAME):
+                            shutil.rmtree(d, ignore_errors=True)
+                            removed.append(d)
             for d in sorted((self.data_dir / "tables").glob("*/v*")):
                 m = re.fullmatch(r"v(\d+)", d.name)
                 if m and txn.get(_vkey(_VER, d.parent.name, int(m.group(1)))) is None:
@@ -387,6 +391,18 @@ def _parse(raw: bytes, table: str, version: int) -> TableVersion:
         raise DataLoss(f"catalog record of table {table!r} version {version} is not JSON; the catalog is "
                        f"corrupt") from None
     return TableVersion.from_dict(d, table, version)
+
+
+@contextmanager
+def staging_guard(tmp: Path, *, exclusive: bool):
+    """flock on DATA/tmp/.lock: writers hold it shared while they create and lock
+    a staging directory, cleanup holds it exclusive while it looks for dead ones."""
+    fd = os.open(tmp / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _held(lock_path: Path) -> bool:

@@ -22,7 +22,8 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from tierstore.catalog import LOCK_NAME, Catalog, TableVersion, _fsync_dir, private_dirs, validate_table_name
+from tierstore.catalog import (LOCK_NAME, Catalog, TableVersion, _fsync_dir, private_dirs, staging_guard,
+                               validate_table_name)
 from tierstore.errors import DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.formats import RowFormat
 from tierstore.tiers.nvme import SegmentReader, default_block_rows
@@ -41,9 +42,10 @@ class _Staging:
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
         tmp = data_dir / "tmp"
         private_dirs(tmp)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
-        self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
+        with staging_guard(tmp, exclusive=False):  # cleanup never sees the dir before its lock
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
+            self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
         self.rows, self.row_bytes, self.block_rows = rows, row_bytes, block_rows
         self.block_bytes = block_rows * row_bytes
         self.total = rows * row_bytes
