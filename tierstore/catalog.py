@@ -350,7 +350,7 @@ class Catalog:
         tmp = self.data_dir / "tmp"
         with self._env.begin(write=True) as txn:
             if tmp.is_dir():
-                with staging_guard(tmp, exclusive=True):  # no writer is between mkdtemp and its flock
+                with staging_guard(self.data_dir, exclusive=True):  # no writer is between mkdtemp and its flock
                     for d in sorted(tmp.glob("*")):
                         if d.is_dir() and not _held(d / LOCK_NAME):
                             shutil.rmtree(d, ignore_errors=True)
@@ -394,10 +394,10 @@ def _parse(raw: bytes, table: str, version: int) -> TableVersion:
 
 
 @contextmanager
-def staging_guard(tmp: Path, *, exclusive: bool):
-    """flock on DATA/tmp/.lock: writers hold it shared while they create and lock
-    a staging directory, cleanup holds it exclusive while it looks for dead ones."""
-    fd = os.open(tmp / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+def staging_guard(data_dir: Path, *, exclusive: bool):
+    """flock on DATA/catalog/staging.lock: writers hold it shared while they create
+    and lock a staging directory, cleanup holds it exclusive while it looks for dead ones."""
+    fd = os.open(Path(data_dir) / "catalog" / "staging.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield

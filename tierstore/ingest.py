@@ -42,7 +42,7 @@ class _Staging:
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
         tmp = data_dir / "tmp"
         private_dirs(tmp)
-        with staging_guard(tmp, exclusive=False):  # cleanup never sees the dir before its lock
+        with staging_guard(data_dir, exclusive=False):  # cleanup never sees the dir before its lock
             self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
             self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
