@@ -55,11 +55,12 @@ class TokenInterceptor(grpc.ServerInterceptor):
             ticket = self._watchdog.arm(time.monotonic() + self._timeout, context)
             try:
                 request = next(request_iterator, None)
+            except grpc.RpcError:  # cancelled: by the watchdog or the caller
+                return None
             finally:
                 self._watchdog.disarm(ticket)
             if request is None:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if not context.is_active() else
-                              grpc.StatusCode.INVALID_ARGUMENT, "no request message arrived")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
             return behavior(request, context)
         return serve
 

@@ -55,6 +55,7 @@ class ServeConfig:
     max_leases: int = 65536
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
+    receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
     shm_dir: Path = Path("/dev/shm")
     persist_arena: bool = False         # leave arenas in /dev/shm on shutdown for re-attach
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
@@ -88,6 +89,8 @@ class ServeConfig:
             raise ValueError(f"--verify-sample is a fraction in [0, 1], got {self.verify_sample}")
         if not (math.isfinite(self.lease_ttl_s) and 0 < self.lease_ttl_s <= MAX_LEASE_TTL_S):
             raise ValueError(f"--lease-ttl must be seconds in (0, {MAX_LEASE_TTL_S:.0f}], got {self.lease_ttl_s}")
+        if not (math.isfinite(self.receive_timeout_s) and 0 < self.receive_timeout_s <= 3600):
+            raise ValueError(f"--receive-timeout must be seconds in (0, 3600], got {self.receive_timeout_s}")
         if isinstance(self.workers, bool) or not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be 1..{MAX_WORKERS} threads, got {self.workers}")
         if isinstance(self.max_leases, bool) or not 1 <= self.max_leases <= MAX_LEASES:

@@ -171,7 +171,7 @@ class Server:
         self.metrics = Metrics(self.sidecar)
         self.health = health.HealthServicer()
         service = TierstoreService(self.sidecar, self.metrics)
-        self.guard = TokenInterceptor(config.auth_token, SERVICE) if config.listen is not None else None
+        self.guard = TokenInterceptor(config.auth_token, SERVICE, config.receive_timeout_s) if config.listen is not None else None
         self.servers = []
         self.addresses = []
         self._socket_id = None

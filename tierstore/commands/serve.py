@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
     p.add_argument("--max-leases", type=int)
-    p.add_argument("--workers", type=int, help="gRPC worker threads")
+    p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
+    p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
+                   help="seconds a TCP caller has to send its request message (default 30)")
     p.add_argument("--persist-arena", action="store_true", default=None,
                    help="leave arenas in /dev/shm on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
@@ -46,6 +48,7 @@ def run(args) -> int:
         allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
+        receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile)
     server = Server(cfg)
