@@ -192,7 +192,7 @@ def test_unauthenticated_slowloris_on_tcp_blocks_nobody(tmp_path, sidecars, rel)
     expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
     port = _free_port()
     sc = sidecars(tmp_path / "data", "64MiB", "--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token",
-                  "s3cret", "--workers", "2", "--receive-timeout", "2")
+                  "s3cret", "--workers", "2", "--receive-timeout", "1")
     ids = np.array([0, 5, ROWS - 1])
     stuck, release, ch = _stuck_calls(f"127.0.0.1:{port}", 8, token=None)
     authed, release2, ch2 = _stuck_calls(f"127.0.0.1:{port}", 4, token="s3cret")
