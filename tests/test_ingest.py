@@ -259,3 +259,54 @@ def test_concurrent_writers_into_one_data_dir_all_succeed(data_dir):
     with Catalog(data_dir, readonly=True) as cat:
         assert len(cat.versions("a")) == 50 and len(cat.versions("b")) == 25
     assert not list((data_dir / "tmp").iterdir())
+
+
+def test_legacy_torch_files_and_foreign_zips_are_clear_errors(tmp_path, data_dir, cli):
+    import zipfile
+
+    torch.save({"w": torch.zeros(4, 8)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with zipfile.ZipFile(tmp_path / "photos.zip", "w") as z:
+        z.writestr("a.txt", "hello")
+    for f, msg in (("old.pt", "legacy (pre-1.6) format"), ("photos.zip", "not a torch state dict")):
+        code, _, err = cli("ingest", tmp_path / f, "--data", data_dir, "--table", "t", "--quiet")
+        assert code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_huge_block_rows_is_refused_before_any_allocation(tmp_path, data_dir, cli):
+    with pytest.raises(InvalidArgument, match="at most 64 MiB"):  # 10^6 rows of 128 B: 23 TiB blocks
+        write_version(data_dir, "t", iter(()), rows=10**6, row_format="fp32", row_dim=32, block_rows=10**11)
+    assert not data_dir.exists()
+    # a block larger than a small table is just the whole table
+    np.save(tmp_path / "t.npy", np.zeros((2000, 58), np.float32))
+    code, out, err = cli("ingest", tmp_path / "t.npy", "--data", data_dir, "--table", "t", "--quiet",
+                         "--block-rows", "100000000000")
+    assert code == 0, err
+    with Catalog(data_dir, readonly=True) as cat:
+        assert (cat.current("t").n_blocks, cat.current("t").block_rows) == (1, 2000)
+
+
+def _unshare_ro():
+    """argv prefix running a command with DATA mounted read-only, or None where we cannot."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    ok = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return ["unshare", "-m", "sh", "-c"] if ok.returncode == 0 else None
+
+
+def test_a_catalog_this_user_cannot_write_is_read_and_refused_for_ingest(tmp_path, data_dir, make_table):
+    prefix = _unshare_ro()
+    if prefix is None:
+        pytest.skip("needs root and unshare -m for a read-only bind mount")
+    make_table("t", rows=100)
+    np.save(tmp_path / "t.npy", np.zeros((10, 4), np.float32))
+    py = f"{sys.executable} -m tierstore"
+    script = (f"mount --bind -o ro {data_dir} {data_dir} || exit 99; "
+              f"{py} tables --data {data_dir} && {py} verify --data {data_dir} && "
+              f"{py} ingest {tmp_path / 't.npy'} --data {data_dir} --table u --quiet; echo rc=$?")
+    out = subprocess.run(prefix + [script], capture_output=True, text=True, timeout=300)
+    if "rc=99" in out.stdout:
+        pytest.skip("bind mounts are not allowed here")
+    assert "t v1: ok" in out.stdout and "rc=2" in out.stdout, out.stdout + out.stderr
+    assert "not writable by this user" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -180,8 +180,22 @@ def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
                 raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
                                f"`tierstore ingest` or `tierstore demo-table`")
             private_dirs(path)
-        env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True, mode=0o600,
-                        readonly=not os.access(path, os.W_OK))
+        writable = os.access(path, os.W_OK)
+        if create and not writable:
+            raise InvalidArgument(f"the catalog in {path} is not writable by this user (uid {os.getuid()}): "
+                                  f"run as its owner, or give another --data")
+        try:
+            env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True, mode=0o600,
+                            readonly=not writable)
+        except lmdb.Error as e:
+            if create:
+                raise InvalidArgument(f"cannot open the catalog in {path} for writing: {e}") from None
+            # another user's catalog: its lock file is not ours to write. Reading without
+            # the lock is what LMDB does on a read-only file system; reads here are short.
+            try:
+                env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=False, subdir=True, readonly=True)
+            except lmdb.Error as e2:
+                raise InvalidArgument(f"cannot read the catalog in {path}: {e2}") from None
         _ENVS[key] = [env, 1]
         return env
 
@@ -230,6 +244,10 @@ class Catalog:
         self.data_dir = Path(data_dir)
         self.readonly = readonly
         self._env = _acquire_env(self.data_dir / "catalog", create=not readonly)
+        if not readonly and self._env.flags()["readonly"]:
+            self.close()
+            raise InvalidArgument(f"the catalog in {self.data_dir} is not writable by this user "
+                                  f"(uid {os.getuid()}): run as its owner, or give another --data")
         if not readonly:
             self.clean_leftovers()
 

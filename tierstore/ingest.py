@@ -33,6 +33,8 @@ __all__ = ["write_version", "ingest_file", "SEGMENT_BYTES"]
 # Segments are capped at ~1 GiB so a 98 GB layer is ~100 files that copy,
 # rsync and checksum in pieces; reads never cross a segment (whole blocks each).
 SEGMENT_BYTES = 1 << 30
+# A checksum block is read and hashed whole; the default is ~16 KiB.
+MAX_BLOCK_BYTES = 64 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -148,6 +150,12 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     block_rows = int(block_rows or default_block_rows(row_bytes))
     if block_rows < 1:
         raise InvalidArgument(f"block_rows must be >= 1, got {block_rows}")
+    if block_rows * row_bytes > MAX_BLOCK_BYTES and rows * row_bytes <= MAX_BLOCK_BYTES:
+        block_rows = rows  # the whole table is one block either way
+    if block_rows * row_bytes > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"--block-rows {block_rows} x {row_bytes} B rows makes {block_rows * row_bytes} B "
+                              f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
+                              f"(--block-rows <= {MAX_BLOCK_BYTES // row_bytes})")
     with Catalog(data_dir) as cat:  # opening for writing cleans a killed writer's leftovers
         stage = _Staging(data_dir, table, rows, row_bytes, block_rows)
         try:
@@ -255,7 +263,16 @@ def _open_tensors(src: Path) -> dict[str, _Tensor]:
     if head.startswith(b"PK") or head[:2] == b"\x80\x02":
         # torch's zip format has no raw offsets to pread; mapped pages count in RSS
         # as they are read (they are page cache and reclaimable). Prefer safetensors.
-        obj = torch.load(src, mmap=True, weights_only=True, map_location="cpu")
+        try:
+            obj = torch.load(src, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - RuntimeError, UnpicklingError, zip errors: all "cannot read"
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            if head[:2] == b"\x80\x02":
+                raise InvalidArgument(f"{src} is a torch.save file in the legacy (pre-1.6) format, which cannot be "
+                                      f"read in bounded memory; save it again with torch.save's default (zip) "
+                                      f"format or as safetensors") from None
+            raise InvalidArgument(f"{src} is a zip file but not a torch state dict tierstore can load safely "
+                                  f"({why}); give a safetensors, .npy or torch.save file") from None
         flat: dict[str, torch.Tensor] = {}
 
         def walk(prefix, o):
