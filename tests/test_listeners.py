@@ -104,3 +104,12 @@ def test_bind_failures_say_why(cli, data, tmp_path, monkeypatch):
     code, err = serve(cli, data, "--socket", tmp_path / "s.sock", "--allow-tcp", "--listen", "nonsense")
     assert code == 2 and "HOST:PORT" in err
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_stop_removes_its_own_socket_only(data, tmp_path):
+    with SidecarProcess(data, tmp_path / "s.sock", dram_budget="1MiB") as a:
+        a.socket.unlink()  # someone else's file now sits where our socket was
+        a.socket.write_text("not ours")
+        a.stop()
+        assert a.socket.read_text() == "not ours"
+        a.socket.unlink()

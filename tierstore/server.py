@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstore.auth import TOKEN_HEADER, TokenInterceptor
 from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
+from tierstore.listeners import claim_socket
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar import Sidecar
@@ -177,6 +178,7 @@ class Server:
         self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
+            claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
             old = os.umask(0o177)  # the socket is born 0600
             try:
                 self._bind(unix.add_insecure_port, f"unix:{config.socket}", "--socket")
@@ -208,7 +210,7 @@ class Server:
         from tierstore import listeners
 
         if config.socket is not None:
-            listeners.claim_socket(config.socket)
+            claim_socket(config.socket)
         pem = None
         if config.listen is not None:
             listeners.check_tcp(config.listen)
