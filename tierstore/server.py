@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstore.auth import TOKEN_HEADER, TokenInterceptor
 from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
-from tierstore.listeners import claim_socket
+from tierstore import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar import Sidecar
@@ -172,18 +172,21 @@ class Server:
         self.metrics = Metrics(self.sidecar)
         self.health = health.HealthServicer()
         service = TierstoreService(self.sidecar, self.metrics)
-        self.guard = TokenInterceptor(config.auth_token, SERVICE, config.receive_timeout_s) if config.listen is not None else None
+        self.guard = None if config.listen is None else \
+            TokenInterceptor(config.auth_token, SERVICE, config.receive_timeout_s)
         self.servers = []
         self.addresses = []
         self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
-            claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
+            listeners.claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
             old = os.umask(0o177)  # the socket is born 0600
             try:
                 self._bind(unix.add_insecure_port, f"unix:{config.socket}", "--socket")
             finally:
                 os.umask(old)
+            st = os.stat(config.socket)
+            self._socket_id = (st.st_dev, st.st_ino)  # stop() removes this socket and no other
             self.addresses.append(f"unix:{config.socket}")
         if config.listen is not None:
             tcp = self._grpc_server(config, service, "tcp", (self.guard,))
@@ -207,10 +210,8 @@ class Server:
 
     @staticmethod
     def _check_transports(config: ServeConfig):
-        from tierstore import listeners
-
         if config.socket is not None:
-            claim_socket(config.socket)
+            listeners.claim_socket(config.socket)
         pem = None
         if config.listen is not None:
             listeners.check_tcp(config.listen)
@@ -232,8 +233,6 @@ class Server:
             server.start()
         if self.config.socket is not None:
             os.chmod(self.config.socket, 0o600)
-            st = os.stat(self.config.socket)
-            self._socket_id = (st.st_dev, st.st_ino)  # stop() removes this socket and no other
         self.sidecar.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
