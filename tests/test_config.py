@@ -25,6 +25,7 @@ def test_bad_lease_ttl_is_refused(base, ttl):
     ("metrics_port", -1, "--metrics-port"), ("metrics_port", 0, "--metrics-port"),
     ("metrics_port", 70000, "--metrics-port"),
     ("verify_sample", float("nan"), "--verify-sample"), ("verify_sample", 1.5, "--verify-sample"),
+    ("receive_timeout_s", float("inf"), "--receive-timeout"), ("policy", "lfu2", "policy kind 'lfu2'"),
 ])
 def test_bad_numbers_are_refused(base, field, value, flag):
     with pytest.raises(ValueError, match=flag):

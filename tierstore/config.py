@@ -95,6 +95,9 @@ class ServeConfig:
             raise ValueError(f"--workers must be 1..{MAX_WORKERS} threads, got {self.workers}")
         if isinstance(self.max_leases, bool) or not 1 <= self.max_leases <= MAX_LEASES:
             raise ValueError(f"--max-leases must be 1..{MAX_LEASES}, got {self.max_leases}")
+        from tierstore.policy import PolicyConfig
+
+        PolicyConfig(kind=self.policy)  # an unknown --policy fails here, not at the first cache-mode table
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be a TCP port 1..65535, got {self.metrics_port}")
         if not 0 < self.max_request_ids <= MAX_REQUEST_IDS:
