@@ -175,3 +175,37 @@ def test_data_dir_catalog_and_segments_are_private_even_under_umask_0(tmp_path, 
     for f in [data / "catalog" / "data.mdb", data / "catalog" / "lock.mdb", *(data / "tables" / "t" / "v1").iterdir()]:
         assert mode(f) == 0o600, f
     assert mode(tmp_path / "open") == 0o777  # a parent the user asked for keeps the umask
+
+
+def _as_another_user():
+    """argv prefix that runs a command as uid 0 without capabilities, so the
+    file modes of another user's files apply (None where we cannot)."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return None
+    prefix = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
+    return prefix if subprocess.run(prefix + ["true"]).returncode == 0 else None
+
+
+def test_another_users_catalog_is_read_without_its_lock_and_never_written(tmp_path, make_table, cli):
+    prefix = _as_another_user()
+    if prefix is None:
+        pytest.skip("needs root and setpriv")
+    make_table("t", rows=100)
+    data = tmp_path / "data"
+    np.save(tmp_path / "u.npy", np.zeros((4, 4), np.float32))
+    for p in [tmp_path, *tmp_path.rglob("*")]:
+        os.chown(p, 65534, 65534)  # nobody's, readable by all (a 0644 catalog as older versions made)
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    run = lambda *a: subprocess.run(prefix + [sys.executable, "-m", "tierstore", *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300, cwd="/")
+    out = run("tables", "--data", data)
+    assert out.returncode == 0 and "t " in out.stdout, out.stderr
+    out = run("verify", "--data", data)
+    assert out.returncode == 0 and "t v1: ok" in out.stdout, out.stderr
+    out = run("ingest", tmp_path / "u.npy", "--data", data, "--table", "u", "--quiet")
+    assert out.returncode == 2 and "not writable by this user" in out.stderr and "Traceback" not in out.stderr
+    (data / "catalog" / "data.mdb").chmod(0o600)  # today's mode: nobody else reads it at all
+    out = run("tables", "--data", data)
+    assert out.returncode == 2 and "cannot read the catalog" in out.stderr and "Traceback" not in out.stderr
