@@ -3,11 +3,11 @@ before its request message is read, and a caller gets a bounded time to send it.
 
 A unary handler of gRPC's sync server holds a worker thread from the moment
 the headers arrive until the whole message has been received; a caller that
-sends headers and nothing else would pin it for good. So every Tierstore call
-on TCP is served by a stream-unary handler (the wire is the same): a caller
+sends headers and nothing else would pin it for good. So every unary call on
+TCP is served by a stream-unary handler (the wire is the same): a caller
 without the token is answered UNAUTHENTICATED at once, without a message ever
-being read or allocated; one with the token has RECEIVE_TIMEOUT_S to deliver
-its message before the call is cancelled. Unix-socket callers never pass here:
+being read or allocated; one with the token (or a health probe) has
+RECEIVE_TIMEOUT_S to deliver its message before the call is cancelled. Unix-socket callers never pass here:
 they have their own server and worker pool (tierstore.server).
 """
 from __future__ import annotations
@@ -24,25 +24,29 @@ TOKEN_HEADER = "x-tierstore-token"
 RECEIVE_TIMEOUT_S = 30.0  # 64 MiB (the request limit) at ~2 MB/s
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Guards the methods under `/{service}/`; other services (health) pass."""
+# Load balancers probe health without the token; Health/Watch holds a worker
+# for as long as the caller likes, so it needs the token like everything else.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
-    def __init__(self, token: str, service: str, receive_timeout_s: float = RECEIVE_TIMEOUT_S):
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Every TCP call needs the token (bar OPEN_METHODS); every unary one gets
+    `receive_timeout_s` to deliver its message."""
+
+    def __init__(self, token: str, receive_timeout_s: float = RECEIVE_TIMEOUT_S):
         self._token = token.encode()
-        self._prefix = f"/{service}/"
         self._watchdog = _Watchdog()
         self._timeout = receive_timeout_s
         self._deny = grpc.stream_unary_rpc_method_handler(_unauthenticated)
 
     def intercept_service(self, continuation, handler_call_details):
-        if not handler_call_details.method.startswith(self._prefix):
-            return continuation(handler_call_details)
-        sent = ""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_HEADER:
-                sent = value if isinstance(value, str) else ""
-        if not hmac.compare_digest(sent.encode(), self._token):
-            return self._deny
+        if handler_call_details.method not in OPEN_METHODS:
+            sent = ""
+            for key, value in handler_call_details.invocation_metadata or ():
+                if key == TOKEN_HEADER:
+                    sent = value if isinstance(value, str) else ""
+            if not hmac.compare_digest(sent.encode(), self._token):
+                return self._deny
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
@@ -91,7 +95,8 @@ class _Watchdog:
             ticket = next(self._ids)
             self._live[ticket] = context
             heapq.heappush(self._heap, (deadline, ticket))
-            self._cv.notify()
+            if self._heap[0][1] == ticket:  # an earlier deadline than the one it sleeps for
+                self._cv.notify()
             return ticket
 
     def disarm(self, ticket: int) -> None:

@@ -173,7 +173,7 @@ class Server:
         self.health = health.HealthServicer()
         service = TierstoreService(self.sidecar, self.metrics)
         self.guard = None if config.listen is None else \
-            TokenInterceptor(config.auth_token, SERVICE, config.receive_timeout_s)
+            TokenInterceptor(config.auth_token, config.receive_timeout_s)
         self.servers = []
         self.addresses = []
         self._socket_id = None

@@ -167,7 +167,7 @@ def test_tls_with_token_serves_rows_and_nothing_else_does(tmp_path, sidecars, re
         c.tables()
 
 
-def _stuck_calls(target: str, n: int, token: str | None):
+def _stuck_calls(target: str, n: int, token: str | None, method: str = "/tierstore.v1.Tierstore/ListTables"):
     """n TCP calls that send their headers and then never a message (a slowloris)."""
     import threading
 
@@ -180,7 +180,7 @@ def _stuck_calls(target: str, n: int, token: str | None):
         yield from ()
 
     ch = grpc.insecure_channel(target)
-    call = ch.stream_unary("/tierstore.v1.Tierstore/ListTables", request_serializer=lambda b: b,
+    call = ch.stream_unary(method, request_serializer=lambda b: b,
                            response_deserializer=lambda b: b)
     md = (("x-tierstore-token", token),) if token else None
     return [call.future(never(), metadata=md, timeout=120) for _ in range(n)], release, ch
@@ -196,6 +196,7 @@ def test_unauthenticated_slowloris_on_tcp_blocks_nobody(tmp_path, sidecars, rel)
     ids = np.array([0, 5, ROWS - 1])
     stuck, release, ch = _stuck_calls(f"127.0.0.1:{port}", 8, token=None)
     authed, release2, ch2 = _stuck_calls(f"127.0.0.1:{port}", 4, token="s3cret")
+    probes, release3, ch3 = _stuck_calls(f"127.0.0.1:{port}", 2, None, "/grpc.health.v1.Health/Check")
     try:
         # no token: refused on the metadata, before any message, so no worker waits for one
         for f in stuck:
@@ -204,15 +205,22 @@ def test_unauthenticated_slowloris_on_tcp_blocks_nobody(tmp_path, sidecars, rel)
         with Client(sc.socket, timeout=5) as c:
             assert np.array_equal(c.lookup("t", ids, inline=True), expected[ids])
         # ... and the wait for a message is bounded: TCP serves again after --receive-timeout
-        for f in authed:
+        for f in authed + probes:  # health probes need no token, but get the same bound
             assert f.exception(timeout=30).code() == grpc.StatusCode.CANCELLED
         with Client(target=f"127.0.0.1:{port}", token="s3cret", timeout=5) as c:
             assert np.array_equal(c.lookup("t", ids, inline=True), expected[ids])
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as hc:
+            stub = health_pb2_grpc.HealthStub(hc)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1  # SERVING
+            with pytest.raises(grpc.RpcError) as e:  # Watch would hold a worker: token only
+                next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=5))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
-        release.set()
-        release2.set()
-        ch.close()
-        ch2.close()
+        for r, c in ((release, ch), (release2, ch2), (release3, ch3)):
+            r.set()
+            c.close()
 
 
 @pytest.mark.reliability
