@@ -209,3 +209,13 @@ def test_another_users_catalog_is_read_without_its_lock_and_never_written(tmp_pa
     (data / "catalog" / "data.mdb").chmod(0o600)  # today's mode: nobody else reads it at all
     out = run("tables", "--data", data)
     assert out.returncode == 2 and "cannot read the catalog" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_refuses_an_inconsistent_record_with_data_loss(data_dir, make_table, tmp_path):
+    make_table("t", rows=1000, row_bytes=64, block_rows=100)
+    _tamper(data_dir, "t", 1, dict(row_bytes=32))
+    out = subprocess.run([sys.executable, "-m", "tierstore", "serve", "--data", str(data_dir), "--socket",
+                          str(tmp_path / "s.sock"), "--dram-budget", "1MiB"], capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert out.returncode == 1 and "row_bytes = 32 but fp32 x 16 is 64 bytes" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "s.sock").exists()
