@@ -179,7 +179,7 @@ def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
             if not create:
                 raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
                                f"`tierstore ingest` or `tierstore demo-table`")
-            private_dirs(path)
+            private_dirs(path.parent, path.name)
         writable = os.access(path, os.W_OK)
         if create and not writable:
             raise InvalidArgument(f"the catalog in {path} is not writable by this user (uid {os.getuid()}): "
@@ -200,22 +200,22 @@ def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
         return env
 
 
-def private_dirs(path: Path) -> None:
-    """mkdir -p, with the data directory and everything tierstore makes in it 0700
-    (table names and sources are nobody else's business; parents keep the umask)."""
-    path = Path(path)
-    if path.is_dir():
-        return
-    if path.parent != path:
-        if path.name in ("catalog", "tables", "tmp") or path.parent.name == "tables":
-            private_dirs(path.parent)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=0o700)
-        os.chmod(path, 0o700)  # mkdir's mode passes through the umask, which may be wider
-    except FileExistsError:
-        pass
+def private_dirs(data_dir: Path, *parts: str) -> Path:
+    """mkdir -p data_dir/parts..., the data directory and everything tierstore
+    makes in it 0700 (table names and sources are nobody else's business);
+    parents of the data directory keep the umask. Returns the last directory."""
+    path = Path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for part in ("", *parts):
+        path = path / part if part else path
+        if path.is_dir():
+            continue
+        try:
+            path.mkdir(mode=0o700)
+            os.chmod(path, 0o700)  # mkdir's mode passes through the umask, which may be wider
+        except FileExistsError:
+            pass
+    return path
 
 
 def _release_env(env: lmdb.Environment) -> None:
@@ -327,7 +327,7 @@ class Catalog:
             last = self._last_version(txn, table)
             version = last + 1
             final = self.data_dir / "tables" / table / f"v{version}"
-            private_dirs(final.parent)
+            private_dirs(self.data_dir, "tables", table)
             if final.exists():  # an uncommitted leftover under the same number
                 shutil.rmtree(final)
             segs = sorted(p.name for p in staged.iterdir() if p.name.startswith("seg-"))

@@ -42,8 +42,7 @@ class _Staging:
     """Segment files of one version being written, plus their block checksums."""
 
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
-        tmp = data_dir / "tmp"
-        private_dirs(tmp)
+        tmp = private_dirs(data_dir, "tmp")
         with staging_guard(data_dir, exclusive=False):  # cleanup never sees the dir before its lock
             self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
             self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
