@@ -37,8 +37,8 @@ def claim_socket(path: Path) -> None:
             else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
         raise InvalidArgument(f"--socket {path} exists and is {kind}; refusing to replace it: choose another path")
     if socket_answers(path):
-        raise InvalidArgument(f"--socket {path}: another sidecar is serving on it; stop that one first or "
-                              f"choose another path")
+        raise InvalidArgument(f"--socket {path}: another sidecar is serving on it (or it is another user's "
+                              f"socket); stop that one first or choose another path")
     path.unlink(missing_ok=True)  # a dead sidecar's socket
 
 
