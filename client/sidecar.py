@@ -427,6 +427,8 @@ class Client:
             except grpc.RpcError as e:
                 if attempt or not retry or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
                     raise to_error(e, self.target) from None
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+                raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new Client") from None
 
     def _reconnected(self) -> bool:
         """After UNAVAILABLE: wait briefly for the sidecar to come back (one retry, bounded)."""

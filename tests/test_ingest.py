@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tierstore.catalog import Catalog
 from tierstore.client.spec import preset
 from tierstore.errors import InvalidArgument, SpecMismatch
-from tierstore.formats import encode_rows
+from tierstore.formats import decode_rows, encode_rows
 from tierstore.ingest import ingest_file, write_version
 from tierstore.tiers.nvme import SegmentReader
 
@@ -206,3 +206,107 @@ def test_kill_9_mid_ingest_leaves_old_version_current(data_dir, make_table):
         pass
     assert list((data_dir / "tmp").iterdir()) == []
     assert read_all(data_dir, "t")[0].version == 1
+
+
+@pytest.mark.parametrize("fmt", ["fp8-e4m3-ue8m0", "bf16", "fp16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_values_are_refused_for_lossy_formats(tmp_path, data_dir, cli, fmt, bad):
+    w = torch.randn(300, 64)
+    w[257, 33] = bad
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    code, _, err = cli("ingest", tmp_path / "m.safetensors", "--data", data_dir, "--table", "t", "--format", fmt,
+                       "--quiet")
+    assert code == 2 and "row 257, column 33" in err and "not finite" in err and "Traceback" not in err
+    assert not (data_dir / "tables" / "t").exists() or not list((data_dir / "tables" / "t").iterdir())
+    w[257, 33] = 1.0  # the same file without the bad value ingests
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    assert ingest_file(tmp_path / "m.safetensors", data_dir, "t", row_format=fmt, progress=False).version == 1
+
+
+@pytest.mark.parametrize("fmt,big,ok", [("fp16", 65520.0, 65519.0), ("bf16", 3.3961775e38, 3.3961773e38)])
+def test_finite_values_that_round_to_inf_are_refused(data_dir, fmt, big, ok):
+    vals = np.zeros((4, 32), np.float32)
+    vals[3, 7] = ok
+    assert np.isfinite(decode_rows(encode_rows(vals, fmt), fmt, 32)).all()
+    vals[3, 7] = -big
+    with pytest.raises(InvalidArgument, match=f"row 3, column 7 rounds to inf in {fmt}"):
+        encode_rows(vals, fmt)
+    vals[3, 7] = np.inf  # fp32 stores it bit-exact: nothing is lost
+    assert np.isinf(decode_rows(encode_rows(vals, "fp32"), "fp32", 32)[3, 7])
+
+
+WRITER = """
+import sys, numpy as np
+from tierstore.ingest import write_version
+data, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+failed = 0
+for i in range(n):
+    try:
+        write_version(data, name, [np.full((64, 16), i, np.uint8)], rows=64, row_format="fp32", row_dim=4)
+    except Exception as e:
+        failed += 1
+        print(type(e).__name__, e, file=sys.stderr)
+print(failed)
+"""
+
+
+def test_concurrent_writers_into_one_data_dir_all_succeed(data_dir):
+    write_version(data_dir, "seed", [np.zeros((1, 16), np.uint8)], rows=1, row_format="fp32", row_dim=4)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(data_dir), name, "25"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b", "a")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [o[0].strip() for o in outs] == ["0", "0", "0"], [o[1][-2000:] for o in outs]
+    with Catalog(data_dir, readonly=True) as cat:
+        assert len(cat.versions("a")) == 50 and len(cat.versions("b")) == 25
+    assert not list((data_dir / "tmp").iterdir())
+
+
+def test_legacy_torch_files_and_foreign_zips_are_clear_errors(tmp_path, data_dir, cli):
+    import zipfile
+
+    torch.save({"w": torch.zeros(4, 8)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with zipfile.ZipFile(tmp_path / "photos.zip", "w") as z:
+        z.writestr("a.txt", "hello")
+    for f, msg in (("old.pt", "legacy (pre-1.6) format"), ("photos.zip", "not a torch state dict")):
+        code, _, err = cli("ingest", tmp_path / f, "--data", data_dir, "--table", "t", "--quiet")
+        assert code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_huge_block_rows_is_refused_before_any_allocation(tmp_path, data_dir, cli):
+    with pytest.raises(InvalidArgument, match="at most 64 MiB"):  # 10^6 rows of 128 B: 23 TiB blocks
+        write_version(data_dir, "t", iter(()), rows=10**6, row_format="fp32", row_dim=32, block_rows=10**11)
+    assert not data_dir.exists()
+    # a block larger than a small table is just the whole table
+    np.save(tmp_path / "t.npy", np.zeros((2000, 58), np.float32))
+    code, out, err = cli("ingest", tmp_path / "t.npy", "--data", data_dir, "--table", "t", "--quiet",
+                         "--block-rows", "100000000000")
+    assert code == 0, err
+    with Catalog(data_dir, readonly=True) as cat:
+        assert (cat.current("t").n_blocks, cat.current("t").block_rows) == (1, 2000)
+
+
+def _unshare_ro():
+    """argv prefix running a command with DATA mounted read-only, or None where we cannot."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    ok = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return ["unshare", "-m", "sh", "-c"] if ok.returncode == 0 else None
+
+
+def test_a_catalog_this_user_cannot_write_is_read_and_refused_for_ingest(tmp_path, data_dir, make_table):
+    prefix = _unshare_ro()
+    if prefix is None:
+        pytest.skip("needs root and unshare -m for a read-only bind mount")
+    make_table("t", rows=100)
+    np.save(tmp_path / "t.npy", np.zeros((10, 4), np.float32))
+    py = f"{sys.executable} -m tierstore"
+    script = (f"mount --bind -o ro {data_dir} {data_dir} || exit 99; "
+              f"{py} tables --data {data_dir} && {py} verify --data {data_dir} && "
+              f"{py} ingest {tmp_path / 't.npy'} --data {data_dir} --table u --quiet; echo rc=$?")
+    out = subprocess.run(prefix + [script], capture_output=True, text=True, timeout=300)
+    if "rc=99" in out.stdout:
+        pytest.skip("bind mounts are not allowed here")
+    assert "t v1: ok" in out.stdout and "rc=2" in out.stdout, out.stdout + out.stderr
+    assert "not writable by this user" in out.stderr and "Traceback" not in out.stderr, out.stderr

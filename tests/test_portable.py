@@ -73,3 +73,76 @@ def test_cli_export_import(tmp_path, data_dir, make_table, cli):
     assert np.array_equal(current_rows(tmp_path / "b", "u")[1], data)
     code, _, err = cli("export", "--data", data_dir, "--table", "zz", "--out", tmp_path / "z.tst")
     assert code == 2 and "no table 'zz'" in err
+
+
+def _hostile(path, header, body=b"", hlen=None):
+    """A zstd portable file with any header (bytes, or an object dumped as JSON)."""
+    import json
+    import struct
+
+    import zstandard
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(
+        b"TSTABLE1" + struct.pack("<I", len(raw) if hlen is None else hlen) + raw + body))
+    return path
+
+
+def _good_manifest(tmp_path, make_table):
+    import json
+
+    make_table("t", rows=100)
+    out = tmp_path / "t.tst"
+    export_table(tmp_path / "data", "t", out)
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(open(out, "rb")).read()
+    n = int.from_bytes(raw[8:12], "little")
+    return json.loads(raw[12:12 + n])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("huge_hlen", "claims a 4294967295-byte header"),
+    ("whitespace", "claims a 2097152-byte header"),
+    ("list", "not an object"),
+    ("no_rows", "['rows'] missing"),
+    ("str_rows", "rows = '100' is not a positive integer"),
+    ("n_blocks_2_26", "n_blocks = 67108864 but"),
+    ("n_blocks_1e18", "n_blocks = 1000000000000000000 but"),
+    ("rows_1e18", "over 1 PiB"),
+    ("claims_2_26_blocks", "truncated"),
+    ("bad_format", "row_format"),
+    ("sums_str", "checksums_xxh3"),
+    ("spec_list", "spec is not an object"),
+])
+def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, case, message):
+    good = _good_manifest(tmp_path, make_table)
+    m = good["manifest"]
+    f = tmp_path / "h.tst"
+    if case == "huge_hlen":
+        _hostile(f, b" " * 16, hlen=2**32 - 1)
+    elif case == "whitespace":
+        _hostile(f, b" " * (2 << 20))
+    elif case == "list":
+        _hostile(f, [1, 2, 3])
+    elif case == "no_rows":
+        m.pop("rows")
+        _hostile(f, good)
+    elif case == "claims_2_26_blocks":  # consistent, but the file ends long before 512 MiB of checksums
+        m.update(rows=2**26, block_rows=1, n_blocks=2**26, segment_rows=2**26)
+        _hostile(f, good, b"\0" * 1000)
+    elif case == "sums_str":
+        good["checksums_xxh3"] = "x"
+        _hostile(f, good)
+    else:
+        m.update({"str_rows": dict(rows="100"), "n_blocks_2_26": dict(n_blocks=2**26),
+                  "n_blocks_1e18": dict(n_blocks=10**18),
+                  "rows_1e18": dict(rows=10**18, block_rows=1, n_blocks=10**18, segment_rows=10**18),
+                  "bad_format": dict(row_format=["fp32"]), "spec_list": dict(spec=[1])}[case])
+        _hostile(f, good)
+    with pytest.raises(DataLoss, match="h.tst") as e:
+        import_table(f, tmp_path / "dest")
+    assert message in str(e.value)
+    code, _, err = cli("import", f, "--data", tmp_path / "dest", "--quiet")
+    assert code == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "dest" / "tables").exists() or not any((tmp_path / "dest" / "tables").rglob("seg-*"))

@@ -54,7 +54,6 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes
 
 def write_checkpoint(d: Path, seed: int = 0, **overrides) -> dict:
     """Write the checkpoint into `d`; returns {layer: {tensor suffix: numpy array}}."""
-    from tierstore.client.spec import EngramSpec
 
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,14 @@ import shutil
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import lmdb
 import numpy as np
 
-from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
+from tierstore.errors import DataLoss, InvalidArgument, NotFound, TableNotFound, VersionNotFound
 
 __all__ = ["Catalog", "TableVersion", "has_tables", "validate_table_name"]
 
@@ -98,10 +99,66 @@ class TableVersion:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TableVersion":
+    def from_dict(cls, d: dict, table: str | None = None, version: int | None = None) -> "TableVersion":
+        """A manifest from its stored record, checked for internal consistency:
+        DataLoss naming table, version and field when any check fails (a record
+        that disagrees with itself would serve half rows or read past a segment).
+        `table`/`version`: the catalog key the record was stored under."""
+        where = f"table {table!r} version {version}"
+        if not isinstance(d, dict):
+            raise DataLoss(f"catalog record of {where} is not a JSON object; the catalog is corrupt")
+        if table is None or version is None:
+            where = f"table {d.get('table', table)!r} version {d.get('version', version)}"
+        bad = _record_problem(d, table, version)
+        if bad:
+            raise DataLoss(f"catalog record of {where} is inconsistent: {bad}; the catalog is corrupt "
+                           f"(restore it or ingest the table again)")
         d = dict(d)
         d["segments"] = tuple(d["segments"])
         return cls(**d)
+
+
+_INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
+
+
+def _record_problem(d: dict, table: str | None, version: int | None) -> str | None:
+    """What is wrong with a stored manifest record, or None."""
+    from dataclasses import fields as dc_fields
+
+    from tierstore.formats import RowFormat
+
+    names = {f.name for f in dc_fields(TableVersion)}
+    required = {f.name for f in dc_fields(TableVersion) if f.default is MISSING and f.default_factory is MISSING}
+    if not required <= set(d) <= names:
+        return f"fields {sorted(required - set(d))} missing, {sorted(set(d) - names)} unknown"
+    for k in _INT_FIELDS:
+        if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1:
+            return f"{k} = {d[k]!r} is not a positive integer"
+    if table is not None and d["table"] != table:
+        return f"table = {d['table']!r} but the record is stored under {table!r}"
+    if version is not None and d["version"] != version:
+        return f"version = {d['version']!r} but the record is stored under {version}"
+    try:
+        want = RowFormat.parse(d["row_format"]).row_bytes(d["row_dim"])
+    except (ValueError, TypeError) as e:
+        return f"row_format/row_dim: {e}"
+    if d["row_bytes"] != want:
+        return f"row_bytes = {d['row_bytes']} but {d['row_format']} x {d['row_dim']} is {want} bytes"
+    if d["n_blocks"] != -(-d["rows"] // d["block_rows"]):
+        return (f"n_blocks = {d['n_blocks']} but {d['rows']} rows in blocks of {d['block_rows']} "
+                f"make {-(-d['rows'] // d['block_rows'])}")
+    if d["segment_rows"] % d["block_rows"]:
+        return f"segment_rows = {d['segment_rows']} is not a whole number of blocks of {d['block_rows']} rows"
+    segs = d["segments"]
+    if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
+        return "segments is not a list of paths"
+    if len(segs) != -(-d["rows"] // d["segment_rows"]):
+        return (f"segments: {len(segs)} segments of {d['segment_rows']} rows cannot hold exactly "
+                f"{d['rows']} rows")
+    for p in segs:
+        if p.startswith("/") or ".." in Path(p).parts:
+            return f"segments: {p!r} is not a path inside the data directory"
+    return None
 
 
 _CUR, _VER, _SUM = b"c/", b"v/", b"k/"
@@ -127,11 +184,43 @@ def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
             if not create:
                 raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
                                f"`tierstore ingest` or `tierstore demo-table`")
-            path.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True,
-                        readonly=not os.access(path, os.W_OK))
+            private_dirs(path.parent, path.name)
+        writable = os.access(path, os.W_OK)
+        if create and not writable:
+            raise InvalidArgument(f"the catalog in {path} is not writable by this user (uid {os.getuid()}): "
+                                  f"run as its owner, or give another --data")
+        try:
+            env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True, mode=0o600,
+                            readonly=not writable)
+        except lmdb.Error as e:
+            if create:
+                raise InvalidArgument(f"cannot open the catalog in {path} for writing: {e}") from None
+            # another user's catalog: its lock file is not ours to write. Reading without
+            # the lock is what LMDB does on a read-only file system; reads here are short.
+            try:
+                env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=False, subdir=True, readonly=True)
+            except lmdb.Error as e2:
+                raise InvalidArgument(f"cannot read the catalog in {path}: {e2}") from None
         _ENVS[key] = [env, 1]
         return env
+
+
+def private_dirs(data_dir: Path, *parts: str) -> Path:
+    """mkdir -p data_dir/parts..., the data directory and everything tierstore
+    makes in it 0700 (table names and sources are nobody else's business);
+    parents of the data directory keep the umask. Returns the last directory."""
+    path = Path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for part in ("", *parts):
+        path = path / part if part else path
+        if path.is_dir():
+            continue
+        try:
+            path.mkdir(mode=0o700)
+            os.chmod(path, 0o700)  # mkdir's mode passes through the umask, which may be wider
+        except FileExistsError:
+            pass
+    return path
 
 
 def _release_env(env: lmdb.Environment) -> None:
@@ -160,6 +249,10 @@ class Catalog:
         self.data_dir = Path(data_dir)
         self.readonly = readonly
         self._env = _acquire_env(self.data_dir / "catalog", create=not readonly)
+        if not readonly and self._env.flags()["readonly"]:
+            self.close()
+            raise InvalidArgument(f"the catalog in {self.data_dir} is not writable by this user "
+                                  f"(uid {os.getuid()}): run as its owner, or give another --data")
         if not readonly:
             self.clean_leftovers()
 
@@ -204,7 +297,7 @@ class Catalog:
                 for k, v in cur:
                     if not k.startswith(prefix):
                         break
-                    out.append(TableVersion.from_dict(json.loads(v)))
+                    out.append(_parse(v, table, struct.unpack(">Q", k[len(prefix):])[0]))
         if not out:
             raise TableNotFound(f"no table {table!r} in {self.data_dir}; tables are {self.tables()}")
         return out
@@ -216,6 +309,10 @@ class Catalog:
             if raw is None:
                 self._manifest(txn, table, version)  # raises the useful error
                 raise VersionNotFound(f"table {table!r} version {version} has no checksums")
+            tv = self._manifest(txn, table, version)
+            if len(raw) != 8 * tv.n_blocks:
+                raise DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums "
+                               f"hold {len(raw) / 8:g} entries for {tv.n_blocks} blocks; the catalog is corrupt")
             return np.frombuffer(raw, dtype="<u8").copy()
 
     def _manifest(self, txn, table: str, version: int) -> TableVersion:
@@ -223,7 +320,7 @@ class Catalog:
         if raw is None:
             known = [v.version for v in self.versions(table)]  # TableNotFound when no versions
             raise VersionNotFound(f"table {table!r} has no version {version}; versions are {known}")
-        return TableVersion.from_dict(json.loads(raw))
+        return _parse(raw, table, version)
 
     # ---- writing -----------------------------------------------------------
     def commit_version(self, table: str, staged: Path, fields: dict, checksums: np.ndarray) -> TableVersion:
@@ -235,7 +332,7 @@ class Catalog:
             last = self._last_version(txn, table)
             version = last + 1
             final = self.data_dir / "tables" / table / f"v{version}"
-            final.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(self.data_dir, "tables", table)
             if final.exists():  # an uncommitted leftover under the same number
                 shutil.rmtree(final)
             segs = sorted(p.name for p in staged.iterdir() if p.name.startswith("seg-"))
@@ -305,11 +402,14 @@ class Catalog:
         """
         self._check_writable()
         removed = []
+        tmp = self.data_dir / "tmp"
         with self._env.begin(write=True) as txn:
-            for d in sorted((self.data_dir / "tmp").glob("*")):
-                if d.is_dir() and not _held(d / LOCK_NAME):
-                    shutil.rmtree(d, ignore_errors=True)
-                    removed.append(d)
+            if tmp.is_dir():
+                with staging_guard(self.data_dir, exclusive=True):  # no writer is between mkdtemp and its flock
+                    for d in sorted(tmp.glob("*")):
+                        if d.is_dir() and not _held(d / LOCK_NAME):
+                            shutil.rmtree(d, ignore_errors=True)
+                            removed.append(d)
             for d in sorted((self.data_dir / "tables").glob("*/v*")):
                 m = re.fullmatch(r"v(\d+)", d.name)
                 if m and txn.get(_vkey(_VER, d.parent.name, int(m.group(1)))) is None:
@@ -346,6 +446,27 @@ def has_tables(data_dir) -> bool:
             return bool(cat.tables())
     except NotFound:
         return False
+
+
+def _parse(raw: bytes, table: str, version: int) -> TableVersion:
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        raise DataLoss(f"catalog record of table {table!r} version {version} is not JSON; the catalog is "
+                       f"corrupt") from None
+    return TableVersion.from_dict(d, table, version)
+
+
+@contextmanager
+def staging_guard(data_dir: Path, *, exclusive: bool):
+    """flock on DATA/catalog/staging.lock: writers hold it shared while they create
+    and lock a staging directory, cleanup holds it exclusive while it looks for dead ones."""
+    fd = os.open(Path(data_dir) / "catalog" / "staging.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _held(lock_path: Path) -> bool:

@@ -14,6 +14,8 @@ from enum import Enum
 
 import numpy as np
 
+from tierstore.errors import InvalidArgument
+
 FP8_BLOCK = 32
 UE8M0_BIAS = 127
 E4M3_MAX = 448.0
@@ -46,12 +48,26 @@ class RowFormat(str, Enum):
         return dim + dim // FP8_BLOCK
 
 
-def encode_rows(values: np.ndarray, fmt: "RowFormat | str") -> np.ndarray:
-    """float32 [n, D] -> uint8 [n, row_bytes] in `fmt` (round to nearest even)."""
+# Largest finite value of each lossy format: a finite fp32 beyond it (after
+# round-to-nearest-even, hence the half-ulp margin) would be stored as inf.
+_FINITE_MAX = {"bf16": (3.3895313892515355e38, 2.0 ** 119), "fp16": (65504.0, 16.0)}  # (max, half ulp)
+
+
+def encode_rows(values: np.ndarray, fmt: "RowFormat | str", first_row: int = 0) -> np.ndarray:
+    """float32 [n, D] -> uint8 [n, row_bytes] in `fmt` (round to nearest even).
+
+    fp32 keeps every value bit-exact (inf and nan included). The lossy formats
+    refuse (InvalidArgument, naming row ``first_row + i`` and column) a
+    non-finite value - in fp8 it would spoil its whole 32-value scale block -
+    and, for bf16/fp16, a finite value that would round to inf.
+    """
     import torch
 
     fmt = RowFormat.parse(fmt)
-    x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if fmt is not RowFormat.FP32:
+        _check_representable(values, fmt, first_row)
+    x = torch.from_numpy(values)
     n, dim = x.shape
     if fmt is RowFormat.FP32:
         out = x
@@ -70,6 +86,19 @@ def encode_rows(values: np.ndarray, fmt: "RowFormat | str") -> np.ndarray:
         s = (exp + UE8M0_BIAS).to(torch.uint8)
         return torch.cat([q, s], dim=1).numpy()
     return out.contiguous().view(torch.uint8).reshape(n, -1).numpy()
+
+
+def _check_representable(values: np.ndarray, fmt: RowFormat, first_row: int) -> None:
+    top, half_ulp = _FINITE_MAX.get(fmt.value, (np.inf, 0.0))
+    limit = top + half_ulp
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(values) < limit)  # nan compares False
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        v = values[r, c]
+        why = "is not finite" if not np.isfinite(v) else f"rounds to inf in {fmt.value} (largest finite {top:.6g})"
+        raise InvalidArgument(f"value {v} at row {first_row + int(r)}, column {int(c)} {why}; {fmt.value} cannot "
+                              f"store it. Fix the source or keep fp32 (--format fp32)")
 
 
 def decode_rows(rows: np.ndarray, fmt: "RowFormat | str", dim: int) -> np.ndarray:

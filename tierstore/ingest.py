@@ -22,7 +22,8 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from tierstore.catalog import LOCK_NAME, Catalog, TableVersion, _fsync_dir, validate_table_name
+from tierstore.catalog import (LOCK_NAME, Catalog, TableVersion, _fsync_dir, private_dirs, staging_guard,
+                               validate_table_name)
 from tierstore.errors import DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.formats import RowFormat
 from tierstore.tiers import rowsum
@@ -35,6 +36,8 @@ __all__ = ["write_version", "ingest_file", "SEGMENT_BYTES"]
 SEGMENT_BYTES = 1 << 30
 # one uint64 checksum per row (tierstore.tiers.rowsum), beside the segments
 ROW_SUMS_FILE = "rowsums.u64"
+# A checksum block is read and hashed whole; the default is ~16 KiB.
+MAX_BLOCK_BYTES = 64 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -43,11 +46,11 @@ class _Staging:
     and the row-checksum file (one uint64 per row, hashed as it is written)."""
 
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
-        tmp = data_dir / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
-        self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
+        tmp = private_dirs(data_dir, "tmp")
+        with staging_guard(data_dir, exclusive=False):  # cleanup never sees the dir before its lock
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
+            self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
         self.rows, self.row_bytes, self.block_rows = rows, row_bytes, block_rows
         self.block_bytes = block_rows * row_bytes
         self.total = rows * row_bytes
@@ -73,7 +76,7 @@ class _Staging:
             seg = self.pos // self.segment_bytes
             if seg != self._seg:
                 self._close_segment()
-                self._fd = os.open(self.dir / f"seg-{seg:05d}.bin", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+                self._fd = os.open(self.dir / f"seg-{seg:05d}.bin", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
                 self._seg = seg
             take = min(len(data), (seg + 1) * self.segment_bytes - self.pos)
             n = os.write(self._fd, data[:take])
@@ -171,6 +174,12 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     block_rows = int(block_rows or default_block_rows(row_bytes))
     if block_rows < 1:
         raise InvalidArgument(f"block_rows must be >= 1, got {block_rows}")
+    if block_rows * row_bytes > MAX_BLOCK_BYTES and rows * row_bytes <= MAX_BLOCK_BYTES:
+        block_rows = rows  # the whole table is one block either way
+    if block_rows * row_bytes > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"--block-rows {block_rows} x {row_bytes} B rows makes {block_rows * row_bytes} B "
+                              f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
+                              f"(--block-rows <= {MAX_BLOCK_BYTES // row_bytes})")
     with Catalog(data_dir) as cat:  # opening for writing cleans a killed writer's leftovers
         stage = _Staging(data_dir, table, rows, row_bytes, block_rows)
         try:
@@ -278,7 +287,16 @@ def _open_tensors(src: Path) -> dict[str, _Tensor]:
     if head.startswith(b"PK") or head[:2] == b"\x80\x02":
         # torch's zip format has no raw offsets to pread; mapped pages count in RSS
         # as they are read (they are page cache and reclaimable). Prefer safetensors.
-        obj = torch.load(src, mmap=True, weights_only=True, map_location="cpu")
+        try:
+            obj = torch.load(src, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - RuntimeError, UnpicklingError, zip errors: all "cannot read"
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            if head[:2] == b"\x80\x02":
+                raise InvalidArgument(f"{src} is a torch.save file in the legacy (pre-1.6) format, which cannot be "
+                                      f"read in bounded memory; save it again with torch.save's default (zip) "
+                                      f"format or as safetensors") from None
+            raise InvalidArgument(f"{src} is a zip file but not a torch state dict tierstore can load safely "
+                                  f"({why}); give a safetensors, .npy or torch.save file") from None
         flat: dict[str, torch.Tensor] = {}
 
         def walk(prefix, o):
@@ -412,7 +430,7 @@ def ingest_file(src, data_dir, table=None, *, key=None, scale_key=None, row_form
             if scales is not None:
                 raw = np.concatenate([raw, scales.read(a, b).view(_torch_uint8()).numpy().reshape(b - a, -1)], axis=1)
             if target is not src_fmt:
-                raw = encode_rows(decode_rows(raw, src_fmt, dim), target)
+                raw = encode_rows(decode_rows(raw, src_fmt, dim), target, first_row=a)
             yield raw
 
     note = f"{src}:{t.name}" + (f"+{scales.name}" if scales is not None else "")

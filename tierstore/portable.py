@@ -23,13 +23,16 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierstore.catalog import Catalog, TableVersion, validate_table_name
+from tierstore.catalog import Catalog, TableVersion, _record_problem, validate_table_name
 from tierstore.errors import DataLoss
 
 __all__ = ["export_table", "import_table", "MAGIC"]
 
 MAGIC = b"TSTABLE1"
 _STEP_BYTES = 8 << 20
+# Real headers are a few KB (the spec dominates); the u32 length allows 4 GiB.
+MAX_HEADER_BYTES = 1 << 20
+MAX_TABLE_BYTES = 1 << 50  # 1 PiB: far above any Engram table, far below overflow
 
 
 def export_table(data_dir, table: str, out, *, version: int | None = None, level: int = 3,
@@ -109,17 +112,14 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
         if r.read(len(MAGIC)) != MAGIC:
             raise DataLoss(f"{src} is not a tierstore portable table (bad magic)")
         (hlen,) = struct.unpack("<I", r.read(4))
-        try:
-            header = json.loads(r.read(hlen))
-            m = header["manifest"]
-        except (ValueError, KeyError):
-            raise DataLoss(f"{src} has a corrupt header; export the table again") from None
-        raw_sums = r.read(8 * int(m["n_blocks"]))
-        if xxhash.xxh3_64_intdigest(raw_sums) != header["checksums_xxh3"]:
-            raise DataLoss(f"{src}: the block checksum list is corrupt; export the table again")
+        if hlen > MAX_HEADER_BYTES:
+            raise DataLoss(f"{src} claims a {hlen}-byte header; tierstore headers are at most "
+                           f"{MAX_HEADER_BYTES >> 20} MiB: the file is corrupt or not a tierstore export")
+        header, m = _parse_header(r.read(hlen), src)
+        raw_sums = _read_hashed(r, 8 * m["n_blocks"], header["checksums_xxh3"], src)
         sums = np.frombuffer(raw_sums, dtype="<u8")
         name = validate_table_name(table or m["table"])
-        rows, row_bytes = int(m["rows"]), int(m["row_bytes"])
+        rows, row_bytes = m["rows"], m["row_bytes"]
         step = max(1, _STEP_BYTES // row_bytes)
 
         def chunks():
@@ -134,7 +134,50 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
                 raise DataLoss(f"{src} has trailing data after the rows; export the table again")
 
         return write_version(
-            data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=int(m["row_dim"]),
-            spec=m.get("spec"), layer_id=m.get("layer_id"), block_rows=int(m["block_rows"]),
-            source=f"import {src.name} ({m['table']} v{m['version']}: {m.get('source', '')})",
+            data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=m["row_dim"],
+            spec=m["spec"], layer_id=m["layer_id"], block_rows=m["block_rows"],
+            source=f"import {src.name} ({m['table']} v{m['version']}: {m['source']})",
             expected_checksums=sums, progress=progress)
+
+
+def _parse_header(raw: bytes, src: Path) -> tuple[dict, dict]:
+    """The header JSON, every field checked for type and consistency (DataLoss)."""
+    def corrupt(why: str) -> DataLoss:
+        return DataLoss(f"{src} has a corrupt header ({why}); export the table again")
+
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise corrupt("not JSON") from None
+    if not isinstance(header, dict) or not isinstance(header.get("manifest"), dict):
+        raise corrupt("not an object with a 'manifest' object")
+    sums = header.get("checksums_xxh3")
+    if not isinstance(sums, int) or isinstance(sums, bool) or not 0 <= sums < 1 << 64:
+        raise corrupt("checksums_xxh3 is not a 64-bit integer")
+    m = header["manifest"]
+    bad = _record_problem(m, None, None)
+    if bad:
+        raise corrupt(bad)
+    if not isinstance(m["table"], str) or not isinstance(m["source"], str):
+        raise corrupt("table and source must be strings")
+    if not (m["spec"] is None or isinstance(m["spec"], dict)):
+        raise corrupt("spec is not an object")
+    if not (m["layer_id"] is None or (isinstance(m["layer_id"], int) and not isinstance(m["layer_id"], bool))):
+        raise corrupt("layer_id is not an integer")
+    if m["rows"] * m["row_bytes"] > MAX_TABLE_BYTES:
+        raise corrupt(f"{m['rows']} rows of {m['row_bytes']} bytes is over {MAX_TABLE_BYTES >> 50} PiB")
+    return header, m
+
+
+def _read_hashed(r: _Exact, n: int, want: int, src: Path) -> bytes:
+    """n bytes read step by step (memory follows what the file really holds, not
+    what its header claims), checked against their xxh3-64."""
+    h, parts = xxhash.xxh3_64(), []
+    while n:
+        b = r.read(min(n, _STEP_BYTES))
+        h.update(b)
+        parts.append(b)
+        n -= len(b)
+    if h.intdigest() != want:
+        raise DataLoss(f"{src}: the block checksum list is corrupt; export the table again")
+    return b"".join(parts)

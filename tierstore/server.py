@@ -16,15 +16,16 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tierstore.auth import TOKEN_HEADER, TokenInterceptor
 from tierstore.config import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
+from tierstore import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar import Sidecar
 
 log = logging.getLogger("tierstore.server")
 SERVICE = "tierstore.v1.Tierstore"
-TOKEN_HEADER = "x-tierstore-token"
 FAST_PATH_CLIENTS = 256  # local fast-path connections (one per worker process, or per thread)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
@@ -224,48 +225,87 @@ def _ttl(cfg: ServeConfig, ttl_ms: int) -> float:
 
 class Server:
     """The sidecar process: gRPC on a unix socket (0600) beside the local fast path
-    (`<socket>.fast`), optional TCP and metrics."""
+    (`<socket>.fast`), optional TCP and metrics.
+
+    Unix-socket and TCP callers get separate gRPC servers and worker pools, so
+    no TCP caller (authenticated or not) can take the capacity local workers need.
+    """
 
     def __init__(self, config: ServeConfig):
         from tierstore.metrics import Metrics
 
         self.config = config
+        pem = self._check_transports(config)  # before anything is loaded or created
         self.sidecar = Sidecar(config)
         try:
-            self._build(config, Metrics)
+            self._build(config, Metrics, pem)
         except BaseException:
             self.sidecar.close()  # its arenas must not outlive a failed start
             raise
 
-    def _build(self, config: ServeConfig, Metrics) -> None:
+    def _build(self, config: ServeConfig, Metrics, pem) -> None:
         self.metrics = Metrics(self.sidecar)
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
-                                options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64)
-        add_service(TierstoreService(self.sidecar, self.metrics), self.grpc)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        service = TierstoreService(self.sidecar, self.metrics)
+        self.guard = None if config.listen is None else \
+            TokenInterceptor(config.auth_token, config.receive_timeout_s)
+        self.servers = []
         self.addresses = []
+        self._socket_id = None
         if config.socket is not None:
-            path = config.socket
-            if path.exists():
-                path.unlink()  # a stale socket of a dead sidecar
+            unix = self._grpc_server(config, service, "rpc")
+            listeners.claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
             old = os.umask(0o177)  # the socket is born 0600
             try:
-                self.grpc.add_insecure_port(f"unix:{path}")
+                self._bind(unix.add_insecure_port, f"unix:{config.socket}", "--socket")
             finally:
                 os.umask(old)
-            self.addresses.append(f"unix:{path}")
+            st = os.stat(config.socket)
+            self._socket_id = (st.st_dev, st.st_ino)  # stop() removes this socket and no other
+            self.addresses.append(f"unix:{config.socket}")
         if config.listen is not None:
-            if config.tls_cert and config.tls_key:
-                creds = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-                self.grpc.add_secure_port(config.listen, creds)
+            tcp = self._grpc_server(config, service, "tcp", (self.guard,))
+            if pem:
+                creds = grpc.ssl_server_credentials([(pem[1], pem[0])])
+                self._bind(lambda a: tcp.add_secure_port(a, creds), config.listen, "--listen")
                 self.addresses.append(f"{config.listen} (tls)")
             else:
-                self.grpc.add_insecure_port(config.listen)
+                self._bind(tcp.add_insecure_port, config.listen, "--listen")
                 self.addresses.append(config.listen)
+        self.grpc = self.servers[0]
+
+    def _grpc_server(self, config: ServeConfig, service, name: str, interceptors=()):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=name),
+                             options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64,
+                             interceptors=interceptors)
+        add_service(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.servers.append(server)
+        return server
+
+    @staticmethod
+    def _check_transports(config: ServeConfig):
+        if config.socket is not None:
+            listeners.claim_socket(config.socket)
+        pem = None
+        if config.listen is not None:
+            listeners.check_tcp(config.listen)
+            if config.tls_cert and config.tls_key:
+                pem = listeners.check_tls(config.tls_cert, config.tls_key)
+        if config.metrics_port is not None:
+            listeners.check_port("127.0.0.1", config.metrics_port, "--metrics-port")
+        return pem
+
+    @staticmethod
+    def _bind(add_port, address: str, flag: str) -> None:
+        try:
+            add_port(address)
+        except RuntimeError:  # gRPC says only "Failed to bind"; the checks above say why, bar races
+            raise InvalidArgument(f"{flag}: cannot listen on {address}") from None
 
     def start(self) -> None:
-        self.grpc.start()
+        for server in self.servers:
+            server.start()
         if self.config.socket is not None:
             os.chmod(self.config.socket, 0o600)
             from tierstore.fastpath import FastPathServer, fast_socket_path
@@ -278,15 +318,27 @@ class Server:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            try:
+                self.metrics.serve(self.config.metrics_port)
+            except OSError as e:  # taken since the check in __init__
+                raise InvalidArgument(f"--metrics-port: cannot listen on 127.0.0.1:{self.config.metrics_port}: "
+                                      f"{e.strerror}") from None
 
     def stop(self, grace: float = 2.0) -> None:
         if getattr(self, "fast", None) is not None:
             self.fast.stop()
             self.fast = None
         self.health.enter_graceful_shutdown()
-        self.grpc.stop(grace).wait()
+        for event in [server.stop(grace) for server in self.servers]:
+            event.wait()
+        if self.guard is not None:
+            self.guard.close()
         self.sidecar.close()
         self.metrics.close()
-        if self.config.socket is not None:
-            self.config.socket.unlink(missing_ok=True)
+        if self.config.socket is not None and self._socket_id is not None:
+            try:
+                st = os.lstat(self.config.socket)
+                if (st.st_dev, st.st_ino) == self._socket_id:
+                    self.config.socket.unlink()
+            except FileNotFoundError:
+                pass

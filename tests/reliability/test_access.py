@@ -187,3 +187,80 @@ def test_files_another_user_plants_under_our_names_neither_stop_nor_fool_the_sid
     finally:
         for p in planted:
             p.unlink(missing_ok=True)
+
+
+def _stuck_calls(target: str, n: int, token: str | None, method: str = "/tierstore.v1.Tierstore/ListTables"):
+    """n TCP calls that send their headers and then never a message (a slowloris)."""
+    import threading
+
+    import grpc
+
+    release = threading.Event()
+
+    def never():
+        release.wait()
+        yield from ()
+
+    ch = grpc.insecure_channel(target)
+    call = ch.stream_unary(method, request_serializer=lambda b: b,
+                           response_deserializer=lambda b: b)
+    md = (("x-tierstore-token", token),) if token else None
+    return [call.future(never(), metadata=md, timeout=120) for _ in range(n)], release, ch
+
+
+def test_unauthenticated_slowloris_on_tcp_blocks_nobody(tmp_path, sidecars, rel):
+    import grpc
+
+    expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
+    port = _free_port()
+    sc = sidecars(tmp_path / "data", "64MiB", "--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token",
+                  "s3cret", "--workers", "2", "--receive-timeout", "1")
+    ids = np.array([0, 5, ROWS - 1])
+    stuck, release, ch = _stuck_calls(f"127.0.0.1:{port}", 8, token=None)
+    authed, release2, ch2 = _stuck_calls(f"127.0.0.1:{port}", 4, token="s3cret")
+    probes, release3, ch3 = _stuck_calls(f"127.0.0.1:{port}", 2, None, "/grpc.health.v1.Health/Check")
+    try:
+        # no token: refused on the metadata, before any message, so no worker waits for one
+        for f in stuck:
+            assert f.exception(timeout=10).code() == grpc.StatusCode.UNAUTHENTICATED
+        # with the token, every TCP worker is held, but the unix socket has its own
+        with Client(sc.socket, timeout=5) as c:
+            assert np.array_equal(c.lookup("t", ids, inline=True), expected[ids])
+        # ... and the wait for a message is bounded: TCP serves again after --receive-timeout
+        for f in authed + probes:  # health probes need no token, but get the same bound
+            assert f.exception(timeout=30).code() == grpc.StatusCode.CANCELLED
+        with Client(target=f"127.0.0.1:{port}", token="s3cret", timeout=5) as c:
+            assert np.array_equal(c.lookup("t", ids, inline=True), expected[ids])
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as hc:
+            stub = health_pb2_grpc.HealthStub(hc)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1  # SERVING
+            with pytest.raises(grpc.RpcError) as e:  # Watch would hold a worker: token only
+                next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=5))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        for r, c in ((release, ch), (release2, ch2), (release3, ch3)):
+            r.set()
+            c.close()
+
+
+@pytest.mark.reliability
+def test_oversized_unauthenticated_requests_are_refused_before_they_are_read(tmp_path, sidecars, rel):
+    import grpc
+
+    from tierstore.proto import tierstore_pb2 as pb
+
+    rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
+    port = _free_port()
+    sc = sidecars(tmp_path / "data", "64MiB", "--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token", "s3cret")
+    before = rel.proc_status(sc.proc.pid)["VmRSS"]
+    big = pb.LookupRequest(table="t", ids=b"\0" * ((64 << 20) - 4096))
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 80 << 20)]) as ch:
+        call = ch.unary_unary("/tierstore.v1.Tierstore/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                              response_deserializer=pb.LookupResponse.FromString)
+        futs = [call.future(big, timeout=60) for _ in range(8)]
+        for f in futs:
+            assert f.exception(timeout=60).code() == grpc.StatusCode.UNAUTHENTICATED
+    grown = rel.proc_status(sc.proc.pid)["VmRSS"] - before
+    assert grown < 128 << 20, f"the sidecar grew by {grown >> 20} MiB for 8 refused 64 MiB requests"

@@ -3,7 +3,6 @@ cache-mode sidecar run steps while both swap a table between two versions."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

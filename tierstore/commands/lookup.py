@@ -26,6 +26,8 @@ def run(args) -> int:
         ids = np.array([int(x) for x in args.ids.split(",") if x.strip()], dtype=np.int64)
     except ValueError:
         raise ValueError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    except OverflowError:
+        raise ValueError(f"--ids holds an id beyond int64 ({args.ids[:80]!r}); row ids are 0..rows-1") from None
     with Client(args.socket, timeout=10.0) as c:
         info = c.table_info(args.table)
         rows = c.lookup(args.table, ids, inline=args.inline)

@@ -17,13 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", help="HOST:PORT to also listen on TCP (needs --allow-tcp and a token)")
     p.add_argument("--allow-tcp", action="store_true", default=None, help="permit --listen")
     p.add_argument("--auth-token", help="shared token TCP clients must send (or TIERSTORE_AUTH_TOKEN)")
+    p.add_argument("--auth-token-file", help="file holding the token (mode 0600); instead of --auth-token")
     p.add_argument("--tls-cert", help="PEM certificate chain for the TCP listener")
     p.add_argument("--tls-key", help="PEM private key for the TCP listener")
     p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
     p.add_argument("--max-leases", type=int, help="live leases in all (default 65536)")
     p.add_argument("--max-leases-per-client", type=int, help="live leases of one client (default 1024)")
-    p.add_argument("--workers", type=int, help="gRPC worker threads")
+    p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
+    p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
+                   help="seconds a TCP caller has to send its request message (default 30)")
     p.add_argument("--persist-arena", action="store_true", default=None,
                    help="leave arenas in /dev/shm on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
@@ -46,10 +49,11 @@ def run(args) -> int:
     _return_big_buffers_to_the_os()
     cfg = ServeConfig.from_env(
         data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
-        allow_tcp=args.allow_tcp, auth_token=args.auth_token,
+        allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
+        receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, direct_io=args.direct_io)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far
