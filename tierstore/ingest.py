@@ -63,7 +63,7 @@ class _Staging:
         self._seg = -1
         self._hash = xxhash.xxh3_64()
         self._block = 0
-        self._sums_fd: int | None = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+        self._sums_fd: int | None = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
         self._sums_hash = xxhash.xxh3_64()
 
     def write(self, data: memoryview) -> None:
