@@ -13,6 +13,7 @@ Hit ratio counts every access of the flattened trace, cold misses included.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -111,8 +112,21 @@ def capacity_rows(trace: Trace, size: float) -> int:
     return max(1, int(round(rows * float(trace.meta.get("sample", 1.0)))))
 
 
+_TRACE: Trace | None = None  # the trace being replayed, for forked workers
+
+
 def _references(args) -> dict[str, float]:
     return reference_hit_ratios(*args)
+
+
+def _ours(capacity: int, kw: dict) -> float:
+    return replay(_TRACE, capacity, **kw)
+
+
+def _pool(jobs: int):
+    if jobs == 1 or "fork" not in mp.get_all_start_methods():
+        return _Inline()
+    return ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
 
 
 def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> dict[str, float]:
@@ -128,7 +142,8 @@ def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> 
 
 def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes=(0.001, 0.01, 0.1),
                     out_dir: str | Path = "bench-cache", seed: int = 0, quick: bool = False,
-                    config: PolicyConfig | None = None, jobs: int | None = None, log=None) -> dict:
+                    config: PolicyConfig | None = None, jobs: int | None = None, hbm_drift: bool = False,
+                    log=None) -> dict:
     """Replay traces through every policy at each cache size.
 
     trace_paths_or_kinds: names for make_trace, saved trace paths, or Traces.
@@ -140,6 +155,8 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes
     cache.png (hit ratio vs cache size, log x) to out_dir.
     A policy whose cache is smaller than one step's rows gets NaN (it cannot run).
     quick: smaller synthetic traces, no lru-batched ablation; about a minute on 2 cores.
+    hbm_drift: add the HBM-tier cell (tierstore.bench.hbm): the adaptive HBM
+        cache against static hot sets, per window of a drifting trace.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,27 +169,34 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
         max_step = int(np.diff(trace.bounds).max())
-        # references run in worker processes while this one replays ours
-        with ProcessPoolExecutor(jobs) if jobs > 1 else _Inline() as pool:
-            refs = {(size, name): pool.submit(_references, (oracle, caps[size], (name,)))
-                    for size in sizes for name in REFERENCES}
+        ours = [("ours", {}), ("ours+lookahead", {"lookahead": True})]
+        if not quick and trace.meta.get("kind") != "access-log":  # the batching ablation, for our traces only
+            ours.append(("lru-batched", {"config": PolicyConfig(kind="lru")}))
+        # every replay is one task of one pool; forked workers inherit the trace
+        global _TRACE
+        _TRACE = trace
+        with _pool(jobs) as pool:
+            tasks = {(size, name): pool.submit(_references, (oracle, caps[size], (name,)))
+                     for size in sizes for name in REFERENCES}
+            tasks.update({(size, name): pool.submit(_ours, caps[size], {"config": config, **kw})
+                          for size in sizes for name, kw in ours if caps[size] >= max_step})
             for size in sizes:
-                cap = caps[size]
-                for name, kw in (("ours", {}), ("ours+lookahead", {"lookahead": True}),
-                                 ("lru-batched", {"config": PolicyConfig(kind="lru")})):
-                    if quick and name == "lru-batched":
-                        continue
-                    kw.setdefault("config", config)
-                    ratios.setdefault(name, {})[size] = replay(trace, cap, **kw) if cap >= max_step else float("nan")
-            for (size, name), fut in refs.items():
-                ratios.setdefault(name, {})[size] = fut.result()[name]
+                for name, _ in ours:
+                    ratios.setdefault(name, {})[size] = float("nan")  # cache smaller than a step
+            for (size, name), fut in tasks.items():
+                ratios.setdefault(name, {})[size] = fut.result()[name] if name in REFERENCES else fut.result()
+        _TRACE = None
         oracle.unlink()
         results[trace.name] = {"n_ids": trace.n_ids, "accesses": int(trace.ids.size), "steps": trace.steps,
                                "rows": caps, "meta": trace.meta, "hit_ratio": ratios}
         if log:
             log(f"bench cache: {trace.name} ({trace.ids.size:,} accesses) done at {time.perf_counter() - t0:.0f} s")
-    report = {"sizes": list(sizes), "seed": seed, "quick": quick, "seconds": time.perf_counter() - t0,
-              "jobs": jobs, "traces": results}
+    report = {"sizes": list(sizes), "seed": seed, "quick": quick, "jobs": jobs, "traces": results}
+    if hbm_drift:
+        from tierstore.bench.hbm import drift_trace, run_hbm_drift
+        kw = dict(n_ids=200_000, steps=480, batch=1500, topic_steps=60) if quick else {}
+        report["hbm_drift"] = run_hbm_drift(drift_trace(seed=seed, **kw))
+    report["seconds"] = time.perf_counter() - t0
     (out / "cache.json").write_text(json.dumps(report, indent=1, default=float))
     plot(report, out / "cache.png")
     return report
@@ -225,4 +249,7 @@ def summary(report: dict, size: float | None = None) -> str:
         hr = res["hit_ratio"]
         cells = " ".join(f"{p}={hr[p][size]:.3f}" for p in hr if size in hr[p])
         lines.append(f"{name} @ {size:g}: {cells}")
+    if "hbm_drift" in report:
+        from tierstore.bench.hbm import hbm_line
+        lines.append(hbm_line(report["hbm_drift"]))
     return "\n".join(lines)

@@ -123,3 +123,17 @@ def test_sampled_trace_shrinks_the_cache(tmp_path):
     assert capacity_rows(t, 0.01) == 100 and capacity_rows(t, 300) == 300
     t.meta["sample"] = 0.1
     assert capacity_rows(t, 0.01) == 10 and capacity_rows(t, 300) == 30
+
+
+def test_adaptive_hbm_tier_tracks_a_drifting_trace():
+    from tierstore.bench.hbm import drift_trace, hbm_line, run_hbm_drift
+    trace = drift_trace(n_ids=50_000, steps=240, batch=600, topic_steps=40, seed=1)
+    res = run_hbm_drift(trace, capacity=0.02)
+    assert len(res["windows"]) == 6 and res["capacity_rows"] == 1000
+    for w in res["windows"][1:]:  # after the first window the cache has adapted
+        assert w["adaptive"] > w["static_prev"]
+        assert w["adaptive"] > w["static"] - 0.05
+        assert w["refresh_bytes_per_step"] <= 16 << 20
+    assert "adaptive" in hbm_line(res)
+    frozen = run_hbm_drift(trace, capacity=0.02, refresh_bytes=0)
+    assert all(w["adaptive"] == 0 for w in frozen["windows"])  # an empty cache that never adapts

@@ -166,6 +166,7 @@ def _run_one(name: str, args) -> int:
         from tierstore.bench import cache as cache_mod
 
         kw = {"sizes": args.sizes} if getattr(args, "sizes", None) else {}
+        kw["hbm_drift"] = not getattr(args, "trace", None)  # the HBM-tier cell runs with the built-in traces
         if getattr(args, "trace", None):
             from tierstore.bench.traces import access_trace
 
