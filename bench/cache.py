@@ -4,7 +4,9 @@ Each trace (see tierstore.bench.traces) is replayed at cache sizes given as a
 fraction of the table's rows through
 - ours: tierstore.policy.CachePolicy, driven step by step exactly as the engine
   drives it (record / touch / victims / admitted, the step's rows leased), and
-  again with one step of lookahead (rows the next step reads are not evictable);
+  again with one step of lookahead (rows the next step reads are not evictable),
+  and with the rows of the next 16 steps passed as `expect` hints (prefill
+  known ahead: what an engine that sees its request queue can tell the policy);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
@@ -21,17 +23,19 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.bench.traces import Trace, deepseek_text_trace, document_trace, zipf_trace
+from tierstore.bench.traces import Trace, aws_docs_corpus, deepseek_text_trace, document_trace, zipf_trace
 from tierstore.errors import InvalidArgument
 from tierstore.policy import CachePolicy, PolicyConfig
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
+QUEUE_STEPS = 16  # ours+queue16: the engine hints the rows of the next 16 queued steps (CachePolicy.expect)
 _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
 def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
-    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text', a saved
-    trace path, or a Trace (see traces.access_trace for a user's access log)."""
+    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text' (CPython
+    docs), 'aws-docs' (botocore's AWS API docs), a saved trace path, or a Trace
+    (see traces.access_trace for a user's access log)."""
     if isinstance(kind, Trace):
         return kind
     n_ids, steps, batch = (1_000_000, 600, 500) if quick else (4_000_000, 2000, 2000)
@@ -41,13 +45,21 @@ def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
         return document_trace(n_ids, steps, batch, seed=seed)
     if kind == "text":
         return deepseek_text_trace(seed=seed, name="text")
+    if kind == "aws-docs":  # a second domain: AWS API reference text from botocore
+        return deepseek_text_trace(seed=seed, name="aws-docs", texts=aws_docs_corpus(),
+                                   corpus_name="botocore data/*/service-2.json documentation (Apache-2.0)")
     if Path(kind).exists():
         return Trace.load(kind)
     raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, text or a NAME.npy trace path")
 
 
-def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: bool = False) -> float:
-    """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does."""
+def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
+           expect: int = 0) -> float:
+    """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does.
+
+    lookahead: steps whose ids the engine knows ahead (queued prefill); their
+    resident rows are not evicted while that leaves enough victims.
+    expect: the same knowledge passed as CachePolicy.expect hints instead."""
     policy = CachePolicy(capacity, trace.n_ids, config)
     slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
     held = np.full(capacity, -1, dtype=np.int64)
@@ -59,6 +71,9 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         hits += int(np.count_nonzero(hit))
         policy.record(ids)
         policy.touch(slots[hit])
+        if expect and i + 1 < trace.steps:
+            ahead = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + expect)]]]
+            policy.expect(ahead[ahead >= 0])
         miss = ids[~hit]
         if miss.size > capacity:
             raise InvalidArgument(f"step {i} reads {miss.size} new rows but the cache has {capacity} slots")
@@ -69,7 +84,7 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
             evictable = held >= 0
             evictable[slots[hit]] = False  # leased by this step
             if lookahead and i + 1 < trace.steps:
-                nxt = slot_of[trace.step(i + 1)]
+                nxt = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + lookahead)]]]
                 evictable[nxt[nxt >= 0]] = False
                 if np.count_nonzero(evictable) < k:  # lookahead is a hint, never a failure
                     evictable = held >= 0
@@ -140,7 +155,7 @@ def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> 
     return out
 
 
-def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes=(0.001, 0.01, 0.1),
+def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-docs"), sizes=(0.001, 0.01, 0.1),
                     out_dir: str | Path = "bench-cache", seed: int = 0, quick: bool = False,
                     config: PolicyConfig | None = None, jobs: int | None = None, hbm_drift: bool = False,
                     log=None) -> dict:
@@ -169,7 +184,7 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
         max_step = int(np.diff(trace.bounds).max())
-        ours = [("ours", {}), ("ours+lookahead", {"lookahead": True})]
+        ours = [("ours", {}), ("ours+lookahead", {"lookahead": 1}), ("ours+queue16", {"expect": QUEUE_STEPS})]
         if not quick and trace.meta.get("kind") != "access-log":  # the batching ablation, for our traces only
             ours.append(("lru-batched", {"config": PolicyConfig(kind="lru")}))
         # every replay is one task of one pool; forked workers inherit the trace

