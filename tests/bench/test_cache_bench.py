@@ -137,3 +137,20 @@ def test_adaptive_hbm_tier_tracks_a_drifting_trace():
     assert "adaptive" in hbm_line(res)
     frozen = run_hbm_drift(trace, capacity=0.02, refresh_bytes=0)
     assert all(w["adaptive"] == 0 for w in frozen["windows"])  # an empty cache that never adapts
+
+
+def test_two_levels_report_every_tier():
+    from tierstore.bench.two_level import run_two_level
+    rng = np.random.default_rng(0)
+    words = [" ".join(f"w{int(x)}" for x in rng.zipf(1.3, 400) % 300) for _ in range(12)]
+    tok = lambda s: np.array([int(w[1:]) for w in s.split()], dtype=np.int64)  # noqa: E731
+    hash_fn = lambda t: np.stack([t, (t * 31 + np.roll(t, 1)) % 20_000], axis=1)  # noqa: E731
+    traces = [text_trace(hash_fn, 20_000, tokenize=tok, texts=words, streams=2, tokens_per_step=4, seed=s)
+              for s in (0, 1)]
+    blind = run_two_level(traces, hbm=100, dram=400)
+    coop = run_two_level(traces, hbm=100, dram=400, cooperative=True)
+    for r in (blind, coop):
+        assert 0 < r["hbm_hit_ratio"] < 1 and 0 < r["dram_hit_ratio"] < 1
+        assert abs(r["fast_tiers_hit_ratio"] + r["nvme_share"] - 1) < 1e-9
+    assert blind["hbm_hit_ratio"] == coop["hbm_hit_ratio"]  # DRAM never changes what HBM holds
+    assert blind["dram_slots_given_back"] == 0
