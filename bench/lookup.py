@@ -113,6 +113,19 @@ class _Arena:
         return out
 
 
+class _Prefetching(_Arena):
+    """arena-cache with request-level prefetch: while batch k is read, batch k+1's ids
+    have already been handed to the sidecar (as a scheduler would at admission)."""
+
+    batches: list = []
+
+    def get(self, ids):
+        nxt = next((b for a, b in zip(self.batches, self.batches[1:]) if a is ids), None)
+        if nxt is not None:
+            self.client.prefetch(self.table, nxt)
+        return super().get(ids)
+
+
 class _Inline:
     def __init__(self, client, table: str, row_bytes: int):
         from tierstore.config import MAX_RESPONSE_BYTES
@@ -160,7 +173,8 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
         table = table or names[0]
         version = cat.current(table)
         total_bytes = sum(cat.current(t).nbytes for t in names)
-    want = set(competitors or ("ceiling", "arena", "arena-cache", "inline", "mmap", "lmdb", "redis"))
+    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-grpc", "arena-cache-prefetch",
+                               "inline", "mmap", "lmdb", "redis"))
     want.add("ceiling")
     skipped: dict[str, str] = {}
     closers: list = []
@@ -192,6 +206,14 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
             meta["arena_cache"] = {"dram_budget_bytes": budget, "arena_slots": cap,
                                    "fraction_of_table": cap / version.rows, "plan_piece_ids": max(1, cap // 2)}
             fns["arena-cache"] = _Arena(cclient, table, piece=max(1, cap // 2)).get
+            # variants on sidecars of their own (a shared arena would hand one the other's warm rows)
+            for name, kind, fast in (("arena-cache-grpc", _Arena, False), ("arena-cache-prefetch", _Prefetching, True)):
+                if name in want:
+                    sc = SidecarProcess(data_dir, dram_budget=budget).start()
+                    closers.append(sc.cleanup)
+                    vclient = Client(sc.socket, fast_path=fast)
+                    closers.append(vclient.close)
+                    fns[name] = kind(vclient, table, piece=max(1, cap // 2)).get
         if "mmap" in want:
             mm = bl.MmapTable(data_dir, version)
             closers.append(mm.close)
@@ -222,6 +244,7 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                     calls = max(3, rows_per_pass // batch)
                     ids = _batches(dist, version.rows, batch, calls, seed)
                     want_rows = table_np[ids[0]]
+                    _Prefetching.batches = list(ids)
                     for name, fn in fns.items():
                         check_same_rows(name, fn(ids[0]), want_rows)
                     bar.set_description(f"lookup {dist} b={batch}")

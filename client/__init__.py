@@ -10,7 +10,7 @@ _EXPORTS = {
     "Client": "sidecar", "StepPlan": "sidecar",
     "LocalTable": "local",
     "NgramHasher": "hasher", "DecodeState": "hasher",
-    "EngramLayer": "layer", "attach_engram": "attach", "engram_decode_step": "attach", "HBMCache": "hbm_cache",
+    "EngramLayer": "layer", "V41EngramLayer": "v41_layer", "attach_engram": "attach", "engram_decode_step": "attach", "HBMCache": "hbm_cache",
     "EngramDemoModel": "demo_model",
     "EngramSpec": "spec", "preset": "spec", "PRESETS": "spec",
 }

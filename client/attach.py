@@ -66,10 +66,32 @@ class EngramAttachment:
         if ids.ndim != 2:
             raise InvalidArgument(f"token ids must be [B, T], got shape {tuple(ids.shape)}")
         rows = self.hasher.hash_all(ids)
-        for lid, layer in self.layers.items():
+        for layer in self.layers.values():
             layer.drop_pending()  # leftovers of a forward that raised
-            layer.prepare(rows[lid])
+        self._prepare_all({lid: rows[lid] for lid in self.layers}, continue_state=False)
         self.decode_state = self.hasher.state_from_prefix(ids)
+
+    def prefetch(self, ids) -> int:
+        """Request admission: hash a queued request's token ids [B, T] (or [T]) and ask the
+        source to promote their rows now, without a lease, so its cold reads overlap the
+        time the request waits to run. Returns the ids asked for (0 when the source
+        cannot prefetch, e.g. an in-process table)."""
+        ids = self.compress(ids)
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        if ids.ndim != 2:
+            raise InvalidArgument(f"token ids must be [B, T] or [T], got shape {tuple(ids.shape)}")
+        rows = self.hasher.hash_all(ids)
+        asked = 0
+        for lid, layer in self.layers.items():
+            fetch = getattr(layer.source, "prefetch", None)
+            if fetch is None:
+                continue
+            uniq = np.unique(rows[lid])
+            if layer.hbm_cache is not None:
+                uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
+            fetch(layer.table, uniq)
+            asked += uniq.size
+        return asked
 
     def prepare_decode(self, new_ids) -> None:
         """Hash one new token per sequence from the carried state; plan with continue_state."""
@@ -77,9 +99,29 @@ class EngramAttachment:
             raise InvalidArgument("engram_decode_step needs a prefill forward of the batch first")
         new = self.compress(new_ids).reshape(-1)
         rows = self.hasher.step(self.decode_state, new, layers=list(self.layers))
-        for lid, layer in self.layers.items():
+        for layer in self.layers.values():
             layer.drop_pending()
-            layer.prepare(rows[lid][:, None, :], continue_state=True)
+        self._prepare_all({lid: rows[lid][:, None, :] for lid in self.layers}, continue_state=True)
+
+    def _prepare_all(self, rows: dict, continue_state: bool) -> None:
+        """Stage every layer, then plan them: one request for all tables of a source that
+        can (the sidecar's plan_many: one fast-path round trip per step)."""
+        staged = {lid: self.layers[lid].stage(r, continue_state) for lid, r in rows.items()}
+        by_source: dict[int, list] = {}
+        for lid, (step, ask) in staged.items():
+            by_source.setdefault(id(self.layers[lid].source), []).append(lid)
+        for lids in by_source.values():
+            source = self.layers[lids[0]].source
+            asking = [lid for lid in lids if staged[lid][1].size]
+            tables = [self.layers[lid].table for lid in asking]
+            many = getattr(source, "plan_many", None)
+            if many is not None and len(set(tables)) == len(tables):  # one handle per table
+                got = many({t: staged[lid][1] for t, lid in zip(tables, asking)}) if asking else {}
+                handles = {lid: got[t] for t, lid in zip(tables, asking)}
+            else:
+                handles = {lid: source.plan(t, staged[lid][1]) for t, lid in zip(tables, asking)}
+            for lid in lids:
+                self.layers[lid].commit(staged[lid][0], handles.get(lid))
 
     def stats(self) -> dict:
         """{layer_id: EngramLayer.stats()} plus "all": reads and host -> device bytes summed."""

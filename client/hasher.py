@@ -116,25 +116,82 @@ class NgramHasher:
         return np.ascontiguousarray(arr, dtype=np.int64)
 
     # ---- whole sequences ---------------------------------------------------
-    def hash(self, ids, layer_id: int, out: np.ndarray | None = None) -> np.ndarray:
+    def hash(self, ids, layer_id: int, out: np.ndarray | None = None, dead=None) -> np.ndarray:
         """Row ids of one layer for compressed `ids` [B, T] or [T].
 
         Returns int64 [B, T, columns] (or [T, columns]); `out`, when given, must
         be a C-contiguous int64 array of that shape and is filled and returned
         (reusing it saves the page faults of a fresh 50 MB array per step).
+        dead: optional bool mask shaped like `ids` (image-token positions, see
+            `dead_mask`): hashing stops at a dead position, so it and every
+            older position read as pad for the n-grams at or after it.
         Raises IdOutOfRange before hashing anything, KeyError for an unknown layer."""
         self.spec.primes(layer_id)  # KeyError naming the layers
         padded, shape = self._prepare(ids)
+        dead = self._check_dead(dead, shape)
+        if dead is not None:
+            return self._hash_dead(padded, shape, dead, layer_id, out)
         return self._hash_padded(padded, shape, layer_id, out)
 
-    def hash_all(self, ids) -> dict[int, np.ndarray]:
+    def hash_all(self, ids, dead=None) -> dict[int, np.ndarray]:
         """Row ids of every Engram layer: {layer_id: int64 [B, T, columns]}.
 
         Validates and pads the ids once for all layers; the products themselves
         differ per layer (each layer has its own multipliers), so that is all
-        the work layers can share."""
+        the work layers can share. `dead` as in `hash`."""
         padded, shape = self._prepare(ids)
+        dead = self._check_dead(dead, shape)
+        if dead is not None:
+            return {L: self._hash_dead(padded, shape, dead, L, None) for L in self.spec.layer_ids}
         return {L: self._hash_padded(padded, shape, L, None) for L in self.spec.layer_ids}
+
+    def dead_mask(self, raw_ids) -> np.ndarray | None:
+        """Dead positions of *raw* ids: those equal to the spec's image_token_id
+        (None when the spec has none or no id is dead)."""
+        if self.spec.image_token_id is None:
+            return None
+        mask = np.asarray(raw_ids) == self.spec.image_token_id
+        return mask if mask.any() else None
+
+    # V4.1 (vLLM's _hash_ids_kernel, DeepSeek's reference): walking back from t,
+    # the n-gram is "blocked" from the first dead position on; blocked ids read pad.
+    def _check_dead(self, dead, shape):
+        if dead is None:
+            return None
+        d = np.asarray(dead)
+        if d.dtype != np.bool_ or d.shape != tuple(shape):
+            raise InvalidArgument(f"dead must be a bool mask of the ids' shape {tuple(shape)}, "
+                                  f"got {d.dtype} {d.shape}")
+        if not d.any():
+            return None
+        return d.reshape(1, -1) if d.ndim == 1 else d
+
+    def _hash_dead(self, padded, shape, dead, layer_id, out):
+        n1 = self.order - 1
+        B, T = dead.shape
+        pos = np.arange(T)
+        last = np.maximum.accumulate(np.where(dead, pos, -1), axis=1)  # last dead at or before t
+        m = self._m[layer_id]
+        mixes = np.empty((B, T, n1), np.int64)
+        mix = None
+        for s in range(self.order):  # s = how far back: id[t-s]
+            v = np.where(pos - s <= last, self.pad, padded[:, n1 - s: n1 - s + T])
+            mix = v * m[0] if s == 0 else mix ^ (v * m[s])
+            if s:
+                mixes[..., s - 1] = mix
+        out = self._out(out, (*shape, self.columns))
+        self._finish(mixes, layer_id, out.reshape(B, T, self.columns))
+        return out
+
+    @staticmethod
+    def _out(out, want: tuple) -> np.ndarray:
+        """A caller's output array checked (or a new one): C-contiguous int64 of shape `want`."""
+        if out is None:
+            return np.empty(want, np.int64)
+        if out.shape != want or out.dtype != np.int64 or not out.flags.c_contiguous:
+            raise InvalidArgument(f"out must be a C-contiguous int64 array of shape {want}, "
+                                  f"got {out.dtype} {out.shape}")
+        return out
 
     def _prepare(self, ids) -> tuple[np.ndarray, tuple[int, ...]]:
         arr = self.check_ids(ids)
@@ -149,12 +206,7 @@ class NgramHasher:
 
     def _hash_padded(self, padded, shape, layer_id, out):
         B, T = padded.shape[0], padded.shape[1] - (self.order - 1)
-        want = (*shape, self.columns)
-        if out is None:
-            out = np.empty(want, np.int64)
-        elif out.shape != want or out.dtype != np.int64 or not out.flags.c_contiguous:
-            raise InvalidArgument(f"out must be a C-contiguous int64 array of shape {want}, "
-                                  f"got {out.dtype} {out.shape}")
+        out = self._out(out, (*shape, self.columns))
         out3 = out.reshape(B, T, self.columns)
         if B * T == 0:
             return out
@@ -222,27 +274,39 @@ class NgramHasher:
         """Decode state of `batch` fresh sequences (history all pad)."""
         return DecodeState(np.full((batch, self.order - 1), self.pad, np.int64))
 
-    def state_from_prefix(self, ids) -> DecodeState:
-        """Decode state after a prefill of compressed `ids` [B, T] or [T] (T may be 0)."""
+    def state_from_prefix(self, ids, dead=None) -> DecodeState:
+        """Decode state after a prefill of compressed `ids` [B, T] or [T] (T may be 0).
+
+        dead: as in `hash`; ids at or before a sequence's last dead position read pad."""
         arr = self.check_ids(ids)
         x = arr.reshape(1, -1) if arr.ndim == 1 else arr
+        d = self._check_dead(dead, arr.shape)
         state = self.new_state(x.shape[0])
         keep = min(self.order - 1, x.shape[1])
         if keep:
-            state.history[:, self.order - 1 - keep:] = x[:, x.shape[1] - keep:]
+            tail = x[:, x.shape[1] - keep:]
+            if d is not None:
+                pos = np.arange(x.shape[1] - keep, x.shape[1])
+                last = np.where(d, np.arange(x.shape[1]), -1).max(axis=1, keepdims=True)
+                tail = np.where(pos <= last, self.pad, tail)
+            state.history[:, self.order - 1 - keep:] = tail
         return state
 
-    def step(self, state: DecodeState, new_ids, layers=None) -> dict[int, np.ndarray]:
+    def step(self, state: DecodeState, new_ids, layers=None, dead=None) -> dict[int, np.ndarray]:
         """Hash one new compressed id per sequence and advance `state` in place.
 
         new_ids: int [B] (B == state.batch). layers: layer ids (default all).
+        dead: optional bool [B]; a dead new id reads as pad and wipes the history.
         Returns {layer_id: int64 [B, columns]}, identical to the last position of
         `hash` over the whole sequence. Raises IdOutOfRange (state unchanged)."""
         new = self.check_ids(new_ids).reshape(-1)
         if new.shape[0] != state.batch:
             raise InvalidArgument(f"step got {new.shape[0]} ids for a batch of {state.batch} sequences")
+        d = self._check_dead(dead, new.shape)
         layers = self.spec.layer_ids if layers is None else layers
         window = np.concatenate([state.history, new[:, None]], axis=1)
+        if d is not None:
+            window[d.reshape(-1)] = self.pad
         result = {}
         for L in layers:
             self.spec.primes(L)  # KeyError naming the layers

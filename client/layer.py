@@ -40,12 +40,19 @@ from torch import nn
 import torch.nn.functional as F
 
 import tierstore.kernels as K
-from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
+from tierstore.client.speccheck import check_table_spec
+from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, StaleRows
 from tierstore.formats import RowFormat
 
 # nn.RMSNorm(eps=None) in the paper demo uses the dtype's machine epsilon
 GATE_EPS = float(torch.finfo(torch.float32).eps)
 CONV_EPS = 1e-5
+
+
+def _still_valid(handle) -> bool:
+    """A source's handle says whether its rows were still its own (LocalTable's always are)."""
+    valid = getattr(handle, "valid", None)
+    return True if handle is None or valid is None else bool(valid())
 
 
 class ShortConv(nn.Module):
@@ -140,6 +147,7 @@ class EngramLayer(nn.Module):
         self.short_conv = (ShortConv(D, M, spec.kernel_size, spec.max_ngram, dtype=compute_dtype)
                            if self.use_conv else None)
         self._pending: deque[_Step] = deque()
+        self._checked_source = None  # the source whose table spec was checked against ours
         self._conv_state: torch.Tensor | None = None
         self._in_flight: list[tuple[object, object]] = []  # (handle, cuda event) awaiting release
         self._tokens = self._rows_read = self._rows_fetched = 0  # for stats()
@@ -156,8 +164,18 @@ class EngramLayer(nn.Module):
         continue_state: this step continues the previous forward's sequences
             (decode); the conv reads the carried state instead of zero padding.
         Steps queue up: each forward consumes the oldest prepared step."""
+        step, ask = self.stage(row_ids, continue_state)
+        self.commit(step, self.source.plan(self.table, ask) if ask.size else None)
+
+    def stage(self, row_ids, continue_state: bool = False):
+        """The first half of prepare(): dedupe and consult the HBM cache; returns (step, ids to
+        plan). EngramAttachment plans every layer's ids in one request, then commit()s."""
         if self.source is None:
             raise InvalidArgument(f"EngramLayer {self.table!r} has no RowSource; pass source= when building it")
+        if self._checked_source is not self.source:
+            info = self.source.table_info(self.table)
+            check_table_spec(self.spec, info.get("spec"), self.layer_id, self.table, info.get("rows"))
+            self._checked_source = self.source
         ids = row_ids.detach().cpu() if isinstance(row_ids, torch.Tensor) else torch.from_numpy(np.asarray(row_ids))
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise InvalidArgument(f"row ids must be integers, got {ids.dtype}")
@@ -179,13 +197,17 @@ class EngramLayer(nn.Module):
             ask = unique[miss]
             counts = torch.bincount(inverse, minlength=unique.size).numpy()
             cache.observe(unique, counts)
-        handle = self.source.plan(self.table, ask) if ask.size else None
         self._tokens += int(ids.shape[0] * ids.shape[1])
         self._rows_read, self._rows_fetched = self._rows_read + unique.size, self._rows_fetched + ask.size
-        if cache is not None:
-            cache.pins += 1
-        self._pending.append(_Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique,
-                                   cache_slots, miss, handle, bool(continue_state)))
+        return _Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique, cache_slots, miss, None,
+                     bool(continue_state)), ask
+
+    def commit(self, step: _Step, handle) -> None:
+        """The second half of prepare(): queue the staged step with its plan handle."""
+        step.handle = handle
+        if self.hbm_cache is not None:
+            self.hbm_cache.pins += 1
+        self._pending.append(step)
 
     # ---- phase 2: gather + gate -------------------------------------------
     def forward(self, hidden_states: torch.Tensor, row_ids=None) -> torch.Tensor:
@@ -203,6 +225,13 @@ class EngramLayer(nn.Module):
         try:
             h = self._check_hidden(hidden_states, step.shape)
             e = self._gather(step, h.device)
+            if not e.is_cuda and not _still_valid(step.handle):
+                # the lease ended before the gather did (a stalled step): plan and read again
+                step.handle.replan()
+                e = self._gather(step, h.device)
+                if not _still_valid(step.handle):
+                    raise StaleRows(f"EngramLayer {self.table!r}: the rows of this step were reassigned while "
+                                    "it read them, twice; raise the sidecar's --lease-ttl")
         finally:
             self._finish_gather(step, on_device=e is not None and e.is_cuda)
         out = self._combine(h, e, step).to(hidden_states.dtype)
@@ -262,15 +291,20 @@ class EngramLayer(nn.Module):
 
     def release_finished(self, wait: bool = False) -> None:
         """Release leases whose gathers have run on the device (all of them if `wait`)."""
-        keep = []
+        keep, stale = [], None
         for handle, ev in self._in_flight:
             if wait:
                 ev.synchronize()
             if wait or ev.query():
+                if not _still_valid(handle):
+                    stale = handle.table
                 handle.release()
             else:
                 keep.append((handle, ev))
         self._in_flight = keep
+        if stale is not None:
+            raise StaleRows(f"EngramLayer {self.table!r}: a step's lease on table {stale!r} ended before its "
+                            "gather ran on the device; its output is not to be used (raise --lease-ttl)")
 
     def _combine(self, h: torch.Tensor, e: torch.Tensor, step: _Step) -> torch.Tensor:
         B, L = step.shape

@@ -43,6 +43,12 @@ class LocalHandle:
     def slots(self, timeout: float | None = None) -> np.ndarray:
         return self._slots
 
+    def valid(self) -> bool:
+        return True  # the table never changes under a step
+
+    def replan(self) -> None:
+        pass
+
     def release(self) -> None:
         pass
 

@@ -31,6 +31,13 @@ class PlanHandle(Protocol):
         rows, IdOutOfRange / TableNotFound for bad input, Unavailable when the
         sidecar is gone."""
 
+    def valid(self) -> bool:
+        """After a gather: True when the rows read were still this step's own (its lease
+        lived, its arena was current when the step began). Optional; absent = True."""
+
+    def replan(self) -> None:
+        """Plan the same ids again after valid() said False (the lease ended)."""
+
     def release(self) -> None:
         """End the lease early (idempotent). Rows must not be read afterwards."""
 

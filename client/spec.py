@@ -61,6 +61,10 @@ class EngramSpec:
     pad_id: *raw* pad token id; it is mapped through the compression map.
     row_dim: values per row (one head's embedding); row_format: on-disk format.
     scale: demo tables divide each bucket count by this (primes stay prime).
+    rms_norm_eps: the gate's RMSNorm eps (V4.1: the model's rms_norm_eps);
+        None keeps the paper demo's (fp32 machine epsilon).
+    image_token_id: raw id of the image placeholder token (V4.1); its
+        positions are dead: hashing stops at them and their gate is 0.
     """
 
     name: str
@@ -78,6 +82,8 @@ class EngramSpec:
     hc_mult: int = 1
     kernel_size: int = 4
     use_conv: bool = True
+    rms_norm_eps: float | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self):
         evs = self.engram_vocab_size
@@ -179,6 +185,14 @@ class EngramSpec:
     def from_json(cls, text: str) -> "EngramSpec":
         return cls.from_dict(json.loads(text))
 
+    @classmethod
+    def from_config(cls, config, name: str | None = None) -> "EngramSpec":
+        """The spec of a Hugging Face checkpoint: `config` is its directory, its
+        config.json, or the parsed dict. See tierstore.client.hf_config."""
+        from tierstore.client.hf_config import spec_from_config
+
+        return spec_from_config(config, name)
+
     def scaled(self, scale: int) -> "EngramSpec":
         """The same layout with every bucket count divided by `scale` (demo tables)."""
         d = self.to_dict()
@@ -197,7 +211,7 @@ PRESETS: dict[str, EngramSpec] = {
         name="deepseek-v4.1-flash", layer_ids=(1, 14), max_ngram=4, n_heads=8,
         engram_vocab_size=16_000_000, compressed_vocab_size=99_092,
         row_dim=256, row_format=RowFormat.FP8_E4M3_UE8M0.value,
-        hidden_size=7168, hc_mult=4, use_conv=False,
+        hidden_size=5120, hc_mult=4, use_conv=False, rms_norm_eps=1e-20, image_token_id=129_264,
     ),
     "engram-paper-demo": EngramSpec(
         name="engram-paper-demo", layer_ids=(1, 15), max_ngram=3, n_heads=8,

@@ -23,18 +23,22 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance")
+    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance", "lease_board", "lease_board_entries")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FULL_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_BOARD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_BOARD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     path: str
     slots: int
     full_resident: bool
     size_bytes: int
     instance: str
-    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    lease_board: str
+    lease_board_entries: int
+    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena")
@@ -59,23 +63,27 @@ class TableInfo(_message.Message):
     def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("table", "version", "ids", "ttl_ms", "client", "release")
+    __slots__ = ("table", "version", "ids", "ttl_ms", "client", "release", "owner", "request_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     ids: bytes
     ttl_ms: int
     client: str
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., client: _Optional[str] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: bytes
+    request_id: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., client: _Optional[str] = ..., release: _Optional[_Iterable[int]] = ..., owner: _Optional[bytes] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms", "instance")
+    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms", "instance", "arena", "arena_slots")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +92,8 @@ class PlanResponse(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     slots: bytes
     version: int
@@ -92,13 +102,17 @@ class PlanResponse(_message.Message):
     misses: int
     expires_unix_ms: int
     instance: str
-    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    arena: str
+    arena_slots: int
+    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ..., arena: _Optional[str] = ..., arena_slots: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "owner")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: bytes
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -126,12 +140,49 @@ class LookupResponse(_message.Message):
     version: int
     def __init__(self, rows: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ("table", "version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("changed",)
+    class Change(_message.Message):
+        __slots__ = ("table", "old_version", "new_version")
+        TABLE_FIELD_NUMBER: _ClassVar[int]
+        OLD_VERSION_FIELD_NUMBER: _ClassVar[int]
+        NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+        table: str
+        old_version: int
+        new_version: int
+        def __init__(self, table: _Optional[str] = ..., old_version: _Optional[int] = ..., new_version: _Optional[int] = ...) -> None: ...
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: _containers.RepeatedCompositeFieldContainer[ReloadResponse.Change]
+    def __init__(self, changed: _Optional[_Iterable[_Union[ReloadResponse.Change, _Mapping]]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans")
+    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans", "prefetched", "fill_waits")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +197,8 @@ class TableStats(_message.Message):
     LEASE_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    FILL_WAITS_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     mode: str
@@ -160,7 +213,9 @@ class TableStats(_message.Message):
     lease_refusals: int
     bytes_read: int
     plans: int
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ...) -> None: ...
+    prefetched: int
+    fill_waits: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ..., prefetched: _Optional[int] = ..., fill_waits: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "uptime_s", "leases_active")

@@ -64,6 +64,16 @@ class TierstoreStub:
                 request_serializer=tierstore_dot_proto_dot_tierstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/tierstore.v1.Tierstore/Prefetch',
+                request_serializer=tierstore_dot_proto_dot_tierstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/tierstore.v1.Tierstore/Reload',
+                request_serializer=tierstore_dot_proto_dot_tierstore__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class TierstoreServicer:
@@ -108,6 +118,20 @@ class TierstoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Promote rows a queued request will read, without a lease (returns at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reload(self, request, context):
+        """Serve another table version without a restart (live swap at step boundaries).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierstoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +164,16 @@ def add_TierstoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.StatsRequest.FromString,
                     response_serializer=tierstore_dot_proto_dot_tierstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=tierstore_dot_proto_dot_tierstore__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.ReloadRequest.FromString,
+                    response_serializer=tierstore_dot_proto_dot_tierstore__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +338,60 @@ class Tierstore:
             '/tierstore.v1.Tierstore/Stats',
             tierstore_dot_proto_dot_tierstore__pb2.StatsRequest.SerializeToString,
             tierstore_dot_proto_dot_tierstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.Tierstore/Prefetch',
+            tierstore_dot_proto_dot_tierstore__pb2.PrefetchRequest.SerializeToString,
+            tierstore_dot_proto_dot_tierstore__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.Tierstore/Reload',
+            tierstore_dot_proto_dot_tierstore__pb2.ReloadRequest.SerializeToString,
+            tierstore_dot_proto_dot_tierstore__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

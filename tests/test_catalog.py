@@ -14,7 +14,7 @@ from tierstore.tiers.nvme import SegmentReader
 
 
 def test_public_api():
-    assert set(catalog_mod.__all__) == {"Catalog", "TableVersion", "validate_table_name"}
+    assert set(catalog_mod.__all__) == {"Catalog", "TableVersion", "has_tables", "validate_table_name"}
 
 
 @pytest.mark.parametrize("name", ["l1", "l15", "A", "x" * 64, "t_1.v-2", "0abc"])

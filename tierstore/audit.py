@@ -240,7 +240,7 @@ def make_builder(data_dir, module: str | None, model_kwargs: dict):
     """source -> model in eval mode: the demo model (weights from model_kwargs['seed']) or a user factory."""
     if module:
         factory = load_factory(module)
-        return lambda source: factory(source).eval()
+        return lambda source: factory(source, **model_kwargs).eval()  # kwargs: e.g. --checkpoint DIR
     from tierstore.bench.e2e import spec_from_catalog
     from tierstore.client.demo_model import EngramDemoModel
 

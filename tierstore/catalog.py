@@ -34,7 +34,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
 
-__all__ = ["Catalog", "TableVersion", "validate_table_name"]
+__all__ = ["Catalog", "TableVersion", "has_tables", "validate_table_name"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # The map is sparse: LMDB only grows the file as pages are used. 1 TiB of
@@ -252,6 +252,38 @@ class Catalog:
             txn.put(_CUR + table.encode(), struct.pack(">Q", tv.version))
         return tv
 
+    def collect_garbage(self, table: str, keep: int = 2, dry_run: bool = False) -> tuple[list[int], list[int]]:
+        """Remove versions of `table` other than the current one and the `keep` newest,
+        skipping any a running sidecar serves (it holds a shared flock on the version's
+        directory). Returns (removed, skipped because served)."""
+        self._check_writable()
+        cur = self.current(table).version
+        versions = [v.version for v in self.versions(table)]
+        newest = set(sorted(versions)[-keep:]) if keep else set()
+        removed, served = [], []
+        for v in versions:
+            if v >= cur or v in newest:  # never a number the next ingest could hand out again
+                continue
+            vdir = self.data_dir / "tables" / table / f"v{v}"
+            fd = os.open(vdir, os.O_RDONLY | os.O_DIRECTORY) if vdir.is_dir() else None
+            try:
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        served.append(v)
+                        continue
+                if not dry_run:
+                    with self._env.begin(write=True) as txn:  # the record first: never a record without files
+                        txn.delete(_vkey(_VER, table, v))
+                        txn.delete(_vkey(_SUM, table, v))
+                    shutil.rmtree(vdir, ignore_errors=True)
+                removed.append(v)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        return removed, served
+
     def _last_version(self, txn, table: str) -> int:
         prefix = _VER + table.encode() + b"\0"
         cur = txn.cursor()
@@ -300,6 +332,15 @@ class Catalog:
             self.close()
         except Exception:
             pass
+
+
+def has_tables(data_dir) -> bool:
+    """True when `data_dir` holds a catalog with at least one table."""
+    try:
+        with Catalog(data_dir, readonly=True) as cat:
+            return bool(cat.tables())
+    except NotFound:
+        return False
 
 
 def _held(lock_path: Path) -> bool:

@@ -16,6 +16,8 @@ from pathlib import Path
 MAX_REQUEST_BYTES = 64 << 20
 MAX_RESPONSE_BYTES = 256 << 20
 MAX_REQUEST_IDS = MAX_REQUEST_BYTES // 8 - 4096
+# One inline Lookup's rows (remote clients, debugging): larger lookups are split.
+MAX_INLINE_BYTES = 64 << 20
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1 << 10, "kib": 1 << 10, "m": 1e6, "mb": 1e6,
@@ -46,6 +48,7 @@ class ServeConfig:
     metrics_port: int | None = None     # Prometheus text endpoint on 127.0.0.1
     lease_ttl_s: float = 30.0           # a dead client's leases end after this
     max_leases: int = 65536
+    max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step)
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
     shm_dir: Path = Path("/dev/shm")

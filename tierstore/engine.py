@@ -1,15 +1,26 @@
-"""The engine: one TableEngine per served table, composing the DRAM arena
-(tiers/dram.py) over the cold tier (tiers/nvme.py).
+"""The engine: one TableEngine per served table version, composing the DRAM
+arena (tiers/dram.py) over the cold tier (tiers/nvme.py).
 
 Full mode: the whole table sits in the arena in id order, slot == id; Plan
 only validates (nothing is ever evicted, so nothing needs a lease).
-Cache mode: the arena holds `capacity` rows; a dense int32 id -> slot map
-finds residents, misses are promoted from the cold tier in one batched read,
-victims are chosen by the policy among unpinned slots only, and the step's
-slots are pinned until its lease ends.
+
+Cache mode: the arena holds `capacity` rows. A Plan costs O(step), never
+O(arena), and promotes misses in three stages:
+1. reserve (under the lock, O(misses)): hits are pinned, victims come from the
+   policy's queues (which skip pinned slots as they walk), the misses' slots
+   are mapped, marked FILLING and pinned by their fill;
+2. fill (outside the lock): the cold tier reads and verifies the rows straight
+   into their slots, so another worker's Plan never waits behind this one's
+   disk reads; a step that needs a row another step is filling waits for that
+   fill only;
+3. ready (under the lock): the slots are marked READY and the fill's pins drop.
+Any failure in the fill returns its slots (unmapped, to the free stack) and
+ends the step's lease: nothing leaks, no half-written row is ever served.
 """
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -17,11 +28,17 @@ import numpy as np
 
 import xxhash
 
-from tierstore.errors import ChecksumError, DataLoss, ResourceExhausted
+from tierstore.errors import ChecksumError, ResourceExhausted
 from tierstore.leases import LeaseTable
+from tierstore.slots import FILLING, READY, Fill, SlotTable
 from tierstore.tiers.base import check_ids
 from tierstore.tiers.dram import Arena
 from tierstore.verifier import VerifyCounters
+
+__all__ = ["TableEngine", "PlanResult", "Counters"]
+
+# a step waiting on another step's fill that failed plans again (bounded)
+PLAN_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -31,6 +48,7 @@ class PlanResult:
     unique: int
     hits: int
     misses: int
+    expires_s: float = 0.0  # the lease's TTL as applied (0: no lease)
 
 
 @dataclass(slots=True)
@@ -42,14 +60,21 @@ class Counters:
     evictions: int = 0
     lease_refusals: int = 0
     lookups: int = 0
+    fill_waits: int = 0
+    prefetched: int = 0
+
+
+class _FillFailed(Exception):
+    """Another step's fill of a row this step needs failed: plan again."""
 
 
 class TableEngine:
-    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool, policy=None):
+    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool, policy_config=None,
+                 profile=None):
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
-        self.reader = reader              # tiers.nvme.SegmentReader (cold tier, verifies blocks)
+        self.reader = reader              # tiers.nvme.SegmentReader (cold tier, verifies rows)
         self.arena = arena
         self.full = full
         self.leases = leases
@@ -59,13 +84,18 @@ class TableEngine:
         self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
         self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
+        self.retired = False                          # replaced by another version; freed when unleased
+        self._active = 0                              # plans running now (a retired engine waits for them)
         if not full:
-            self.policy = policy
-            self.slot_of = np.full(self.rows, -1, dtype=np.int32)   # 4 B per row against >= 128 B rows
-            self.id_of = np.full(self.capacity, -1, dtype=np.int64)
-            self.pins = np.zeros(self.capacity, dtype=np.int32)
-            self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # stack; pop from the end
-            self._n_free = self.capacity
+            from tierstore.policy import CachePolicy
+
+            self.slots = SlotTable(self.capacity, self.rows)
+            # one id map for engine and policy: the policy reads the slot table's
+            self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
+            if profile is not None:
+                self.policy.load_profile(*profile)
+            self._fills: dict[int, Fill] = {}
+            self._fill_ids = itertools.count(1)
 
     # ---- loading ------------------------------------------------------------
     def load_full(self, chunk_rows: int = 1 << 16, progress=None) -> None:
@@ -94,7 +124,8 @@ class TableEngine:
             raise ChecksumError(self.table, self.version.version, block,
                                 "found by online verification; re-ingest or import a good copy")
 
-    def plan(self, ids: np.ndarray, ttl_s: float) -> PlanResult:
+    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> PlanResult:
+        """Make `ids` resident and lease their slots to one step (cache mode); validate only (full)."""
         ids = self.check_ids(ids)
         if self.bad_blocks.size:
             self._refuse_bad_blocks(ids)
@@ -107,20 +138,173 @@ class TableEngine:
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
         with self._lock:
-            self.counters.plans += 1
-            slots = self._make_resident(uniq)
-            self.pins[slots] += 1
+            self._active += 1
+        try:
+            return self._plan_unique(uniq, inverse, ttl_s, client, request_id)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    @property
+    def busy(self) -> bool:
+        return self._active > 0
+
+    def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
+        for attempt in range(PLAN_ATTEMPTS):
+            slots, fill, waits, misses = self._reserve(uniq, lease=True)
             try:
-                lease = self.leases.add(self, slots, ttl_s)
+                lease = self.leases.add(self, slots, ttl_s, client, request_id)
             except ResourceExhausted:
-                self.pins[slots] -= 1
                 self.counters.lease_refusals += 1
+                self._abandon(slots, fill)
                 raise
-            misses = self._last_misses
+            try:
+                self._complete(fill, waits)
+            except _FillFailed:
+                self.leases.release([lease.lease_id], client)
+                if attempt + 1 < PLAN_ATTEMPTS:
+                    continue
+                raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; "
+                                        "plan the step again") from None
+            except BaseException:
+                self.leases.release([lease.lease_id], client)
+                raise
+            break
         if self.verifier is not None:
             self.verifier.sample(self, uniq, slots)
         return PlanResult(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
-                          uniq.size - misses, misses)
+                          uniq.size - misses, misses, ttl_s)
+
+    def prefetch(self, ids: np.ndarray) -> int:
+        """Promote `ids` without a lease (rows a queued request will read); returns rows read.
+
+        Never refuses for lack of room: when the arena is full of leased rows,
+        the ids that do not fit are skipped."""
+        ids = self.check_ids(ids)
+        if self.full or ids.size == 0:
+            return 0
+        uniq = np.unique(ids)
+        with self._lock:
+            self._active += 1
+        try:
+            return self._prefetch_unique(uniq)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _prefetch_unique(self, uniq: np.ndarray) -> int:
+        with self._lock:
+            miss = uniq[self.slots.slot_of[uniq] < 0]
+            room = max(0, self.capacity - 2 * self.slots.n_pinned)  # leave room for steps
+        miss = miss[:room]
+        if miss.size == 0:
+            return 0
+        try:
+            slots, fill, waits, misses = self._reserve(miss, lease=False, admit_only=True)
+        except ResourceExhausted:
+            return 0
+        try:
+            self._complete(fill, ())
+        except (_FillFailed, ChecksumError):
+            return 0
+        self.counters.prefetched += misses
+        return misses
+
+    def _reserve(self, uniq: np.ndarray, lease: bool, admit_only: bool = False):
+        """Stage 1 (lock held inside): pin hits, reserve and map slots for misses.
+
+        Returns (slots int64 [U], Fill of the misses or None, fills of other steps to wait for, n_miss).
+        Every returned slot is pinned once for the caller (unless admit_only)."""
+        st = self.slots
+        with self._lock:
+            slots = st.slot_of[uniq].astype(np.int64)
+            hit = slots >= 0
+            hit_slots = slots[hit]
+            n_miss = uniq.size - hit_slots.size
+            if not admit_only:
+                self.counters.plans += 1
+                self.policy.record(uniq)
+                if hit_slots.size:
+                    self.policy.touch(hit_slots)
+                self.counters.hits += hit_slots.size
+                self.counters.misses += n_miss
+            if n_miss > self.capacity:
+                self.counters.lease_refusals += 1
+                raise ResourceExhausted(
+                    f"table {self.table!r}: one step needs {n_miss} new rows but the arena holds {self.capacity}; "
+                    f"raise --dram-budget or plan smaller steps")
+            st.pin(hit_slots)  # also keeps this step's hits through its own evictions
+            waits = ()
+            if hit_slots.size:
+                filling = hit_slots[st.state[hit_slots] == FILLING]
+                if filling.size:
+                    waits = [self._fills[f] for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
+            fill = None
+            if n_miss:
+                try:
+                    new = self._claim(n_miss)
+                except ResourceExhausted:
+                    st.unpin(hit_slots)
+                    raise
+                miss_ids = uniq[~hit]
+                fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
+                st.assign(new, miss_ids, fill.fill_id)
+                st.pin(new, times=2)  # one for the step, one for the fill
+                self.policy.admitted(new, miss_ids)
+                self._fills[fill.fill_id] = fill
+                slots[~hit] = new
+            if admit_only:
+                st.unpin(slots)  # a prefetch holds only its fill's pins
+        return slots, fill, waits, n_miss
+
+    def _complete(self, fill: Fill | None, waits) -> None:
+        """Stages 2 and 3: read this step's misses into place, then wait for other steps'
+        fills of rows it shares. Raises the fill's error, or _FillFailed (plan again)."""
+        if fill is not None:
+            try:
+                self._read_into(fill.ids, fill.slots)
+            except BaseException as e:
+                with self._lock:
+                    self.slots.unmap(fill.slots)
+                    self.slots.unpin(fill.slots)  # the fill's pin; the step's goes with its lease
+                    self.slots.put_free(fill.slots)
+                    self.policy.forget(fill.slots)
+                    del self._fills[fill.fill_id]
+                fill.error = e
+                fill.done.set()
+                raise
+            with self._lock:
+                self.slots.state[fill.slots] = READY
+                self.slots.unpin(fill.slots)
+                del self._fills[fill.fill_id]
+                self.counters.promotions += fill.ids.size
+            fill.done.set()
+        for other in waits:
+            self.counters.fill_waits += 1
+            other.done.wait()
+            if other.error is not None:
+                raise _FillFailed()
+
+    def _read_into(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        read_into = getattr(self.reader, "read_into", None)
+        if read_into is not None:
+            read_into(ids, self.arena.rows, slots)
+        else:
+            self.arena.rows[slots] = self.reader.read_rows(ids)
+
+    def _abandon(self, slots: np.ndarray, fill: Fill | None) -> None:
+        """Undo a reservation whose lease was refused (its fill never started)."""
+        with self._lock:
+            self.slots.unpin(slots)
+            if fill is not None:
+                self.slots.unmap(fill.slots)
+                self.slots.unpin(fill.slots)
+                self.slots.put_free(fill.slots)
+                self.policy.forget(fill.slots)
+                del self._fills[fill.fill_id]
+        if fill is not None:
+            fill.error = ResourceExhausted("lease refused")
+            fill.done.set()
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (inline path)."""
@@ -131,15 +315,16 @@ class TableEngine:
         if self.full:
             self.counters.hits += ids.size
             return self.arena.rows[ids]
-        res = self.plan(ids, ttl_s=60.0)
+        client = b"\0inline" + secrets.token_bytes(8)  # its own: never counted against another caller
+        res = self.plan(ids, ttl_s=60.0, client=client)
         try:
             return self.arena.rows[res.slots]
         finally:
-            self.leases.release([res.lease_id])
+            self.leases.release([res.lease_id], client)
 
     def unpin(self, slots: np.ndarray) -> None:
         with self._lock:
-            self.pins[slots] -= 1
+            self.slots.unpin(slots)
 
     # ---- online verification (the verifier thread; never the hot path) ---------
     def _mark_bad(self, block: int) -> None:
@@ -167,7 +352,8 @@ class TableEngine:
                     found.append(("nvme", b, None, str(e)))
             ids, slots, disk = ids[ok], slots[ok], disk[ok]
         with self._lock:
-            still = self.id_of[slots] == ids  # a slot may hold another row by now
+            st = self.slots
+            still = (st.id_of[slots] == ids) & (st.state[slots] == READY)  # a slot may hold another row by now
             s, d = slots[still], disk[still]
             bad = np.any(self.arena.rows[s] != d, axis=1)
             vc.checked["dram"] += int(s.size)
@@ -204,70 +390,24 @@ class TableEngine:
         return found
 
     # ---- cache mode internals (called with the lock held) --------------------
-    def _make_resident(self, uniq: np.ndarray) -> np.ndarray:
-        slots = self.slot_of[uniq].astype(np.int64)
-        miss = slots < 0
-        n_miss = int(miss.sum())
-        self._last_misses = n_miss
-        self.policy.record(uniq)
-        if n_miss < uniq.size:
-            self.policy.touch(slots[~miss])
-        self.counters.hits += uniq.size - n_miss
-        self.counters.misses += n_miss
-        if n_miss == 0:
-            return slots
-        if n_miss > self.capacity:
-            self.counters.lease_refusals += 1
-            raise ResourceExhausted(
-                f"table {self.table!r}: one step needs {n_miss} new rows but the arena holds {self.capacity}; "
-                f"raise --dram-budget or plan smaller steps")
-        miss_ids = uniq[miss]
-        # this step's hits must survive its own evictions
-        hit_slots = slots[~miss]
-        self.pins[hit_slots] += 1
-        try:
-            new_slots = self._claim(n_miss)
-        finally:
-            self.pins[hit_slots] -= 1
-        try:
-            self.arena.rows[new_slots] = self.reader.read_rows(miss_ids)
-        except DataLoss:
-            self._free_slots(new_slots)
-            raise
-        self.id_of[new_slots] = miss_ids
-        self.slot_of[miss_ids] = new_slots
-        self.policy.admitted(new_slots, miss_ids)
-        self.counters.promotions += n_miss
-        slots[miss] = new_slots
-        return slots
-
     def _claim(self, k: int) -> np.ndarray:
         """k empty slots: free ones first, then victims chosen by the policy."""
-        take = min(k, self._n_free)
-        got = self._free[self._n_free - take:self._n_free].copy()
-        self._n_free -= take
-        if take == k:
+        st = self.slots
+        got = st.take_free(k)
+        need = k - got.size
+        if need == 0:
             return got
-        need = k - take
-        evictable = (self.pins == 0) & (self.id_of >= 0)
-        evictable[got] = False
-        if int(evictable.sum()) < need:
-            self._free_slots(got)
+        try:
+            victims = np.asarray(self.policy.victims(need, st.pins), dtype=np.int64)
+        except ResourceExhausted:
+            st.put_free(got)
             self.counters.lease_refusals += 1
             raise ResourceExhausted(
                 f"table {self.table!r}: the arena's {self.capacity} slots are leased by running steps; "
-                f"{need} more rows do not fit (release finished steps, or raise --dram-budget)")
-        victims = np.asarray(self.policy.victims(need, evictable), dtype=np.int64)
-        self.slot_of[self.id_of[victims]] = -1
-        self.id_of[victims] = -1
+                f"{need} more rows do not fit (release finished steps, or raise --dram-budget)") from None
+        st.unmap(victims)
         self.counters.evictions += need
         return np.concatenate([got, victims])
-
-    def _free_slots(self, slots: np.ndarray) -> None:
-        self.id_of[slots] = -1
-        n = slots.size
-        self._free[self._n_free:self._n_free + n] = slots
-        self._n_free += n
 
     # ---- introspection ------------------------------------------------------
     def stats(self) -> dict:
@@ -275,10 +415,10 @@ class TableEngine:
         if self.full:
             resident, leased = self.rows, 0
         else:
-            resident = int((self.id_of >= 0).sum())
-            leased = int((self.pins > 0).sum())
+            resident, leased = self.slots.resident, self.slots.n_pinned
         return dict(table=self.table, version=self.version.version, mode="full" if self.full else "cache",
                     capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,
-                    bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans)
+                    bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
+                    prefetched=c.prefetched, fill_waits=c.fill_waits)

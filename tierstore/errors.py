@@ -62,5 +62,17 @@ class Unavailable(TierstoreError):
     GRPC_CODE = "UNAVAILABLE"
 
 
+class StaleRows(TierstoreError):
+    """Rows read for a step were no longer that step's own: its lease ended before the
+    gather finished (TTL, a release), or the arena was retired (version swap,
+    restart). Never returned as rows; plan the step again (the client does once)."""
+
+    GRPC_CODE = "ABORTED"
+
+
+class StaleArena(StaleRows):
+    """The arena a client mapped is not (or no longer) the one the sidecar serves."""
+
+
 class Unauthenticated(TierstoreError):
     GRPC_CODE = "UNAUTHENTICATED"

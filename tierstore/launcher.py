@@ -78,16 +78,19 @@ class SidecarProcess:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
-    def arena_files(self) -> list[Path]:
-        """The /dev/shm segments this sidecar owns (left behind only by a kill or --persist-arena)."""
-        from tierstore.tiers.dram import arena_path
+    def shm_files(self) -> list[Path]:
+        """Every /dev/shm file this sidecar owns: arenas and its lease board."""
+        from tierstore.tiers.dram import arena_tag, own_files
 
-        probe = arena_path(Path("/dev/shm"), str(self.socket), "T", 0)
-        return sorted(probe.parent.glob(probe.name.rsplit(".T.v0", 1)[0] + ".*"))
+        return own_files(Path("/dev/shm"), arena_tag(self.data_dir, str(self.socket.resolve())))
+
+    def arena_files(self) -> list[Path]:
+        """The arenas this sidecar owns (left behind only by a kill or --persist-arena)."""
+        return [f for f in self.shm_files() if not f.name.endswith(".leases")]
 
     def cleanup(self) -> None:
         self.stop()
-        for f in self.arena_files():
+        for f in self.shm_files():
             f.unlink(missing_ok=True)
         self.log_path.unlink(missing_ok=True)
         if self._tmp:

@@ -129,6 +129,7 @@ class CachePolicy:
         self.config = cfg = config or PolicyConfig()
         # id held by each slot, -1 free; the engine passes its own slot table's array,
         # so one id map serves both (the writes here repeat the engine's, harmlessly)
+        self._own_map = slot_id is None
         self.slot_id = np.full(capacity, -1, dtype=np.int64) if slot_id is None else slot_id
         if self.slot_id.shape != (capacity,):
             raise InvalidArgument(f"slot_id must have shape [{capacity}], got {self.slot_id.shape}")
@@ -215,13 +216,15 @@ class CachePolicy:
             if kind == "lru":
                 cand = cand[np.argpartition(self._last[cand], k - 1)[:k]] if cand.size > k else cand
             out = cand[:k]
-        self.slot_id[out] = -1
+        if self._own_map:  # a shared map is the engine's to clear (it reads the victims' ids first)
+            self.slot_id[out] = -1
         return out
 
     def forget(self, slots: np.ndarray) -> None:
         """The engine emptied `slots` itself (a table dropped, a row invalidated)."""
         slots = np.asarray(slots, dtype=np.int64)
-        self.slot_id[slots] = -1
+        if self._own_map:
+            self.slot_id[slots] = -1
         if self.config.kind == "tinylfu":
             old = self._where[slots]
             for q in (_PROBATION, _MAIN):

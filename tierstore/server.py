@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
+from tierstore.config import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ServeConfig
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
@@ -25,6 +25,7 @@ from tierstore.sidecar import Sidecar
 log = logging.getLogger("tierstore.server")
 SERVICE = "tierstore.v1.Tierstore"
 TOKEN_HEADER = "x-tierstore-token"
+FAST_PATH_CLIENTS = 256  # local fast-path connections (one per worker process, or per thread)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -102,14 +103,16 @@ class TierstoreService(pb_grpc.TierstoreServicer):
             raise Unauthenticated(f"this sidecar needs the shared token in the {TOKEN_HEADER!r} metadata header")
 
     def _info(self, eng) -> pb.TableInfo:
-        v = eng.version
+        v, board = eng.version, self.sidecar.leases.board
         import json
         return pb.TableInfo(
             table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
-                           size_bytes=eng.arena.size, instance=self.sidecar.instance))
+                           size_bytes=eng.arena.size, instance=self.sidecar.instance,
+                           lease_board=str(board.path) if board else "",
+                           lease_board_entries=board.n if board else 0))
 
     @_rpc
     def ListTables(self, request, context):
@@ -123,28 +126,42 @@ class TierstoreService(pb_grpc.TierstoreServicer):
     def Plan(self, request, context):
         eng = self.sidecar.engine(request.table, request.version)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
+        owner = bytes(request.owner)
         if request.release:
-            self.sidecar.leases.release(list(request.release))
-        ttl = request.ttl_ms / 1000.0 if request.ttl_ms else self.cfg.lease_ttl_s
-        ttl = min(ttl, self.cfg.lease_ttl_s * 10)  # the expiry we report is the one the reaper applies
-        res = eng.plan(ids, ttl)
-        expires = int((time.time() + ttl) * 1000) if res.lease_id else 0
+            self.sidecar.leases.release(list(request.release), owner)
+        res = eng.plan(ids, _ttl(self.cfg, request.ttl_ms), owner, request.request_id)
+        expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
         return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
                                version=eng.version.version, unique_ids=res.unique, hits=res.hits,
-                               misses=res.misses, expires_unix_ms=expires, instance=self.sidecar.instance)
+                               misses=res.misses, expires_unix_ms=expires, instance=self.sidecar.instance,
+                               arena=str(eng.arena.path), arena_slots=eng.arena.slots)
 
     @_rpc
     def Release(self, request, context):
-        return pb.ReleaseResponse(released=self.sidecar.leases.release(list(request.lease_ids)))
+        return pb.ReleaseResponse(released=self.sidecar.leases.release(list(request.lease_ids), bytes(request.owner)))
+
+    @_rpc
+    def Prefetch(self, request, context):
+        eng = self.sidecar.engine(request.table)
+        ids = eng.check_ids(decode_ids(request.ids, self.cfg.max_request_ids))
+        self.sidecar.prefetch(eng, ids)
+        return pb.PrefetchResponse(queued=ids.size)
+
+    @_rpc
+    def Reload(self, request, context):
+        changed = self.sidecar.reload(request.table, request.version)
+        return pb.ReloadResponse(changed=[pb.ReloadResponse.Change(table=t, old_version=a, new_version=b)
+                                          for t, a, b in changed])
 
     @_rpc
     def Lookup(self, request, context):
         eng = self.sidecar.engine(request.table, request.version)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
-        if ids.size * eng.version.row_bytes > MAX_RESPONSE_BYTES - 4096:
+        if ids.size * eng.version.row_bytes > MAX_INLINE_BYTES:
+            # three copies of the rows live at once (gather, bytes, message): bound them
             raise ResourceExhausted(
-                f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_RESPONSE_BYTES >> 20} MiB response "
-                f"limit; split the lookup or use plan() and the shared arena")
+                f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_INLINE_BYTES >> 20} MiB inline "
+                f"lookup limit; split the lookup or use plan() and the shared arena")
         rows = eng.lookup(ids)
         return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.version)
 
@@ -155,14 +172,72 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                                 leases_active=len(self.sidecar.leases))
 
 
+class _FastPlans:
+    """The sidecar behind the local fast path (tierstore/fastpath.py): every table of a
+    step in one request, releases riding along; leases belong to the connection's owner
+    and end when it disconnects."""
+
+    def __init__(self, sidecar: Sidecar, cfg: ServeConfig, metrics):
+        self.sidecar, self.cfg, self.metrics = sidecar, cfg, metrics
+
+    def plan(self, owner: bytes, items, release) -> list:
+        from tierstore.fastpath import PlanResult
+
+        t0 = time.perf_counter()
+        if len(release):
+            self.sidecar.leases.release(release, owner)
+        out = []
+        for it in items:
+            try:
+                eng = self.sidecar.engine(it.table, it.version)
+                ttl = _ttl(self.cfg, it.ttl_ms)
+                res = eng.plan(np.array(it.ids), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
+                out.append(PlanResult(res.lease_id, eng.version.version, res.slots, res.hits, res.misses,
+                                      res.unique, expires, arena=str(eng.arena.path), arena_slots=eng.arena.slots))
+            except TierstoreError as e:
+                out.append(e)
+        self.metrics.observe("FastPlan", time.perf_counter() - t0)
+        return out
+
+    def release(self, owner: bytes, lease_ids) -> int:
+        return self.sidecar.leases.release(lease_ids, owner)
+
+    def disconnected(self, owner: bytes) -> None:
+        self.sidecar.leases.release_client(owner)
+
+    def instance(self) -> str:
+        return self.sidecar.instance
+
+
+def _ttl(cfg: ServeConfig, ttl_ms: int) -> float:
+    """A Plan's lease TTL: the default, or the client's, never over 10 x --lease-ttl (refused, not capped:
+    the client would trust its own TTL)."""
+    if not ttl_ms:
+        return cfg.lease_ttl_s
+    ttl = ttl_ms / 1000.0
+    if ttl > cfg.lease_ttl_s * 10:
+        raise InvalidArgument(f"ttl_ms {ttl_ms} is over this sidecar's longest lease "
+                              f"({cfg.lease_ttl_s * 10:g} s = 10 x --lease-ttl)")
+    return ttl
+
+
 class Server:
-    """The sidecar process: gRPC on a unix socket (0600), optional TCP and metrics."""
+    """The sidecar process: gRPC on a unix socket (0600) beside the local fast path
+    (`<socket>.fast`), optional TCP and metrics."""
 
     def __init__(self, config: ServeConfig):
         from tierstore.metrics import Metrics
 
         self.config = config
         self.sidecar = Sidecar(config)
+        try:
+            self._build(config, Metrics)
+        except BaseException:
+            self.sidecar.close()  # its arenas must not outlive a failed start
+            raise
+
+    def _build(self, config: ServeConfig, Metrics) -> None:
         self.metrics = Metrics(self.sidecar)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
                                 options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64)
@@ -193,6 +268,12 @@ class Server:
         self.grpc.start()
         if self.config.socket is not None:
             os.chmod(self.config.socket, 0o600)
+            from tierstore.fastpath import FastPathServer, fast_socket_path
+
+            self.fast = FastPathServer(fast_socket_path(self.config.socket),
+                                       _FastPlans(self.sidecar, self.config, self.metrics),
+                                       max_request_bytes=MAX_REQUEST_BYTES, max_clients=FAST_PATH_CLIENTS)
+            self.fast.start()
         self.sidecar.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -200,6 +281,9 @@ class Server:
             self.metrics.serve(self.config.metrics_port)
 
     def stop(self, grace: float = 2.0) -> None:
+        if getattr(self, "fast", None) is not None:
+            self.fast.stop()
+            self.fast = None
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace).wait()
         self.sidecar.close()

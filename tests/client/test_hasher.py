@@ -199,3 +199,58 @@ def test_bench_agrees_with_plain_numpy():
     r = run_hash_bench(batch=2, seq=300, repeats=1)
     assert r["outputs_equal"]
     assert r["tierstore_tokens_per_s"] > 0 and r["plain_numpy_tokens_per_s"] > 0 and r["speedup"] > 0
+
+
+def reference_dead(spec, seq, dead, layer, pad):
+    """Python ints: as reference_rows, but walking back from t the n-gram is blocked
+    from the first dead (image) position on, and blocked ids read pad (vLLM's
+    `_hash_ids_kernel` in vllm/models/deepseek_v41/common/engram.py)."""
+    m = [int(v) for v in spec.multipliers(layer)]
+    primes, offs = [int(v) for v in spec.primes(layer)], [int(v) for v in spec.offsets(layer)]
+    out = []
+    for t in range(len(seq)):
+        row, mix, blocked = [], 0, False
+        for s in range(spec.max_ngram):
+            blocked = blocked or t - s < 0 or dead[t - s]
+            mix ^= (pad if blocked else seq[t - s]) * m[s]
+            if s:
+                for k in range(spec.n_heads):
+                    c = (s - 1) * spec.n_heads + k
+                    row.append(mix % primes[c] + offs[c])
+        out.append(row)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), spec=specs())
+def test_dead_positions_stop_hashing_as_the_reference_does(data, spec):
+    h = NgramHasher(spec)
+    B = data.draw(st.integers(1, 3))
+    T = data.draw(st.integers(1, 12))
+    ids = np.asarray(data.draw(st.lists(st.lists(st.integers(0, spec.compressed_vocab_size - 1),
+                                                 min_size=T, max_size=T), min_size=B, max_size=B)))
+    dead = np.asarray(data.draw(st.lists(st.lists(st.booleans(), min_size=T, max_size=T), min_size=B, max_size=B)))
+    L = spec.layer_ids[0]
+    got = h.hash(ids, L, dead=dead)
+    for b in range(B):
+        assert got[b].tolist() == reference_dead(spec, ids[b].tolist(), dead[b].tolist(), L, h.pad)
+    # decode from a prefix, one token at a time, equals the whole sequence
+    cut = data.draw(st.integers(0, T))
+    state = h.state_from_prefix(ids[:, :cut], dead=dead[:, :cut])
+    for t in range(cut, T):
+        assert np.array_equal(h.step(state, ids[:, t], dead=dead[:, t])[L], got[:, t])
+    assert np.array_equal(h.hash_all(ids, dead=dead)[L], got)
+    assert np.array_equal(h.hash(ids, L, dead=np.zeros_like(dead)), h.hash(ids, L))
+
+
+def test_dead_mask_from_the_image_token_and_bad_masks():
+    spec = EngramSpec(name="t", layer_ids=(1,), max_ngram=3, n_heads=2, engram_vocab_size=50,
+                      compressed_vocab_size=40, row_dim=32, row_format="fp32", image_token_id=39)
+    h = NgramHasher(spec)
+    assert h.dead_mask([1, 2, 3]) is None
+    assert h.dead_mask([1, 39, 3]).tolist() == [False, True, False]
+    assert NgramHasher(preset("engram-paper-demo")).dead_mask([1, 2]) is None  # no image token
+    with pytest.raises(InvalidArgument, match="bool mask"):
+        h.hash(np.zeros((2, 4), np.int64), 1, dead=np.zeros((2, 3), bool))
+    with pytest.raises(InvalidArgument, match="bool mask"):
+        h.hash(np.zeros(4, np.int64), 1, dead=np.zeros(4, np.int64))

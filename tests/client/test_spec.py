@@ -91,3 +91,34 @@ def test_unknown_names_raise():
         V41.primes(2)
     with pytest.raises(ValueError, match="unknown spec fields"):
         EngramSpec.from_dict({**V41.to_dict(), "colour": 1})
+
+
+# DeepSeek-V4.1-Flash config.json as published (Engram fields nest under text_config)
+V41_CONFIG = {
+    "model_type": "deepseek_v41", "image_token_id": 129264,
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"},
+    "text_config": {"hidden_size": 5120, "hc_mult": 4, "rms_norm_eps": 1e-20, "engram_layer_ids": [1, 14],
+                    "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
+                    "engram_n_heads": 8, "engram_head_dim": 256, "engram_vocab_size": 16000000,
+                    "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092},
+}
+
+
+def test_v41_preset_is_its_config_json(tmp_path):
+    assert (V41.hidden_size, V41.hc_mult, V41.rms_norm_eps, V41.image_token_id) == (5120, 4, 1e-20, 129264)
+    assert V41.use_conv is False
+    (tmp_path / "config.json").write_text(__import__("json").dumps(V41_CONFIG))
+    assert EngramSpec.from_config(tmp_path, name="deepseek-v4.1-flash") == V41
+    assert EngramSpec.from_config(V41_CONFIG).name == "deepseek_v41"
+    assert EngramSpec.from_json(V41.to_json()) == V41
+
+
+def test_from_config_refuses_what_would_rehash_the_table():
+    from tierstore.errors import SpecMismatch
+
+    bad = {**V41_CONFIG, "text_config": {**V41_CONFIG["text_config"], "engram_num_embeddings": [384006168, 1]}}
+    with pytest.raises(SpecMismatch, match="layer 14 has 1 rows.*gives 384016682"):
+        EngramSpec.from_config(bad)
+    gone = {**V41_CONFIG, "text_config": {k: v for k, v in V41_CONFIG["text_config"].items() if k != "engram_n_heads"}}
+    with pytest.raises(SpecMismatch, match="no engram_n_heads"):
+        EngramSpec.from_config(gone)

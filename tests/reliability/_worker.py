@@ -92,5 +92,33 @@ def hold(a):
     time.sleep(600)
 
 
+def versions(a):
+    """Steps over a table swapped between versions: every step's rows must be exactly one
+    version's (never a mix, never anything else); records (start time, version, seconds)."""
+    exp = [np.load(p, mmap_mode="r") for p in a["expected"]]
+    n_rows = len(exp[0])
+    rng = np.random.default_rng(a.get("seed", 0))
+    c = Client(a["sock"], timeout=10.0)
+    log = []
+    deadline = time.monotonic() + a["seconds"]
+    while time.monotonic() < deadline and not os.path.exists(a["stop"]):
+        ids = rng.integers(0, n_rows, a.get("batch", 512))
+        t0 = time.time()
+        with c.plan(a["table"], ids) as s:
+            rows = s.rows()
+        dt = time.time() - t0
+        which = [k for k, e in enumerate(exp) if np.array_equal(rows, e[ids])]
+        if len(which) != 1:
+            print(json.dumps(dict(wrong_rows=True, matches=which, t=t0)), flush=True)
+            sys.exit(3)
+        log.append((t0, which[0], dt))
+        if len(log) % 20 == 0:
+            write_status(a["status"], dict(steps=len(log)))
+    c.close()
+    np.save(a["log"], np.array(log, dtype=np.float64))
+    write_status(a["status"], dict(steps=len(log)))
+    print(json.dumps(dict(steps=len(log))), flush=True)
+
+
 if __name__ == "__main__":
-    {"steps": steps, "hold": hold}[sys.argv[1]](json.loads(sys.argv[2]))
+    {"steps": steps, "hold": hold, "versions": versions}[sys.argv[1]](json.loads(sys.argv[2]))

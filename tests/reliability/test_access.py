@@ -19,7 +19,7 @@ import pytest
 
 from tierstore import errors
 from tierstore.client.sidecar import Client
-from tierstore.tiers.dram import arena_path
+from tierstore.tiers.dram import arena_tag
 
 NOBODY = 65534
 ROWS = 3000
@@ -96,7 +96,9 @@ def test_everything_is_private_even_under_umask_0(open_dir, sidecars, rel):
 def test_a_link_planted_in_dev_shm_never_redirects_arena_writes(tmp_path, sidecars, rel):
     expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
     sock = tmp_path / "s.sock"
-    path = arena_path(Path("/dev/shm"), str(sock), "t", 1)
+    # names carry random bits now; plant a link where a persisted arena of this sidecar would be found
+    tag = arena_tag(tmp_path / "data", str(sock.resolve()))
+    path = Path("/dev/shm") / f"tierstore.{os.getuid()}.{tag}.000000000000.t.v1"
     victim = tmp_path / "victim"
     victim.write_bytes(b"\xab" * expected.nbytes)  # the serving user's file, the arena's exact size
     victim.chmod(0o600)
@@ -105,8 +107,7 @@ def test_a_link_planted_in_dev_shm_never_redirects_arena_writes(tmp_path, sideca
     try:
         sc = sidecars(tmp_path / "data", "64MiB", "--persist-arena", socket=sock)
         assert victim.read_bytes() == b"\xab" * expected.nbytes, "the sidecar wrote through a planted link"
-        st = os.lstat(path)
-        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        assert path.is_symlink()  # another user's link: left alone, never followed
         with Client(sc.socket) as c:
             assert np.array_equal(c.lookup("t", np.arange(ROWS)), expected)
     finally:
@@ -165,3 +166,24 @@ def test_tls_with_token_serves_rows_and_nothing_else_does(tmp_path, sidecars, re
         c.tables()
     with Client(target=target, token="s3cret", timeout=1) as c, pytest.raises(errors.Unavailable):
         c.tables()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to leave files owned by another user")
+def test_files_another_user_plants_under_our_names_neither_stop_nor_fool_the_sidecar(tmp_path, sidecars, rel):
+    """16.8: arena names carry random bits, so the next one cannot be pre-created; files
+    another user leaves under this sidecar's prefix are left alone, never opened."""
+    expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
+    sock = tmp_path / "s.sock"
+    tag = arena_tag(tmp_path / "data", str(sock.resolve()))
+    planted = [Path("/dev/shm") / f"tierstore.{os.getuid()}.{tag}.{i:012x}.t.v1" for i in range(3)]
+    for p in planted:
+        p.write_bytes(b"\0" * 64)
+        os.chown(p, NOBODY, NOBODY)
+    try:
+        sc = sidecars(tmp_path / "data", "64MiB", "--persist-arena", socket=sock)
+        with Client(sc.socket) as c:
+            assert np.array_equal(c.lookup("t", np.arange(ROWS)), expected)
+        assert all(p.exists() and p.stat().st_uid == NOBODY for p in planted)
+    finally:
+        for p in planted:
+            p.unlink(missing_ok=True)

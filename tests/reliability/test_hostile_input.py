@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore.config import MAX_REQUEST_IDS, MAX_RESPONSE_BYTES
+from tierstore.config import MAX_INLINE_BYTES, MAX_REQUEST_IDS, MAX_RESPONSE_BYTES
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.tiers.dram import map_readonly
 
@@ -34,7 +34,7 @@ class Target:
                                                 response_deserializer=None) for m in METHODS}
         info = pb.TableInfo.FromString(self.raw["DescribeTable"](pb.DescribeTableRequest(table="t").SerializeToString()))
         self.version, self.full, self.slots = info.version, info.arena.full_resident, info.arena.slots
-        self.arena = map_readonly(info.arena.path, info.arena.slots, info.row_bytes)
+        self.arena, _ = map_readonly(info.arena.path, info.arena.slots, info.row_bytes)
 
     def call(self, method: str, raw: bytes):
         try:
@@ -96,8 +96,10 @@ def expected_code(t: Target, method: str, req) -> "grpc.StatusCode":
     ids = np.frombuffer(req.ids, "<i8")
     if ids.size > MAX_REQUEST_IDS:
         return C.RESOURCE_EXHAUSTED
-    if method == "Lookup" and ids.size * DIM * 4 > MAX_RESPONSE_BYTES - 4096:
+    if method == "Lookup" and ids.size * DIM * 4 > MAX_INLINE_BYTES:
         return C.RESOURCE_EXHAUSTED
+    if method == "Plan" and req.ttl_ms > 10 * 2 * 1000:  # over 10 x --lease-ttl: refused, never capped
+        return C.INVALID_ARGUMENT
     if ids.size and ((ids < 0) | (ids >= ROWS)).any():
         return C.INVALID_ARGUMENT
     if not t.full and np.unique(ids).size > t.slots:  # Lookup plans through the cache too

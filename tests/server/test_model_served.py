@@ -45,3 +45,24 @@ def test_sidecar_model_equals_in_process_model(demo_data, budget):
         assert torch.equal(a, b)
     if budget == "2MiB":
         assert all(t["mode"] == "cache" and int(t["misses"]) > 0 for t in tables.values())
+
+
+@pytest.mark.parametrize("field,value", [("seed", 1), ("pad_id", 3), ("compressed_vocab_size", 999)])
+def test_a_table_hashed_with_other_constants_is_refused_at_attach(demo_data, field, value):
+    """11.4: a table in range for every id but hashed with another seed / pad / vocabulary."""
+    import dataclasses
+
+    import numpy as np
+
+    from tierstore.client.layer import EngramLayer
+    from tierstore.errors import SpecMismatch
+
+    spec = spec_from_catalog(demo_data)
+    other = dataclasses.replace(spec, **{field: value})
+    with SidecarProcess(demo_data, dram_budget="64MiB") as sc, Client(sc.socket) as client:
+        layer = EngramLayer(other, other.layer_ids[0], hidden_size=8, hc_mult=1, source=client)
+        with pytest.raises(SpecMismatch, match=f"{field}="):
+            layer.prepare(np.zeros((1, 2, spec.columns), dtype=np.int64))
+        ok = EngramLayer(spec, spec.layer_ids[0], hidden_size=8, hc_mult=1, source=client)
+        ok.prepare(np.zeros((1, 2, spec.columns), dtype=np.int64))
+        ok.drop_pending()

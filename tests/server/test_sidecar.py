@@ -14,6 +14,7 @@ from tierstore.client.sidecar import Client
 from tierstore.formats import encode_rows
 from tierstore.ingest import write_version
 from tierstore.launcher import SidecarProcess
+from tierstore.tiers.dram import HEADER_BYTES
 
 ROWS, DIM = 20_000, 32
 
@@ -193,9 +194,9 @@ def test_persisted_arena_is_reattached_after_verification(table_dir):
         # corrupt one byte of one arena: the next sidecar must notice and reload that table
         t32 = next(a for a in arenas if ".t32." in a.name)
         with open(t32, "r+b") as f:
-            f.seek(1000)
+            f.seek(HEADER_BYTES + 1000)
             b = f.read(1)
-            f.seek(1000)
+            f.seek(HEADER_BYTES + 1000)
             f.write(bytes([b[0] ^ 0xFF]))
         sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
         try:

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", nargs="+", choices=PATHS, metavar="PATH",
                    help=f"paths to run (default all): {', '.join(PATHS)}")
     p.add_argument("--module", help="pkg.mod:factory, factory(row_source) -> model (default: the demo model)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="audit a DeepSeek-V4.1 checkpoint's real Engram layers (ingested into --data first when "
+                        "--data holds no tables)")
     p.add_argument("--tokens", help=".npy of int token ids [B, T] or [T] (default: Zipf tokens from --seed)")
     p.add_argument("--seed", type=int, default=0, help="token and demo-model weight seed")
     p.add_argument("--d-model", type=int, default=256, help="demo model width (default 256)")
@@ -115,12 +118,17 @@ def run(args) -> int:
 
     if args.module and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a console script does not put the working directory on sys.path
-    if not args.module:
+    module, kwargs = args.module, None if args.module else {"d_model": args.d_model}
+    if args.checkpoint:
+        _ensure_checkpoint_tables(args.checkpoint, args.data)
+        module = "tierstore.client.v41_model:audit_model"
+        kwargs = {"checkpoint": str(Path(args.checkpoint).resolve()), "seed": args.seed}
+    elif not args.module:
         ensure_demo_table(args.data, args.preset, args.scale)
     tokens = np.load(args.tokens) if args.tokens else None
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     with Audit(args.data, batch=args.batch, seq=args.seq, decode_tokens=args.decode_tokens, seed=args.seed,
-               tokens=tokens, module=args.module, model_kwargs=None if args.module else {"d_model": args.d_model},
+               tokens=tokens, module=module, model_kwargs=kwargs,
                restart=not args.no_restart, log=log) as audit:
         report = audit.run(args.paths)
     cfg = report.config
@@ -146,3 +154,12 @@ def run(args) -> int:
     print(f"OK: {', '.join(exact) or 'no path that must be exact was run'}"
           f"{' bit-exact and deterministic' if exact else ''}")
     return 0
+
+
+def _ensure_checkpoint_tables(checkpoint, data) -> None:
+    """Ingest the checkpoint's Engram tables into `data` unless it holds tables already."""
+    from tierstore.catalog import has_tables
+    from tierstore.ingest_checkpoint import ingest_checkpoint
+
+    if not has_tables(data):
+        ingest_checkpoint(checkpoint, data, progress=True)

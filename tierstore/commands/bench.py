@@ -6,6 +6,8 @@
     tierstore bench cache  --out OUT --trace FILE.npy [--step-ids N] [--sizes 0.005,0.01,50000] [--rows N]
     tierstore bench hash   --out OUT [--quick]          (hashing vs plain numpy)
     tierstore bench e2e    --data DIR --out OUT [--quick]
+    tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
+    tierstore bench concurrency --data DIR --out OUT    (N worker processes on one cache-mode table)
     tierstore bench all    --data DIR --out OUT [--quick]
     tierstore bench report OUT
 
@@ -22,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e")
+SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e", "scale", "concurrency")
 DEMO_PRESET, DEMO_SCALE = "engram-paper-demo", 64
 
 
@@ -72,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hsh.add_argument("--preset", default="deepseek-v4.1-flash")
     e2e = sub.add_parser("e2e", help="model forward pass fed by the sidecar vs an in-process table")
     _common(e2e)
+    sc = sub.add_parser("scale", help="Plan time against a full cache-mode arena of 0.5 M vs 16 M slots")
+    _common(sc, data=False)
+    sc.add_argument("--large", type=int, help="slots of the large arena (default 16,000,000; quick 4,000,000)")
+    cc = sub.add_parser("concurrency", help="aggregate rows/s of N client processes on one cache-mode table vs one")
+    _common(cc)
+    cc.add_argument("--clients", type=int, default=4, help="worker processes (default 4)")
     al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
     _common(al)
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
@@ -130,7 +138,7 @@ def _run_one(name: str, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     quick, seed, progress = args.quick, args.seed, args.progress
-    if name in ("lookup", "e2e"):  # cold writes its own table of a chosen size
+    if name in ("lookup", "e2e", "concurrency"):  # cold writes its own table of a chosen size
         ensure_data(args.data)
     if name == "lookup":
         from tierstore.bench.lookup import line_for, run_lookup_bench
@@ -183,6 +191,15 @@ def _run_one(name: str, args) -> int:
                           f"{res['speedup']:.2f}x plain numpy ({res['tierstore_tokens_per_s'] / 1e6:.2f} M tokens/s), "
                           f"outputs equal: {res['outputs_equal']}")
         res["units"] = {"*_tokens_per_s": "tokens/s", "*_s": "s", "speedup": "x"}
+    elif name == "concurrency":
+        from tierstore.bench.concurrency import run_concurrency_bench
+
+        res = run_concurrency_bench(args.data, clients=getattr(args, "clients", 4), seed=seed,
+                                    seconds=2.0 if quick else 4.0, rounds=2 if quick else 3, log=_log)
+    elif name == "scale":
+        from tierstore.bench.scale import run_scale_bench
+
+        res = run_scale_bench(out, quick=quick, seed=seed, large=getattr(args, "large", None), log=_log)
     else:  # e2e
         fn = _optional("tierstore.bench.e2e", "run_e2e_bench", "e2e")
         if fn is None:

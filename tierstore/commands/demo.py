@@ -21,15 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def ensure_demo_table(data, preset: str, scale: int) -> None:
     from pathlib import Path
 
-    from tierstore.catalog import Catalog
-    from tierstore.errors import NotFound
+    from tierstore.catalog import has_tables
 
-    try:
-        with Catalog(data, readonly=True) as cat:
-            if cat.tables():
-                return
-    except NotFound:
-        pass
+    if has_tables(data):
+        return
     from tierstore.demo_table import make_demo_tables
 
     print(f"creating demo table {preset} / {scale} in {Path(data)}", flush=True)

@@ -10,6 +10,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=int, required=True, help="Engram layer id, e.g. 1")
     p.add_argument("--ids", required=True,
                    help="comma-separated token ids of one sequence, e.g. 0,1,2,3 (compressed ids unless --raw-ids)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="take the spec from a Hugging Face checkpoint's config.json (DeepSeek-V4.1) instead of "
+                        "--preset; image-token positions are dead")
     p.add_argument("--scale", type=int, default=1, help="divide bucket counts by S, as demo tables do (default 1)")
     p.add_argument("--raw-ids", action="store_true", help="--ids are raw tokenizer ids: map them first")
     p.add_argument("--tokenizer", metavar="MAP",
@@ -29,17 +32,19 @@ def run(args) -> int:
     import numpy as np
 
     from tierstore.client.hasher import NgramHasher
-    from tierstore.client.spec import preset
+    from tierstore.client.spec import EngramSpec, preset
     from tierstore.client.tokenizer_map import load_or_build
     from tierstore.errors import InvalidArgument
 
-    spec = preset(args.preset, args.scale)
+    spec = EngramSpec.from_config(args.checkpoint) if args.checkpoint else preset(args.preset, args.scale)
     ids = np.asarray(_parse_ids(args.ids), dtype=np.int64)
     if args.raw_ids and not args.tokenizer:
         raise InvalidArgument("--raw-ids needs --tokenizer MAP.npy or tokenizer.json to map raw ids")
     hasher = NgramHasher(spec, load_or_build(args.tokenizer) if args.tokenizer else None)
     compressed = hasher.map_raw(ids) if args.raw_ids else ids
-    rows = hasher.hash(compressed, args.layer)
+    # image_token_id is a raw id: compare it with raw ids (compressed ids equal raw ones without a map)
+    dead = hasher.dead_mask(ids) if args.raw_ids or not args.tokenizer else None
+    rows = hasher.hash(compressed, args.layer, dead=dead)
     out = {"preset": spec.name, "layer": args.layer, "table": spec.table_name(args.layer),
            "rows": hasher.spec.rows(args.layer), "columns": hasher.columns,
            "compressed_vocab_size": hasher.vocab, "pad_id": hasher.pad,

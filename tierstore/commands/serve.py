@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="PEM private key for the TCP listener")
     p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
-    p.add_argument("--max-leases", type=int)
+    p.add_argument("--max-leases", type=int, help="live leases in all (default 65536)")
+    p.add_argument("--max-leases-per-client", type=int, help="live leases of one client (default 1024)")
     p.add_argument("--workers", type=int, help="gRPC worker threads")
     p.add_argument("--persist-arena", action="store_true", default=None,
                    help="leave arenas in /dev/shm on shutdown for re-attach")
@@ -40,18 +41,27 @@ def run(args) -> int:
     from tierstore.server import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _return_big_buffers_to_the_os()
     cfg = ServeConfig.from_env(
         data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
         allow_tcp=args.allow_tcp, auth_token=args.auth_token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
-        lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases, workers=args.workers,
+        lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
+        max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile)
+    # until serving starts, a signal unwinds the start-up, which removes every arena made so far
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_now)
     server = Server(cfg)
+    try:
+        server.start()
+    except BaseException:
+        server.stop(grace=0)  # e.g. --metrics-port in use: leave no socket or arena behind
+        raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
     modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.sidecar.engines.items())
     print(f"tierstore serving {len(server.sidecar.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
           flush=True)
@@ -59,3 +69,21 @@ def run(args) -> int:
     server.stop()
     print("tierstore stopped", flush=True)
     return 0
+
+
+def _return_big_buffers_to_the_os() -> None:
+    """Fills run in many RPC threads at once; glibc would keep their freed multi-MiB
+    read buffers in per-thread heaps (RSS grows with concurrency, never shrinks).
+    A fixed mmap threshold makes every buffer over 1 MiB a mapping, unmapped on free."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def _exit_now(signum, frame) -> None:
+    raise SystemExit(128 + signum)

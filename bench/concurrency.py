@@ -1,0 +1,85 @@
+"""`tierstore bench concurrency`: several worker processes planning one cache-mode table.
+
+A sidecar holds 10% of the table in DRAM; 1 and then N client processes (real
+processes, each its own Client over the fast path) plan and read 4,096-id Zipf
+steps for a few seconds; rounds alternate 1 and N. The figure is aggregate
+rows/s of N clients over one client's (promotion runs off the table lock, so
+one worker's disk reads do not stall the others' plans).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["run_concurrency_bench", "UNITS"]
+
+UNITS = {"rows_per_s_*": "rows/s, all clients together (median over rounds)",
+         "ratio": "x (N clients' aggregate rows/s over one client's)"}
+
+
+def _worker(a: dict) -> None:
+    from tierstore.bench.workload import make_batches
+    from tierstore.client.sidecar import Client
+
+    batches = make_batches(a["dist"], a["rows"], a["batch"], 64, a["seed"])
+    with Client(a["sock"]) as c:
+        for b in batches[:4]:  # warm-up: connect, map the arena
+            with c.plan(a["table"], b) as s:
+                s.rows()
+        while time.time() < a["start"]:
+            time.sleep(0.001)
+        n, k = 0, 0
+        while time.time() < a["start"] + a["seconds"]:
+            with c.plan(a["table"], batches[k % len(batches)]) as s:
+                n += s.rows().shape[0]
+            k += 1
+    print(json.dumps({"rows": n}), flush=True)
+
+
+def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed: int, batch: int, dist: str) -> float:
+    start = time.time() + 2.0  # every worker imports and warms up first
+    procs = [subprocess.Popen([sys.executable, "-m", "tierstore.bench.concurrency", "--worker", json.dumps(dict(
+        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, start=start, seconds=seconds))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/") for i in range(clients)]
+    total = 0
+    for p in procs:
+        out, err = p.communicate(timeout=seconds + 120)
+        if p.returncode:
+            raise RuntimeError(f"concurrency worker failed: {err.decode()[-2000:]}")
+        total += json.loads(out.decode().strip().splitlines()[-1])["rows"]
+    return total / seconds
+
+
+def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, rounds: int = 3, seed: int = 0,
+                          batch: int = 4096, dist: str = "zipf1.0", cache_fraction: float = 0.10, log=print) -> dict:
+    from tierstore.catalog import Catalog
+    from tierstore.launcher import SidecarProcess
+
+    with Catalog(data_dir, readonly=True) as cat:
+        names = cat.tables()
+        version = cat.current(names[0])
+        total_bytes = sum(cat.current(t).nbytes for t in names)
+    budget = max(int(total_bytes * cache_fraction), 1 << 16)
+    runs = {1: [], clients: []}
+    with SidecarProcess(data_dir, dram_budget=budget) as sc:
+        for r in range(rounds):
+            for n in ((1, clients) if r % 2 == 0 else (clients, 1)):
+                runs[n].append(_round(str(sc.socket), version.table, version.rows, n, seconds, seed + 100 * r,
+                                      batch, dist))
+                log(f"concurrency: round {r + 1}/{rounds}, {n} client(s): {runs[n][-1] / 1e6:.2f} M rows/s")
+    one, many = float(np.median(runs[1])), float(np.median(runs[clients]))
+    res = {"table": version.table, "clients": clients, "batch": batch, "dist": dist, "seconds": seconds,
+           "rounds": rounds, "dram_budget_bytes": budget, "rows_per_s_1": round(one),
+           f"rows_per_s_{clients}": round(many), "ratio": round(many / one, 3), "units": UNITS}
+    res["summary"] = (f"concurrency: {clients} clients on one cache-mode table {many / 1e6:.2f} M rows/s vs one "
+                      f"{one / 1e6:.2f} M rows/s ({res['ratio']:.2f}x)")
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))

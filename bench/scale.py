@@ -1,0 +1,117 @@
+"""`tierstore bench scale`: a Plan costs O(step), not O(arena).
+
+Two cache-mode engines over one table (real segment files, real /dev/shm
+arenas, the sidecar's engine in process, so RPC noise stays out): a small
+arena (0.5 M slots) and a large one (16 M slots; 4 M with --quick), each
+filled to capacity first. Then the same steps run against both, interleaved:
+- miss: 4,096 ids none of which is resident (every id is read from the cold
+  tier and evicts a row: the path whose cost used to grow with the arena);
+- hit: 4,096 resident ids.
+The figure is the ratio of median Plan times, large over small (1.0 = flat).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["run_scale_bench", "scale_line", "UNITS"]
+
+UNITS = {"*_ms": "ms per Plan (median over rounds)", "ratio_*": "x (large arena's median over the small's)",
+         "slots_*": "arena slots"}
+ROW_DIM = 2  # 8-byte rows: a 24 M-row table is 192 MB, so a 16 M-slot arena fits this machine
+
+
+def _engine(data_dir: Path, version, slots: int, leases):
+    from tierstore.catalog import Catalog
+    from tierstore.engine import TableEngine
+    from tierstore.tiers.dram import Arena
+    from tierstore.tiers.nvme import SegmentReader
+
+    with Catalog(data_dir, readonly=True) as cat:
+        sums = cat.checksums(version.table, version.version)
+    reader = SegmentReader(data_dir, version, sums)
+    arena = Arena(Path("/dev/shm") / f"tierstore-bench-scale.{slots}.{time.monotonic_ns()}", slots,
+                  version.row_bytes)
+    return TableEngine(version, reader, arena, leases=leases, full=False)
+
+
+def _fill(engine, first: int, log) -> None:
+    """Make the arena hold rows [first, first + capacity): sequential plans of up to half of it."""
+    piece = max(1, min(1 << 20, engine.capacity // 2))
+    for a in range(first, first + engine.capacity, piece):
+        ids = np.arange(a, min(a + piece, first + engine.capacity), dtype=np.int64)
+        res = engine.plan(ids, ttl_s=60.0)
+        engine.leases.release([res.lease_id])
+    log(f"bench scale: {engine.capacity:,} slots filled, {engine.slots.resident:,} resident")
+
+
+def _timed(engine, ids: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    res = engine.plan(ids, ttl_s=60.0)
+    dt = time.perf_counter() - t0
+    engine.leases.release([res.lease_id])
+    return dt
+
+
+def run_scale_bench(out_dir, *, quick: bool = False, seed: int = 0, small: int = 500_000,
+                    large: int | None = None, step: int = 4096, rounds: int | None = None, log=print) -> dict:
+    from tierstore.ingest import write_version
+    from tierstore.leases import LeaseTable
+
+    large = large or (4_000_000 if quick else 16_000_000)
+    rounds = rounds or (15 if quick else 30)
+    rows = large + large // 2
+    data_dir = Path(out_dir) / "scale-data"
+    from tierstore.catalog import Catalog
+
+    version = None
+    if (data_dir / "catalog" / "data.mdb").exists():
+        with Catalog(data_dir, readonly=True) as cat:
+            v = cat.current("scale")
+            version = v if v.rows == rows else None
+    if version is None:
+        log(f"bench scale: writing a {rows:,}-row table of {ROW_DIM * 4}-byte rows to {data_dir}")
+        chunk = 1 << 22
+        gen = (np.arange(a, min(a + chunk, rows), dtype=np.float32).repeat(ROW_DIM).reshape(-1, ROW_DIM)
+               .view(np.uint8).reshape(-1, ROW_DIM * 4) for a in range(0, rows, chunk))
+        version = write_version(data_dir, "scale", gen, rows=rows, row_format="fp32", row_dim=ROW_DIM)
+    leases = LeaseTable(1024)
+    engines = {}
+    try:
+        for name, slots in (("small", small), ("large", large)):
+            engines[name] = _engine(data_dir, version, slots, leases)
+            _fill(engines[name], 0, log)
+        rng = np.random.default_rng(seed)
+        fresh = rng.permutation(np.arange(large, rows, dtype=np.int64))  # resident in neither arena
+        times = {f"{kind}_{name}": [] for kind in ("miss", "hit") for name in engines}
+        for r in range(rounds + 1):  # round 0 warms up
+            miss = np.sort(fresh[r * step:(r + 1) * step])
+            for name in (("small", "large") if r % 2 else ("large", "small")):
+                eng = engines[name]
+                hit = np.sort(eng.slots.id_of[rng.choice(eng.capacity, step, replace=False)])
+                hit = hit[hit >= 0]
+                dm, dh = _timed(eng, miss), _timed(eng, hit)
+                if r:
+                    times[f"miss_{name}"].append(dm)
+                    times[f"hit_{name}"].append(dh)
+        med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+        res = {"slots_small": small, "slots_large": large, "step_ids": step, "rounds": rounds, "table_rows": rows,
+               **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+               "ratio_miss": round(med["miss_large"] / med["miss_small"], 3),
+               "ratio_hit": round(med["hit_large"] / med["hit_small"], 3), "units": UNITS}
+    finally:
+        for eng in engines.values():
+            eng.arena.close(unlink=True)
+            eng.reader.close()
+        leases.close()
+    res["summary"] = scale_line(res)
+    return res
+
+
+def scale_line(res: dict) -> str:
+    return (f"scale: Plan of {res['step_ids']} missing ids {res['miss_small_ms']:.2f} ms at "
+            f"{res['slots_small'] / 1e6:g} M slots vs {res['miss_large_ms']:.2f} ms at {res['slots_large'] / 1e6:g} M "
+            f"(ratio {res['ratio_miss']:.2f}); resident ids {res['hit_small_ms']:.2f} vs {res['hit_large_ms']:.2f} ms "
+            f"(ratio {res['ratio_hit']:.2f})")

@@ -1,0 +1,76 @@
+"""A sidecar cleans up what it created on every exit path (issue 16.13)."""
+from __future__ import annotations
+
+import signal
+import socket as socketlib
+import time
+
+import numpy as np
+import pytest
+
+from tierstore.client.sidecar import Client
+from tierstore.ingest import write_version
+from tierstore.launcher import SidecarProcess
+
+
+def _table(d, rows: int, dim: int = 64, seed: int = 0) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, size=(rows, dim * 4), dtype=np.uint8)
+    write_version(d, "t", [data[i:i + 65536] for i in range(0, rows, 65536)], rows=rows, row_format="fp32",
+                  row_dim=dim)
+    return data
+
+
+def test_sigterm_while_tables_load_leaves_no_arena(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 200_000)  # 51 MB: loading takes a moment
+    sc = SidecarProcess(d, dram_budget="256MiB")
+    sc._log = open(sc.log_path, "wb")
+    import subprocess
+
+    sc.proc = subprocess.Popen(sc.args, stdout=sc._log, stderr=subprocess.STDOUT, cwd="/")
+    try:
+        deadline = time.monotonic() + 30
+        while not any(f.name.endswith(".new") for f in sc.shm_files()) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        sc.proc.send_signal(signal.SIGTERM)
+        sc.proc.wait(30)
+        assert sc.shm_files() == [], f"left behind: {sc.shm_files()}"
+    finally:
+        sc.cleanup()
+
+
+def test_a_failed_start_leaves_no_socket_or_arena(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 1000)
+    with socketlib.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        sc = SidecarProcess(d, dram_budget="64MiB", extra_args=["--metrics-port", port])
+        with pytest.raises(RuntimeError):
+            sc.start()
+        try:
+            assert sc.shm_files() == [] and not sc.socket.exists()
+        finally:
+            sc.cleanup()
+
+
+def test_persisted_arenas_of_versions_no_longer_current_are_removed(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 1000, seed=1)
+    sc = SidecarProcess(d, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
+    try:
+        sc.stop()
+        assert any(".t.v1" in f.name for f in sc.arena_files())
+        v2 = _table(d, 1000, seed=2)
+        sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
+        try:
+            names = [f.name for f in sc2.arena_files()]
+            assert not any(".t.v1" in n for n in names) and any(".t.v2" in n for n in names)
+            with Client(sc2.socket) as c:
+                assert np.array_equal(c.lookup("t", np.arange(1000)), v2)
+        finally:
+            sc2.cleanup()
+    finally:
+        sc.cleanup()
+    assert sc.shm_files() == []
