@@ -4,7 +4,9 @@ Each trace (see tierstore.bench.traces) is replayed at cache sizes given as a
 fraction of the table's rows through
 - ours: tierstore.policy.CachePolicy, driven step by step exactly as the engine
   drives it (record / touch / victims / admitted, the step's rows leased), and
-  again with one step of lookahead (rows the next step reads are not evictable);
+  again with one step of lookahead (rows the next step reads are not evictable),
+  and with the rows of the next 16 steps passed as `expect` hints (prefill
+  known ahead: what an engine that sees its request queue can tell the policy);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
@@ -13,21 +15,29 @@ Hit ratio counts every access of the flattened trace, cold misses included.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from tierstore.bench.traces import Trace, deepseek_text_trace, document_trace, zipf_trace
+from tierstore.bench.traces import Trace, aws_docs_corpus, deepseek_text_trace, document_trace, zipf_trace
 from tierstore.errors import InvalidArgument
 from tierstore.policy import CachePolicy, PolicyConfig
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
+QUEUE_STEPS = 16  # ours+queue16: the engine hints the rows of the next 16 queued steps (CachePolicy.expect)
 _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
-def make_trace(kind: str, quick: bool = False, seed: int = 0) -> Trace:
-    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text', or a trace path."""
+def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
+    """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text' (CPython
+    docs), 'aws-docs' (botocore's AWS API docs), a saved trace path, or a Trace
+    (see traces.access_trace for a user's access log)."""
+    if isinstance(kind, Trace):
+        return kind
     n_ids, steps, batch = (1_000_000, 600, 500) if quick else (4_000_000, 2000, 2000)
     if kind.startswith("zipf") and not kind.endswith(".npy"):
         return zipf_trace(n_ids, float(kind[4:] or 1.0), steps, batch, seed)
@@ -35,13 +45,21 @@ def make_trace(kind: str, quick: bool = False, seed: int = 0) -> Trace:
         return document_trace(n_ids, steps, batch, seed=seed)
     if kind == "text":
         return deepseek_text_trace(seed=seed, name="text")
+    if kind == "aws-docs":  # a second domain: AWS API reference text from botocore
+        return deepseek_text_trace(seed=seed, name="aws-docs", texts=aws_docs_corpus(),
+                                   corpus_name="botocore data/*/service-2.json documentation (Apache-2.0)")
     if Path(kind).exists():
         return Trace.load(kind)
     raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, text or a NAME.npy trace path")
 
 
-def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: bool = False) -> float:
-    """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does."""
+def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
+           expect: int = 0) -> float:
+    """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does.
+
+    lookahead: steps whose ids the engine knows ahead (queued prefill); their
+    resident rows are not evicted while that leaves enough victims.
+    expect: the same knowledge passed as CachePolicy.expect hints instead."""
     policy = CachePolicy(capacity, trace.n_ids, config)
     slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
     held = np.full(capacity, -1, dtype=np.int64)
@@ -53,6 +71,9 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         hits += int(np.count_nonzero(hit))
         policy.record(ids)
         policy.touch(slots[hit])
+        if expect and i + 1 < trace.steps:
+            ahead = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + expect)]]]
+            policy.expect(ahead[ahead >= 0])
         miss = ids[~hit]
         if miss.size > capacity:
             raise InvalidArgument(f"step {i} reads {miss.size} new rows but the cache has {capacity} slots")
@@ -63,7 +84,7 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
             evictable = held >= 0
             evictable[slots[hit]] = False  # leased by this step
             if lookahead and i + 1 < trace.steps:
-                nxt = slot_of[trace.step(i + 1)]
+                nxt = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + lookahead)]]]
                 evictable[nxt[nxt >= 0]] = False
                 if np.count_nonzero(evictable) < k:  # lookahead is a hint, never a failure
                     evictable = held >= 0
@@ -93,6 +114,36 @@ def write_oracle_trace(trace: Trace, path: Path) -> Path:
     return path
 
 
+def capacity_rows(trace: Trace, size: float) -> int:
+    """Cache slots for `size`: a fraction of the table's rows when < 1, else a row count.
+
+    A spatially sampled trace (meta "sample" = s) sees s of the rows, so its
+    cache is s times smaller (SHARDS), for fractions and row counts alike."""
+    if not size > 0:
+        raise InvalidArgument(f"cache sizes must be > 0 (a fraction of rows < 1, or a row count), got {size}")
+    if size >= 1 and size != int(size):
+        raise InvalidArgument(f"a cache size >= 1 is a row count and must be whole, got {size}")
+    rows = size * trace.n_ids if size < 1 else size
+    return max(1, int(round(rows * float(trace.meta.get("sample", 1.0)))))
+
+
+_TRACE: Trace | None = None  # the trace being replayed, for forked workers
+
+
+def _references(args) -> dict[str, float]:
+    return reference_hit_ratios(*args)
+
+
+def _ours(capacity: int, kw: dict) -> float:
+    return replay(_TRACE, capacity, **kw)
+
+
+def _pool(jobs: int):
+    if jobs == 1 or "fork" not in mp.get_all_start_methods():
+        return _Inline()
+    return ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
+
+
 def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> dict[str, float]:
     import libcachesim as lcs
     out = {}
@@ -104,44 +155,81 @@ def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> 
     return out
 
 
-def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text"), sizes=(0.001, 0.01, 0.1),
+def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-docs"), sizes=(0.001, 0.01, 0.1),
                     out_dir: str | Path = "bench-cache", seed: int = 0, quick: bool = False,
-                    config: PolicyConfig | None = None) -> dict:
-    """Replay traces through every policy at each cache size (a fraction of rows).
+                    config: PolicyConfig | None = None, jobs: int | None = None, hbm_drift: bool = False,
+                    log=None) -> dict:
+    """Replay traces through every policy at each cache size.
 
-    Returns {"traces": {name: {"n_ids", "accesses", "hit_ratio": {policy: {size: ratio}}}}, ...}
-    and writes cache.json and cache.png (hit ratio vs cache size, log x) to out_dir.
+    trace_paths_or_kinds: names for make_trace, saved trace paths, or Traces.
+    sizes: fractions of the table's rows (< 1) or row counts (>= 1).
+    jobs: processes replaying libCacheSim's references beside ours (default:
+        the CPU count); each reference reads the same oracleGeneral file.
+    Returns {"traces": {name: {"n_ids", "accesses", "rows": {size: slots},
+    "hit_ratio": {policy: {size: ratio}}}}, ...} and writes cache.json and
+    cache.png (hit ratio vs cache size, log x) to out_dir.
     A policy whose cache is smaller than one step's rows gets NaN (it cannot run).
     quick: smaller synthetic traces, no lru-batched ablation; about a minute on 2 cores.
+    hbm_drift: add the HBM-tier cell (tierstore.bench.hbm): the adaptive HBM
+        cache against static hot sets, per window of a drifting trace.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    jobs = max(1, jobs or os.cpu_count() or 1)
     results = {}
     for kind in trace_paths_or_kinds:
         trace = make_trace(kind, quick=quick, seed=seed)
+        caps = {size: capacity_rows(trace, size) for size in sizes}
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
         max_step = int(np.diff(trace.bounds).max())
-        for size in sizes:
-            cap = max(1, int(round(size * trace.n_ids)))
-            row = reference_hit_ratios(oracle, cap)
-            for name, kw in (("ours", {}), ("ours+lookahead", {"lookahead": True}),
-                             ("lru-batched", {"config": PolicyConfig(kind="lru")})):
-                if quick and name == "lru-batched":
-                    continue
-                kw.setdefault("config", config)
-                row[name] = replay(trace, cap, **kw) if cap >= max_step else float("nan")
-            for name, v in row.items():
-                ratios.setdefault(name, {})[size] = v
+        ours = [("ours", {}), ("ours+lookahead", {"lookahead": 1}), ("ours+queue16", {"expect": QUEUE_STEPS})]
+        if not quick and trace.meta.get("kind") != "access-log":  # the batching ablation, for our traces only
+            ours.append(("lru-batched", {"config": PolicyConfig(kind="lru")}))
+        # every replay is one task of one pool; forked workers inherit the trace
+        global _TRACE
+        _TRACE = trace
+        with _pool(jobs) as pool:
+            tasks = {(size, name): pool.submit(_references, (oracle, caps[size], (name,)))
+                     for size in sizes for name in REFERENCES}
+            tasks.update({(size, name): pool.submit(_ours, caps[size], {"config": config, **kw})
+                          for size in sizes for name, kw in ours if caps[size] >= max_step})
+            for size in sizes:
+                for name, _ in ours:
+                    ratios.setdefault(name, {})[size] = float("nan")  # cache smaller than a step
+            for (size, name), fut in tasks.items():
+                ratios.setdefault(name, {})[size] = fut.result()[name] if name in REFERENCES else fut.result()
+        _TRACE = None
         oracle.unlink()
         results[trace.name] = {"n_ids": trace.n_ids, "accesses": int(trace.ids.size), "steps": trace.steps,
-                               "meta": trace.meta, "hit_ratio": ratios}
-    report = {"sizes": list(sizes), "seed": seed, "quick": quick, "seconds": time.perf_counter() - t0,
-              "traces": results}
+                               "rows": caps, "meta": trace.meta, "hit_ratio": ratios}
+        if log:
+            log(f"bench cache: {trace.name} ({trace.ids.size:,} accesses) done at {time.perf_counter() - t0:.0f} s")
+    report = {"sizes": list(sizes), "seed": seed, "quick": quick, "jobs": jobs, "traces": results}
+    if hbm_drift:
+        from tierstore.bench.hbm import drift_trace, run_hbm_drift
+        kw = dict(n_ids=200_000, steps=480, batch=1500, topic_steps=60) if quick else {}
+        report["hbm_drift"] = run_hbm_drift(drift_trace(seed=seed, **kw))
+    report["seconds"] = time.perf_counter() - t0
     (out / "cache.json").write_text(json.dumps(report, indent=1, default=float))
     plot(report, out / "cache.png")
     return report
+
+
+class _Inline:
+    """A one-process stand-in for ProcessPoolExecutor (jobs=1)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        f = Future()
+        f.set_result(fn(*args))
+        return f
 
 
 def plot(report: dict, path: Path) -> None:
@@ -151,10 +239,11 @@ def plot(report: dict, path: Path) -> None:
     traces = report["traces"]
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
     for ax, (name, res) in zip(axes[0], traces.items()):
+        frac = {s: r / res["n_ids"] for s, r in res.get("rows", {}).items()}  # row counts plot as fractions
         for policy, by_size in res["hit_ratio"].items():
-            xs = sorted(by_size)
+            xs = sorted(by_size, key=lambda x: frac.get(x, x))
             style = {"linewidth": 2.5} if policy.startswith("ours") else {"linestyle": "--" if policy == "Belady" else "-"}
-            ax.plot(xs, [by_size[x] for x in xs], marker="o", label=policy, **style)
+            ax.plot([frac.get(x, x) for x in xs], [by_size[x] for x in xs], marker="o", label=policy, **style)
         ax.set_xscale("log")
         ax.set_xlabel("cache size (fraction of table rows)")
         ax.set_ylabel("hit ratio")
@@ -166,11 +255,16 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(report: dict, size: float = 0.01) -> str:
-    """One line per trace: hit ratios at one cache size, ours first."""
+def summary(report: dict, size: float | None = None) -> str:
+    """One line per trace: hit ratios at one cache size (default 0.01, else the middle one)."""
     lines = []
+    sizes = report.get("sizes") or [0.01]
+    size = size if size is not None else (0.01 if 0.01 in sizes else sizes[len(sizes) // 2])
     for name, res in report["traces"].items():
         hr = res["hit_ratio"]
         cells = " ".join(f"{p}={hr[p][size]:.3f}" for p in hr if size in hr[p])
         lines.append(f"{name} @ {size:g}: {cells}")
+    if "hbm_drift" in report:
+        from tierstore.bench.hbm import hbm_line
+        lines.append(hbm_line(report["hbm_drift"]))
     return "\n".join(lines)

@@ -84,6 +84,31 @@ def _sidecar_stats(client) -> dict:
     return out
 
 
+_COUNTERS = ("tokens", "rows_read", "rows_fetched", "refresh_bytes", "h2d_bytes")
+
+
+def _tier_traffic(model, run, rounds: int, hbm_rows: int) -> dict:
+    """HBM hit ratio and host -> device bytes per token over `rounds` runs, with an
+    adaptive HBMCache of `hbm_rows` rows per layer (starting empty) or none."""
+    from tierstore.client.hbm_cache import HBMCache
+
+    layers = model.engram_layers.values()
+    for layer in layers:
+        layer.hbm_cache = HBMCache.from_source(layer.source, layer.table, hbm_rows, "cpu") if hbm_rows else None
+    try:
+        before = model.engram.stats()["all"]
+        for _ in range(rounds):
+            run()
+        after = model.engram.stats()["all"]
+    finally:
+        for layer in layers:
+            layer.hbm_cache = None
+    d = {k: after[k] - before[k] for k in _COUNTERS}
+    return {"hbm_rows_per_layer": hbm_rows, "hbm_hit_ratio": 1 - d["rows_fetched"] / max(1, d["rows_read"]),
+            "h2d_bytes_per_token": d["h2d_bytes"] / max(1, d["tokens"]),
+            "refresh_bytes_per_token": d["refresh_bytes"] / max(1, d["tokens"])}
+
+
 @torch.no_grad()
 def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8, rounds: int = 3,
             seed: int = 0, cache_budget_fraction: float | None = 0.25, threads: int | None = None,
@@ -152,6 +177,11 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
             "bit_exact": exact,
             "sidecar_tiers": {n: _sidecar_stats(c) for n, c in clients.items()},
         }
+        # per-tier traffic of the client: without an HBM tier, and with an adaptive one of 2% of the rows
+        model.set_source(sources.get("sidecar-cache", clients["sidecar"]))
+        hbm_rows = max(1, min(spec.rows(l) for l in spec.layer_ids) // 50)
+        res["client_tiers"] = {"no-hbm": _tier_traffic(model, forward_and_decode, rounds, 0),
+                               "hbm-adaptive": _tier_traffic(model, forward_and_decode, rounds, hbm_rows)}
         return res
     finally:
         model.set_source(local)
@@ -165,7 +195,9 @@ def summary(res: dict) -> str:
     tps, pen = res["tokens_per_s"], res["penalty_pct"]
     parts = [f"{n} {tps[n]:.0f} tok/s ({pen[n]:+.1f}%)" for n in tps]
     exact = "bit-exact" if all(res["bit_exact"].values()) else f"NOT exact: {res['bit_exact']}"
-    return "e2e: " + ", ".join(parts) + f"; outputs {exact}"
+    tiers = "".join(f"; {n}: HBM hit {t['hbm_hit_ratio']:.3f}, {t['h2d_bytes_per_token']:.0f} B/token host->device"
+                    for n, t in res.get("client_tiers", {}).items())
+    return "e2e: " + ", ".join(parts) + f"; outputs {exact}" + tiers
 
 
 def run_e2e_bench(data_dir, out_dir, *, quick: bool = False, seed: int = 0) -> dict:
@@ -175,6 +207,7 @@ def run_e2e_bench(data_dir, out_dir, *, quick: bool = False, seed: int = 0) -> d
     res = run_e2e(data_dir, batch=2 if quick else 4, seq=64 if quick else 256, decode_tokens=4 if quick else 16,
                   rounds=2 if quick else 5, seed=seed)
     res["plot"] = str(plot_e2e(res, Path(out_dir) / "e2e.png"))
-    res["units"] = {"tokens_per_s": "tokens/s", "penalty_pct": "% time vs in-process", "table_bytes": "B"}
+    res["units"] = {"tokens_per_s": "tokens/s", "penalty_pct": "% time vs in-process", "table_bytes": "B",
+                    "*_bytes_per_token": "B/token"}
     res["summary"] = summary(res)
     return res

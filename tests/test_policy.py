@@ -162,3 +162,23 @@ def test_a_request_that_fits_the_evictable_slots_is_always_served(kind, data):
     k = int(evictable.sum())
     out = arena.policy.victims(k, ~evictable)
     assert out.size == k and np.unique(out).size == k and evictable[out].all()
+
+
+@pytest.mark.parametrize("kind", ("tinylfu", "lru"))
+def test_expected_rows_outlive_others_without_pinning(kind):
+    arena = Arena(40, 1000, kind=kind)
+    arena.step(np.arange(40))  # fill
+    soon = arena.slot_of[np.arange(10)]
+    arena.policy.expect(soon)  # queued work reads ids 0..9 next
+    arena.step(np.arange(100, 120))  # 20 new rows evict 20 residents
+    assert (arena.slot_of[np.arange(10)] >= 0).all()
+    # a hint, not a pin: when every resident is expected, victims still come
+    arena.policy.expect(np.flatnonzero(arena.held >= 0))
+    arena.step(np.arange(200, 240))
+    assert (arena.slot_of[np.arange(200, 240)] >= 0).all()
+
+
+def test_expect_ignores_free_slots():
+    p = CachePolicy(8, 100)
+    p.expect(np.arange(8))  # nothing resident yet: no effect, no error
+    assert p.victims(0, np.zeros(8, np.int32)).size == 0

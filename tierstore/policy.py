@@ -232,6 +232,20 @@ class CachePolicy:
             self._where[slots] = _FREE
 
     # ---- lookahead, hot set, profile ---------------------------------------
+    def expect(self, slots: np.ndarray) -> None:
+        """Resident `slots` hold rows that queued work will read soon (prefill known ahead).
+
+        A soft hint: each gets the full CLOCK credit (`max_hits` passes in main,
+        promotion from probation), so victims() passes over them while others
+        can go; unlike a pin it never makes victims() fail. Call it each step
+        with the resident rows of the next few queued steps."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if self.config.kind == "tinylfu" and slots.size:
+            slots = slots[self._where[slots] != _FREE]
+            self._hits[slots] = max(1, self.config.max_hits)
+        elif self.config.kind == "lru" and slots.size:
+            self._last[slots] = self._clock + 1
+
     def admit_mask(self, ids: np.ndarray, victim_ids: np.ndarray) -> np.ndarray:
         """TinyLFU admission for optional (prefetch) rows: True where ids[i] is
         estimated more frequent than victim_ids[i], the row it would displace."""

@@ -43,7 +43,7 @@ def test_small_bench_is_sane(tmp_path):
     path = zipf_trace(20_000, 1.0, steps=60, batch=100, seed=3).save(tmp_path / "traces")
     report = run_cache_bench([str(path)], sizes=(0.01, 0.05), out_dir=tmp_path / "out", quick=True)
     hr = report["traces"]["zipf1"]["hit_ratio"]
-    assert set(REFERENCES) | {"ours", "ours+lookahead"} <= set(hr)
+    assert set(REFERENCES) | {"ours", "ours+lookahead", "ours+queue16"} <= set(hr)
     for size in (0.01, 0.05):
         for policy, by_size in hr.items():
             assert 0.0 < by_size[size] <= hr["Belady"][size] + 1e-9, policy
@@ -52,3 +52,105 @@ def test_small_bench_is_sane(tmp_path):
         assert hr[policy][0.05] >= hr[policy][0.01] - 0.01
     assert (tmp_path / "out" / "cache.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "cache.json").read_text())["traces"]["zipf1"]["accesses"] > 0
+
+
+def _access_log(tmp_path, name="log"):
+    """A raw access log (ids repeat within steps of 200) as a user would write it."""
+    t = zipf_trace(20_000, 1.0, steps=40, batch=100, seed=5)
+    path = tmp_path / f"{name}.npy"
+    np.save(path, np.repeat(t.ids, 2))
+    return path, t
+
+
+def test_access_trace_dedupes_each_step_and_reads_step_lengths(tmp_path):
+    from tierstore.bench.traces import access_trace
+    path, t = _access_log(tmp_path)
+    raw = np.load(path)
+    cut = access_trace(path, step_ids=200)
+    assert cut.steps == -(-raw.size // 200) and cut.n_ids == int(raw.max()) + 1
+    for i in range(cut.steps):  # first accesses only, order kept
+        want = raw[i * 200:(i + 1) * 200]
+        _, first = np.unique(want, return_index=True)
+        assert cut.step(i).tolist() == want[np.sort(first)].tolist()
+    lengths = [100] * (raw.size // 100) + [raw.size % 100]
+    np.save(tmp_path / "log.steps.npy", np.array(lengths))  # step lengths
+    by_file = access_trace(path)
+    assert by_file.steps == len(lengths) and by_file.meta["accesses_logged"] == raw.size
+    assert access_trace(path, n_ids=50_000).n_ids == 50_000
+
+
+def test_access_trace_rejects_bad_files(tmp_path):
+    from tierstore.bench.traces import access_trace
+    from tierstore.errors import InvalidArgument, NotFound
+    path, _ = _access_log(tmp_path)
+    with pytest.raises(NotFound):
+        access_trace(tmp_path / "missing.npy", step_ids=10)
+    with pytest.raises(InvalidArgument, match="--step-ids"):
+        access_trace(path)
+    np.save(tmp_path / "log.steps.npy", np.array([3, 4]))
+    with pytest.raises(InvalidArgument, match="summing to"):
+        access_trace(path)
+    np.save(tmp_path / "f.npy", np.array([0.5, 1.5]))
+    with pytest.raises(InvalidArgument, match="integer"):
+        access_trace(tmp_path / "f.npy", step_ids=1)
+    with pytest.raises(InvalidArgument, match="--rows"):
+        access_trace(path, step_ids=10, n_ids=5)
+
+
+def test_cli_replays_a_users_trace(cli, tmp_path):
+    path, _ = _access_log(tmp_path)
+    out = tmp_path / "out"
+    code, stdout, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "200",
+                            "--sizes", "0.01,400", "--jobs", "1", "--no-progress")
+    assert code == 0, err
+    assert stdout.startswith("log @ ") and "ours=" in stdout and "Belady=" in stdout
+    res = json.loads((out / "results.json").read_text())["scenarios"]["cache"]["traces"]["log"]
+    assert res["rows"] == {"0.01": 200, "400.0": 400}
+    hr = res["hit_ratio"]
+    for size in ("0.01", "400.0"):
+        assert 0 < hr["ours"][size] <= hr["Belady"][size] + 1e-9
+    assert hr["ours"]["400.0"] >= hr["ours"]["0.01"]
+    assert (out / "cache.png").stat().st_size > 10_000
+    code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--no-progress")
+    assert code == 2 and "--step-ids" in err and "Traceback" not in err
+    code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "9", "--sizes", "2.5")
+    assert code == 2 and "whole" in err
+
+
+def test_sampled_trace_shrinks_the_cache(tmp_path):
+    from tierstore.bench.cache import capacity_rows
+    t = zipf_trace(10_000, 1.0, steps=5, batch=10, seed=0)
+    assert capacity_rows(t, 0.01) == 100 and capacity_rows(t, 300) == 300
+    t.meta["sample"] = 0.1
+    assert capacity_rows(t, 0.01) == 10 and capacity_rows(t, 300) == 30
+
+
+def test_adaptive_hbm_tier_tracks_a_drifting_trace():
+    from tierstore.bench.hbm import drift_trace, hbm_line, run_hbm_drift
+    trace = drift_trace(n_ids=50_000, steps=240, batch=600, topic_steps=40, seed=1)
+    res = run_hbm_drift(trace, capacity=0.02)
+    assert len(res["windows"]) == 6 and res["capacity_rows"] == 1000
+    for w in res["windows"][1:]:  # after the first window the cache has adapted
+        assert w["adaptive"] > w["static_prev"]
+        assert w["adaptive"] > w["static"] - 0.05
+        assert w["refresh_bytes_per_step"] <= 16 << 20
+    assert "adaptive" in hbm_line(res)
+    frozen = run_hbm_drift(trace, capacity=0.02, refresh_bytes=0)
+    assert all(w["adaptive"] == 0 for w in frozen["windows"])  # an empty cache that never adapts
+
+
+def test_two_levels_report_every_tier():
+    from tierstore.bench.two_level import run_two_level
+    rng = np.random.default_rng(0)
+    words = [" ".join(f"w{int(x)}" for x in rng.zipf(1.3, 400) % 300) for _ in range(12)]
+    tok = lambda s: np.array([int(w[1:]) for w in s.split()], dtype=np.int64)  # noqa: E731
+    hash_fn = lambda t: np.stack([t, (t * 31 + np.roll(t, 1)) % 20_000], axis=1)  # noqa: E731
+    traces = [text_trace(hash_fn, 20_000, tokenize=tok, texts=words, streams=2, tokens_per_step=4, seed=s)
+              for s in (0, 1)]
+    blind = run_two_level(traces, hbm=100, dram=400)
+    coop = run_two_level(traces, hbm=100, dram=400, cooperative=True)
+    for r in (blind, coop):
+        assert 0 < r["hbm_hit_ratio"] < 1 and 0 < r["dram_hit_ratio"] < 1
+        assert abs(r["fast_tiers_hit_ratio"] + r["nvme_share"] - 1) < 1e-9
+    assert blind["hbm_hit_ratio"] == coop["hbm_hit_ratio"]  # DRAM never changes what HBM holds
+    assert blind["dram_slots_given_back"] == 0

@@ -85,3 +85,80 @@ def test_bad_input(src):
         cache.seed([1, 2], np.zeros((2, 8), np.uint8))
     with pytest.raises(SpecMismatch, match="HBMCache holds"):
         EngramLayer(SPEC, 3, source=src, hbm_cache=cache)
+
+
+def _steps(rng, hot, n_steps, B=2, L=8):
+    """Row ids [B, L, columns] per step, drawn mostly from `hot` token ids."""
+    return [NgramHasher(SPEC).hash(rng.choice(hot, (B, L)), 1) for _ in range(n_steps)]
+
+
+def test_layer_adapts_the_cache_between_steps_without_being_asked(src):
+    rng = np.random.default_rng(0)
+    steps = _steps(rng, np.arange(5), 12)  # a small vocabulary: the same rows every step
+    cache = HBMCache(256, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=2)
+    torch.manual_seed(0)
+    plain = EngramLayer(SPEC, 1, source=src)
+    cached = EngramLayer(SPEC, 1, source=src, hbm_cache=cache)
+    cached.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        for rows in steps:
+            h = torch.randn(2, 8, 2, 32)
+            assert torch.equal(plain(h, rows), cached(h, rows))  # refreshed rows are the table's rows
+    assert cache.refreshes >= 1 and cache.resident > 0
+    st = cached.stats()
+    assert st["tokens"] == 12 * 16 and st["rows_read"] == sum(np.unique(r).size for r in steps)
+    assert 0.5 < st["hbm_hit_ratio"] < 1  # first steps miss, later ones hit
+    assert st["refresh_bytes"] == cache.stats()["refresh_bytes"] > 0
+    assert st["h2d_bytes"] == st["rows_fetched"] * SPEC.row_bytes + st["refresh_bytes"]
+    assert plain.stats()["hbm_hit_ratio"] == 0.0
+
+
+def test_refresh_traffic_is_bounded_per_step(src):
+    cache = HBMCache(64, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1, refresh_bytes=3 * SPEC.row_bytes)
+    cache.observe(np.arange(40))
+    assert cache.maybe_refresh(src) == 3  # 3 rows' bytes per observed step
+    cache.observe(np.arange(40))
+    cache.observe(np.arange(40))
+    assert cache.maybe_refresh(src) == 6 and cache.resident == 9
+    assert cache.stats()["refresh_bytes"] == 9 * SPEC.row_bytes
+    frozen = HBMCache(64, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1, refresh_bytes=0)
+    frozen.observe(np.arange(40))
+    assert frozen.maybe_refresh(src) == 0 and frozen.resident == 0
+
+
+def test_cache_follows_a_topic_change(src):
+    cache = HBMCache(20, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1, refresh_bytes=None, half_life=4)
+    for ids in [np.arange(20)] * 10 + [np.arange(100, 120)] * 10:
+        cache.lookup(ids)
+        cache.observe(ids)
+        cache.maybe_refresh(src)
+    assert (cache.lookup(np.arange(100, 120), count=False) >= 0).all()
+
+
+def test_attachment_reports_per_tier_stats(src):
+    from torch import nn
+
+    from tierstore.client.attach import attach_engram
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
+
+        def forward(self, input_ids):
+            h = torch.zeros(*input_ids.shape, 2, 32)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    model = Model()
+    cache = HBMCache(512, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1)
+    att = attach_engram(model, SPEC, src, {1: "blocks.0", 3: "blocks.1"}, hbm_cache={1: cache})
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randint(0, 5, (2, 8)))
+    st = att.stats()
+    assert st["all"]["tokens"] == 4 * 16 and st[1]["hbm_hit_ratio"] > 0 == st[3]["hbm_hit_ratio"]
+    assert st["all"]["h2d_bytes"] == st[1]["h2d_bytes"] + st[3]["h2d_bytes"]
+    assert st["all"]["h2d_bytes_per_token"] > 0
+    att.detach()

@@ -3,6 +3,7 @@
     tierstore bench lookup --data DIR --out OUT [--table T] [--batches ...] [--dists ...] [--quick]
     tierstore bench cold   --data DIR --out OUT [--quick]
     tierstore bench cache  --out OUT [--quick]          (cache-policy simulation)
+    tierstore bench cache  --out OUT --trace FILE.npy [--step-ids N] [--sizes 0.005,0.01,50000] [--rows N]
     tierstore bench hash   --out OUT [--quick]          (hashing vs plain numpy)
     tierstore bench e2e    --data DIR --out OUT [--quick]
     tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
@@ -60,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cold.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
     cache = sub.add_parser("cache", help="cache-policy hit ratios on synthetic and real-text traces")
     _common(cache, data=False)
+    cache.add_argument("--trace", action="append", metavar="FILE",
+                       help="replay your own access log: .npy of int64 row ids in access order (repeatable)")
+    cache.add_argument("--step-ids", type=int, metavar="N",
+                       help="cut --trace into steps of N accesses (default: FILE.steps.npy of step lengths)")
+    cache.add_argument("--sizes", type=_csv(float), metavar="S,...",
+                       help="cache sizes: fractions of the table's rows (< 1) or row counts (default 0.001,0.01,0.1)")
+    cache.add_argument("--rows", type=int, help="rows in the traced table (default FILE.json n_ids, else max id + 1)")
+    cache.add_argument("--jobs", type=int, help="processes for the reference policies (default: CPU count)")
     hsh = sub.add_parser("hash", help="n-gram hashing throughput vs a plain numpy implementation")
     _common(hsh, data=False)
     hsh.add_argument("--preset", default="deepseek-v4.1-flash")
@@ -164,7 +173,13 @@ def _run_one(name: str, args) -> int:
             return _missing(name, "tierstore.bench.cache.run_cache_bench", out, seed, started)
         from tierstore.bench import cache as cache_mod
 
-        res = fn(out_dir=out, seed=seed, quick=quick)
+        kw = {"sizes": args.sizes} if getattr(args, "sizes", None) else {}
+        kw["hbm_drift"] = not getattr(args, "trace", None)  # the HBM-tier cell runs with the built-in traces
+        if getattr(args, "trace", None):
+            from tierstore.bench.traces import access_trace
+
+            kw["trace_paths_or_kinds"] = [access_trace(t, args.step_ids, args.rows) for t in args.trace]
+        res = fn(out_dir=out, seed=seed, quick=quick, jobs=getattr(args, "jobs", None), log=_log, **kw)
         res["summary"] = cache_mod.summary(res).replace("\n", " | ")
     elif name == "hash":
         fn = _optional("tierstore.bench.hash", "run_hash_bench", "hash")
