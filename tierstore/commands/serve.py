@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
+    p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store "
+                   "(record them with `tierstore fetch-manifest`)")
+    p.add_argument("--metadata", help="Mooncake metadata URL (with --remote)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -49,7 +52,7 @@ def run(args) -> int:
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
-        profile=args.profile)
+        profile=args.profile, remote=args.remote, metadata=args.metadata)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
