@@ -73,3 +73,21 @@ def test_master_down_is_unavailable_within_bounded_time(published, cluster):
     with pytest.raises(Unavailable, match="master does not answer|no replica answers"):
         reader.read_rows([0, 1500])
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.reliability
+def test_recovery_when_the_master_returns(published, cluster, data_dir):
+    store, reader, data = published
+    cluster.stop_master()
+    cluster.start_master()  # same ports; a non-HA master comes back empty
+    deadline = time.monotonic() + 30
+    while True:  # store processes re-mount their segments on their next heartbeat
+        try:
+            _, done = publish(store, data_dir, "emb", replicas=2)
+            break
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert done
+    assert np.array_equal(reader.read_rows(np.arange(len(data))), data)
