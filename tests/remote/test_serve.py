@@ -43,9 +43,13 @@ def test_both_hosts_serve_bit_exact_rows(two_hosts):
 def test_no_remote_flag_and_no_rows_is_a_clear_error(two_hosts):
     _, host_b, _, _ = two_hosts
     sc = SidecarProcess(host_b, dram_budget="64MiB")
-    with pytest.raises(Exception):
-        sc.start()
-    sc.cleanup()
+    try:
+        with pytest.raises(Exception):
+            sc.start()
+        assert "segment" in sc.log() and "missing" in sc.log()
+        assert "Traceback" not in sc.log()
+    finally:
+        sc.cleanup()
 
 
 @pytest.mark.reliability
