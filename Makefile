@@ -12,7 +12,7 @@ STAMP := $(VENV)/.tierstore-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv run test test-slow test-reliability proto bench demo clean distclean
+.PHONY: remote-deps venv run test test-slow test-reliability proto bench demo clean distclean
 
 venv: $(STAMP)
 
@@ -31,7 +31,18 @@ $(STAMP): pyproject.toml
 	  $(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PIP) install -q $(FIND_LINKS) -e ".[dev,bench]"
+	$(MAKE) --no-print-directory remote-deps
 	touch $(STAMP)
+
+# Mooncake Store for the remote tier (optional: without it the remote tests skip and say why).
+remote-deps:
+	-$(PIP) install -q $(FIND_LINKS) -e ".[remote]" || echo "mooncake unavailable: remote tests will skip"
+	@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) \
+	      || echo "libibverbs1 not installed: remote tests will skip"; \
+	  else echo "libibverbs1 missing (needs root and apt): remote tests will skip"; fi; \
+	fi
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tierstore.commands.demo", "end-to-end demo: sidecar + model forward pass vs in-process table"),
     "bench": ("tierstore.commands.bench", "storage benchmarks against simple alternatives"),
     "profile": ("tierstore.commands.profile", "build a frequency profile (hot set) from token traces"),
+    "publish": ("tierstore.commands.publish", "publish a table version to Mooncake Store (shared remote tier)"),
+    "fetch-manifest": ("tierstore.commands.fetch_manifest", "record a version published in Mooncake in a local catalog"),
     "audit": ("tierstore.commands.audit", "compare execution paths of a model served by tierstore"),
 }
 

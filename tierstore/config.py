@@ -65,6 +65,8 @@ class ServeConfig:
     policy: str = "tinylfu"
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
+    remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
+    metadata: str | None = None         # Mooncake metadata URL (with remote)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -106,6 +108,11 @@ class ServeConfig:
             raise ValueError(f"--metrics-port must be a TCP port 1..65535, got {self.metrics_port}")
         if not 0 < self.max_request_ids <= MAX_REQUEST_IDS:
             raise ValueError(f"max_request_ids must be in 1..{MAX_REQUEST_IDS}")
+        if bool(self.remote) != bool(self.metadata):
+            raise ValueError("--remote mooncake://HOST:PORT and --metadata URL go together")
+        if self.remote:
+            from tierstore.mooncake import parse_master
+            parse_master(self.remote)
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"data directory {self.data_dir} does not exist; create a table first "
                                     f"(tierstore demo-table / tierstore ingest)")

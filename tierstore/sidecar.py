@@ -55,6 +55,7 @@ class Sidecar:
         self._served_fds: dict[int, int] = {}  # id(engine) -> fd holding the version dir's shared flock
         self._prefetcher = None
         self._prefetch_pending = 0
+        self._mooncake = None  # one Mooncake client for every remote table (--remote)
         try:
             stale = self._take_stale_files()
             self.leases = LeaseTable(config.max_leases, max_per_client=config.max_leases_per_client,
@@ -124,7 +125,7 @@ class Sidecar:
         """An engine for version v, its arena loaded and published (verified throughout)."""
         full, slots = self._layout(v, versions)
         checksums = self.catalog.checksums(v.table, v.version)
-        reader = SegmentReader(self.config.data_dir, v, checksums, **self._reader_options())
+        reader = self._reader(v, checksums)
         path = reuse if (reuse is not None and full) else self._new_name(f"{v.table}.v{v.version}")
         try:
             arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full)
@@ -160,6 +161,17 @@ class Sidecar:
                  v.table, v.version, "full" if full else "cache", slots, v.row_bytes,
                  slots * v.row_bytes / 2**20, time.monotonic() - t0)
         return engine
+
+    def _reader(self, v, checksums):
+        """Local segments when this host has them; else, with --remote, the published copy."""
+        if self.config.remote and not all((self.config.data_dir / s).is_file() for s in v.segments):
+            from tierstore.mooncake import connect
+            from tierstore.tiers.remote import RemoteReader
+            if self._mooncake is None:
+                self._mooncake = connect(self.config.remote, self.config.metadata)
+            log.info("table %s v%d: no local rows; reading from Mooncake %s", v.table, v.version, self.config.remote)
+            return RemoteReader(self._mooncake, v, checksums)
+        return SegmentReader(self.config.data_dir, v, checksums, **self._reader_options())
 
     def _reader_options(self) -> dict:
         return {"direct_io": True} if self.config.direct_io else {}
@@ -293,3 +305,6 @@ class Sidecar:
             self.leases.close()
         if self.catalog is not None:
             self.catalog.close()
+        if self._mooncake is not None:
+            self._mooncake.close()
+            self._mooncake = None
