@@ -64,6 +64,7 @@ class ServeConfig:
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "tinylfu"
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
+    record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
     remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
     metadata: str | None = None         # Mooncake metadata URL (with remote)

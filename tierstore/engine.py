@@ -70,7 +70,7 @@ class _FillFailed(Exception):
 
 class TableEngine:
     def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool, policy_config=None,
-                 profile=None):
+                 profile=None, recorder=None):
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
@@ -84,6 +84,7 @@ class TableEngine:
         self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
         self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
+        self.recorder = recorder                      # tierstore.trace_recorder.TraceRecorder (serve --record-trace)
         self.retired = False                          # replaced by another version; freed when unleased
         self._active = 0                              # plans running now (a retired engine waits for them)
         if not full:
@@ -129,6 +130,8 @@ class TableEngine:
         ids = self.check_ids(ids)
         if self.bad_blocks.size:
             self._refuse_bad_blocks(ids)
+        if self.recorder is not None and ids.size:
+            self.recorder.record(self.table, np.unique(ids), n_ids=self.rows)
         if self.full or ids.size == 0:  # nothing to pin: no lease to hold or leak
             self.counters.plans += 1
             self.counters.hits += ids.size

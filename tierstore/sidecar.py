@@ -54,6 +54,10 @@ class Sidecar:
         self._profile = None
         self._served_fds: dict[int, int] = {}  # id(engine) -> fd holding the version dir's shared flock
         self._prefetcher = None
+        self.recorder = None
+        if config.record_trace:
+            from tierstore.trace_recorder import TraceRecorder
+            self.recorder = TraceRecorder(config.record_trace)
         self._prefetch_pending = 0
         self._mooncake = None  # one Mooncake client for every remote table (--remote)
         try:
@@ -137,7 +141,7 @@ class Sidecar:
             if not full and self._profile is not None and v.table in self._profile.ids:
                 profile = (self._profile.ids[v.table], self._profile.counts[v.table])
             from tierstore.policy import PolicyConfig
-            engine = TableEngine(v, reader, arena, leases=self.leases, full=full,
+            engine = TableEngine(v, reader, arena, leases=self.leases, full=full, recorder=self.recorder,
                                  policy_config=None if full else PolicyConfig(kind=self.config.policy),
                                  profile=profile)
             t0 = time.monotonic()
@@ -305,6 +309,8 @@ class Sidecar:
             self.leases.close()
         if self.catalog is not None:
             self.catalog.close()
+        if self.recorder is not None:
+            self.recorder.close()
         if self._mooncake is not None:
             self._mooncake.close()
             self._mooncake = None

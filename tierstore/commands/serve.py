@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
+    p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
+                   "`tierstore bench cache --trace`)")
     p.add_argument("--direct-io", action="store_true", default=None,
                    help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
     p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store "
@@ -58,7 +60,7 @@ def run(args) -> int:
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
-        profile=args.profile, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata)
+        profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
