@@ -66,12 +66,13 @@ def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
     res = run_cold_bench(None, tmp_path / "out", table_bytes=4 << 20, batch=1024, rounds=2, rows_per_pass=3072,
                          slack_bytes=16 << 20, progress=False, log=lambda *_: None)
     comps = res["competitors"]
-    assert set(comps) == {"dram", "tierstore-cold", "mmap-cold"}
+    assert {"dram", "tierstore-cold", "mmap-cold"} <= set(comps) <= {"dram", "tierstore-cold", "tierstore-direct",
+                                                                      "mmap-cold"}
     assert res["dram_budget_bytes"] == res["table_bytes"] // 4
     assert 0.0 <= comps["tierstore-cold"]["hit_ratio"] <= 1.0
     for name, d in comps.items():
         assert d["rows_per_s"] > 0 and d["ratio_vs_dram"] > 0, name
-    assert set(res["cold_start"]) == {"tierstore-cold", "mmap-cold"}
+    assert {"tierstore-cold", "mmap-cold"} <= set(res["cold_start"])
     assert "fadvise" in res["page_cache_drop"]
     mem = res["memory_limits"]
     assert mem["cgroup"] in ("v1", "v2") or mem["reason"]
