@@ -440,7 +440,7 @@ class Client:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new one")
+            raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new Client")
 
     def _release_async(self, lease_id: int, fast: bool = False) -> None:
         if self._closed:
