@@ -10,7 +10,7 @@ import numpy as np
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
 
-__all__ = ["Tier", "check_ids", "check_out"]
+__all__ = ["Tier", "check_ids", "check_out", "gather_by_block"]
 
 
 def check_ids(ids, rows: int, table: str) -> np.ndarray:
@@ -47,6 +47,25 @@ def check_out(out, n: int, row_bytes: int) -> np.ndarray:
         raise InvalidArgument(f"out must be a writable C-contiguous uint8 array of shape ({n}, {row_bytes}), "
                               f"got {dtype} {shape}")
     return out
+
+
+def gather_by_block(flat: np.ndarray, block_rows: int, row_bytes: int, group: int, read_blocks, put) -> None:
+    """Read the blocks holding rows `flat` (any order, duplicates fine) `group` blocks at a
+    time and hand the rows on: read_blocks(sorted unique blocks, scratch uint8) fills
+    block j at j * block_rows rows; put(sel, rows) stores rows for flat[sel]."""
+    blocks = flat // block_rows
+    ub = np.unique(blocks)
+    pos = np.searchsorted(ub, blocks)
+    order = np.argsort(pos, kind="stable")
+    sorted_pos = pos[order]
+    scratch = np.empty(min(len(ub), group) * block_rows * row_bytes, dtype=np.uint8)
+    grid = scratch.reshape(-1, row_bytes)  # scratch as rows: block j, row r at j*block_rows + r
+    for a in range(0, len(ub), group):
+        b = min(a + group, len(ub))
+        read_blocks(ub[a:b], scratch)
+        lo, hi = np.searchsorted(sorted_pos, [a, b])
+        sel = order[lo:hi]
+        put(sel, grid[(sorted_pos[lo:hi] - a) * block_rows + flat[sel] % block_rows])
 
 
 class Tier:

@@ -34,7 +34,7 @@ import xxhash
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers import rowsum
-from tierstore.tiers.base import Tier, check_ids, check_out
+from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
 from tierstore.tiers.direct_io import _Scratch, pread_rows, thread_buffer
 
 log = logging.getLogger(__name__)
@@ -429,22 +429,9 @@ class SegmentReader(Tier):
         return thread_buffer(_PREAD_SCRATCH, nbytes)
 
     def _read_rows_by_block(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
-        blocks = flat // self.block_rows
-        ub = np.unique(blocks)
-        pos = np.searchsorted(ub, blocks)
-        order = np.argsort(pos, kind="stable")
-        sorted_pos = pos[order]
-        g = self._group_blocks()
-        scratch = np.empty(min(len(ub), g) * self._block_bytes, dtype=np.uint8)
-        grid = scratch.reshape(-1, self.row_bytes)  # scratch as rows: block j, row r at j*block_rows + r
-        mv = memoryview(scratch)
-        for a in range(0, len(ub), g):
-            b = min(a + g, len(ub))
-            self._read_blocks(ub[a:b], mv)
-            lo, hi = np.searchsorted(sorted_pos, [a, b])
-            sel = order[lo:hi]
-            local = (sorted_pos[lo:hi] - a) * self.block_rows + flat[sel] % self.block_rows
-            out[sel] = grid[local]
+        gather_by_block(flat, self.block_rows, self.row_bytes, self._group_blocks(),
+                        lambda blocks, scratch: self._read_blocks(blocks, memoryview(scratch)),
+                        lambda sel, rows: out.__setitem__(sel, rows))
         return out
 
     def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:

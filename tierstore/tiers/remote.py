@@ -25,7 +25,7 @@ import xxhash
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument, Unavailable
 from tierstore.publish import block_keys
-from tierstore.tiers.base import Tier, check_ids, check_out
+from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
 
 __all__ = ["RemoteReader"]
 
@@ -111,20 +111,7 @@ class RemoteReader(Tier):
 
     def _gather(self, flat: np.ndarray, put) -> None:
         """Fetch the blocks of ids `flat`, group by group; put(sel, rows) stores rows for flat[sel]."""
-        blocks = flat // self.block_rows
-        ub = np.unique(blocks)
-        pos = np.searchsorted(ub, blocks)
-        order = np.argsort(pos, kind="stable")
-        sorted_pos = pos[order]
-        g = self._group_blocks()
-        scratch = np.empty(min(len(ub), g) * self._block_bytes, dtype=np.uint8)
-        grid = scratch.reshape(-1, self.row_bytes)
-        for a in range(0, len(ub), g):
-            b = min(a + g, len(ub))
-            self._read_blocks(ub[a:b], scratch)
-            lo, hi = np.searchsorted(sorted_pos, [a, b])
-            sel = order[lo:hi]
-            put(sel, grid[(sorted_pos[lo:hi] - a) * self.block_rows + flat[sel] % self.block_rows])
+        gather_by_block(flat, self.block_rows, self.row_bytes, self._group_blocks(), self._read_blocks, put)
 
     # ---- public reads (SegmentReader's interface) ------------------------------
     def read_rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
