@@ -33,6 +33,7 @@ from tierstore.leases import LeaseTable
 from tierstore.slots import FILLING, READY, Fill, SlotTable
 from tierstore.tiers.base import check_ids
 from tierstore.tiers.dram import Arena
+from tierstore.tiers.fused import unique_inverse, warm
 from tierstore.verifier import VerifyCounters
 
 __all__ = ["TableEngine", "PlanResult", "Counters"]
@@ -97,6 +98,7 @@ class TableEngine:
                 self.policy.load_profile(*profile)
             self._fills: dict[int, Fill] = {}
             self._fill_ids = itertools.count(1)
+            warm()  # compile the miss path's kernels now (or load them), not on the first Plan
 
     # ---- loading ------------------------------------------------------------
     def load_full(self, chunk_rows: int = 1 << 16, progress=None) -> None:
@@ -139,7 +141,7 @@ class TableEngine:
         if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
             uniq, inverse = ids, None  # already sorted and unique (EngramLayer dedupes): skip the sort
         else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
+            uniq, inverse = unique_inverse(ids)
         with self._lock:
             self._active += 1
         try:

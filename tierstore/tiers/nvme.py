@@ -35,6 +35,7 @@ from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers import rowsum
 from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
+from tierstore.tiers.fused import kernels, place_verified
 from tierstore.tiers.direct_io import _Scratch, pread_rows, thread_buffer
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ PARALLEL_MIN_RUNS = 32
 # for every row, so it uses more tasks.
 CHUNK_BYTES = 256 << 10
 ROW_TASKS, ROWS_PER_TASK = 16, 512
+# compiled (tiers/fused.py), a cached row is placed and verified in ~60 ns: a pool
+# hand-off (~50 µs here) pays off only for tasks of many thousands of rows
+COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 _POOL = None
 _POOL_LOCK = threading.Lock()
@@ -98,7 +102,7 @@ class _Tls(threading.local):
     buf: np.ndarray | None = None
 
 
-_TLS, _TLS2, _PREAD_SCRATCH = _Tls(), _Tls(), _Scratch()
+_TLS, _PREAD_SCRATCH = _Tls(), _Scratch()
 PAGE_SHIFT = 12
 
 
@@ -321,7 +325,8 @@ class SegmentReader(Tier):
         deep = cold * 4 > n
         chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
         chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
-        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else (ROWS_PER_TASK, ROW_TASKS)
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
+            (COMPILED_ROWS_PER_TASK if kernels() is not None else ROWS_PER_TASK, ROW_TASKS)
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
         if k > 1:
@@ -386,44 +391,44 @@ class SegmentReader(Tier):
         index of the first bad row or -1, why)."""
         s, src, a, b = task
         local = ids[a:b] - s * self.version.segment_rows
-        tmp = _scratch(b - a, self.row_bytes)
         if self.direct is None:
-            nbytes, short = self._fetch_buffered(s, src, local, tmp)
-        else:
-            nbytes, short = self.direct.read_rows(s, local, tmp)
+            return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
+        tmp = _scratch(b - a, self.row_bytes)
+        nbytes, short = self.direct.read_rows(s, local, tmp)
         if short >= 0:
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
-        ok = rowsum.row_sums(tmp, ids[a:b]) == self.row_sums[ids[a:b]]
-        dest[slots[a:b]] = tmp
-        if not ok.all():
-            return nbytes, a + int(np.argmin(ok)), ""
-        return nbytes, -1, ""
+        bad = place_verified(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b], self.row_sums)
+        return nbytes, (a + bad if bad >= 0 else -1), ""
 
-    def _fetch_buffered(self, s: int, src, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+    def _fill_buffered(self, s: int, src, local: np.ndarray, ids, dest, slots, a: int, b: int) -> tuple[int, int, str]:
         """Page-cache mode: rows on pages this reader has read before come from its
         map (a gather: no syscall once mapped); rows on pages it has not are
         pread (a page fault on a cold page would wait for the device one at a
         time per thread, and a first touch of a cached page costs a few us too),
-        after which their pages count as seen."""
+        after which their pages count as seen. Every row is placed and verified
+        in one pass (tiers/fused.py)."""
         view, seen = src
         pages = local * self.row_bytes >> PAGE_SHIFT
         warm = seen[pages]
-        nbytes, short = 0, -1
         if warm.all():
-            np.take(view, local, axis=0, out=out)
-            return out.nbytes, -1
+            bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
+            return local.size * self.row_bytes, (a + bad if bad >= 0 else -1), ""
         cold = np.flatnonzero(~warm)
-        got = out if cold.size == local.size else _scratch(cold.size, self.row_bytes, _TLS2)
+        got = _scratch(cold.size, self.row_bytes)
         nbytes, short = pread_rows(self._fds[s], local[cold], self.row_bytes, 1, got, self._pread_buffer)
         if short >= 0:
-            return nbytes, int(cold[short])
-        if got is not out:
-            out[cold] = got
+            return nbytes, a + int(cold[short]), f"segment {self.version.segments[s]} is truncated"
+        bad = place_verified(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold], self.row_sums)
+        if bad >= 0:
+            return nbytes, a + int(cold[bad]), ""
+        seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
+        if cold.size < local.size:
             hot = np.flatnonzero(warm)
-            out[hot] = view[local[hot]]
+            bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
             nbytes += hot.size * self.row_bytes
-        seen[pages] = True  # racy between threads, harmless: a page read twice
-        return nbytes, -1
+            if bad >= 0:
+                return nbytes, a + int(hot[bad]), ""
+        return nbytes, -1, ""
 
     def _pread_buffer(self, nbytes: int) -> np.ndarray:
         return thread_buffer(_PREAD_SCRATCH, nbytes)

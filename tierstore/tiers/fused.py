@@ -1,0 +1,166 @@
+"""Compiled kernels for a Plan's hot path: place rows and verify them in one pass,
+dedupe a step's ids.
+
+A cache-mode fill copies each missing row into its arena slot and checks its
+fmix64-v1 sum (tiers/rowsum.py). In numpy that is a gather into scratch, six
+passes of hashing over it and a scatter into the arena, each a few µs of call
+overhead plus a trip through memory; a step of 100 misses spends most of its
+time there. Compiled (numba), one loop reads each row once, hashes its words as
+it copies them and compares the sum: ~50 ns a row, no temporaries, no GIL.
+
+numba is a dependency, but a platform without a wheel must still serve:
+`kernels()` is None there and callers keep the numpy path (the reference the
+tests compare the compiled one with). Compilation is cached on disk; the
+first cache-mode engine of a process warms it (`warm()`), not its first Plan.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from tierstore.tiers import rowsum
+
+__all__ = ["kernels", "place_verified", "unique_inverse", "warm"]
+
+_LOCK = threading.Lock()
+_KERNELS: dict = {}
+
+
+def kernels():
+    """The compiled kernels (a namespace with `place`), or None without numba
+    (or with TIERSTORE_NO_JIT=1: the numpy reference path)."""
+    if "k" not in _KERNELS:
+        with _LOCK:
+            if "k" not in _KERNELS:
+                _KERNELS["k"] = None if os.environ.get("TIERSTORE_NO_JIT") == "1" else _compile()
+    return _KERNELS["k"]
+
+
+def _compile():
+    try:
+        import numba
+    except ImportError:
+        return None
+    m1, m2, seed = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
+    s29, s32 = np.uint64(29), np.uint64(32)
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def place(src, local, ids, dest, slots, sums, skeys, kkeys):
+        """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
+        sums[ids[i]]; the index of the first row whose sum differs, or -1."""
+        words = src.shape[1]
+        for i in range(local.shape[0]):
+            r, d = local[i], slots[i]
+            acc = np.uint64(0)
+            for j in range(words):
+                w = src[r, j]
+                dest[d, j] = w
+                x = (w ^ skeys[j]) * m1
+                x = (x ^ (x >> s29)) * kkeys[j]
+                acc += x ^ (x >> s32)
+            x = (np.uint64(ids[i]) ^ seed) * m1
+            x = (x ^ (x >> s29)) * m2
+            acc += x ^ (x >> s32)
+            if acc != sums[ids[i]]:
+                return i
+        return -1
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def unique_inverse(ids):
+        """np.unique(ids, return_inverse=True) by hashing first: only the distinct
+        ids are sorted (a Zipf step repeats its hot ids many times)."""
+        n = ids.shape[0]
+        size = 16
+        while size < 2 * n:
+            size <<= 1
+        mask = size - 1
+        table = np.full(size, -1, np.int64)  # open addressing: index into uniq
+        uniq = np.empty(n, np.int64)
+        inv = np.empty(n, np.int64)
+        m = 0
+        for i in range(n):
+            x = ids[i]
+            h = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
+            while True:
+                t = table[h]
+                if t < 0:
+                    table[h] = m
+                    uniq[m] = x
+                    inv[i] = m
+                    m += 1
+                    break
+                if uniq[t] == x:
+                    inv[i] = t
+                    break
+                h = (h + 1) & mask
+        u = uniq[:m]
+        order = np.argsort(u)
+        rank = np.empty(m, np.int64)
+        for j in range(m):
+            rank[order[j]] = j
+        for i in range(n):
+            inv[i] = rank[inv[i]]
+        return u[order], inv
+
+    class K:
+        pass
+
+    K.place, K.unique_inverse = place, unique_inverse
+    return K
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ids, index of each id in them): np.unique(ids, return_inverse=True)."""
+    k = kernels()
+    if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
+        return k.unique_inverse(ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return uniq, inv.reshape(-1)
+
+
+def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
+                   sums: np.ndarray) -> int:
+    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[ids[i]].
+
+    src, dest: uint8 [*, B], rows contiguous; local, ids, slots: int64 [n].
+    Returns the index of the first row that fails verification, or -1 (rows
+    after a failure may not have been copied: the caller discards the call).
+    """
+    k = kernels()
+    b = src.shape[1]
+    if k is not None and b % 8 == 0 and src.strides[1] == 1 and dest.strides[1] == 1 \
+            and src.strides[0] % 8 == 0 and dest.strides[0] % 8 == 0:
+        s, kk = rowsum._keys(b // 8)
+        return int(k.place(_words(src), local, ids, _words(dest), slots, sums, s, kk))
+    rows = src[local]
+    ok = rowsum.row_sums(rows, ids) == sums[ids]
+    dest[slots] = rows
+    return -1 if ok.all() else int(np.argmin(ok))
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    """uint8 [n, B] (B % 8 == 0, rows 8-byte aligned) as uint64 [n, B / 8] over the same memory."""
+    if a.shape[0] == 0:
+        return np.empty((0, a.shape[1] // 8), dtype=np.uint64)
+    if a.flags.c_contiguous and a.ctypes.data % 8 == 0:  # arena, segment map, scratch: the common case
+        return a.view(np.uint64)
+    if a.ctypes.data % 8:
+        raise ValueError("rows are not 8-byte aligned")
+    first = a[:, :8].view(np.uint64)  # [n, 1], the row stride kept
+    return np.lib.stride_tricks.as_strided(first, shape=(a.shape[0], a.shape[1] // 8), strides=(a.strides[0], 8),
+                                           writeable=a.flags.writeable)
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the kernels now, not on a Plan."""
+    if kernels() is None:
+        return
+    src = np.zeros((2, 8), dtype=np.uint8)
+    sums = rowsum.row_sums(src, np.arange(2))
+    mapped = src.copy()
+    mapped.flags.writeable = False  # a segment's memory map is read-only: its own specialisation
+    for rows in (src, mapped):
+        place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums)
+    unique_inverse(np.arange(2))
