@@ -25,7 +25,8 @@ def _worker(a: dict) -> None:
     from tierstore.bench.workload import make_batches
     from tierstore.client.sidecar import Client
 
-    batches = make_batches(a["dist"], a["rows"], a["batch"], 64, a["seed"])
+    # one model's workers: the same rows are hot for all of them, the samples differ
+    batches = make_batches(a["dist"], a["rows"], a["batch"], 64, a["seed"], hot_seed=a["hot_seed"])
     with Client(a["sock"]) as c:
         for b in batches[:4]:  # warm-up: connect, map the arena
             with c.plan(a["table"], b) as s:
@@ -43,7 +44,7 @@ def _worker(a: dict) -> None:
 def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed: int, batch: int, dist: str) -> float:
     start = time.time() + 2.0  # every worker imports and warms up first
     procs = [subprocess.Popen([sys.executable, "-m", "tierstore.bench.concurrency", "--worker", json.dumps(dict(
-        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, start=start, seconds=seconds))],
+        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, hot_seed=seed, start=start, seconds=seconds))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/") for i in range(clients)]
     total = 0
     for p in procs:

@@ -27,8 +27,13 @@ def parse_dist(text: str) -> float | None:
     raise ValueError(f"unknown id distribution {text!r}; use 'uniform' or 'zipf<alpha>' such as zipf0.8, zipf1.2")
 
 
-def make_batches(dist: str, rows: int, batch: int, n_batches: int, seed: int = 0) -> list[np.ndarray]:
+def make_batches(dist: str, rows: int, batch: int, n_batches: int, seed: int = 0,
+                 hot_seed: int | None = None) -> list[np.ndarray]:
     """`n_batches` int64 arrays of `batch` ids in [0, rows), same seed same ids.
+
+    hot_seed picks which ids are popular (the rank -> id permutation; default:
+    `seed`). Workers of one model share it: the same n-grams are hot for all of
+    them, only the samples differ.
 
     Zipf(alpha) over ranks 1..rows is sampled by inverting its exact CDF (valid
     for any alpha > 0, unlike numpy's zipf which needs alpha > 1).
@@ -42,5 +47,6 @@ def make_batches(dist: str, rows: int, batch: int, n_batches: int, seed: int = 0
         cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -alpha)
         cdf /= cdf[-1]
         ranks = np.minimum(np.searchsorted(cdf, rng.random(total)), rows - 1)
-        ids = rng.permutation(rows).astype(np.int64)[ranks]
+        perm = rng.permutation(rows) if hot_seed is None else np.random.default_rng([hot_seed, rows]).permutation(rows)
+        ids = perm.astype(np.int64)[ranks]
     return list(ids.reshape(n_batches, batch))
