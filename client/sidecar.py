@@ -40,6 +40,7 @@ from tierstore.client.fastpath import FastPathClient
 from tierstore.fastpath import PlanItem, PlanResult, fast_socket_path
 from tierstore.leases import INDEX_MASK
 from tierstore.tiers.dram import map_readonly
+from tierstore.tiers.fused import unique_inverse
 
 if TYPE_CHECKING:
     import torch
@@ -194,9 +195,11 @@ class StepPlan:
     gathers with its own kernel calls valid() after the gather.
     """
 
-    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future, request=None):
+    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future, request=None,
+                 inverse: np.ndarray | None = None):
         self._client, self._handle, self._ids, self._future = client, handle, ids, future
         self._request = request
+        self._inverse = inverse  # the sidecar was asked for distinct ids: slot of ids[i] = reply[inverse[i]]
         self.table = handle.table
         self.lease_id = 0
         self.expires_unix_ms = 0
@@ -255,9 +258,10 @@ class StepPlan:
             self._retried = True
             fresh = self._client.plan(self.table, self._ids)
             self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
+            self._inverse = fresh._inverse
             return self._resolve(timeout)
         self.hits, self.misses = resp.hits, resp.misses
-        self._slots = slots
+        self._slots = slots if self._inverse is None else slots[self._inverse]
 
     def valid(self) -> bool:
         """True while this step's rows are its own: its lease lives (cache mode), or
@@ -290,6 +294,7 @@ class StepPlan:
         fresh = self._client.plan(self.table, self._ids)
         self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
         self._mapped, self._slots, self._error, self.lease_id = fresh._mapped, None, None, 0
+        self._inverse = fresh._inverse
 
     def release(self) -> None:
         if self._released:
@@ -532,19 +537,20 @@ class Client:
 
     def _plan_grpc(self, table: str, arr: np.ndarray, ttl_s: float | None) -> StepPlan:
         h = self.handle(table)
+        send, inverse = _distinct(arr)
         with self._lock:
             ended, self._ended = self._ended, []
-        req = pb.PlanRequest(table=table, ids=arr.tobytes(), client=self.client_name,
+        req = pb.PlanRequest(table=table, ids=send.tobytes(), client=self.client_name,
                              ttl_ms=int(ttl_s * 1000) if ttl_s else 0, release=ended, owner=self.owner,
                              request_id=next(self._request_ids))
         fut = self._stub.Plan.future(req, timeout=self.timeout, metadata=self._metadata)
-        return StepPlan(self, h, arr, fut, req)
+        return StepPlan(self, h, arr, fut, req, inverse)
 
     def plan_many(self, tables: dict, ttl_s: float | None = None) -> dict[str, StepPlan]:
         """plan() for every table of a step ({table: ids}) in one round trip on the fast
         path (one Plan RPC per cache-mode table over gRPC); returns {table: StepPlan}."""
         self._check_open()
-        out, items, arrs = {}, [], {}
+        out, items, arrs, inverses = {}, [], {}, {}
         for table, ids in tables.items():
             arrs[table] = arr = as_ids(ids)
             if not self.local:
@@ -554,7 +560,8 @@ class Client:
             if h.full_resident:
                 out[table] = StepPlan(self, h, check_ids(arr, h.rows, table), None)
             else:
-                items.append(PlanItem(table, arr, 0, int(ttl_s * 1000) if ttl_s else 0, next(self._request_ids)))
+                send, inverses[table] = _distinct(arr)
+                items.append(PlanItem(table, send, 0, int(ttl_s * 1000) if ttl_s else 0, next(self._request_ids)))
         fast = self._fast_client() if items else None
         if fast is None:
             for it in items:
@@ -562,7 +569,8 @@ class Client:
             return out
         pending = fast.submit(items)
         for k, it in enumerate(items):
-            out[it.table] = StepPlan(self, self.handle(it.table), arrs[it.table], _FastReply(pending, k))
+            out[it.table] = StepPlan(self, self.handle(it.table), arrs[it.table], _FastReply(pending, k),
+                                     inverse=inverses[it.table])
         return out
 
     def _flusher_wake(self) -> None:
@@ -666,6 +674,15 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _distinct(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ids to ask the sidecar for, inverse or None): a step's ids deduplicated here,
+    in the worker's own process, so the sidecar (one process for all workers) does
+    not sort them and replies with one slot per distinct id."""
+    if arr.size < 2 or bool((arr[1:] > arr[:-1]).all()):
+        return arr, None
+    return unique_inverse(arr)
 
 
 def _map_board(path: str, entries: int) -> np.ndarray:
