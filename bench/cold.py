@@ -2,7 +2,7 @@
 the NVMe tier through the DRAM cache, against the all-DRAM case and a
 memory-mapped file.
 
-Competitors (same ids, same table, interleaved rounds, medians):
+Competitors (same ids, same table, medians of rounds):
   dram              full-resident sidecar (the whole table in the arena)
   tierstore-cold    sidecar with a DRAM budget of 1/4 of the table (cache mode;
                     misses read through the page cache)
@@ -19,14 +19,16 @@ in the page cache (mincore), against --dram-budget.
 
 Fair memory: when a memory cgroup can be made (v2 memory.max, else v1
 memory.limit_in_bytes), mmap-cold runs in one capped at budget + slack, and the
-cache-mode sidecar is moved into one capped at slack + its heap once its arena
-(= budget) is allocated, so both hold about the same DRAM for rows and the rest
-comes from disk.
-Without a cgroup the page cache is unbounded and the results say so.
+cache-mode sidecar is moved into one capped at slack + a heap allowance once its
+arena (= budget) is allocated, so both hold about the same DRAM for rows and the
+rest comes from disk. Without a cgroup the page cache is unbounded and the
+results say so.
 
-Before each competitor's cold-start pass the segment files are dropped from
-the page cache (posix_fadvise DONTNEED); that pass is reported on its own,
-then every competitor gets a warm-up pass and the timed rounds (steady state).
+Competitors run one after another, each from a dropped page cache (posix_fadvise
+DONTNEED on the segment files): a cold-start pass, reported on its own; a
+warm-up of fresh ids (twice the arena) to the cache's steady state; then the
+timed rounds, fresh ids again. Run side by side, one competitor's page cache
+would be the other's hits.
 """
 from __future__ import annotations
 
@@ -266,7 +268,8 @@ def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0,
 def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
                    batch: int = 4096, dist: str = "zipf1.0", quick: bool = False, seed: int = 0,
                    rounds: int | None = None, rows_per_pass: int | None = None, slack_bytes: int = 32 << 20,
-                   progress: bool = True, log=print) -> dict:
+                   heap_bytes: int = 32 << 20, warmup_calls: int | None = None, progress: bool = True,
+                   log=print) -> dict:
     """Run the cold-tier scenario on a random table of `table_bytes` (default
     768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once).
 
@@ -288,10 +291,13 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     budget = int(version.nbytes * budget_fraction)
     seg_paths = [cache_dir / s for s in version.segments]
     calls = max(3, rows_per_pass // batch)
-    # fresh ids every pass (cold start, warm-up, each round): a cold tier must see the distribution's tail
-    stream = make_batches(dist, version.rows, batch, calls * (rounds + 2), seed)
-    passes = [stream[i * calls:(i + 1) * calls] for i in range(rounds + 2)]
-    ids = passes[0]
+    cap_rows = budget // version.row_bytes
+    # warm-up: twice the arena in ids, so each cache reaches its steady state before it is timed
+    warm_calls = max(calls, -(-2 * cap_rows // batch)) if warmup_calls is None else warmup_calls
+    # fresh ids everywhere (cold start, warm-up, each round): a cold tier must see the distribution's tail
+    stream = make_batches(dist, version.rows, batch, calls * (rounds + 1) + warm_calls, seed)
+    ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]
+    passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
     closers, memory, footprint = [], {}, {}
     from tierstore.tiers.direct_io import DirectFiles
     try:  # O_DIRECT where the filesystem takes it (tmpfs before Linux 6.6 does not)
@@ -317,12 +323,13 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             closers.append(dclient.close)
         child = _MmapChild(cache_dir, version, stream)
         closers.append(child.close)
-        # the sidecar's own heap (id->slot map, policy sketch: ~50 B per row) is not DRAM for rows;
-        # it is allowed on top, so both competitors get the same `slack` of page cache beyond their rows
-        heap = _rss_anon(cold.proc.pid)
-        cg_side, cg_mmap = MemoryCgroup(slack_bytes + heap), MemoryCgroup(budget + slack_bytes)
+        # A process's memory stays charged where it was allocated when the process moves
+        # to a cgroup: the sidecar's arena and start-up heap are outside its cgroup, so it
+        # is capped at `slack` of page cache plus `heap` for its heap to grow while serving
+        # (~13 MB measured), and mmap at the budget plus the same slack.
+        cg_side, cg_mmap = MemoryCgroup(slack_bytes + heap_bytes), MemoryCgroup(budget + slack_bytes)
         closers[:0] = [cg_side.close, cg_mmap.close]  # removed last, once their processes are gone
-        cg_direct = MemoryCgroup(slack_bytes + heap) if direct is not None else None
+        cg_direct = MemoryCgroup(slack_bytes + heap_bytes) if direct is not None else None
         if cg_direct is not None:
             closers[:0] = [cg_direct.close]
         if cg_side.error is None and cg_mmap.error is None:
@@ -331,9 +338,10 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             if cg_direct is not None and cg_direct.error is None:
                 cg_direct.add(direct.proc.pid)
             memory = {"cgroup": cg_side.kind,
-                      "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} + its heap {heap}",
+                      "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} page cache + {heap_bytes} heap",
                       "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
-                      "note": "page cache is shared: pages one cgroup holds are hits for the other too"}
+                      "note": "competitors run one after another, each from a dropped page cache: the pages "
+                              "one holds are not hits for the next"}
         else:
             memory = {"cgroup": None, "reason": cg_side.error or cg_mmap.error,
                       "note": "page cache unbounded: after warm-up mmap-cold and tierstore misses are served "
@@ -345,47 +353,46 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             fns["tierstore-direct"] = _Arena(dclient, "cold", piece=max(1, cap // 2)).get
             sides["tierstore-direct"] = (direct, dclient)
         at_start = {n: _proc_memory(p.proc.pid) for n, (p, _) in sides.items()}
-        # cold start: page cache dropped before each competitor's first pass; then what each
-        # cache-mode sidecar holds: its RSS and the segment pages it left in the page cache
-        cold_start, how = {}, None
-        # O_DIRECT first: pages a mapping holds survive DONTNEED and would be hits for the next
-        for name in [n for n in ("tierstore-direct", "tierstore-cold", "mmap-cold") if n in fns]:
-            how = drop_page_cache(seg_paths)
-            pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
-            lat = []
-            t0 = time.perf_counter()
-            for b in ids:
-                t = time.perf_counter()
-                fns[name](b)
-                lat.append(time.perf_counter() - t)
-            dt = time.perf_counter() - t0
-            lat_ms = np.asarray(lat) * 1e3
-            cold_start[name] = {"rows_per_s": len(ids) * batch / dt, "p50_ms": float(np.percentile(lat_ms, 50)),
-                                "p99_ms": float(np.percentile(lat_ms, 99))}
+        # rows checked against the full-resident arena (= the table, verified on load)
+        table_rows = dram.handle("cold").arena_np
+        # One competitor at a time, mmap last: page cache dropped; the cold-start pass, timed on
+        # its own; a warm-up of fresh ids to the cache's steady state; the timed rounds (fresh
+        # ids again); its rows checked; a sidecar is then stopped (pages a mapping holds
+        # survive DONTNEED: they would be the next one's hits).
+        cold_start, how, timings, stats, faults = {}, None, {}, {}, 0
+        for name in ["dram"] + [n for n in ("tierstore-direct", "tierstore-cold", "mmap-cold") if n in fns]:
+            if name != "dram":
+                how = drop_page_cache(seg_paths)
+                pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
+                cold_start[name] = _timed_pass(fns[name], ids)
+                if name in sides:
+                    footprint[name] = _footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
+            with tqdm(total=len(warm_ids) + rounds, desc=f"cold {name}", unit="step", disable=not progress,
+                      leave=False) as bar:
+                for b in warm_ids:
+                    fns[name](b)
+                    bar.update(1)
+                s0 = sides[name][1].stats()["tables"][0] if name in sides else None
+                f0 = child.faults() if name == "mmap-cold" else 0
+                timings.update(run_rounds({name: fns[name]}, [], rounds, progress=bar.update, round_batches=passes))
+                if name == "mmap-cold":
+                    faults = child.faults() - f0
+                if name in sides:
+                    stats[name] = (s0, sides[name][1].stats()["tables"][0])
+            check_same_rows(name, np.asarray((child.rows if name == "mmap-cold" else fns[name])(ids[0])),
+                            table_rows[ids[0]])
             if name in sides:
-                footprint[name] = _footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
-        # checked after the cold starts: a mapped page survives DONTNEED, so checking first would warm mmap
-        table_rows = dram.handle("cold").arena_np  # full-resident arena == the table, verified on load
-        for name, fn in [(n, child.rows if n == "mmap-cold" else f) for n, f in fns.items()]:
-            check_same_rows(name, np.asarray(fn(ids[0])), table_rows[ids[0]])
-        s0 = {n: c.stats()["tables"][0] for n, (_, c) in sides.items()}
-        f0 = child.faults()
-        with tqdm(total=rounds, desc=f"cold {dist} b={batch}", unit="round", disable=not progress, leave=False) as bar:
-            timings = run_rounds(fns, passes[1], rounds, progress=bar.update, round_batches=passes[2:])
-        faults = child.faults() - f0
+                _stop(*sides[name])
         comps = summarize(timings, len(ids) * batch, ref="dram")
         for d in comps.values():
             d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
-        for n, (proc, c) in sides.items():
-            s1 = c.stats()["tables"][0]
-            h, m = int(s1["hits"]) - int(s0[n]["hits"]), int(s1["misses"]) - int(s0[n]["misses"])
+        for n in sides:
+            s0, s1 = stats[n]
+            h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
             comps[n]["hit_ratio"] = h / (h + m) if h + m else None
-            comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0[n].get("bytes_read", 0))
-            if proc.proc.poll() is not None:
-                raise RuntimeError(f"the {n} sidecar died (killed by its {slack_bytes >> 20} MiB memory cgroup?); "
-                                   f"rerun with a larger slack:\n{proc.log()}")
-        # rows gathered = unique ids per call (as the sidecars count), warm-up pass and every round
-        gathered = sum(np.unique(b).size for p in [passes[1]] + passes[2:2 + rounds] for b in p)
+            comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
+        # rows gathered = unique ids per call (as the sidecars count), in the timed rounds
+        gathered = sum(np.unique(b).size for p in passes for b in p)
         comps["mmap-cold"]["hit_ratio"] = max(0.0, 1 - faults / gathered)
         comps["mmap-cold"]["major_faults"] = faults
         if "tierstore-direct" in comps:
@@ -401,10 +408,35 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
               "dram_budget_bytes": budget, "arena_slots": cap, "dist": dist, "batch": batch,
               "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
+              "warmup_ids": len(warm_ids) * batch, "order": "one competitor at a time, page cache dropped before each",
               "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps,
               "memory_footprint": footprint, "direct_io": no_direct or "on"}
     log(cold_line(result))
     return result
+
+
+def _stop(proc, client) -> None:
+    """Stop a cache-mode sidecar after its block; a death during it (its memory
+    cgroup killed it?) fails the bench with its log."""
+    died = proc.proc.poll() is not None
+    client.close()
+    log = proc.log() if died else ""
+    proc.cleanup()
+    if died:
+        raise RuntimeError(f"a cache-mode sidecar died during its block (killed by its memory cgroup?); "
+                           f"rerun with a larger slack:\n{log}")
+
+
+def _timed_pass(fn, batches) -> dict:
+    lat = []
+    t0 = time.perf_counter()
+    for b in batches:
+        t = time.perf_counter()
+        fn(b)
+        lat.append(time.perf_counter() - t)
+    lat_ms = np.asarray(lat) * 1e3
+    return {"rows_per_s": sum(b.size for b in batches) / (time.perf_counter() - t0),
+            "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
 
 
 def _footprint(pid: int, seg_paths, budget: int, start: dict, pinned: int = 0) -> dict:

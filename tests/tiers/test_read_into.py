@@ -113,6 +113,28 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
         assert r.verify() == [77]
 
 
+def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch):
+    """A gather that looks like it faulted (here: every gather) drops the seen pages;
+    the next reads pread them again, every row still verified."""
+    from tierstore.tiers import nvme
+
+    tv, data = make_table("t", rows=6000, row_bytes=256)
+    monkeypatch.setattr(nvme, "EVICTED_S_PER_ROW", 0.0)
+    ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
+    with _reader(data_dir, tv) as r:
+        _, seen = r._map(0)
+        pages = ids * 256 >> 12
+        for all_seen in (True, False, None):  # pread (pages seen) / gather (looked evicted: forgotten) / again
+            dest = np.zeros((1500, 256), dtype=np.uint8)
+            before = r.bytes_read
+            r.read_into(ids, dest, np.arange(1500))
+            assert np.array_equal(dest, data[ids]) and r.bytes_read - before == 1500 * 256
+            assert all_seen is None or bool(seen[pages].all()) == all_seen
+        _flip(data_dir, tv, 77, byte=3)
+        with pytest.raises(ChecksumError, match=r"row 77"):
+            r.read_into(np.array([77], dtype=np.int64), np.zeros((1, 256), np.uint8), np.array([0]))
+
+
 def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mode):
     tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=8)
     old = dataclasses.replace(tv, row_sums=None)  # as written before row checksums existed

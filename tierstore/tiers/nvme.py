@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,20 @@ class _Tls(threading.local):
 
 _TLS, _PREAD_SCRATCH = _Tls(), _Scratch()
 PAGE_SHIFT = 12
+
+
+# A page this reader has read is gathered through the map, on the guess that it is
+# still cached; under memory pressure (a table larger than the host, a cgroup) the
+# kernel evicts it and the gather takes a major fault, one at a time, inline. A
+# gather slower than this per row says so: the segment's seen flags are dropped and
+# its rows are pread again, many in flight, until the page cache keeps them.
+EVICTED_S_PER_ROW = 2e-6
+EVICTED_MIN_ROWS = 32
+
+
+def _forget_if_evicted(seen: np.ndarray, rows: int, seconds: float) -> None:
+    if rows >= EVICTED_MIN_ROWS and seconds > rows * EVICTED_S_PER_ROW:
+        seen[:] = False  # racy between threads, harmless: a page pread once more
 
 
 def _scratch(n: int, row_bytes: int, tls: _Tls = _TLS) -> np.ndarray:
@@ -411,7 +426,9 @@ class SegmentReader(Tier):
         pages = local * self.row_bytes >> PAGE_SHIFT
         warm = seen[pages]
         if warm.all():
+            t0 = time.perf_counter()
             bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
+            _forget_if_evicted(seen, local.size, time.perf_counter() - t0)
             return local.size * self.row_bytes, (a + bad if bad >= 0 else -1), ""
         cold = np.flatnonzero(~warm)
         got = _scratch(cold.size, self.row_bytes)
@@ -424,7 +441,9 @@ class SegmentReader(Tier):
         seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
         if cold.size < local.size:
             hot = np.flatnonzero(warm)
+            t0 = time.perf_counter()
             bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
+            _forget_if_evicted(seen, hot.size, time.perf_counter() - t0)
             nbytes += hot.size * self.row_bytes
             if bad >= 0:
                 return nbytes, a + int(hot[bad]), ""
