@@ -65,3 +65,45 @@ def test_master_down_misses_unavailable_hits_served(two_hosts, cluster):
             cb.lookup("emb", np.arange(ROWS - 100, ROWS))
         assert time.monotonic() - t0 < 40
         assert np.array_equal(cb.lookup("emb", hot), data[hot])
+
+
+def test_new_host_imports_serves_and_warms_into_a_local_copy(cluster, make_table, data_dir, tmp_path, cli):
+    """serve --remote --remote-table on an empty --data: manifest imported at start-up, rows
+    served bit-exact while written back; then the copy serves without Mooncake."""
+    rows = 4000
+    _, data = make_table("emb", rows=rows, row_bytes=ROW_BYTES, chunk=4096)
+    remote = ["--mooncake", cluster.master_addr, "--metadata", cluster.metadata]
+    assert cli("publish", "--data", data_dir, "--table", "emb", *remote)[0] == 0
+    host_c = tmp_path / "host-c"  # does not exist yet
+    flags = ["--remote", f"mooncake://{cluster.master_addr}", "--metadata", cluster.metadata,
+             "--remote-table", "emb"]
+    vdir = host_c / "tables" / "emb" / "v1"
+    with SidecarProcess(host_c, dram_budget="256KiB", extra_args=flags) as c, Client(c.socket, timeout=30) as cc:
+        ids = np.arange(rows)
+        for part in np.array_split(ids, 20):  # cache mode: 1,024 slots
+            assert np.array_equal(cc.lookup("emb", part), data[part])
+        assert "manifest recorded from Mooncake" in c.log() and "writing them back" in c.log()
+        deadline = time.monotonic() + 30
+        while not (vdir / "seg-00000.bin").exists():  # the final name: every block durable here
+            assert time.monotonic() < deadline, c.log()
+            time.sleep(0.05)
+        for part in np.array_split(ids[::-1], 20):
+            assert np.array_equal(cc.lookup("emb", part), data[part])
+    assert not (vdir / "blocks.present").exists()
+    with SidecarProcess(host_c, dram_budget="64MiB") as c2, Client(c2.socket, timeout=30) as cc2:
+        assert np.array_equal(cc2.lookup("emb", np.arange(rows)), data)
+        assert "Mooncake" not in c2.log()
+
+
+def test_remote_table_errors_are_clear(cluster, tmp_path, cli):
+    host = tmp_path / "host-d"
+    code, _, err = cli("serve", "--data", host, "--remote-table", "emb")
+    assert code == 2 and "--remote-table needs --remote" in err and not host.exists()
+    sock = ["--socket", tmp_path / "s.sock"]
+    code, _, err = cli("serve", "--data", host, *sock, "--remote", f"mooncake://{cluster.master_addr}",
+                       "--metadata", cluster.metadata, "--remote-table", "nope")
+    assert code == 2 and "'nope' is not published" in err
+    code, _, err = cli("serve", "--data", host, *sock, "--remote", f"mooncake://{cluster.master_addr}",
+                       "--metadata", cluster.metadata, "--remote-table", "emb@x")
+    assert code == 2 and "TABLE@VERSION" in err
+    assert not (host / "catalog").exists() and not (tmp_path / "s.sock").exists()
