@@ -56,7 +56,13 @@ def test_no_remote_flag_and_no_rows_is_a_clear_error(two_hosts):
 def test_master_down_misses_unavailable_hits_served(two_hosts, cluster):
     _, host_b, flags, data = two_hosts
     hot = np.arange(100)
+    # a --data that refuses write-back (a file where the version directory goes): every miss
+    # goes to Mooncake, as on a host whose disk is full; written-back blocks would be served
+    vdir = host_b / "tables" / "emb" / "v1"
+    vdir.parent.mkdir(parents=True)
+    vdir.write_text("not a directory")
     with SidecarProcess(host_b, dram_budget="1MiB", extra_args=flags) as b, Client(b.socket, timeout=60) as cb:
+        assert "no write-back" in b.log()
         assert np.array_equal(cb.lookup("emb", hot), data[hot])
         cluster.stop_master()
         assert np.array_equal(cb.lookup("emb", hot), data[hot])   # DRAM hits keep being served

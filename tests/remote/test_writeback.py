@@ -112,3 +112,20 @@ def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):
         assert not again.present[0]  # nor on disk
     finally:
         again.close()
+
+
+def test_written_back_blocks_serve_while_the_master_is_down(new_host, cluster):
+    from tierstore.errors import Unavailable
+
+    store, tv, sums, host_b, data = new_host
+    reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums), fill=False, retry_s=2)
+    try:
+        local = np.arange(tv.block_rows * 3)
+        reader.read_rows(local)
+        assert reader.writeback.drain()
+        cluster.stop_master()
+        assert np.array_equal(reader.read_rows(local), data[local])
+        with pytest.raises(Unavailable):
+            reader.read_rows([tv.rows - 1])
+    finally:
+        reader.close()
