@@ -47,7 +47,7 @@ def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> di
         arena = np.empty((max(map(len, batches)), tv.row_bytes), dtype=np.uint8)
         res = {}
         for name in ("first_pass", "second_pass"):
-            times, fetched, local = [], reader.bytes_read, reader.local_blocks_read
+            times, fetched, nblocks = [], reader.bytes_read, reader.blocks_fetched
             for ids in batches:
                 slots = np.arange(ids.size)
                 s = time.perf_counter(); reader.read_into(ids, arena, slots); times.append(time.perf_counter() - s)
@@ -55,7 +55,7 @@ def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> di
             asked = sum(np.unique(ids // tv.block_rows).size for ids in batches)
             res[name] = {**_stats(times, 0), "rows_per_s": rows / sum(times),
                          "mooncake_bytes": reader.bytes_read - fetched,
-                         "local_fraction": (reader.local_blocks_read - local) / asked}
+                         "local_fraction": 1 - (reader.blocks_fetched - nblocks) / asked}
             if name == "first_pass":
                 t0 = time.perf_counter()
                 reader.writeback.drain(120)

@@ -58,6 +58,11 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
     try:
         _wait(lambda: reader.local.finished)
         assert np.array_equal(reader.read_range(0, tv.rows), data)
+        fetched, ids = reader.bytes_read, np.random.default_rng(5).permutation(tv.rows)[:500]
+        assert np.array_equal(reader.read_rows(ids), data[ids])  # now the finished copy's row path
+        arena = np.zeros((500, tv.row_bytes), np.uint8)
+        reader.read_into(np.sort(ids), arena, np.arange(500)[::-1])
+        assert np.array_equal(arena[::-1], data[np.sort(ids)]) and reader.bytes_read == fetched
     finally:
         reader.close()
     vdir = host_b / "tables" / "emb" / f"v{tv.version}"

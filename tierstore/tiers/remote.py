@@ -49,8 +49,9 @@ class RemoteReader(Tier):
     fetched ones back to (a WriteBack thread; `fill` also fetches blocks no
     request asked for, so the copy completes). The reader then owns it.
 
-    Thread-safe (Mooncake's client is); `bytes_read` counts bytes fetched,
-    `local_blocks_read` blocks served from the local copy.
+    Thread-safe (Mooncake's client is); `bytes_read` and `blocks_fetched` count
+    what came from Mooncake, `local_blocks_read` blocks read from the local copy
+    (a complete copy is then read row by row through a SegmentReader).
     """
 
     def __init__(self, store, version: TableVersion, checksums: np.ndarray, *, retry_s: float = RETRY_S,
@@ -64,9 +65,10 @@ class RemoteReader(Tier):
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
         self._block_bytes = version.block_bytes
         self._lock = threading.Lock()
-        self.bytes_read = 0
+        self.bytes_read = self.blocks_fetched = 0
         self.retries = 0
         self.local, self.writeback, self.local_blocks_read = local, None, 0
+        self._done = None  # SegmentReader once the local copy is complete
         if local is not None:
             from tierstore.tiers.writeback import WriteBack
             self.writeback = WriteBack(local, self._fetch_rows, fill=fill)
@@ -125,6 +127,7 @@ class RemoteReader(Tier):
             pending = failed
         with self._lock:
             self.bytes_read += total
+            self.blocks_fetched += len(keys)
 
     def _triage(self, keys: list[str], blocks: list[int], deadline: float) -> None:
         """Decide about blocks a batch did not return: gone (DATA_LOSS), unreachable
@@ -150,12 +153,23 @@ class RemoteReader(Tier):
         """Fetch the blocks of ids `flat`, group by group; put(sel, rows) stores rows for flat[sel]."""
         gather_by_block(flat, self.block_rows, self.row_bytes, self._group_blocks(), self._read_blocks, put)
 
+    def _finished_reader(self):
+        """Once the local copy is complete: a SegmentReader on it (row-sized verified reads)."""
+        if self._done is None and self.local is not None and self.local.finished:
+            with self._lock:
+                if self._done is None:
+                    from tierstore.tiers.nvme import SegmentReader
+                    self._done = SegmentReader(self.local.data_dir, self.version, self.checksums)
+        return self._done
+
     # ---- public reads (SegmentReader's interface) ------------------------------
     def read_rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
         """Rows `ids` as uint8 [len(ids), row_bytes] in the caller's order.
         Raises IdOutOfRange, InvalidArgument, ChecksumError, Unavailable."""
         flat = check_ids(ids, self.rows, self.table)
         out = check_out(out, flat.size, self.row_bytes)
+        if self._finished_reader() is not None:
+            return self._done.read_rows(flat, out=out)
         if flat.size:
             self._gather(flat, lambda sel, rows: out.__setitem__(sel, rows))
         return out
@@ -164,6 +178,12 @@ class RemoteReader(Tier):
         """Rows `ids` straight into dest[slots] (the arena), no intermediate array."""
         flat = check_ids(ids, self.rows, self.table)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if self._finished_reader() is not None:
+            if flat.size > 1 and not np.all(flat[1:] > flat[:-1]):  # its row path wants sorted unique ids
+                dest[slots] = self._done.read_rows(flat)
+            elif flat.size:
+                self._done.read_into(flat, dest, slots)
+            return
         if flat.size:
             self._gather(flat, lambda sel, rows: dest.__setitem__(slots[sel], rows))
 
@@ -189,6 +209,8 @@ class RemoteReader(Tier):
 
     def close(self) -> None:
         # the store client is the caller's (one per sidecar, shared by tables); the local copy is ours
+        if self._done is not None:
+            self._done.close()
         if self.writeback is not None and not self.writeback.close():
             return  # its thread still holds the files: never close an fd it may write to
         if self.local is not None:
