@@ -136,7 +136,8 @@ def remote_line(r: dict) -> str:
     line = (f"remote: cache-mode misses, {s['batch']} ids/batch: NVMe {r['nvme']['rows_per_s'] / 1e3:.0f}k rows/s "
             f"(p99 {r['nvme']['p99_ms']:.1f} ms), Mooncake TCP {r['mooncake']['rows_per_s'] / 1e3:.0f}k rows/s "
             f"(p99 {r['mooncake']['p99_ms']:.1f} ms), EngramStore.lookup {r['engramstore']['rows_per_s'] / 1e3:.0f}k "
-            f"rows/s (p99 {r['engramstore']['p99_ms']:.1f} ms); Mooncake/NVMe {r['ratios']['mooncake_over_nvme']:.2f}x, "
+            f"rows/s (p99 {r['engramstore']['p99_ms']:.1f} ms); "
+            f"Mooncake/NVMe {r['ratios']['mooncake_over_nvme']:.2f}x, "
             f"ours/EngramStore {r['ratios']['mooncake_over_engramstore']:.2f}x")
     w = r.get("warmup")
     if w:

@@ -100,7 +100,7 @@ def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):
     """A write that fails between data and bitmap leaves the block absent."""
     import os
 
-    store, tv, sums, host_b, data = new_host
+    _, tv, sums, host_b, data = new_host
     local = LocalCopy(host_b, tv, sums)
     try:
         def no_sync(fd):

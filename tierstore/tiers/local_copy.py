@@ -29,7 +29,7 @@ import xxhash
 from tierstore.catalog import TableVersion, private_dirs
 from tierstore.tiers import rowsum
 
-__all__ = ["LocalCopy", "BITMAP_NAME"]
+__all__ = ["BITMAP_NAME", "LocalCopy"]
 
 log = logging.getLogger(__name__)
 BITMAP_NAME = "blocks.present"

@@ -93,7 +93,8 @@ class RemoteReader(Tier):
         need = np.flatnonzero(~have)
         if need.size:
             self._fetch(blocks[need], buf, need)
-            self.writeback.offer(blocks[need], buf[:blocks.size * self._block_bytes].reshape(-1, self._block_bytes)[need])
+            grid = buf[:blocks.size * self._block_bytes].reshape(-1, self._block_bytes)
+            self.writeback.offer(blocks[need], grid[need])  # copies: buf is reused at once
 
     def _fetch_rows(self, blocks: np.ndarray) -> np.ndarray:
         """Blocks from Mooncake as uint8 [len(blocks), block_bytes], verified (the write-back fill)."""
