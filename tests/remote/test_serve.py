@@ -90,9 +90,10 @@ def test_new_host_imports_serves_and_warms_into_a_local_copy(cluster, make_table
             assert np.array_equal(cc.lookup("emb", part), data[part])
         assert "manifest recorded from Mooncake" in c.log() and "writing them back" in c.log()
         deadline = time.monotonic() + 30
-        while not (vdir / "seg-00000.bin").exists():  # the final name: every block durable here
+        while "every block is local now" not in c.log():  # written back (and the fill did the rest)
             assert time.monotonic() < deadline, c.log()
             time.sleep(0.05)
+        assert (vdir / "seg-00000.bin").exists() and "100% of blocks local" in c.log()
         for part in np.array_split(ids[::-1], 20):
             assert np.array_equal(cc.lookup("emb", part), data[part])
     assert not (vdir / "blocks.present").exists()

@@ -44,6 +44,7 @@ class WriteBack:
         self.queue_bytes = queue_bytes
         self.written = self.dropped = self.fill_fetched = 0
         self.error: str | None = None
+        self._logged_tenth = local.n_present * 10 // local.version.n_blocks
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -114,6 +115,7 @@ class WriteBack:
                 blocks, rows = batch
                 order = np.unique(blocks, return_index=True)[1]  # a block offered twice is written once
                 self.written += local.write_blocks(blocks[order], rows[order])
+                self._progress()
             except OSError as e:
                 self.error = f"write-back to {local.dir} stopped: {e}; serving goes on from Mooncake"
                 log.warning("table %s v%d: %s", local.version.table, local.version.version, self.error)
@@ -134,6 +136,15 @@ class WriteBack:
         if self._stop.is_set():
             return
         self.written += local.write_blocks(blocks, rows)
+        self._progress()
+
+    def _progress(self) -> None:
+        """One log line per tenth of the version made local (operators watch a host warm up)."""
+        v, tenth = self.local.version, self.local.n_present * 10 // self.local.version.n_blocks
+        if tenth > self._logged_tenth:
+            self._logged_tenth = tenth
+            log.info("table %s v%d: %d%% of blocks local (%d written back, %d fetched by the fill)",
+                     v.table, v.version, tenth * 10, self.written, self.fill_fetched)
 
     def stats(self) -> dict:
         return {"present_blocks": self.local.n_present, "blocks": self.local.version.n_blocks,
