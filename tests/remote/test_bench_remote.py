@@ -33,4 +33,5 @@ def test_cli_quick_prints_a_table_and_the_warm_up(tmp_path, cli):
     w = res["warmup"]
     assert w["second_pass"]["local_fraction"] == 1.0 and w["second_pass"]["mooncake_bytes"] == 0
     assert w["written_blocks"] == w["blocks"] and w["dropped_blocks"] == 0
+    assert w["fill"]["finished"] and w["fill"]["MB_s"] > 0 and "background fill only" in out
     assert res["setup"]["rows"] == 20_000 and "command" in res
