@@ -7,9 +7,13 @@ Starts a loopback Mooncake cluster (master + 2 store processes), writes one
 fp32 table, publishes it, then times, interleaved round by round (the box is
 noisy), batches of unique random ids (every one a miss: cold rows) read into an
 arena-sized buffer by SegmentReader.read_into and RemoteReader.read_into, and
-EngramStore.lookup of the same ids. Writes DIR/results.json key "remote" and
-prints one line. The local table is small enough to sit in the page cache: the
-NVMe figure is a warm-file ceiling, not a device measurement.
+EngramStore.lookup of the same ids. Then the write-back warm-up of a new host:
+every row read once in batches through a RemoteReader with a local copy (first
+pass: from Mooncake, blocks written back in the background), the write-back
+drained, and the same batches again (second pass: from the local copy). Writes
+DIR/results.json key "remote" and prints a table and one line. The local table
+is small enough to sit in the page cache: the NVMe figures are warm-file
+ceilings, not device measurements. `tierstore bench remote` runs this.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_bench", "main"]
+__all__ = ["run_bench", "remote_line", "format_remote", "main"]
 
 
 def _stats(times: list[float], rows: int) -> dict:
@@ -30,8 +34,61 @@ def _stats(times: list[float], rows: int) -> dict:
             "p99_ms": float(np.percentile(t, 99) * 1e3), "batches": len(t)}
 
 
+def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> dict:
+    """First pass from Mooncake (write-back on, no fill) vs second pass from the local copy."""
+    from tierstore.publish import import_manifest
+    from tierstore.tiers.local_copy import LocalCopy
+    from tierstore.tiers.remote import RemoteReader
+
+    import_manifest(host, tv, sums)
+    reader = RemoteReader(store, tv, sums, local=LocalCopy(host, tv, sums), fill=False)
+    try:
+        batches = [np.sort(b) for b in np.array_split(rng.permutation(rows).astype(np.int64), -(-rows // batch))]
+        arena = np.empty((max(map(len, batches)), tv.row_bytes), dtype=np.uint8)
+        res = {}
+        for name in ("first_pass", "second_pass"):
+            times, fetched, nblocks = [], reader.bytes_read, reader.blocks_fetched
+            for ids in batches:
+                slots = np.arange(ids.size)
+                s = time.perf_counter(); reader.read_into(ids, arena, slots); times.append(time.perf_counter() - s)
+                assert np.array_equal(arena[:ids.size].view(np.float32), emb[ids]), f"{name}: rows differ"
+            asked = sum(np.unique(ids // tv.block_rows).size for ids in batches)
+            res[name] = {**_stats(times, 0), "rows_per_s": rows / sum(times),
+                         "mooncake_bytes": reader.bytes_read - fetched,
+                         "local_fraction": 1 - (reader.blocks_fetched - nblocks) / asked}
+            if name == "first_pass":
+                t0 = time.perf_counter()
+                reader.writeback.drain(120)
+                res["drain_s"] = time.perf_counter() - t0
+        res["fill"] = _fill_rate(store, tv, sums, host.parent / "host-c")
+        wb = reader.writeback.stats()
+        res.update(blocks=wb["blocks"], written_blocks=wb["written"], dropped_blocks=wb["dropped"],
+                   speedup=res["second_pass"]["rows_per_s"] / res["first_pass"]["rows_per_s"])
+        return res
+    finally:
+        reader.close()
+
+
+def _fill_rate(store, tv, sums, host: Path, timeout: float = 900.0) -> dict:
+    """A new host with no traffic: how fast the background fill makes the whole version local."""
+    from tierstore.publish import import_manifest
+    from tierstore.tiers.local_copy import LocalCopy
+    from tierstore.tiers.remote import RemoteReader
+
+    import_manifest(host, tv, sums)
+    t0 = time.perf_counter()
+    reader = RemoteReader(store, tv, sums, local=LocalCopy(host, tv, sums), fill=True)
+    try:
+        while not reader.local.finished and time.perf_counter() - t0 < timeout:
+            time.sleep(0.01)
+        dt = time.perf_counter() - t0
+        return {"seconds": dt, "MB_s": tv.nbytes / 1e6 / dt, "finished": reader.local.finished}
+    finally:
+        reader.close()
+
+
 def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, rounds: int = 30,
-              seed: int = 0) -> dict:
+              seed: int = 0, warm: bool = True, write: bool = True) -> dict:
     from mooncake.store import EngramStore, EngramStoreConfig
 
     from tierstore.catalog import Catalog
@@ -83,10 +140,57 @@ def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, 
                         "rounds": rounds, "seed": seed, "transport": "tcp loopback", "store_processes": 2,
                         "publish_s": publish_s, "publish_MB_s": table_bytes / 1e6 / publish_s,
                         "remote_bytes_per_row": remote.bytes_read / max(1, (rounds + 2) * batch)}
+        if warm:
+            res["warmup"] = _warm_up(store, rtv, rsums, Path(tmp) / "host-b", rows, batch, rng, emb)
         local.close()
         store.close()
-    _write(out, res, seed)
+    res["summary"] = remote_line(res)
+    if write:
+        _write(out, res, seed)
     return res
+
+
+def remote_line(r: dict) -> str:
+    s = r["setup"]
+    line = (f"remote: cache-mode misses, {s['batch']} ids/batch: NVMe {r['nvme']['rows_per_s'] / 1e3:.0f}k rows/s "
+            f"(p99 {r['nvme']['p99_ms']:.1f} ms), Mooncake TCP {r['mooncake']['rows_per_s'] / 1e3:.0f}k rows/s "
+            f"(p99 {r['mooncake']['p99_ms']:.1f} ms), EngramStore.lookup {r['engramstore']['rows_per_s'] / 1e3:.0f}k "
+            f"rows/s (p99 {r['engramstore']['p99_ms']:.1f} ms); "
+            f"Mooncake/NVMe {r['ratios']['mooncake_over_nvme']:.2f}x, "
+            f"ours/EngramStore {r['ratios']['mooncake_over_engramstore']:.2f}x")
+    w = r.get("warmup")
+    if w:
+        line += (f"; write-back warm-up: first pass {w['first_pass']['rows_per_s'] / 1e3:.0f}k rows/s, second "
+                 f"{w['second_pass']['rows_per_s'] / 1e3:.0f}k rows/s ({w['speedup']:.2f}x, "
+                 f"blocks read locally: {w['first_pass']['local_fraction']:.0%} then "
+                 f"{w['second_pass']['local_fraction']:.0%}); fill alone {w['fill']['MB_s']:.0f} MB/s")
+    return line
+
+
+def format_remote(r: dict) -> list[str]:
+    s = r["setup"]
+    rows = [["path", "rows/s", "p50 ms", "p99 ms", "local blocks"]]
+    names = {"nvme": "local NVMe (SegmentReader)", "mooncake": "Mooncake TCP (RemoteReader)",
+             "engramstore": "Mooncake EngramStore.lookup"}
+    for k, label in names.items():
+        rows.append([label, f"{r[k]['rows_per_s'] / 1e6:.3f}M", f"{r[k]['p50_ms']:.2f}", f"{r[k]['p99_ms']:.2f}",
+                     "100%" if k == "nvme" else "0%" if k == "mooncake" else "-"])
+    w = r.get("warmup")
+    if w:
+        for k, label in (("first_pass", "new host, 1st pass (Mooncake + write-back)"),
+                         ("second_pass", "new host, 2nd pass (written back)")):
+            rows.append([label, f"{w[k]['rows_per_s'] / 1e6:.3f}M", f"{w[k]['p50_ms']:.2f}", f"{w[k]['p99_ms']:.2f}",
+                         f"{w[k]['local_fraction']:.0%}"])
+        f = w["fill"]
+        rows.append(["new host, background fill only", f"{f['MB_s']:.1f} MB/s", "-", "-",
+                     f"all in {f['seconds']:.1f} s"])
+    widths = [max(len(x[i]) for x in rows) for i in range(5)]
+    out = [f"== remote: {s['rows']:,} rows x {s['row_bytes']} B, {s['batch']} unique ids per batch, "
+           f"{s['rounds']} interleaved rounds, {s['transport']}, {s['store_processes']} store processes; "
+           f"publish {s['publish_MB_s']:.0f} MB/s"]
+    out += ["   " + "  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(x, widths)))
+            for x in rows]
+    return out
 
 
 def _write(out: Path, res: dict, seed: int) -> None:
@@ -113,11 +217,8 @@ def main(argv=None) -> int:
         print(f"bench remote: skipped: {why}", file=sys.stderr)
         return 1
     r = run_bench(a.out, a.rows, batch=a.batch, rounds=a.rounds, seed=a.seed)
-    print(f"remote: cache-mode misses, {a.batch} ids/batch: NVMe {r['nvme']['rows_per_s'] / 1e3:.0f}k rows/s "
-          f"(p99 {r['nvme']['p99_ms']:.1f} ms), Mooncake TCP {r['mooncake']['rows_per_s'] / 1e3:.0f}k rows/s "
-          f"(p99 {r['mooncake']['p99_ms']:.1f} ms), EngramStore.lookup {r['engramstore']['rows_per_s'] / 1e3:.0f}k rows/s "
-          f"(p99 {r['engramstore']['p99_ms']:.1f} ms); Mooncake/NVMe {r['ratios']['mooncake_over_nvme']:.2f}x, "
-          f"ours/EngramStore {r['ratios']['mooncake_over_engramstore']:.2f}x")
+    print("\n".join(format_remote(r)))
+    print(r["summary"])
     return 0
 
 

@@ -346,6 +346,34 @@ class Catalog:
             txn.put(_CUR + table.encode(), struct.pack(">Q", version))
         return tv
 
+    def register_version(self, tv: TableVersion, checksums: np.ndarray, *, make_current: bool = True) -> bool:
+        """Record a version made elsewhere (a published manifest: `tierstore fetch-manifest`,
+        `serve --remote-table`) under its own number, its rows not necessarily here yet;
+        make it current when `make_current`. One write transaction.
+
+        Returns False when the catalog already holds that version with the same rows
+        (nothing recorded; the pointer still moves when `make_current`). Raises
+        InvalidArgument when it holds a different version under that number.
+        """
+        self._check_writable()
+        validate_table_name(tv.table)
+        raw = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+        if len(raw) != 8 * tv.n_blocks:
+            raise InvalidArgument(f"table {tv.table!r} version {tv.version}: {len(raw) // 8} checksums "
+                                  f"for {tv.n_blocks} blocks")
+        with self._env.begin(write=True) as txn:
+            old = txn.get(_vkey(_SUM, tv.table, tv.version))
+            if old is not None and old != raw:
+                raise InvalidArgument(
+                    f"table {tv.table!r} version {tv.version} in {self.data_dir} holds other rows than the one "
+                    f"offered (checksums differ); serve it from another data directory")
+            if old is None:
+                txn.put(_vkey(_VER, tv.table, tv.version), json.dumps(tv.to_dict(), sort_keys=True).encode())
+                txn.put(_vkey(_SUM, tv.table, tv.version), raw)
+            if make_current:
+                txn.put(_CUR + tv.table.encode(), struct.pack(">Q", tv.version))
+        return old is None
+
     def set_current(self, table: str, version: int) -> TableVersion:
         """Make an existing version current (roll back or forward)."""
         self._check_writable()

@@ -27,7 +27,8 @@ import xxhash
 from tierstore.catalog import Catalog, TableVersion, validate_table_name
 from tierstore.errors import DataLoss, InvalidArgument, Unavailable, VersionNotFound
 
-__all__ = ["publish", "fetch_manifest", "import_manifest", "block_keys", "prefix"]
+__all__ = ["publish", "fetch_manifest", "import_manifest", "import_published", "parse_remote_table", "block_keys",
+           "prefix"]
 
 PUT_GROUP_BYTES = 8 << 20   # rows read, verified and put per batch
 
@@ -118,20 +119,39 @@ def fetch_manifest(store, table: str, version: int | None = None) -> tuple[Table
     return tv, np.frombuffer(raw_sums, dtype="<u8").copy()
 
 
-def import_manifest(data_dir, tv: TableVersion, checksums: np.ndarray) -> bool:
-    """Record a published version in `data_dir`'s catalog, rows left in Mooncake, and make
-    it current. Keeps the version number, so both hosts name it alike. Returns False when
-    the catalog already has that version (nothing changed)."""
-    from tierstore import catalog as c
+def import_manifest(data_dir, tv: TableVersion, checksums: np.ndarray, *, make_current: bool = True) -> bool:
+    """Record a published version in `data_dir`'s catalog (created when missing), rows left
+    in Mooncake, and make it current. Keeps the version number, so both hosts name it alike.
+    Returns False when the catalog already has that version (nothing recorded)."""
+    with Catalog(data_dir) as cat:
+        return cat.register_version(tv, checksums, make_current=make_current)
 
-    cat = Catalog(data_dir)
-    try:
-        with cat._env.begin(write=True) as txn:
-            if txn.get(c._vkey(c._VER, tv.table, tv.version)) is not None:
-                return False
-            txn.put(c._vkey(c._VER, tv.table, tv.version), json.dumps(tv.to_dict(), sort_keys=True).encode())
-            txn.put(c._vkey(c._SUM, tv.table, tv.version), np.ascontiguousarray(checksums, dtype="<u8").tobytes())
-            txn.put(c._CUR + tv.table.encode(), struct.pack(">Q", tv.version))
-        return True
-    finally:
-        cat.close()
+
+def parse_remote_table(text: str) -> tuple[str, int | None]:
+    """'T' (latest published) or 'T@V' -> (table, version or None)."""
+    table, at, v = str(text).partition("@")
+    if at and not (v.isdigit() and int(v) > 0):
+        raise InvalidArgument(f"--remote-table {text!r}: write TABLE or TABLE@VERSION (a positive number)")
+    return validate_table_name(table), (int(v) if at else None)
+
+
+def import_published(data_dir, store, names) -> list[tuple[TableVersion, bool]]:
+    """Record each named published table (`T` or `T@V`) in `data_dir`'s catalog before a
+    sidecar opens it: [(manifest, newly recorded)]. The version becomes current when named
+    explicitly, when the table has none here, or when it is newer than the local current
+    one (a host never rolls back on its own). Raises VersionNotFound (not published),
+    InvalidArgument (the local catalog holds other rows under that version number)."""
+    from tierstore.errors import TableNotFound
+
+    out = []
+    for name in names:
+        table, version = parse_remote_table(name)
+        tv, sums = fetch_manifest(store, table, version)
+        with Catalog(data_dir) as cat:
+            try:
+                cur = cat.current(table).version
+            except TableNotFound:
+                cur = None
+            newer = version is not None or cur is None or tv.version > cur
+            out.append((tv, cat.register_version(tv, sums, make_current=newer)))
+    return out

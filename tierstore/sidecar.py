@@ -173,9 +173,22 @@ class Sidecar:
             from tierstore.tiers.remote import RemoteReader
             if self._mooncake is None:
                 self._mooncake = connect(self.config.remote, self.config.metadata)
-            log.info("table %s v%d: no local rows; reading from Mooncake %s", v.table, v.version, self.config.remote)
-            return RemoteReader(self._mooncake, v, checksums)
+            local = self._local_copy(v, checksums)
+            log.info("table %s v%d: no local rows; reading from Mooncake %s%s", v.table, v.version,
+                     self.config.remote, "" if local is None else
+                     f", writing them back to {local.dir} ({local.n_present}/{v.n_blocks} blocks there)")
+            return RemoteReader(self._mooncake, v, checksums, local=local)
         return SegmentReader(self.config.data_dir, v, checksums, **self._reader_options())
+
+    def _local_copy(self, v, checksums):
+        """Where blocks fetched from Mooncake are written back, or None when --data refuses it."""
+        from tierstore.tiers.local_copy import LocalCopy
+        try:
+            return LocalCopy(self.config.data_dir, v, checksums)
+        except OSError as e:
+            log.warning("table %s v%d: no write-back to %s (%s); every miss goes to Mooncake",
+                        v.table, v.version, self.config.data_dir, e)
+            return None
 
     def _reader_options(self) -> dict:
         return {"direct_io": True} if self.config.direct_io else {}

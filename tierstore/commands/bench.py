@@ -8,6 +8,7 @@
     tierstore bench e2e    --data DIR --out OUT [--quick]
     tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
     tierstore bench concurrency --data DIR --out OUT    (N worker processes on one cache-mode table)
+    tierstore bench remote --out OUT [--quick]          (misses from NVMe vs Mooncake vs EngramStore; warm-up)
     tierstore bench all    --data DIR --out OUT [--quick]
     tierstore bench report OUT
 
@@ -80,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cc = sub.add_parser("concurrency", help="aggregate rows/s of N client processes on one cache-mode table vs one")
     _common(cc)
     cc.add_argument("--clients", type=int, default=4, help="worker processes (default 4)")
+    rm = sub.add_parser("remote", help="cache-mode misses from local NVMe vs Mooncake Store (TCP) vs "
+                        "Mooncake's EngramStore.lookup, and a new host's write-back warm-up")
+    _common(rm, data=False)
+    rm.add_argument("--rows", type=int, help="rows of the fp32 x 64 test table (default 200,000; quick 20,000)")
+    rm.add_argument("--batch", type=int, default=4096, help="unique ids per call (default 4096)")
+    rm.add_argument("--rounds", type=int, help="timed interleaved rounds (default 30; quick 5)")
     al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
     _common(al)
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
@@ -196,6 +203,18 @@ def _run_one(name: str, args) -> int:
 
         res = run_concurrency_bench(args.data, clients=getattr(args, "clients", 4), seed=seed,
                                     seconds=2.0 if quick else 4.0, rounds=2 if quick else 3, log=_log)
+    elif name == "remote":
+        from tierstore.bench.remote import format_remote, run_bench
+        from tierstore.mooncake import missing_reason
+
+        why = missing_reason()
+        if why:
+            write_scenario(out, name, {"skipped": why}, seed=seed, started=started)
+            print(f"remote: skipped: {why}", flush=True)
+            return 1
+        res = run_bench(out, rows=args.rows or (20_000 if quick else 200_000), batch=args.batch,
+                        rounds=args.rounds or (5 if quick else 30), seed=seed, write=False)
+        print("\n".join(format_remote(res)), flush=True)
     elif name == "scale":
         from tierstore.bench.scale import run_scale_bench
 

@@ -1,5 +1,6 @@
 """`tierstore fetch-manifest`: record a published version in a local catalog, rows left in
-Mooncake, so `tierstore serve --remote` serves it on a host with no copy of the rows."""
+Mooncake, so `tierstore serve --remote` serves it on a host with no copy of the rows.
+`serve --remote-table T` does the same at start-up; this is the step by hand."""
 from __future__ import annotations
 
 

@@ -36,9 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "`tierstore bench cache --trace`)")
     p.add_argument("--direct-io", action="store_true", default=None,
                    help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
-    p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store "
-                   "(record them with `tierstore fetch-manifest`)")
+    p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store, "
+                   "writing fetched blocks back to --data in the background")
     p.add_argument("--metadata", help="Mooncake metadata URL (with --remote)")
+    p.add_argument("--remote-table", action="append", metavar="TABLE[@VERSION]",
+                   help="with --remote: also serve this published table (default its latest published version), "
+                   "recording its manifest in --data at start-up when missing (repeatable)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -52,6 +55,8 @@ def run(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _return_big_buffers_to_the_os()
+    if args.remote_table:
+        _prepare_remote_tables(args)
     cfg = ServeConfig.from_env(
         data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
         allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
@@ -61,6 +66,8 @@ def run(args) -> int:
         receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata)
+    if args.remote_table:
+        _import_remote_tables(cfg, args.remote_table)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
@@ -80,6 +87,38 @@ def run(args) -> int:
     server.stop()
     print("tierstore stopped", flush=True)
     return 0
+
+
+def _prepare_remote_tables(args) -> None:
+    """Check --remote-table's companions, then make --data (a new host starts empty)."""
+    import os
+
+    from tierstore.catalog import private_dirs
+    from tierstore.publish import parse_remote_table
+
+    if not ((args.remote or os.environ.get("TIERSTORE_REMOTE")) and
+            (args.metadata or os.environ.get("TIERSTORE_METADATA"))):
+        raise ValueError("--remote-table needs --remote mooncake://HOST:PORT and --metadata URL")
+    for name in args.remote_table:
+        parse_remote_table(name)
+    private_dirs(args.data)
+
+
+def _import_remote_tables(cfg, names) -> None:
+    """Record the named published tables in the local catalog (manifests only; rows stay in Mooncake)."""
+    import logging
+
+    from tierstore.mooncake import connect
+    from tierstore.publish import import_published
+
+    store = connect(cfg.remote, cfg.metadata)
+    try:
+        done = import_published(cfg.data_dir, store, names)
+    finally:
+        store.close()
+    for tv, new in done:
+        logging.getLogger("tierstore.serve").info(
+            "table %s v%d: manifest %s from Mooncake", tv.table, tv.version, "recorded" if new else "already recorded")
 
 
 def _return_big_buffers_to_the_os() -> None:
