@@ -123,13 +123,13 @@ def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, m
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
     with _reader(data_dir, tv) as r:
         _, seen = r._map(0)
-        pages = ids * 256 >> 12
-        for all_seen in (True, False, None):  # pread (pages seen) / gather (looked evicted: forgotten) / again
+        assert seen.all()  # at first every page is taken to be cached
+        for _ in range(3):  # each call: the probe "faults", pages are forgotten, the rest is pread
             dest = np.zeros((1500, 256), dtype=np.uint8)
             before = r.bytes_read
             r.read_into(ids, dest, np.arange(1500))
             assert np.array_equal(dest, data[ids]) and r.bytes_read - before == 1500 * 256
-            assert all_seen is None or bool(seen[pages].all()) == all_seen
+            assert not seen.all()
         _flip(data_dir, tv, 77, byte=3)
         with pytest.raises(ChecksumError, match=r"row 77"):
             r.read_into(np.array([77], dtype=np.int64), np.zeros((1, 256), np.uint8), np.array([0]))

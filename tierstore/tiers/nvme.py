@@ -107,17 +107,19 @@ _TLS, _PREAD_SCRATCH = _Tls(), _Scratch()
 PAGE_SHIFT = 12
 
 
-# A page this reader has read is gathered through the map, on the guess that it is
-# still cached; under memory pressure (a table larger than the host, a cgroup) the
-# kernel evicts it and the gather takes a major fault, one at a time, inline. A
-# gather slower than this per row says so: the segment's seen flags are dropped and
-# its rows are pread again, many in flight, until the page cache keeps them.
-EVICTED_S_PER_ROW = 2e-6
-EVICTED_MIN_ROWS = 32
+# Rows on "seen" pages are gathered through the map, on the guess that the page
+# cache holds them: at first every page (a table the host has room for is cached
+# once read), then the pages this reader pread. Under memory pressure (a table
+# larger than the host, a cgroup) the kernel evicts them and a gather takes major
+# faults, one at a time, inline. A gather slower than this per row says so: the
+# segment's seen flags are dropped and its rows are pread (many in flight) until
+# their pages are seen again. A call's first PROBE_ROWS rows go first, to find out.
+EVICTED_S_PER_ROW = 10e-6  # a major fault costs ~100 us, a first touch of a cached page ~1 us
+PROBE_ROWS = 32
 
 
 def _forget_if_evicted(seen: np.ndarray, rows: int, seconds: float) -> None:
-    if rows >= EVICTED_MIN_ROWS and seconds > rows * EVICTED_S_PER_ROW:
+    if rows >= PROBE_ROWS and seconds > rows * EVICTED_S_PER_ROW:
         seen[:] = False  # racy between threads, harmless: a page pread once more
 
 
@@ -326,13 +328,17 @@ class SegmentReader(Tier):
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
         cut = np.searchsorted(ids, segs * sr)
         cut = np.append(cut, n)
-        groups, cold = [], n if self.direct is not None else 0
-        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
-            if lo == hi:
-                continue
-            src = self._source(s, ids[lo:hi] - s * sr, ids[lo])
-            groups.append((s, src, lo, hi))
-            if self.direct is None:
+        groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
+                  for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
+        results, cold = [], n if self.direct is not None else 0
+        if self.direct is None:
+            s, src, lo, hi = groups[0]
+            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.row_bytes
+                                                   >> PAGE_SHIFT].all():
+                # pages taken to be cached: a few rows first, timed, before the rest goes inline
+                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
+                groups[0] = (s, src, lo + PROBE_ROWS, hi)
+            for s, src, lo, hi in groups:
                 pages = (ids[lo:hi] - s * sr) * self.row_bytes >> PAGE_SHIFT
                 cold += int(pages.size - np.count_nonzero(src[1][pages]))
         # mostly reads that wait on the device: small chunks over many tasks (queue depth);
@@ -345,9 +351,9 @@ class SegmentReader(Tier):
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
         if k > 1:
-            results = [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+            results += [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
         else:
-            results = run(chunks)
+            results += run(chunks)
         with self._lock:
             self.bytes_read += sum(r[0] for r in results)
         bad = [r[1:] for r in results if r[1] >= 0]
@@ -397,8 +403,8 @@ class SegmentReader(Tier):
                         mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
                         mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
                         rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
-                    # one flag per page: has this reader read it (so it is likely cached and mapped)?
-                    view = self._maps[s] = (rows, np.zeros((size >> PAGE_SHIFT) + 1, dtype=bool))
+                    # one flag per page: is it likely cached (see EVICTED_S_PER_ROW)?
+                    view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
         return view
 
     def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
