@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierstore import cpu_token
 from tierstore.catalog import Catalog
 from tierstore.engine import TableEngine
 from tierstore.errors import ResourceExhausted
@@ -28,7 +29,8 @@ class FaultyReader(SegmentReader):
 
     def read_into(self, ids, dest, slots):
         if self.delay_s:
-            time.sleep(self.delay_s)
+            with cpu_token.waiting():  # a device read, as the real reader waits on one
+                time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise OSError(errno.EIO, "Input/output error")

@@ -28,6 +28,7 @@ import numpy as np
 
 import xxhash
 
+from tierstore import cpu_token
 from tierstore.errors import ChecksumError, ResourceExhausted
 from tierstore.leases import LeaseTable
 from tierstore.slots import FILLING, READY, Fill, SlotTable
@@ -129,6 +130,10 @@ class TableEngine:
 
     def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> PlanResult:
         """Make `ids` resident and lease their slots to one step (cache mode); validate only (full)."""
+        with cpu_token.hold():
+            return self._plan(ids, ttl_s, client, request_id)
+
+    def _plan(self, ids: np.ndarray, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
         ids = self.check_ids(ids)
         if self.bad_blocks.size:
             self._refuse_bad_blocks(ids)
@@ -185,6 +190,10 @@ class TableEngine:
 
         Never refuses for lack of room: when the arena is full of leased rows,
         the ids that do not fit are skipped."""
+        with cpu_token.hold():
+            return self._prefetch(ids)
+
+    def _prefetch(self, ids: np.ndarray) -> int:
         ids = self.check_ids(ids)
         if self.full or ids.size == 0:
             return 0
@@ -286,7 +295,8 @@ class TableEngine:
             fill.done.set()
         for other in waits:
             self.counters.fill_waits += 1
-            other.done.wait()
+            with cpu_token.waiting():
+                other.done.wait()
             if other.error is not None:
                 raise _FillFailed()
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tierstore import cpu_token
+
 log = logging.getLogger("tierstore.verifier")
 
 
@@ -74,18 +76,27 @@ class Verifier:
 
     def run_once(self) -> None:
         """Check everything queued, and scrub the full-resident arenas (one pass)."""
+        queued: dict = {}
         while True:
             try:
                 engine, ids, slots = self._queue.get_nowait()
             except queue.Empty:
                 break
-            self._report(engine, engine.verify_rows(ids, slots))
+            queued.setdefault(engine, []).append((ids, slots))
+        for engine, parts in queued.items():  # one read per engine, computed in turn with the plans
+            ids = np.concatenate([p[0] for p in parts])
+            slots = np.concatenate([p[1] for p in parts])
+            with cpu_token.hold():
+                found = engine.verify_rows(ids, slots)
+            self._report(engine, found)
         for engine in self.engines:
             if engine.full:
                 nb = engine.version.n_blocks
                 k = max(1, int(round(nb * self.fraction)))
                 blocks = self._rng.choice(nb, size=min(k, nb), replace=False)
-                self._report(engine, engine.scrub_blocks(blocks))
+                with cpu_token.hold():
+                    found = engine.scrub_blocks(blocks)
+                self._report(engine, found)
 
     def _report(self, engine, found: list) -> None:
         for tier, block, slot, detail in found:

@@ -6,7 +6,9 @@ fmix64-v1 sum (tiers/rowsum.py). In numpy that is a gather into scratch, six
 passes of hashing over it and a scatter into the arena, each a few µs of call
 overhead plus a trip through memory; a step of 100 misses spends most of its
 time there. Compiled (numba), one loop reads each row once, hashes its words as
-it copies them and compares the sum: ~50 ns a row, no temporaries, no GIL.
+it copies them and compares the sum: ~50 ns a row, no temporaries. The GIL is
+kept: a call is microseconds, and giving it up would let another thread take it
+for a switch interval (cpu_token.py).
 
 numba is a dependency, but a platform without a wheel must still serve:
 `kernels()` is None there and callers keep the numpy path (the reference the
@@ -46,7 +48,7 @@ def _compile():
     m1, m2, seed = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
     s29, s32 = np.uint64(29), np.uint64(32)
 
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    @numba.njit(cache=True, boundscheck=False)
     def place(src, local, ids, dest, slots, sums, skeys, kkeys):
         """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
         sums[ids[i]]; the index of the first row whose sum differs, or -1."""
@@ -67,7 +69,7 @@ def _compile():
                 return i
         return -1
 
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    @numba.njit(cache=True, boundscheck=False)
     def unique_inverse(ids):
         """np.unique(ids, return_inverse=True) by hashing first: only the distinct
         ids are sorted (a Zipf step repeats its hot ids many times)."""

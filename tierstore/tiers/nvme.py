@@ -21,6 +21,7 @@ directory in its place) reads as corrupt, naming the segment; it never hangs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from tierstore import cpu_token
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers import rowsum
@@ -350,10 +352,12 @@ class SegmentReader(Tier):
             (COMPILED_ROWS_PER_TASK if kernels() is not None else ROWS_PER_TASK, ROW_TASKS)
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
-        if k > 1:
-            results += [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
-        else:
-            results += run(chunks)
+        # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
+        with cpu_token.waiting() if cold else contextlib.nullcontext():
+            if k > 1:
+                results += [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+            else:
+                results += run(chunks)
         with self._lock:
             self.bytes_read += sum(r[0] for r in results)
         bad = [r[1:] for r in results if r[1] >= 0]

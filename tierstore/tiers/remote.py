@@ -26,6 +26,7 @@ import time
 import numpy as np
 import xxhash
 
+from tierstore import cpu_token
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument, Unavailable
 from tierstore.publish import block_keys
@@ -113,7 +114,8 @@ class RemoteReader(Tier):
         deadline = time.monotonic() + self.retry_s
         total = 0
         while pending:
-            values = self.store.get_batch([keys[j] for j in pending])
+            with cpu_token.waiting():  # the network: other plans compute meanwhile
+                values = self.store.get_batch([keys[j] for j in pending])
             failed = []
             for j, v in zip(pending, values):  # one step per 4 KiB block, not per row
                 if len(v) != lens[j]:
