@@ -72,8 +72,8 @@ class PolicyConfig:
             raise InvalidArgument(f"policy kind {self.kind!r} is unknown; use 'tinylfu', 'lru' or 'random'")
         if not 0.0 < self.window < 1.0:
             raise InvalidArgument(f"window must be in (0, 1), got {self.window}")
-        if self.main_freq < 0 or self.max_hits < 0:
-            raise InvalidArgument(f"main_freq and max_hits must be >= 0, got {self.main_freq}, {self.max_hits}")
+        if self.main_freq < 0 or not 0 <= self.max_hits <= 127:
+            raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..127, got {self.main_freq}, {self.max_hits}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
             raise InvalidArgument(f"sketch_width must be > 0 and halve_every >= 0, got "
                                   f"{self.sketch_width}, {self.halve_every}")
@@ -147,6 +147,7 @@ class CachePolicy:
             self._queues = {_PROBATION: _SlotQueue(capacity), _MAIN: _SlotQueue(capacity)}
             self._count = {_PROBATION: 0, _MAIN: 0}
             self._window = max(1, int(cfg.window * capacity))
+            self._cap = np.uint8(max(1, cfg.max_hits))
         elif cfg.kind == "lru":
             self._last = np.zeros(capacity, dtype=np.int64)
 
@@ -160,8 +161,7 @@ class CachePolicy:
         slots = np.asarray(slots, dtype=np.int64)
         kind = self.config.kind
         if kind == "tinylfu":
-            cap = max(1, self.config.max_hits)
-            self._hits[slots] = np.minimum(self._hits[slots].astype(np.int64) + 1, cap)
+            self._hits[slots] = np.minimum(self._hits[slots] + np.uint8(1), self._cap)  # uint8: no int64 copy
         elif kind == "lru":
             self._clock += 1
             self._last[slots] = self._clock
@@ -237,8 +237,9 @@ class CachePolicy:
 
         A soft hint: each gets the full CLOCK credit (`max_hits` passes in main,
         promotion from probation), so victims() passes over them while others
-        can go; unlike a pin it never makes victims() fail. Call it each step
-        with the resident rows of the next few queued steps."""
+        can go; unlike a pin it never makes victims() fail. TableEngine.prefetch
+        calls it once, when a request is admitted, with the request's resident
+        rows (a longer credit for hinted rows measured no better)."""
         slots = np.asarray(slots, dtype=np.int64)
         if self.config.kind == "tinylfu" and slots.size:
             slots = slots[self._where[slots] != _FREE]
