@@ -59,7 +59,7 @@ def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
 
 
 def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
-           queue: int = 0, queue_read: bool = False) -> float:
+           queue: int = 0, queue_read: bool = False, profile=None) -> float:
     """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does.
 
     lookahead: steps whose ids are known ahead; their resident rows are not
@@ -68,8 +68,11 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         `queue` steps ahead, as TableEngine.prefetch(ids, read=queue_read) does:
         resident rows get `expect`; with queue_read, missing rows are read in
         then, without a lease. Rows read by a prefetch count as misses, so the
-        ratio is "accesses not read from the cold tier" with or without a queue."""
+        ratio is "accesses not read from the cold tier" with or without a queue.
+    profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
     sim = _Sim(trace, capacity, config, queue_read)
+    if profile is not None:
+        sim.policy.load_profile(*profile)
     for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
         sim.prefetch(trace.step(j))
     for i in range(trace.steps):
