@@ -20,14 +20,11 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
-# Odd 64-bit multipliers for multiply-shift hashing: the first picks the block,
-# one more per sketch row (any odd constants with mixed bits work).
+# Odd 64-bit multipliers of the id hash (any odd constants with mixed bits work).
 _MULTIPLIERS = np.array([
-    0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
-    0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9,
-    0x2545F4914F6CDD1D,
+    0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F,
 ], dtype=np.uint64)
-_MAX_DEPTH = len(_MULTIPLIERS) - 1
+_MAX_DEPTH = 8
 _BLOCK = 64  # bytes per block: one CPU cache line
 
 
@@ -59,19 +56,24 @@ class FrequencySketch:
         self.counters = np.zeros((blocks, _BLOCK), dtype=np.uint8)
         self.recorded = 0  # accesses since the last halving
         self.halvings = 0
-        log2_seg = int(np.log2(seg))
-        self._block_shift = np.uint64(64 - max(1, int(np.log2(blocks)))) if blocks > 1 else None
-        self._seg_shift = np.uint64(64 - log2_seg)
-        self._row_base = (np.arange(depth, dtype=np.int64) * seg)[:, None]
+        log2_seg, log2_blocks = int(np.log2(seg)), int(np.log2(blocks))
+        # one mixed 64-bit hash per id: its top bits pick the block, the next
+        # log2(seg) bits per row pick that row's counter in the block
+        self._block_shift = np.uint64(64 - log2_blocks) if blocks > 1 else None
+        self._row_shift = (64 - log2_blocks - log2_seg * np.arange(1, depth + 1)).astype(np.uint64)[:, None]
+        self._row_mask = np.uint64(seg - 1)
+        self._row_base = (np.arange(depth, dtype=np.uint64) * np.uint64(seg))[:, None]
         self._flat = self.counters.ravel()
 
     def _index(self, ids: np.ndarray) -> np.ndarray:
         """Flat counter index [depth, n] of each id: one block, one counter per row segment."""
         h = np.asarray(ids, dtype=np.int64).view(np.uint64) * _MULTIPLIERS[0]
-        block = (h >> self._block_shift).astype(np.int64) * _BLOCK if self._block_shift is not None else 0
-        # the other rows' offsets come from independent multipliers; row 0 reuses the low bits of h
-        hr = np.asarray(ids, dtype=np.int64).view(np.uint64)[None, :] * _MULTIPLIERS[1: self.depth + 1, None]
-        return (hr >> self._seg_shift).astype(np.int64) + self._row_base + block
+        h ^= h >> np.uint64(31)
+        h *= _MULTIPLIERS[1]
+        idx = ((h >> self._row_shift) & self._row_mask) + self._row_base
+        if self._block_shift is not None:
+            idx += (h >> self._block_shift) << np.uint64(6)  # * _BLOCK
+        return idx.view(np.int64)
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Estimated recent access count of each id (int64, same length as ids)."""
