@@ -164,6 +164,7 @@ class CachePolicy:
             # window hill climbing: accesses and hits of the current sample period
             self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
             self._acc = self._hit = 0
+            self._recorded = (np.zeros(0, np.int64), None)
             self._period = max(1, int(cfg.adapt_period * capacity)) if cfg.adapt_window else 0
             self._cap = np.uint8(max(1, cfg.max_hits))
         elif cfg.kind == "lru":
@@ -173,7 +174,9 @@ class CachePolicy:
     def record(self, ids: np.ndarray) -> None:
         """Count one access of each (unique) id of a step, hits and misses alike."""
         ids = self._check_ids(ids)
-        self.sketch.add(ids)
+        est = self.sketch.add(ids)
+        if self.config.kind == "tinylfu":
+            self._recorded = (ids, est)  # admitted() reads the misses' estimates from here
         if self.config.kind == "tinylfu" and self._period:
             self._acc += ids.size
             if self._acc >= self._period:
@@ -206,7 +209,7 @@ class CachePolicy:
                 self._count[q] -= int(np.count_nonzero(old == q))
             to_main = np.zeros(slots.size, dtype=bool)
             if self.config.main_freq > 0:
-                to_main = self.sketch.estimate(ids) >= self.config.main_freq
+                to_main = self._estimate_recorded(ids) >= self.config.main_freq
             self._hits[slots] = 0
             self._push(_MAIN, slots[to_main])
             self._push(_PROBATION, slots[~to_main])
@@ -332,6 +335,17 @@ class CachePolicy:
             if s.size >= k:
                 return self._rng.permutation(s)[:k]
         return self._rng.permutation(np.flatnonzero((pins == 0) & (self.slot_id >= 0)))
+
+    def _estimate_recorded(self, ids: np.ndarray) -> np.ndarray:
+        """Sketch estimates of `ids`, taken from the last record() when they are a
+        subset of its (sorted, as the engine's np.unique gives) ids: no rehash."""
+        rec, est = self._recorded
+        if est is not None and rec.size and ids.size:
+            pos = np.searchsorted(rec, ids)
+            pos[pos == rec.size] = 0
+            if np.array_equal(rec[pos], ids):  # fails, harmlessly, for unsorted or other ids
+                return est[pos]
+        return self.sketch.estimate(ids)
 
     def _climb(self) -> None:
         """One hill-climbing move of the probation window (a few scalar ops per period)."""

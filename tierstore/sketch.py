@@ -82,11 +82,14 @@ class FrequencySketch:
             return np.zeros(0, dtype=np.int64)
         return self._flat[self._index(ids)].min(axis=0).astype(np.int64)
 
-    def add(self, ids: np.ndarray, counts: np.ndarray | int = 1) -> None:
-        """Record `counts` accesses of each id (ids should be unique within a call)."""
+    def add(self, ids: np.ndarray, counts: np.ndarray | int = 1) -> np.ndarray | None:
+        """Record `counts` accesses of each id (ids should be unique within a call).
+
+        Returns each id's new estimate (uint8), or None when the call ended in
+        a halving (the estimates it computed are stale)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size == 0:
-            return
+            return np.zeros(0, dtype=np.uint8)
         flat = self._flat
         idx = self._index(ids)
         vals = flat[idx]
@@ -106,6 +109,8 @@ class FrequencySketch:
         self.recorded += int(np.sum(counts)) if np.ndim(counts) else int(counts) * ids.size
         if self.period and self.recorded >= self.period:
             self.halve()
+            return None
+        return target
 
     def halve(self) -> None:
         """Halve every counter (integer shift): old popularity fades."""
