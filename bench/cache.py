@@ -11,7 +11,8 @@ fraction of the table's rows through
   (resident rows get `CachePolicy.expect`); "ours+queue16-read" also reads the
   missing rows in then (read=True), and those reads count as misses, so every
   ratio is "accesses not read from the cold tier" and compares with the
-  references. "ours" is the same policy with no queue (N=0);
+  references; "ours+queue16-rehint" hints the whole queue again before every
+  step. "ours" is the same policy with no queue (N=0);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
@@ -59,7 +60,7 @@ def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
 
 
 def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
-           queue: int = 0, queue_read: bool = False, profile=None) -> float:
+           queue: int = 0, queue_read: bool = False, rehint: bool = False, profile=None) -> float:
     """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does.
 
     lookahead: steps whose ids are known ahead; their resident rows are not
@@ -69,6 +70,9 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         resident rows get `expect`; with queue_read, missing rows are read in
         then, without a lease. Rows read by a prefetch count as misses, so the
         ratio is "accesses not read from the cold tier" with or without a queue.
+    rehint: the scheduler hints its whole queue again before every step
+        (prefetch(ids, read=False) of the next `queue` steps: more calls, more
+        protection) instead of once per step at admission.
     profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
     sim = _Sim(trace, capacity, config, queue_read)
     if profile is not None:
@@ -76,7 +80,9 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
     for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
         sim.prefetch(trace.step(j))
     for i in range(trace.steps):
-        if queue and 0 < i + queue < trace.steps and i:
+        if rehint and queue and i + 1 < trace.steps:
+            sim.prefetch(trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + queue)]])
+        elif queue and 0 < i + queue < trace.steps and i:
             sim.prefetch(trace.step(i + queue))
         nxt = None
         if lookahead and i + 1 < trace.steps:
@@ -229,7 +235,8 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-d
         ours = [("ours", {}), ("ours+lookahead", {"lookahead": 1}), (f"ours+queue{q}", {"queue": q})]
         if not quick and trace.meta.get("kind") != "access-log":  # ablations, for our traces only
             ours += [("lru-batched", {"config": PolicyConfig(kind="lru")}),
-                     (f"ours+queue{q}-read", {"queue": q, "queue_read": True})]
+                     (f"ours+queue{q}-read", {"queue": q, "queue_read": True}),
+                     (f"ours+queue{q}-rehint", {"queue": q, "rehint": True})]
         # every replay is one task of one pool; forked workers inherit the trace
         global _TRACE
         _TRACE = trace

@@ -187,7 +187,8 @@ class TableEngine:
         arena is full of leased rows, the ids that do not fit are skipped.
         Reading a deep queue ahead costs hit ratio in a small arena (`bench
         cache`: ours+queue16 against ours+queue16-read): pass read=False for
-        requests more than a step or two from running."""
+        requests more than a step or two from running. Hinting the whole queue
+        again each step (read=False) protects more (ours+queue16-rehint)."""
         ids = self.check_ids(ids)
         if self.full or ids.size == 0:
             return 0
