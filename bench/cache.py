@@ -5,8 +5,14 @@ fraction of the table's rows through
 - ours: tierstore.policy.CachePolicy, driven step by step exactly as the engine
   drives it (record / touch / victims / admitted, the step's rows leased), and
   again with one step of lookahead (rows the next step reads are not evictable),
-  and with the rows of the next 16 steps passed as `expect` hints (prefill
-  known ahead: what an engine that sees its request queue can tell the policy);
+  and with a request queue of QUEUE_STEPS steps ("ours+queue16"): a serving
+  engine's scheduler admits work that many steps before it runs and calls
+  `TableEngine.prefetch(ids, read=False)` with its ids once, at admission
+  (resident rows get `CachePolicy.expect`); "ours+queue16-read" also reads the
+  missing rows in then (read=True), and those reads count as misses, so every
+  ratio is "accesses not read from the cold tier" and compares with the
+  references; "ours+queue16-rehint" hints the whole queue again before every
+  step. "ours" is the same policy with no queue (N=0);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
@@ -28,7 +34,7 @@ from tierstore.errors import InvalidArgument
 from tierstore.policy import CachePolicy, PolicyConfig
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
-QUEUE_STEPS = 16  # ours+queue16: the engine hints the rows of the next 16 queued steps (CachePolicy.expect)
+QUEUE_STEPS = 16  # ours+queue16: steps are admitted (prefetched) this many steps before they run
 _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
@@ -54,48 +60,89 @@ def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
 
 
 def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
-           expect: int = 0) -> float:
+           queue: int = 0, queue_read: bool = False, rehint: bool = False, profile=None) -> float:
     """Hit ratio of CachePolicy on `trace` with `capacity` slots, driven as the engine does.
 
-    lookahead: steps whose ids the engine knows ahead (queued prefill); their
-    resident rows are not evicted while that leaves enough victims.
-    expect: the same knowledge passed as CachePolicy.expect hints instead."""
-    policy = CachePolicy(capacity, trace.n_ids, config)
-    slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
-    held = np.full(capacity, -1, dtype=np.int64)
-    used = hits = 0
+    lookahead: steps whose ids are known ahead; their resident rows are not
+        evicted while that leaves enough victims (an upper bound on hints).
+    queue: steps admitted before they run; each step's ids are prefetched once,
+        `queue` steps ahead, as TableEngine.prefetch(ids, read=queue_read) does:
+        resident rows get `expect`; with queue_read, missing rows are read in
+        then, without a lease. Rows read by a prefetch count as misses, so the
+        ratio is "accesses not read from the cold tier" with or without a queue.
+    rehint: the scheduler hints its whole queue again before every step
+        (prefetch(ids, read=False) of the next `queue` steps: more calls, more
+        protection) instead of once per step at admission.
+    profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
+    sim = _Sim(trace, capacity, config, queue_read)
+    if profile is not None:
+        sim.policy.load_profile(*profile)
+    for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
+        sim.prefetch(trace.step(j))
     for i in range(trace.steps):
-        ids = trace.step(i)
-        slots = slot_of[ids]
-        hit = slots >= 0
-        hits += int(np.count_nonzero(hit))
-        policy.record(ids)
-        policy.touch(slots[hit])
-        if expect and i + 1 < trace.steps:
-            ahead = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + expect)]]]
-            policy.expect(ahead[ahead >= 0])
-        miss = ids[~hit]
-        if miss.size > capacity:
-            raise InvalidArgument(f"step {i} reads {miss.size} new rows but the cache has {capacity} slots")
-        fresh = np.arange(used, used + min(miss.size, capacity - used), dtype=np.int64)
-        used += fresh.size
+        if rehint and queue and i + 1 < trace.steps:
+            sim.prefetch(trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + queue)]])
+        elif queue and 0 < i + queue < trace.steps and i:
+            sim.prefetch(trace.step(i + queue))
+        nxt = None
+        if lookahead and i + 1 < trace.steps:
+            nxt = trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + lookahead)]]
+        sim.step(i, nxt)
+    return 1.0 - sim.reads / max(1, trace.ids.size)
+
+
+class _Sim:
+    """An arena of `capacity` slots driven through CachePolicy the way TableEngine drives it."""
+
+    def __init__(self, trace: Trace, capacity: int, config: PolicyConfig | None, read: bool = False):
+        self.trace, self.capacity, self.read = trace, capacity, read
+        self.policy = CachePolicy(capacity, trace.n_ids, config)
+        self.slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
+        self.held = np.full(capacity, -1, dtype=np.int64)
+        self.used = self.reads = 0
+
+    def _fill(self, miss: np.ndarray, leased: np.ndarray, protect: np.ndarray | None = None) -> None:
+        fresh = np.arange(self.used, self.used + min(miss.size, self.capacity - self.used), dtype=np.int64)
+        self.used += fresh.size
         k = miss.size - fresh.size
         if k:
-            evictable = held >= 0
-            evictable[slots[hit]] = False  # leased by this step
-            if lookahead and i + 1 < trace.steps:
-                nxt = slot_of[trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + lookahead)]]]
-                evictable[nxt[nxt >= 0]] = False
+            evictable = self.held >= 0
+            evictable[leased] = False
+            if protect is not None:
+                evictable[protect] = False
                 if np.count_nonzero(evictable) < k:  # lookahead is a hint, never a failure
-                    evictable = held >= 0
-                    evictable[slots[hit]] = False
-            out = policy.victims(k, ~evictable)
-            slot_of[held[out]] = -1
+                    evictable = self.held >= 0
+                    evictable[leased] = False
+            out = self.policy.victims(k, ~evictable)
+            self.slot_of[self.held[out]] = -1
             fresh = np.concatenate([fresh, out])
-        held[fresh] = miss
-        slot_of[miss] = fresh
-        policy.admitted(fresh, miss)
-    return hits / max(1, trace.ids.size)
+        self.held[fresh] = miss
+        self.slot_of[miss] = fresh
+        self.reads += miss.size
+        self.policy.admitted(fresh, miss)
+
+    def step(self, i: int, nxt: np.ndarray | None = None) -> None:
+        ids = self.trace.step(i)
+        slots = self.slot_of[ids]
+        hit = slots >= 0
+        self.policy.record(ids)
+        self.policy.touch(slots[hit])
+        miss = ids[~hit]
+        if miss.size > self.capacity:
+            raise InvalidArgument(f"step {i} reads {miss.size} new rows but the cache has {self.capacity} slots")
+        protect = None
+        if nxt is not None:
+            protect = self.slot_of[nxt]
+            protect = protect[protect >= 0]
+        self._fill(miss, slots[hit], protect)
+
+    def prefetch(self, ids: np.ndarray) -> None:
+        """TableEngine.prefetch: expect the resident rows; with `read`, read the missing ones in."""
+        slots = self.slot_of[ids]
+        hit = slots >= 0
+        self.policy.expect(slots[hit])
+        if self.read and not hit.all():
+            self._fill(ids[~hit][: self.capacity], np.zeros(0, np.int64))  # between steps nothing is leased
 
 
 def write_oracle_trace(trace: Trace, path: Path) -> Path:
@@ -184,9 +231,12 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-d
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
         max_step = int(np.diff(trace.bounds).max())
-        ours = [("ours", {}), ("ours+lookahead", {"lookahead": 1}), ("ours+queue16", {"expect": QUEUE_STEPS})]
-        if not quick and trace.meta.get("kind") != "access-log":  # the batching ablation, for our traces only
-            ours.append(("lru-batched", {"config": PolicyConfig(kind="lru")}))
+        q = QUEUE_STEPS
+        ours = [("ours", {}), ("ours+lookahead", {"lookahead": 1}), (f"ours+queue{q}", {"queue": q})]
+        if not quick and trace.meta.get("kind") != "access-log":  # ablations, for our traces only
+            ours += [("lru-batched", {"config": PolicyConfig(kind="lru")}),
+                     (f"ours+queue{q}-read", {"queue": q, "queue_read": True}),
+                     (f"ours+queue{q}-rehint", {"queue": q, "rehint": True})]
         # every replay is one task of one pool; forked workers inherit the trace
         global _TRACE
         _TRACE = trace

@@ -11,7 +11,13 @@ step found in HBM) of
   offline oracle per window, chosen on the very reads it is scored on);
 - static-prev: the `capacity` ids read in most steps of the window before
   (a hot set profiled offline from recent traffic, scored out of sample);
-and the refresh traffic (rows and bytes copied host -> device per step).
+- with `profile` > 0, the first share of the steps is held out as "other text
+  of the same domain": its hot set is what `tierstore profile` would give
+  (static-profile, scored out of sample), it seeds a second adaptive cache
+  (adaptive-seeded, what `HBMCache.from_source(hot_ids=...)` does), and only
+  the remaining steps are scored;
+and the refresh traffic (rows and bytes copied host -> device per step, and
+bytes per token when the trace says how many tokens a step reads).
 """
 from __future__ import annotations
 
@@ -76,50 +82,79 @@ def _top_presence(trace: Trace, lo: int, hi: int, k: int) -> np.ndarray:
 
 
 def run_hbm_drift(trace: Trace | None = None, capacity: float = 0.02, window: int | None = None,
-                  row_bytes: int = 256, **cache_kw) -> dict:
+                  row_bytes: int = 256, profile: float = 0.0, **cache_kw) -> dict:
     """Per-window HBM hit ratios of the adaptive cache vs static hot sets (see module doc).
 
     capacity: HBM rows as a fraction of the table (< 1) or a row count.
     window: steps per reported window (default: the trace's topic_steps, else steps / 8).
+    profile: share of the steps held out as an offline profile (0: none).
     cache_kw: HBMCache settings (refresh_every, refresh_bytes, half_life)."""
     from tierstore.client.hbm_cache import HBMCache
 
     trace = trace or drift_trace()
     cap = int(capacity * trace.n_ids) if capacity < 1 else int(capacity)
-    window = int(window or trace.meta.get("topic_steps") or max(1, trace.steps // 8))
+    first = int(profile * trace.steps)
+    if not 0 <= profile < 1 or (profile and not 0 < first < trace.steps):
+        raise InvalidArgument(f"profile must be a share of the steps in [0, 1), got {profile}")
+    window = int(window or trace.meta.get("topic_steps") or max(1, (trace.steps - first) // 8))
     cache = HBMCache(cap, row_bytes, "cpu", trace.n_ids, table="t", **cache_kw)
     src = _ZeroSource(row_bytes)
+    caches = {"adaptive": cache}
+    prof = np.zeros(trace.n_ids, dtype=bool)
+    if first:
+        hot = _top_presence(trace, 0, first, cap)
+        hot = hot[np.argsort(-np.bincount(trace.ids[:trace.bounds[first]], minlength=trace.n_ids)[hot],
+                             kind="stable")]
+        prof[hot] = True
+        seeded = caches["adaptive_seeded"] = HBMCache(cap, row_bytes, "cpu", trace.n_ids, table="t", **cache_kw)
+        seeded.seed(hot, np.zeros((hot.size, row_bytes), np.uint8))
     glob = np.zeros(trace.n_ids, dtype=bool)
-    glob[_top_presence(trace, 0, trace.steps, cap)] = True
+    glob[_top_presence(trace, first, trace.steps, cap)] = True
+    # tokens a step reads (text traces: streams x tokens_per_step), for bytes per token
+    tokens = int(trace.meta.get("streams", 0)) * int(trace.meta.get("tokens_per_step", 0))
     rows = []
     prev = np.zeros(trace.n_ids, dtype=bool)
-    for lo in range(0, trace.steps, window):
+    for lo in range(first, trace.steps, window):
         hi = min(trace.steps, lo + window)
         local = np.zeros(trace.n_ids, dtype=bool)
         local[_top_presence(trace, lo, hi, cap)] = True
         ids = trace.ids[trace.bounds[lo]:trace.bounds[hi]]
-        h0, m0, r0 = cache.hits, cache.misses, cache.refresh_rows
+        before = {k: (c.hits, c.misses, c.refresh_rows) for k, c in caches.items()}
         for i in range(lo, hi):
             step = trace.step(i)
-            cache.lookup(step)
-            cache.observe(step)
-            cache.maybe_refresh(src)
+            for c in caches.values():
+                c.lookup(step)
+                c.observe(step)
+                c.maybe_refresh(src)
         n = max(1, ids.size)
-        moved = cache.refresh_rows - r0
-        rows.append({"steps": [lo, hi], "adaptive": (cache.hits - h0) / max(1, cache.hits - h0 + cache.misses - m0),
-                     "static": float(glob[ids].sum() / n), "static_window": float(local[ids].sum() / n),
-                     "static_prev": float(prev[ids].sum() / n),
-                     "refresh_rows_per_step": moved / (hi - lo),
-                     "refresh_bytes_per_step": moved * row_bytes / (hi - lo)})
+        row = {"steps": [lo, hi], "static": float(glob[ids].sum() / n), "static_window": float(local[ids].sum() / n),
+               "static_prev": float(prev[ids].sum() / n)}
+        if first:
+            row["static_profile"] = float(prof[ids].sum() / n)
+        for k, c in caches.items():
+            h0, m0, r0 = before[k]
+            row[k] = (c.hits - h0) / max(1, c.hits - h0 + c.misses - m0)
+            moved = c.refresh_rows - r0
+            sfx = "" if k == "adaptive" else "_seeded"
+            row["refresh_rows_per_step" + sfx] = moved / (hi - lo)
+            row["refresh_bytes_per_step" + sfx] = moved * row_bytes / (hi - lo)
+            if tokens:
+                row["refresh_bytes_per_token" + sfx] = moved * row_bytes / ((hi - lo) * tokens)
+        rows.append(row)
         prev = local
     warm = rows[1:] or rows
-    return {"trace": trace.name, "accesses": int(trace.ids.size), "capacity_rows": cap, "window_steps": window,
-            "settings": {"refresh_every": cache.refresh_every, "refresh_bytes": cache.refresh_bytes,
-                         "half_life": cache.half_life, "row_bytes": row_bytes},
-            "windows": rows,
-            "worst_gap_vs_static": max(r["static"] - r["adaptive"] for r in warm),
-            "worst_gap_vs_static_window": max(r["static_window"] - r["adaptive"] for r in warm),
-            "worst_gap_vs_static_prev": max(r["static_prev"] - r["adaptive"] for r in warm)}
+    out = {"trace": trace.name, "accesses": int(trace.ids.size), "capacity_rows": cap, "window_steps": window,
+           "profile_steps": first, "tokens_per_step": tokens,
+           "settings": {"refresh_every": cache.refresh_every, "refresh_bytes": cache.refresh_bytes,
+                        "half_life": cache.half_life, "row_bytes": row_bytes},
+           "windows": rows,
+           "worst_gap_vs_static": max(r["static"] - r["adaptive"] for r in warm),
+           "worst_gap_vs_static_window": max(r["static_window"] - r["adaptive"] for r in warm),
+           "worst_gap_vs_static_prev": max(r["static_prev"] - r["adaptive"] for r in warm)}
+    if first:
+        out["worst_gap_seeded_vs_static"] = max(r["static"] - r["adaptive_seeded"] for r in rows)
+        out["worst_gap_seeded_vs_static_profile"] = max(r["static_profile"] - r["adaptive_seeded"] for r in rows)
+    return out
 
 
 def hbm_line(res: dict) -> str:
@@ -130,4 +165,7 @@ def hbm_line(res: dict) -> str:
             f"this window's (in-sample) {mean('static_window'):.3f}; worst gap vs static "
             f"{res['worst_gap_vs_static']:+.3f}, vs previous {res['worst_gap_vs_static_prev']:+.3f}, "
             f"vs in-sample {res['worst_gap_vs_static_window']:+.3f}; "
-            f"refresh {mean('refresh_bytes_per_step') / 2**20:.2f} MiB/step")
+            f"refresh {mean('refresh_bytes_per_step') / 2**20:.2f} MiB/step"
+            + (f" ({mean('refresh_bytes_per_token'):.0f} B/token)" if res.get("tokens_per_step") else "")
+            + (f"; seeded from a held-out profile: {mean('adaptive_seeded'):.3f} against the profile's static "
+               f"{mean('static_profile'):.3f}" if res.get("profile_steps") else ""))

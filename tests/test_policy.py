@@ -182,3 +182,20 @@ def test_expect_ignores_free_slots():
     p = CachePolicy(8, 100)
     p.expect(np.arange(8))  # nothing resident yet: no effect, no error
     assert p.victims(0, np.zeros(8, np.int32)).size == 0
+
+
+def test_window_hill_climbing_moves_the_window_and_stays_in_bounds():
+    rng = np.random.default_rng(0)
+    arena = Arena(200, 5000, adapt_window=True, adapt_period=0.5, adapt_step=0.1)
+    start = arena.policy.window
+    for _ in range(200):
+        arena.step(np.unique(rng.zipf(1.2, size=80) % 5000))
+    assert arena.policy.window != start and 0.02 <= arena.policy.window <= 0.6
+    assert CachePolicy(200, 5000).window == 0.2  # fixed unless asked
+
+
+def test_adapt_settings_are_validated():
+    with pytest.raises(InvalidArgument, match="adapt_period"):
+        PolicyConfig(adapt_period=0)
+    with pytest.raises(InvalidArgument, match="max_hits"):
+        PolicyConfig(max_hits=200)

@@ -62,3 +62,17 @@ def test_bad_parameters_are_rejected():
         FrequencySketch(width=16, depth=9)
     with pytest.raises(InvalidArgument, match="counter_max"):
         FrequencySketch(width=16, counter_max=300)
+
+
+def test_an_ids_counters_share_one_cache_line():
+    sk = FrequencySketch(width=1 << 20, depth=4)
+    idx = sk._index(np.arange(1000))
+    assert np.all(idx.min(axis=0) // 64 == idx.max(axis=0) // 64)  # one 64-byte block per id
+    assert sk.nbytes == 4 << 20
+
+
+def test_ids_sharing_a_counter_in_one_call_both_count():
+    sk = FrequencySketch(width=1, depth=1, counter_max=255)  # every id on the same 64 counters
+    ids = np.arange(500)
+    sk.add(ids)
+    assert np.all(sk.estimate(ids) >= 1)

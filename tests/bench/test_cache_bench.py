@@ -135,6 +135,10 @@ def test_adaptive_hbm_tier_tracks_a_drifting_trace():
         assert w["adaptive"] > w["static"] - 0.05
         assert w["refresh_bytes_per_step"] <= 16 << 20
     assert "adaptive" in hbm_line(res)
+    held = run_hbm_drift(trace, capacity=0.02, profile=0.25)  # first 60 steps: the offline profile
+    assert held["profile_steps"] == 60 and held["windows"][0]["steps"][0] == 60
+    assert all(0 < w["static_profile"] <= 1 and 0 < w["adaptive_seeded"] <= 1 for w in held["windows"])
+    assert "seeded" in hbm_line(held)
     frozen = run_hbm_drift(trace, capacity=0.02, refresh_bytes=0)
     assert all(w["adaptive"] == 0 for w in frozen["windows"])  # an empty cache that never adapts
 

@@ -51,8 +51,8 @@ def test_lookup_and_seed(src):
 
 
 def test_refresh_admits_hot_ids_and_evicts_cold(src):
-    cache = HBMCache.from_source(src, "l1", capacity_rows=3, device="cpu", hot_ids=[10, 11, 12],
-                                 refresh_every=2)
+    cache = HBMCache(3, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=2, admit_margin=0)
+    cache.seed([10, 11, 12], src.rows("l1")[[10, 11, 12]], prior=1.0)  # a weak profile: one read at most
     cache.observe([10, 50, 51], counts=[1, 5, 1])
     assert cache.maybe_refresh(src) == 0  # one step observed, refresh_every=2
     cache.observe([50, 60], counts=[5, 1])
@@ -65,8 +65,29 @@ def test_refresh_admits_hot_ids_and_evicts_cold(src):
     assert (cache.slot_of[held] == np.flatnonzero(cache.id_at >= 0)).all()
 
 
+def test_a_profiles_head_outlasts_one_off_reads(src):
+    cache = HBMCache.from_source(src, "l1", capacity_rows=4, device="cpu", hot_ids=[10, 11, 12, 13],
+                                 refresh_every=1, half_life=64)
+    cache.observe([50, 51])
+    assert cache.maybe_refresh(src) == 0  # a one-off read does not displace the profile
+    for _ in range(40):  # rows read every step for a while outweigh its prior, tail first
+        cache.observe([50, 51])
+        cache.maybe_refresh(src)
+    assert (cache.lookup([10, 11, 50, 51], count=False) >= 0).all()
+
+
+def test_a_row_read_about_as_often_as_the_one_it_would_replace_is_not_copied(src):
+    cache = HBMCache(2, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1)
+    cache.seed([1, 2], src.rows("l1")[[1, 2]], prior=1.0)
+    cache.observe([5])
+    assert cache.maybe_refresh(src) == 0  # one read beats a prior of 0.5 by less than the copy costs
+    cache.observe([5])
+    assert cache.maybe_refresh(src) == 1  # two do
+
+
 def test_refresh_waits_for_prepared_steps(src):
-    cache = HBMCache.from_source(src, "l1", capacity_rows=2, device="cpu", hot_ids=[1, 2], refresh_every=1)
+    cache = HBMCache(2, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1, admit_margin=0)
+    cache.seed([1, 2], src.rows("l1")[[1, 2]], prior=1.0)
     layer = EngramLayer(SPEC, 1, source=src, hbm_cache=cache)
     layer.prepare(np.full((1, 1, SPEC.columns), 7))
     assert cache.pins == 1 and cache.maybe_refresh(src) == 0
