@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierstore.catalog import TableVersion, private_dirs
+from tierstore.catalog import TableVersion, _fsync_dir, private_dirs
 from tierstore.tiers import rowsum
 
 __all__ = ["BITMAP_NAME", "LocalCopy"]
@@ -36,14 +36,6 @@ BITMAP_NAME = "blocks.present"
 _MAGIC = b"TSWB0001"
 _HEADER = struct.Struct("<8sQQQ")  # magic, n_blocks, xxh3 of the checksum list, reserved
 SCAN_BLOCKS = 1 << 16  # absent blocks are looked for this many bits at a time
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalCopy:
