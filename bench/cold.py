@@ -120,14 +120,6 @@ class MemoryCgroup:
                     time.sleep(0.05)
 
 
-def _rss_anon(pid: int) -> int:
-    """Anonymous resident bytes of a process (its heap), from /proc."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _own_cgroup(controller: str) -> str | None:
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
