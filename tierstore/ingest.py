@@ -370,7 +370,7 @@ def ingest_file(src, data_dir, table=None, *, key=None, scale_key=None, row_form
     preset/layer/scale: rows and width must match the Engram spec, else
         SpecMismatch; the spec is stored in the manifest.
     """
-    from tierstore.client.spec import preset as get_preset
+    from tierstore.spec import preset as get_preset
     from tierstore.formats import decode_rows, encode_rows
 
     src = Path(src)

@@ -31,9 +31,9 @@ def _parse_ids(text: str) -> list[int]:
 def run(args) -> int:
     import numpy as np
 
-    from tierstore.client.hasher import NgramHasher
-    from tierstore.client.spec import EngramSpec, preset
-    from tierstore.client.tokenizer_map import load_or_build
+    from tierstore.hasher import NgramHasher
+    from tierstore.spec import EngramSpec, preset
+    from tierstore.tokenizer_map import load_or_build
     from tierstore.errors import InvalidArgument
 
     spec = EngramSpec.from_config(args.checkpoint) if args.checkpoint else preset(args.preset, args.scale)

@@ -21,9 +21,9 @@ def run(args) -> int:
 
     import numpy as np
 
-    from tierstore.client.hasher import NgramHasher
-    from tierstore.client.profile import build_profile
-    from tierstore.client.spec import preset
+    from tierstore.hasher import NgramHasher
+    from tierstore.profile import build_profile
+    from tierstore.spec import preset
 
     if args.preset:
         spec = preset(args.preset, args.scale)
@@ -32,7 +32,7 @@ def run(args) -> int:
         spec = spec_from_catalog(args.data)
     cmap, tok = None, None
     if args.tokenizer:
-        from tierstore.client.tokenizer_map import load_or_build
+        from tierstore.tokenizer_map import load_or_build
         cmap, _ = load_or_build(args.tokenizer)
         if args.tokenizer.endswith(".json"):
             from tokenizers import Tokenizer

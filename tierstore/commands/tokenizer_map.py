@@ -14,8 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tierstore.client.spec import preset
-    from tierstore.client.tokenizer_map import build_compression_map, describe, save_map
+    from tierstore.spec import preset
+    from tierstore.tokenizer_map import build_compression_map, describe, save_map
 
     cmap = build_compression_map(args.tokenizer_json)
     spec = preset(args.preset, args.scale) if args.preset else None
