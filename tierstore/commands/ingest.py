@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tierstore.errors import DataLoss, ResourceExhausted
-    from tierstore.ingest import ingest_file
+    from tierstore.ingest_file import ingest_file
 
     try:
         tv = ingest_file(args.src, args.data, args.table, key=args.key, scale_key=args.scale_key,
