@@ -30,6 +30,8 @@ from tierstore.client.attach import attach_engram, engram_decode_step
 from tierstore.client.layer import EngramLayer
 from tierstore.errors import InvalidArgument
 
+__all__ = ["EngramDemoModel", "DemoTransformer", "Block", "KVCache"]
+
 
 class KVCache:
     """Keys/values of every block for a batch being decoded; `length` tokens so far."""

@@ -31,6 +31,8 @@ from tierstore.errors import InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.formats import RowFormat, encode_rows
 from tierstore.tiers.base import check_ids
 
+__all__ = ["LocalTable", "LocalHandle"]
+
 
 class LocalHandle:
     """PlanHandle of a LocalTable: slot == id, nothing is leased."""

@@ -5,6 +5,10 @@ sees the same class name and message on the other side of the socket.
 """
 from __future__ import annotations
 
+__all__ = ["TierstoreError", "InvalidArgument", "IdOutOfRange", "SpecMismatch", "NotFound", "TableNotFound",
+           "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable", "StaleRows",
+           "StaleArena", "Unauthenticated"]
+
 
 class TierstoreError(Exception):
     """Base class; GRPC_CODE names the grpc.StatusCode member it maps to."""

@@ -20,6 +20,8 @@ from tierstore.hasher import NgramHasher
 from tierstore.spec import EngramSpec
 from tierstore.errors import InvalidArgument
 
+__all__ = ["Profile", "build_profile"]
+
 
 @dataclass
 class Profile:

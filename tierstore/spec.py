@@ -14,6 +14,8 @@ import numpy as np
 
 from tierstore.formats import RowFormat
 
+__all__ = ["EngramSpec", "PRESETS", "preset", "is_prime", "next_unused_prime", "INT64_MAX", "LAYER_SEED_PRIME"]
+
 INT64_MAX = np.iinfo(np.int64).max
 LAYER_SEED_PRIME = 10007
 

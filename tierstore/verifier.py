@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+__all__ = ["Verifier", "VerifyCounters"]
+
 log = logging.getLogger("tierstore.verifier")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run", "format_table", "rows", "plot", "COLUMNS"]
+
 COLUMNS = ("path", "bit-exact", "max abs err engram", "max rel err engram", "max abs err logits",
            "top-1 agree", "deterministic", "note")
 

@@ -2,6 +2,8 @@
 Mooncake, so `tierstore serve --remote` serves it on a host with no copy of the rows."""
 from __future__ import annotations
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="data directory (created when missing)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="deepseek-v4.1-flash", help="model preset (default: %(default)s)")

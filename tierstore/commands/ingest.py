@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="checkpoint: .safetensors, .npy or a torch state dict (torch.save)")

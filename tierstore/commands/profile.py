@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tokens", nargs="+", help=".npy files of token ids ([T] or [B, T]) or, with --tokenizer, .txt files")

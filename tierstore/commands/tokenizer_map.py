@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tokenizer_json", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json (read offline)")
