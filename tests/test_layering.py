@@ -1,7 +1,7 @@
 """The core (tierstore/) never imports the client: arrows run client -> core, never back.
 
 client/, kernels/ and bench/ are separate packages (pyproject `package-dir`); tierstore/ holds
-the core and the CLI. Two subcommands are clients of a running sidecar by nature and import
+the core and the CLI (the README's "Where things are" table). Two subcommands are clients of a running sidecar by nature and import
 the RPC client inside run(); they are named here so that a new arrow is a decision, not a slip.
 """
 from __future__ import annotations
@@ -33,6 +33,15 @@ def test_core_never_imports_the_client():
            for p in files if str(p.relative_to(CORE)) not in CLIENT_COMMANDS
            for line, mod in _imports(p) if mod == "tierstore.client" or mod.startswith("tierstore.client.")]
     assert not bad, "the core must not import tierstore.client:\n" + "\n".join(bad)
+
+
+def test_core_modules_outside_the_cli_import_no_tool_package():
+    # the CLI (commands/) runs the benchmarks and the audit; the rest of the core needs none of them
+    tools = ("tierstore.client", "tierstore.bench", "tierstore.kernels")
+    files = [p for p in sorted(CORE.rglob("*.py")) if p.relative_to(CORE).parts[0] not in ("commands", "audit.py")]
+    bad = [f"{p.relative_to(CORE)}:{line} imports {mod}" for p in files for line, mod in _imports(p)
+           if any(mod == t or mod.startswith(t + ".") for t in tools)]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_check_sees_an_import(tmp_path):
