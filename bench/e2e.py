@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierstore.catalog import Catalog
-from tierstore.client.spec import EngramSpec
+from tierstore.spec import EngramSpec
 from tierstore.tiers.nvme import SegmentReader
 
 

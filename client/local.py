@@ -8,7 +8,7 @@ tests and the demo use. Every row of a table lives in one uint8 tensor
 Example::
 
     from tierstore.client.local import LocalTable
-    from tierstore.client.spec import preset
+    from tierstore.spec import preset
 
     spec = preset("engram-paper-demo", scale=64)
     source = LocalTable.synthetic(spec, seed=0)        # random rows, every layer
@@ -30,6 +30,8 @@ import torch
 from tierstore.errors import InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.formats import RowFormat, encode_rows
 from tierstore.tiers.base import check_ids
+
+__all__ = ["LocalTable", "LocalHandle"]
 
 
 class LocalHandle:

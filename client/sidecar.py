@@ -63,9 +63,13 @@ RELEASE_LINGER_S = 0.02
 
 
 def to_error(e: grpc.RpcError, target: str = "") -> errors.TierstoreError:
-    """The tierstore error a status carries ("ClassName: message"), by name or by code."""
+    """The tierstore error a status carries: the class named in its trailing metadata
+    (errors.ERROR_METADATA_KEY), else in its text ("ClassName: message", older sidecars), else by code."""
     detail = e.details() or ""
     name, _, msg = detail.partition(": ")
+    named = dict(getattr(e, "trailing_metadata", lambda: None)() or ()).get(errors.ERROR_METADATA_KEY)
+    if named:
+        name, msg = named, detail.removeprefix(f"{named}: ")
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.TierstoreError) and cls is not errors.ChecksumError:
         return cls(msg)

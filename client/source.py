@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+__all__ = ["RowSource", "PlanHandle"]
+
 
 @runtime_checkable
 class PlanHandle(Protocol):

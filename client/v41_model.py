@@ -52,7 +52,7 @@ class V41AuditModel(nn.Module):
 
 
 def _spec(checkpoint):
-    from tierstore.client.spec import EngramSpec
+    from tierstore.spec import EngramSpec
 
     return EngramSpec.from_config(checkpoint)
 

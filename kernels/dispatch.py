@@ -14,6 +14,8 @@ import torch
 
 from tierstore.errors import InvalidArgument
 
+__all__ = ["BACKENDS", "INTERPRET", "triton_available", "choose_backend"]
+
 try:  # triton is optional: CPU-only installs run the torch reference
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401

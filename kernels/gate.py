@@ -23,6 +23,8 @@ from tierstore.errors import InvalidArgument
 
 from .dispatch import choose_backend, tl, triton
 
+__all__ = ["engram_gate", "engram_gate_torch"]
+
 _G_FLOOR = 1e-6
 
 

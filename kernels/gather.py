@@ -20,6 +20,8 @@ from tierstore.formats import FP8_BLOCK, RowFormat
 
 from .dispatch import choose_backend, tl, triton
 
+__all__ = ["OUT_DTYPES", "gather_rows", "gather_rows_torch", "decode_rows_torch"]
+
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FMT_CODE = {RowFormat.FP32: 0, RowFormat.BF16: 1, RowFormat.FP16: 2, RowFormat.FP8_E4M3_UE8M0: 3}
 _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

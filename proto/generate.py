@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+__all__ = ["generate", "OUTPUTS"]
+
 HERE = Path(__file__).resolve().parent
 OUTPUTS = ("tierstore_pb2.py", "tierstore_pb2_grpc.py", "tierstore_pb2.pyi")
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tierstore.audit import EXACT_PATHS, PATHS, Audit, CustomPath
+from tierstore.bench.audit import EXACT_PATHS, PATHS, Audit, CustomPath
 from tierstore.errors import InvalidArgument
 
 SMALL = dict(batch=2, seq=32, decode_tokens=2, model_kwargs={"d_model": 64}, log=lambda *a: None)

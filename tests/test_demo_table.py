@@ -3,7 +3,7 @@ import pytest
 
 from tierstore import demo_table
 from tierstore.catalog import Catalog
-from tierstore.client.spec import preset
+from tierstore.spec import preset
 from tierstore.errors import InvalidArgument
 from tierstore.formats import decode_rows
 from tierstore.tiers.nvme import SegmentReader

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from tierstore.catalog import Catalog
-from tierstore.client.spec import preset
+from tierstore.spec import preset
 from tierstore.errors import InvalidArgument, SpecMismatch
 from tierstore.formats import decode_rows, encode_rows
 from tierstore.ingest import ingest_file, write_version

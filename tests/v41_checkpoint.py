@@ -103,7 +103,7 @@ def write_checkpoint(d: Path, seed: int = 0, **overrides) -> dict:
 
 
 def _rows(text: dict) -> dict[int, int]:
-    from tierstore.client.spec import EngramSpec
+    from tierstore.spec import EngramSpec
 
     spec = EngramSpec(name="probe", layer_ids=tuple(text["engram_layer_ids"]), max_ngram=text["engram_max_ngram_size"],
                       n_heads=text["engram_n_heads"], engram_vocab_size=text["engram_vocab_size"],

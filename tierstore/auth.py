@@ -20,6 +20,8 @@ import time
 
 import grpc
 
+__all__ = ["TokenInterceptor", "TOKEN_HEADER", "RECEIVE_TIMEOUT_S", "OPEN_METHODS"]
+
 TOKEN_HEADER = "x-tierstore-token"
 RECEIVE_TIMEOUT_S = 30.0  # 64 MiB (the request limit) at ~2 MB/s
 

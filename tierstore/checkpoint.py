@@ -89,7 +89,7 @@ class Checkpoint:
     its header says."""
 
     def __init__(self, directory, name: str | None = None):
-        from tierstore.client.hf_config import spec_from_config
+        from tierstore.hf_config import spec_from_config
 
         self.dir = Path(directory)
         if not self.dir.is_dir():

@@ -11,6 +11,8 @@ import sys
 
 from tierstore.errors import InvalidArgument, NotFound, TierstoreError
 
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("tierstore.commands.hash", "hash token ids to Engram row ids (JSON)"),
     "tokenizer-map": ("tierstore.commands.tokenizer_map", "build the tokenizer compression map from tokenizer.json"),

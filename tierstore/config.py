@@ -12,6 +12,9 @@ import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+__all__ = ["ServeConfig", "parse_size", "MAX_REQUEST_BYTES", "MAX_RESPONSE_BYTES", "MAX_REQUEST_IDS",
+           "MAX_INLINE_BYTES", "MAX_LEASE_TTL_S", "MAX_WORKERS", "MAX_LEASES"]
+
 # Wire limits. gRPC's default receive limit is 4 MiB; a 4,096-token step of
 # V4.1 hashes to 98k ids (786 KB), a long prefill to tens of MB, so requests
 # may be 64 MiB. Inline Lookup responses carry rows and may be 256 MiB.

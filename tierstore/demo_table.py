@@ -25,7 +25,7 @@ _CHUNK_BYTES = 32 << 20  # float32 values generated per step: bounds memory
 
 def demo_spec(preset: str, scale: int = 1, *, row_format: str | None = None, row_dim: int | None = None):
     """The preset scaled by `scale`, with the row format/width optionally replaced."""
-    from tierstore.client.spec import EngramSpec, preset as get_preset
+    from tierstore.spec import EngramSpec, preset as get_preset
 
     try:
         spec = get_preset(preset, int(scale))

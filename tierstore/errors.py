@@ -1,9 +1,18 @@
 """Typed errors. Each message says what was wrong and how to fix it.
 
 The server maps each class to one gRPC status code (GRPC_CODE), so a client
-sees the same class name and message on the other side of the socket.
+sees the same class name and message on the other side of the socket: the
+class travels in the trailing metadata (ERROR_METADATA_KEY) and, for clients
+older than that, as the status text "ClassName: message".
 """
 from __future__ import annotations
+
+__all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "IdOutOfRange", "SpecMismatch", "NotFound",
+           "TableNotFound", "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable",
+           "StaleRows", "StaleArena", "Unauthenticated"]
+
+# gRPC trailing-metadata key whose value is the error's class name
+ERROR_METADATA_KEY = "tierstore-error"
 
 
 class TierstoreError(Exception):

@@ -16,6 +16,8 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
+__all__ = ["RowFormat", "encode_rows", "decode_rows", "FP8_BLOCK", "UE8M0_BIAS", "E4M3_MAX"]
+
 FP8_BLOCK = 32
 UE8M0_BIAS = 127
 E4M3_MAX = 448.0

@@ -6,8 +6,9 @@ then moved into place and made current in one catalog transaction. Until that
 transaction commits, readers see the previous version; a killed writer leaves
 only a staging directory that the next writer removes.
 
-`ingest_file` turns one tensor of a checkpoint (safetensors, .npy, torch state
-dict) into row chunks, read slice by slice so memory stays bounded.
+Readers of what gets written live beside it: `tierstore.ingest_file` (one
+tensor of a checkpoint file, via `tierstore.tensor_reader`) and
+`tierstore.ingest_checkpoint` (every Engram layer of a Hugging Face checkpoint).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tierstore.formats import RowFormat
 from tierstore.tiers import rowsum
 from tierstore.tiers.nvme import SegmentReader, default_block_rows
 
-__all__ = ["write_version", "ingest_file", "SEGMENT_BYTES"]
+__all__ = ["write_version", "SEGMENT_BYTES"]
 
 # Segments are capped at ~1 GiB so a 98 GB layer is ~100 files that copy,
 # rsync and checksum in pieces; reads never cross a segment (whole blocks each).
@@ -233,215 +234,9 @@ def _verify_staged(data_dir: Path, stage: _Staging, table: str, fields: dict) ->
                        f"under {data_dir}; nothing was committed")
 
 
-class _Tensor:
-    """One checkpoint tensor read lazily by row slices (as torch tensors)."""
-
-    def __init__(self, name: str, shape, dtype, read):
-        self.name, self.shape, self.dtype, self.read = name, tuple(shape), dtype, read
-
-
-def _pread_rows(path: Path, offset: int, shape, dtype):
-    """Row reader for a C-ordered tensor stored raw at `offset` in `path`.
-
-    pread into a fresh buffer rather than slicing a memory map: pages of a
-    mapped file count in the process's RSS once touched, so a mapped 98 GB table
-    would look like 98 GB of memory use; read pages stay only in the page cache.
-    """
-    import torch
-
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-
-    def read(a: int, b: int):
-        buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
-        got = 0
-        with open(path, "rb") as f:
-            while got < buf.nbytes:
-                n = os.preadv(f.fileno(), [memoryview(buf)[got:]], offset + a * row_bytes + got)
-                if n == 0:
-                    break
-                got += n
-        if got != buf.nbytes:
-            raise SpecMismatch(f"{path} is truncated: rows {a}..{b - 1} are missing")
-        return torch.from_numpy(buf).view(dtype).reshape((b - a,) + tuple(shape[1:]))
-    return read
-
-
-def _open_tensors(src: Path) -> dict[str, _Tensor]:
-    import json
-    import struct
-
-    import torch
-
-    with open(src, "rb") as f:
-        head = f.read(8)
-    if head.startswith(b"\x93NUMPY"):
-        arr = np.load(src, mmap_mode="r")
-        dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-                 np.dtype(np.uint8): torch.uint8}.get(arr.dtype)
-        if dtype is None:
-            raise SpecMismatch(f"{src} holds {arr.dtype} values; .npy tables must be float32, float16 or "
-                               f"uint8 packed rows")
-        if not arr.flags.c_contiguous:
-            raise SpecMismatch(f"{src} is stored in Fortran order; save it C-ordered (np.ascontiguousarray)")
-        return {src.stem: _Tensor(src.stem, arr.shape, dtype, _pread_rows(src, arr.offset, arr.shape, dtype))}
-    if head.startswith(b"PK") or head[:2] == b"\x80\x02":
-        # torch's zip format has no raw offsets to pread; mapped pages count in RSS
-        # as they are read (they are page cache and reclaimable). Prefer safetensors.
-        try:
-            obj = torch.load(src, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - RuntimeError, UnpicklingError, zip errors: all "cannot read"
-            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            if head[:2] == b"\x80\x02":
-                raise InvalidArgument(f"{src} is a torch.save file in the legacy (pre-1.6) format, which cannot be "
-                                      f"read in bounded memory; save it again with torch.save's default (zip) "
-                                      f"format or as safetensors") from None
-            raise InvalidArgument(f"{src} is a zip file but not a torch state dict tierstore can load safely "
-                                  f"({why}); give a safetensors, .npy or torch.save file") from None
-        flat: dict[str, torch.Tensor] = {}
-
-        def walk(prefix, o):
-            if isinstance(o, torch.Tensor):
-                flat[prefix or src.stem] = o
-            elif isinstance(o, dict):
-                for k, v in o.items():
-                    walk(f"{prefix}.{k}" if prefix else str(k), v)
-        walk("", obj)
-        return {k: _Tensor(k, t.shape, t.dtype, lambda a, b, t=t: t[a:b].contiguous()) for k, t in flat.items()}
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(src), framework="pt") as f:  # validates the file, gives torch dtypes
-            meta = {k: (f.get_slice(k).get_shape(), f.get_slice(k)[0:0].dtype if f.get_slice(k).get_shape()
-                        else f.get_tensor(k).dtype) for k in f.keys()}
-    except Exception as e:
-        raise InvalidArgument(f"{src} is not a safetensors file, a .npy file or a torch state dict ({e})") from None
-    with open(src, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: _Tensor(k, shape, dtype, _pread_rows(src, 8 + n + header[k]["data_offsets"][0], shape, dtype))
-            for k, (shape, dtype) in meta.items()}
-
-
-_FORMAT_OF = {"float32": RowFormat.FP32, "bfloat16": RowFormat.BF16, "float16": RowFormat.FP16,
-              "float8_e4m3fn": RowFormat.FP8_E4M3_UE8M0}
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _pick(tensors: dict[str, _Tensor], key, want, what: str, src) -> _Tensor:
-    if key is not None:
-        if key not in tensors:
-            raise InvalidArgument(f"{src} has no tensor {key!r}; tensors are {sorted(tensors)}")
-        return tensors[key]
-    found = list(tensors.values()) if len(tensors) == 1 and what == "table" else [t for t in tensors.values() if want(t)]
-    if len(found) != 1:
-        raise InvalidArgument(f"{src} holds tensors {sorted(tensors)}; choose the {what} with "
-                              f"{'--key' if what == 'table' else '--scale-key'}")
-    return found[0]
-
-
-def _raw_dim(fmt: RowFormat, row_bytes: int) -> int | None:
-    dim = {RowFormat.FP32: row_bytes // 4, RowFormat.BF16: row_bytes // 2, RowFormat.FP16: row_bytes // 2,
-           RowFormat.FP8_E4M3_UE8M0: row_bytes * 32 // 33}[fmt]
-    try:
-        return dim if dim > 0 and fmt.row_bytes(dim) == row_bytes else None
-    except ValueError:
-        return None
-
-
-def ingest_file(src, data_dir, table=None, *, key=None, scale_key=None, row_format=None, preset=None,
-                layer=None, scale=1, progress=True, block_rows=None, chunk_bytes=64 << 20) -> TableVersion:
-    """Ingest one 2-D tensor of a checkpoint as a new version of `table`.
-
-    src: a .safetensors file, a .npy file or a torch state dict (torch.save);
-        read in slices of about `chunk_bytes`, so a table larger than RAM
-        ingests in bounded memory.
-    table: table name; default the preset's name for `layer` (e.g. "l1").
-    key: the tensor to ingest (needed when src holds several 2-D float tensors).
-    scale_key: fp8 values need their ue8m0 block scales [rows, dim/32]
-        (uint8 or float8_e8m0fnu); found automatically when unambiguous.
-    row_format: stored format; default inferred from the dtype (float32 -> fp32,
-        bfloat16 -> bf16, float16 -> fp16, float8_e4m3fn + scales ->
-        fp8-e4m3-ue8m0). A different format converts the values (lossy, named in
-        the manifest's source); a uint8 tensor is taken as packed rows of this
-        format, bit-exact.
-    preset/layer/scale: rows and width must match the Engram spec, else
-        SpecMismatch; the spec is stored in the manifest.
-    """
-    from tierstore.client.spec import preset as get_preset
-    from tierstore.formats import decode_rows, encode_rows
-
-    src = Path(src)
-    if not src.is_file():
-        raise FileNotFoundError(f"no such checkpoint file: {src}")
-    tensors = _open_tensors(src)
-    t = _pick(tensors, key, lambda t: len(t.shape) == 2 and _dtype_name(t.dtype) in _FORMAT_OF, "table", src)
-    if len(t.shape) != 2:
-        raise SpecMismatch(f"{src}:{t.name} has shape {list(t.shape)}; a table is 2-D [rows, dim]")
-    n, width = t.shape
-    dname = _dtype_name(t.dtype)
-    target = RowFormat.parse(row_format) if row_format else None
-    scales = None
-    if dname == "uint8":
-        if target is None:
-            raise SpecMismatch(f"{src}:{t.name} is uint8; say which format its packed rows are in with --format")
-        src_fmt, dim = target, _raw_dim(target, width)
-        if dim is None:
-            raise SpecMismatch(f"{src}:{t.name} rows are {width} bytes, not a whole {target.value} row")
-    elif dname in _FORMAT_OF:
-        src_fmt, dim = _FORMAT_OF[dname], width
-        if src_fmt is RowFormat.FP8_E4M3_UE8M0:
-            src_fmt.row_bytes(dim)
-            scales = _pick(tensors, scale_key, lambda s: s is not t and len(s.shape) == 2
-                           and _dtype_name(s.dtype) in ("uint8", "float8_e8m0fnu"), "scales", src)
-            if tuple(scales.shape) != (n, dim // 32) or _dtype_name(scales.dtype) not in ("uint8", "float8_e8m0fnu"):
-                raise SpecMismatch(f"{src}:{scales.name} is {_dtype_name(scales.dtype)} {list(scales.shape)}; "
-                                   f"ue8m0 scales for {t.name} must be uint8 or float8_e8m0fnu [{n}, {dim // 32}]")
-    else:
-        raise SpecMismatch(f"{src}:{t.name} has dtype {dname}; tables are float32, bfloat16, float16, "
-                           f"float8_e4m3fn (+ ue8m0 scales) or uint8 packed rows with --format")
-    target = target or src_fmt
-    spec_dict = None
-    if preset is not None or layer is not None:
-        if preset is None or layer is None:
-            raise InvalidArgument("--preset and --layer go together")
-        try:
-            spec = get_preset(preset, int(scale))
-            expected = spec.rows(int(layer))
-            table = table or spec.table_name(int(layer))
-        except (KeyError, ValueError) as e:
-            raise InvalidArgument(e.args[0]) from None
-        if n != expected or dim != spec.row_dim:
-            raise SpecMismatch(f"{src}:{t.name} is [{n}, {dim}] but preset {preset!r} (scale {scale}) layer {layer} "
-                               f"needs [{expected}, {spec.row_dim}]; check --preset/--layer/--scale or --key")
-        spec_dict = spec.to_dict()
-    if table is None:
-        raise InvalidArgument("name the table with --table (or give --preset and --layer)")
-    validate_table_name(table)
-    target.row_bytes(dim)
-
-    def chunks():
-        step = max(1, chunk_bytes // max(1, target.row_bytes(dim)))
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            raw = t.read(a, b).view(_torch_uint8()).numpy().reshape(b - a, -1)
-            if scales is not None:
-                raw = np.concatenate([raw, scales.read(a, b).view(_torch_uint8()).numpy().reshape(b - a, -1)], axis=1)
-            if target is not src_fmt:
-                raw = encode_rows(decode_rows(raw, src_fmt, dim), target, first_row=a)
-            yield raw
-
-    note = f"{src}:{t.name}" + (f"+{scales.name}" if scales is not None else "")
-    if target is not src_fmt:
-        note += f" (converted {src_fmt.value} -> {target.value})"
-    return write_version(data_dir, table, chunks(), rows=n, row_format=target.value, row_dim=dim, spec=spec_dict,
-                         layer_id=None if layer is None else int(layer), source=note, block_rows=block_rows,
-                         progress=progress)
-
-
-def _torch_uint8():
-    import torch
-
-    return torch.uint8
+def __getattr__(name):
+    # ingest_file moved to tierstore.ingest_file (it imports this module); the old name still works
+    if name == "ingest_file":
+        from tierstore.ingest_file import ingest_file
+        return ingest_file
+    raise AttributeError(f"module 'tierstore.ingest' has no attribute {name!r}")

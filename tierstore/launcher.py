@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+__all__ = ["SidecarProcess"]
+
 
 class SidecarProcess:
     def __init__(self, data_dir, socket=None, *, dram_budget="1GiB", extra_args=(), env=None,

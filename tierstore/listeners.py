@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tierstore.errors import InvalidArgument
 
+__all__ = ["claim_socket", "socket_answers", "check_tcp", "check_port", "check_tls", "UNIX_PATH_MAX"]
+
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
 

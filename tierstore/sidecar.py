@@ -109,7 +109,7 @@ class Sidecar:
                 f"--dram-budget {cfg.dram_budget / 2**20:.0f} MiB is more than {cfg.shm_dir} can hold "
                 f"({free / 2**20:.0f} MiB free); lower the budget or enlarge {cfg.shm_dir}")
         if cfg.profile is not None:
-            from tierstore.client.profile import Profile
+            from tierstore.profile import Profile
             self._profile = Profile.load(cfg.profile)
         for v in versions:
             self.engines[v.table] = self._build(v, versions, reuse=stale.pop((v.table, v.version), None))

@@ -30,6 +30,8 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
+__all__ = ["TraceRecorder"]
+
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from tierstore import cpu_token
 
+__all__ = ["Verifier", "VerifyCounters"]
+
 log = logging.getLogger("tierstore.verifier")
 
 

@@ -8,7 +8,7 @@ from tierstore.client.attach import attach_engram, engram_decode_step
 from tierstore.client.demo_model import EngramDemoModel
 from tierstore.client.hasher import NgramHasher
 from tierstore.client.local import LocalTable
-from tierstore.client.spec import EngramSpec
+from tierstore.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument
 
 D = 32

@@ -7,7 +7,7 @@ from tierstore.client.hasher import NgramHasher
 from tierstore.client.hbm_cache import HBMCache
 from tierstore.client.layer import EngramLayer
 from tierstore.client.local import LocalTable
-from tierstore.client.spec import EngramSpec
+from tierstore.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
 
 SPEC = EngramSpec(name="t", layer_ids=(1, 3), max_ngram=3, n_heads=2, engram_vocab_size=300,

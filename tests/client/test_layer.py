@@ -10,7 +10,7 @@ from torch import nn
 from tierstore.client.hasher import NgramHasher
 from tierstore.client.layer import EngramLayer
 from tierstore.client.local import LocalTable
-from tierstore.client.spec import EngramSpec
+from tierstore.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
 from tierstore.formats import decode_rows
 

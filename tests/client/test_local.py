@@ -5,7 +5,7 @@ import torch
 
 from tierstore.client.local import LocalTable
 from tierstore.client.source import PlanHandle, RowSource
-from tierstore.client.spec import EngramSpec
+from tierstore.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.formats import decode_rows, encode_rows
 

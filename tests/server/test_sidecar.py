@@ -312,8 +312,8 @@ def test_a_profile_seeds_the_cache_and_a_missing_one_is_refused(table_dir, tmp_p
     import subprocess
     import sys
 
-    from tierstore.client.profile import Profile
-    from tierstore.client.spec import preset
+    from tierstore.profile import Profile
+    from tierstore.spec import preset
 
     d, expected = table_dir
     hot = np.arange(50, 80)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run", "format_table", "rows", "plot", "COLUMNS"]
+
 COLUMNS = ("path", "bit-exact", "max abs err engram", "max rel err engram", "max abs err logits",
            "top-1 agree", "deterministic", "note")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tierstore.audit import PATHS
+    from tierstore.bench.audit import PATHS
 
     p.add_argument("--data", required=True, help="data directory; a demo table is created if it holds none")
     p.add_argument("--out", default="audit", help="folder for audit.json and audit.png (default ./audit)")
@@ -113,7 +115,7 @@ def run(args) -> int:
 
     import numpy as np
 
-    from tierstore.audit import Audit
+    from tierstore.bench.audit import Audit
     from tierstore.commands.demo import ensure_demo_table
 
     if args.module and os.getcwd() not in sys.path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run", "ensure_demo_table"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="data directory; a demo table is created if absent")

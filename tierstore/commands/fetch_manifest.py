@@ -3,6 +3,8 @@ Mooncake, so `tierstore serve --remote` serves it on a host with no copy of the 
 `serve --remote-table T` does the same at start-up; this is the step by hand."""
 from __future__ import annotations
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="data directory (created when missing)")

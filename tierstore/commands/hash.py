@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="deepseek-v4.1-flash", help="model preset (default: %(default)s)")
@@ -31,9 +33,9 @@ def _parse_ids(text: str) -> list[int]:
 def run(args) -> int:
     import numpy as np
 
-    from tierstore.client.hasher import NgramHasher
-    from tierstore.client.spec import EngramSpec, preset
-    from tierstore.client.tokenizer_map import load_or_build
+    from tierstore.hasher import NgramHasher
+    from tierstore.spec import EngramSpec, preset
+    from tierstore.tokenizer_map import load_or_build
     from tierstore.errors import InvalidArgument
 
     spec = EngramSpec.from_config(args.checkpoint) if args.checkpoint else preset(args.preset, args.scale)

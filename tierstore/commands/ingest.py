@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="checkpoint: .safetensors, .npy or a torch state dict (torch.save)")
@@ -21,7 +23,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tierstore.errors import DataLoss, ResourceExhausted
-    from tierstore.ingest import ingest_file
+    from tierstore.ingest_file import ingest_file
 
     try:
         tv = ingest_file(args.src, args.data, args.table, key=args.key, scale_key=args.scale_key,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint directory: config.json, model.safetensors.index.json, shards")

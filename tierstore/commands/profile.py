@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tokens", nargs="+", help=".npy files of token ids ([T] or [B, T]) or, with --tokenizer, .txt files")
@@ -21,9 +23,9 @@ def run(args) -> int:
 
     import numpy as np
 
-    from tierstore.client.hasher import NgramHasher
-    from tierstore.client.profile import build_profile
-    from tierstore.client.spec import preset
+    from tierstore.hasher import NgramHasher
+    from tierstore.profile import build_profile
+    from tierstore.spec import preset
 
     if args.preset:
         spec = preset(args.preset, args.scale)
@@ -32,7 +34,7 @@ def run(args) -> int:
         spec = spec_from_catalog(args.data)
     cmap, tok = None, None
     if args.tokenizer:
-        from tierstore.client.tokenizer_map import load_or_build
+        from tierstore.tokenizer_map import load_or_build
         cmap, _ = load_or_build(args.tokenizer)
         if args.tokenizer.endswith(".json"):
             from tokenizers import Tokenizer

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", required=True, help="the sidecar's unix socket")

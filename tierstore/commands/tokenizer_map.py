@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tokenizer_json", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json (read offline)")
@@ -14,8 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tierstore.client.spec import preset
-    from tierstore.client.tokenizer_map import build_compression_map, describe, save_map
+    from tierstore.spec import preset
+    from tierstore.tokenizer_map import build_compression_map, describe, save_map
 
     cmap = build_compression_map(args.tokenizer_json)
     spec = preset(args.preset, args.scale) if args.preset else None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="data directory")

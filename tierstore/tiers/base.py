@@ -1,8 +1,7 @@
 """The small interface every tier shares: fixed-size rows addressed by id.
 
-A tier overrides only what it does better than the defaults here: `read_rows`
-is the one method a tier must provide; `read_row`, `contains` and id checking
-work on top of it.
+`read_rows` is the one method a tier must provide; `check_ids`, `check_out`
+and `gather_by_block` are the shared pieces tiers build it from.
 """
 from __future__ import annotations
 
@@ -82,15 +81,6 @@ class Tier:
         """Rows `ids` (any integer array) as uint8 [len(ids), row_bytes], in the
         order given; written into `out` when given. Raises IdOutOfRange."""
         raise NotImplementedError
-
-    def read_row(self, row_id: int) -> np.ndarray:
-        """One row as uint8 [row_bytes]."""
-        return self.read_rows(np.array([row_id], dtype=np.int64))[0]
-
-    def contains(self, ids: np.ndarray) -> np.ndarray:
-        """bool [len(ids)]: which rows this tier can serve without going elsewhere.
-        A tier holding the whole table answers True for every valid id."""
-        return np.ones(check_ids(ids, self.rows, self.table).shape, dtype=bool)
 
     def close(self) -> None:
         pass

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from tierstore import cli
 from tierstore.bench.hash import plain_numpy_hash, run_hash_bench
-from tierstore.client.hasher import NgramHasher
-from tierstore.client.spec import EngramSpec, preset
+from tierstore.hasher import NgramHasher
+from tierstore.spec import EngramSpec, preset
 from tierstore.errors import IdOutOfRange, InvalidArgument
 
 V41 = preset("deepseek-v4.1-flash")

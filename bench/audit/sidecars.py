@@ -1,0 +1,78 @@
+"""The audit's sidecar processes (full-resident, cache-mode, cold) and what their counters say."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["Sidecars", "tier_note"]
+
+class Sidecars:
+    """The audit's sidecar processes by kind ("full", "cache", "cold"), started on first use."""
+
+    def __init__(self, data_dir, budgets: dict[str, int]):
+        self.data_dir, self.budgets = data_dir, budgets
+        self.procs, self.clients = {}, {}
+
+    def client(self, kind: str):
+        if kind not in self.clients:
+            from tierstore.client.sidecar import Client
+            from tierstore.launcher import SidecarProcess
+
+            proc = SidecarProcess(self.data_dir, dram_budget=str(self.budgets[kind]))
+            try:
+                proc.start()
+            except BaseException:
+                proc.cleanup()
+                raise
+            self.procs[kind] = proc
+            self.clients[kind] = Client(proc.socket, client_name=f"audit-{kind}")
+        return self.clients[kind]
+
+    def start(self, kinds) -> None:
+        """Start several sidecars at once (each start mostly waits for the child to come up)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(kinds))) as pool:
+            for f in [pool.submit(self.client, k) for k in kinds]:
+                f.result()
+
+    def restart(self, kind: str):
+        self.stop(kind)
+        return self.client(kind)
+
+    def counts(self, kind: str | None) -> dict:
+        """{table: (mode, hits, misses)} of a running sidecar."""
+        if kind not in self.clients:
+            return {}
+        return {t["table"]: (t["mode"], int(t["hits"]), int(t["misses"]))
+                for t in self.clients[kind].stats()["tables"]}
+
+    def flush(self, kind: str, keep: dict) -> None:
+        """Fill a cache-mode arena with rows the audit does not read, so the next run starts cold."""
+        client = self.client(kind)
+        for t in client.stats()["tables"]:
+            if t["mode"] == "full" or t["table"] not in keep:
+                continue
+            other = np.setdiff1d(np.arange(client.table_info(t["table"])["rows"]), keep[t["table"]])
+            with client.plan(t["table"], other[: int(t["capacity"])]) as step:
+                step.slots()
+
+    def stop(self, kind: str) -> None:
+        client, proc = self.clients.pop(kind, None), self.procs.pop(kind, None)
+        if client is not None:
+            client.close()
+        if proc is not None:
+            proc.cleanup()
+
+    def close(self) -> None:
+        for kind in list(self.procs):
+            self.stop(kind)
+
+def tier_note(before: dict, after: dict) -> str:
+    modes = {m for m, _, _ in after.values()}
+    if modes == {"full"}:
+        return "full-resident arena, every row from DRAM (slot == id)"
+    hits = sum(after[t][1] - before.get(t, ("", 0, 0))[1] for t in after)
+    miss = sum(after[t][2] - before.get(t, ("", 0, 0))[2] for t in after)
+    total = max(1, hits + miss)
+    return (f"cache-mode arena: 2 runs read {hits} rows from DRAM, {miss} promoted from NVMe "
+            f"({100 * miss / total:.0f}% from NVMe)")
