@@ -36,11 +36,12 @@ from tierstore import errors
 from tierstore.fastpath import fast_socket_path
 from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, MAX_RELEASE, PLAN,
                                 PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
-                                PlanResult, decode_error, pad8, send_frame)
+                                PlanResult, decode_error, pad8, send_frame, spin_seconds)
 
 __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "fast_socket_path", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
+REPLY_SPIN_US = 1000     # a plan's reply usually comes within this: polled for, not woken (fastwire._recv)
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
@@ -223,7 +224,7 @@ class FastPathClient:
         tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        reader = FrameReader(sock, 1 << 20)
+        reader = FrameReader(sock, 1 << 20, spin_s=spin_seconds(REPLY_SPIN_US))
         try:
             try:
                 send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner)])

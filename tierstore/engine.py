@@ -239,9 +239,8 @@ class TableEngine:
         Every returned slot is pinned once for the caller (unless admit_only)."""
         st = self.slots
         with self._lock:
-            slots = st.slot_of[uniq].astype(np.int64)
-            hit = slots >= 0
-            hit_slots = slots[hit]
+            # hits pinned at once: also keeps this step's hits through its own evictions
+            slots, hit_slots, n_filling = st.lookup_pin(uniq)
             n_miss = uniq.size - hit_slots.size
             if not admit_only:
                 self.counters.plans += 1
@@ -251,16 +250,15 @@ class TableEngine:
                 self.counters.hits += hit_slots.size
                 self.counters.misses += n_miss
             if n_miss > self.capacity:
+                st.unpin(hit_slots)
                 self.counters.lease_refusals += 1
                 raise ResourceExhausted(
                     f"table {self.table!r}: one step needs {n_miss} new rows but the arena holds {self.capacity}; "
                     f"raise --dram-budget or plan smaller steps")
-            st.pin(hit_slots)  # also keeps this step's hits through its own evictions
             waits = ()
-            if hit_slots.size:
+            if n_filling:
                 filling = hit_slots[st.state[hit_slots] == FILLING]
-                if filling.size:
-                    waits = [self._fills[f] for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
+                waits = [self._fills[f] for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
             fill = None
             if n_miss:
                 try:
@@ -268,6 +266,7 @@ class TableEngine:
                 except ResourceExhausted:
                     st.unpin(hit_slots)
                     raise
+                hit = slots >= 0
                 miss_ids = uniq[~hit]
                 fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
                 st.assign(new, miss_ids, fill.fill_id)

@@ -21,8 +21,10 @@ the frame so both sides read them with np.frombuffer, no copy.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,22 +138,48 @@ def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = Non
             views[0] = views[0][sent:]
 
 
+def spin_seconds(default_us: float) -> float:
+    """How long a reader polls before it blocks (FrameReader._recv); TIERSTORE_SPIN_US
+    overrides the default (0: never poll, for hosts with no core to spare)."""
+    try:
+        return max(0.0, float(os.environ.get("TIERSTORE_SPIN_US", default_us))) * 1e-6
+    except ValueError:
+        return default_us * 1e-6
+
+
 class FrameReader:
     """Reads whole frames from a stream socket into a reused buffer (bounded by `limit`)."""
 
-    def __init__(self, sock: socket.socket, limit: int):
+    def __init__(self, sock: socket.socket, limit: int, spin_s: float = 0.0):
         self.sock, self.limit = sock, limit
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         self.buf = bytearray(SCRATCH)
         self.start = self.end = 0
+        self.spin_s = spin_s  # poll this long before a blocking recv (see _recv)
 
     def _fill(self, upto: int) -> None:
         while self.end < upto:
-            n = self.sock.recv_into(memoryview(self.buf)[self.end:])
+            n = self._recv(memoryview(self.buf)[self.end:])
             if n == 0:
                 raise EOFError("connection closed")
             self.end += n
+
+    def _recv(self, view) -> int:
+        """recv_into, polling first for up to spin_s: waking a thread blocked in recv
+        costs the sender and the receiver ~30 µs each on a VM, more than a step's
+        plan; a reply (or a decode loop's next request) that comes within the spin
+        costs neither. The spin is bounded, so an idle peer costs spin_s of CPU."""
+        if self.spin_s > 0:
+            deadline = time.perf_counter() + self.spin_s
+            while True:
+                try:
+                    return self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() > deadline:
+                        break
+                    os.sched_yield()  # a runnable thread on this core (the peer?) goes first
+        return self.sock.recv_into(view)
 
     def read(self, owned: bool = False):
         """(op, body): body is a view of the buffer, or its own bytes when `owned`."""

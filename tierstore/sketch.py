@@ -19,12 +19,14 @@ from __future__ import annotations
 import numpy as np
 
 from tierstore.errors import InvalidArgument
+from tierstore.jit import Kernel
 
 # Odd 64-bit multipliers of the id hash (any odd constants with mixed bits work).
 _MULTIPLIERS = np.array([
     0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F,
 ], dtype=np.uint64)
 _MAX_DEPTH = 8
+_NONE = np.zeros(0, dtype=np.int64)
 _BLOCK = 64  # bytes per block: one CPU cache line
 
 
@@ -75,11 +77,20 @@ class FrequencySketch:
             idx += (h >> self._block_shift) << np.uint64(6)  # * _BLOCK
         return idx.view(np.int64)
 
+    def _params(self) -> tuple:
+        """The hash layout as the compiled loops take it."""
+        one = self._block_shift is None
+        return (self._row_shift.ravel(), self._row_mask, self._row_base.ravel(),
+                np.uint64(0) if one else self._block_shift, not one)
+
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Estimated recent access count of each id (int64, same length as ids)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size == 0:
             return np.zeros(0, dtype=np.int64)
+        k = _LOOP.compiled()
+        if k is not None:
+            return k(self._flat, ids, _NONE, 0, 0, False, *self._params())
         return self._flat[self._index(ids)].min(axis=0).astype(np.int64)
 
     def add(self, ids: np.ndarray, counts: np.ndarray | int = 1) -> np.ndarray | None:
@@ -91,6 +102,12 @@ class FrequencySketch:
         if ids.size == 0:
             return np.zeros(0, dtype=np.uint8)
         flat = self._flat
+        k = _LOOP.compiled()
+        if k is not None:  # one pass; ids sharing a counter see each other's update, as a stream would
+            scalar = np.ndim(counts) == 0
+            many = _NONE if scalar else np.asarray(counts, dtype=np.int64).ravel()
+            target = k(flat, ids, many, int(counts) if scalar else 0, self.counter_max, True, *self._params())
+            return self._recorded(int(counts) * ids.size if scalar else int(many.sum()), target.astype(np.uint8))
         idx = self._index(ids)
         vals = flat[idx]
         cur = vals.min(axis=0)
@@ -106,7 +123,10 @@ class FrequencySketch:
         lost = flat[idx] < new
         if lost.any():
             np.maximum.at(flat, idx[lost], new[lost])
-        self.recorded += int(np.sum(counts)) if np.ndim(counts) else int(counts) * ids.size
+        return self._recorded(int(np.sum(counts)) if np.ndim(counts) else int(counts) * ids.size, target)
+
+    def _recorded(self, n: int, target: np.ndarray) -> np.ndarray | None:
+        self.recorded += n
         if self.period and self.recorded >= self.period:
             self.halve()
             return None
@@ -121,3 +141,31 @@ class FrequencySketch:
     @property
     def nbytes(self) -> int:
         return self.counters.nbytes
+
+
+# ---- compiled loop (tierstore/jit.py); the numpy code above is its reference ----
+def _sketch_loop(flat, ids, many, one, counter_max, write, row_shift, row_mask, row_base, block_shift, blocked):
+    """Per id: the minimum of its counters (write=False), or its conservative
+    update by many[i] (or `one`), capped at counter_max (write=True)."""
+    depth = row_shift.shape[0]
+    out = np.empty(ids.shape[0], np.int64)
+    idx = np.empty(depth, np.uint64)
+    for i in range(ids.shape[0]):
+        h = np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15)  # _MULTIPLIERS
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xC2B2AE3D27D4EB4F)
+        base = (h >> block_shift) << np.uint64(6) if blocked else np.uint64(0)
+        m = 255
+        for r in range(depth):
+            idx[r] = ((h >> row_shift[r]) & row_mask) + row_base[r] + base
+            m = min(m, flat[idx[r]])
+        if write:
+            m = min(m + (many[i] if many.shape[0] else one), counter_max)
+            for r in range(depth):  # conservative: only counters below the new estimate grow
+                if flat[idx[r]] < m:
+                    flat[idx[r]] = m
+        out[i] = m
+    return out
+
+
+_LOOP = Kernel(_sketch_loop)

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from tierstore.jit import Kernel
+
 __all__ = ["SlotTable", "Fill", "EMPTY", "FILLING", "READY"]
 
 EMPTY, FILLING, READY = 0, 1, 2
@@ -50,13 +52,35 @@ class SlotTable:
     def resident(self) -> int:
         return self.capacity - self.n_free
 
+    def lookup_pin(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The slot of each id (-1: not resident), the resident ones pinned once.
+
+        ids: unique. Returns (slots int64, hit slots, how many of them are FILLING)."""
+        k = _LOOKUP_PIN.compiled()
+        if k is not None:
+            slots, n_hit, newly, filling = k(self.slot_of, ids, self.pins, self.state, FILLING)
+            self.n_pinned += newly
+            return slots, slots[slots >= 0] if n_hit < ids.size else slots, filling
+        slots = self.slot_of[ids].astype(np.int64)
+        hit = slots[slots >= 0]
+        self.pin(hit)
+        return slots, hit, int(np.count_nonzero(self.state[hit] == FILLING))
+
     def pin(self, slots: np.ndarray, times: int = 1) -> None:
         """slots: unique."""
+        k = _PIN.compiled()
+        if k is not None:
+            self.n_pinned += k(self.pins, slots, times)
+            return
         before = self.pins[slots]
         self.n_pinned += int(np.count_nonzero(before == 0))
         self.pins[slots] = before + times
 
     def unpin(self, slots: np.ndarray) -> None:
+        k = _PIN.compiled()
+        if k is not None:
+            self.n_pinned += k(self.pins, slots, -1)
+            return
         after = self.pins[slots] - 1
         self.pins[slots] = after
         self.n_pinned -= int(np.count_nonzero(after == 0))
@@ -84,3 +108,32 @@ class SlotTable:
         self.slot_of[ids] = slots
         self.state[slots] = FILLING
         self.fill_of[slots] = fill_id
+
+
+# ---- compiled loops (tierstore/jit.py); the numpy code above is their reference ----
+def _pin_loop(pins, slots, times):
+    """pins[slots] += times; returns the change in slots with a nonzero count."""
+    delta = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        before = pins[s]
+        pins[s] = before + times
+        delta += (before + times != 0) - (before != 0)
+    return delta
+
+
+def _lookup_pin_loop(slot_of, ids, pins, state, filling):
+    slots = np.empty(ids.shape[0], np.int64)
+    n_hit = newly = n_filling = 0
+    for i in range(ids.shape[0]):
+        s = slot_of[ids[i]]
+        slots[i] = s
+        if s >= 0:
+            n_hit += 1
+            newly += pins[s] == 0
+            pins[s] += 1
+            n_filling += state[s] == filling
+    return slots, n_hit, newly, n_filling
+
+
+_PIN, _LOOKUP_PIN = Kernel(_pin_loop), Kernel(_lookup_pin_loop)

@@ -1,0 +1,123 @@
+"""TinyLFU's two FIFO queues of slots, and the loops that walk them.
+
+A queue is a flat buffer of (slot, ticket) entries between `head` and `tail`.
+A slot's live entry is the one whose ticket matches the slot's current ticket
+(`ticket[slot]`, with `where[slot]` naming its queue); moving a slot pushes a
+new entry and leaves the old one stale, to be skipped when the head reaches it
+or dropped when the buffer is compacted. So every operation costs O(entries
+it touches), never O(arena).
+
+The loops (`admit`, `scan`) are written once, for numba (tierstore/jit.py);
+without numba the same Python functions would be far too slow per entry, so
+`tinylfu.py` keeps its batched numpy path as the fallback and the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tierstore.jit import Kernel
+
+__all__ = ["SlotQueue", "FREE", "PROBATION", "MAIN", "ADMIT", "SCAN"]
+
+FREE, PROBATION, MAIN = 0, 1, 2
+
+
+class SlotQueue:
+    """FIFO of (slot, ticket) in a ring-free buffer; stale entries are skipped lazily."""
+
+    def __init__(self, capacity: int):
+        self.slot = np.empty(2 * capacity + 1024, dtype=np.int64)
+        self.ticket = np.empty_like(self.slot)
+        self.head = self.tail = 0
+
+    def room(self, n: int, where: np.ndarray, ticket: np.ndarray, q: int) -> None:
+        """Make space for n more entries at the tail (dropping stale ones, growing if need be)."""
+        if self.tail + n <= self.slot.size:
+            return
+        s, t = self.slot[self.head:self.tail], self.ticket[self.head:self.tail]
+        keep = (where[s] == q) & (ticket[s] == t)
+        s, t = s[keep], t[keep]
+        if s.size + n > self.slot.size:
+            self.slot = np.empty(2 * (s.size + n), dtype=np.int64)
+            self.ticket = np.empty_like(self.slot)
+        self.slot[:s.size], self.ticket[:s.size] = s, t
+        self.head, self.tail = 0, s.size
+
+    def push(self, slots: np.ndarray, tickets: np.ndarray) -> None:
+        """Append entries (room() made space)."""
+        n = slots.size
+        self.slot[self.tail:self.tail + n] = slots
+        self.ticket[self.tail:self.tail + n] = tickets
+        self.tail += n
+
+    def peek(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        end = min(self.head + m, self.tail)
+        return self.slot[self.head:end].copy(), self.ticket[self.head:end].copy()
+
+
+def _admit_loop(slots, to_main, where, ticket, hits, count, ps, pt, ptail, ms, mt, mtail, clock):
+    """Each slot leaves its old queue (if any) and enters main (to_main) or probation
+    with no hits. Returns (probation tail, main tail, clock)."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if where[s] != FREE:
+            count[where[s]] -= 1
+        hits[s] = 0
+        if to_main[i]:
+            ms[mtail], mt[mtail] = s, clock
+            mtail += 1
+            where[s] = MAIN
+        else:
+            ps[ptail], pt[ptail] = s, clock
+            ptail += 1
+            where[s] = PROBATION
+        count[where[s]] += 1
+        ticket[s] = clock
+        clock += 1
+    return ptail, mtail, clock
+
+
+def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, count, ps, pt, ptail, ms, mt, mtail, clock):
+    """Walk at most `chunk` entries of queue q from `head`, stopping at the `need`-th victim.
+
+    A victim is a live, unpinned entry with no hits left. Probation: an
+    unpinned entry with hits was hit there and moves to main (hits reset); a
+    pinned one goes back to the tail. Main: every live non-victim goes back to
+    the tail, an unpinned one spending one hit (CLOCK). Stale entries are dropped.
+    Returns (victims written to out, new head, probation tail, main tail, clock)."""
+    qs, qt = (ps, pt) if q == PROBATION else (ms, mt)
+    end = min(head + chunk, ptail if q == PROBATION else mtail)
+    n = 0
+    while head < end and n < need:
+        s, t = qs[head], qt[head]
+        head += 1
+        if where[s] != q or ticket[s] != t:
+            continue
+        free = pins[s] == 0
+        if free and hits[s] == 0:
+            out[n] = s
+            n += 1
+            where[s] = FREE
+            count[q] -= 1
+            continue
+        if q == PROBATION and free:  # hit while on probation: promoted
+            hits[s] = 0
+            count[PROBATION] -= 1
+            count[MAIN] += 1
+            ms[mtail], mt[mtail] = s, clock
+            mtail += 1
+            where[s] = MAIN
+        elif q == PROBATION:  # leased: in use, so recent
+            ps[ptail], pt[ptail] = s, clock
+            ptail += 1
+        else:
+            if free:
+                hits[s] -= 1
+            ms[mtail], mt[mtail] = s, clock
+            mtail += 1
+        ticket[s] = clock
+        clock += 1
+    return n, head, ptail, mtail, clock
+
+
+ADMIT, SCAN = Kernel(_admit_loop), Kernel(_scan_loop)
