@@ -42,6 +42,7 @@ __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "fast_sock
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 REPLY_SPIN_US = 1000     # a plan's reply usually comes within this: polled for, not woken (fastwire._recv)
+SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
@@ -106,6 +107,7 @@ class FastPathClient:
         self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
+        self._spin_s = spin_seconds(REPLY_SPIN_US)
         with self._lock:
             self._connect(self.owner, wait=0.0)
 
@@ -224,7 +226,7 @@ class FastPathClient:
         tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        reader = FrameReader(sock, 1 << 20, spin_s=spin_seconds(REPLY_SPIN_US))
+        reader = FrameReader(sock, 1 << 20)
         try:
             try:
                 send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner)])
@@ -283,6 +285,9 @@ class FastPathClient:
                     self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
                     req.error = None
                     send_frame(self._sock, req.op, req.parts, req.size)
+                # a small step's reply is polled for; a big one's plan takes ms and may use
+                # the sidecar's read threads, which a polling client would take a core from
+                self._reader.spin_s = self._spin_s if req.size <= SPIN_MAX_REQUEST_BYTES else 0.0
                 op, body = self._reader.read(owned=True)
                 break
             except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out

@@ -30,6 +30,7 @@ import xxhash
 
 from tierstore import cpu_token
 from tierstore.errors import ChecksumError, ResourceExhausted
+from tierstore.jit import strictly_increasing
 from tierstore.leases import LeaseTable
 from tierstore.slots import FILLING, READY, Fill, SlotTable
 from tierstore.tiers.base import check_ids
@@ -143,7 +144,7 @@ class TableEngine:
             self.counters.plans += 1
             self.counters.hits += ids.size
             return PlanResult(ids, 0, ids.size, ids.size, 0)
-        if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+        if strictly_increasing(ids):
             uniq, inverse = ids, None  # already sorted and unique (EngramLayer dedupes): skip the sort
         else:
             uniq, inverse = unique_inverse(ids)

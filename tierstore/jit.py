@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["Kernel", "enabled"]
+import numpy as np
+
+__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -53,3 +55,40 @@ class Kernel:
                     else:
                         self._jit = None
         return self._jit
+
+
+def _first_outside_loop(ids, n):
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= n:
+            return i
+    return -1
+
+
+_FIRST_OUTSIDE = Kernel(_first_outside_loop)
+
+
+def first_outside(ids: np.ndarray, n: int) -> int:
+    """Index of the first id outside [0, n), or -1: one pass, no temporaries (int64 ids)."""
+    k = _FIRST_OUTSIDE.compiled()
+    if k is not None and ids.dtype == np.int64:
+        return int(k(ids, n))
+    bad = (ids < 0) | (ids >= n)
+    return int(np.argmax(bad)) if bad.any() else -1
+
+
+def _increasing_loop(ids):
+    for i in range(1, ids.shape[0]):
+        if ids[i] <= ids[i - 1]:
+            return False
+    return True
+
+
+_INCREASING = Kernel(_increasing_loop)
+
+
+def strictly_increasing(ids: np.ndarray) -> bool:
+    """ids sorted with no repeats (a step the client already deduplicated)."""
+    k = _INCREASING.compiled()
+    if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
+        return bool(k(ids))
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())

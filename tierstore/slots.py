@@ -98,12 +98,21 @@ class SlotTable:
 
     def unmap(self, slots: np.ndarray) -> None:
         """Forget the rows `slots` hold (evicted, or a failed fill); they stay off the free stack."""
+        k = _UNMAP.compiled()
+        if k is not None:
+            k(self.slot_of, self.id_of, self.state, slots, EMPTY)
+            return
         held = self.id_of[slots]
         self.slot_of[held[held >= 0]] = -1
         self.id_of[slots] = -1
         self.state[slots] = EMPTY
 
     def assign(self, slots: np.ndarray, ids: np.ndarray, fill_id: int) -> None:
+        """Map ids to slots, FILLING by fill `fill_id`."""
+        k = _ASSIGN.compiled()
+        if k is not None:
+            k(self.slot_of, self.id_of, self.state, self.fill_of, slots, ids, FILLING, fill_id)
+            return
         self.id_of[slots] = ids
         self.slot_of[ids] = slots
         self.state[slots] = FILLING
@@ -136,4 +145,22 @@ def _lookup_pin_loop(slot_of, ids, pins, state, filling):
     return slots, n_hit, newly, n_filling
 
 
-_PIN, _LOOKUP_PIN = Kernel(_pin_loop), Kernel(_lookup_pin_loop)
+def _unmap_loop(slot_of, id_of, state, slots, empty):
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if id_of[s] >= 0:
+            slot_of[id_of[s]] = -1
+        id_of[s] = -1
+        state[s] = empty
+
+
+def _assign_loop(slot_of, id_of, state, fill_of, slots, ids, filling, fill_id):
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        id_of[s] = ids[i]
+        slot_of[ids[i]] = s
+        state[s] = filling
+        fill_of[s] = fill_id
+
+
+_PIN, _LOOKUP_PIN, _UNMAP, _ASSIGN = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _unmap_loop, _assign_loop))

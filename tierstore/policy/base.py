@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.jit import first_outside
 from tierstore.policy.config import PolicyConfig
 from tierstore.sketch import FrequencySketch
 
@@ -164,9 +165,9 @@ class CachePolicy:
         if ids.dtype.kind not in "iu":
             raise InvalidArgument(f"ids must be integers, got dtype {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).ravel()
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_ids):
-            bad = ids[(ids < 0) | (ids >= self.n_ids)][0]
-            raise InvalidArgument(f"table has {self.n_ids} rows; id {bad} is out of range")
+        bad = first_outside(ids, self.n_ids)
+        if bad >= 0:
+            raise InvalidArgument(f"table has {self.n_ids} rows; id {ids[bad]} is out of range")
         return ids
 
     def _evictable(self, pins: np.ndarray) -> np.ndarray:

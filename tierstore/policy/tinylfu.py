@@ -178,6 +178,10 @@ class TinyLFUPolicy(CachePolicy):
         subset of its (sorted, as the engine's unique gives) ids: no rehash."""
         rec, est = self._last
         if est is not None and rec.size and ids.size:
+            k = _SUBSET.compiled()
+            if k is not None:
+                out = np.empty(ids.size, dtype=est.dtype)
+                return out if k(rec, est, ids, out) else self.sketch.estimate(ids)
             pos = np.searchsorted(rec, ids)
             pos[pos == rec.size] = 0
             if np.array_equal(rec[pos], ids):  # fails, harmlessly, for unsorted or other ids
@@ -204,4 +208,16 @@ def _touch_loop(hits, slots, cap):
             hits[slots[i]] = h + 1
 
 
-_TOUCH = Kernel(_touch_loop)
+def _subset_loop(rec, est, ids, out):
+    """out[i] = est[j] where rec[j] == ids[i], both sorted; False if an id is not in rec."""
+    j = 0
+    for i in range(ids.shape[0]):
+        while j < rec.shape[0] and rec[j] < ids[i]:
+            j += 1
+        if j == rec.shape[0] or rec[j] != ids[i]:
+            return False
+        out[i] = est[j]
+    return True
+
+
+_TOUCH, _SUBSET = Kernel(_touch_loop), Kernel(_subset_loop)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
+from tierstore.jit import first_outside
 
 __all__ = ["Tier", "check_ids", "check_out", "gather_by_block"]
 
@@ -27,11 +28,9 @@ def check_ids(ids, rows: int, table: str) -> np.ndarray:
         bad = int(ids.max())
         raise IdOutOfRange(f"table {table!r} has {rows} rows; id {bad} is out of range")
     flat = ids.reshape(-1).astype(np.int64, copy=False)
-    if flat.size:
-        bad_mask = (flat < 0) | (flat >= rows)
-        if bad_mask.any():
-            bad = int(flat[np.argmax(bad_mask)])
-            raise IdOutOfRange(f"table {table!r} has {rows} rows; id {bad} is out of range")
+    bad = first_outside(flat, rows)
+    if bad >= 0:
+        raise IdOutOfRange(f"table {table!r} has {rows} rows; id {int(flat[bad])} is out of range")
     return flat
 
 

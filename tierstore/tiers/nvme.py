@@ -327,6 +327,33 @@ class SegmentReader(Tier):
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
             return
         sr = self.version.segment_rows
+        first = int(ids[0]) // sr
+        if self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
+            results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
+        else:
+            results = self._fill_many(ids, dest, slots)
+        with self._lock:
+            self.bytes_read += sum(r[0] for r in results)
+        bad = [r[1:] for r in results if r[1] >= 0]
+        if bad:
+            i, why = min(bad)
+            row = int(ids[i])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}" + (f": {why}" if why else ""))
+            err.row = row
+            raise err
+
+    def _fill_small(self, s: int, ids, dest, slots) -> tuple[int, int, str]:
+        """A few rows of one segment: inline, no chunking or pool hand-off."""
+        local = ids - s * self.version.segment_rows
+        src = self._source(s, local, ids[0])
+        cold = not src[1][local * self.row_bytes >> PAGE_SHIFT].all()
+        with cpu_token.waiting() if cold else contextlib.nullcontext():
+            return self._fill_buffered(s, src, local, ids, dest, slots, 0, ids.size)
+
+    def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
+        """Rows over segments and chunks, read by the pool when there are many."""
+        n, sr = int(ids.size), self.version.segment_rows
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
         cut = np.searchsorted(ids, segs * sr)
         cut = np.append(cut, n)
@@ -358,16 +385,7 @@ class SegmentReader(Tier):
                 results += [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
             else:
                 results += run(chunks)
-        with self._lock:
-            self.bytes_read += sum(r[0] for r in results)
-        bad = [r[1:] for r in results if r[1] >= 0]
-        if bad:
-            i, why = min(bad)
-            row = int(ids[i])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
-                                f"row {row}" + (f": {why}" if why else ""))
-            err.row = row
-            raise err
+        return results
 
     def _source(self, s: int, local: np.ndarray, first_id) -> object:
         """Where rows of segment s come from: its row view (page-cache mode) or

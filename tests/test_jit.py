@@ -1,0 +1,74 @@
+"""The compiled loops (tierstore/jit.py) agree with their numpy references."""
+import numpy as np
+import pytest
+
+from tierstore import jit, slots as slots_mod
+from tierstore.jit import first_outside, strictly_increasing
+from tierstore.slots import FILLING, SlotTable
+
+
+class _Reference:
+    """Stands in for an unavailable numba: callers take their numpy path."""
+    def compiled(self):
+        return None
+
+
+def _both(monkeypatch, module, names, run):
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    compiled = run()
+    for name in names:
+        monkeypatch.setattr(module, name, _Reference())
+    return compiled, run()
+
+
+@pytest.mark.parametrize("ids,n,want", [([], 5, -1), ([0, 4, 2], 5, -1), ([0, 5, -1], 5, 1), ([-3], 5, 0)])
+def test_first_outside_names_the_first_bad_id(ids, n, want, monkeypatch):
+    got = _both(monkeypatch, jit, ["_FIRST_OUTSIDE"], lambda: first_outside(np.array(ids, dtype=np.int64), n))
+    assert got == (want, want)
+
+
+@pytest.mark.parametrize("ids,want", [([], True), ([3], True), ([1, 2, 9], True), ([1, 1, 2], False), ([2, 1], False)])
+def test_strictly_increasing(ids, want, monkeypatch):
+    got = _both(monkeypatch, jit, ["_INCREASING"], lambda: strictly_increasing(np.array(ids, dtype=np.int64)))
+    assert got == (want, want)
+
+
+def test_slot_table_operations_match_the_reference(monkeypatch):
+    rng = np.random.default_rng(5)
+
+    def run():
+        st = SlotTable(64, 1000)
+        out = []
+        for step in range(40):
+            ids = np.unique(rng.integers(0, 1000, 30))
+            slots, hit, filling = st.lookup_pin(ids)
+            miss = ids[slots < 0]
+            new = st.take_free(miss.size)
+            if new.size < miss.size:  # evict unpinned residents, as the engine's victims would
+                old = np.flatnonzero((st.pins == 0) & (st.id_of >= 0))[:miss.size - new.size]
+                st.unmap(old)
+                new = np.concatenate([new, old])
+            miss = miss[:new.size]
+            st.assign(new, miss, step + 1)
+            st.pin(new, times=2)
+            out.append((slots.copy(), filling, st.n_pinned, st.slot_of.copy(), st.state.copy()))
+            st.unpin(hit)
+            st.unpin(new)
+            st.unpin(new)
+            st.state[new] = 2
+        return out, st.pins.copy(), st.n_pinned
+
+    state = rng.bit_generator.state
+    compiled = run()
+    rng.bit_generator.state = state
+    for name in ("_PIN", "_LOOKUP_PIN", "_UNMAP", "_ASSIGN"):
+        monkeypatch.setattr(slots_mod, name, _Reference())
+    reference = run()
+    steps_c, pins_c, pinned_c = compiled
+    steps_r, pins_r, pinned_r = reference
+    assert pinned_c == pinned_r == 0 and np.array_equal(pins_c, pins_r) and not pins_c.any()
+    for c, r in zip(steps_c, steps_r):
+        assert np.array_equal(c[0], r[0]) and c[1:3] == r[1:3]
+        assert np.array_equal(c[3], r[3]) and np.array_equal(c[4], r[4])
+    assert FILLING in steps_c[-1][4]
