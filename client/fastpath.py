@@ -41,7 +41,6 @@ from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM
 __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "fast_socket_path", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
-REPLY_SPIN_US = 1000     # a plan's reply usually comes within this: polled for, not woken (fastwire._recv)
 SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
@@ -107,7 +106,7 @@ class FastPathClient:
         self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
-        self._spin_s = spin_seconds(REPLY_SPIN_US)
+        self._spin_s = spin_seconds()
         with self._lock:
             self._connect(self.owner, wait=0.0)
 

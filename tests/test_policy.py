@@ -206,7 +206,7 @@ def test_compiled_queue_walks_match_the_numpy_reference(monkeypatch):
     held = []
     for compiled in (True, False):
         if not compiled:
-            for name in ("ADMIT", "SCAN", "_TOUCH"):
+            for name in ("ADMIT", "SCAN", "_TOUCH", "_SUBSET"):
                 monkeypatch.setattr(tinylfu, name, _Reference())
         arena = Arena(200, 3000)
         hits = [arena.step(ids, leased) for ids, leased in steps]

@@ -56,8 +56,6 @@ log = logging.getLogger("tierstore.fastpath")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
 SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
 MAX_UNIX_PATH = 107
-# a decode loop's next request, or a benchmark's, often comes within this: polled for, not woken
-NEXT_REQUEST_SPIN_US = 200
 
 
 def fast_socket_path(grpc_socket: Path) -> Path:
@@ -254,7 +252,7 @@ class FastPathServer:
             sock.settimeout(HELLO_TIMEOUT_S)
             owner = self._hello(sock, *reader.read())
             sock.settimeout(None)
-            reader.spin_s = spin_seconds(NEXT_REQUEST_SPIN_US)
+            reader.spin_s = spin_seconds()  # a decode loop's next request may come soon
             # a client that stops reading its replies frees its thread after SEND_TIMEOUT_S (kernel timer, no poll)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
             while True:

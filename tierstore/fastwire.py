@@ -138,13 +138,17 @@ def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = Non
             views[0] = views[0][sent:]
 
 
-def spin_seconds(default_us: float) -> float:
-    """How long a reader polls before it blocks (FrameReader._recv); TIERSTORE_SPIN_US
-    overrides the default (0: never poll, for hosts with no core to spare)."""
+def spin_seconds() -> float:
+    """How long a fast-path reader polls before it blocks (FrameReader._recv):
+    TIERSTORE_SPIN_US, default 0 (never). Polling saves the ~30 µs a side that
+    waking a blocked thread costs, but burns the core meanwhile: on a host
+    with a spare core per worker, 200-1000 halves a small step's round trip;
+    on this project's 2-vCPU VMs, whose two vCPUs deliver one core's
+    throughput, the poller slows its peer as much as it saves (bench lookup)."""
     try:
-        return max(0.0, float(os.environ.get("TIERSTORE_SPIN_US", default_us))) * 1e-6
+        return max(0.0, float(os.environ.get("TIERSTORE_SPIN_US", "0"))) * 1e-6
     except ValueError:
-        return default_us * 1e-6
+        return 0.0
 
 
 class FrameReader:
@@ -166,10 +170,7 @@ class FrameReader:
             self.end += n
 
     def _recv(self, view) -> int:
-        """recv_into, polling first for up to spin_s: waking a thread blocked in recv
-        costs the sender and the receiver ~30 µs each on a VM, more than a step's
-        plan; a reply (or a decode loop's next request) that comes within the spin
-        costs neither. The spin is bounded, so an idle peer costs spin_s of CPU."""
+        """recv_into, polling first for up to spin_s (see spin_seconds)."""
         if self.spin_s > 0:
             deadline = time.perf_counter() + self.spin_s
             while True:

@@ -445,3 +445,25 @@ def test_a_server_in_another_process(sock_dir):
         c.close()
     finally:
         child.kill()
+
+
+def test_polling_readers_serve_the_same_replies(serve, monkeypatch):
+    """TIERSTORE_SPIN_US: both sides poll before they block; replies are unchanged,
+    including one that arrives after the poll gave up (a slow handler)."""
+    monkeypatch.setenv("TIERSTORE_SPIN_US", "300")
+
+    class Slow(ModuloHandler):
+        def plan(self, owner, items, release):
+            if items and items[0].request_id == 99:
+                time.sleep(0.01)  # longer than the poll: the client blocks, then wakes
+            return super().plan(owner, items, release)
+
+    srv, h = serve(Slow())
+    with FastPathClient(srv.path) as c:
+        assert c._spin_s == pytest.approx(300e-6)
+        for n in (1, 256, 5000):  # 5000 ids: over SPIN_MAX_REQUEST_BYTES, not polled for
+            a = ids_of(n, n)
+            res = raise_errors(c.plan([PlanItem("l1", a)]))
+            assert res[0].slots.tolist() == (a & MASK).tolist()
+        res = raise_errors(c.plan([PlanItem("l1", ids_of(8), request_id=99)]))
+        assert res[0].slots.tolist() == (ids_of(8) & MASK).tolist()
