@@ -1,10 +1,4 @@
-"""The engine: one TableEngine per served table version, composing the DRAM
-arena (tiers/dram.py) over the cold tier (tiers/nvme.py).
-
-Full mode: the whole table sits in the arena in id order, slot == id; Plan
-only validates (nothing is ever evicted, so nothing needs a lease).
-
-Cache mode: the arena holds `capacity` rows. A Plan costs O(step), never
+"""Cache mode: the arena holds `capacity` rows. A Plan costs O(step), never
 O(arena), and promotes misses in three stages:
 1. reserve (under the lock, O(misses)): hits are pinned, victims come from the
    policy's queues (which skip pinned slots as they walk), the misses' slots
@@ -21,129 +15,53 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import threading
-from dataclasses import dataclass
 
 import numpy as np
 
-import xxhash
-
 from tierstore import cpu_token
+from tierstore.engine.base import PlanResult, TableEngine
 from tierstore.errors import ChecksumError, ResourceExhausted
 from tierstore.jit import strictly_increasing
-from tierstore.leases import LeaseTable
 from tierstore.slots import FILLING, READY, Fill, SlotTable
-from tierstore.tiers.base import check_ids
-from tierstore.tiers.dram import Arena
 from tierstore.tiers.fused import unique_inverse, warm
-from tierstore.verifier import VerifyCounters
 
-__all__ = ["TableEngine", "PlanResult", "Counters"]
+__all__ = ["CacheEngine"]
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
-
-
-@dataclass(slots=True)
-class PlanResult:
-    slots: np.ndarray     # int64, one per requested id
-    lease_id: int         # 0 when no lease was needed
-    unique: int
-    hits: int
-    misses: int
-    expires_s: float = 0.0  # the lease's TTL as applied (0: no lease)
-
-
-@dataclass(slots=True)
-class Counters:
-    plans: int = 0
-    hits: int = 0
-    misses: int = 0
-    promotions: int = 0
-    evictions: int = 0
-    lease_refusals: int = 0
-    lookups: int = 0
-    fill_waits: int = 0
-    prefetched: int = 0
 
 
 class _FillFailed(Exception):
     """Another step's fill of a row this step needs failed: plan again."""
 
 
-class TableEngine:
-    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool, policy_config=None,
+class CacheEngine(TableEngine):
+    full = False
+
+    def __init__(self, version, reader, arena, *, leases, full: bool | None = None, policy_config=None,
                  profile=None, recorder=None):
-        self.version = version            # catalog.TableVersion
-        self.table = version.table
-        self.rows = version.rows
-        self.reader = reader              # tiers.nvme.SegmentReader (cold tier, verifies rows)
-        self.arena = arena
-        self.full = full
-        self.leases = leases
-        self.counters = Counters()
-        self._lock = threading.Lock()
-        self.capacity = arena.slots
-        self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
-        self.verify_counters = VerifyCounters()
-        self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
-        self.recorder = recorder                      # tierstore.trace_recorder.TraceRecorder (serve --record-trace)
-        self.retired = False                          # replaced by another version; freed when unleased
-        self._active = 0                              # plans running now (a retired engine waits for them)
-        if not full:
-            from tierstore.policy import CachePolicy
+        super().__init__(version, reader, arena, leases=leases, recorder=recorder)
+        from tierstore.policy import CachePolicy
 
-            self.slots = SlotTable(self.capacity, self.rows)
-            # one id map for engine and policy: the policy reads the slot table's
-            self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
-            if profile is not None:
-                self.policy.load_profile(*profile)
-            self._fills: dict[int, Fill] = {}
-            self._fill_ids = itertools.count(1)
-            warm()  # compile the miss path's kernels now (or load them), not on the first Plan
-
-    # ---- loading ------------------------------------------------------------
-    def load_full(self, chunk_rows: int = 1 << 16, progress=None) -> None:
-        """Fill a full-mode arena from the cold tier (every block verified)."""
-        for start in range(0, self.rows, chunk_rows):
-            n = min(chunk_rows, self.rows - start)
-            self.reader.read_range(start, n, out=self.arena.rows[start:start + n])
-            if progress is not None:
-                progress(n)
-
-    def verify_arena(self, checksums: np.ndarray) -> list[int]:
-        """Blocks of a full-mode arena whose bytes no longer match the catalog."""
-        br, flat = self.version.block_rows, self.arena.rows
-        return [b for b in range(self.version.n_blocks)
-                if xxhash.xxh3_64_intdigest(flat[b * br:(b + 1) * br]) != int(checksums[b])]
+        self.slots = SlotTable(self.capacity, self.rows)
+        # one id map for engine and policy: the policy reads the slot table's
+        self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
+        if profile is not None:
+            self.policy.load_profile(*profile)
+        self._fills: dict[int, Fill] = {}
+        self._fill_ids = itertools.count(1)
+        warm()  # compile the miss path's kernels now (or load them), not on the first Plan
 
     # ---- requests -----------------------------------------------------------
-    def check_ids(self, ids) -> np.ndarray:
-        return check_ids(ids, self.rows, self.table)
-
-    def _refuse_bad_blocks(self, ids: np.ndarray) -> None:
-        """DATA_LOSS for ids in a block online verification found corrupt (never a silent wrong row)."""
-        hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
-        if hit.any():
-            block = int(ids[np.argmax(hit)] // self.version.block_rows)
-            raise ChecksumError(self.table, self.version.version, block,
-                                "found by online verification; re-ingest or import a good copy")
-
     def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> PlanResult:
-        """Make `ids` resident and lease their slots to one step (cache mode); validate only (full)."""
+        """Make `ids` resident and lease their slots to one step."""
         with cpu_token.hold():
             return self._plan(ids, ttl_s, client, request_id)
 
     def _plan(self, ids: np.ndarray, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
-        ids = self.check_ids(ids)
-        if self.bad_blocks.size:
-            self._refuse_bad_blocks(ids)
-        if self.recorder is not None and ids.size:
-            self.recorder.record(self.table, np.unique(ids), n_ids=self.rows)
-        if self.full or ids.size == 0:  # nothing to pin: no lease to hold or leak
-            self.counters.plans += 1
-            self.counters.hits += ids.size
-            return PlanResult(ids, 0, ids.size, ids.size, 0)
+        ids = self._edge(ids)
+        if ids.size == 0:
+            return self._validated(ids)
         if strictly_increasing(ids):
             uniq, inverse = ids, None  # already sorted and unique (EngramLayer dedupes): skip the sort
         else:
@@ -155,10 +73,6 @@ class TableEngine:
         finally:
             with self._lock:
                 self._active -= 1
-
-    @property
-    def busy(self) -> bool:
-        return self._active > 0
 
     def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
         for attempt in range(PLAN_ATTEMPTS):
@@ -198,20 +112,17 @@ class TableEngine:
         requests more than a step or two from running. Hinting the whole queue
         again each step (read=False) protects more (ours+queue16-rehint)."""
         with cpu_token.hold():
-            return self._prefetch(ids, read)
-
-    def _prefetch(self, ids: np.ndarray, read: bool) -> int:
-        ids = self.check_ids(ids)
-        if self.full or ids.size == 0:
-            return 0
-        uniq = np.unique(ids)
-        with self._lock:
-            self._active += 1
-        try:
-            return self._prefetch_unique(uniq, read)
-        finally:
+            ids = self.check_ids(ids)
+            if ids.size == 0:
+                return 0
+            uniq = np.unique(ids)
             with self._lock:
-                self._active -= 1
+                self._active += 1
+            try:
+                return self._prefetch_unique(uniq, read)
+            finally:
+                with self._lock:
+                    self._active -= 1
 
     def _prefetch_unique(self, uniq: np.ndarray, read: bool = True) -> int:
         with self._lock:
@@ -330,14 +241,11 @@ class TableEngine:
             fill.done.set()
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Rows [n, row_bytes] copied out of the arena (inline path)."""
+        """Rows [n, row_bytes] copied out of the arena (inline path), under a lease of its own."""
         ids = self.check_ids(ids)
         self.counters.lookups += 1
         if self.bad_blocks.size:
             self._refuse_bad_blocks(ids)
-        if self.full:
-            self.counters.hits += ids.size
-            return self.arena.rows[ids]
         client = b"\0inline" + secrets.token_bytes(8)  # its own: never counted against another caller
         res = self.plan(ids, ttl_s=60.0, client=client)
         try:
@@ -350,10 +258,6 @@ class TableEngine:
             self.slots.unpin(slots)
 
     # ---- online verification (the verifier thread; never the hot path) ---------
-    def _mark_bad(self, block: int) -> None:
-        with self._lock:
-            self.bad_blocks = np.union1d(self.bad_blocks, [block])
-
     def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
         """Check sampled served rows: their cold block's checksum, and the arena copy
         against the verified disk copy (repaired in place when it differs)."""
@@ -388,31 +292,7 @@ class TableEngine:
                               f"{int(bad.sum())} arena rows differed from the verified disk copy; repaired"))
         return found
 
-    def scrub_blocks(self, blocks: np.ndarray) -> list[tuple]:
-        """Full mode: hash arena blocks against the catalog, read the same cold blocks
-        (verified); repair an arena block from disk, mark a corrupt cold block bad."""
-        found, vc, br = [], self.verify_counters, self.version.block_rows
-        sums = self.reader.checksums
-        for b in np.sort(blocks).tolist():
-            lo, hi = b * br, min((b + 1) * br, self.rows)
-            vc.checked["nvme"] += hi - lo
-            try:
-                disk = self.reader.read_range(lo, hi - lo)
-            except ChecksumError as e:
-                vc.mismatches["nvme"] += hi - lo
-                self._mark_bad(b)
-                found.append(("nvme", b, None, str(e)))
-                disk = None
-            vc.checked["dram"] += hi - lo
-            if xxhash.xxh3_64_intdigest(self.arena.rows[lo:hi]) == int(sums[b]) or disk is None:
-                continue
-            diff = np.any(self.arena.rows[lo:hi] != disk, axis=1)
-            self.arena.rows[lo:hi] = disk
-            vc.mismatches["dram"] += int(diff.sum())
-            found.append(("dram", b, lo + int(np.argmax(diff)), f"{int(diff.sum())} arena rows repaired from disk"))
-        return found
-
-    # ---- cache mode internals (called with the lock held) --------------------
+    # ---- internals (called with the lock held) --------------------------------
     def _claim(self, k: int) -> np.ndarray:
         """k empty slots: free ones first, then victims chosen by the policy."""
         st = self.slots
@@ -432,16 +312,5 @@ class TableEngine:
         self.counters.evictions += need
         return np.concatenate([got, victims])
 
-    # ---- introspection ------------------------------------------------------
-    def stats(self) -> dict:
-        c = self.counters
-        if self.full:
-            resident, leased = self.rows, 0
-        else:
-            resident, leased = self.slots.resident, self.slots.n_pinned
-        return dict(table=self.table, version=self.version.version, mode="full" if self.full else "cache",
-                    capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
-                    promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
-                    leased_slots=leased, lease_refusals=c.lease_refusals,
-                    bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
-                    prefetched=c.prefetched, fill_waits=c.fill_waits)
+    def _occupancy(self) -> tuple[int, int]:
+        return self.slots.resident, self.slots.n_pinned

@@ -1,0 +1,131 @@
+"""One engine per served table version: the arena (tiers/dram.py) over the cold tier.
+
+`TableEngine(version, reader, arena, leases=..., full=...)` builds the engine
+of that mode:
+- FullEngine (full.py): the whole table sits in the arena in id order, slot ==
+  id; a Plan only validates (nothing is ever evicted, so nothing needs a lease);
+- CacheEngine (cache.py): the arena caches `capacity` rows under a policy
+  (tierstore/policy), promoting misses from the cold tier with leases.
+This base holds what both share: validation at the edge, refusal of blocks
+online verification found corrupt, counters and stats.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierstore.errors import ChecksumError
+from tierstore.leases import LeaseTable
+from tierstore.tiers.base import check_ids
+from tierstore.tiers.dram import Arena
+from tierstore.verifier import VerifyCounters
+
+__all__ = ["TableEngine", "PlanResult", "Counters"]
+
+
+@dataclass(slots=True)
+class PlanResult:
+    slots: np.ndarray     # int64, one per requested id
+    lease_id: int         # 0 when no lease was needed
+    unique: int
+    hits: int
+    misses: int
+    expires_s: float = 0.0  # the lease's TTL as applied (0: no lease)
+
+
+@dataclass(slots=True)
+class Counters:
+    plans: int = 0
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    evictions: int = 0
+    lease_refusals: int = 0
+    lookups: int = 0
+    fill_waits: int = 0
+    prefetched: int = 0
+
+
+class TableEngine:
+    """What every engine has; `TableEngine(..., full=...)` builds FullEngine or CacheEngine."""
+
+    full: bool
+
+    def __new__(cls, *args, full: bool | None = None, **kwargs):
+        if cls is TableEngine:
+            from tierstore.engine.cache import CacheEngine
+            from tierstore.engine.full import FullEngine
+
+            cls = FullEngine if full else CacheEngine
+        return super().__new__(cls)
+
+    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool | None = None,
+                 recorder=None, **_):
+        self.version = version            # catalog.TableVersion
+        self.table = version.table
+        self.rows = version.rows
+        self.reader = reader              # tiers.nvme.SegmentReader (cold tier, verifies rows)
+        self.arena = arena
+        self.leases = leases
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self.capacity = arena.slots
+        self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
+        self.verify_counters = VerifyCounters()
+        self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
+        self.recorder = recorder                      # tierstore.trace_recorder.TraceRecorder (serve --record-trace)
+        self.retired = False                          # replaced by another version; freed when unleased
+        self._active = 0                              # plans running now (a retired engine waits for them)
+
+    # ---- requests -----------------------------------------------------------
+    def check_ids(self, ids) -> np.ndarray:
+        return check_ids(ids, self.rows, self.table)
+
+    def _refuse_bad_blocks(self, ids: np.ndarray) -> None:
+        """DATA_LOSS for ids in a block online verification found corrupt (never a silent wrong row)."""
+        hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
+        if hit.any():
+            block = int(ids[np.argmax(hit)] // self.version.block_rows)
+            raise ChecksumError(self.table, self.version.version, block,
+                                "found by online verification; re-ingest or import a good copy")
+
+    def _edge(self, ids) -> np.ndarray:
+        """Validate a request's ids, refuse corrupt blocks, record the trace: every Plan's first step."""
+        ids = self.check_ids(ids)
+        if self.bad_blocks.size:
+            self._refuse_bad_blocks(ids)
+        if self.recorder is not None and ids.size:
+            self.recorder.record(self.table, np.unique(ids), n_ids=self.rows)
+        return ids
+
+    def _validated(self, ids: np.ndarray) -> PlanResult:
+        """A Plan with nothing to pin (full mode, or no ids): no lease to hold or leak."""
+        self.counters.plans += 1
+        self.counters.hits += ids.size
+        return PlanResult(ids, 0, ids.size, ids.size, 0)
+
+    @property
+    def busy(self) -> bool:
+        return self._active > 0
+
+    # ---- online verification (the verifier thread; never the hot path) ---------
+    def _mark_bad(self, block: int) -> None:
+        with self._lock:
+            self.bad_blocks = np.union1d(self.bad_blocks, [block])
+
+    # ---- introspection ------------------------------------------------------
+    def _occupancy(self) -> tuple[int, int]:
+        """(resident rows, leased slots)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        c = self.counters
+        resident, leased = self._occupancy()
+        return dict(table=self.table, version=self.version.version, mode="full" if self.full else "cache",
+                    capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
+                    promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
+                    leased_slots=leased, lease_refusals=c.lease_refusals,
+                    bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
+                    prefetched=c.prefetched, fill_waits=c.fill_waits)
