@@ -29,7 +29,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument, ResourceExhausted
 
-__all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK"]
+__all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "requested_ttl"]
 
 INDEX_BITS = 24
 INDEX_MASK = (1 << INDEX_BITS) - 1
@@ -197,3 +197,15 @@ class LeaseTable:
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
+
+
+def requested_ttl(default_s: float, ttl_ms: int) -> float:
+    """A Plan's lease TTL: the default, or the client's, never over 10 x --lease-ttl (refused, not
+    capped: the client would trust its own TTL)."""
+    if not ttl_ms:
+        return default_s
+    ttl = ttl_ms / 1000.0
+    if ttl > default_s * 10:
+        raise InvalidArgument(f"ttl_ms {ttl_ms} is over this sidecar's longest lease "
+                              f"({default_s * 10:g} s = 10 x --lease-ttl)")
+    return ttl

@@ -22,7 +22,11 @@ from tierstore.errors import ERROR_METADATA_KEY, InvalidArgument, ResourceExhaus
 from tierstore import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
-from tierstore.sidecar import Sidecar
+from tierstore.fast_plans import FastPlans
+from tierstore.leases import requested_ttl
+from tierstore.served import ServedTables
+
+__all__ = ["Server", "TierstoreService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
 
 log = logging.getLogger("tierstore.server")
 SERVICE = "tierstore.v1.Tierstore"
@@ -91,7 +95,7 @@ def _rpc(method):
 
 
 class TierstoreService(pb_grpc.TierstoreServicer):
-    def __init__(self, sidecar: Sidecar, metrics):
+    def __init__(self, sidecar: ServedTables, metrics):
         self.sidecar = sidecar
         self.metrics = metrics
         self.cfg = sidecar.config
@@ -131,7 +135,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         owner = bytes(request.owner)
         if request.release:
             self.sidecar.leases.release(list(request.release), owner)
-        res = eng.plan(ids, _ttl(self.cfg, request.ttl_ms), owner, request.request_id)
+        res = eng.plan(ids, requested_ttl(self.cfg.lease_ttl_s, request.ttl_ms), owner, request.request_id)
         expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
         return pb.PlanResponse(lease_id=res.lease_id, slots=res.slots.astype("<i8", copy=False).tobytes(),
                                version=eng.version.version, unique_ids=res.unique, hits=res.hits,
@@ -174,56 +178,6 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                                 leases_active=len(self.sidecar.leases))
 
 
-class _FastPlans:
-    """The sidecar behind the local fast path (tierstore/fastpath.py): every table of a
-    step in one request, releases riding along; leases belong to the connection's owner
-    and end when it disconnects."""
-
-    def __init__(self, sidecar: Sidecar, cfg: ServeConfig, metrics):
-        self.sidecar, self.cfg, self.metrics = sidecar, cfg, metrics
-
-    def plan(self, owner: bytes, items, release) -> list:
-        from tierstore.fastpath import PlanResult
-
-        t0 = time.perf_counter()
-        if len(release):
-            self.sidecar.leases.release(release, owner)
-        out = []
-        for it in items:
-            try:
-                eng = self.sidecar.engine(it.table, it.version)
-                ttl = _ttl(self.cfg, it.ttl_ms)
-                res = eng.plan(np.array(it.ids), ttl, owner, it.request_id)  # a copy: the buffer is reused
-                expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
-                out.append(PlanResult(res.lease_id, eng.version.version, res.slots, res.hits, res.misses,
-                                      res.unique, expires, arena=str(eng.arena.path), arena_slots=eng.arena.slots))
-            except TierstoreError as e:
-                out.append(e)
-        self.metrics.observe("FastPlan", time.perf_counter() - t0)
-        return out
-
-    def release(self, owner: bytes, lease_ids) -> int:
-        return self.sidecar.leases.release(lease_ids, owner)
-
-    def disconnected(self, owner: bytes) -> None:
-        self.sidecar.leases.release_client(owner)
-
-    def instance(self) -> str:
-        return self.sidecar.instance
-
-
-def _ttl(cfg: ServeConfig, ttl_ms: int) -> float:
-    """A Plan's lease TTL: the default, or the client's, never over 10 x --lease-ttl (refused, not capped:
-    the client would trust its own TTL)."""
-    if not ttl_ms:
-        return cfg.lease_ttl_s
-    ttl = ttl_ms / 1000.0
-    if ttl > cfg.lease_ttl_s * 10:
-        raise InvalidArgument(f"ttl_ms {ttl_ms} is over this sidecar's longest lease "
-                              f"({cfg.lease_ttl_s * 10:g} s = 10 x --lease-ttl)")
-    return ttl
-
-
 class Server:
     """The sidecar process: gRPC on a unix socket (0600) beside the local fast path
     (`<socket>.fast`), optional TCP and metrics.
@@ -237,7 +191,7 @@ class Server:
 
         self.config = config
         pem = self._check_transports(config)  # before anything is loaded or created
-        self.sidecar = Sidecar(config)
+        self.sidecar = ServedTables(config)
         try:
             self._build(config, Metrics, pem)
         except BaseException:
@@ -312,7 +266,7 @@ class Server:
             from tierstore.fastpath import FastPathServer, fast_socket_path
 
             self.fast = FastPathServer(fast_socket_path(self.config.socket),
-                                       _FastPlans(self.sidecar, self.config, self.metrics),
+                                       FastPlans(self.sidecar, self.config, self.metrics),
                                        max_request_bytes=MAX_REQUEST_BYTES, max_clients=FAST_PATH_CLIENTS)
             self.fast.start()
         self.sidecar.start()

@@ -21,6 +21,8 @@ import numpy as np
 from tierstore.errors import InvalidArgument
 from tierstore.jit import Kernel
 
+__all__ = ["FrequencySketch"]
+
 # Odd 64-bit multipliers of the id hash (any odd constants with mixed bits work).
 _MULTIPLIERS = np.array([
     0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F,

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+__all__ = ["add_arguments", "run", "ensure_data", "SCENARIOS"]
+
 SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e", "scale", "concurrency")
 DEMO_PRESET, DEMO_SCALE = "engram-paper-demo", 64
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="data directory (catalog + segments)")

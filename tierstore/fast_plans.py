@@ -1,0 +1,52 @@
+"""The sidecar behind the local fast path: FastPlans implements tierstore.fastpath's
+FastPathHandler over the served tables (tierstore/served.py)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tierstore.config import ServeConfig
+from tierstore.errors import TierstoreError
+from tierstore.leases import requested_ttl
+from tierstore.served import ServedTables
+
+__all__ = ["FastPlans"]
+
+
+class FastPlans:
+    """The sidecar behind the local fast path (tierstore/fastpath.py): every table of a
+    step in one request, releases riding along; leases belong to the connection's owner
+    and end when it disconnects."""
+
+    def __init__(self, sidecar: ServedTables, cfg: ServeConfig, metrics):
+        self.sidecar, self.cfg, self.metrics = sidecar, cfg, metrics
+
+    def plan(self, owner: bytes, items, release) -> list:
+        from tierstore.fastpath import PlanResult
+
+        t0 = time.perf_counter()
+        if len(release):
+            self.sidecar.leases.release(release, owner)
+        out = []
+        for it in items:
+            try:
+                eng = self.sidecar.engine(it.table, it.version)
+                ttl = requested_ttl(self.cfg.lease_ttl_s, it.ttl_ms)
+                res = eng.plan(np.array(it.ids), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
+                out.append(PlanResult(res.lease_id, eng.version.version, res.slots, res.hits, res.misses,
+                                      res.unique, expires, arena=str(eng.arena.path), arena_slots=eng.arena.slots))
+            except TierstoreError as e:
+                out.append(e)
+        self.metrics.observe("FastPlan", time.perf_counter() - t0)
+        return out
+
+    def release(self, owner: bytes, lease_ids) -> int:
+        return self.sidecar.leases.release(lease_ids, owner)
+
+    def disconnected(self, owner: bytes) -> None:
+        self.sidecar.leases.release_client(owner)
+
+    def instance(self) -> str:
+        return self.sidecar.instance
