@@ -24,214 +24,23 @@ import os
 import re
 import shutil
 import struct
-import threading
 import time
-from contextlib import contextmanager
-from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
-import lmdb
 import numpy as np
 
+from tierstore.data_dir import LOCK_NAME, _held, fsync_dir, private_dirs, staging_guard
 from tierstore.errors import DataLoss, InvalidArgument, NotFound, TableNotFound, VersionNotFound
+from tierstore.lmdb_env import MAP_SIZE, acquire_env, release_env  # noqa: F401 (MAP_SIZE: tests, tools)
+from tierstore.table_version import TableVersion, validate_table_name
 
 __all__ = ["Catalog", "TableVersion", "has_tables", "validate_table_name"]
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-# The map is sparse: LMDB only grows the file as pages are used. 1 TiB of
-# address space holds manifests and checksums for petabytes of rows.
-MAP_SIZE = 1 << 40
-LOCK_NAME = ".lock"
-
-
-def validate_table_name(name: str) -> str:
-    """Return `name` if it is a safe table name, else raise InvalidArgument.
-
-    Names become directory names, so they must match
-    ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`` (no ``/``, no leading dot).
-    """
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise InvalidArgument(
-            f"invalid table name {name!r}: use 1-64 characters from [A-Za-z0-9_.-], starting with a letter or digit")
-    return name
-
-
-@dataclass(frozen=True)
-class TableVersion:
-    """Manifest of one immutable table version.
-
-    Rows are ``row_bytes`` bytes each, stored back to back; row i lives in
-    segment ``i // segment_rows`` at byte ``(i % segment_rows) * row_bytes``.
-    Checksums cover blocks of ``block_rows`` rows (the last block may be short).
-    ``row_sums`` (versions written since per-row checksums exist, else None):
-    ``{"file": name in the version directory, "algo": tierstore.tiers.rowsum.ALGO,
-    "xxh3": xxh3-64 of that file}``; the file holds one little-endian uint64
-    per row.
-    """
-
-    table: str
-    version: int
-    rows: int
-    row_format: str
-    row_dim: int
-    row_bytes: int
-    block_rows: int
-    n_blocks: int
-    segments: tuple[str, ...]  # paths relative to the data directory
-    segment_rows: int
-    spec: dict | None
-    layer_id: int | None
-    created_at: float
-    source: str
-    row_sums: dict | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_rows * self.row_bytes
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["segments"] = list(self.segments)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict, table: str | None = None, version: int | None = None) -> "TableVersion":
-        """A manifest from its stored record, checked for internal consistency:
-        DataLoss naming table, version and field when any check fails (a record
-        that disagrees with itself would serve half rows or read past a segment).
-        `table`/`version`: the catalog key the record was stored under."""
-        where = f"table {table!r} version {version}"
-        if not isinstance(d, dict):
-            raise DataLoss(f"catalog record of {where} is not a JSON object; the catalog is corrupt")
-        if table is None or version is None:
-            where = f"table {d.get('table', table)!r} version {d.get('version', version)}"
-        bad = _record_problem(d, table, version)
-        if bad:
-            raise DataLoss(f"catalog record of {where} is inconsistent: {bad}; the catalog is corrupt "
-                           f"(restore it or ingest the table again)")
-        d = dict(d)
-        d["segments"] = tuple(d["segments"])
-        return cls(**d)
-
-
-_INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
-
-
-def _record_problem(d: dict, table: str | None, version: int | None) -> str | None:
-    """What is wrong with a stored manifest record, or None."""
-    from dataclasses import fields as dc_fields
-
-    from tierstore.formats import RowFormat
-
-    names = {f.name for f in dc_fields(TableVersion)}
-    required = {f.name for f in dc_fields(TableVersion) if f.default is MISSING and f.default_factory is MISSING}
-    if not required <= set(d) <= names:
-        return f"fields {sorted(required - set(d))} missing, {sorted(set(d) - names)} unknown"
-    for k in _INT_FIELDS:
-        if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1:
-            return f"{k} = {d[k]!r} is not a positive integer"
-    if table is not None and d["table"] != table:
-        return f"table = {d['table']!r} but the record is stored under {table!r}"
-    if version is not None and d["version"] != version:
-        return f"version = {d['version']!r} but the record is stored under {version}"
-    try:
-        want = RowFormat.parse(d["row_format"]).row_bytes(d["row_dim"])
-    except (ValueError, TypeError) as e:
-        return f"row_format/row_dim: {e}"
-    if d["row_bytes"] != want:
-        return f"row_bytes = {d['row_bytes']} but {d['row_format']} x {d['row_dim']} is {want} bytes"
-    if d["n_blocks"] != -(-d["rows"] // d["block_rows"]):
-        return (f"n_blocks = {d['n_blocks']} but {d['rows']} rows in blocks of {d['block_rows']} "
-                f"make {-(-d['rows'] // d['block_rows'])}")
-    if d["segment_rows"] % d["block_rows"]:
-        return f"segment_rows = {d['segment_rows']} is not a whole number of blocks of {d['block_rows']} rows"
-    segs = d["segments"]
-    if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
-        return "segments is not a list of paths"
-    if len(segs) != -(-d["rows"] // d["segment_rows"]):
-        return (f"segments: {len(segs)} segments of {d['segment_rows']} rows cannot hold exactly "
-                f"{d['rows']} rows")
-    for p in segs:
-        if p.startswith("/") or ".." in Path(p).parts:
-            return f"segments: {p!r} is not a path inside the data directory"
-    return None
-
 
 _CUR, _VER, _SUM = b"c/", b"v/", b"k/"
 
 
 def _vkey(space: bytes, table: str, version: int) -> bytes:
     return space + table.encode() + b"\0" + struct.pack(">Q", version)
-
-
-# LMDB forbids opening one environment twice in a process (closing either
-# drops the other's locks), so Catalog objects share one handle per path.
-_ENVS: dict[str, list] = {}
-_ENVS_LOCK = threading.Lock()
-
-
-def _acquire_env(path: Path, create: bool) -> lmdb.Environment:
-    key = str(path.resolve())
-    with _ENVS_LOCK:
-        if key in _ENVS:
-            _ENVS[key][1] += 1
-            return _ENVS[key][0]
-        if not (path / "data.mdb").exists():
-            if not create:
-                raise NotFound(f"no tierstore catalog in {path.parent}; create one with "
-                               f"`tierstore ingest` or `tierstore demo-table`")
-            private_dirs(path.parent, path.name)
-        writable = os.access(path, os.W_OK)
-        if create and not writable:
-            raise InvalidArgument(f"the catalog in {path} is not writable by this user (uid {os.getuid()}): "
-                                  f"run as its owner, or give another --data")
-        try:
-            env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=True, subdir=True, mode=0o600,
-                            readonly=not writable)
-        except lmdb.Error as e:
-            if create:
-                raise InvalidArgument(f"cannot open the catalog in {path} for writing: {e}") from None
-            # another user's catalog: its lock file is not ours to write. Reading without
-            # the lock is what LMDB does on a read-only file system; reads here are short.
-            try:
-                env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, lock=False, subdir=True, readonly=True)
-            except lmdb.Error as e2:
-                raise InvalidArgument(f"cannot read the catalog in {path}: {e2}") from None
-        _ENVS[key] = [env, 1]
-        return env
-
-
-def private_dirs(data_dir: Path, *parts: str) -> Path:
-    """mkdir -p data_dir/parts..., the data directory and everything tierstore
-    makes in it 0700 (table names and sources are nobody else's business);
-    parents of the data directory keep the umask. Returns the last directory."""
-    path = Path(data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for part in ("", *parts):
-        path = path / part if part else path
-        if path.is_dir():
-            continue
-        try:
-            path.mkdir(mode=0o700)
-            os.chmod(path, 0o700)  # mkdir's mode passes through the umask, which may be wider
-        except FileExistsError:
-            pass
-    return path
-
-
-def _release_env(env: lmdb.Environment) -> None:
-    with _ENVS_LOCK:
-        for key, entry in list(_ENVS.items()):
-            if entry[0] is env:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _ENVS[key]
-                    env.close()
-                return
 
 
 class Catalog:
@@ -248,7 +57,7 @@ class Catalog:
     def __init__(self, data_dir, *, readonly: bool = False):
         self.data_dir = Path(data_dir)
         self.readonly = readonly
-        self._env = _acquire_env(self.data_dir / "catalog", create=not readonly)
+        self._env = acquire_env(self.data_dir / "catalog", create=not readonly)
         if not readonly and self._env.flags()["readonly"]:
             self.close()
             raise InvalidArgument(f"the catalog in {self.data_dir} is not writable by this user "
@@ -338,7 +147,7 @@ class Catalog:
             segs = sorted(p.name for p in staged.iterdir() if p.name.startswith("seg-"))
             (staged / LOCK_NAME).unlink(missing_ok=True)
             os.rename(staged, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             tv = TableVersion(table=table, version=version, created_at=time.time(),
                               segments=tuple(f"tables/{table}/v{version}/{s}" for s in segs), **fields)
             txn.put(_vkey(_VER, table, version), json.dumps(tv.to_dict(), sort_keys=True).encode())
@@ -451,7 +260,7 @@ class Catalog:
 
     def close(self) -> None:
         if self._env is not None:
-            _release_env(self._env)
+            release_env(self._env)
             self._env = None
 
     def __enter__(self) -> "Catalog":
@@ -483,38 +292,3 @@ def _parse(raw: bytes, table: str, version: int) -> TableVersion:
         raise DataLoss(f"catalog record of table {table!r} version {version} is not JSON; the catalog is "
                        f"corrupt") from None
     return TableVersion.from_dict(d, table, version)
-
-
-@contextmanager
-def staging_guard(data_dir: Path, *, exclusive: bool):
-    """flock on DATA/catalog/staging.lock: writers hold it shared while they create
-    and lock a staging directory, cleanup holds it exclusive while it looks for dead ones."""
-    fd = os.open(Path(data_dir) / "catalog" / "staging.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _held(lock_path: Path) -> bool:
-    """True when a live writer holds the staging directory's lock."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

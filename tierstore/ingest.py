@@ -23,8 +23,9 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from tierstore.catalog import (LOCK_NAME, Catalog, TableVersion, _fsync_dir, private_dirs, staging_guard,
-                               validate_table_name)
+from tierstore.catalog import Catalog
+from tierstore.data_dir import LOCK_NAME, fsync_dir, private_dirs, staging_guard
+from tierstore.table_version import TableVersion, validate_table_name
 from tierstore.errors import DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.formats import RowFormat
 from tierstore.tiers import rowsum
@@ -128,7 +129,7 @@ class _Staging:
         os.fsync(self._sums_fd)
         os.close(self._sums_fd)
         self._sums_fd = None
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def abort(self) -> None:
         import shutil

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierstore.catalog import Catalog, TableVersion, _record_problem, validate_table_name
+from tierstore.catalog import Catalog
+from tierstore.table_version import TableVersion, _record_problem, validate_table_name
 from tierstore.errors import DataLoss
 
 __all__ = ["export_table", "import_table", "MAGIC"]

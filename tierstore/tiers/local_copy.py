@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierstore.catalog import TableVersion, _fsync_dir, private_dirs
+from tierstore.data_dir import fsync_dir, private_dirs
+from tierstore.table_version import TableVersion
 from tierstore.tiers import rowsum
 
 __all__ = ["BITMAP_NAME", "LocalCopy"]
@@ -92,7 +93,7 @@ class LocalCopy:
         os.ftruncate(fd, 0)
         os.pwrite(fd, _HEADER.pack(_MAGIC, n, self._tag, 0) + bytes(self.present.size // 8), 0)
         os.fsync(fd)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return fd
 
     # ---- reading ------------------------------------------------------------------
@@ -195,9 +196,9 @@ class LocalCopy:
             self._rename(self._sums_path)
         for p in v.segments:
             self._rename(self.data_dir / p)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._bitmap.unlink(missing_ok=True)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.finished = True
         log.info("table %s v%d: every block is local now; a restart serves it from %s without Mooncake",
                  v.table, v.version, self.dir)
