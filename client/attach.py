@@ -38,6 +38,8 @@ from tierstore.client.hasher import DecodeState, NgramHasher
 from tierstore.client.layer import EngramLayer
 from tierstore.errors import InvalidArgument
 
+__all__ = ["EngramAttachment", "attach_engram", "engram_decode_step"]
+
 
 class EngramAttachment:
     """Handle on the hooks of `attach_engram`: its layers, hasher and decode state.
