@@ -227,12 +227,16 @@ class Client:
         with self.plan(table, ids) as step:
             return step.rows()
 
-    def prefetch(self, table: str, ids) -> None:
+    def prefetch(self, table: str, ids, read: bool = True) -> None:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
-        at once): their disk reads overlap the time the request waits to run."""
+        at once): their disk reads overlap the time the request waits to run.
+
+        read=False: only hint the rows already resident (the cache policy keeps them
+        over others until the request runs) and read nothing; for requests more than
+        a step or two from running, whose reads would evict rows sooner needed."""
         self._check_open()
-        fut = self._stub.Prefetch.future(pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes()),
-                                         timeout=self.timeout, metadata=self._metadata)
+        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read)
+        fut = self._stub.Prefetch.future(req, timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # held until answered: a collected future cancels its call
             self._inflight = [f for f in self._inflight if not f.done()] + [fut]
 
