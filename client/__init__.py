@@ -8,7 +8,7 @@ tierstore.hasher). Imports are lazy so `import tierstore.client` stays light.
 from importlib import import_module
 
 _EXPORTS = {
-    "Client": "sidecar", "StepPlan": "sidecar",
+    "Client": "sidecar", "StepPlan": "step_plan",
     "LocalTable": "local",
     "NgramHasher": "tierstore.hasher", "DecodeState": "tierstore.hasher",
     "EngramLayer": "layer", "V41EngramLayer": "v41_layer", "attach_engram": "attach", "engram_decode_step": "attach", "HBMCache": "hbm_cache",

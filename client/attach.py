@@ -38,6 +38,8 @@ from tierstore.client.hasher import DecodeState, NgramHasher
 from tierstore.client.layer import EngramLayer
 from tierstore.errors import InvalidArgument
 
+__all__ = ["EngramAttachment", "attach_engram", "engram_decode_step"]
+
 
 class EngramAttachment:
     """Handle on the hooks of `attach_engram`: its layers, hasher and decode state.
@@ -71,11 +73,12 @@ class EngramAttachment:
         self._prepare_all({lid: rows[lid] for lid in self.layers}, continue_state=False)
         self.decode_state = self.hasher.state_from_prefix(ids)
 
-    def prefetch(self, ids) -> int:
+    def prefetch(self, ids, read: bool = True) -> int:
         """Request admission: hash a queued request's token ids [B, T] (or [T]) and ask the
         source to promote their rows now, without a lease, so its cold reads overlap the
         time the request waits to run. Returns the ids asked for (0 when the source
-        cannot prefetch, e.g. an in-process table)."""
+        cannot prefetch, e.g. an in-process table). read=False: only hint the rows the
+        source holds already, read none (Client.prefetch)."""
         ids = self.compress(ids)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         if ids.ndim != 2:
@@ -89,7 +92,7 @@ class EngramAttachment:
             uniq = np.unique(rows[lid])
             if layer.hbm_cache is not None:
                 uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
-            fetch(layer.table, uniq)
+            fetch(layer.table, uniq) if read else fetch(layer.table, uniq, read=False)  # a source may lack read=
             asked += uniq.size
         return asked
 

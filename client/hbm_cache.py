@@ -37,8 +37,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierstore.errors import IdOutOfRange, InvalidArgument
+from tierstore.errors import InvalidArgument
 from tierstore.sketch import FrequencySketch
+from tierstore.tiers.base import check_ids
+
+__all__ = ["HBMCache"]
 
 _SCORE_MAX = 255  # the sketch's counter ceiling: residents and candidates on one scale
 
@@ -111,14 +114,7 @@ class HBMCache:
 
     # ---- lookups -----------------------------------------------------------
     def _check(self, ids) -> np.ndarray:
-        ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids).reshape(-1)
-        if ids.dtype.kind not in "iu":
-            raise InvalidArgument(f"HBMCache ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_ids):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise IdOutOfRange(f"table {self.table or '?'!r} has {self.n_ids} rows; id {bad} is out of range")
-        return ids
+        return check_ids(ids.cpu() if isinstance(ids, torch.Tensor) else ids, self.n_ids, self.table or "?")
 
     def lookup(self, ids, count: bool = True) -> np.ndarray:
         """int64 cache slot of each id (flattened), -1 where absent; counts hits/misses."""

@@ -8,8 +8,9 @@ The math is the published paper demo's (deepseek-ai/Engram `engram_demo_v1`):
     u_m    = sigmoid(g_m) * value(e)                                     value shared by branches
     out    = h + u + ShortConv(u)      (conv, paper demo)   or   h + u   (no conv, V4.1)
 
-ShortConv = per-branch RMSNorm, depthwise causal Conv1d over all M*D channels
-(kernel `spec.kernel_size`, dilation `spec.max_ngram`, no bias), SiLU.
+ShortConv (client/short_conv.py) = per-branch RMSNorm, depthwise causal Conv1d
+over all M*D channels (kernel `spec.kernel_size`, dilation `spec.max_ngram`), SiLU.
+Row planning and lease bookkeeping are a StepPlanner's (client/step_planner.py).
 
 Two phases, so row planning overlaps the blocks before this one:
 
@@ -31,75 +32,21 @@ which lives in the RowSource).
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 import tierstore.kernels as K
+from tierstore.client.short_conv import CONV_EPS, ShortConv
 from tierstore.client.speccheck import check_table_spec
-from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, StaleRows
+from tierstore.client.step_planner import PlannedStep as _Step, StepPlanner, still_valid as _still_valid
+from tierstore.errors import InvalidArgument, SpecMismatch, StaleRows
 from tierstore.formats import RowFormat
+
+__all__ = ["EngramLayer", "ShortConv", "GATE_EPS", "CONV_EPS"]
 
 # nn.RMSNorm(eps=None) in the paper demo uses the dtype's machine epsilon
 GATE_EPS = float(torch.finfo(torch.float32).eps)
-CONV_EPS = 1e-5
 
-
-def _still_valid(handle) -> bool:
-    """A source's handle says whether its rows were still its own (LocalTable's always are)."""
-    valid = getattr(handle, "valid", None)
-    return True if handle is None or valid is None else bool(valid())
-
-
-class ShortConv(nn.Module):
-    """Per-branch RMSNorm -> depthwise causal dilated Conv1d over M*D channels -> SiLU.
-
-    Taps are summed explicitly (kernel_size shifted multiply-adds) so a decode
-    step with a carried state does exactly the prefill arithmetic."""
-
-    def __init__(self, hidden_size: int, hc_mult: int, kernel_size: int, dilation: int,
-                 eps: float = CONV_EPS, dtype=torch.float32):
-        super().__init__()
-        c = hidden_size * hc_mult
-        self.hc_mult, self.hidden_size, self.kernel_size, self.dilation = hc_mult, hidden_size, kernel_size, dilation
-        self.conv = nn.Conv1d(c, c, kernel_size, groups=c, bias=False, dilation=dilation, dtype=dtype)
-        self.norms = nn.ModuleList([nn.RMSNorm(hidden_size, eps=eps, dtype=dtype) for _ in range(hc_mult)])
-
-    @property
-    def taps(self) -> int:
-        """Past inputs the conv reads: (kernel_size - 1) * dilation."""
-        return (self.kernel_size - 1) * self.dilation
-
-    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None):
-        """u [B, L, M, D]; state [B, taps, M*D] (normed past inputs) or None (zeros).
-
-        Returns (y [B, L, M, D], new_state [B, taps, M*D])."""
-        B, L, M, D = u.shape
-        x = torch.cat([self.norms[m](u[:, :, m]) for m in range(M)], dim=-1)  # [B, L, M*D]
-        if state is None:
-            state = x.new_zeros(B, self.taps, M * D)
-        xp = torch.cat([state.to(x.dtype), x], dim=1)
-        w = self.conv.weight[:, 0, :]  # [C, K]
-        y = xp[:, 0:L] * w[:, 0]
-        for k in range(1, self.kernel_size):
-            s = k * self.dilation
-            y = y + xp[:, s:s + L] * w[:, k]
-        return F.silu(y).view(B, L, M, D), xp[:, xp.shape[1] - self.taps:]
-
-
-@dataclass
-class _Step:
-    shape: tuple[int, int]          # (B, L)
-    inverse: torch.Tensor           # int64 [B*L*columns] -> index into unique ids
-    unique: np.ndarray              # int64 [U]
-    cache_slots: np.ndarray | None  # int64 [U], -1 = miss
-    miss: np.ndarray | None         # bool [U] (None: everything misses)
-    handle: object | None           # PlanHandle of the misses (None: all hits)
-    continue_state: bool
 
 
 class EngramLayer(nn.Module):
@@ -146,11 +93,10 @@ class EngramLayer(nn.Module):
         self.norm2 = nn.ModuleList([nn.RMSNorm(D, eps=GATE_EPS, dtype=compute_dtype) for _ in range(M)])
         self.short_conv = (ShortConv(D, M, spec.kernel_size, spec.max_ngram, dtype=compute_dtype)
                            if self.use_conv else None)
-        self._pending: deque[_Step] = deque()
+        self.planner = StepPlanner(self.table, self.n_rows, self.columns, self.layer_id)
+        self._pending = self.planner.pending  # prepared steps, oldest first
         self._checked_source = None  # the source whose table spec was checked against ours
         self._conv_state: torch.Tensor | None = None
-        self._in_flight: list[tuple[object, object]] = []  # (handle, cuda event) awaiting release
-        self._tokens = self._rows_read = self._rows_fetched = 0  # for stats()
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, table={self.table!r}, rows={self.n_rows}, columns={self.columns}, "
@@ -176,38 +122,11 @@ class EngramLayer(nn.Module):
             info = self.source.table_info(self.table)
             check_table_spec(self.spec, info.get("spec"), self.layer_id, self.table, info.get("rows"))
             self._checked_source = self.source
-        ids = row_ids.detach().cpu() if isinstance(row_ids, torch.Tensor) else torch.from_numpy(np.asarray(row_ids))
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise InvalidArgument(f"row ids must be integers, got {ids.dtype}")
-        if ids.ndim != 3 or ids.shape[-1] != self.columns:
-            raise InvalidArgument(
-                f"row ids of layer {self.layer_id} must be [B, L, {self.columns}] (NgramHasher.hash), "
-                f"got {tuple(ids.shape)}")
-        uniq, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)  # sorted
-        unique = uniq.numpy()
-        if unique.size and (unique[0] < 0 or unique[-1] >= self.n_rows):
-            bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
-            raise IdOutOfRange(f"table {self.table!r} has {self.n_rows} rows; id {bad} is out of range")
-        cache_slots = miss = None
-        ask = unique
-        cache = self.hbm_cache
-        if cache is not None:
-            cache_slots = cache.lookup(unique)
-            miss = cache_slots < 0
-            ask = unique[miss]
-            counts = torch.bincount(inverse, minlength=unique.size).numpy()
-            cache.observe(unique, counts)
-        self._tokens += int(ids.shape[0] * ids.shape[1])
-        self._rows_read, self._rows_fetched = self._rows_read + unique.size, self._rows_fetched + ask.size
-        return _Step((int(ids.shape[0]), int(ids.shape[1])), inverse, unique, cache_slots, miss, None,
-                     bool(continue_state)), ask
+        return self.planner.stage(row_ids, self.hbm_cache, continue_state)
 
     def commit(self, step: _Step, handle) -> None:
         """The second half of prepare(): queue the staged step with its plan handle."""
-        step.handle = handle
-        if self.hbm_cache is not None:
-            self.hbm_cache.pins += 1
-        self._pending.append(step)
+        self.planner.commit(step, handle, self.hbm_cache)
 
     # ---- phase 2: gather + gate -------------------------------------------
     def forward(self, hidden_states: torch.Tensor, row_ids=None) -> torch.Tensor:
@@ -253,17 +172,7 @@ class EngramLayer(nn.Module):
         if step.unique.size == 0:  # an empty batch
             return torch.zeros(0, self.columns * self.row_dim, dtype=self.compute_dtype, device=device)
         cache = self.hbm_cache
-        slots = np.empty(step.unique.size, np.int64)
-        arena = None
-        if step.handle is not None:
-            arena_slots = np.asarray(step.handle.slots(), dtype=np.int64)
-            if step.miss is None:
-                slots[:] = -arena_slots - 1
-            else:
-                slots[step.miss] = -arena_slots - 1
-            arena = step.handle.arena
-        if step.miss is not None:
-            slots[~step.miss] = step.cache_slots[~step.miss]
+        slots, arena = self.planner.slots(step)
         cache_rows = cache.rows if cache is not None else None
         if cache_rows is not None:
             dev = cache_rows.device
@@ -276,35 +185,11 @@ class EngramLayer(nn.Module):
         return out.reshape(step.shape[0] * step.shape[1], self.columns * self.row_dim).to(device)
 
     def _finish_gather(self, step: _Step, on_device: bool = False) -> None:
-        if self.hbm_cache is not None:
-            self.hbm_cache.pins -= 1
-        if step.handle is None:
-            return
-        if on_device:
-            # the gather kernel may still be reading the arena: release once it ran
-            ev = torch.cuda.Event()
-            ev.record()
-            self._in_flight.append((step.handle, ev))
-            self.release_finished()
-        else:
-            step.handle.release()
+        self.planner.finish(step, self.hbm_cache, on_device)
 
     def release_finished(self, wait: bool = False) -> None:
         """Release leases whose gathers have run on the device (all of them if `wait`)."""
-        keep, stale = [], None
-        for handle, ev in self._in_flight:
-            if wait:
-                ev.synchronize()
-            if wait or ev.query():
-                if not _still_valid(handle):
-                    stale = handle.table
-                handle.release()
-            else:
-                keep.append((handle, ev))
-        self._in_flight = keep
-        if stale is not None:
-            raise StaleRows(f"EngramLayer {self.table!r}: a step's lease on table {stale!r} ended before its "
-                            "gather ran on the device; its output is not to be used (raise --lease-ttl)")
+        self.planner.release_finished(wait)
 
     def _combine(self, h: torch.Tensor, e: torch.Tensor, step: _Step) -> torch.Tensor:
         B, L = step.shape
@@ -338,11 +223,12 @@ class EngramLayer(nn.Module):
         metrics report). h2d_bytes_per_token: rows fetched from the source plus
         HBM refresh copies, in bytes per token planned."""
         c = self.hbm_cache.stats() if self.hbm_cache is not None else {}
-        moved = self._rows_fetched * self.spec.row_bytes + c.get("refresh_bytes", 0)
-        return {"tokens": self._tokens, "rows_read": self._rows_read, "rows_fetched": self._rows_fetched,
-                "hbm_hit_ratio": 1 - self._rows_fetched / self._rows_read if self._rows_read else 0.0,
+        p = self.planner
+        moved = p.rows_fetched * self.spec.row_bytes + c.get("refresh_bytes", 0)
+        return {"tokens": p.tokens, "rows_read": p.rows_read, "rows_fetched": p.rows_fetched,
+                "hbm_hit_ratio": 1 - p.rows_fetched / p.rows_read if p.rows_read else 0.0,
                 "refresh_bytes": c.get("refresh_bytes", 0), "h2d_bytes": moved,
-                "h2d_bytes_per_token": moved / self._tokens if self._tokens else 0.0}
+                "h2d_bytes_per_token": moved / p.tokens if p.tokens else 0.0}
 
     def drop_pending(self) -> None:
         """Drop prepared steps that no forward consumed, releasing their leases."""

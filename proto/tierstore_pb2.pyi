@@ -141,12 +141,14 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("table", "ids")
+    __slots__ = ("table", "ids", "hint_only")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    HINT_ONLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    hint_only: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., hint_only: _Optional[bool] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)

@@ -15,7 +15,7 @@ NOT_API = {"tierstore.__main__", "tierstore.proto.tierstore_pb2", "tierstore.pro
 PENDING = {f"tierstore.{m}" for m in (
     "engine", "policy", "sketch", "slots", "leases", "server", "fastpath", "fastwire", "catalog", "sidecar",
     "tiers.nvme", "tiers.remote", "mooncake", "publish", "commands.serve", "commands.bench",
-    "client.sidecar", "client.layer", "client.attach", "client.hbm_cache", "client.fastpath")}
+    "client.fastpath")}
 
 
 def _modules() -> list[str]:

@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from tierstore import errors
-from tierstore.client.sidecar import Client, to_error
+from tierstore.client.channel import to_error
+from tierstore.client.sidecar import Client
 from tierstore.launcher import SidecarProcess
 
 
