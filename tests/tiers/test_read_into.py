@@ -116,10 +116,10 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
 def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch):
     """A gather that looks like it faulted (here: every gather) drops the seen pages;
     the next reads pread them again, every row still verified."""
-    from tierstore.tiers import nvme
+    from tierstore.tiers import mapped_rows
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
-    monkeypatch.setattr(nvme, "EVICTED_S_PER_ROW", 0.0)
+    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", 0.0)
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
     with _reader(data_dir, tv) as r:
         _, seen = r._map(0)

@@ -22,7 +22,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["DirectFiles", "pread_rows", "probe_alignment"]
+__all__ = ["DirectFiles", "pread_rows", "probe_alignment", "row_buffer", "thread_buffer"]
 
 _ALIGNS = (512, 4096)
 
@@ -102,6 +102,15 @@ def thread_buffer(scratch: _Scratch, nbytes: int) -> np.ndarray:
     if scratch.buf is None or scratch.buf.size < nbytes:
         scratch.buf = _aligned(max(nbytes, 1 << 20))
     return scratch.buf
+
+
+_ROWS = _Scratch()
+
+
+def row_buffer(n: int, row_bytes: int) -> np.ndarray:
+    """This thread's reusable uint8 [n, row_bytes] buffer for one chunk of rows
+    (its own: pread_rows's `buffer` scratch is another)."""
+    return thread_buffer(_ROWS, n * row_bytes)[:n * row_bytes].reshape(n, row_bytes)
 
 
 class DirectFiles:

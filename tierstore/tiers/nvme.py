@@ -4,16 +4,14 @@ Addresses are computed (row i sits at a fixed offset). Two read paths:
 
 - Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
   per-row checksum (tierstore.tiers.rowsum, written at ingest): each miss reads
-  only its row, verified in one vectorised pass per chunk of the step's misses,
-  and is written straight into the caller's arena slots. Page-cache mode
-  gathers from a read-only memory map of each segment (MADV_RANDOM: a cold
-  fault reads one page, not a read-around window); chunks go to a thread pool
-  so cold faults are in flight together. O_DIRECT mode (`direct_io=True`)
-  preads the aligned sectors of each row (tierstore.tiers.direct_io), so the
-  cold tier is not cached twice.
+  only its row, verified in one compiled pass and written straight into the
+  caller's arena slots. Page-cache mode gathers from a read-only memory map of
+  each segment (mapped_rows.py); big calls go to a thread pool so cold reads
+  are in flight together. O_DIRECT mode (`direct_io=True`) preads the aligned
+  sectors of each row (direct_io.py), so the cold tier is not cached twice.
 - Blocks (`read_range`, `iter_blocks`, `verify`, and rows of versions written
-  before row checksums existed): sort and dedupe the blocks, merge neighbours
-  into one pread each, check every block's xxh3-64 against the catalog.
+  before row checksums existed; segment_blocks.py): one pread per run of
+  neighbouring blocks, each checked against its xxh3-64 in the catalog.
 
 A row or block that does not match raises ChecksumError; it is never returned.
 A segment that is missing, truncated, or not a regular file (a FIFO or a
@@ -23,11 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,31 +33,16 @@ from tierstore import cpu_token
 from tierstore.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers import rowsum
-from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
+from tierstore.tiers.base import Tier, check_ids, check_out
 from tierstore.tiers.fused import kernels, place_verified
-from tierstore.tiers.direct_io import _Scratch, pread_rows, thread_buffer
+from tierstore.tiers.direct_io import row_buffer
+from tierstore.tiers.mapped_rows import PAGE_SHIFT, PROBE_ROWS, MappedRows
+from tierstore.tiers.segment_blocks import BlockReads, default_block_rows, read_pool
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SegmentReader", "default_block_rows"]
 
-# A block is the unit of checksumming and of reading: verifying a row means
-# reading its whole block, so the block size is the read amplification of a
-# cache miss. About 4 KiB, one NVMe page: a random 4 KiB read is the cheapest
-# the device does, and measured on a 1M x 256 B table at a 10% DRAM budget
-# (Zipf 1.0, 32k-id steps) 4 KiB blocks served 1.24M rows/s against 0.95M for
-# 16 KiB (3.9 KB vs 13.4 KB read per miss). The price is the checksum list:
-# 8 B per 4 KiB = 0.2%, 190 MB for a 98 GB V4.1 layer.
-BLOCK_TARGET_BYTES = 4 * 1024
-# Bound the scratch memory of one call: blocks are read and verified in groups.
-GROUP_BYTES = 8 << 20
-
-
-# Reads of many scattered blocks or rows go out from a small thread pool: NVMe
-# needs a queue depth to reach its IOPS, and preadv (like a gather that faults
-# pages in) releases the GIL.
-READ_THREADS = 32
-PARALLEL_MIN_RUNS = 32
 # Row reads: a call's misses are cut into chunks of about CHUNK_BYTES (hashed
 # while in cache) and the chunks dealt to at most ROW_TASKS pool tasks (one
 # hand-off each, however many chunks: a warm step pays little for the pool, a
@@ -73,17 +54,6 @@ ROW_TASKS, ROWS_PER_TASK = 16, 512
 # hand-off (~50 µs here) pays off only for tasks of many thousands of rows
 COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
-_POOL = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool():
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-            _POOL = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="nvme-read")
-        return _POOL
 
 
 def _open_segment(path: Path) -> tuple[int | None, str | None]:
@@ -101,43 +71,7 @@ def _open_segment(path: Path) -> tuple[int | None, str | None]:
     return None, f"not a regular file ({kind}); restore it or re-ingest the table"
 
 
-class _Tls(threading.local):
-    buf: np.ndarray | None = None
-
-
-_TLS, _PREAD_SCRATCH = _Tls(), _Scratch()
-PAGE_SHIFT = 12
-
-
-# Rows on "seen" pages are gathered through the map, on the guess that the page
-# cache holds them: at first every page (a table the host has room for is cached
-# once read), then the pages this reader pread. Under memory pressure (a table
-# larger than the host, a cgroup) the kernel evicts them and a gather takes major
-# faults, one at a time, inline. A gather slower than this per row says so: the
-# segment's seen flags are dropped and its rows are pread (many in flight) until
-# their pages are seen again. A call's first PROBE_ROWS rows go first, to find out.
-EVICTED_S_PER_ROW = 10e-6  # a major fault costs ~100 us, a first touch of a cached page ~1 us
-PROBE_ROWS = 32
-
-
-def _forget_if_evicted(seen: np.ndarray, rows: int, seconds: float) -> None:
-    if rows >= PROBE_ROWS and seconds > rows * EVICTED_S_PER_ROW:
-        seen[:] = False  # racy between threads, harmless: a page pread once more
-
-
-def _scratch(n: int, row_bytes: int, tls: _Tls = _TLS) -> np.ndarray:
-    """This thread's reusable uint8 [n, row_bytes] buffer (one chunk of rows)."""
-    need = n * row_bytes
-    if tls.buf is None or tls.buf.size < need:
-        tls.buf = np.empty(max(need, CHUNK_BYTES), dtype=np.uint8)
-    return tls.buf[:need].reshape(n, row_bytes)
-
-
-def default_block_rows(row_bytes: int) -> int:
-    return max(1, BLOCK_TARGET_BYTES // row_bytes)
-
-
-class SegmentReader(Tier):
+class SegmentReader(MappedRows, BlockReads, Tier):
     """Verified reads of one table version from its segment files.
 
     data_dir: the data directory the manifest's segment paths are relative to.
@@ -213,75 +147,6 @@ class SegmentReader(Tier):
             log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
             return None, err
         return raw.view(np.uint64), None
-
-    # ---- block I/O ---------------------------------------------------------
-    def _block_len(self, blocks: np.ndarray) -> np.ndarray:
-        """Bytes in each block (only the table's last block may be short)."""
-        end = np.minimum((blocks + 1) * self.block_rows, self.rows)
-        return (end - blocks * self.block_rows) * self.row_bytes
-
-    def _read_blocks(self, blocks: np.ndarray, buf: memoryview) -> None:
-        """Read sorted unique `blocks` into `buf` (block j at j * block_bytes) and
-        verify each; adjacent blocks in one segment are read with one pread."""
-        seg = blocks // self._blocks_per_seg
-        brk = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(seg) != 0)) + 1
-        starts = np.concatenate([[0], brk])
-        lens = self._block_len(blocks)
-        # per-run arithmetic in numpy, so the loop below is one syscall per run and nothing else
-        run_bytes = np.add.reduceat(lens, starts)
-        run_buf = starts * self._block_bytes
-        run_seg = seg[starts]
-        run_off = (blocks[starts] - run_seg * self._blocks_per_seg) * self._block_bytes
-        runs = list(zip(run_seg.tolist(), run_off.tolist(), run_buf.tolist(), run_bytes.tolist()))
-        if len(runs) >= 2 * PARALLEL_MIN_RUNS:
-            # random misses are one pread each: issue them from several threads (preadv drops
-            # the GIL), so the device sees a queue of requests instead of one at a time
-            k = min(READ_THREADS, len(runs) // PARALLEL_MIN_RUNS)
-            parts = [runs[i::k] for i in range(k)]
-            results = list(_pool().map(lambda part: self._pread_runs(part, buf), parts))
-        else:
-            results = [self._pread_runs(runs, buf)]
-        total = sum(t for t, _ in results)
-        failed = [f for _, f in results if f is not None]
-        if failed:
-            s, first_block, got = min(failed, key=lambda f: f[1])
-            bad = first_block + got // self._block_bytes
-            what = self._why[s] or "truncated"
-            raise ChecksumError(self.table, self.version.version, bad,
-                                f"segment {self.version.segments[s]} is {what}")
-        with self._lock:
-            self.bytes_read += total
-        expect = self.checksums[blocks].tolist()
-        h = xxhash.xxh3_64_intdigest
-        bb = self._block_bytes
-        for j, (e, n) in enumerate(zip(expect, lens.tolist())):
-            if h(buf[j * bb:j * bb + n]) != e:
-                raise ChecksumError(self.table, self.version.version, int(blocks[j]))
-
-    def _pread_runs(self, runs: list, buf: memoryview) -> tuple[int, tuple | None]:
-        """pread each (segment, offset, buffer position, bytes) run; returns the bytes
-        read and the first short run as (segment, first block, bytes got), if any."""
-        total, fds, bb, bps = 0, self._fds, self._block_bytes, self._blocks_per_seg
-        for s, off, pos, nbytes in runs:
-            fd = fds[s]
-            got = 0
-            if fd is not None:
-                view = buf[pos:pos + nbytes]
-                got = os.preadv(fd, [view], off)
-                while 0 < got < nbytes:  # short read: the file ends, or a signal
-                    n = os.preadv(fd, [view[got:]], off + got)
-                    if n == 0:
-                        break
-                    got += n
-                if self.direct is not None and got:  # O_DIRECT mode: leave no page cache behind
-                    os.posix_fadvise(fd, off, got, os.POSIX_FADV_DONTNEED)
-            total += got
-            if got < nbytes:
-                return total, (s, s * bps + off // bb, got)
-        return total, None
-
-    def _group_blocks(self) -> int:
-        return max(1, GROUP_BYTES // self._block_bytes)
 
     # ---- public reads ------------------------------------------------------
     def read_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -382,7 +247,7 @@ class SegmentReader(Tier):
         # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
         with cpu_token.waiting() if cold else contextlib.nullcontext():
             if k > 1:
-                results += [r for rs in _pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+                results += [r for rs in read_pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
             else:
                 results += run(chunks)
         return results
@@ -409,26 +274,6 @@ class SegmentReader(Tier):
             raise err
         return view
 
-    def _map(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """Segment s as a read-only uint8 [rows held, row_bytes] view, mapped once,
-        and its pages' seen flags."""
-        view = self._maps[s]
-        if view is None:
-            with self._lock:
-                view = self._maps[s]
-                if view is None:
-                    size = os.fstat(self._fds[s]).st_size
-                    held = size // self.row_bytes
-                    if held == 0:
-                        rows = np.empty((0, self.row_bytes), dtype=np.uint8)
-                    else:
-                        mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
-                        mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
-                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
-                    # one flag per page: is it likely cached (see EVICTED_S_PER_ROW)?
-                    view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
-        return view
-
     def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
         """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
         index of the first bad row or -1, why)."""
@@ -436,121 +281,12 @@ class SegmentReader(Tier):
         local = ids[a:b] - s * self.version.segment_rows
         if self.direct is None:
             return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
-        tmp = _scratch(b - a, self.row_bytes)
+        tmp = row_buffer(b - a, self.row_bytes)
         nbytes, short = self.direct.read_rows(s, local, tmp)
         if short >= 0:
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
         bad = place_verified(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b], self.row_sums)
         return nbytes, (a + bad if bad >= 0 else -1), ""
-
-    def _fill_buffered(self, s: int, src, local: np.ndarray, ids, dest, slots, a: int, b: int) -> tuple[int, int, str]:
-        """Page-cache mode: rows on pages this reader has read before come from its
-        map (a gather: no syscall once mapped); rows on pages it has not are
-        pread (a page fault on a cold page would wait for the device one at a
-        time per thread, and a first touch of a cached page costs a few us too),
-        after which their pages count as seen. Every row is placed and verified
-        in one pass (tiers/fused.py)."""
-        view, seen = src
-        pages = local * self.row_bytes >> PAGE_SHIFT
-        warm = seen[pages]
-        if warm.all():
-            t0 = time.perf_counter()
-            bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
-            _forget_if_evicted(seen, local.size, time.perf_counter() - t0)
-            return local.size * self.row_bytes, (a + bad if bad >= 0 else -1), ""
-        cold = np.flatnonzero(~warm)
-        got = _scratch(cold.size, self.row_bytes)
-        nbytes, short = pread_rows(self._fds[s], local[cold], self.row_bytes, 1, got, self._pread_buffer)
-        if short >= 0:
-            return nbytes, a + int(cold[short]), f"segment {self.version.segments[s]} is truncated"
-        bad = place_verified(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold], self.row_sums)
-        if bad >= 0:
-            return nbytes, a + int(cold[bad]), ""
-        seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
-        if cold.size < local.size:
-            hot = np.flatnonzero(warm)
-            t0 = time.perf_counter()
-            bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
-            _forget_if_evicted(seen, hot.size, time.perf_counter() - t0)
-            nbytes += hot.size * self.row_bytes
-            if bad >= 0:
-                return nbytes, a + int(hot[bad]), ""
-        return nbytes, -1, ""
-
-    def _pread_buffer(self, nbytes: int) -> np.ndarray:
-        return thread_buffer(_PREAD_SCRATCH, nbytes)
-
-    def _read_rows_by_block(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
-        gather_by_block(flat, self.block_rows, self.row_bytes, self._group_blocks(),
-                        lambda blocks, scratch: self._read_blocks(blocks, memoryview(scratch)),
-                        lambda sel, rows: out.__setitem__(sel, rows))
-        return out
-
-    def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows [start, start + n) as uint8 [n, row_bytes], verified block by block.
-
-        Whole blocks inside the range are read straight into `out` (no copy), so
-        loading a table into a DRAM arena costs one pass over the files.
-        """
-        start, n = int(start), int(n)
-        if n < 0 or start < 0 or start + n > self.rows:
-            raise InvalidArgument(f"table {self.table!r} has {self.rows} rows; "
-                                  f"range [{start}, {start + n}) is out of range")
-        out = check_out(out, n, self.row_bytes)
-        if n == 0:
-            return out
-        br, g = self.block_rows, self._group_blocks()
-        first, last = start // br, (start + n - 1) // br
-        scratch = None
-        for a in range(first, last + 1, g):
-            blocks = np.arange(a, min(a + g, last + 1), dtype=np.int64)
-            r0, r1 = a * br, min((a + len(blocks)) * br, self.rows)
-            if r0 >= start and r1 <= start + n:
-                self._read_blocks(blocks, memoryview(out[r0 - start:r1 - start]).cast("B"))
-                continue
-            if scratch is None:
-                scratch = np.empty(g * self._block_bytes, dtype=np.uint8)
-            self._read_blocks(blocks, memoryview(scratch))
-            c0, c1 = max(r0, start), min(r1, start + n)
-            out[c0 - start:c1 - start] = scratch.reshape(-1, self.row_bytes)[c0 - r0:c1 - r0]
-        return out
-
-    def iter_blocks(self, rows_per_chunk: int | None = None):
-        """Yield (first_row, uint8 [k, row_bytes]) over the whole table, verified.
-        The yielded array is reused between steps; copy it to keep it."""
-        step = rows_per_chunk or self._group_blocks() * self.block_rows
-        step = max(self.block_rows, step // self.block_rows * self.block_rows)
-        buf = np.empty((step, self.row_bytes), dtype=np.uint8)
-        for r in range(0, self.rows, step):
-            k = min(step, self.rows - r)
-            yield r, self.read_range(r, k, out=buf[:k])
-
-    def verify(self) -> list[int]:
-        """Re-check every block, and every row against its row checksum when the
-        version has them; return the numbers of bad (corrupt, truncated, missing,
-        or holding a row that fails its row checksum) blocks, empty when intact."""
-        bad: list[int] = []
-        g = self._group_blocks()
-        buf = np.empty(g * self._block_bytes, dtype=np.uint8)
-        scratch = memoryview(buf)
-        n_blocks, br = self.version.n_blocks, self.block_rows
-        a = 0
-        while a < n_blocks:
-            blocks = np.arange(a, min(a + g, n_blocks), dtype=np.int64)
-            try:
-                self._read_blocks(blocks, scratch)
-                a = int(blocks[-1]) + 1
-            except ChecksumError as e:
-                bad.append(e.block)
-                a = e.block + 1
-                continue
-            if self.row_sums is not None:
-                r0, r1 = int(blocks[0]) * br, min(a * br, self.rows)
-                ids = np.arange(r0, r1, dtype=np.int64)
-                rows = buf[:(r1 - r0) * self.row_bytes].reshape(-1, self.row_bytes)
-                wrong = rowsum.row_sums(rows, ids) != self.row_sums[r0:r1]
-                bad += np.unique(ids[wrong] // br).tolist()
-        return bad
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
