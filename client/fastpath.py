@@ -20,6 +20,9 @@ Failure modes: Unavailable (no sidecar on the socket, or no reply within
 over the sidecar's size limit, or max_clients reached), InvalidArgument (bad
 items, protocol mismatch). Thread-safe: calls on one client take turns on its
 connection; use one client per thread for parallel steps.
+
+One cohesive thing (a little over the house's 300 lines): the connection, its one
+request in flight and the reply parser.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ explicit round-to-nearest-even on the bits (so the interpreter matches too).
 Strides: `slots` and `inverse` are made contiguous (they are small). `cache` and
 `arena` are never copied: any row stride is accepted, but each row's bytes must
 be contiguous (last stride 1); a padded arena can be passed as `arena[:, :row_bytes]`.
+
+One cohesive thing (a little over the house's 300 lines): the gather kernel, its
+launcher's checks and its torch reference belong side by side.
 """
 from __future__ import annotations
 

@@ -40,3 +40,22 @@ def cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def numpy_path(monkeypatch):
+    """numpy_path(module, *kernels): those tierstore.jit.Kernel globals of `module` act
+    as if numba were missing, so the code under test takes its numpy reference path."""
+    from tierstore import jit
+
+    if not jit.enabled():
+        pytest.skip("numba is not installed: only the numpy path exists")
+
+    class Off:
+        def compiled(self):
+            return None
+
+    def off(module, *names):
+        for name in names:
+            monkeypatch.setattr(module, name, Off())
+    return off

@@ -7,34 +7,25 @@ from tierstore.jit import first_outside, strictly_increasing
 from tierstore.slots import FILLING, SlotTable
 
 
-class _Reference:
-    """Stands in for an unavailable numba: callers take their numpy path."""
-    def compiled(self):
-        return None
-
-
-def _both(monkeypatch, module, names, run):
-    if not jit.enabled():
-        pytest.skip("numba is not installed")
+def _both(numpy_path, module, names, run):
     compiled = run()
-    for name in names:
-        monkeypatch.setattr(module, name, _Reference())
+    numpy_path(module, *names)
     return compiled, run()
 
 
 @pytest.mark.parametrize("ids,n,want", [([], 5, -1), ([0, 4, 2], 5, -1), ([0, 5, -1], 5, 1), ([-3], 5, 0)])
-def test_first_outside_names_the_first_bad_id(ids, n, want, monkeypatch):
-    got = _both(monkeypatch, jit, ["_FIRST_OUTSIDE"], lambda: first_outside(np.array(ids, dtype=np.int64), n))
+def test_first_outside_names_the_first_bad_id(ids, n, want, numpy_path):
+    got = _both(numpy_path, jit, ["_FIRST_OUTSIDE"], lambda: first_outside(np.array(ids, dtype=np.int64), n))
     assert got == (want, want)
 
 
 @pytest.mark.parametrize("ids,want", [([], True), ([3], True), ([1, 2, 9], True), ([1, 1, 2], False), ([2, 1], False)])
-def test_strictly_increasing(ids, want, monkeypatch):
-    got = _both(monkeypatch, jit, ["_INCREASING"], lambda: strictly_increasing(np.array(ids, dtype=np.int64)))
+def test_strictly_increasing(ids, want, numpy_path):
+    got = _both(numpy_path, jit, ["_INCREASING"], lambda: strictly_increasing(np.array(ids, dtype=np.int64)))
     assert got == (want, want)
 
 
-def test_slot_table_operations_match_the_reference(monkeypatch):
+def test_slot_table_operations_match_the_reference(numpy_path):
     rng = np.random.default_rng(5)
 
     def run():
@@ -62,8 +53,7 @@ def test_slot_table_operations_match_the_reference(monkeypatch):
     state = rng.bit_generator.state
     compiled = run()
     rng.bit_generator.state = state
-    for name in ("_PIN", "_LOOKUP_PIN", "_UNMAP", "_ASSIGN"):
-        monkeypatch.setattr(slots_mod, name, _Reference())
+    numpy_path(slots_mod, "_PIN", "_LOOKUP_PIN", "_UNMAP", "_ASSIGN")
     reference = run()
     steps_c, pins_c, pinned_c = compiled
     steps_r, pins_r, pinned_r = reference

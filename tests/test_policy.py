@@ -191,23 +191,14 @@ def test_adapt_settings_are_validated():
         PolicyConfig(max_hits=200)
 
 
-class _Reference:
-    """Stands in for an unavailable numba: the policy runs its numpy path."""
-    def compiled(self):
-        return None
-
-
-def test_compiled_queue_walks_match_the_numpy_reference(monkeypatch):
+def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):
     import tierstore.policy.tinylfu as tinylfu
-    if tinylfu.SCAN.compiled() is None:
-        pytest.skip("numba is not installed")
     rng = np.random.default_rng(7)
     steps = [(np.unique(rng.zipf(1.2, size=60) % 3000), np.flatnonzero(rng.random(200) < 0.1)) for _ in range(400)]
     held = []
     for compiled in (True, False):
         if not compiled:
-            for name in ("ADMIT", "SCAN", "_TOUCH", "_SUBSET"):
-                monkeypatch.setattr(tinylfu, name, _Reference())
+            numpy_path(tinylfu, "ADMIT", "SCAN", "_TOUCH", "_SUBSET")
         arena = Arena(200, 3000)
         hits = [arena.step(ids, leased) for ids, leased in steps]
         held.append((hits, arena.held.copy()))

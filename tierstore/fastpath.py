@@ -29,6 +29,9 @@ ModuloHandler for a complete one):
 
     fast = FastPathServer(fast_socket_path(config.socket), SidecarFastPath(), max_request_bytes=..., max_clients=...)
     fast.start()   ...   fast.stop()
+
+One cohesive thing (a little over the house's 300 lines): the listener, its per-
+connection threads and their protocol checks.
 """
 from __future__ import annotations
 

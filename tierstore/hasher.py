@@ -15,6 +15,9 @@ Speed: numpy's integer floor division by a Python-int scalar is SIMD
 `q = mix // p; row = mix - q*p + off` over cache-sized blocks of tokens, and
 each order's mix is built from the previous one with a single multiply-xor.
 `tierstore.bench.hash.run_hash_bench` measures this against plain numpy.
+
+One cohesive thing (a little over the house's 300 lines): the address function and its
+streaming (decode) form must agree bit for bit.
 """
 from __future__ import annotations
 

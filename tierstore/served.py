@@ -12,6 +12,9 @@ its arena header says so (full-resident clients switch at their next step),
 its running steps finish on it, and the reaper frees it once its last lease
 has ended. A served version holds a shared flock on its directory so
 `tierstore gc` never removes it.
+
+One cohesive thing (a little over the house's 300 lines): building, swapping and freeing
+engines share one lock and one budget.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ O(arena), and promotes misses in three stages:
 3. ready (under the lock): the slots are marked READY and the fill's pins drop.
 Any failure in the fill returns its slots (unmapped, to the free stack) and
 ends the step's lease: nothing leaks, no half-written row is ever served.
+
+One cohesive thing (a little over the house's 300 lines): the three stages share the
+slot table's invariants and read best in one file.
 """
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from tierstore.errors import InvalidArgument, ResourceExhausted
-from tierstore.jit import first_outside
 from tierstore.policy.config import PolicyConfig
 from tierstore.sketch import FrequencySketch
+from tierstore.tiers.base import check_ids
 
 __all__ = ["CachePolicy", "NotEnoughEvictable", "REGISTRY"]
 
@@ -159,16 +159,9 @@ class CachePolicy:
         raise NotImplementedError
 
     # ---- shared pieces -----------------------------------------------------------
-    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
+    def _check_ids(self, ids) -> np.ndarray:
         """The policy is also used alone (`bench cache` replays traces through it)."""
-        ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise InvalidArgument(f"ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False).ravel()
-        bad = first_outside(ids, self.n_ids)
-        if bad >= 0:
-            raise InvalidArgument(f"table has {self.n_ids} rows; id {ids[bad]} is out of range")
-        return ids
+        return check_ids(ids, self.n_ids)
 
     def _evictable(self, pins: np.ndarray) -> np.ndarray:
         """Mask of resident, unpinned slots: O(capacity), for references and error paths."""

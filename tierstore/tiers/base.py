@@ -13,24 +13,26 @@ from tierstore.jit import first_outside
 __all__ = ["Tier", "check_ids", "check_out", "gather_by_block"]
 
 
-def check_ids(ids, rows: int, table: str) -> np.ndarray:
-    """Validate row ids and return them as a flat int64 array.
+def check_ids(ids, rows: int, table: str = "") -> np.ndarray:
+    """Validate row ids and return them as a flat int64 array: the one id check of
+    the engines, the tiers, the policy and the client.
 
     Raises InvalidArgument for non-integer ids and IdOutOfRange (naming the
     table, its row count and the first bad id) for ids outside [0, rows).
     """
+    name = f"table {table!r}" if table else "table"
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu":
         if ids.size == 0 and ids.dtype.kind == "f":  # np.asarray([]) is float64
             return np.zeros(0, dtype=np.int64)
-        raise InvalidArgument(f"row ids for table {table!r} must be integers, got dtype {ids.dtype}")
+        raise InvalidArgument(f"row ids for {name} must be integers, got dtype {ids.dtype}")
     if ids.dtype.kind == "u" and ids.size and ids.max() > np.iinfo(np.int64).max:
         bad = int(ids.max())
-        raise IdOutOfRange(f"table {table!r} has {rows} rows; id {bad} is out of range")
+        raise IdOutOfRange(f"{name} has {rows} rows; id {bad} is out of range")
     flat = ids.reshape(-1).astype(np.int64, copy=False)
     bad = first_outside(flat, rows)
     if bad >= 0:
-        raise IdOutOfRange(f"table {table!r} has {rows} rows; id {int(flat[bad])} is out of range")
+        raise IdOutOfRange(f"{name} has {rows} rows; id {int(flat[bad])} is out of range")
     return flat
 
 
