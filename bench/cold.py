@@ -32,206 +32,20 @@ would be the other's hits.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.bench.lookup import _Arena, check_same_rows, close_all, run_rounds, summarize
+from tierstore.bench.memory import MemoryCgroup, drop_page_cache, footprint, proc_memory, resident_bytes
+from tierstore.bench.mmap_child import MmapChild
 
 __all__ = ["run_cold_bench", "MemoryCgroup", "drop_page_cache"]
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
          "ratio_vs_dram": "x (rows/s over the all-DRAM sidecar's, median of per-round ratios)",
          "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena", "bytes": "bytes"}
-
-
-def drop_page_cache(paths) -> str:
-    """Evict `paths` from the page cache; returns how ('posix_fadvise(DONTNEED)')."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "posix_fadvise(POSIX_FADV_DONTNEED) on the segment files"
-
-
-class MemoryCgroup:
-    """A child memory cgroup capped at `limit` bytes, or `.error` saying why not."""
-
-    _n = 0
-
-    def __init__(self, limit: int):
-        self.limit, self.path, self.kind, self.error = int(limit), None, None, None
-        MemoryCgroup._n += 1
-        name = f"tierstore-bench-{os.getpid()}-{MemoryCgroup._n}"
-        tried = []
-        for kind, base, limit_file in self._candidates():
-            d = base / name
-            try:
-                d.mkdir()
-                (d / limit_file).write_text(str(self.limit))
-                self.path, self.kind = d, kind
-                return
-            except OSError as e:
-                tried.append(f"{kind} at {base}: {e.strerror or e}")
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
-        self.error = "no memory cgroup could be made (" + ("; ".join(tried) or "no cgroup filesystem found") + ")"
-
-    @staticmethod
-    def _candidates():
-        root = Path("/sys/fs/cgroup")
-        for v2 in (root, root / "unified"):
-            try:
-                if "memory" in (v2 / "cgroup.controllers").read_text().split():
-                    own = _own_cgroup("")
-                    yield "v2", v2 / own.lstrip("/") if own else v2, "memory.max"
-            except OSError:
-                pass
-        own = _own_cgroup("memory")
-        if (root / "memory").is_dir() and own is not None:
-            yield "v1", root / "memory" / own.lstrip("/"), "memory.limit_in_bytes"
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
-    def peak(self) -> int | None:
-        for f in ("memory.peak", "memory.max_usage_in_bytes"):
-            try:
-                return int((self.path / f).read_text())
-            except (OSError, ValueError):
-                continue
-        return None
-
-    def close(self) -> None:
-        if self.path is not None:
-            for _ in range(50):  # processes leave the cgroup asynchronously after exit
-                try:
-                    self.path.rmdir()
-                    return
-                except OSError:
-                    time.sleep(0.05)
-
-
-def _own_cgroup(controller: str) -> str | None:
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, ctrls, path = line.split(":", 2)
-            if (controller == "" and ctrls == "") or controller in ctrls.split(","):
-                return path
-    except OSError:
-        pass
-    return None
-
-
-def resident_bytes(paths) -> int:
-    """Bytes of `paths` now in the page cache (mincore over a fresh map; mapping
-    a file faults nothing in)."""
-    import ctypes
-    import mmap as _mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    total = 0
-    for p in paths:
-        size = os.path.getsize(p)
-        if size == 0:
-            continue
-        with open(p, "rb") as f, _mmap.mmap(f.fileno(), size, prot=_mmap.PROT_READ) as m:
-            vec = np.zeros(-(-size // _mmap.PAGESIZE), dtype=np.uint8)
-            view = np.frombuffer(m, np.uint8)
-            rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec.ctypes.data)
-            del view  # the map cannot close while an array exports it
-            if rc != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            total += int((vec & 1).sum()) * _mmap.PAGESIZE
-    return total
-
-
-def _proc_memory(pid: int) -> dict:
-    """RssAnon / RssFile / RssShmem of a process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key = line.split(":")[0]
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            out[key] = int(line.split()[1]) * 1024
-    return out
-
-
-def _mmap_worker(conn, paths, seg_rows, row_bytes, batches):
-    import mmap as _mmap
-    import resource
-
-    maps = []
-    for p in paths:
-        m = np.memmap(p, dtype=np.uint8, mode="r").reshape(-1, row_bytes)
-        m._mmap.madvise(_mmap.MADV_RANDOM)  # random gathers: no readaround
-        maps.append(m)
-
-    def get(ids):
-        if len(maps) == 1:
-            return maps[0][ids]
-        out = np.empty((ids.size, row_bytes), dtype=np.uint8)
-        seg = ids // seg_rows
-        for s in np.unique(seg).tolist():
-            sel = seg == s
-            out[sel] = maps[s][ids[sel] - s * seg_rows]
-        return out
-
-    conn.send("ready")
-    while True:
-        op, i = conn.recv()
-        if op == "stop":
-            break
-        if op == "faults":  # major page faults so far: gathered rows that went to disk
-            conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
-            continue
-        rows = get(batches[i])
-        conn.send(rows.tobytes() if op == "rows" else rows.shape[0])
-
-
-class _MmapChild:
-    def __init__(self, data_dir, version, batches):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        paths = [str(Path(data_dir) / s) for s in version.segments]
-        self.proc = ctx.Process(target=_mmap_worker, args=(child, paths, version.segment_rows, version.row_bytes,
-                                                           batches), daemon=True)
-        self.proc.start()
-        child.close()
-        if self.conn.recv() != "ready":
-            raise RuntimeError("mmap baseline process did not start")
-        self.index = {id(b): i for i, b in enumerate(batches)}
-        self.row_bytes = version.row_bytes
-
-    def get(self, ids):
-        self.conn.send(("get", self.index[id(ids)]))
-        return self.conn.recv()
-
-    def rows(self, ids):
-        self.conn.send(("rows", self.index[id(ids)]))
-        return np.frombuffer(self.conn.recv(), dtype=np.uint8).reshape(-1, self.row_bytes)
-
-    def faults(self) -> int:
-        self.conn.send(("faults", 0))
-        return self.conn.recv()
-
-    def close(self):
-        try:
-            self.conn.send(("stop", 0))
-        except OSError:
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
 
 
 def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0, progress=False):
@@ -290,7 +104,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     stream = make_batches(dist, version.rows, batch, calls * (rounds + 1) + warm_calls, seed)
     ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]
     passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
-    closers, memory, footprint = [], {}, {}
+    closers, memory, footprints = [], {}, {}
     from tierstore.tiers.direct_io import DirectFiles
     try:  # O_DIRECT where the filesystem takes it (tmpfs before Linux 6.6 does not)
         DirectFiles(seg_paths[:1], version.row_bytes).close()
@@ -313,7 +127,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             closers.append(direct.cleanup)
             dclient = Client(direct.socket)
             closers.append(dclient.close)
-        child = _MmapChild(cache_dir, version, stream)
+        child = MmapChild(cache_dir, version, stream)
         closers.append(child.close)
         # A process's memory stays charged where it was allocated when the process moves
         # to a cgroup: the sidecar's arena and start-up heap are outside its cgroup, so it
@@ -344,7 +158,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         if direct is not None:
             fns["tierstore-direct"] = _Arena(dclient, "cold", piece=max(1, cap // 2)).get
             sides["tierstore-direct"] = (direct, dclient)
-        at_start = {n: _proc_memory(p.proc.pid) for n, (p, _) in sides.items()}
+        at_start = {n: proc_memory(p.proc.pid) for n, (p, _) in sides.items()}
         # rows checked against the full-resident arena (= the table, verified on load)
         table_rows = dram.handle("cold").arena_np
         # One competitor at a time, mmap last: page cache dropped; the cold-start pass, timed on
@@ -358,7 +172,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
                 pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
                 cold_start[name] = _timed_pass(fns[name], ids)
                 if name in sides:
-                    footprint[name] = _footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
+                    footprints[name] = footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
             with tqdm(total=len(warm_ids) + rounds, desc=f"cold {name}", unit="step", disable=not progress,
                       leave=False) as bar:
                 for b in warm_ids:
@@ -402,7 +216,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
               "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
               "warmup_ids": len(warm_ids) * batch, "order": "one competitor at a time, page cache dropped before each",
               "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps,
-              "memory_footprint": footprint, "direct_io": no_direct or "on"}
+              "memory_footprint": footprints, "direct_io": no_direct or "on"}
     log(cold_line(result))
     return result
 
@@ -429,20 +243,6 @@ def _timed_pass(fn, batches) -> dict:
     lat_ms = np.asarray(lat) * 1e3
     return {"rows_per_s": sum(b.size for b in batches) / (time.perf_counter() - t0),
             "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
-
-
-def _footprint(pid: int, seg_paths, budget: int, start: dict, pinned: int = 0) -> dict:
-    """What a cache-mode sidecar's reads cost in memory beyond its arena (= the
-    budget, in /dev/shm): its heap growth since it started serving, and the
-    segment pages it brought into the page cache (`pinned`: there before).
-    The process's fixed size at start (interpreter, libraries, the id map and
-    row checksums loaded at open) is reported beside it."""
-    m = _proc_memory(pid)
-    cache = max(0, resident_bytes(seg_paths) - pinned)
-    growth = m.get("RssAnon", 0) - start.get("RssAnon", 0)
-    return {"rss_anon_at_start": start.get("RssAnon", 0), "rss_file_at_start": start.get("RssFile", 0),
-            "rss_anon": m.get("RssAnon", 0), "rss_file": m.get("RssFile", 0), "heap_growth": growth,
-            "segment_page_cache": cache, "dram_budget": budget, "over_budget": growth + cache}
 
 
 def cold_line(r: dict) -> str:

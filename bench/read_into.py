@@ -77,7 +77,7 @@ def _competitors(d: Path, v, sums):
 
 
 def run(d: Path, rows: int, misses: int, rounds: int, cold_rounds: int, log=print) -> dict:
-    from tierstore.bench.cold import drop_page_cache
+    from tierstore.bench.memory import drop_page_cache
 
     d.mkdir(parents=True, exist_ok=True)
     v, sums = _table(d, rows)
