@@ -43,11 +43,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SegmentReader", "default_block_rows"]
 
-# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES (hashed
-# while in cache) and the chunks dealt to at most ROW_TASKS pool tasks (one
-# hand-off each, however many chunks: a warm step pays little for the pool, a
-# cold one has that many page faults in flight). O_DIRECT waits on the device
-# for every row, so it uses more tasks.
+# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES, dealt to
+# at most ROW_TASKS pool tasks (one hand-off each: a cold step has that many page
+# faults in flight); O_DIRECT waits on the device for every row, so more tasks.
 CHUNK_BYTES = 256 << 10
 ROW_TASKS, ROWS_PER_TASK = 16, 512
 # compiled (tiers/fused.py), a cached row is placed and verified in ~60 ns: a pool
