@@ -13,9 +13,8 @@ Addresses are computed (row i sits at a fixed offset). Two read paths:
   before row checksums existed; segment_blocks.py): one pread per run of
   neighbouring blocks, each checked against its xxh3-64 in the catalog.
 
-A row or block that does not match raises ChecksumError; it is never returned.
-A segment that is missing, truncated, or not a regular file (a FIFO or a
-directory in its place) reads as corrupt, naming the segment; it never hangs.
+A row or block that does not match raises ChecksumError, never returned; a
+missing, truncated or non-regular segment reads as corrupt, naming it.
 """
 from __future__ import annotations
 
