@@ -47,8 +47,7 @@ __all__ = ["SegmentReader", "default_block_rows"]
 # faults in flight); O_DIRECT waits on the device for every row, so more tasks.
 CHUNK_BYTES = 256 << 10
 ROW_TASKS, ROWS_PER_TASK = 16, 512
-# compiled (tiers/fused.py), a cached row is placed and verified in ~60 ns: a pool
-# hand-off (~50 µs here) pays off only for tasks of many thousands of rows
+# compiled (tiers/fused.py), a row takes ~60 ns: a pool hand-off (~50 µs) pays only for big tasks
 COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 
