@@ -77,7 +77,7 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         (prefetch(ids, read=False) of the next `queue` steps: more calls, more
         protection) instead of once per step at admission.
     profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
-    sim = _Sim(trace, capacity, config, queue_read)
+    sim = _Sim(trace, capacity, config, queue_read, horizon=queue or None)
     if profile is not None:
         sim.policy.load_profile(*profile)
     for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
@@ -97,8 +97,10 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
 class _Sim:
     """An arena of `capacity` slots driven through CachePolicy the way TableEngine drives it."""
 
-    def __init__(self, trace: Trace, capacity: int, config: PolicyConfig | None, read: bool = False):
+    def __init__(self, trace: Trace, capacity: int, config: PolicyConfig | None, read: bool = False,
+                 horizon: int | None = None):
         self.trace, self.capacity, self.read = trace, capacity, read
+        self.horizon = horizon  # a hint's steps until its request runs (the queue's depth)
         self.policy = CachePolicy(capacity, trace.n_ids, config)
         self.slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
         self.held = np.full(capacity, -1, dtype=np.int64)
@@ -143,7 +145,7 @@ class _Sim:
         """TableEngine.prefetch: expect the resident rows; with `read`, read the missing ones in."""
         slots = self.slot_of[ids]
         hit = slots >= 0
-        self.policy.expect(slots[hit])
+        self.policy.expect(slots[hit], ids[~hit], steps=self.horizon)
         if self.read and not hit.all():
             self._fill(ids[~hit][: self.capacity], np.zeros(0, np.int64))  # between steps nothing is leased
 

@@ -73,18 +73,22 @@ class EngramAttachment:
         self._prepare_all({lid: rows[lid] for lid in self.layers}, continue_state=False)
         self.decode_state = self.hasher.state_from_prefix(ids)
 
-    def prefetch(self, ids, read: bool = True) -> int:
+    def prefetch(self, ids, read: bool = True, steps: int | None = None) -> int:
         """Request admission: hash a queued request's token ids [B, T] (or [T]) and ask the
         source to promote their rows now, without a lease, so its cold reads overlap the
         time the request waits to run. Returns the ids asked for (0 when the source
         cannot prefetch, e.g. an in-process table). read=False: only hint the rows the
-        source holds already, read none (Client.prefetch)."""
+        source holds already, read none; steps: about how many steps until the request
+        runs, the rows are kept that long (Client.prefetch)."""
         ids = self.compress(ids)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         if ids.ndim != 2:
             raise InvalidArgument(f"token ids must be [B, T] or [T], got shape {tuple(ids.shape)}")
         rows = self.hasher.hash_all(ids)
         asked = 0
+        kw = {"read": False} if not read else {}  # only what was asked: a source may lack read= or steps=
+        if steps is not None:
+            kw["steps"] = steps
         for lid, layer in self.layers.items():
             fetch = getattr(layer.source, "prefetch", None)
             if fetch is None:
@@ -92,7 +96,7 @@ class EngramAttachment:
             uniq = np.unique(rows[lid])
             if layer.hbm_cache is not None:
                 uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
-            fetch(layer.table, uniq) if read else fetch(layer.table, uniq, read=False)  # a source may lack read=
+            fetch(layer.table, uniq, **kw)
             asked += uniq.size
         return asked
 

@@ -227,15 +227,20 @@ class Client:
         with self.plan(table, ids) as step:
             return step.rows()
 
-    def prefetch(self, table: str, ids, read: bool = True) -> None:
+    def prefetch(self, table: str, ids, read: bool = True, steps: int | None = None) -> None:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
         at once): their disk reads overlap the time the request waits to run.
 
         read=False: only hint the rows already resident (the cache policy keeps them
         over others until the request runs) and read nothing; for requests more than
-        a step or two from running, whose reads would evict rows sooner needed."""
+        a step or two from running, whose reads would evict rows sooner needed.
+        steps: about how many steps until the request runs; its rows are kept that
+        long (default: the sidecar's --policy default, 16). Say it when known: a hint
+        that outlives its request keeps rows nobody reads."""
         self._check_open()
-        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read)
+        if steps is not None and not 0 < int(steps) < 2**32:
+            raise errors.InvalidArgument(f"prefetch steps must be a positive step count, got {steps}")
+        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read, steps=int(steps or 0))
         fut = self._stub.Prefetch.future(req, timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # held until answered: a collected future cancels its call
             self._inflight = [f for f in self._inflight if not f.done()] + [fut]

@@ -141,14 +141,16 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("table", "ids", "hint_only")
+    __slots__ = ("table", "ids", "hint_only", "steps")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     HINT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     hint_only: bool
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., hint_only: _Optional[bool] = ...) -> None: ...
+    steps: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., hint_only: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)

@@ -168,6 +168,44 @@ def test_expected_rows_outlive_others_without_pinning(kind):
     assert (arena.slot_of[np.arange(200, 240)] >= 0).all()
 
 
+def test_a_hint_keeps_its_rows_through_scans_that_flush_unhinted_ones():
+    def run(hint):
+        arena = Arena(40, 10_000, max_hits=0)  # little CLOCK credit: only the hint can keep them
+        arena.step(np.arange(40))
+        if hint:
+            arena.policy.expect(arena.slot_of[np.arange(10)], steps=6)  # a request 6 steps from now
+        for i in range(5):
+            arena.step(1000 + 40 * i + np.arange(30))
+        return arena.slot_of[np.arange(10)] >= 0
+    assert run(hint=True).all() and not run(hint=False).any()
+
+
+def test_a_hinted_id_admitted_later_is_kept_until_its_request():
+    arena = Arena(40, 10_000)
+    arena.step(np.arange(40))
+    arena.policy.expect(np.zeros(0, np.int64), ids=np.array([5000, 5001]), steps=8)  # not resident yet
+    arena.step(np.array([5000, 5001]))  # another step reads them in
+    for i in range(5):
+        arena.step(2000 + 40 * i + np.arange(30))
+    assert (arena.slot_of[[5000, 5001]] >= 0).all()
+    unhinted = Arena(40, 10_000)  # the same steps without the hint: they are gone
+    unhinted.step(np.arange(40))
+    unhinted.step(np.array([5000, 5001]))
+    for i in range(5):
+        unhinted.step(2000 + 40 * i + np.arange(30))
+    assert (unhinted.slot_of[[5000, 5001]] < 0).all()
+
+
+def test_hint_arguments_are_checked():
+    p = CachePolicy(8, 100)
+    with pytest.raises(InvalidArgument, match="steps must be >= 0"):
+        p.expect(np.zeros(0, np.int64), steps=-1)
+    with pytest.raises(InvalidArgument, match="out of range"):
+        p.expect(np.zeros(0, np.int64), ids=np.array([100]))
+    with pytest.raises(InvalidArgument, match="expect_steps"):
+        PolicyConfig(expect_steps=-2)
+
+
 def test_expect_ignores_free_slots():
     p = CachePolicy(8, 100)
     p.expect(np.arange(8))  # nothing resident yet: no effect, no error

@@ -273,9 +273,9 @@ class ServedTables:
             self.leases.reap()
             self._free_retired()
 
-    def prefetch(self, engine: TableEngine, ids, read: bool = True) -> None:
+    def prefetch(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None) -> None:
         """Promote ids in the background (a bounded queue: dropped when it is full);
-        read=False only hints the resident ones to the policy (TableEngine.prefetch)."""
+        read=False only hints them to the policy, for `steps` (TableEngine.prefetch)."""
         if engine.full or ids.size == 0:
             return
         with self._swap_lock:
@@ -285,12 +285,12 @@ class ServedTables:
             if self._prefetcher is None:
                 from concurrent.futures import ThreadPoolExecutor
                 self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="prefetch")
-        self._prefetcher.submit(self._prefetch_one, engine, ids, read)
+        self._prefetcher.submit(self._prefetch_one, engine, ids, read, steps)
 
-    def _prefetch_one(self, engine: TableEngine, ids, read: bool = True) -> None:
+    def _prefetch_one(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None) -> None:
         try:
             if not engine.retired:
-                engine.prefetch(ids, read=read)
+                engine.prefetch(ids, read=read, steps=steps)
         except Exception:  # noqa: BLE001 - a hint; a bad block surfaces when a step reads it
             log.debug("prefetch of %d ids in %s failed", ids.size, engine.table, exc_info=True)
         finally:

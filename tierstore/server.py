@@ -150,7 +150,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
     def Prefetch(self, request, context):
         eng = self.sidecar.engine(request.table)
         ids = eng.check_ids(decode_ids(request.ids, self.cfg.max_request_ids))
-        self.sidecar.prefetch(eng, ids, read=not request.hint_only)
+        self.sidecar.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None)
         return pb.PrefetchResponse(queued=ids.size)
 
     @_rpc

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tierstore import errors
 from tierstore.bench.e2e import spec_from_catalog
 from tierstore.client.demo_model import EngramDemoModel
 from tierstore.client.sidecar import Client
@@ -110,3 +111,27 @@ def test_an_attachment_passes_a_hint_only_prefetch_through(demo_served):
     assert all(int(t.get("prefetched", 0)) == 0 for t in c.stats()["tables"])
     assert att.prefetch(ids) > 0
     assert all(_wait_prefetched(c, layer.table, 1) > 0 for layer in att.layers.values())
+
+
+def test_a_hinted_row_read_in_later_outlasts_a_scan_until_its_request_runs(tmp_path):
+    """prefetch(read=False, steps=N): ids not resident at the hint are kept, once some
+    step reads them in, for N steps; the same rows unhinted are scanned out."""
+    d = tmp_path / "data"
+    data = np.random.default_rng(0).integers(0, 256, size=(60_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=60_000, row_format="fp32", row_dim=16)
+    hinted, unhinted = np.arange(0, 400), np.arange(400, 800)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        with pytest.raises(errors.InvalidArgument, match="steps"):
+            c.prefetch("t", hinted, read=False, steps=0)
+        c.prefetch("t", hinted, read=False, steps=60)  # the request runs within 60 steps
+        time.sleep(0.3)
+        for ids in (hinted, unhinted):  # another request reads both sets in
+            with c.plan("t", ids) as step:
+                assert np.array_equal(step.rows(), data[ids]) and step.misses == ids.size
+        for i in range(25):  # 25 steps of fresh rows: more than the arena holds
+            with c.plan("t", 1000 + 1000 * i + np.arange(1000)) as step:
+                step.rows()
+        with c.plan("t", hinted) as step:
+            assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size
+        with c.plan("t", unhinted) as step:
+            assert np.array_equal(step.rows(), data[unhinted]) and step.hits < unhinted.size // 10

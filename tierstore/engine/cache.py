@@ -103,12 +103,13 @@ class CacheEngine(TableEngine):
         return PlanResult(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
                           uniq.size - misses, misses, ttl_s)
 
-    def prefetch(self, ids: np.ndarray, read: bool = True) -> int:
+    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None) -> int:
         """Rows a queued request will read: the scheduler calls this once, at admission.
 
-        Resident rows are hinted to the policy (CachePolicy.expect: kept over
-        others until then); with `read`, missing rows are promoted without a
-        lease. Returns rows read. Never refuses for lack of room: when the
+        All are hinted to the policy for `steps` steps, about the request's wait
+        (CachePolicy.expect: kept over others until then, resident now or
+        admitted later; default PolicyConfig.expect_steps); with `read`, missing
+        rows are promoted now, without a lease. Returns rows read. Never refuses for lack of room: when the
         arena is full of leased rows, the ids that do not fit are skipped.
         Reading a deep queue ahead costs hit ratio in a small arena (`bench
         cache`: ours+queue16 against ours+queue16-read): pass read=False for
@@ -122,16 +123,17 @@ class CacheEngine(TableEngine):
             with self._lock:
                 self._active += 1
             try:
-                return self._prefetch_unique(uniq, read)
+                return self._prefetch_unique(uniq, read, steps)
             finally:
                 with self._lock:
                     self._active -= 1
 
-    def _prefetch_unique(self, uniq: np.ndarray, read: bool = True) -> int:
+    def _prefetch_unique(self, uniq: np.ndarray, read: bool = True, steps: int | None = None) -> int:
         with self._lock:
             slots = self.slots.slot_of[uniq]
-            self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False))
             miss = uniq[slots < 0]
+            # resident rows are kept for the request; missing ones too once admitted (read now or later)
+            self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps)
             room = max(0, self.capacity - 2 * self.slots.n_pinned) if read else 0  # leave room for steps
         miss = miss[:room]
         if miss.size == 0:

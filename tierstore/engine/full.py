@@ -40,7 +40,7 @@ class FullEngine(TableEngine):
         with cpu_token.hold():
             return self._validated(self._edge(ids))
 
-    def prefetch(self, ids: np.ndarray, read: bool = True) -> int:
+    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None) -> int:
         """Nothing to read ahead: every row is resident."""
         self.check_ids(ids)
         return 0

@@ -27,6 +27,11 @@ class PolicyConfig:
     main_freq: sketch count at which a missed id enters main directly (it was
         seen before and evicted); 0 sends every miss to probation.
     max_hits: CLOCK hit budget of a main-queue row (extra passes it survives).
+    expect_steps: how long an `expect` hint lasts when its caller does not say:
+        a hinted row (a queued request will read it) is passed over by
+        victims() for this many steps after the hint, resident then or
+        admitted later; 0: the hint is CLOCK credit only. Callers should pass
+        the request's expected wait in the scheduler's queue.
     sketch_width: sketch counters per row per cache slot (rounded up to 2^n).
     sketch_depth: hash rows of the sketch.
     counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters).
@@ -42,6 +47,7 @@ class PolicyConfig:
     adapt_step: float = 0.05
     main_freq: int = 2
     max_hits: int = 3
+    expect_steps: int = 16
     sketch_width: float = 8.0
     sketch_depth: int = 4
     counter_max: int = 15
@@ -57,6 +63,8 @@ class PolicyConfig:
         if not self.adapt_period > 0 or not 0 <= self.adapt_step < 1:
             raise InvalidArgument(f"adapt_period must be > 0 and adapt_step in [0, 1), got "
                                   f"{self.adapt_period}, {self.adapt_step}")
+        if self.expect_steps < 0:
+            raise InvalidArgument(f"expect_steps must be >= 0, got {self.expect_steps}")
         if self.main_freq < 0 or not 0 <= self.max_hits <= 127:
             raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..127, got {self.main_freq}, {self.max_hits}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:

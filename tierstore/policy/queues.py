@@ -77,10 +77,12 @@ def _admit_loop(slots, to_main, where, ticket, hits, count, ps, pt, ptail, ms, m
     return ptail, mtail, clock
 
 
-def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, count, ps, pt, ptail, ms, mt, mtail, clock):
+def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, until, step, count, ps, pt, ptail, ms, mt,
+               mtail, clock):
     """Walk at most `chunk` entries of queue q from `head`, stopping at the `need`-th victim.
 
-    A victim is a live, unpinned entry with no hits left. Probation: an
+    A victim is a live, unpinned entry with no hits left; an entry hinted
+    until a later step (until[s] > step) passes as a pinned one. Probation: an
     unpinned entry with hits was hit there and moves to main (hits reset); a
     pinned one goes back to the tail. Main: every live non-victim goes back to
     the tail, an unpinned one spending one hit (CLOCK). Stale entries are dropped.
@@ -93,7 +95,7 @@ def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, count, ps, 
         head += 1
         if where[s] != q or ticket[s] != t:
             continue
-        free = pins[s] == 0
+        free = pins[s] == 0 and until[s] <= step
         if free and hits[s] == 0:
             out[n] = s
             n += 1

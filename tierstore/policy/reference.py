@@ -39,7 +39,7 @@ class LRUPolicy(CachePolicy):
     def _forget(self, slots):
         pass
 
-    def _expect(self, slots):
+    def _expect(self, slots, steps):
         self._last[slots] = self._clock + 1
 
 
@@ -72,5 +72,5 @@ class RandomPolicy(CachePolicy):
     def _forget(self, slots):
         pass
 
-    def _expect(self, slots):
+    def _expect(self, slots, steps):
         pass

@@ -42,6 +42,11 @@ class TinyLFUPolicy(CachePolicy):
         self._last = (np.zeros(0, np.int64), None)
         self._period = max(1, int(cfg.adapt_period * cap)) if cfg.adapt_window else 0
         self._cap = np.uint8(max(1, cfg.max_hits))
+        # expect(): a hinted slot is passed over until step _until[slot]; hinted ids not
+        # resident yet wait in _pending (sorted ids, the step their hint runs out)
+        self._steps = 0
+        self._until = np.zeros(cap, dtype=np.int64)
+        self._pending = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     @property
     def window(self) -> float:
@@ -49,6 +54,7 @@ class TinyLFUPolicy(CachePolicy):
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
+        self._steps += 1
         if self._period:
             self._acc += ids.size
             if self._acc >= self._period:
@@ -71,13 +77,21 @@ class TinyLFUPolicy(CachePolicy):
             p, m = self._room(slots.size)
             p.tail, m.tail, self._clock = k(slots, to_main, self._where, self._ticket, self._hits, self._count,
                                             p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
-            return
-        old = self._where[slots]
-        for q in (PROBATION, MAIN):
-            self._count[q] -= int(np.count_nonzero(old == q))
-        self._hits[slots] = 0
-        self._push(MAIN, slots[to_main])
-        self._push(PROBATION, slots[~to_main])
+        else:
+            old = self._where[slots]
+            for q in (PROBATION, MAIN):
+                self._count[q] -= int(np.count_nonzero(old == q))
+            self._hits[slots] = 0
+            self._push(MAIN, slots[to_main])
+            self._push(PROBATION, slots[~to_main])
+        self._until[slots] = 0
+        if self._pending[0].size:  # rows a queued request was promised: protected from now on
+            pend, until = self._pending
+            pos = np.minimum(np.searchsorted(pend, ids), pend.size - 1)
+            hinted = (pend[pos] == ids) & (until[pos] > self._steps)
+            if hinted.any():
+                self._until[slots[hinted]] = until[pos[hinted]]
+                self._hits[slots[hinted]] = max(1, self.config.max_hits)
 
     def _forget(self, slots):
         old = self._where[slots]
@@ -85,11 +99,25 @@ class TinyLFUPolicy(CachePolicy):
             self._count[q] -= int(np.count_nonzero(old == q))
         self._where[slots] = FREE
 
-    def _expect(self, slots):
+    def _expect(self, slots, steps):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
         (a longer credit for hinted rows measured no better)."""
         slots = slots[self._where[slots] != FREE]
         self._hits[slots] = max(1, self.config.max_hits)
+        self._until[slots] = np.maximum(self._until[slots], self._steps + steps)
+
+    def _expect_ids(self, ids, steps):
+        """Remember hinted ids that are not resident, until their hint runs out."""
+        if not steps:
+            return
+        pend, until = self._pending
+        live = until > self._steps
+        new = np.full(ids.size, self._steps + steps, dtype=np.int64)
+        ids, until = np.concatenate([pend[live], ids]), np.concatenate([until[live], new])
+        order = np.lexsort((until, ids))  # by id, then until: a repeated id keeps its latest until
+        ids, until = ids[order], until[order]
+        last = np.append(ids[1:] != ids[:-1], True)
+        self._pending = (ids[last], until[last])
 
     def _victims(self, k, pins):
         out, need = [], k
@@ -103,7 +131,10 @@ class TinyLFUPolicy(CachePolicy):
                 taken = np.concatenate(out) if out else np.zeros(0, np.int64)
                 mask = (pins == 0) & (self._where != FREE)
                 mask[taken] = False
-                extra = np.flatnonzero(mask)[:need]
+                extra = np.flatnonzero(mask & (self._until <= self._steps))[:need]  # unhinted first
+                if extra.size < need:
+                    mask[extra] = False
+                    extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
                     self._push(PROBATION, taken)
                     self._not_enough(k, pins)
@@ -127,12 +158,12 @@ class TinyLFUPolicy(CachePolicy):
             out = np.empty(need, dtype=np.int64)
             head = queue.head
             n, queue.head, p.tail, m.tail, self._clock = k(
-                q, need, chunk, head, out, self._where, self._ticket, self._hits, pins, self._count,
-                p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
+                q, need, chunk, head, out, self._where, self._ticket, self._hits, pins, self._until, self._steps,
+                self._count, p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
             return out[:n], queue.head - head
         s, t = queue.peek(chunk)
         live = (self._where[s] == q) & (self._ticket[s] == t)
-        free = (pins[s] == 0) & live
+        free = (pins[s] == 0) & live & (self._until[s] <= self._steps)  # hinted rows pass as pinned ones do
         hits = self._hits[s]
         victim = free & (hits == 0)
         cum = np.cumsum(victim)
