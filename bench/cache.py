@@ -11,8 +11,9 @@ fraction of the table's rows through
   (resident rows get `CachePolicy.expect`); "ours+queue16-read" also reads the
   missing rows in then (read=True), and those reads count as misses, so every
   ratio is "accesses not read from the cold tier" and compares with the
-  references; "ours+queue16-rehint" hints the whole queue again before every
-  step. "ours" is the same policy with no queue (N=0);
+  references; "ours+queue16-rehint" hints every queued request again before
+  every step, each with its remaining wait. A hint says how many steps its
+  request waits (`expect(..., steps=)`), and its rows are kept that long. "ours" is the same policy with no queue (N=0);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once).
@@ -73,18 +74,19 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         resident rows get `expect`; with queue_read, missing rows are read in
         then, without a lease. Rows read by a prefetch count as misses, so the
         ratio is "accesses not read from the cold tier" with or without a queue.
-    rehint: the scheduler hints its whole queue again before every step
-        (prefetch(ids, read=False) of the next `queue` steps: more calls, more
-        protection) instead of once per step at admission.
+    rehint: the scheduler hints every queued request again before every step
+        (prefetch(ids, read=False, steps=its remaining wait): `queue` calls a
+        step) instead of once, at admission.
     profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
     sim = _Sim(trace, capacity, config, queue_read, horizon=queue or None)
     if profile is not None:
         sim.policy.load_profile(*profile)
     for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
-        sim.prefetch(trace.step(j))
+        sim.prefetch(trace.step(j), steps=j)
     for i in range(trace.steps):
-        if rehint and queue and i + 1 < trace.steps:
-            sim.prefetch(trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + queue)]])
+        if rehint and queue:
+            for d in range(1, min(queue, trace.steps - 1 - i) + 1):  # each queued request, its own wait
+                sim.prefetch(trace.step(i + d), steps=d)
         elif queue and 0 < i + queue < trace.steps and i:
             sim.prefetch(trace.step(i + queue))
         nxt = None
@@ -141,13 +143,15 @@ class _Sim:
             protect = protect[protect >= 0]
         self._fill(miss, slots[hit], protect)
 
-    def prefetch(self, ids: np.ndarray) -> None:
-        """TableEngine.prefetch: expect the resident rows; with `read`, read the missing ones in."""
+    def prefetch(self, ids: np.ndarray, steps: int | None = None) -> None:
+        """TableEngine.prefetch: hint the rows for `steps` (the request's wait); with `read`,
+        read the missing ones in."""
         slots = self.slot_of[ids]
         hit = slots >= 0
-        self.policy.expect(slots[hit], ids[~hit], steps=self.horizon)
-        if self.read and not hit.all():
-            self._fill(ids[~hit][: self.capacity], np.zeros(0, np.int64))  # between steps nothing is leased
+        self.policy.expect(slots[hit], ids[~hit], steps=steps or self.horizon)
+        if self.read and not hit.all():  # no more than the policy can keep until the request runs
+            ahead = ids[~hit][: min(self.capacity, self.policy.protect_room())]
+            self._fill(ahead, np.zeros(0, np.int64))  # between steps nothing is leased
 
 
 def write_oracle_trace(trace: Trace, path: Path) -> Path:

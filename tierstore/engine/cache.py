@@ -132,9 +132,10 @@ class CacheEngine(TableEngine):
         with self._lock:
             slots = self.slots.slot_of[uniq]
             miss = uniq[slots < 0]
-            # resident rows are kept for the request; missing ones too once admitted (read now or later)
+            # kept for the request: resident rows, and missing ones once read in (here, or by another step)
             self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps)
-            room = max(0, self.capacity - 2 * self.slots.n_pinned) if read else 0  # leave room for steps
+            # read ahead no more than the policy can keep until then, and leave room for steps
+            room = max(0, min(self.capacity - 2 * self.slots.n_pinned, self.policy.protect_room())) if read else 0
         miss = miss[:room]
         if miss.size == 0:
             return 0

@@ -144,6 +144,11 @@ class CachePolicy:
         self.sketch.add(uniq, seed)
         self.sketch.recorded = recorded
 
+    def protect_room(self) -> int:
+        """How many more rows a hint may protect now (reading ahead more is wasted I/O:
+        the rows would be evicted before their request runs)."""
+        return self.capacity
+
     @property
     def window(self) -> float:
         """The probation window's share of the capacity (TinyLFU; the config's elsewhere)."""

@@ -47,6 +47,10 @@ class TinyLFUPolicy(CachePolicy):
         self._steps = 0
         self._until = np.zeros(cap, dtype=np.int64)
         self._pending = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        # at most half the arena protected at once (counted when a protection starts, and
+        # taken off at the step it was to end): a deep queue of hints cannot crowd out
+        # the rows in use or leave the queue walks nothing to evict
+        self._protect_cap, self._protected, self._ends = cap // 2, 0, {}
 
     @property
     def window(self) -> float:
@@ -55,6 +59,7 @@ class TinyLFUPolicy(CachePolicy):
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
         self._steps += 1
+        self._protected -= self._ends.pop(self._steps, 0)
         if self._period:
             self._acc += ids.size
             if self._acc >= self._period:
@@ -90,8 +95,7 @@ class TinyLFUPolicy(CachePolicy):
             pos = np.minimum(np.searchsorted(pend, ids), pend.size - 1)
             hinted = (pend[pos] == ids) & (until[pos] > self._steps)
             if hinted.any():
-                self._until[slots[hinted]] = until[pos[hinted]]
-                self._hits[slots[hinted]] = max(1, self.config.max_hits)
+                self._protect(slots[hinted], until[pos[hinted]])
 
     def _forget(self, slots):
         old = self._where[slots]
@@ -104,7 +108,27 @@ class TinyLFUPolicy(CachePolicy):
         (a longer credit for hinted rows measured no better)."""
         slots = slots[self._where[slots] != FREE]
         self._hits[slots] = max(1, self.config.max_hits)
-        self._until[slots] = np.maximum(self._until[slots], self._steps + steps)
+        if steps:
+            self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))
+
+    def protect_room(self) -> int:
+        return max(0, self._protect_cap - self._protected)
+
+    def _protect(self, slots, until):
+        """Pass over `slots` until step `until` (theirs or later), within the protection cap."""
+        self._hits[slots] = max(1, self.config.max_hits)
+        new = self._until[slots] <= self._steps
+        room = max(0, self._protect_cap - self._protected)
+        if int(new.sum()) > room:  # over the cap: the new protections that fit, the rest only credit
+            keep = ~new
+            keep[np.flatnonzero(new)[:room]] = True
+            slots, until, new = slots[keep], until[keep], new[keep]
+        self._until[slots] = np.maximum(self._until[slots], until)
+        if new.any():
+            ends, counts = np.unique(until[new], return_counts=True)
+            for e, c in zip(ends.tolist(), counts.tolist()):
+                self._ends[e] = self._ends.get(e, 0) + c
+            self._protected += int(new.sum())
 
     def _expect_ids(self, ids, steps):
         """Remember hinted ids that are not resident, until their hint runs out."""
