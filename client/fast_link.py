@@ -52,7 +52,7 @@ class FastLink:
         fast = self.fast
         if fast is None:
             return False
-        fast.release_later([lease_id])  # rides on the next step's request...
+        fast.release_later(lease_id)    # rides on the next step's request...
         self._flusher_wake()            # ...or goes alone if none comes soon
         return True
 
@@ -68,7 +68,8 @@ class FastLink:
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="tierstore-release", daemon=True)
             self._flusher.start()
-        self._flush_event.set()
+        if not self._flush_event.is_set():  # a set costs a lock and a notify; once per wait is enough
+            self._flush_event.set()
 
     def _flush_loop(self) -> None:
         while not self._closed:

@@ -163,7 +163,12 @@ class FastPathClient:
         """Queue leases to end on this client's next request (no round trip of their own).
 
         For a handle's release() in a step loop: the next step's PLAN carries them.
-        A client that closes needs no flush: the sidecar ends a closed owner's leases."""
+        A client that closes needs no flush: the sidecar ends a closed owner's leases.
+        lease_ids: an array or list of ids, or one id (an int)."""
+        if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a handle's one lease, every step
+            with self._queue_lock:
+                self._queued.append(lease_ids)
+            return
         with self._queue_lock:
             self._queued.extend(int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel())
 
@@ -173,7 +178,8 @@ class FastPathClient:
                 return rel, []
             room = max(cap - rel.size, 0)
             queued, self._queued = self._queued[:room], self._queued[room:]
-        return np.concatenate([rel, np.asarray(queued, dtype="<u8")]), queued
+        more = np.array(queued, dtype="<u8")
+        return (np.concatenate([rel, more]) if rel.size else more), queued
 
     def release(self, lease_ids) -> int:
         """End these leases (and any queued by release_later) now; returns how many were live."""
