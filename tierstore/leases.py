@@ -104,7 +104,8 @@ class LeaseTable:
 
         A request id seen before from the same client (a retried Plan) ends the
         lease the first attempt took, so a retry never leaves an extra lease."""
-        if slots.size and int(slots.max()) < 2**31:
+        arena = getattr(getattr(owner, "arena", None), "slots", None)  # slots index it: a bound without a max()
+        if slots.size and ((arena is not None and arena <= 2**31) or int(slots.max()) < 2**31):
             slots = slots.astype(np.int32)
         retried = None
         with self._lock:
