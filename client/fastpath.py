@@ -48,6 +48,7 @@ SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise a
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
+_NAMES: dict[str, bytes] = {}
 
 
 def raise_errors(results: list) -> list[PlanResult]:
@@ -141,7 +142,11 @@ class FastPathClient:
                     raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, "
                                                  f"got {ids.dtype}")
                 ids = np.ascontiguousarray(ids.ravel(), dtype=_I8)
-            name = it.table.encode("utf-8")
+            name = _NAMES.get(it.table)
+            if name is None:
+                name = it.table.encode("utf-8")
+                if len(_NAMES) < 1024:  # a step loop's few tables, encoded once
+                    _NAMES[it.table] = name
             if len(name) > MAX_NAME:
                 raise errors.InvalidArgument(f"plan item {i}: table name of {len(name)} B is over {MAX_NAME} B")
             try:

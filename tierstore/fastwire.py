@@ -215,7 +215,7 @@ class FrameReader:
         self._fill(self.start + total)
         a, self.start = self.start + HDR.size, self.start + total
         if owned:
-            return op, bytes(self.buf[a:self.start])
+            return op, bytes(memoryview(self.buf)[a:self.start])  # one copy (a bytearray slice would be two)
         return op, memoryview(self.buf)[a:self.start]
 
     def _move(self, size: int) -> None:
