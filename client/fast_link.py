@@ -74,15 +74,21 @@ class FastLink:
     def _flush_loop(self) -> None:
         while not self._closed:
             self._flush_event.wait()
-            self._flush_event.clear()
-            while not self._closed and time.monotonic() < self._flush_due:
-                time.sleep(max(0.0, self._flush_due - time.monotonic()))
-            fast = self.fast
-            if fast is not None and not self._closed and fast._queued:
-                try:
-                    fast.release([])
-                except errors.TierstoreError:
-                    pass  # the sidecar is gone: its leases went with it
+            # the event stays set while this loop runs, so a step loop's releases skip the set;
+            # it is cleared before the queue is looked at, so a release is never left unseen
+            while not self._closed:
+                while not self._closed and time.monotonic() < self._flush_due:
+                    time.sleep(max(0.0, self._flush_due - time.monotonic()))
+                fast = self.fast
+                if fast is not None and not self._closed and fast._queued:
+                    try:
+                        fast.release([])
+                    except errors.TierstoreError:
+                        pass  # the sidecar is gone: its leases went with it
+                self._flush_event.clear()
+                fast = self.fast
+                if fast is None or not fast._queued:
+                    break
 
     def close(self) -> None:
         """Stop the flusher and close the connection (the sidecar ends its leases)."""
