@@ -339,7 +339,7 @@ class FastPathClient:
                 _, n_slots, lease_id, version, expires, hits, misses, unique, alen, aslots = \
                     RES_OK.unpack_from(body, off)
                 off += RES_OK.size
-                slots = np.frombuffer(body, "<i8", n_slots, off)
+                slots = np.frombuffer(body, _I8, n_slots, off)
                 off += 8 * n_slots
                 arena = bytes(body[off:off + alen]).decode("utf-8", "replace")
                 off += alen + pad8(alen)

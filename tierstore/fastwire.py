@@ -53,7 +53,7 @@ SMALL_FRAME = 16 << 10
 MAX_NAMES_KEPT = 4096      # table and arena names kept decoded/encoded (hot path: no codec per step)
 _NAMES: dict[bytes, str] = {}
 _ARENAS: dict[str, tuple[bytes, bytes]] = {}
-_I8 = np.dtype("<i8")
+_I8, _U8 = np.dtype("<i8"), np.dtype("<u8")
 KEEP_BUFFER = 8 << 20      # a connection keeps a receive buffer up to this size between requests
 SOCKET_BUFFER = 4 << 20    # asked of SO_SNDBUF/SO_RCVBUF (the kernel caps it): a 32k-id step in one go
 
@@ -251,7 +251,7 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
     if n_release == 1:  # a step loop's last lease: no array for one id
         release = [U64.unpack_from(body, off)[0]]
     else:
-        release = np.frombuffer(body, "<u8", n_release, off).tolist() if n_release else []
+        release = np.frombuffer(body, _U8, n_release, off).tolist() if n_release else []
     off += n_release * 8
     items = []
     for i in range(n_items):
@@ -259,7 +259,8 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
             raise bad(f"fast-path PLAN is truncated in the header of item {i}")
         version, request_id, n_ids, ttl_ms, name_len = ITEM.unpack_from(body, off)
         off += ITEM.size
-        if name_len > MAX_NAME or name_len + pad8(name_len) + n_ids * 8 > len(body) - off:
+        pad = -name_len % 8
+        if name_len > MAX_NAME or name_len + pad + n_ids * 8 > len(body) - off:
             raise bad(f"fast-path PLAN item {i} declares a {name_len} B name and {n_ids} ids, more than the frame "
                       f"carries")
         raw = bytes(body[off:off + name_len])
@@ -271,9 +272,9 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
                 raise bad(f"fast-path PLAN item {i}: the table name is not UTF-8") from None
             if len(_NAMES) < MAX_NAMES_KEPT:  # a client sending endless names cannot grow it
                 _NAMES[raw] = table
-        off += name_len + pad8(name_len)
-        ids = np.frombuffer(body, "<i8", n_ids, off)
-        ids.flags.writeable = False
+        off += name_len + pad
+        ids = np.frombuffer(body, _I8, n_ids, off)  # a dtype object: a "<i8" string is parsed per call
+        ids.setflags(write=False)
         off += n_ids * 8
         items.append(PlanItem(table, ids, version, ttl_ms, request_id))
     if off != len(body):
