@@ -52,7 +52,7 @@ class FastLink:
         fast = self.fast
         if fast is None:
             return False
-        fast.release_later([lease_id])  # rides on the next step's request...
+        fast.release_later(lease_id)    # rides on the next step's request...
         self._flusher_wake()            # ...or goes alone if none comes soon
         return True
 
@@ -68,20 +68,27 @@ class FastLink:
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="tierstore-release", daemon=True)
             self._flusher.start()
-        self._flush_event.set()
+        if not self._flush_event.is_set():  # a set costs a lock and a notify; once per wait is enough
+            self._flush_event.set()
 
     def _flush_loop(self) -> None:
         while not self._closed:
             self._flush_event.wait()
-            self._flush_event.clear()
-            while not self._closed and time.monotonic() < self._flush_due:
-                time.sleep(max(0.0, self._flush_due - time.monotonic()))
-            fast = self.fast
-            if fast is not None and not self._closed and fast._queued:
-                try:
-                    fast.release([])
-                except errors.TierstoreError:
-                    pass  # the sidecar is gone: its leases went with it
+            # the event stays set while this loop runs, so a step loop's releases skip the set;
+            # it is cleared before the queue is looked at, so a release is never left unseen
+            while not self._closed:
+                while not self._closed and time.monotonic() < self._flush_due:
+                    time.sleep(max(0.0, self._flush_due - time.monotonic()))
+                fast = self.fast
+                if fast is not None and not self._closed and fast._queued:
+                    try:
+                        fast.release([])
+                    except errors.TierstoreError:
+                        pass  # the sidecar is gone: its leases went with it
+                self._flush_event.clear()
+                fast = self.fast
+                if fast is None or not fast._queued:
+                    break
 
     def close(self) -> None:
         """Stop the flusher and close the connection (the sidecar ends its leases)."""

@@ -48,6 +48,7 @@ SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise a
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
+_NAMES: dict[str, bytes] = {}
 
 
 def raise_errors(results: list) -> list[PlanResult]:
@@ -141,7 +142,11 @@ class FastPathClient:
                     raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, "
                                                  f"got {ids.dtype}")
                 ids = np.ascontiguousarray(ids.ravel(), dtype=_I8)
-            name = it.table.encode("utf-8")
+            name = _NAMES.get(it.table)
+            if name is None:
+                name = it.table.encode("utf-8")
+                if len(_NAMES) < 1024:  # a step loop's few tables, encoded once
+                    _NAMES[it.table] = name
             if len(name) > MAX_NAME:
                 raise errors.InvalidArgument(f"plan item {i}: table name of {len(name)} B is over {MAX_NAME} B")
             try:
@@ -163,7 +168,12 @@ class FastPathClient:
         """Queue leases to end on this client's next request (no round trip of their own).
 
         For a handle's release() in a step loop: the next step's PLAN carries them.
-        A client that closes needs no flush: the sidecar ends a closed owner's leases."""
+        A client that closes needs no flush: the sidecar ends a closed owner's leases.
+        lease_ids: an array or list of ids, or one id (an int)."""
+        if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a handle's one lease, every step
+            with self._queue_lock:
+                self._queued.append(lease_ids)
+            return
         with self._queue_lock:
             self._queued.extend(int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel())
 
@@ -173,7 +183,8 @@ class FastPathClient:
                 return rel, []
             room = max(cap - rel.size, 0)
             queued, self._queued = self._queued[:room], self._queued[room:]
-        return np.concatenate([rel, np.asarray(queued, dtype="<u8")]), queued
+        more = np.array(queued, dtype="<u8")
+        return (np.concatenate([rel, more]) if rel.size else more), queued
 
     def release(self, lease_ids) -> int:
         """End these leases (and any queued by release_later) now; returns how many were live."""
@@ -328,7 +339,7 @@ class FastPathClient:
                 _, n_slots, lease_id, version, expires, hits, misses, unique, alen, aslots = \
                     RES_OK.unpack_from(body, off)
                 off += RES_OK.size
-                slots = np.frombuffer(body, "<i8", n_slots, off)
+                slots = np.frombuffer(body, _I8, n_slots, off)
                 off += 8 * n_slots
                 arena = bytes(body[off:off + alen]).decode("utf-8", "replace")
                 off += alen + pad8(alen)

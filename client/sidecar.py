@@ -41,10 +41,13 @@ from tierstore.tiers.base import check_ids
 __all__ = ["Client", "RECONNECT_WAIT_S", "RELEASE_LINGER_S", "REPLANS", "as_ids",
            "StepPlan", "TableHandle", "MappedArena", "register_for_cuda", "unregister_for_cuda", "to_error"]
 _map_board, _distinct = map_board, distinct_ids  # their names before the split
+_I8 = np.dtype("<i8")
 
 
 def as_ids(ids) -> np.ndarray:
     """Flat little-endian int64 ids (no copy when they already are)."""
+    if type(ids) is np.ndarray and ids.dtype == _I8 and ids.ndim == 1:
+        return ids  # what a step loop passes: nothing to convert
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
@@ -176,9 +179,13 @@ class Client:
         h = self.handle(table)
         if h.full_resident:  # slot == id: no RPC, no packing
             return StepPlan(self, h, check_ids(arr, h.rows, table), None)
-        if self._fast.client() is not None:
-            return self.plan_many({table: arr}, ttl_s)[table]
-        return self._plan_grpc(table, arr, ttl_s)
+        fast = self._fast.client()
+        if fast is None:
+            return self._plan_grpc(table, arr, ttl_s)
+        # plan_many of one table, without its dicts: this is the per-step path of a single-table loop
+        send, inverse = distinct_ids(arr)
+        pending = fast.submit([PlanItem(table, send, 0, int(ttl_s * 1000) if ttl_s else 0, next(self._request_ids))])
+        return StepPlan(self, h, arr, _FastReply(pending, 0), inverse=inverse)
 
     def _plan_grpc(self, table: str, arr: np.ndarray, ttl_s: float | None) -> StepPlan:
         h = self.handle(table)
@@ -195,9 +202,9 @@ class Client:
         """plan() for every table of a step ({table: ids}) in one round trip on the fast
         path (one Plan RPC per cache-mode table over gRPC); returns {table: StepPlan}."""
         self._check_open()
-        out, items, arrs, inverses = {}, [], {}, {}
+        out, items, cached = {}, [], []
         for table, ids in tables.items():
-            arrs[table] = arr = as_ids(ids)
+            arr = as_ids(ids)
             if not self.local:
                 out[table] = _InlineStep(self, table, arr)
                 continue
@@ -205,17 +212,17 @@ class Client:
             if h.full_resident:
                 out[table] = StepPlan(self, h, check_ids(arr, h.rows, table), None)
             else:
-                send, inverses[table] = distinct_ids(arr)
+                send, inverse = distinct_ids(arr)
                 items.append(PlanItem(table, send, 0, int(ttl_s * 1000) if ttl_s else 0, next(self._request_ids)))
+                cached.append((h, arr, inverse))
         fast = self._fast.client() if items else None
         if fast is None:
-            for it in items:
-                out[it.table] = self._plan_grpc(it.table, arrs[it.table], ttl_s)
+            for it, (_, arr, _) in zip(items, cached):
+                out[it.table] = self._plan_grpc(it.table, arr, ttl_s)
             return out
         pending = fast.submit(items)
-        for k, it in enumerate(items):
-            out[it.table] = StepPlan(self, self.handle(it.table), arrs[it.table], _FastReply(pending, k),
-                                     inverse=inverses[it.table])
+        for k, (it, (h, arr, inverse)) in enumerate(zip(items, cached)):
+            out[it.table] = StepPlan(self, h, arr, _FastReply(pending, k), inverse=inverse)
         return out
 
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from tierstore.config import ServeConfig
 from tierstore.errors import TierstoreError
+from tierstore.fastwire import PlanResult
 from tierstore.leases import requested_ttl
 from tierstore.served import ServedTables
 
@@ -21,10 +20,10 @@ class FastPlans:
 
     def __init__(self, sidecar: ServedTables, cfg: ServeConfig, metrics):
         self.sidecar, self.cfg, self.metrics = sidecar, cfg, metrics
+        self._observe = metrics.observer("FastPlan")
+        self._served: dict[str, tuple] = {}  # table -> (engine, version, arena path, arena slots) last served
 
     def plan(self, owner: bytes, items, release) -> list:
-        from tierstore.fastpath import PlanResult
-
         t0 = time.perf_counter()
         if len(release):
             self.sidecar.leases.release(release, owner)
@@ -32,14 +31,17 @@ class FastPlans:
         for it in items:
             try:
                 eng = self.sidecar.engine(it.table, it.version)
-                ttl = requested_ttl(self.cfg.lease_ttl_s, it.ttl_ms)
-                res = eng.plan(np.array(it.ids), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                ttl = requested_ttl(self.cfg.lease_ttl_s, it.ttl_ms) if it.ttl_ms else self.cfg.lease_ttl_s
+                res = eng.plan(it.ids.copy(), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                served = self._served.get(it.table)
+                if served is None or served[0] is not eng:  # str() of the arena's Path once, not per step
+                    served = self._served[it.table] = (eng, eng.version.version, str(eng.arena.path), eng.arena.slots)
                 expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
-                out.append(PlanResult(res.lease_id, eng.version.version, res.slots, res.hits, res.misses,
-                                      res.unique, expires, arena=str(eng.arena.path), arena_slots=eng.arena.slots))
+                out.append(PlanResult(res.lease_id, served[1], res.slots, res.hits, res.misses, res.unique, expires,
+                                      "", served[2], served[3]))
             except TierstoreError as e:
                 out.append(e)
-        self.metrics.observe("FastPlan", time.perf_counter() - t0)
+        self._observe(time.perf_counter() - t0)
         return out
 
     def release(self, owner: bytes, lease_ids) -> int:

@@ -319,7 +319,8 @@ class FastPathServer:
                 raise errors.TierstoreError(f"internal error: the sidecar planned {len(results)} of "
                                             f"{len(items)} tables")
             for i, (it, r) in enumerate(zip(items, results)):  # one slot per id, or the client indexes garbage
-                if isinstance(r, PlanResult) and np.size(r.slots) != it.ids.size:
+                if isinstance(r, PlanResult) and (r.slots.size if type(r.slots) is np.ndarray else
+                                                  np.size(r.slots)) != it.ids.size:
                     results[i] = errors.TierstoreError(f"internal error: the sidecar returned {np.size(r.slots)} "
                                                        f"slots for {it.ids.size} ids of table {it.table!r}")
             return (PLAN, *encode_plan_results(results))

@@ -50,6 +50,10 @@ MAX_NAME = 1024
 MAX_RELEASE = 1 << 16       # lease ids per request: a list of Python ints, so not left to the frame size
 SCRATCH = 64 << 10
 SMALL_FRAME = 16 << 10
+MAX_NAMES_KEPT = 4096      # table and arena names kept decoded/encoded (hot path: no codec per step)
+_NAMES: dict[bytes, str] = {}
+_ARENAS: dict[str, tuple[bytes, bytes]] = {}
+_I8, _U8 = np.dtype("<i8"), np.dtype("<u8")
 KEEP_BUFFER = 8 << 20      # a connection keeps a receive buffer up to this size between requests
 SOCKET_BUFFER = 4 << 20    # asked of SO_SNDBUF/SO_RCVBUF (the kernel caps it): a 32k-id step in one go
 
@@ -211,7 +215,7 @@ class FrameReader:
         self._fill(self.start + total)
         a, self.start = self.start + HDR.size, self.start + total
         if owned:
-            return op, bytes(self.buf[a:self.start])
+            return op, bytes(memoryview(self.buf)[a:self.start])  # one copy (a bytearray slice would be two)
         return op, memoryview(self.buf)[a:self.start]
 
     def _move(self, size: int) -> None:
@@ -244,7 +248,10 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
         raise bad(f"fast-path PLAN releases {n_release} leases; at most {MAX_RELEASE} per request")
     if n_release * 8 > len(body) - off:
         raise bad(f"fast-path PLAN declares {n_release} releases but carries {len(body) - off} B")
-    release = np.frombuffer(body, "<u8", n_release, off).tolist() if n_release else []
+    if n_release == 1:  # a step loop's last lease: no array for one id
+        release = [U64.unpack_from(body, off)[0]]
+    else:
+        release = np.frombuffer(body, _U8, n_release, off).tolist() if n_release else []
     off += n_release * 8
     items = []
     for i in range(n_items):
@@ -252,16 +259,22 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
             raise bad(f"fast-path PLAN is truncated in the header of item {i}")
         version, request_id, n_ids, ttl_ms, name_len = ITEM.unpack_from(body, off)
         off += ITEM.size
-        if name_len > MAX_NAME or name_len + pad8(name_len) + n_ids * 8 > len(body) - off:
+        pad = -name_len % 8
+        if name_len > MAX_NAME or name_len + pad + n_ids * 8 > len(body) - off:
             raise bad(f"fast-path PLAN item {i} declares a {name_len} B name and {n_ids} ids, more than the frame "
                       f"carries")
-        try:
-            table = bytes(body[off:off + name_len]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise bad(f"fast-path PLAN item {i}: the table name is not UTF-8") from None
-        off += name_len + pad8(name_len)
-        ids = np.frombuffer(body, "<i8", n_ids, off)
-        ids.flags.writeable = False
+        raw = bytes(body[off:off + name_len])
+        table = _NAMES.get(raw)
+        if table is None:
+            try:
+                table = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise bad(f"fast-path PLAN item {i}: the table name is not UTF-8") from None
+            if len(_NAMES) < MAX_NAMES_KEPT:  # a client sending endless names cannot grow it
+                _NAMES[raw] = table
+        off += name_len + pad
+        ids = np.frombuffer(body, _I8, n_ids, off)  # a dtype object: a "<i8" string is parsed per call
+        ids.setflags(write=False)
         off += n_ids * 8
         items.append(PlanItem(table, ids, version, ttl_ms, request_id))
     if off != len(body):
@@ -274,11 +287,19 @@ def encode_plan_results(results: list) -> tuple[list, int]:
     parts, size = [COUNT.pack(len(results))], COUNT.size
     for r in results:
         if isinstance(r, PlanResult):
-            slots = np.ascontiguousarray(r.slots, dtype="<i8").ravel()
-            arena = r.arena.encode()
+            slots = r.slots
+            if type(slots) is not np.ndarray or slots.dtype != _I8 or not slots.flags.c_contiguous:
+                slots = np.ascontiguousarray(slots, dtype="<i8")
+            arena = _ARENAS.get(r.arena)
+            if arena is None:  # the names of served arenas, kept encoded and padded to 8
+                arena = r.arena.encode()
+                arena = (arena, bytes(pad8(len(arena))))
+                if len(_ARENAS) >= MAX_NAMES_KEPT:
+                    _ARENAS.clear()
+                _ARENAS[r.arena] = arena
             parts += [RES_OK.pack(0, slots.size, r.lease_id, r.version, r.expires_unix_ms, r.hits, r.misses,
-                                  r.unique, len(arena), r.arena_slots), slots, arena, bytes(pad8(len(arena)))]
-            size += RES_OK.size + slots.nbytes + len(arena) + pad8(len(arena))
+                                  r.unique, len(arena[0]), r.arena_slots), slots.reshape(-1), *arena]
+            size += RES_OK.size + slots.nbytes + len(arena[0]) + len(arena[1])
         else:
             parts += encode_error(r)
             size += sum(len(p) for p in parts[-4:])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import mmap
 import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ __all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "req
 
 INDEX_BITS = 24
 INDEX_MASK = (1 << INDEX_BITS) - 1
+_RANDOM_BATCH = 512  # lease ids' random bits drawn at once: one getrandom call per 512 leases, not per lease
 
 
 @dataclass(slots=True)
@@ -94,6 +94,7 @@ class LeaseTable:
         self._free_index = list(range(max_leases, 0, -1))  # index 0 is never used: lease id 0 means "none"
         self.board = LeaseBoard(board_path, max_leases + 1) if board_path is not None else None
         self._lock = threading.Lock()
+        self._random: list[int] = []
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -103,7 +104,8 @@ class LeaseTable:
 
         A request id seen before from the same client (a retried Plan) ends the
         lease the first attempt took, so a retry never leaves an extra lease."""
-        if slots.size and int(slots.max()) < 2**31:
+        arena = getattr(getattr(owner, "arena", None), "slots", None)  # slots index it: a bound without a max()
+        if slots.size and ((arena is not None and arena <= 2**31) or int(slots.max()) < 2**31):
             slots = slots.astype(np.int32)
         retried = None
         with self._lock:
@@ -123,7 +125,9 @@ class LeaseTable:
                 raise ResourceExhausted(
                     f"live leases hold {self._slots_held} slots (limit {self.max_slots}); release finished steps")
             index = self._free_index.pop()
-            lease_id = (secrets.randbits(63 - INDEX_BITS) or 1) << INDEX_BITS | index
+            if not self._random:  # os.urandom, as secrets uses: unguessable, only drawn in batches
+                self._random = (np.frombuffer(os.urandom(8 * _RANDOM_BATCH), "<u8") >> (INDEX_BITS + 1)).tolist()
+            lease_id = (self._random.pop() or 1) << INDEX_BITS | index
             lease = Lease(lease_id, owner, client, slots, time.monotonic() + ttl_s, request_id)
             self._leases[lease_id] = lease
             self._per_client[client] = n_client + 1

@@ -48,6 +48,11 @@ class Verifier:
         self._thread = threading.Thread(target=self._loop, name="verifier", daemon=True)
         self.engines: list = []
         self._logged: set = set()
+        self._skip = self._gap()
+
+    def _gap(self) -> int:
+        """Unsampled rows before the next sampled one (each row is sampled with probability `fraction`)."""
+        return int(self._rng.geometric(self.fraction)) - 1 if self.enabled else 0
 
     @property
     def enabled(self) -> bool:
@@ -65,12 +70,18 @@ class Verifier:
 
     def sample(self, engine, ids: np.ndarray, slots: np.ndarray) -> None:
         """Hot path: hand a `fraction` sample of (id, slot) pairs to the thread."""
-        if not self.enabled or ids.size == 0:
+        n = ids.size
+        if not self.enabled or n == 0:
             return
-        k = int(self._rng.binomial(ids.size, self.fraction))
-        if not k:
+        skip = self._skip  # rows left before the next sampled one: most plans pay one compare, no draw
+        if skip >= n:
+            self._skip = skip - n
             return
-        pick = self._rng.integers(0, ids.size, k)
+        # this plan holds the next sampled row: it, plus the rest of the plan at `fraction`
+        rest = self._rng.binomial(n - skip - 1, self.fraction)
+        pick = np.concatenate(([skip], self._rng.integers(skip + 1, n, rest))) if rest else np.array([skip])
+        self._skip = self._gap()
+        k = pick.size
         try:
             self._queue.put_nowait((engine, ids[pick].copy(), slots[pick].copy()))
         except queue.Full:

@@ -103,8 +103,11 @@ def test_release_later_rides_on_the_next_request(serve):
         assert len(h.leases) == 2  # nothing sent yet
         nxt = raise_errors(c.plan([PlanItem("l1", ids_of(4))]))
         assert list(h.leases) == [nxt[0].lease_id]
-        c.release_later([nxt[0].lease_id])
+        c.release_later(nxt[0].lease_id)  # one id, as an int
         assert c.release([]) == 1 and not h.leases
+        with pytest.raises((OverflowError, ValueError)):
+            c.release_later(-1)  # not a lease id: refused here, nothing queued
+        assert c.release([]) == 0
 
 
 def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):

@@ -131,3 +131,17 @@ def test_a_retried_plan_leaves_no_extra_lease(cache):
         assert a.stats()["leases_active"] == before
         assert first.lease_id != second.lease_id
         assert a.release([first.lease_id, second.lease_id]) == 1
+
+
+def test_a_released_step_ends_its_lease_soon_without_a_next_step(cache):
+    """A fast-path release rides on the next step's request; with none coming, the client sends it alone."""
+    sc, _ = cache
+    with Client(sc.socket) as c:
+        for burst in (1, 30, 1):  # the flusher waits again after each burst, and wakes again
+            for k in range(burst):
+                with c.plan("t", np.arange(k, k + 20)) as s:
+                    s.rows()
+            deadline = time.monotonic() + 0.5  # well before the leases' 1 s TTL would end them
+            while int(c.stats()["leases_active"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert int(c.stats()["leases_active"]) == 0
