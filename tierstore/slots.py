@@ -23,14 +23,31 @@ EMPTY, FILLING, READY = 0, 1, 2
 
 class Fill:
     """One batch of rows being read into reserved slots; other steps that need
-    these rows wait on it (outside the engine lock)."""
+    these rows wait on it (outside the engine lock).
+
+    Most fills are waited on by nobody, so the Event is made only for a waiter:
+    `waiter()` runs under the engine lock while the fill is still registered,
+    before its filler unregisters it (also under the lock) and calls `finish()`."""
 
     __slots__ = ("fill_id", "ids", "slots", "done", "error")
 
     def __init__(self, fill_id: int, ids: np.ndarray, slots: np.ndarray):
         self.fill_id, self.ids, self.slots = fill_id, ids, slots
-        self.done = threading.Event()
+        self.done: threading.Event | None = None
         self.error: BaseException | None = None
+
+    def waiter(self) -> "Fill":
+        if self.done is None:
+            self.done = threading.Event()
+        return self
+
+    def wait(self) -> None:
+        self.done.wait()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        if self.done is not None:
+            self.done.set()
 
 
 class SlotTable:

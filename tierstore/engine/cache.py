@@ -176,7 +176,7 @@ class CacheEngine(TableEngine):
             waits = ()
             if n_filling:
                 filling = hit_slots[st.state[hit_slots] == FILLING]
-                waits = [self._fills[f] for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
+                waits = [self._fills[f].waiter() for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
             fill = None
             if n_miss:
                 try:
@@ -209,19 +209,18 @@ class CacheEngine(TableEngine):
                     self.slots.put_free(fill.slots)
                     self.policy.forget(fill.slots)
                     del self._fills[fill.fill_id]
-                fill.error = e
-                fill.done.set()
+                fill.finish(e)
                 raise
             with self._lock:
                 self.slots.state[fill.slots] = READY
                 self.slots.unpin(fill.slots)
                 del self._fills[fill.fill_id]
                 self.counters.promotions += fill.ids.size
-            fill.done.set()
+            fill.finish()
         for other in waits:
             self.counters.fill_waits += 1
             with cpu_token.waiting():
-                other.done.wait()
+                other.wait()
             if other.error is not None:
                 raise _FillFailed()
 
@@ -243,8 +242,7 @@ class CacheEngine(TableEngine):
                 self.policy.forget(fill.slots)
                 del self._fills[fill.fill_id]
         if fill is not None:
-            fill.error = ResourceExhausted("lease refused")
-            fill.done.set()
+            fill.finish(ResourceExhausted("lease refused"))
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (inline path), under a lease of its own."""
