@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tierstore.tiers import fused, rowsum
 
-pytestmark = pytest.mark.skipif(fused.kernels() is None, reason="numba is not installed: only the numpy path runs")
+pytestmark = pytest.mark.skipif(not fused.kernels(), reason="numba is not installed: only the numpy path runs")
 
 
 def _table(rows: int, row_bytes: int, seed: int = 0):

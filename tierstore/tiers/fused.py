@@ -11,113 +11,95 @@ kept: a call is microseconds, and giving it up would let another thread take it
 for a switch interval (cpu_token.py).
 
 numba is a dependency, but a platform without a wheel must still serve:
-`kernels()` is None there and callers keep the numpy path (the reference the
+`kernels()` is False there and callers keep the numpy path (the reference the
 tests compare the compiled one with). Compilation is cached on disk; the
 first cache-mode engine of a process warms it (`warm()`), not its first Plan.
 """
 from __future__ import annotations
 
-import os
-import threading
-
 import numpy as np
 
+from tierstore.jit import Kernel, enabled
 from tierstore.tiers import rowsum
 
 __all__ = ["kernels", "place_verified", "unique_inverse", "warm"]
 
-_LOCK = threading.Lock()
-_KERNELS: dict = {}
+_M1, _M2, _SEED = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
+_S29, _S32 = np.uint64(29), np.uint64(32)
 
 
 def kernels():
-    """The compiled kernels (a namespace with `place`), or None without numba
-    (or with TIERSTORE_NO_JIT=1: the numpy reference path)."""
-    if "k" not in _KERNELS:
-        with _LOCK:
-            if "k" not in _KERNELS:
-                _KERNELS["k"] = None if os.environ.get("TIERSTORE_NO_JIT") == "1" else _compile()
-    return _KERNELS["k"]
+    """True where the compiled kernels run (numba present, TIERSTORE_NO_JIT unset)."""
+    return enabled()
 
 
-def _compile():
-    try:
-        import numba
-    except ImportError:
-        return None
-    m1, m2, seed = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
-    s29, s32 = np.uint64(29), np.uint64(32)
+# ---- compiled loops (tierstore/jit.py); module constants are compile-time constants ----
+def _place_loop(src, local, ids, dest, slots, sums, skeys, kkeys):
+    """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
+    sums[ids[i]]; the index of the first row whose sum differs, or -1."""
+    words = src.shape[1]
+    for i in range(local.shape[0]):
+        r, d = local[i], slots[i]
+        acc = np.uint64(0)
+        for j in range(words):
+            w = src[r, j]
+            dest[d, j] = w
+            x = (w ^ skeys[j]) * _M1
+            x = (x ^ (x >> _S29)) * kkeys[j]
+            acc += x ^ (x >> _S32)
+        x = (np.uint64(ids[i]) ^ _SEED) * _M1
+        x = (x ^ (x >> _S29)) * _M2
+        acc += x ^ (x >> _S32)
+        if acc != sums[ids[i]]:
+            return i
+    return -1
 
-    @numba.njit(cache=True, boundscheck=False)
-    def place(src, local, ids, dest, slots, sums, skeys, kkeys):
-        """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
-        sums[ids[i]]; the index of the first row whose sum differs, or -1."""
-        words = src.shape[1]
-        for i in range(local.shape[0]):
-            r, d = local[i], slots[i]
-            acc = np.uint64(0)
-            for j in range(words):
-                w = src[r, j]
-                dest[d, j] = w
-                x = (w ^ skeys[j]) * m1
-                x = (x ^ (x >> s29)) * kkeys[j]
-                acc += x ^ (x >> s32)
-            x = (np.uint64(ids[i]) ^ seed) * m1
-            x = (x ^ (x >> s29)) * m2
-            acc += x ^ (x >> s32)
-            if acc != sums[ids[i]]:
-                return i
-        return -1
 
-    @numba.njit(cache=True, boundscheck=False)
-    def unique_inverse(ids):
-        """np.unique(ids, return_inverse=True) by hashing first: only the distinct
-        ids are sorted (a Zipf step repeats its hot ids many times)."""
-        n = ids.shape[0]
-        size = 16
-        while size < 2 * n:
-            size <<= 1
-        mask = size - 1
-        table = np.full(size, -1, np.int64)  # open addressing: index into uniq
-        uniq = np.empty(n, np.int64)
-        inv = np.empty(n, np.int64)
-        m = 0
-        for i in range(n):
-            x = ids[i]
-            h = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
-            while True:
-                t = table[h]
-                if t < 0:
-                    table[h] = m
-                    uniq[m] = x
-                    inv[i] = m
-                    m += 1
-                    break
-                if uniq[t] == x:
-                    inv[i] = t
-                    break
-                h = (h + 1) & mask
-        u = uniq[:m]
-        order = np.argsort(u)
-        rank = np.empty(m, np.int64)
-        for j in range(m):
-            rank[order[j]] = j
-        for i in range(n):
-            inv[i] = rank[inv[i]]
-        return u[order], inv
+def _unique_inverse_loop(ids):
+    """np.unique(ids, return_inverse=True) by hashing first: only the distinct
+    ids are sorted (a Zipf step repeats its hot ids many times)."""
+    n = ids.shape[0]
+    size = 16
+    while size < 2 * n:
+        size <<= 1
+    mask = size - 1
+    table = np.full(size, -1, np.int64)  # open addressing: index into uniq
+    uniq = np.empty(n, np.int64)
+    inv = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        x = ids[i]
+        h = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
+        while True:
+            t = table[h]
+            if t < 0:
+                table[h] = m
+                uniq[m] = x
+                inv[i] = m
+                m += 1
+                break
+            if uniq[t] == x:
+                inv[i] = t
+                break
+            h = (h + 1) & mask
+    u = uniq[:m]
+    order = np.argsort(u)
+    rank = np.empty(m, np.int64)
+    for j in range(m):
+        rank[order[j]] = j
+    for i in range(n):
+        inv[i] = rank[inv[i]]
+    return u[order], inv
 
-    class K:
-        pass
 
-    K.place, K.unique_inverse = place, unique_inverse
-    return K
+_PLACE, _UNIQUE = Kernel(_place_loop), Kernel(_unique_inverse_loop)
 
 
 def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct ids, index of each id in them): np.unique(ids, return_inverse=True)."""
-    k = kernels()
+    k = _UNIQUE.compiled()
     if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
-        return k.unique_inverse(ids)
+        return k(ids)
     uniq, inv = np.unique(ids, return_inverse=True)
     return uniq, inv.reshape(-1)
 
@@ -130,12 +112,12 @@ def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np
     Returns the index of the first row that fails verification, or -1 (rows
     after a failure may not have been copied: the caller discards the call).
     """
-    k = kernels()
+    k = _PLACE.compiled()
     b = src.shape[1]
     if k is not None and b % 8 == 0 and src.strides[1] == 1 and dest.strides[1] == 1 \
             and src.strides[0] % 8 == 0 and dest.strides[0] % 8 == 0:
         s, kk = rowsum._keys(b // 8)
-        return int(k.place(_words(src), local, ids, _words(dest), slots, sums, s, kk))
+        return int(k(_words(src), local, ids, _words(dest), slots, sums, s, kk))
     rows = src[local]
     ok = rowsum.row_sums(rows, ids) == sums[ids]
     dest[slots] = rows
@@ -159,7 +141,7 @@ def _words(a: np.ndarray) -> np.ndarray:
 
 def warm() -> None:
     """Compile (or load from the disk cache) the kernels now, not on a Plan."""
-    if kernels() is None:
+    if not enabled():
         return
     src = np.zeros((2, 8), dtype=np.uint8)
     sums = rowsum.row_sums(src, np.arange(2))

@@ -237,7 +237,7 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
         chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
         per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
-            (COMPILED_ROWS_PER_TASK if kernels() is not None else ROWS_PER_TASK, ROW_TASKS)
+            (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
         # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
