@@ -107,9 +107,10 @@ class TinyLFUPolicy(CachePolicy):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
         (a longer credit for hinted rows measured no better)."""
         slots = slots[self._where[slots] != FREE]
-        self._hits[slots] = max(1, self.config.max_hits)
         if steps:
             self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))
+        else:
+            self._hits[slots] = max(1, self.config.max_hits)
 
     def protect_room(self) -> int:
         return max(0, self._protect_cap - self._protected)
@@ -138,10 +139,10 @@ class TinyLFUPolicy(CachePolicy):
         live = until > self._steps
         new = np.full(ids.size, self._steps + steps, dtype=np.int64)
         ids, until = np.concatenate([pend[live], ids]), np.concatenate([until[live], new])
-        order = np.lexsort((until, ids))  # by id, then until: a repeated id keeps its latest until
+        order = np.argsort(ids, kind="stable")  # two sorted runs: a linear merge
         ids, until = ids[order], until[order]
-        last = np.append(ids[1:] != ids[:-1], True)
-        self._pending = (ids[last], until[last])
+        first = np.flatnonzero(np.append(True, ids[1:] != ids[:-1]))
+        self._pending = (ids[first], np.maximum.reduceat(until, first))  # a repeated id: its latest end
 
     def _victims(self, k, pins):
         out, need = [], k
