@@ -62,7 +62,8 @@ class TableEngine:
         return super().__new__(cls)
 
     def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool | None = None,
-                 recorder=None, **_):
+                 recorder=None, policy_config=None, profile=None):
+        """policy_config, profile: the cache mode's (CacheEngine); a full table has no policy."""
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
