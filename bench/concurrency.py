@@ -1,10 +1,14 @@
-"""`tierstore bench concurrency`: several worker processes planning one cache-mode table.
+"""`tierstore bench concurrency`: several worker processes reading one cache-mode table.
 
 A sidecar holds 10% of the table in DRAM; 1 and then N client processes (real
-processes, each its own Client over the fast path) plan and read 4,096-id Zipf
-steps for a few seconds; rounds alternate 1 and N. The figure is aggregate
-rows/s of N clients over one client's (promotion runs off the table lock, so
-one worker's disk reads do not stall the others' plans).
+processes, each its own Client over the fast path) read 4,096-id Zipf steps
+for a few seconds; rounds alternate 1 and N. The figure is aggregate rows/s of
+N clients over one client's, for each way a worker reads:
+  lookup  Client.lookup: local reads (client/local_reads.py), no round trip;
+          the sidecar only learns the steps after the fact
+  plan    a leased Plan per step over the fast path, then rows(): every step
+          is served by the sidecar (promotion runs off the table lock, so one
+          worker's disk reads do not stall the others' plans)
 """
 from __future__ import annotations
 
@@ -28,23 +32,29 @@ def _worker(a: dict) -> None:
     # one model's workers: the same rows are hot for all of them, the samples differ
     batches = make_batches(a["dist"], a["rows"], a["batch"], 64, a["seed"], hot_seed=a["hot_seed"])
     with Client(a["sock"]) as c:
+        def read(ids) -> int:
+            if a["read"] == "lookup":
+                return c.lookup(a["table"], ids).shape[0]
+            with c.plan(a["table"], ids) as s:
+                return s.rows().shape[0]
+
         for b in batches[:4]:  # warm-up: connect, map the arena
-            with c.plan(a["table"], b) as s:
-                s.rows()
+            read(b)
         while time.time() < a["start"]:
             time.sleep(0.001)
         n, k = 0, 0
         while time.time() < a["start"] + a["seconds"]:
-            with c.plan(a["table"], batches[k % len(batches)]) as s:
-                n += s.rows().shape[0]
+            n += read(batches[k % len(batches)])
             k += 1
     print(json.dumps({"rows": n}), flush=True)
 
 
-def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed: int, batch: int, dist: str) -> float:
+def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed: int, batch: int, dist: str,
+           read: str) -> float:
     start = time.time() + 2.0  # every worker imports and warms up first
     procs = [subprocess.Popen([sys.executable, "-m", "tierstore.bench.concurrency", "--worker", json.dumps(dict(
-        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, hot_seed=seed, start=start, seconds=seconds))],
+        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, hot_seed=seed, start=start,
+        seconds=seconds, read=read))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/") for i in range(clients)]
     total = 0
     for p in procs:
@@ -56,7 +66,10 @@ def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed:
 
 
 def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, rounds: int = 3, seed: int = 0,
-                          batch: int = 4096, dist: str = "zipf1.0", cache_fraction: float = 0.10, log=print) -> dict:
+                          batch: int = 4096, dist: str = "zipf1.0", cache_fraction: float = 0.10,
+                          reads: tuple[str, ...] = ("lookup", "plan"), log=print) -> dict:
+    """Returns {read: {rows_per_s_1, rows_per_s_N, ratio}} for each of `reads`, and the first's
+    figures at the top level (the headline)."""
     from tierstore.catalog import Catalog
     from tierstore.launcher import SidecarProcess
 
@@ -65,21 +78,25 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
         version = cat.current(names[0])
         total_bytes = sum(cat.current(t).nbytes for t in names)
     budget = max(int(total_bytes * cache_fraction), 1 << 16)
-    runs = {1: [], clients: []}
-    with SidecarProcess(data_dir, dram_budget=budget) as sc:
-        for r in range(rounds):
-            for n in ((1, clients) if r % 2 == 0 else (clients, 1)):
-                runs[n].append(_round(str(sc.socket), version.table, version.rows, n, seconds, seed + 100 * r,
-                                      batch, dist))
-                log(f"concurrency: round {r + 1}/{rounds}, {n} client(s): {runs[n][-1] / 1e6:.2f} M rows/s")
-    one, many = float(np.median(runs[1])), float(np.median(runs[clients]))
+    runs = {(read, n): [] for read in reads for n in (1, clients)}
+    for read in reads:  # a sidecar each: one read mode's warm rows are not handed to the other
+        with SidecarProcess(data_dir, dram_budget=budget) as sc:
+            for r in range(rounds):
+                for n in ((1, clients) if r % 2 == 0 else (clients, 1)):
+                    runs[(read, n)].append(_round(str(sc.socket), version.table, version.rows, n, seconds,
+                                                  seed + 100 * r, batch, dist, read))
+                    log(f"concurrency {read}: round {r + 1}/{rounds}, {n} client(s): "
+                        f"{runs[(read, n)][-1] / 1e6:.2f} M rows/s")
     res = {"table": version.table, "clients": clients, "batch": batch, "dist": dist, "seconds": seconds,
-           "rounds": rounds, "dram_budget_bytes": budget, "rows_per_s_1": round(one),
-           f"rows_per_s_{clients}": round(many), "ratio": round(many / one, 3), "units": UNITS}
-    res["summary"] = (f"concurrency: {clients} clients on one cache-mode table {many / 1e6:.2f} M rows/s vs one "
-                      f"{one / 1e6:.2f} M rows/s ({res['ratio']:.2f}x)")
+           "rounds": rounds, "dram_budget_bytes": budget, "units": UNITS}
+    parts = []
+    for read in reads:
+        one, many = float(np.median(runs[(read, 1)])), float(np.median(runs[(read, clients)]))
+        res[read] = {"rows_per_s_1": round(one), f"rows_per_s_{clients}": round(many), "ratio": round(many / one, 3)}
+        parts.append(f"{read} {many / 1e6:.2f} M rows/s vs one {one / 1e6:.2f} ({many / one:.2f}x)")
+    res.update(res[reads[0]], read=reads[0])
+    res["summary"] = f"concurrency: {clients} clients on one cache-mode table: " + "; ".join(parts)
     return res
-
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":

@@ -4,7 +4,13 @@ Competitors, all reading the same table and the same id batches:
   ceiling      in-process numpy gather (bench/baselines.py)
   arena        tierstore, full-resident sidecar: plan() + gather from the mapped arena
   arena-cache  tierstore, sidecar with a DRAM budget of 10% of the table (cache
-               mode: Plan RPC, misses promoted from the segment files)
+               mode), read with Client.lookup: local reads (client/local_reads.py),
+               resident rows copied from the arena, misses from the segment files,
+               the steps told to the sidecar after the fact
+  arena-cache-plan  the same, planned: a leased Plan per batch over the fast
+               path, then rows() (what a kernel reading the arena by slot needs)
+  arena-cache-grpc  the same Plan over gRPC; arena-cache-prefetch: lookup, each
+               batch's ids handed to the sidecar one batch ahead (Client.prefetch)
   inline       tierstore Lookup RPC, rows inside the gRPC reply
   mmap, lmdb, redis   the baselines of bench/baselines.py
 
@@ -113,7 +119,17 @@ class _Arena:
         return out
 
 
-class _Prefetching(_Arena):
+class _Lookup:
+    """Client.lookup: rows copied out (local reads where the sidecar offers them)."""
+
+    def __init__(self, client, table: str, piece: int | None = None):
+        self.client, self.table = client, table
+
+    def get(self, ids):
+        return self.client.lookup(self.table, ids)
+
+
+class _Prefetching(_Lookup):
     """arena-cache with request-level prefetch: while batch k is read, batch k+1's ids
     have already been handed to the sidecar (as a scheduler would at admission)."""
 
@@ -173,8 +189,8 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
         table = table or names[0]
         version = cat.current(table)
         total_bytes = sum(cat.current(t).nbytes for t in names)
-    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-grpc", "arena-cache-prefetch",
-                               "inline", "mmap", "lmdb", "redis"))
+    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-plan", "arena-cache-grpc",
+                               "arena-cache-prefetch", "inline", "mmap", "lmdb", "redis"))
     want.add("ceiling")
     skipped: dict[str, str] = {}
     closers: list = []
@@ -205,9 +221,10 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
             cap = int(info["arena_slots"])
             meta["arena_cache"] = {"dram_budget_bytes": budget, "arena_slots": cap,
                                    "fraction_of_table": cap / version.rows, "plan_piece_ids": max(1, cap // 2)}
-            fns["arena-cache"] = _Arena(cclient, table, piece=max(1, cap // 2)).get
+            fns["arena-cache"] = _Lookup(cclient, table).get
             # variants on sidecars of their own (a shared arena would hand one the other's warm rows)
-            for name, kind, fast in (("arena-cache-grpc", _Arena, False), ("arena-cache-prefetch", _Prefetching, True)):
+            for name, kind, fast in (("arena-cache-plan", _Arena, True), ("arena-cache-grpc", _Arena, False),
+                                     ("arena-cache-prefetch", _Prefetching, True)):
                 if name in want:
                     sc = SidecarProcess(data_dir, dram_budget=budget).start()
                     closers.append(sc.cleanup)

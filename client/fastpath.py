@@ -37,13 +37,15 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.fastpath import fast_socket_path
-from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME, MAX_RELEASE, PLAN,
-                                PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError, FrameReader, PlanItem,
-                                PlanResult, decode_error, pad8, send_frame, spin_seconds)
+from tierstore.fastwire import (ACCESS, COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
+                                MAX_RELEASE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
+                                FrameReader, PlanItem, PlanResult, decode_error, encode_access, pad8, send_frame,
+                                spin_seconds)
 
 __all__ = ["FastPathClient", "PendingPlan", "PlanItem", "PlanResult", "fast_socket_path", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
+RENOTE_S = 0.1           # a lost connection is tried again by notes at most this often
 SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
@@ -110,6 +112,7 @@ class FastPathClient:
         self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
+        self._retry_at = 0.0  # when a note may next try to reconnect (_reconnect)
         self._spin_s = spin_seconds()
         with self._lock:
             self._connect(self.owner, wait=0.0)
@@ -197,6 +200,45 @@ class FastPathClient:
             released += self._submit(PendingPlan(self, RELEASE, [COUNT.pack(part.size), part],
                                                  COUNT.size + part.nbytes, 0)).result()
         return released
+
+    def access(self, items: list) -> bool:
+        """Tell the sidecar about steps this client read itself (fastwire.AccessItem list):
+        one frame, no reply, no round trip. A hint, and lossy: when the sidecar is behind
+        (its socket buffer is full) the note is dropped rather than this step made to
+        wait, so N clients never run at the pace of the sidecar's bookkeeping. Returns
+        whether it was sent; the request in flight, if any, is unaffected."""
+        parts, size = encode_access(items)
+        frame = HDR.pack(size, ACCESS) + b"".join(parts)
+        with self._lock:
+            if self._closed or size > self.max_request_bytes or (self._sock is None and not self._reconnect()):
+                return False
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._drop()  # the reply read of the request in flight reconnects
+                return False
+            if sent < len(frame):  # a frame begun must be finished, or the stream is out of step
+                try:
+                    self._sock.sendall(memoryview(frame)[sent:])
+                except OSError:  # including a send timeout (EAGAIN): the stream is cut mid-frame
+                    self._drop()
+                    return False
+        return True
+
+    def _reconnect(self) -> bool:
+        """For a client that only sends notes: connect again (a new owner), at most every
+        RENOTE_S, and only with no request in flight (its reply read reconnects and resends)."""
+        now = time.monotonic()
+        if self._inflight is not None or now < self._retry_at:
+            return False
+        self._retry_at = now + RENOTE_S
+        try:
+            self._connect(os.urandom(16), wait=0.0)
+        except errors.TierstoreError:
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from tierstore import errors
 from tierstore.client.arena_map import ArenaMaps, MappedArena, map_board, register_for_cuda, unregister_for_cuda
 from tierstore.client.channel import RECONNECT_WAIT_S, open_channel, reconnected, to_error
 from tierstore.client.fast_link import RELEASE_LINGER_S, FastLink
+from tierstore.client.local_reads import LocalReads
 from tierstore.client.step_plan import REPLANS, StepPlan, _FastReply, _InlineStep, distinct_ids
 from tierstore.client.table_handle import TableHandle
 from tierstore.fastpath import PlanItem
@@ -127,6 +128,8 @@ class Client:
         with self._lock:
             h = self._handles.get(table)
         if h is not None and h.stale:
+            if h.local is not None:
+                h.local.close()
             h = None  # its arena was retired: a version swap or a restart
         if h is None:
             h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)), self)
@@ -231,8 +234,35 @@ class Client:
         if inline or (inline is None and not self.local):
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
-        with self.plan(table, ids) as step:
+        self._check_open()
+        arr = as_ids(ids)
+        h = self.handle(table)
+        if h.index_path and not h.full_resident:  # cache mode: read it here (client/local_reads.py)
+            local = self._local_reads(h)
+            if local is not None:
+                rows = local.read(check_ids(arr, h.rows, table))
+                if rows is not None:
+                    return rows
+        with self.plan(table, arr) as step:
             return step.rows()
+
+    def _local_reads(self, h: TableHandle) -> LocalReads | None:
+        """The handle's LocalReads (made once), or None where it cannot be had: no fast
+        path to send the steps' notes on, or an index that is gone (the next call
+        describes the table again)."""
+        if h.local is None:
+            if self._fast.client() is None:
+                h.index_path = ""  # plan every step of this handle
+                return None
+            try:
+                h.local = LocalReads(self, h)
+            except errors.StaleArena:
+                return None
+        return h.local
+
+    def flush(self) -> None:
+        """Send the steps local reads noted now, one-way (they go within a few ms by themselves)."""
+        self._fast.flush_notes()
 
     def prefetch(self, table: str, ids, read: bool = True, steps: int | None = None) -> None:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
@@ -284,6 +314,9 @@ class Client:
         self._closed = True
         self._fast.close()  # the sidecar ends this connection's leases
         self._channel.close()
+        for h in self._handles.values():
+            if h.local is not None:
+                h.local.close()
         self._maps.drop()
         self._handles.clear()
 

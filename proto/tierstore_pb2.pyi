@@ -23,7 +23,7 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance", "lease_board", "lease_board_entries")
+    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance", "lease_board", "lease_board_entries", "index", "cold_dir")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FULL_RESIDENT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class Arena(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_BOARD_FIELD_NUMBER: _ClassVar[int]
     LEASE_BOARD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COLD_DIR_FIELD_NUMBER: _ClassVar[int]
     path: str
     slots: int
     full_resident: bool
@@ -38,7 +40,9 @@ class Arena(_message.Message):
     instance: str
     lease_board: str
     lease_board_entries: int
-    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ...) -> None: ...
+    index: str
+    cold_dir: str
+    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ..., index: _Optional[str] = ..., cold_dir: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena")
@@ -186,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans", "prefetched", "fill_waits")
+    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans", "prefetched", "fill_waits", "local_steps")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +207,7 @@ class TableStats(_message.Message):
     PLANS_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     FILL_WAITS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     mode: str
@@ -219,7 +224,8 @@ class TableStats(_message.Message):
     plans: int
     prefetched: int
     fill_waits: int
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ..., prefetched: _Optional[int] = ..., fill_waits: _Optional[int] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ..., prefetched: _Optional[int] = ..., fill_waits: _Optional[int] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "uptime_s", "leases_active")

@@ -69,6 +69,8 @@ class ServeConfig:
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
     record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
+    local_reads: bool = True            # cache mode: local clients read resident rows (and, in page-cache
+                                        # mode, misses) themselves, no round trip (client/local_reads.py)
     remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
     metadata: str | None = None         # Mooncake metadata URL (with remote)
 

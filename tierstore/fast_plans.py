@@ -2,6 +2,7 @@
 FastPathHandler over the served tables (tierstore/served.py)."""
 from __future__ import annotations
 
+import logging
 import time
 
 from tierstore.config import ServeConfig
@@ -11,6 +12,8 @@ from tierstore.leases import requested_ttl
 from tierstore.served import ServedTables
 
 __all__ = ["FastPlans"]
+
+log = logging.getLogger("tierstore.fastpath")
 
 
 class FastPlans:
@@ -43,6 +46,21 @@ class FastPlans:
                 out.append(e)
         self._observe(time.perf_counter() - t0)
         return out
+
+    def access(self, owner: bytes, items) -> None:
+        """Steps a local client read itself: the engine's policy learns them, misses are promoted."""
+        for it in items:
+            try:
+                eng = self.sidecar.engine(it.table, it.version)
+            except TierstoreError:
+                continue  # swapped out or gone: the client re-describes the table on its next step
+            note = getattr(eng, "note_access", None)
+            if note is None or eng.retired:
+                continue
+            try:
+                note(it.ids, it.ends)
+            except TierstoreError as e:
+                log.warning("access note from a local client for table %r refused: %s", it.table, e)
 
     def release(self, owner: bytes, lease_ids) -> int:
         return self.sidecar.leases.release(lease_ids, owner)

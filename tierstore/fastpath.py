@@ -49,9 +49,10 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.config import MAX_REQUEST_BYTES
-from tierstore.fastwire import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
+from tierstore.fastwire import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
                                 PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
-                                encode_error, encode_plan_results, parse_plan, send_frame, spin_seconds)
+                                encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
+                                spin_seconds)
 
 __all__ = ["FastPathServer", "FastPathHandler", "OwnedLeases", "PlanItem", "PlanResult", "fast_socket_path"]
 
@@ -75,10 +76,13 @@ class FastPathHandler(Protocol):
     release: end these leases of `owner`; return how many were live.
     disconnected: the owner's connection closed (any reason): end its leases.
     instance: the sidecar instance id (changes on restart; clients then remap arenas).
+    access: (optional) steps the client read itself (fastwire.AccessItem); never answered,
+          so errors are the handler's to log. `items[i].ids` is valid during the call.
     """
 
     def plan(self, owner: bytes, items: list[PlanItem], release: list[int]) -> list: ...
     def release(self, owner: bytes, lease_ids: list[int]) -> int: ...
+    def access(self, owner: bytes, items: list) -> None: ...
     def disconnected(self, owner: bytes) -> None: ...
     def instance(self) -> str: ...
 
@@ -260,6 +264,11 @@ class FastPathServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
             while True:
                 op, body = reader.read()
+                if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
+                    self._access(owner, body)
+                    del body
+                    reader.recycle()
+                    continue
                 try:
                     op, parts, size = self._dispatch(owner, op, body)
                 except errors.TierstoreError as e:
@@ -310,6 +319,19 @@ class FastPathServer:
         instance = self.handler.instance().encode()
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
         return owner
+
+    def _access(self, owner: bytes, body) -> None:
+        try:
+            items = parse_access(body)
+        except errors.TierstoreError as e:
+            raise FrameError(e) from None
+        access = getattr(self.handler, "access", None)
+        if access is None:
+            return
+        try:
+            access(owner, items)
+        except Exception:  # a hint: the connection keeps serving
+            log.exception("fast path access() failed")
 
     def _dispatch(self, owner: bytes, op: int, body) -> tuple[int, list, int]:
         if op == PLAN:

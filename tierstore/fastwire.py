@@ -12,6 +12,11 @@ tierstore/client/fastpath.py speaks it). One frame per request and per reply:
                i64 slots[n_slots]  |  ERR: u8 1, 3 pad, u32 name_len, u32 msg_len, 4 pad,
                name + message padded to 8)
     RELEASE  > u32 n, 4 pad, u64 lease_ids[n]    < u64 released
+    ACCESS   > u32 n_items, 4 pad, n_items x (u64 version, u32 n_ids, u32 n_steps,
+               u16 name_len, 6 pad, name padded to 8, i64 ids[n_ids], i64 ends[n_steps])
+             (no reply) steps a client read itself (client/local_reads.py): step k is
+               ids[ends[k-1]:ends[k]]; the sidecar's policy learns them and promotes
+               the misses. A hint: errors in it are logged by the sidecar, not answered.
     ERROR    < (whole request failed) as an ERR item; after a framing error the
                server closes the connection, otherwise it keeps serving it.
 
@@ -31,16 +36,18 @@ import numpy as np
 
 from tierstore import errors
 
-__all__ = ["PlanItem", "PlanResult", "FrameReader", "FrameError", "send_frame", "parse_plan",
-           "encode_plan_results", "encode_error", "decode_error", "MAGIC", "PROTOCOL_VERSION"]
+__all__ = ["PlanItem", "PlanResult", "AccessItem", "FrameReader", "FrameError", "send_frame", "parse_plan",
+           "encode_plan_results", "encode_access", "parse_access", "encode_error", "decode_error", "MAGIC",
+           "PROTOCOL_VERSION"]
 
 MAGIC, PROTOCOL_VERSION = b"TSFP", 1
-HELLO, PLAN, RELEASE, ERROR = 1, 2, 3, 0x7F
+HELLO, PLAN, RELEASE, ACCESS, ERROR = 1, 2, 3, 4, 0x7F
 HDR = struct.Struct("<IB3x")
 HELLO_REQ = struct.Struct("<4sH2x16s")
 HELLO_RESP = struct.Struct("<4sH2xQ")
 PLAN_REQ = struct.Struct("<II")
 ITEM = struct.Struct("<QQIIH6x")
+ACCESS_ITEM = struct.Struct("<QIIH6x")
 COUNT = struct.Struct("<I4x")
 RES_OK = struct.Struct("<BxxxIQQQIIIIQ")  # ..., arena name length, arena slots
 RES_ERR = struct.Struct("<BxxxII4x")
@@ -69,6 +76,17 @@ class PlanItem:
     version: int = 0          # 0 = the current version
     ttl_ms: int = 0           # 0 = the sidecar's default
     request_id: int = 0
+
+
+@dataclass(slots=True)
+class AccessItem:
+    """Steps of one table a client read itself: step k is ids[ends[k-1]:ends[k]].
+    On the server, `ids` and `ends` are read-only views of the request buffer."""
+
+    table: str
+    ids: np.ndarray
+    ends: np.ndarray
+    version: int = 0
 
 
 @dataclass(slots=True)
@@ -236,6 +254,58 @@ class FrameReader:
             self._move(SCRATCH)
 
 
+def _name(body, off: int, name_len: int, what: str) -> str:
+    raw = bytes(body[off:off + name_len])
+    table = _NAMES.get(raw)
+    if table is None:
+        try:
+            table = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise errors.InvalidArgument(f"fast-path {what}: the table name is not UTF-8") from None
+        if len(_NAMES) < MAX_NAMES_KEPT:  # a client sending endless names cannot grow it
+            _NAMES[raw] = table
+    return table
+
+
+def encode_access(items: list[AccessItem]) -> tuple[list, int]:
+    """(parts, their total bytes) of an ACCESS frame; ids and ends int64, contiguous."""
+    parts, size = [COUNT.pack(len(items))], COUNT.size
+    for it in items:
+        name = it.table.encode("utf-8")
+        parts += [ACCESS_ITEM.pack(it.version, it.ids.size, it.ends.size, len(name)), name,
+                  bytes(pad8(len(name))), it.ids, it.ends]
+        size += ACCESS_ITEM.size + len(name) + pad8(len(name)) + it.ids.nbytes + it.ends.nbytes
+    return parts, size
+
+
+def parse_access(body) -> list[AccessItem]:
+    """ACCESS body -> items; every length is checked against the body before use."""
+    bad = errors.InvalidArgument
+    if len(body) < COUNT.size:
+        raise bad(f"fast-path ACCESS body of {len(body)} B is shorter than its header")
+    (n_items,), off, items = COUNT.unpack_from(body), COUNT.size, []
+    if n_items > MAX_ITEMS:
+        raise bad(f"fast-path ACCESS names {n_items} tables; at most {MAX_ITEMS}")
+    for i in range(n_items):
+        if ACCESS_ITEM.size > len(body) - off:
+            raise bad(f"fast-path ACCESS is truncated in the header of item {i}")
+        version, n_ids, n_steps, name_len = ACCESS_ITEM.unpack_from(body, off)
+        off += ACCESS_ITEM.size
+        pad = -name_len % 8
+        if name_len > MAX_NAME or name_len + pad + (n_ids + n_steps) * 8 > len(body) - off:
+            raise bad(f"fast-path ACCESS item {i} declares a {name_len} B name, {n_ids} ids and {n_steps} steps, "
+                      f"more than the frame carries")
+        table = _name(body, off, name_len, f"ACCESS item {i}")
+        off += name_len + pad
+        ids = np.frombuffer(body, _I8, n_ids, off)
+        ends = np.frombuffer(body, _I8, n_steps, off + n_ids * 8)
+        off += (n_ids + n_steps) * 8
+        items.append(AccessItem(table, ids, ends, version))
+    if off != len(body):
+        raise bad(f"fast-path ACCESS has {len(body) - off} B after its last item")
+    return items
+
+
 def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
     """PLAN body -> (items, release); every length is checked against the body before use."""
     bad = errors.InvalidArgument
@@ -264,15 +334,7 @@ def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
         if name_len > MAX_NAME or name_len + pad + n_ids * 8 > len(body) - off:
             raise bad(f"fast-path PLAN item {i} declares a {name_len} B name and {n_ids} ids, more than the frame "
                       f"carries")
-        raw = bytes(body[off:off + name_len])
-        table = _NAMES.get(raw)
-        if table is None:
-            try:
-                table = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise bad(f"fast-path PLAN item {i}: the table name is not UTF-8") from None
-            if len(_NAMES) < MAX_NAMES_KEPT:  # a client sending endless names cannot grow it
-                _NAMES[raw] = table
+        table = _name(body, off, name_len, f"PLAN item {i}")
         off += name_len + pad
         ids = np.frombuffer(body, _I8, n_ids, off)  # a dtype object: a "<i8" string is parsed per call
         ids.setflags(write=False)

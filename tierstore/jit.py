@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing"]
+__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing", "distinct"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -92,3 +92,36 @@ def strictly_increasing(ids: np.ndarray) -> bool:
     if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
         return bool(k(ids))
     return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+def _distinct_loop(ids, table, out):
+    mask, n = table.shape[0] - 1, 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        h = (np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+        j = np.int64(h) & mask
+        while True:
+            t = table[j]
+            if t == x:
+                break
+            if t == -1:
+                table[j] = x
+                out[n] = x
+                n += 1
+                break
+            j = (j + 1) & mask
+    return n
+
+
+_DISTINCT = Kernel(_distinct_loop)
+
+
+def distinct(ids: np.ndarray) -> np.ndarray:
+    """The distinct ids of non-negative int64 `ids`: in first-seen order when compiled
+    (one hashed pass, O(n)), sorted by the numpy reference."""
+    k = _DISTINCT.compiled()
+    if k is None or ids.dtype != np.int64:
+        return np.unique(ids)
+    size = 1 << max(4, int(2 * ids.size - 1).bit_length())  # load <= 1/2
+    out = np.empty_like(ids)
+    return out[:k(ids, np.full(size, -1, dtype=np.int64), out)]

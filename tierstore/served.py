@@ -26,6 +26,7 @@ import stat
 import threading
 import time
 
+from tierstore import slot_index
 from tierstore.catalog import Catalog
 from tierstore.config import ServeConfig
 from tierstore.engine import TableEngine
@@ -139,14 +140,18 @@ class ServedTables:
         except BaseException:
             reader.close()
             raise
+        engine = None
         try:
             profile = None
             if not full and self._profile is not None and v.table in self._profile.ids:
                 profile = (self._profile.ids[v.table], self._profile.counts[v.table])
             from tierstore.policy import PolicyConfig
+            index = None
+            if not full and self.config.local_reads and slot_index.supported():
+                index = self._new_name(f"{v.table}.v{v.version}.index")
             engine = TableEngine(v, reader, arena, leases=self.leases, full=full, recorder=self.recorder,
                                  policy_config=None if full else PolicyConfig(kind=self.config.policy),
-                                 profile=profile)
+                                 profile=profile, index_path=index, instance=self.instance)
             t0 = time.monotonic()
             if full and arena.reattached:
                 bad = engine.verify_arena(checksums)
@@ -161,6 +166,8 @@ class ServedTables:
             arena.publish()
             self._hold_version(engine)
         except BaseException:
+            if engine is not None:
+                engine.close()
             arena.close(unlink=True)
             reader.close()
             raise
@@ -207,6 +214,7 @@ class ServedTables:
         self._served_fds[id(engine)] = fd
 
     def _free(self, engine: TableEngine) -> None:
+        engine.close()
         engine.arena.close(unlink=not self.config.persist_arena or engine.retired)
         engine.reader.close()
         fd = self._served_fds.pop(id(engine), None)

@@ -25,6 +25,7 @@ from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.fast_plans import FastPlans
 from tierstore.leases import requested_ttl
 from tierstore.served import ServedTables
+from tierstore.tiers.nvme import SegmentReader
 
 __all__ = ["Server", "TierstoreService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
 
@@ -118,7 +119,16 @@ class TierstoreService(pb_grpc.TierstoreServicer):
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
                            size_bytes=eng.arena.size, instance=self.sidecar.instance,
                            lease_board=str(board.path) if board else "",
-                           lease_board_entries=board.n if board else 0))
+                           lease_board_entries=board.n if board else 0, **self._local_reads(eng)))
+
+    def _local_reads(self, eng) -> dict:
+        """What a local client needs to read this table without a Plan (client/local_reads.py)."""
+        index = getattr(getattr(eng, "slots", None), "index", None)
+        if index is None:
+            return {}
+        r = eng.reader
+        own = isinstance(r, SegmentReader) and r.direct is None and r.row_sums is not None
+        return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "")
 
     @_rpc
     def ListTables(self, request, context):

@@ -7,6 +7,15 @@ arena has 10^8 slots, and a pass over them is hundreds of milliseconds.
 States: EMPTY (on the free stack), FILLING (reserved for a row being read from
 the cold tier; pinned by its fill, so it cannot be evicted half-written),
 READY. Callers hold the engine's lock.
+
+`gen`, `id_of` and `slot_of` may live in a shared slot index (slot_index.py)
+that local clients read without a lock: `gen[s]` is a sequence lock, odd
+while slot s is empty or being written, even while it holds a READY row
+(odd too for a row of a cold block online verification found bad: never
+served again, from the arena or the disk).
+unmap() makes it odd before the slot's id or bytes change; ready() makes it
+even once the new row is in place; begin_write()/end_write() bracket a
+rewrite of a READY row in place.
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ import threading
 import numpy as np
 
 from tierstore.jit import Kernel
+from tierstore.slot_index import SlotIndexFile, index_dtypes
 
 __all__ = ["SlotTable", "Fill", "EMPTY", "FILLING", "READY"]
 
@@ -53,11 +63,18 @@ class Fill:
 class SlotTable:
     """id <-> slot maps, pin counts and fill state of `capacity` slots over `rows` ids."""
 
-    def __init__(self, capacity: int, rows: int):
+    def __init__(self, capacity: int, rows: int, index: SlotIndexFile | None = None):
+        """index: the shared slot index to keep gen, id_of and slot_of in (local reads); private when None."""
         self.capacity, self.rows = int(capacity), int(rows)
-        # 4 B per row and 13 B per slot at V4.1 scale (rows and slots < 2^31)
-        self.slot_of = np.full(self.rows, -1, dtype=np.int32 if self.capacity < 2**31 else np.int64)
-        self.id_of = np.full(self.capacity, -1, dtype=np.int32 if self.rows < 2**31 else np.int64)  # = policy.slot_id
+        self.index = index
+        if index is not None:
+            self.gen, self.id_of, self.slot_of = index.gen, index.id_of, index.slot_of
+        else:
+            # 4 B per row and 17 B per slot at V4.1 scale (rows and slots < 2^31)
+            id_dt, slot_dt = index_dtypes(self.capacity, self.rows)
+            self.slot_of = np.full(self.rows, -1, dtype=slot_dt)
+            self.id_of = np.full(self.capacity, -1, dtype=id_dt)  # = policy.slot_id
+            self.gen = np.ones(self.capacity, dtype=np.uint32)
         self.pins = np.zeros(self.capacity, dtype=np.int32)
         self.state = np.zeros(self.capacity, dtype=np.uint8)
         self.fill_of = np.zeros(self.capacity, dtype=np.int32)  # fill id (mod 2^31) of a FILLING slot
@@ -114,15 +131,37 @@ class SlotTable:
         self.n_free += n
 
     def unmap(self, slots: np.ndarray) -> None:
-        """Forget the rows `slots` hold (evicted, or a failed fill); they stay off the free stack."""
+        """Forget the rows `slots` hold (evicted, or a failed fill); they stay off the free stack.
+        Their gen goes odd first (a local reader then rejects what it copies from them)."""
         k = _UNMAP.compiled()
         if k is not None:
-            k(self.slot_of, self.id_of, self.state, slots, EMPTY)
+            k(self.slot_of, self.id_of, self.state, self.gen, slots, EMPTY)
             return
+        self.gen[slots] |= np.uint32(1)
         held = self.id_of[slots]
         self.slot_of[held[held >= 0]] = -1
         self.id_of[slots] = -1
         self.state[slots] = EMPTY
+
+    def ready(self, slots: np.ndarray) -> None:
+        """The rows of FILLING `slots` are written and verified: READY, gen even."""
+        self.state[slots] = READY
+        self.end_write(slots)
+
+    def begin_write(self, slots: np.ndarray) -> None:
+        """Before READY rows are rewritten in place (a repair): gen odd."""
+        self.gen[slots] += np.uint32(1)
+
+    def end_write(self, slots: np.ndarray) -> None:
+        """After the rewrite (its own call, after begin_write returned): gen even again."""
+        self.gen[slots] += np.uint32(1)
+
+    def close(self) -> None:
+        """Remove the shared index file, if any (clients mapping it keep their view)."""
+        if self.index is not None:
+            self.slot_of = self.id_of = self.gen = None
+            self.index.close()
+            self.index = None
 
     def assign(self, slots: np.ndarray, ids: np.ndarray, fill_id: int) -> None:
         """Map ids to slots, FILLING by fill `fill_id`."""
@@ -162,9 +201,10 @@ def _lookup_pin_loop(slot_of, ids, pins, state, filling):
     return slots, n_hit, newly, n_filling
 
 
-def _unmap_loop(slot_of, id_of, state, slots, empty):
+def _unmap_loop(slot_of, id_of, state, gen, slots, empty):
     for i in range(slots.shape[0]):
         s = slots[i]
+        gen[s] |= 1
         if id_of[s] >= 0:
             slot_of[id_of[s]] = -1
         id_of[s] = -1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -253,7 +254,8 @@ def test_metrics_endpoint_counts_per_tier(table_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with _sidecar(d, "110KiB", "--metrics-port", port) as sc, Client(sc.socket) as c:
-        c.lookup("t32", np.arange(500))
+        with c.plan("t32", np.arange(500)) as step:  # planned: counted by the time the reply comes
+            step.rows()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'tierstore_misses_total{table="t32",tier="dram"} 500.0' in text
     assert 'tierstore_bytes_read_total{table="t32",tier="nvme"}' in text
@@ -285,6 +287,15 @@ def test_tcp_needs_an_explicit_flag_and_the_token(table_dir, tmp_path):
             assert np.array_equal(local.lookup("t32", [3]), expected["t32"][[3]])
 
 
+def _local_steps(c: Client, table: str, at_least: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = int(next(t for t in c.stats()["tables"] if t["table"] == table)["local_steps"])
+        if n >= at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
 def test_client_survives_a_sidecar_restart_in_cache_mode(table_dir):
     d, expected = table_dir
     sc = _sidecar(d, "110KiB").start()
@@ -294,13 +305,20 @@ def test_client_survives_a_sidecar_restart_in_cache_mode(table_dir):
         assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
         sc.kill()
         with pytest.raises(errors.Unavailable):
-            c.lookup("t32", ids)
+            with c.plan("t32", ids) as step:
+                step.rows()
+        # local reads need no sidecar: the dead one's arena and segment files still serve, bit-exact
+        assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
         sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="110KiB").start()
         try:
             # a new instance fills its arena in a different order: the client must remap, not reuse old slots
             other = np.arange(5000, 5300)
             assert np.array_equal(c.lookup("t32", other), expected["t32"][other])
             assert np.array_equal(c.lookup("t32", ids), expected["t32"][ids])
+            with c.plan("t32", ids) as step:
+                assert np.array_equal(step.rows(), expected["t32"][ids])
+            c.flush()  # and the new sidecar hears of the client's local steps (the link reconnects)
+            assert _local_steps(c, "t32", 1) >= 1
         finally:
             c.close()
             sc2.cleanup()

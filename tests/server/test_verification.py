@@ -2,9 +2,7 @@
 the DRAM arena are found off the hot path, counted per tier, and never served."""
 from __future__ import annotations
 
-import socket as socketlib
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -33,18 +31,6 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def _port():
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metric(port, name, tier) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    line = next(ln for ln in text.splitlines() if ln.startswith(f"{name}_total{{") and f'tier="{tier}"' in ln)
-    return float(line.rsplit(" ", 1)[1])
-
-
 def _wait(pred, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -54,34 +40,41 @@ def _wait(pred, timeout=10.0):
     return pred()
 
 
-def test_flipped_cold_byte_under_a_resident_row_is_caught_and_refused(table):
+def test_flipped_cold_byte_under_a_resident_row_is_caught_and_refused(table, free_port, metric):
     d, tv, rows = table
-    port = _port()
+    port = free_port()
     extra = ["--verify-sample", "1.0", "--metrics-port", port]
     with SidecarProcess(d, dram_budget="100KiB", extra_args=extra) as sc, Client(sc.socket) as c:
         assert not c.table_info("v")["full_resident"]
         victim = 1000
         ids = np.arange(victim - 3, victim + 3)
-        assert np.array_equal(c.lookup("v", ids), rows[ids])  # promoted: resident and correct
+        with c.plan("v", ids) as step:  # planned: promoted, resident and correct
+            assert np.array_equal(step.rows(), rows[ids])
         _flip(d / tv.segments[0], victim * tv.row_bytes + 5)   # the cold copy rots afterwards
-        assert np.array_equal(c.lookup("v", ids), rows[ids])  # still the verified copy ...
-        assert _wait(lambda: _metric(port, "tierstore_verify_mismatches", "nvme") > 0)  # ... but found
+        with c.plan("v", ids) as step:
+            assert np.array_equal(step.rows(), rows[ids])  # still the verified copy ...
+        assert _wait(lambda: metric(port, "tierstore_verify_mismatches", "nvme") > 0)  # ... but found
         block = victim // tv.block_rows
         with pytest.raises(errors.DataLoss, match=f"block {block}"):
-            c.lookup("v", [victim])
+            c.lookup("v", [victim])  # read locally: the bad block's rows left the arena
+        with pytest.raises(errors.DataLoss, match=f"block {block}"):
+            with c.plan("v", [victim]) as step:
+                step.rows()
         far = np.array([0, ROWS - 1])
         assert np.array_equal(c.lookup("v", far), rows[far])  # the rest keeps serving
-        assert _wait(lambda: _metric(port, "tierstore_verified_rows", "dram") > 0)
+        with c.plan("v", far) as step:
+            assert np.array_equal(step.rows(), rows[far])
+        assert _wait(lambda: metric(port, "tierstore_verified_rows", "dram") > 0)
 
 
-def test_corrupt_arena_bytes_are_repaired_by_the_scrub(table):
+def test_corrupt_arena_bytes_are_repaired_by_the_scrub(table, free_port, metric):
     d, tv, rows = table
-    port = _port()
+    port = free_port()
     extra = ["--verify-sample", "1.0", "--metrics-port", port]
     with SidecarProcess(d, dram_budget="64MiB", extra_args=extra) as sc, Client(sc.socket) as c:
         assert c.table_info("v")["full_resident"]
         arena = sc.arena_files()[0]
         _flip(arena, 77 * tv.row_bytes + 1)
-        assert _wait(lambda: _metric(port, "tierstore_verify_mismatches", "dram") >= 1)
+        assert _wait(lambda: metric(port, "tierstore_verify_mismatches", "dram") >= 1)
         assert np.array_equal(c.lookup("v", np.arange(ROWS)), rows)  # repaired in place
         assert "mismatch in table 'v'" in sc.log()

@@ -41,8 +41,10 @@ def _reader(data_dir, tv, **kw):
 WIDTHS = [("fp32", 64), ("bf16", 64), ("fp8-e4m3-ue8m0", 256), ("fp16", 3), ("fp32", 33)]
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])
 @pytest.mark.parametrize("fmt,dim", WIDTHS)
-def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim):
+def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, cached):
+    """cached=True: the caller knows the pages are cached (a local client's misses): one gather."""
     rb = RowFormat.parse(fmt).row_bytes(dim)
     monkeypatch.setattr(ingest, "SEGMENT_BYTES", 3001 * rb // 4)  # several segments per table
     data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)
@@ -54,7 +56,7 @@ def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode,
             ids = np.sort(rng.choice(3001, n, replace=False)).astype(np.int64)
             dest = np.zeros((4000, rb), dtype=np.uint8)
             slots = rng.choice(4000, n, replace=False)
-            r.read_into(ids, dest, slots)
+            r.read_into(ids, dest, slots, cached=cached)
             assert np.array_equal(dest[slots], data[ids])
             untouched = np.setdiff1d(np.arange(4000), slots)
             assert not dest[untouched].any()  # nothing written outside the given slots
@@ -97,18 +99,19 @@ def _flip(data_dir, tv, row, byte):
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, make_table, mode):
+@pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])
+def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, make_table, mode, cached):
     tv, data = make_table("t", rows=5000, row_bytes=256)  # 16 rows per block
     _flip(data_dir, tv, 1234, byte=200)
     with _reader(data_dir, tv, direct_io=mode) as r:
         dest = np.zeros((5000, 256), dtype=np.uint8)
         with pytest.raises(ChecksumError, match=r"table 't' version 1: checksum mismatch in block 77 "
                                                  r"\(row 1234\)") as e:
-            r.read_into(np.array([5, 1234, 4000]), dest, np.array([0, 1, 2]))
+            r.read_into(np.array([5, 1234, 4000]), dest, np.array([0, 1, 2]), cached=cached)
         assert e.value.block == 77 and e.value.row == 1234
         # the bad row's block-mates and every other row still serve, bit-exact
         good = np.setdiff1d(np.arange(5000), [1234])
-        r.read_into(good, dest, np.arange(good.size))
+        r.read_into(good, dest, np.arange(good.size), cached=cached)
         assert np.array_equal(dest[:good.size], data[good])
         assert r.verify() == [77]
 

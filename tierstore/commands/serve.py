@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "`tierstore bench cache --trace`)")
     p.add_argument("--direct-io", action="store_true", default=None,
                    help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
+    p.add_argument("--no-local-reads", action="store_false", dest="local_reads", default=None,
+                   help="cache mode: local clients ask the sidecar for every step instead of reading resident "
+                   "rows (and misses, from the segment files) themselves")
     p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store, "
                    "writing fetched blocks back to --data in the background")
     p.add_argument("--metadata", help="Mooncake metadata URL (with --remote)")
@@ -67,7 +70,8 @@ def run(args) -> int:
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
-        profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata)
+        profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
+        local_reads=args.local_reads)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far

@@ -46,6 +46,7 @@ class Counters:
     lookups: int = 0
     fill_waits: int = 0
     prefetched: int = 0
+    local_steps: int = 0  # steps local clients read themselves, told by note_access
 
 
 class TableEngine:
@@ -62,8 +63,9 @@ class TableEngine:
         return super().__new__(cls)
 
     def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool | None = None,
-                 recorder=None, policy_config=None, profile=None):
-        """policy_config, profile: the cache mode's (CacheEngine); a full table has no policy."""
+                 recorder=None, policy_config=None, profile=None, index_path=None, instance: str = ""):
+        """policy_config, profile, index_path, instance: the cache mode's (CacheEngine); a full
+        table has no policy and no slot index."""
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
@@ -107,6 +109,9 @@ class TableEngine:
         self.counters.hits += ids.size
         return PlanResult(ids, 0, ids.size, ids.size, 0)
 
+    def close(self) -> None:
+        """Let go of what the engine holds besides its arena and reader (both the sidecar's)."""
+
     @property
     def busy(self) -> bool:
         return self._active > 0
@@ -129,4 +134,4 @@ class TableEngine:
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,
                     bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
-                    prefetched=c.prefetched, fill_waits=c.fill_waits)
+                    prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps)

@@ -23,10 +23,12 @@ import numpy as np
 
 from tierstore import cpu_token
 from tierstore.engine.base import PlanResult, TableEngine
-from tierstore.errors import ChecksumError, ResourceExhausted
-from tierstore.jit import strictly_increasing
+from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted
+from tierstore.jit import distinct, strictly_increasing
+from tierstore.slot_index import SlotIndexFile
 from tierstore.slots import FILLING, READY, Fill, SlotTable
 from tierstore.tiers.fused import unique_inverse, warm
+from tierstore.tiers.nvme import SegmentReader
 
 __all__ = ["CacheEngine"]
 
@@ -42,15 +44,23 @@ class CacheEngine(TableEngine):
     full = False
 
     def __init__(self, version, reader, arena, *, leases, full: bool | None = None, policy_config=None,
-                 profile=None, recorder=None):
+                 profile=None, recorder=None, index_path=None, instance: str = ""):
+        """index_path: where to keep the slot index in shared memory (slot_index.py), so local
+        clients read resident rows without a round trip; None keeps it private."""
         super().__init__(version, reader, arena, leases=leases, recorder=recorder)
         from tierstore.policy import CachePolicy
 
-        self.slots = SlotTable(self.capacity, self.rows)
-        # one id map for engine and policy: the policy reads the slot table's
-        self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
-        if profile is not None:
-            self.policy.load_profile(*profile)
+        index = SlotIndexFile(index_path, self.capacity, self.rows, instance) if index_path is not None else None
+        self.slots = SlotTable(self.capacity, self.rows, index)
+        try:
+            # one id map for engine and policy: the policy reads the slot table's
+            self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
+            if profile is not None:
+                self.policy.load_profile(*profile)
+        except BaseException:
+            self.slots.close()
+            raise
+        self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
         self._fills: dict[int, Fill] = {}
         self._fill_ids = itertools.count(1)
         warm()  # compile the miss path's kernels now (or load them), not on the first Plan
@@ -150,6 +160,73 @@ class CacheEngine(TableEngine):
         self.counters.prefetched += misses
         return misses
 
+    def note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
+        """Steps a local client served itself (client/local_reads.py), told after the fact in
+        batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
+        ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
+        policy learns each step as if it had been planned (hits touched), and the
+        rows that missed and were seen before (PolicyConfig.read_admit_freq) are promoted
+        without a lease, so the next steps find them resident. Never refused: when the
+        arena is full of leased rows, the misses that do not fit are skipped. Returns rows
+        read. InvalidArgument for bad ids or step ends (nothing is learned then)."""
+        ids = self.check_ids(ids)
+        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
+        if ends.size == 0 or ends[-1] != ids.size or ends[0] < 0 or np.any(np.diff(ends) < 0):
+            raise InvalidArgument(f"table {self.table!r}: access note of {ids.size} ids needs non-decreasing step "
+                                  f"ends that finish at {ids.size}, got {ends.size} ends")
+        if ids.size == 0:
+            return 0
+        with cpu_token.hold():
+            with self._lock:
+                self._active += 1
+            try:
+                return self._note_access(ids, ends)
+            finally:
+                with self._lock:
+                    self._active -= 1
+
+    def _note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
+        uniq = ids  # each step distinct; repeats across steps are further accesses
+        st, starts = self.slots, np.concatenate([[0], ends[:-1]]).tolist()
+        with self._lock:
+            for a, b in zip(starts, ends.tolist()):
+                if b > a:
+                    self.policy.record(uniq[a:b])
+                    if self.recorder is not None:
+                        self.recorder.record(self.table, uniq[a:b], n_ids=self.rows)
+            slots = st.slot_of[uniq]
+            hit = slots >= 0
+            hit_slots = slots[hit].astype(np.int64, copy=False)
+            if hit_slots.size:
+                self.policy.touch(hit_slots)
+                if self.verifier is not None:  # rows clients read locally are re-verified too
+                    self.verifier.sample(self, uniq[hit], hit_slots)
+            c = self.counters
+            c.local_steps += ends.size
+            c.hits += hit_slots.size
+            c.misses += uniq.size - hit_slots.size
+            miss = np.sort(distinct(uniq[~hit]))  # sorted, for the cold tier
+            gate = self.policy.config.read_admit_freq
+            if gate > 1 and miss.size:  # a doorkeeper (PolicyConfig.read_admit_freq)
+                miss = miss[self.policy.sketch.estimate(miss) >= gate]
+            room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
+        miss = miss[:room]
+        if miss.size == 0:
+            return 0
+        try:
+            slots, fill, waits, misses = self._reserve(miss, lease=False, admit_only=True)
+        except ResourceExhausted:
+            return 0
+        try:
+            self._complete(fill, (), cached=True)  # the client has just read these rows' pages
+        except (_FillFailed, ChecksumError):
+            return 0  # the client reads and verifies rows itself: a bad block fails its read, not this note
+        return misses
+
+    def close(self) -> None:
+        """Remove the shared slot index (the arena is the sidecar's to close)."""
+        self.slots.close()
+
     def _reserve(self, uniq: np.ndarray, lease: bool, admit_only: bool = False):
         """Stage 1 (lock held inside): pin hits, reserve and map slots for misses.
 
@@ -196,12 +273,13 @@ class CacheEngine(TableEngine):
                 st.unpin(slots)  # a prefetch holds only its fill's pins
         return slots, fill, waits, n_miss
 
-    def _complete(self, fill: Fill | None, waits) -> None:
+    def _complete(self, fill: Fill | None, waits, cached: bool = False) -> None:
         """Stages 2 and 3: read this step's misses into place, then wait for other steps'
-        fills of rows it shares. Raises the fill's error, or _FillFailed (plan again)."""
+        fills of rows it shares. Raises the fill's error, or _FillFailed (plan again).
+        cached: the rows' pages are known to be in the page cache (SegmentReader.read_into)."""
         if fill is not None:
             try:
-                self._read_into(fill.ids, fill.slots)
+                self._read_into(fill.ids, fill.slots, cached)
             except BaseException as e:
                 with self._lock:
                     self.slots.unmap(fill.slots)
@@ -212,7 +290,7 @@ class CacheEngine(TableEngine):
                 fill.finish(e)
                 raise
             with self._lock:
-                self.slots.state[fill.slots] = READY
+                self.slots.ready(fill.slots)
                 self.slots.unpin(fill.slots)
                 del self._fills[fill.fill_id]
                 self.counters.promotions += fill.ids.size
@@ -224,10 +302,10 @@ class CacheEngine(TableEngine):
             if other.error is not None:
                 raise _FillFailed()
 
-    def _read_into(self, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _read_into(self, ids: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
         read_into = getattr(self.reader, "read_into", None)
         if read_into is not None:
-            read_into(ids, self.arena.rows, slots)
+            read_into(ids, self.arena.rows, slots, **({"cached": True} if cached and self._gathers else {}))
         else:
             self.arena.rows[slots] = self.reader.read_rows(ids)
 
@@ -262,6 +340,17 @@ class CacheEngine(TableEngine):
             self.slots.unpin(slots)
 
     # ---- online verification (the verifier thread; never the hot path) ---------
+    def _mark_bad(self, block: int) -> None:
+        """A bad cold block is refused from now on (TableEngine._mark_bad); its resident rows'
+        gen goes odd too, so a local reader (which does not ask the sidecar) misses them,
+        reads the block and gets DATA_LOSS as a Plan does. They stay mapped (a running step
+        may hold a lease on them) until evicted."""
+        super()._mark_bad(block)
+        br = self.version.block_rows
+        with self._lock:
+            slots = self.slots.slot_of[block * br:min((block + 1) * br, self.rows)]
+            self.slots.gen[slots[slots >= 0]] |= np.uint32(1)
+
     def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
         """Check sampled served rows: their cold block's checksum, and the arena copy
         against the verified disk copy (repaired in place when it differs)."""
@@ -289,7 +378,9 @@ class CacheEngine(TableEngine):
             bad = np.any(self.arena.rows[s] != d, axis=1)
             vc.checked["dram"] += int(s.size)
             if bad.any():
+                st.begin_write(s[bad])  # local readers reject what they copy meanwhile
                 self.arena.rows[s[bad]] = d[bad]
+                st.end_write(s[bad])
                 vc.mismatches["dram"] += int(bad.sum())
                 block = int(ids[still][bad][0] // self.version.block_rows)
                 found.append(("dram", block, int(s[bad][0]),

@@ -167,7 +167,7 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         np.take(tmp, inv.reshape(-1), axis=0, out=out)
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
         """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
 
         ids: int64, sorted, unique and in range (not re-checked: the engine
@@ -175,6 +175,9 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         dest: writable uint8 [capacity, row_bytes] (the arena view); rows are
             written in place, no bounce copy in page-cache mode.
         slots: integer [len(ids)], distinct rows of dest.
+        cached: the caller knows the rows' pages are in the page cache (a local
+            client has just read them): page-cache mode gathers them through the
+            map at once, no probe, no pool hand-off (ignored with O_DIRECT).
         Thread-safe: call concurrently on one reader, no lock needed.
         Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
         row fails verification or its segment is missing/truncated/not a file;
@@ -189,7 +192,9 @@ class SegmentReader(MappedRows, BlockReads, Tier):
             return
         sr = self.version.segment_rows
         first = int(ids[0]) // sr
-        if self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
+        if cached and self.direct is None:
+            results = self._fill_cached(ids, dest, slots)
+        elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
             results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
         else:
             results = self._fill_many(ids, dest, slots)
@@ -211,6 +216,20 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         cold = not src[1][local * self.row_bytes >> PAGE_SHIFT].all()
         with cpu_token.waiting() if cold else contextlib.nullcontext():
             return self._fill_buffered(s, src, local, ids, dest, slots, 0, ids.size)
+
+    def _fill_cached(self, ids, dest, slots) -> list[tuple[int, int, str]]:
+        """Rows on cached pages, gathered through each segment's map in one compiled pass."""
+        sr, out = self.version.segment_rows, []
+        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
+        cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
+        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
+            if lo < hi:
+                local = ids[lo:hi] - s * sr
+                view, seen = self._source(s, local, ids[lo])
+                bad = place_verified(view, local, ids[lo:hi], dest, slots[lo:hi], self.row_sums)
+                seen[local * self.row_bytes >> PAGE_SHIFT] = True
+                out.append((local.size * self.row_bytes, lo + bad if bad >= 0 else -1, ""))
+        return out
 
     def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
         """Rows over segments and chunks, read by the pool when there are many."""

@@ -1,0 +1,156 @@
+"""Local reads: a host-side step of a cache-mode table served in the client, no round trip.
+
+A Plan costs a round trip (two wake-ups) and the sidecar's CPU for every step,
+however few rows miss. A client on the sidecar's host that wants the rows
+copied out (Client.lookup) needs neither, when the sidecar publishes its slot
+index (tierstore/slot_index.py):
+1. resident rows are copied straight from the mapped arena, each checked
+   against its slot's sequence lock: a row evicted or rewritten during the
+   copy is not used, it is read like a miss;
+2. misses are read from the table's segment files and verified by their row
+   checksums in this process (tiers/nvme.SegmentReader, page-cache mode, the
+   same code the sidecar runs), when the sidecar offers that (`cold_dir`);
+   otherwise (O_DIRECT, Mooncake, versions without row checksums) a step with
+   misses is planned through the sidecar as before;
+3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
+   and one-way (client/fast_link.py): its policy learns the step as if it had
+   been planned and promotes the misses, so the next steps find them resident.
+
+Rows are bit-exact and verified as on the planned path. What it does not give:
+a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
+needs the slots pinned, so it plans (Client.plan); a copy validated after the
+fact cannot be.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tierstore.jit import Kernel, distinct
+from tierstore.slot_index import map_index
+from tierstore.tiers.fused import unique_inverse
+
+if TYPE_CHECKING:
+    from tierstore.client.sidecar import Client
+    from tierstore.client.table_handle import TableHandle
+
+__all__ = ["LocalReads"]
+
+
+class LocalReads:
+    """Reads of one cache-mode table version through its published slot index."""
+
+    def __init__(self, client: "Client", handle: "TableHandle"):
+        self.client, self.handle = client, handle
+        self.table, self.version, self.row_bytes = handle.table, handle.version, handle.row_bytes
+        self.arena = handle.arena_np
+        self.gen, self.id_of, self.slot_of = map_index(handle.index_path, self.arena.shape[0], handle.rows,
+                                                       handle.instance)
+        self._cold = None  # SegmentReader over cold_dir, opened on the first miss
+        self._cold_lock = threading.Lock()
+        self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
+
+    def read(self, ids: np.ndarray) -> np.ndarray | None:
+        """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
+        fine); None when a miss has to be planned through the sidecar (no cold_dir)."""
+        n = ids.size
+        out = np.empty((n, self.row_bytes), dtype=np.uint8)
+        slots, gens = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.uint32)
+        # three calls, each reading after the previous returned (slot_index.py: the reader)
+        _probe(ids, self.slot_of, self.gen, slots, gens)
+        _copy(ids, slots, gens, self.id_of, self.arena, out)
+        missing = _confirm(slots, gens, self.gen)
+        if missing:
+            if not self.handle.cold_dir:
+                return None
+            where = np.flatnonzero(gens & 1)
+            uniq, inv = unique_inverse(ids[where])
+            got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+            self._reader().read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+            out[where] = got[inv]
+        self.client._fast.note(self.table, self.version, distinct(ids))
+        self.steps += 1
+        self.rows_resident += n - missing
+        self.rows_cold += missing
+        return out
+
+    def _reader(self):
+        if self._cold is None:
+            with self._cold_lock:
+                if self._cold is None:
+                    from tierstore.catalog import Catalog
+                    from tierstore.tiers.nvme import SegmentReader
+
+                    with Catalog(self.handle.cold_dir, readonly=True) as cat:
+                        v = cat.get(self.table, self.version)
+                        checksums = cat.checksums(self.table, self.version)
+                    self._cold = SegmentReader(self.handle.cold_dir, v, checksums)
+        return self._cold
+
+    def close(self) -> None:
+        if self._cold is not None:
+            self._cold.close()
+            self._cold = None
+
+
+# ---- the reader's three passes (compiled; numpy below is the reference) ----
+def _probe_loop(ids, slot_of, gen, slots, gens):
+    for i in range(ids.shape[0]):
+        s = slot_of[ids[i]]
+        slots[i] = s
+        gens[i] = gen[s] if s >= 0 else 1
+
+
+def _copy_loop(ids, slots, gens, id_of, arena, out):
+    width = arena.shape[1]
+    for i in range(ids.shape[0]):
+        s = slots[i]
+        if (gens[i] & 1) == 0 and id_of[s] == ids[i]:
+            for j in range(width):
+                out[i, j] = arena[s, j]
+        else:
+            gens[i] = 1
+
+
+def _confirm_loop(slots, gens, gen):
+    missing = 0
+    for i in range(slots.shape[0]):
+        if (gens[i] & 1) == 0 and gen[slots[i]] != gens[i]:
+            gens[i] = 1
+        missing += gens[i] & 1
+    return missing
+
+
+_PROBE, _COPY, _CONFIRM = Kernel(_probe_loop), Kernel(_copy_loop), Kernel(_confirm_loop)
+
+
+def _probe(ids, slot_of, gen, slots, gens) -> None:
+    """slots[i] = slot_of[ids[i]]; gens[i] = its gen (odd: not resident)."""
+    k = _PROBE.compiled()
+    if k is not None:
+        k(ids, slot_of, gen, slots, gens)
+        return
+    slots[:] = slot_of[ids]
+    gens[:] = np.where(slots >= 0, gen[slots], 1)
+
+
+def _copy(ids, slots, gens, id_of, arena, out) -> None:
+    """Copy the rows whose slot was READY and held that id; mark the others odd."""
+    k = _COPY.compiled()
+    if k is not None:
+        k(ids, slots, gens, id_of, arena, out)
+        return
+    ok = ((gens & 1) == 0) & (id_of[slots] == ids)
+    np.take(arena, slots, axis=0, out=out)  # a -1 slot reads the last row: unused
+    gens[~ok] = 1
+
+
+def _confirm(slots, gens, gen) -> int:
+    """Rows whose slot changed since the probe are marked odd; returns how many are odd (misses)."""
+    k = _CONFIRM.compiled()
+    if k is not None:
+        return int(k(slots, gens, gen))
+    gens[(gens & 1 == 0) & (gen[slots] != gens)] = 1
+    return int(np.count_nonzero(gens & 1))
