@@ -54,11 +54,10 @@ class FastPlans:
                 eng = self.sidecar.engine(it.table, it.version)
             except TierstoreError:
                 continue  # swapped out or gone: the client re-describes the table on its next step
-            note = getattr(eng, "note_access", None)
-            if note is None or eng.retired:
+            if eng.full or eng.retired:
                 continue
             try:
-                note(it.ids, it.ends)
+                self.sidecar.note(eng, it.ids, it.ends)  # checked now, learned by the sidecar's learner thread
             except TierstoreError as e:
                 log.warning("access note from a local client for table %r refused: %s", it.table, e)
 

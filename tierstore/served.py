@@ -26,6 +26,8 @@ import stat
 import threading
 import time
 
+import numpy as np
+
 from tierstore import slot_index
 from tierstore.catalog import Catalog
 from tierstore.config import ServeConfig
@@ -40,6 +42,7 @@ __all__ = ["ServedTables"]
 
 log = logging.getLogger("tierstore.sidecar")
 PREFETCH_QUEUE = 64  # prefetch requests waiting at most; more are dropped (they are hints)
+NOTE_QUEUE_IDS = 1 << 18  # ids of local reads' notes waiting for the learner; more are dropped (hints)
 
 
 class ServedTables:
@@ -63,6 +66,10 @@ class ServedTables:
             from tierstore.trace_recorder import TraceRecorder
             self.recorder = TraceRecorder(config.record_trace)
         self._prefetch_pending = 0
+        self._notes: list = []  # (engine, ids, ends) for the learner thread (note())
+        self._notes_ids = 0
+        self._notes_cv = threading.Condition(threading.Lock())
+        self._learner: threading.Thread | None = None
         self._mooncake = None  # one Mooncake client for every remote table (--remote)
         try:
             stale = self._take_stale_files()
@@ -262,7 +269,7 @@ class ServedTables:
         with self._swap_lock:
             keep = []
             for eng in self._retired:
-                if self.leases.count_for(eng) or eng.busy:
+                if self.leases.count_for(eng) or not eng.try_free():
                     keep.append(eng)
                 else:
                     self._free(eng)
@@ -305,6 +312,46 @@ class ServedTables:
             with self._swap_lock:
                 self._prefetch_pending -= 1
 
+    def note(self, engine: TableEngine, ids, ends) -> bool:
+        """Queue steps a local client read itself (TableEngine.note_access) for the learner
+        thread, after checking them (InvalidArgument). False when NOTE_QUEUE_IDS ids already
+        wait: the note is dropped, so while the sidecar is behind its policy learns from a
+        sample of the steps, and no client ever waits for its bookkeeping."""
+        ids, ends = engine.check_note(ids, ends)
+        with self._notes_cv:
+            if self._notes_ids and self._notes_ids + ids.size > NOTE_QUEUE_IDS:
+                engine.counters.notes_dropped += ends.size
+                return False
+            self._notes.append((engine, ids.copy(), ends.copy()))  # the request buffer is reused
+            self._notes_ids += ids.size
+            if self._learner is None:
+                self._learner = threading.Thread(target=self._learn_loop, name="learner", daemon=True)
+                self._learner.start()
+            self._notes_cv.notify()
+        return True
+
+    def _learn_loop(self) -> None:
+        """Every queued note, all clients' notes of one engine in one note_access call."""
+        while True:
+            with self._notes_cv:
+                while not self._notes and not self._stop.is_set():
+                    self._notes_cv.wait()
+                if self._stop.is_set():
+                    return
+                batch, self._notes, self._notes_ids = self._notes, [], 0
+            groups: dict[int, tuple] = {}
+            for eng, ids, ends in batch:
+                g = groups.setdefault(id(eng), (eng, [], []))
+                g[2].append(ends + sum(a.size for a in g[1]))
+                g[1].append(ids)
+            for eng, ids, ends in groups.values():
+                if eng.retired:
+                    continue
+                try:
+                    eng.note_access(np.concatenate(ids), np.concatenate(ends))
+                except Exception:  # noqa: BLE001 - a hint; the next step's note may well work
+                    log.exception("learning the local steps of table %s failed", eng.table)
+
     def engine(self, table: str, version: int = 0) -> TableEngine:
         try:
             eng = self.engines[table]
@@ -321,6 +368,10 @@ class ServedTables:
 
     def close(self) -> None:
         self._stop.set()
+        with self._notes_cv:
+            self._notes_cv.notify_all()
+        if self._learner is not None:
+            self._learner.join(timeout=5)
         if self._reaper.is_alive():
             self._reaper.join(timeout=2)
         self.verifier.stop()

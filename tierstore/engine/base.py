@@ -47,6 +47,7 @@ class Counters:
     fill_waits: int = 0
     prefetched: int = 0
     local_steps: int = 0  # steps local clients read themselves, told by note_access
+    notes_dropped: int = 0  # of those, steps the sidecar dropped unlearned (it was behind)
 
 
 class TableEngine:
@@ -80,6 +81,7 @@ class TableEngine:
         self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
         self.recorder = recorder                      # tierstore.trace_recorder.TraceRecorder (serve --record-trace)
         self.retired = False                          # replaced by another version; freed when unleased
+        self.freed = False                            # set (under the lock) once the sidecar may free it
         self._active = 0                              # plans running now (a retired engine waits for them)
 
     # ---- requests -----------------------------------------------------------
@@ -116,6 +118,27 @@ class TableEngine:
     def busy(self) -> bool:
         return self._active > 0
 
+    def try_free(self) -> bool:
+        """Whether nothing runs in the engine now; if so it is marked freed (under the lock),
+        so a late note or prefetch that has not entered yet finds it gone (enter())."""
+        with self._lock:
+            if self._active:
+                return False
+            self.freed = True
+            return True
+
+    def enter(self) -> bool:
+        """Count one request as running (busy), unless the engine is freed: False then."""
+        with self._lock:
+            if self.freed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
     # ---- online verification (the verifier thread; never the hot path) ---------
     def _mark_bad(self, block: int) -> None:
         with self._lock:
@@ -134,4 +157,5 @@ class TableEngine:
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,
                     bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
-                    prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps)
+                    prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
+                    notes_dropped=c.notes_dropped)

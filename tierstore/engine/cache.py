@@ -23,7 +23,7 @@ import numpy as np
 
 from tierstore import cpu_token
 from tierstore.engine.base import PlanResult, TableEngine
-from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted
+from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted, VersionNotFound
 from tierstore.jit import distinct, strictly_increasing
 from tierstore.slot_index import SlotIndexFile
 from tierstore.slots import FILLING, READY, Fill, SlotTable
@@ -79,13 +79,13 @@ class CacheEngine(TableEngine):
             uniq, inverse = ids, None  # already sorted and unique (EngramLayer dedupes): skip the sort
         else:
             uniq, inverse = unique_inverse(ids)
-        with self._lock:
-            self._active += 1
+        if not self.enter():
+            raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+                                  "plan the step again")
         try:
             return self._plan_unique(uniq, inverse, ttl_s, client, request_id)
         finally:
-            with self._lock:
-                self._active -= 1
+            self.leave()
 
     def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
         for attempt in range(PLAN_ATTEMPTS):
@@ -130,13 +130,12 @@ class CacheEngine(TableEngine):
             if ids.size == 0:
                 return 0
             uniq = np.unique(ids)
-            with self._lock:
-                self._active += 1
+            if not self.enter():
+                return 0
             try:
                 return self._prefetch_unique(uniq, read, steps)
             finally:
-                with self._lock:
-                    self._active -= 1
+                self.leave()
 
     def _prefetch_unique(self, uniq: np.ndarray, read: bool = True, steps: int | None = None) -> int:
         with self._lock:
@@ -169,21 +168,25 @@ class CacheEngine(TableEngine):
         without a lease, so the next steps find them resident. Never refused: when the
         arena is full of leased rows, the misses that do not fit are skipped. Returns rows
         read. InvalidArgument for bad ids or step ends (nothing is learned then)."""
+        ids, ends = self.check_note(ids, ends)
+        if ids.size == 0:
+            return 0
+        with cpu_token.hold():
+            if not self.enter():
+                return 0  # freed meanwhile (a version swap): nothing to learn
+            try:
+                return self._note_access(ids, ends)
+            finally:
+                self.leave()
+
+    def check_note(self, ids, ends) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, ends) of an access note, validated (note_access); InvalidArgument otherwise."""
         ids = self.check_ids(ids)
         ends = np.asarray(ends, dtype=np.int64).reshape(-1)
         if ends.size == 0 or ends[-1] != ids.size or ends[0] < 0 or np.any(np.diff(ends) < 0):
             raise InvalidArgument(f"table {self.table!r}: access note of {ids.size} ids needs non-decreasing step "
                                   f"ends that finish at {ids.size}, got {ends.size} ends")
-        if ids.size == 0:
-            return 0
-        with cpu_token.hold():
-            with self._lock:
-                self._active += 1
-            try:
-                return self._note_access(ids, ends)
-            finally:
-                with self._lock:
-                    self._active -= 1
+        return ids, ends
 
     def _note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
         uniq = ids  # each step distinct; repeats across steps are further accesses
