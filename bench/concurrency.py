@@ -22,7 +22,9 @@ import numpy as np
 __all__ = ["run_concurrency_bench", "UNITS"]
 
 UNITS = {"rows_per_s_*": "rows/s, all clients together (median over rounds)",
-         "ratio": "x (N clients' aggregate rows/s over one client's)"}
+         "ratio": "x (N clients' aggregate rows/s over one client's)",
+         "hit_ratio": "fraction of the steps' distinct ids the sidecar found resident (learned steps only)",
+         "local_steps_*": "steps, summed over rounds (dropped: notes the sidecar's learner had no room for)"}
 
 
 def _worker(a: dict) -> None:
@@ -65,12 +67,18 @@ def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed:
     return total / seconds
 
 
+def _counts(c, table: str) -> np.ndarray:
+    t = next(t for t in c.stats()["tables"] if t["table"] == table)
+    return np.array([int(t.get(k, 0)) for k in ("hits", "misses", "local_steps", "notes_dropped")], dtype=np.int64)
+
+
 def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, rounds: int = 3, seed: int = 0,
                           batch: int = 4096, dist: str = "zipf1.0", cache_fraction: float = 0.10,
                           reads: tuple[str, ...] = ("lookup", "plan"), log=print) -> dict:
     """Returns {read: {rows_per_s_1, rows_per_s_N, ratio}} for each of `reads`, and the first's
     figures at the top level (the headline)."""
     from tierstore.catalog import Catalog
+    from tierstore.client.sidecar import Client
     from tierstore.launcher import SidecarProcess
 
     with Catalog(data_dir, readonly=True) as cat:
@@ -79,12 +87,15 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
         total_bytes = sum(cat.current(t).nbytes for t in names)
     budget = max(int(total_bytes * cache_fraction), 1 << 16)
     runs = {(read, n): [] for read in reads for n in (1, clients)}
+    learned = {(read, n): np.zeros(4, dtype=np.int64) for read in reads for n in (1, clients)}
     for read in reads:  # a sidecar each: one read mode's warm rows are not handed to the other
-        with SidecarProcess(data_dir, dram_budget=budget) as sc:
+        with SidecarProcess(data_dir, dram_budget=budget) as sc, Client(sc.socket) as c:
             for r in range(rounds):
                 for n in ((1, clients) if r % 2 == 0 else (clients, 1)):
+                    s0 = _counts(c, version.table)
                     runs[(read, n)].append(_round(str(sc.socket), version.table, version.rows, n, seconds,
                                                   seed + 100 * r, batch, dist, read))
+                    learned[(read, n)] += _counts(c, version.table) - s0
                     log(f"concurrency {read}: round {r + 1}/{rounds}, {n} client(s): "
                         f"{runs[(read, n)][-1] / 1e6:.2f} M rows/s")
     res = {"table": version.table, "clients": clients, "batch": batch, "dist": dist, "seconds": seconds,
@@ -93,6 +104,10 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
     for read in reads:
         one, many = float(np.median(runs[(read, 1)])), float(np.median(runs[(read, clients)]))
         res[read] = {"rows_per_s_1": round(one), f"rows_per_s_{clients}": round(many), "ratio": round(many / one, 3)}
+        for n in (1, clients):  # the sidecar's view: hit ratio, and local steps learned or dropped (lookup)
+            h, m, steps, dropped = learned[(read, n)].tolist()
+            res[read][f"sidecar_{n}"] = {"hit_ratio": round(h / (h + m), 4) if h + m else None,
+                                         "local_steps_learned": steps, "local_steps_dropped": dropped}
         parts.append(f"{read} {many / 1e6:.2f} M rows/s vs one {one / 1e6:.2f} ({many / one:.2f}x)")
     res.update(res[reads[0]], read=reads[0])
     res["summary"] = f"concurrency: {clients} clients on one cache-mode table: " + "; ".join(parts)

@@ -43,6 +43,10 @@ __all__ = ["ServedTables"]
 log = logging.getLogger("tierstore.sidecar")
 PREFETCH_QUEUE = 64  # prefetch requests waiting at most; more are dropped (they are hints)
 NOTE_QUEUE_IDS = 1 << 18  # ids of local reads' notes waiting for the learner; more are dropped (hints)
+# The learner thread's nice value (Linux: per thread). With 4 local-read clients on this
+# project's 2-vCPU VM, +5 let it learn ~20% of the steps (the rest dropped), readers got the
+# CPU: 1.4-1.5x one client's rows/s against 1.0-1.25x at 0, hit ratio 0.651 either way.
+LEARNER_NICE = 5
 
 
 class ServedTables:
@@ -332,6 +336,10 @@ class ServedTables:
 
     def _learn_loop(self) -> None:
         """Every queued note, all clients' notes of one engine in one note_access call."""
+        try:  # bookkeeping yields to readers: on a busy host the policy learns from a sample
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LEARNER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._notes_cv:
                 while not self._notes and not self._stop.is_set():

@@ -122,7 +122,8 @@ def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, m
     from tierstore.tiers import mapped_rows
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
-    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", 0.0)
+    monkeypatch.setattr(mapped_rows, "EVICTED_FRACTION", -1.0)
+    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", -1.0)
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
     with _reader(data_dir, tv) as r:
         _, seen = r._map(0)

@@ -5,14 +5,19 @@ Rows on "seen" pages are gathered through the map, on the guess that the page
 cache holds them: at first every page (a table the host has room for is cached
 once read), then the pages this reader pread. Under memory pressure (a table
 larger than the host, a cgroup) the kernel evicts them and a gather takes major
-faults, one at a time, inline. A gather slower than this per row says so: the
-segment's seen flags are dropped and its rows are pread (many in flight) until
-their pages are seen again. A call's first PROBE_ROWS rows go first, to find out.
+faults, one at a time, inline. A gather whose thread took major faults on more
+than EVICTED_FRACTION of its rows says so (the thread's own fault count, from
+getrusage: a gather that is merely slow because the CPU is busy elsewhere says
+nothing): the segment's seen flags are dropped and its rows are pread (many in
+flight) until their pages are seen again. A call's first PROBE_ROWS rows go
+first, to find out. Where the thread's count is not to be had (not Linux), a
+gather slower than EVICTED_S_PER_ROW a row counts instead.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import resource
 import time
 
 import numpy as np
@@ -20,16 +25,40 @@ import numpy as np
 from tierstore.tiers.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer
 from tierstore.tiers.fused import place_verified
 
-__all__ = ["MappedRows", "PAGE_SHIFT", "PROBE_ROWS", "EVICTED_S_PER_ROW"]
+__all__ = ["MappedRows", "PAGE_SHIFT", "PROBE_ROWS", "EVICTED_FRACTION", "EVICTED_S_PER_ROW"]
 
 PAGE_SHIFT = 12
-EVICTED_S_PER_ROW = 10e-6  # a major fault costs ~100 us, a first touch of a cached page ~1 us
+EVICTED_FRACTION = 0.1     # a gather that major-faulted on more of its rows than this
+EVICTED_S_PER_ROW = 10e-6  # without fault counts: a major fault costs ~100 us, a cached page's first touch ~1 us
 PROBE_ROWS = 32
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
 
 
-def _forget_if_evicted(seen: np.ndarray, rows: int, seconds: float) -> None:
-    if rows >= PROBE_ROWS and seconds > rows * EVICTED_S_PER_ROW:
-        seen[:] = False  # racy between threads, harmless: a page pread once more
+def _faults() -> int | None:
+    """Major faults this thread has taken so far (None where the OS does not say)."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt if _RUSAGE_THREAD is not None else None
+
+
+class _Gather:
+    """Times a gather and counts its major faults: `with _Gather(seen, rows): ...`."""
+
+    __slots__ = ("seen", "rows", "t0", "f0")
+
+    def __init__(self, seen: np.ndarray, rows: int):
+        self.seen, self.rows = seen, rows
+
+    def __enter__(self):
+        self.f0, self.t0 = _faults(), time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.rows < PROBE_ROWS:
+            return
+        if self.f0 is not None:
+            evicted = _faults() - self.f0 > self.rows * EVICTED_FRACTION
+        else:
+            evicted = time.perf_counter() - self.t0 > self.rows * EVICTED_S_PER_ROW
+        if evicted:
+            self.seen[:] = False  # racy between threads, harmless: a page pread once more
 
 
 _PREAD_SCRATCH = _Scratch()
@@ -54,7 +83,7 @@ class MappedRows:
                         mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
                         mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
                         rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
-                    # one flag per page: is it likely cached (see EVICTED_S_PER_ROW)?
+                    # one flag per page: is it likely cached (see _Gather)?
                     view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
         return view
 
@@ -69,9 +98,8 @@ class MappedRows:
         pages = local * self.row_bytes >> PAGE_SHIFT
         warm = seen[pages]
         if warm.all():
-            t0 = time.perf_counter()
-            bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
-            _forget_if_evicted(seen, local.size, time.perf_counter() - t0)
+            with _Gather(seen, local.size):
+                bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
             return local.size * self.row_bytes, (a + bad if bad >= 0 else -1), ""
         cold = np.flatnonzero(~warm)
         got = row_buffer(cold.size, self.row_bytes)
@@ -84,9 +112,8 @@ class MappedRows:
         seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
         if cold.size < local.size:
             hot = np.flatnonzero(warm)
-            t0 = time.perf_counter()
-            bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
-            _forget_if_evicted(seen, hot.size, time.perf_counter() - t0)
+            with _Gather(seen, hot.size):
+                bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
             nbytes += hot.size * self.row_bytes
             if bad >= 0:
                 return nbytes, a + int(hot[bad]), ""
