@@ -242,3 +242,20 @@ def test_verify_cli_reports_a_fifo_segment_and_returns(data_dir, make_table, cli
     os.mkfifo(seg)
     code, out, err = cli("verify", "--data", data_dir)
     assert code == 1 and "block 4 is corrupt" in err and "seg-00001.bin" in err
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="no per-thread fault counts here")
+def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table, monkeypatch):
+    """A gather slowed by a busy CPU (here: every gather counts as slow) is not an eviction:
+    only the thread's major faults say the page cache lost the segment."""
+    from tierstore.tiers import mapped_rows
+
+    tv, data = make_table("t", rows=6000, row_bytes=256)
+    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", -1.0)
+    ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
+    with _reader(data_dir, tv) as r:
+        r.read_rows(np.arange(6000))  # every page cached and mapped: no major fault below
+        _, seen = r._map(0)
+        dest = np.zeros((1500, 256), dtype=np.uint8)
+        r.read_into(ids, dest, np.arange(1500))
+        assert np.array_equal(dest, data[ids]) and seen.all()
