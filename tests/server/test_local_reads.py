@@ -141,22 +141,27 @@ def test_a_version_swap_serves_the_new_rows(tmp_path):
 def test_without_local_reads_lookup_plans_and_stays_exact(tmp_path, flag):
     d = tmp_path / "data"
     data = _write(d)
+    sc = SidecarProcess(d, dram_budget="1MiB", extra_args=[flag])
     try:
-        sc = SidecarProcess(d, dram_budget="1MiB", extra_args=[flag]).start()
+        sc.start()
     except Exception as e:  # noqa: BLE001
+        sc.cleanup()
         if flag == "--direct-io":
             pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
         raise
-    with sc, Client(sc.socket) as c:
-        rng = np.random.default_rng(2)
-        for _ in range(5):
-            ids = rng.integers(0, ROWS, 500)
-            assert np.array_equal(c.lookup("t", ids), data[ids])
-        s = _stats(c)
-        if flag == "--no-local-reads":
-            assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local is None
-        else:  # hits are read locally; a step with misses is planned (the client has no O_DIRECT reader)
-            assert s["plans"] >= 1
+    try:
+        with Client(sc.socket) as c:
+            rng = np.random.default_rng(2)
+            for _ in range(5):
+                ids = rng.integers(0, ROWS, 500)
+                assert np.array_equal(c.lookup("t", ids), data[ids])
+            s = _stats(c)
+            if flag == "--no-local-reads":
+                assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local is None
+            else:  # hits are read locally; a step with misses is planned (the client has no O_DIRECT reader)
+                assert s["plans"] >= 1
+    finally:
+        sc.cleanup()
 
 
 def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
