@@ -34,13 +34,13 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import stat
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.errors import ResourceExhausted, StaleArena
+from tierstore.tiers.dram import map_file_readonly
 
 __all__ = ["SlotIndexFile", "map_index", "supported", "index_dtypes"]
 
@@ -120,20 +120,9 @@ class SlotIndexFile:
 def map_index(path: str | Path, capacity: int, rows: int, instance: str | None = None):
     """A client's read-only (gen, id_of, slot_of) of the index at `path`; StaleArena when
     the file is not the index described (another instance, shape, or gone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise StaleArena(f"slot index {path} does not exist: the sidecar restarted or swapped the table's "
-                         "version (describe the table again)") from None
-    try:
-        st = os.fstat(fd)
-        id_dt, slot_dt = index_dtypes(capacity, rows)
-        size = _layout(capacity, rows, id_dt, slot_dt)[3]
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise StaleArena(f"slot index {path} holds {st.st_size} bytes, expected {size}; describe the table again")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    id_dt, slot_dt = index_dtypes(capacity, rows)
+    mm = map_file_readonly(path, _layout(capacity, rows, id_dt, slot_dt)[3], "slot index",
+                           "the sidecar restarted or swapped the table's version")
     magic, iw, sw, cap, n, inst = _LAYOUT.unpack_from(mm)
     if (magic, iw, sw, cap, n) != (_MAGIC, id_dt.itemsize, slot_dt.itemsize, capacity, rows) or \
             (instance is not None and inst.rstrip(b"\0").decode() != instance):

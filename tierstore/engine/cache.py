@@ -145,7 +145,13 @@ class CacheEngine(TableEngine):
             self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps)
             # read ahead no more than the policy can keep until then, and leave room for steps
             room = max(0, min(self.capacity - 2 * self.slots.n_pinned, self.policy.protect_room())) if read else 0
-        miss = miss[:room]
+        misses = self._promote(miss[:room])
+        self.counters.prefetched += misses
+        return misses
+
+    def _promote(self, miss: np.ndarray, cached: bool = False) -> int:
+        """Read sorted, unique `miss` into the arena without a lease; rows read, 0 when
+        the arena has no room (leased) or the read failed (a step reading them reports it)."""
         if miss.size == 0:
             return 0
         try:
@@ -153,10 +159,9 @@ class CacheEngine(TableEngine):
         except ResourceExhausted:
             return 0
         try:
-            self._complete(fill, ())
+            self._complete(fill, (), cached=cached)
         except (_FillFailed, ChecksumError):
             return 0
-        self.counters.prefetched += misses
         return misses
 
     def note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
@@ -213,18 +218,7 @@ class CacheEngine(TableEngine):
             if gate > 1 and miss.size:  # a doorkeeper (PolicyConfig.read_admit_freq)
                 miss = miss[self.policy.sketch.estimate(miss) >= gate]
             room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
-        miss = miss[:room]
-        if miss.size == 0:
-            return 0
-        try:
-            slots, fill, waits, misses = self._reserve(miss, lease=False, admit_only=True)
-        except ResourceExhausted:
-            return 0
-        try:
-            self._complete(fill, (), cached=True)  # the client has just read these rows' pages
-        except (_FillFailed, ChecksumError):
-            return 0  # the client reads and verifies rows itself: a bad block fails its read, not this note
-        return misses
+        return self._promote(miss[:room], cached=True)  # the client has just read these rows' pages
 
     def close(self) -> None:
         """Remove the shared slot index (the arena is the sidecar's to close)."""

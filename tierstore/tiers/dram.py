@@ -29,8 +29,8 @@ import numpy as np
 
 from tierstore.errors import ResourceExhausted, StaleArena
 
-__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "arena_tag", "host_id", "map_readonly", "own_files",
-           "retire_file", "shm_free_bytes"]
+__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "arena_tag", "host_id", "map_file_readonly", "map_readonly",
+           "own_files", "retire_file", "shm_free_bytes"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"TSARENA1"
@@ -204,6 +204,24 @@ def retire_file(path: Path) -> bool:
         os.close(fd)
 
 
+def map_file_readonly(path: str | Path, size: int, what: str, gone_because: str) -> mmap.mmap:
+    """A read-only shared map of the first `size` bytes of the regular file at `path` (never
+    through a link). StaleArena naming `what` when the file is gone (`gone_because`: why
+    that happens), not a regular file, or smaller."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise StaleArena(f"{what} {path} does not exist on this host: {gone_because} "
+                         "(describe the table again)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            raise StaleArena(f"{what} {path} holds {st.st_size} bytes, expected {size}; describe the table again")
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str | None = None,
                  allow_retired: bool = False):
     """A client's read-only view of an arena: (rows uint8 [slots, row_bytes], ArenaHeader).
@@ -213,19 +231,8 @@ def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str 
     allow_retired: a step holding a lease in a retired cache arena may still
     read it (its rows stay pinned until the lease ends).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise StaleArena(f"arena {path} does not exist on this host: the sidecar is on another host "
-                         "(use inline lookups) or it has restarted (describe the table again)") from None
-    try:
-        st = os.fstat(fd)
-        size = HEADER_BYTES + slots * row_bytes
-        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-            raise StaleArena(f"arena {path} holds {st.st_size} bytes, expected {size}; describe the table again")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    mm = map_file_readonly(path, HEADER_BYTES + slots * row_bytes, "arena",
+                           "the sidecar is on another host (use inline lookups) or it has restarted")
     whole = np.frombuffer(mm, dtype=np.uint8)
     header = ArenaHeader(whole[:HEADER_BYTES])
     h = header.read()
