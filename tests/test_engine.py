@@ -13,7 +13,7 @@ import pytest
 from tierstore import cpu_token
 from tierstore.catalog import Catalog
 from tierstore.engine import TableEngine
-from tierstore.errors import ResourceExhausted
+from tierstore.errors import InvalidArgument, ResourceExhausted
 from tierstore.leases import LeaseTable
 from tierstore.tiers.dram import Arena
 from tierstore.tiers.nvme import SegmentReader
@@ -27,14 +27,14 @@ class FaultyReader(SegmentReader):
     fail_next = 0
     delay_s = 0.0
 
-    def read_into(self, ids, dest, slots):
+    def read_into(self, ids, dest, slots, cached=False):
         if self.delay_s:
             with cpu_token.waiting():  # a device read, as the real reader waits on one
                 time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return super().read_into(ids, dest, slots)
+        return super().read_into(ids, dest, slots, cached=cached)
 
 
 @pytest.fixture
@@ -115,3 +115,26 @@ def test_a_refused_lease_changes_nothing(engine):
     with pytest.raises(ResourceExhausted, match="per client"):
         eng.plan(np.arange(3000, 3100), ttl_s=30.0, client=b"c")
     assert (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned) == state
+
+
+def test_access_notes_are_learned_step_by_step_and_seen_twice_rows_promoted(engine, monkeypatch):
+    """Local reads' notes (note_access): every step counted, a few steps per hold of the
+    lock; a miss is promoted the second time it is seen (the doorkeeper), bit-exact."""
+    from tierstore.engine import cache
+
+    monkeypatch.setattr(cache, "NOTE_CHUNK_IDS", 100)  # many lock holds for one note
+    eng, data = engine
+    rng = np.random.default_rng(5)
+    ids = rng.choice(ROWS, 720, replace=False)  # 12 steps of 60 rows, none seen twice yet
+    ends = np.arange(60, 721, 60)
+    assert eng.note_access(ids, ends) == 0  # first sight: learned, nothing promoted
+    c = eng.counters
+    assert (c.local_steps, c.hits + c.misses, c.plans) == (12, ids.size, 0)
+    uniq = np.unique(ids)
+    assert eng.note_access(ids, ends) == uniq.size  # second sight: every distinct miss promoted once
+    slots = eng.slots.slot_of[uniq]
+    assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[uniq])
+    assert not (eng.slots.gen[slots] & 1).any() and eng.slots.n_pinned == 0
+    with pytest.raises(InvalidArgument):
+        eng.note_access(ids, ends - 1)  # ends that do not cover the ids
+    assert eng.counters.local_steps == 24

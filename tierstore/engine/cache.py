@@ -34,6 +34,8 @@ __all__ = ["CacheEngine"]
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
+# access notes are learned this many ids per hold of the table lock (note_access)
+NOTE_CHUNK_IDS = 16384
 
 
 class _FillFailed(Exception):
@@ -194,26 +196,38 @@ class CacheEngine(TableEngine):
         return ids, ends
 
     def _note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
-        uniq = ids  # each step distinct; repeats across steps are further accesses
+        """note_access after its checks, a few steps at a time (the lock is held for at most
+        NOTE_CHUNK_IDS ids: planned steps of other workers wait on it)."""
+        read, a = 0, 0
+        while a < ends.size:
+            start = int(ends[a - 1]) if a else 0
+            b = max(a + 1, int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right")))
+            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start)
+            a = b
+        return read
+
+    def _note_steps(self, ids: np.ndarray, ends: np.ndarray) -> int:
+        """Steps ids[ends[k-1]:ends[k]], each step's ids distinct (repeats across steps are
+        further accesses): learned under the lock, then the admitted misses promoted."""
         st, starts = self.slots, np.concatenate([[0], ends[:-1]]).tolist()
         with self._lock:
             for a, b in zip(starts, ends.tolist()):
                 if b > a:
-                    self.policy.record(uniq[a:b])
+                    self.policy.record(ids[a:b])
                     if self.recorder is not None:
-                        self.recorder.record(self.table, uniq[a:b], n_ids=self.rows)
-            slots = st.slot_of[uniq]
+                        self.recorder.record(self.table, ids[a:b], n_ids=self.rows)
+            slots = st.slot_of[ids]
             hit = slots >= 0
             hit_slots = slots[hit].astype(np.int64, copy=False)
             if hit_slots.size:
                 self.policy.touch(hit_slots)
                 if self.verifier is not None:  # rows clients read locally are re-verified too
-                    self.verifier.sample(self, uniq[hit], hit_slots)
+                    self.verifier.sample(self, ids[hit], hit_slots)
             c = self.counters
             c.local_steps += ends.size
             c.hits += hit_slots.size
-            c.misses += uniq.size - hit_slots.size
-            miss = np.sort(distinct(uniq[~hit]))  # sorted, for the cold tier
+            c.misses += ids.size - hit_slots.size
+            miss = np.sort(distinct(ids[~hit]))  # sorted, for the cold tier
             gate = self.policy.config.read_admit_freq
             if gate > 1 and miss.size:  # a doorkeeper (PolicyConfig.read_admit_freq)
                 miss = miss[self.policy.sketch.estimate(miss) >= gate]
