@@ -23,11 +23,13 @@ fact cannot be.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tierstore.errors import TierstoreError
 from tierstore.jit import Kernel, distinct
 from tierstore.slot_index import map_index
 from tierstore.tiers.fused import unique_inverse
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from tierstore.client.table_handle import TableHandle
 
 __all__ = ["LocalReads"]
+
+log = logging.getLogger("tierstore.client")
 
 
 class LocalReads:
@@ -63,12 +67,13 @@ class LocalReads:
         _copy(ids, slots, gens, self.id_of, self.arena, out)
         missing = _confirm(slots, gens, self.gen)
         if missing:
-            if not self.handle.cold_dir:
+            cold = self._reader()
+            if cold is None:
                 return None
             where = np.flatnonzero(gens & 1)
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
-            self._reader().read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+            cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
             out[where] = got[inv]
         self.client._fast.note(self.table, self.version, distinct(ids))
         self.steps += 1
@@ -77,16 +82,24 @@ class LocalReads:
         return out
 
     def _reader(self):
-        if self._cold is None:
+        """The cold tier's reader, opened on the first miss; None where this process cannot
+        open it (no cold_dir offered, or its catalog or files are out of reach): then steps
+        with misses are planned, and a warning says why, once."""
+        if self._cold is None and self.handle.cold_dir:
             with self._cold_lock:
-                if self._cold is None:
+                if self._cold is None and self.handle.cold_dir:
                     from tierstore.catalog import Catalog
                     from tierstore.tiers.nvme import SegmentReader
 
-                    with Catalog(self.handle.cold_dir, readonly=True) as cat:
-                        v = cat.get(self.table, self.version)
-                        checksums = cat.checksums(self.table, self.version)
-                    self._cold = SegmentReader(self.handle.cold_dir, v, checksums)
+                    try:
+                        with Catalog(self.handle.cold_dir, readonly=True) as cat:
+                            v = cat.get(self.table, self.version)
+                            checksums = cat.checksums(self.table, self.version)
+                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums)
+                    except (OSError, TierstoreError) as e:
+                        log.warning("table %s: cannot read misses from %s here (%s); planning them instead",
+                                    self.table, self.handle.cold_dir, e)
+                        self.handle.cold_dir = ""
         return self._cold
 
     def close(self) -> None:

@@ -230,7 +230,13 @@ class Client:
 
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored; via the arena
-        (local clients) or inline (TCP clients, or inline=True)."""
+        (local clients) or inline (TCP clients, or inline=True).
+
+        A local client of a cache-mode table reads the step itself, no round trip
+        (client/local_reads.py): resident rows from the arena, checked against the
+        slot index's sequence numbers, misses from the segment files, verified; the
+        sidecar learns the step afterwards. Where the sidecar does not offer that
+        (--no-local-reads, --direct-io, ...) the step is planned and read."""
         if inline or (inline is None and not self.local):
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)

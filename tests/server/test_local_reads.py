@@ -219,3 +219,13 @@ def test_rows_read_locally_are_sampled_for_online_verification(tmp_path, free_po
         while metric(port, "tierstore_verified_rows", "dram") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert metric(port, "tierstore_verified_rows", "dram") > 0
+
+
+def test_misses_are_planned_when_the_segment_files_are_out_of_reach(served, tmp_path):
+    sc, c, data = served
+    h = c.handle("t")
+    h.cold_dir = str(tmp_path / "not-a-data-dir")  # as if this process could not open them
+    ids = np.arange(1000, 1300)
+    assert np.array_equal(c.lookup("t", ids), data[ids])
+    assert h.cold_dir == "" and _stats(c)["plans"] == 1  # planned once, and from now on
+    assert np.array_equal(c.lookup("t", ids + 1), data[ids + 1])
