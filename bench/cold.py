@@ -116,14 +116,15 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         closers.append(full.cleanup)
         dram = Client(full.socket)
         closers.append(dram.close)
-        cold = SidecarProcess(cache_dir, dram_budget=budget).start()
+        # planned steps (as below): no slot index in /dev/shm, whose pages the cgroup would count
+        cold = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--no-local-reads"]).start()
         closers.append(cold.cleanup)
         cclient = Client(cold.socket)
         closers.append(cclient.close)
         cap = int(cclient.tables()[0]["arena_slots"])
         dclient = direct = None
         if no_direct is None:
-            direct = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--direct-io"]).start()
+            direct = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--direct-io", "--no-local-reads"]).start()
             closers.append(direct.cleanup)
             dclient = Client(direct.socket)
             closers.append(dclient.close)
