@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierstore import prefault
 from tierstore.errors import InvalidArgument
 from tierstore.jit import Kernel
 
@@ -57,7 +58,7 @@ class FrequencySketch:
         seg = 1 << int(np.log2(_BLOCK // depth))
         blocks = 1 << max(0, int(np.ceil(np.log2(max(1, -(-width // seg))))))
         self.width = blocks * seg
-        self.counters = np.zeros((blocks, _BLOCK), dtype=np.uint8)
+        self.counters = prefault.zeros((blocks, _BLOCK), np.uint8)
         self.recorded = 0  # accesses since the last halving
         self.halvings = 0
         log2_seg, log2_blocks = int(np.log2(seg)), int(np.log2(blocks))

@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 
+from tierstore import prefault
 from tierstore.jit import Kernel
 from tierstore.slot_index import SlotIndexFile, index_dtypes
 
@@ -75,9 +76,9 @@ class SlotTable:
             self.slot_of = np.full(self.rows, -1, dtype=slot_dt)
             self.id_of = np.full(self.capacity, -1, dtype=id_dt)  # = policy.slot_id
             self.gen = np.ones(self.capacity, dtype=np.uint32)
-        self.pins = np.zeros(self.capacity, dtype=np.int32)
-        self.state = np.zeros(self.capacity, dtype=np.uint8)
-        self.fill_of = np.zeros(self.capacity, dtype=np.int32)  # fill id (mod 2^31) of a FILLING slot
+        self.pins = prefault.zeros(self.capacity, np.int32)
+        self.state = prefault.zeros(self.capacity, np.uint8)
+        self.fill_of = prefault.zeros(self.capacity, np.int32)  # fill id (mod 2^31) of a FILLING slot
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
         self.n_free = self.capacity
         self.n_pinned = 0  # slots with pins > 0, kept incrementally for stats

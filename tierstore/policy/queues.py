@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierstore import prefault
 from tierstore.jit import Kernel
 
 __all__ = ["SlotQueue", "FREE", "PROBATION", "MAIN", "ADMIT", "SCAN"]
@@ -26,8 +27,8 @@ class SlotQueue:
     """FIFO of (slot, ticket) in a ring-free buffer; stale entries are skipped lazily."""
 
     def __init__(self, capacity: int):
-        self.slot = np.empty(2 * capacity + 1024, dtype=np.int64)
-        self.ticket = np.empty_like(self.slot)
+        self.slot = prefault.resident(np.empty(2 * capacity + 1024, dtype=np.int64))
+        self.ticket = prefault.resident(np.empty_like(self.slot))
         self.head = self.tail = 0
 
     def room(self, n: int, where: np.ndarray, ticket: np.ndarray, q: int) -> None:

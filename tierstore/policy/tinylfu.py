@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierstore import prefault
 from tierstore.jit import Kernel
 from tierstore.policy.base import CachePolicy
 from tierstore.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, SlotQueue
@@ -30,9 +31,9 @@ class TinyLFUPolicy(CachePolicy):
         super().__init__(capacity, n_ids, config, slot_id)
         cfg, cap = self.config, self.capacity
         self._clock = 0  # one tick per pushed entry
-        self._where = np.zeros(cap, dtype=np.int8)
-        self._ticket = np.zeros(cap, dtype=np.int64)
-        self._hits = np.zeros(cap, dtype=np.uint8)
+        self._where = prefault.zeros(cap, np.int8)
+        self._ticket = prefault.zeros(cap, np.int64)
+        self._hits = prefault.zeros(cap, np.uint8)
         self._queues = {PROBATION: SlotQueue(cap), MAIN: SlotQueue(cap)}
         self._count = np.zeros(3, dtype=np.int64)  # live entries per queue (index FREE unused)
         self._window = max(1, int(cfg.window * cap))
@@ -45,7 +46,7 @@ class TinyLFUPolicy(CachePolicy):
         # expect(): a hinted slot is passed over until step _until[slot]; hinted ids not
         # resident yet wait in _pending (sorted ids, the step their hint runs out)
         self._steps = 0
-        self._until = np.zeros(cap, dtype=np.int64)
+        self._until = prefault.zeros(cap, np.int64)
         self._pending = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         # at most half the arena protected at once (counted when a protection starts, and
         # taken off at the step it was to end): a deep queue of hints cannot crowd out
