@@ -243,3 +243,20 @@ def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):
     (hits_c, held_c), (hits_r, held_r) = held
     assert hits_c == hits_r and sum(hits_c) > 4000  # the same rows kept, step after step
     assert np.array_equal(held_c, held_r)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tickets_wrapping_past_2_32_change_no_decision(compiled, numpy_path):
+    """Queue tickets are 4 B (the clock mod 2^32): a clock that wraps mid-run keeps the same rows."""
+    import tierstore.policy.tinylfu as tinylfu
+    if not compiled:
+        numpy_path(tinylfu, "ADMIT", "SCAN", "_TOUCH", "_SUBSET")
+    rng = np.random.default_rng(11)
+    steps = [(np.unique(rng.zipf(1.2, size=60) % 3000), np.flatnonzero(rng.random(200) < 0.1)) for _ in range(300)]
+    runs = []
+    for start in (0, 2**32 - 3000):
+        arena = Arena(200, 3000)
+        arena.policy._clock = start
+        runs.append(([arena.step(ids, leased) for ids, leased in steps], arena.held.copy()))
+        assert arena.policy._clock - start > 6000
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])

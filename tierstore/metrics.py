@@ -36,6 +36,9 @@ class _EngineCollector:
                                               labels=["table"]),
             "resident": GaugeMetricFamily("tierstore_resident_rows", "Rows in the DRAM arena", labels=["table"]),
             "capacity": GaugeMetricFamily("tierstore_arena_slots", "Arena capacity in rows", labels=["table"]),
+            "metadata_bytes": GaugeMetricFamily("tierstore_metadata_bytes",
+                                                "DRAM held beyond the arena rows: checksums, id/slot maps, "
+                                                "cache policy state", labels=["table"]),
         }
         checked = CounterMetricFamily("tierstore_verified_rows", "Served rows re-checked by online verification",
                                       labels=["table", "tier"])

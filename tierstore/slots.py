@@ -79,9 +79,16 @@ class SlotTable:
         self.pins = prefault.zeros(self.capacity, np.int32)
         self.state = prefault.zeros(self.capacity, np.uint8)
         self.fill_of = prefault.zeros(self.capacity, np.int32)  # fill id (mod 2^31) of a FILLING slot
-        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
+        # a stack: pop from the end (int32 below 2^31 slots, handed out as int64)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32 if self.capacity < 2**31 else np.int64)
         self.n_free = self.capacity
         self.n_pinned = 0  # slots with pins > 0, kept incrementally for stats
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the maps, pins and fill state (the shared index's included)."""
+        return sum(a.nbytes for a in (self.slot_of, self.id_of, self.gen, self.pins, self.state, self.fill_of,
+                                      self._free))
 
     @property
     def resident(self) -> int:
@@ -122,7 +129,7 @@ class SlotTable:
 
     def take_free(self, k: int) -> np.ndarray:
         take = min(k, self.n_free)
-        got = self._free[self.n_free - take:self.n_free].copy()
+        got = self._free[self.n_free - take:self.n_free].astype(np.int64)
         self.n_free -= take
         return got
 

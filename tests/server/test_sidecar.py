@@ -78,6 +78,9 @@ def test_cache_mode_serves_bit_exact_rows_and_evicts(cached):
         assert np.array_equal(c.lookup("t32", ids, inline=True), expected["t32"][ids])
     s = {t["table"]: t for t in c.stats()["tables"]}["t32"]
     assert int(s["evictions"]) > 0 and int(s["promotions"]) > 0 and int(s["bytes_read"]) > 0
+    # DRAM beyond the arena: the row checksums and id map (12 B a row), the per-slot state, a small sketch
+    slots = int(info["t32"]["arena_slots"])
+    assert ROWS * 12 + slots * 40 < int(s["metadata_bytes"]) < ROWS * 12 + slots * 256 + (128 << 10)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -260,6 +263,7 @@ def test_metrics_endpoint_counts_per_tier(table_dir):
     assert 'tierstore_misses_total{table="t32",tier="dram"} 500.0' in text
     assert 'tierstore_bytes_read_total{table="t32",tier="nvme"}' in text
     assert "tierstore_rpc_seconds_bucket" in text and "tierstore_evictions_total" in text
+    assert 'tierstore_metadata_bytes{table="t32"}' in text
 
 
 def test_tcp_needs_an_explicit_flag_and_the_token(table_dir, tmp_path):

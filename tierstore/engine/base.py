@@ -149,6 +149,12 @@ class TableEngine:
         """(resident rows, leased slots)."""
         raise NotImplementedError
 
+    def metadata_bytes(self) -> int:
+        """DRAM this table holds beyond its arena rows: block and row checksums, and
+        (cache mode) the id/slot maps and the policy's state."""
+        sums = getattr(self.reader, "row_sums", None)
+        return int(self.reader.checksums.nbytes + (0 if sums is None else sums.nbytes))
+
     def stats(self) -> dict:
         c = self.counters
         resident, leased = self._occupancy()
@@ -158,4 +164,4 @@ class TableEngine:
                     leased_slots=leased, lease_refusals=c.lease_refusals,
                     bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
-                    notes_dropped=c.notes_dropped)
+                    notes_dropped=c.notes_dropped, metadata_bytes=self.metadata_bytes())

@@ -420,3 +420,6 @@ class CacheEngine(TableEngine):
 
     def _occupancy(self) -> tuple[int, int]:
         return self.slots.resident, self.slots.n_pinned
+
+    def metadata_bytes(self) -> int:
+        return super().metadata_bytes() + self.slots.held_bytes + self.policy.held_bytes()

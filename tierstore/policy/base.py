@@ -64,6 +64,15 @@ class CachePolicy:
             width=max(16, min(int(cfg.sketch_width * capacity), budget)), depth=cfg.sketch_depth,
             counter_max=cfg.counter_max, period=int(cfg.halve_every * capacity))
 
+    def held_bytes(self) -> int:
+        """Bytes of memory the policy holds (its sketch and per-slot state)."""
+        own = [self.slot_id] if self._own_map else []
+        return sum(a.nbytes for a in [self.sketch.counters, *own, *self._held()])
+
+    def _held(self) -> list[np.ndarray]:
+        """The subclass's per-slot arrays."""
+        return []
+
     # ---- per-step calls ------------------------------------------------------
     def record(self, ids: np.ndarray) -> None:
         """Count one access of each (unique) id of a step, hits and misses alike."""

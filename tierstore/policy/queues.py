@@ -18,17 +18,27 @@ import numpy as np
 from tierstore import prefault
 from tierstore.jit import Kernel
 
-__all__ = ["SlotQueue", "FREE", "PROBATION", "MAIN", "ADMIT", "SCAN"]
+__all__ = ["SlotQueue", "FREE", "PROBATION", "MAIN", "ADMIT", "SCAN", "TICKET", "TICKET_MASK", "slot_dtype"]
 
 FREE, PROBATION, MAIN = 0, 1, 2
+# An entry's ticket is the policy clock mod 2^32 when it was pushed: tickets are only
+# compared for equality (is this entry the slot's latest?), so 4 B do. A stale entry
+# whose slot's clock came round to the same value 2^32 pushes later would pass for
+# live only to be handled once at its old place: the first visit re-tickets the slot.
+TICKET, TICKET_MASK = np.uint32, 0xFFFFFFFF
+
+
+def slot_dtype(capacity: int):
+    """int32 slots below 2^31 (every arena a host holds): queues cost 8 B an entry."""
+    return np.int32 if capacity < 2**31 else np.int64
 
 
 class SlotQueue:
     """FIFO of (slot, ticket) in a ring-free buffer; stale entries are skipped lazily."""
 
     def __init__(self, capacity: int):
-        self.slot = prefault.resident(np.empty(2 * capacity + 1024, dtype=np.int64))
-        self.ticket = prefault.resident(np.empty_like(self.slot))
+        self.slot = prefault.resident(np.empty(2 * capacity + 1024, dtype=slot_dtype(capacity)))
+        self.ticket = prefault.resident(np.empty(self.slot.size, dtype=TICKET))
         self.head = self.tail = 0
 
     def room(self, n: int, where: np.ndarray, ticket: np.ndarray, q: int) -> None:
@@ -39,8 +49,8 @@ class SlotQueue:
         keep = (where[s] == q) & (ticket[s] == t)
         s, t = s[keep], t[keep]
         if s.size + n > self.slot.size:
-            self.slot = np.empty(2 * (s.size + n), dtype=np.int64)
-            self.ticket = np.empty_like(self.slot)
+            self.slot = np.empty(2 * (s.size + n), dtype=self.slot.dtype)
+            self.ticket = np.empty(self.slot.size, dtype=TICKET)
         self.slot[:s.size], self.ticket[:s.size] = s, t
         self.head, self.tail = 0, s.size
 
@@ -53,7 +63,7 @@ class SlotQueue:
 
     def peek(self, m: int) -> tuple[np.ndarray, np.ndarray]:
         end = min(self.head + m, self.tail)
-        return self.slot[self.head:end].copy(), self.ticket[self.head:end].copy()
+        return self.slot[self.head:end].astype(np.int64), self.ticket[self.head:end].copy()
 
 
 def _admit_loop(slots, to_main, where, ticket, hits, count, ps, pt, ptail, ms, mt, mtail, clock):
@@ -65,15 +75,15 @@ def _admit_loop(slots, to_main, where, ticket, hits, count, ps, pt, ptail, ms, m
             count[where[s]] -= 1
         hits[s] = 0
         if to_main[i]:
-            ms[mtail], mt[mtail] = s, clock
+            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
             mtail += 1
             where[s] = MAIN
         else:
-            ps[ptail], pt[ptail] = s, clock
+            ps[ptail], pt[ptail] = s, clock & TICKET_MASK
             ptail += 1
             where[s] = PROBATION
         count[where[s]] += 1
-        ticket[s] = clock
+        ticket[s] = clock & TICKET_MASK
         clock += 1
     return ptail, mtail, clock
 
@@ -107,18 +117,18 @@ def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, until, step
             hits[s] = 0
             count[PROBATION] -= 1
             count[MAIN] += 1
-            ms[mtail], mt[mtail] = s, clock
+            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
             mtail += 1
             where[s] = MAIN
         elif q == PROBATION:  # leased: in use, so recent
-            ps[ptail], pt[ptail] = s, clock
+            ps[ptail], pt[ptail] = s, clock & TICKET_MASK
             ptail += 1
         else:
             if free:
                 hits[s] -= 1
-            ms[mtail], mt[mtail] = s, clock
+            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
             mtail += 1
-        ticket[s] = clock
+        ticket[s] = clock & TICKET_MASK
         clock += 1
     return n, head, ptail, mtail, clock
 

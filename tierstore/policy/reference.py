@@ -22,6 +22,9 @@ class LRUPolicy(CachePolicy):
         self._clock = 0
         self._last = np.zeros(self.capacity, dtype=np.int64)
 
+    def _held(self):
+        return [self._last]
+
     def _touch(self, slots):
         self._clock += 1
         self._last[slots] = self._clock

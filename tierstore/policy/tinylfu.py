@@ -19,7 +19,7 @@ import numpy as np
 from tierstore import prefault
 from tierstore.jit import Kernel
 from tierstore.policy.base import CachePolicy
-from tierstore.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, SlotQueue
+from tierstore.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, TICKET, TICKET_MASK, SlotQueue
 
 __all__ = ["TinyLFUPolicy"]
 
@@ -32,7 +32,7 @@ class TinyLFUPolicy(CachePolicy):
         cfg, cap = self.config, self.capacity
         self._clock = 0  # one tick per pushed entry
         self._where = prefault.zeros(cap, np.int8)
-        self._ticket = prefault.zeros(cap, np.int64)
+        self._ticket = prefault.zeros(cap, TICKET)
         self._hits = prefault.zeros(cap, np.uint8)
         self._queues = {PROBATION: SlotQueue(cap), MAIN: SlotQueue(cap)}
         self._count = np.zeros(3, dtype=np.int64)  # live entries per queue (index FREE unused)
@@ -56,6 +56,10 @@ class TinyLFUPolicy(CachePolicy):
     @property
     def window(self) -> float:
         return self._share
+
+    def _held(self):
+        queues = [a for q in self._queues.values() for a in (q.slot, q.ticket)]
+        return [self._where, self._ticket, self._hits, self._until, *queues]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
@@ -223,7 +227,7 @@ class TinyLFUPolicy(CachePolicy):
         if slots.size == 0:
             return
         self._queues[q].room(slots.size, self._where, self._ticket, q)
-        tickets = np.arange(self._clock, self._clock + slots.size, dtype=np.int64)
+        tickets = (np.arange(self._clock, self._clock + slots.size, dtype=np.int64) & TICKET_MASK).astype(TICKET)
         self._clock += slots.size
         self._where[slots] = q
         self._ticket[slots] = tickets
