@@ -15,13 +15,17 @@ from tierstore.ingest import write_version
 from tierstore.tiers.nvme import SegmentReader
 
 
-@pytest.fixture(params=["page-cache", "direct"])
-def mode(request, tmp_path, odirect):
-    if request.param == "direct":
+@pytest.fixture(params=["page-cache", "direct", "direct-pread"])
+def mode(request, tmp_path, odirect, monkeypatch):
+    """Page cache, O_DIRECT (io_uring where there is one), or O_DIRECT one pread at a time."""
+    if request.param.startswith("direct"):
         why = odirect(tmp_path)
         if why:
             pytest.skip(why)
-    return request.param == "direct"
+    if request.param == "direct-pread":
+        from tierstore.tiers import direct_io
+        monkeypatch.setattr(direct_io, "thread_ring", lambda: None)
+    return request.param != "page-cache"
 
 
 def _write(data_dir, name, data, fmt="fp32", dim=None, **kw):

@@ -16,13 +16,15 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import threading
 
 import numpy as np
 
 from tierstore.errors import InvalidArgument
+from tierstore.tiers.uring import Ring
 
-__all__ = ["DirectFiles", "pread_rows", "probe_alignment", "row_buffer", "thread_buffer"]
+__all__ = ["DirectFiles", "pread_rows", "probe_alignment", "row_buffer", "thread_buffer", "thread_ring"]
 
 _ALIGNS = (512, 4096)
 
@@ -44,12 +46,15 @@ def probe_alignment(fd: int, path) -> int:
         buf.close()
 
 
-def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buffer) -> tuple[int, int]:
+def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
+               ring: Ring | None = None) -> tuple[int, int]:
     """pread rows `local` (sorted row numbers of the file at fd, rows of rb bytes)
     into out[:len(local)], reading the `a`-aligned spans that hold them (a = 1:
     exactly the rows); rows whose spans touch share one pread. buffer(n) gives
-    an a-aligned scratch of >= n bytes. Returns (bytes read, index of the first
-    row the file did not hold in full, or -1)."""
+    an a-aligned scratch of >= n bytes. With a `ring` every span is read in
+    flight together (one system call); a span it did not read in full is
+    pread again. Returns (bytes read, index of the first row the file did not
+    hold in full, or -1)."""
     off = local * rb
     start = off // a * a
     end = -(-(off + rb) // a) * a
@@ -63,8 +68,14 @@ def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buf
     run_of = np.cumsum(new) - 1
     flat = buffer(int(r_len.sum()))
     buf = memoryview(flat)
-    total, short = 0, -1
-    for j, (o, p, n) in enumerate(zip(r_off.tolist(), r_pos.tolist(), r_len.tolist())):
+    total, short, redo = 0, -1, range(r_off.size)
+    if ring is not None and r_off.size > 1:
+        res = ring.read(fd, r_off, r_len, flat.ctypes.data + r_pos)
+        whole = res == r_len
+        total, redo = int(r_len[whole].sum()), np.flatnonzero(~whole).tolist()  # short or failed: pread says why
+    offs, poss, lens = r_off.tolist(), r_pos.tolist(), r_len.tolist()
+    for j in redo:
+        o, p, n = offs[j], poss[j], lens[j]
         got = os.preadv(fd, [buf[p:p + n]], o)
         while 0 < got < n:  # a signal; or the file ends (its last sector is short)
             more = os.preadv(fd, [buf[p + got:p + n]], o + got)
@@ -107,6 +118,22 @@ def thread_buffer(scratch: _Scratch, nbytes: int) -> np.ndarray:
 _ROWS = _Scratch()
 
 
+class _Rings(threading.local):
+    ring: Ring | None = None
+    tried: bool = False
+
+
+_RINGS = _Rings()
+
+
+def thread_ring() -> Ring | None:
+    """This thread's io_uring (made on first use, closed with the thread), or None where there is none."""
+    if not _RINGS.tried:
+        _RINGS.tried = True
+        _RINGS.ring = Ring.open()
+    return _RINGS.ring
+
+
 def row_buffer(n: int, row_bytes: int) -> np.ndarray:
     """This thread's reusable uint8 [n, row_bytes] buffer for one chunk of rows
     (its own: pread_rows's `buffer` scratch is another)."""
@@ -138,6 +165,8 @@ class DirectFiles:
                     raise InvalidArgument(f"--direct-io: the filesystem holding {p} refuses O_DIRECT "
                                           f"(tmpfs does); serve without --direct-io or keep the data "
                                           f"directory on a disk") from None
+                if stat.S_ISREG(os.fstat(fd).st_mode):  # a file (not a FIFO swapped in): reads may block,
+                    os.set_blocking(fd, True)           # which io_uring needs to queue them (no EAGAIN)
                 self.fds.append(fd)
             first = next((i for i, fd in enumerate(self.fds) if fd is not None), None)
             if first is not None:
@@ -153,7 +182,7 @@ class DirectFiles:
         """Read rows `local` (sorted row numbers within segment `seg`) into uint8
         [len(local), row_bytes] `out`. Returns (bytes read, index of the first row
         the file did not hold in full, or -1)."""
-        return pread_rows(self.fds[seg], local, self.row_bytes, self.align, out, self._buffer)
+        return pread_rows(self.fds[seg], local, self.row_bytes, self.align, out, self._buffer, thread_ring())
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
