@@ -158,13 +158,14 @@ def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mo
         assert r.verify() == [1]
 
 
-def test_a_corrupt_row_sum_file_falls_back_to_blocks(data_dir, make_table):
+@pytest.mark.parametrize("mapped", [False, True], ids=["copied", "mapped"])
+def test_a_corrupt_row_sum_file_falls_back_to_blocks(data_dir, make_table, mapped):
     tv, data = make_table("t", rows=2000, row_bytes=64)
     path = data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"]
     raw = bytearray(path.read_bytes())
     raw[8] ^= 1
     path.write_bytes(bytes(raw))
-    with _reader(data_dir, tv) as r:
+    with _reader(data_dir, tv, map_row_sums=mapped) as r:
         assert r.row_sums is None and "row checksum file" in r.row_sums_error
         assert np.array_equal(r.read_rows(np.arange(2000)), data)  # still verified, by block
 
@@ -263,3 +264,53 @@ def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table
         dest = np.zeros((1500, 256), dtype=np.uint8)
         r.read_into(ids, dest, np.arange(1500))
         assert np.array_equal(dest, data[ids]) and seen.all()
+
+
+_GROWTH = """
+import sys
+import numpy as np
+from tierstore.catalog import Catalog
+from tierstore.tiers.nvme import SegmentReader
+def anon():
+    return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssAnon:")).split()[1]) << 10
+with Catalog(sys.argv[1], readonly=True) as cat:
+    tv = cat.current("t")
+    sums = cat.checksums("t", tv.version)
+warm = SegmentReader(sys.argv[1], tv, sums, map_row_sums=True)
+warm.read_rows(np.arange(0, tv.rows, 997))  # compiled kernels, pools: not the row sums
+warm.close()
+before = anon()
+r = SegmentReader(sys.argv[1], tv, sums, map_row_sums=sys.argv[2] == "1")
+assert r.row_sums is not None
+r.read_rows(np.arange(0, tv.rows, 997))
+print(anon() - before)
+"""
+
+
+def test_a_client_reader_maps_the_row_sums_instead_of_copying_them(data_dir, make_table):
+    """8 B a row in every worker process would be 3 GB per V4.1 layer per worker: a client's
+    reader maps the file (one page-cache copy per host), checked and read the same."""
+    import subprocess
+    import sys
+
+    rows = 1 << 21
+    tv, data = make_table("t", rows=rows, row_bytes=8)
+    grew = {mapped: int(subprocess.run([sys.executable, "-c", _GROWTH, str(data_dir), str(int(mapped))],
+                                       check=True, capture_output=True, text=True, timeout=120).stdout)
+            for mapped in (False, True)}  # a fresh process each: no heap an earlier test freed
+    assert grew[False] > rows * 8 * 0.9 and grew[True] < rows * 8 * 0.1
+    with _reader(data_dir, tv, map_row_sums=True) as r:
+        ids = np.sort(np.random.default_rng(3).choice(rows, 5000, replace=False))
+        dest = np.zeros((5000, 8), np.uint8)
+        r.read_into(ids, dest, np.arange(5000))
+        assert np.array_equal(dest, data[ids])
+
+
+def test_a_mapped_row_sum_file_that_shrinks_is_data_loss_not_a_crash(data_dir, make_table):
+    tv, data = make_table("t", rows=2000, row_bytes=64)
+    path = data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"]
+    with _reader(data_dir, tv, map_row_sums=True) as r:
+        r.read_rows(np.arange(10))
+        os.truncate(path, 100)  # touching the map past here would be SIGBUS
+        with pytest.raises(ChecksumError, match="row checksum file shrank"):
+            r.read_into(np.array([5, 1500]), np.zeros((2, 64), np.uint8), np.arange(2))

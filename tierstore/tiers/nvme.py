@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -67,6 +68,17 @@ def _open_segment(path: Path) -> tuple[int | None, str | None]:
     return None, f"not a regular file ({kind}); restore it or re-ingest the table"
 
 
+def _map_sums(fd: int, rows: int) -> np.ndarray | None:
+    """The first `rows` u64 of the row-sum file at fd, mapped read-only; None when the file is shorter."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < rows * 8:
+        return None
+    if rows == 0:
+        return np.zeros(0, np.uint64)
+    m = mmap.mmap(fd, rows * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+    return np.frombuffer(m, "<u8", rows).view(np.uint64)
+
+
 class SegmentReader(MappedRows, BlockReads, Tier):
     """Verified reads of one table version from its segment files.
 
@@ -84,9 +96,14 @@ class SegmentReader(MappedRows, BlockReads, Tier):
     `row_sums` is the per-row checksum array (8 B per row, held in memory) or
     None for a version written without one (then rows verify by block);
     `row_sums_error` says why a version's row sums were not usable.
+    map_row_sums: map the row-sum file read-only instead of copying it (a
+        client's reader: the page cache holds one copy for every process on the
+        host, not 8 B a row in each); checked once at open like a copy, and a
+        file shrunk since then reads as corrupt rather than faulting.
     """
 
-    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False):
+    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
+                 map_row_sums: bool = False):
         self.data_dir = Path(data_dir)
         self.version = version
         self.table = version.table
@@ -105,6 +122,8 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.direct = None
+        self._sums_fd = None  # the mapped row-sum file (map_row_sums), checked for shrinking per read
+        self._map_sums = map_row_sums
         for rel in version.segments:
             fd, why = _open_segment(self.data_dir / rel)
             self._fds.append(fd)
@@ -133,12 +152,19 @@ class SegmentReader(MappedRows, BlockReads, Tier):
             err = f"{where}: row checksum file {path} is {why}"
         else:
             try:
-                raw = np.empty(self.rows, dtype="<u8")
-                got = os.preadv(fd, [memoryview(raw).cast("B")], 0)
-                ok = got == raw.nbytes and xxhash.xxh3_64_intdigest(raw) == int(meta["xxh3"])
+                if self._map_sums:
+                    raw = _map_sums(fd, self.rows)
+                    ok = raw is not None
+                else:
+                    raw = np.empty(self.rows, dtype="<u8")
+                    ok = os.preadv(fd, [memoryview(raw).cast("B")], 0) == raw.nbytes
+                ok = ok and xxhash.xxh3_64_intdigest(raw) == int(meta["xxh3"])
                 err = None if ok else f"{where}: row checksum file {path} is corrupt or truncated"
+                if ok and self._map_sums:
+                    self._sums_fd, fd = fd, None
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
         if err:
             log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
             return None, err
@@ -190,6 +216,12 @@ class SegmentReader(MappedRows, BlockReads, Tier):
         if self.row_sums is None:  # a version written before row checksums: verify whole blocks
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
             return
+        if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
+            row = int(ids[0])  # touching the map past the file's end would be SIGBUS
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: the row checksum file shrank after it was opened")
+            err.row = row
+            raise err
         sr = self.version.segment_rows
         first = int(ids[0]) // sr
         if cached and self.direct is None:
@@ -306,7 +338,8 @@ class SegmentReader(MappedRows, BlockReads, Tier):
     def close(self) -> None:
         fds, self._fds = self._fds, []
         self._maps = [None] * len(self._maps)  # a map goes with its last view
-        for fd in fds:
+        sums_fd, self._sums_fd = getattr(self, "_sums_fd", None), None
+        for fd in fds + [sums_fd]:
             if fd is not None:
                 os.close(fd)
         if self.direct is not None:
