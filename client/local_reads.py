@@ -8,10 +8,10 @@ index (tierstore/slot_index.py):
    against its slot's sequence lock: a row evicted or rewritten during the
    copy is not used, it is read like a miss;
 2. misses are read from the table's segment files and verified by their row
-   checksums in this process (tiers/nvme.SegmentReader, page-cache mode, the
-   same code the sidecar runs), when the sidecar offers that (`cold_dir`);
-   otherwise (O_DIRECT, Mooncake, versions without row checksums) a step with
-   misses is planned through the sidecar as before;
+   checksums in this process (tiers/nvme.SegmentReader, the same code the
+   sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
+   that (`cold_dir`); otherwise (Mooncake, versions without row checksums) a
+   step with misses is planned through the sidecar as before;
 3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
    and one-way (client/fast_link.py): its policy learns the step as if it had
    been planned and promotes the misses, so the next steps find them resident.
@@ -96,7 +96,8 @@ class LocalReads:
                             v = cat.get(self.table, self.version)
                             checksums = cat.checksums(self.table, self.version)
                         # row sums mapped: one copy in the page cache for every worker on the host
-                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums, map_row_sums=True)
+                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums, map_row_sums=True,
+                                                   direct_io=self.handle.cold_direct)
                     except (OSError, TierstoreError) as e:
                         log.warning("table %s: cannot read misses from %s here (%s); planning them instead",
                                     self.table, self.handle.cold_dir, e)

@@ -127,8 +127,9 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         if index is None:
             return {}
         r = eng.reader
-        own = isinstance(r, SegmentReader) and r.direct is None and r.row_sums is not None
-        return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "")
+        own = isinstance(r, SegmentReader) and r.row_sums is not None
+        return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "",
+                    cold_direct=own and r.direct is not None)
 
     @_rpc
     def ListTables(self, request, context):

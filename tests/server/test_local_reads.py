@@ -138,7 +138,7 @@ def test_a_version_swap_serves_the_new_rows(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--no-local-reads", "--direct-io"])
-def test_without_local_reads_lookup_plans_and_stays_exact(tmp_path, flag):
+def test_without_local_reads_or_with_direct_io_lookups_stay_exact(tmp_path, flag):
     d = tmp_path / "data"
     data = _write(d)
     sc = SidecarProcess(d, dram_budget="1MiB", extra_args=[flag])
@@ -158,8 +158,9 @@ def test_without_local_reads_lookup_plans_and_stays_exact(tmp_path, flag):
             s = _stats(c)
             if flag == "--no-local-reads":
                 assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local is None
-            else:  # hits are read locally; a step with misses is planned (the client has no O_DIRECT reader)
-                assert s["plans"] >= 1
+            else:  # misses too are read here, with O_DIRECT as the sidecar reads them: no plan
+                local = c.handle("t").local
+                assert s["plans"] == 0 and local.rows_cold > 0 and local._cold.direct is not None
     finally:
         sc.cleanup()
 
