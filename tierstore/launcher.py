@@ -29,8 +29,10 @@ class SidecarProcess:
             self._tmp = tempfile.mkdtemp(prefix="tierstore-")
             socket = Path(self._tmp) / "sidecar.sock"
         self.socket = Path(socket).absolute()
+        # --parent-pid: a sidecar whose launcher dies (a killed test run) stops cleanly, not orphaned
         self.args = [sys.executable, "-m", "tierstore", "serve", "--data", str(self.data_dir),
-                     "--socket", str(self.socket), "--dram-budget", str(dram_budget), *map(str, extra_args)]
+                     "--socket", str(self.socket), "--dram-budget", str(dram_budget), "--parent-pid", str(os.getpid()),
+                     *map(str, extra_args)]
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tierstore-sidecar-", suffix=".log")[1])

@@ -74,3 +74,42 @@ def test_persisted_arenas_of_versions_no_longer_current_are_removed(tmp_path):
     finally:
         sc.cleanup()
     assert sc.shm_files() == []
+
+
+_LAUNCHER = """
+import sys, time
+from tierstore.launcher import SidecarProcess
+sc = SidecarProcess(sys.argv[1], dram_budget="64MiB").start()
+print(sc.proc.pid, sc.socket, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
+    """A killed test run or benchmark must not leave its sidecar serving, or its arenas in /dev/shm."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = tmp_path / "data"
+    _table(d, 1000)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(d)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, sock = launcher.stdout.readline().split()
+        side = SidecarProcess(d, socket=sock)  # for its shm_files(): the files this sidecar's tag names
+        assert side.shm_files() and Path(sock).exists()
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        if alive:
+            os.kill(int(pid), signal.SIGKILL)
+        assert not alive, "the sidecar kept serving after its launcher died"
+        assert side.shm_files() == [] and not Path(sock).exists()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.stdout.close()

@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-table", action="append", metavar="TABLE[@VERSION]",
                    help="with --remote: also serve this published table (default its latest published version), "
                    "recording its manifest in --data at start-up when missing (repeatable)")
+    p.add_argument("--parent-pid", type=int, help="stop (as on SIGTERM: arenas and socket removed) once process "
+                   "PID is no longer this sidecar's parent, e.g. it died; set by the launcher tests and benches use")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -86,6 +88,8 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), name="parent-watch", daemon=True).start()
     modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.sidecar.engines.items())
     print(f"tierstore serving {len(server.sidecar.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
           flush=True)
@@ -93,6 +97,19 @@ def run(args) -> int:
     server.stop()
     print("tierstore stopped", flush=True)
     return 0
+
+
+PARENT_POLL_S = 0.25
+
+
+def _watch_parent(pid: int, stop) -> None:
+    """Set `stop` once `pid` is no longer the parent (it died: this process was re-parented)."""
+    import os
+
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() != pid:
+            print(f"tierstore: parent process {pid} is gone; stopping", flush=True)
+            stop.set()
 
 
 def _prepare_remote_tables(args) -> None:
