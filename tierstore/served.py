@@ -183,9 +183,9 @@ class ServedTables:
             arena.close(unlink=True)
             reader.close()
             raise
-        log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB) ready in %.2fs",
-                 v.table, v.version, "full" if full else "cache", slots, v.row_bytes,
-                 slots * v.row_bytes / 2**20, time.monotonic() - t0)
+        log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB) + %.1f MiB of checksums, maps and policy, "
+                 "ready in %.2fs", v.table, v.version, "full" if full else "cache", slots, v.row_bytes,
+                 slots * v.row_bytes / 2**20, engine.metadata_bytes() / 2**20, time.monotonic() - t0)
         return engine
 
     def _reader(self, v, checksums):

@@ -152,8 +152,8 @@ class TableEngine:
     def metadata_bytes(self) -> int:
         """DRAM this table holds beyond its arena rows: block and row checksums, and
         (cache mode) the id/slot maps and the policy's state."""
-        sums = getattr(self.reader, "row_sums", None)
-        return int(self.reader.checksums.nbytes + (0 if sums is None else sums.nbytes))
+        held = (getattr(self.reader, "checksums", None), getattr(self.reader, "row_sums", None))
+        return int(sum(a.nbytes for a in held if a is not None))
 
     def stats(self) -> dict:
         c = self.counters
