@@ -157,7 +157,7 @@ class FastPathServer:
         if self._listener is not None:
             _shutdown(self._listener)
             self._listener.close()
-        if self._acceptor is not None:
+        if self._acceptor is not None and self._acceptor.is_alive():  # not when a stop came mid-start
             self._acceptor.join(timeout)
         with self._lock:
             conns = list(self._conns.items())

@@ -212,6 +212,9 @@ class Server:
     def _build(self, config: ServeConfig, Metrics, pem) -> None:
         self.metrics = Metrics(self.sidecar)
         self.health = health.HealthServicer()
+        # grpc's servicer says SERVING for "" from the start: not until start() has brought up the
+        # fast path and the sidecar (a launcher that stops us on SERVING must not catch us half-started)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         service = TierstoreService(self.sidecar, self.metrics)
         self.guard = None if config.listen is None else \
             TokenInterceptor(config.auth_token, config.receive_timeout_s)

@@ -113,3 +113,37 @@ def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
         launcher.stdout.close()
+
+
+def test_health_says_serving_only_once_the_fast_path_and_tables_are_up(tmp_path):
+    """A launcher returns on SERVING and may stop the sidecar at once: a stop that came while the
+    fast path was still starting left its arenas behind (grpc's servicer said SERVING from the start)."""
+    from grpc_health.v1 import health_pb2
+
+    from tierstore.config import ServeConfig
+    from tierstore.server import Server
+
+    d = tmp_path / "data"
+    _table(d, 1000)
+    server = Server(ServeConfig.from_env(data_dir=d, socket=tmp_path / "s.sock", dram_budget="64MiB"))
+    try:
+        check = lambda: server.health.Check(health_pb2.HealthCheckRequest(service=""), None).status  # noqa: E731
+        assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+        server.start()
+        assert check() == health_pb2.HealthCheckResponse.SERVING and server.fast.path.exists()
+    finally:
+        server.stop(grace=0)
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_fast_path_stopped_before_its_acceptor_ran_stops_cleanly(tmp_path):
+    import threading
+
+    from tierstore.bench.fastpath import ModuloHandler
+    from tierstore.fastpath import FastPathServer
+
+    srv = FastPathServer(tmp_path / "f.fast", ModuloHandler())
+    srv._listener = srv._bind()
+    srv._acceptor = threading.Thread(target=srv._accept_loop, daemon=True)  # a SIGTERM came before start() ran it
+    srv.stop()
+    assert not (tmp_path / "f.fast").exists()

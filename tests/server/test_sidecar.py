@@ -174,10 +174,10 @@ def test_socket_and_arena_are_private_and_cleaned_up(table_dir):
         for a in arenas:
             st_ = os.stat(a)
             assert stat.S_IMODE(st_.st_mode) == 0o600 and st_.st_uid == os.getuid()
-    finally:
         sc.stop()
-    assert not sc.socket.exists() and sc.arena_files() == []
-    sc.cleanup()
+        assert not sc.socket.exists() and sc.arena_files() == []
+    finally:
+        sc.cleanup()  # a failed check above still leaves nothing behind
 
 
 def test_unreachable_sidecar_is_unavailable_quickly(tmp_path):
