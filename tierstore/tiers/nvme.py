@@ -93,13 +93,13 @@ class SegmentReader(MappedRows, BlockReads, Tier):
     offset. A missing, truncated or non-regular segment file reads as corrupt
     (ChecksumError). `bytes_read` counts bytes read from the files (rows in
     page-cache mode, sectors with O_DIRECT, whole blocks on the block path).
-    `row_sums` is the per-row checksum array (8 B per row, held in memory) or
-    None for a version written without one (then rows verify by block);
-    `row_sums_error` says why a version's row sums were not usable.
-    map_row_sums: map the row-sum file read-only instead of copying it (a
-        client's reader: the page cache holds one copy for every process on the
-        host, not 8 B a row in each); checked once at open like a copy, and a
-        file shrunk since then reads as corrupt rather than faulting.
+    `row_sums` is the per-row checksum array (8 B per row) or None for a
+    version written without one (then rows verify by block); `row_sums_error`
+    says why a version's row sums were not usable.
+    map_row_sums: map the row-sum file read-only instead of copying it (the
+        sidecar and local clients do: the page cache holds one copy for every
+        process on the host, not 8 B a row in each); checked once at open like
+        a copy, and a file shrunk since then reads as corrupt, not SIGBUS.
     """
 
     def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
