@@ -95,8 +95,8 @@ class LocalReads:
                         with Catalog(self.handle.cold_dir, readonly=True) as cat:
                             v = cat.get(self.table, self.version)
                             checksums = cat.checksums(self.table, self.version)
-                        # row sums mapped: one copy in the page cache for every worker on the host
-                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums, map_row_sums=True,
+                        # its row sums are mapped: one page-cache copy for every worker on the host
+                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums,
                                                    direct_io=self.handle.cold_direct)
                     except (OSError, TierstoreError) as e:
                         log.warning("table %s: cannot read misses from %s here (%s); planning them instead",

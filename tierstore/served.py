@@ -213,8 +213,7 @@ class ServedTables:
             return None
 
     def _reader_options(self) -> dict:
-        # row sums mapped, not copied: local clients map the same file, so the host holds one copy
-        return {"direct_io": bool(self.config.direct_io), "map_row_sums": True}
+        return {"direct_io": True} if self.config.direct_io else {}
 
     def _hold_version(self, engine: TableEngine) -> None:
         """A shared flock on the version's directory: `tierstore gc` skips what is served."""

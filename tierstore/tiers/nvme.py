@@ -96,14 +96,14 @@ class SegmentReader(MappedRows, BlockReads, Tier):
     `row_sums` is the per-row checksum array (8 B per row) or None for a
     version written without one (then rows verify by block); `row_sums_error`
     says why a version's row sums were not usable.
-    map_row_sums: map the row-sum file read-only instead of copying it (the
-        sidecar and local clients do: the page cache holds one copy for every
-        process on the host, not 8 B a row in each); checked once at open like
-        a copy, and a file shrunk since then reads as corrupt, not SIGBUS.
+    map_row_sums: map the row-sum file read-only (default) rather than copy it:
+        the sidecar and its local clients share one page-cache copy, not 8 B a
+        row in each process; checked once at open like a copy, and a file
+        shrunk since then reads as corrupt, not SIGBUS.
     """
 
     def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
-                 map_row_sums: bool = False):
+                 map_row_sums: bool = True):
         self.data_dir = Path(data_dir)
         self.version = version
         self.table = version.table
