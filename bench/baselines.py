@@ -35,8 +35,8 @@ def _keys(ids: np.ndarray) -> list[bytes]:
 
 def load_table(data_dir, version) -> np.ndarray:
     """The whole version as uint8 [rows, row_bytes], every block verified."""
-    from tierstore.catalog import Catalog
-    from tierstore.tiers.nvme import SegmentReader
+    from tierstore.store.catalog import Catalog
+    from tierstore.tiers.nvme.reader import SegmentReader
 
     with Catalog(data_dir, readonly=True) as cat:
         sums = cat.checksums(version.table, version.version)

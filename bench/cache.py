@@ -2,7 +2,7 @@
 
 Each trace (see tierstore.bench.traces) is replayed at cache sizes given as a
 fraction of the table's rows through
-- ours: tierstore.policy.CachePolicy, driven step by step exactly as the engine
+- ours: tierstore.cache.policy.CachePolicy, driven step by step exactly as the engine
   drives it (record / touch / victims / admitted, the step's rows leased), and
   again with one step of lookahead (rows the next step reads are not evictable),
   and with a request queue of QUEUE_STEPS steps ("ours+queue16"): a serving
@@ -35,7 +35,7 @@ import numpy as np
 
 from tierstore.bench.traces import Trace, aws_docs_corpus, deepseek_text_trace, document_trace, zipf_trace
 from tierstore.errors import InvalidArgument
-from tierstore.policy import CachePolicy, PolicyConfig
+from tierstore.cache.policy import PolicyConfig, make_policy
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
 QUEUE_STEPS = 16  # ours+queue16: steps are admitted (prefetched) this many steps before they run
@@ -103,7 +103,7 @@ class _Sim:
                  horizon: int | None = None):
         self.trace, self.capacity, self.read = trace, capacity, read
         self.horizon = horizon  # a hint's steps until its request runs (the queue's depth)
-        self.policy = CachePolicy(capacity, trace.n_ids, config)
+        self.policy = make_policy(capacity, trace.n_ids, config)
         self.slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
         self.held = np.full(capacity, -1, dtype=np.int64)
         self.used = self.reads = 0

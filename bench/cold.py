@@ -50,8 +50,8 @@ UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per bat
 
 def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0, progress=False):
     """A random table of about `table_bytes` in `cache_dir`, written once and reused."""
-    from tierstore.catalog import Catalog
-    from tierstore.ingest import write_version
+    from tierstore.store.catalog import Catalog
+    from tierstore.ingest.writer import write_version
 
     rows = max(1024, table_bytes // row_bytes)
     name = "cold"
@@ -85,8 +85,8 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     from tqdm import tqdm
 
     from tierstore.bench.workload import make_batches
-    from tierstore.client.sidecar import Client
-    from tierstore.launcher import SidecarProcess
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
 
     table_bytes = table_bytes or ((160 if quick else 768) << 20)
     rounds = rounds or (3 if quick else 5)
@@ -105,7 +105,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]
     passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
     closers, memory, footprints = [], {}, {}
-    from tierstore.tiers.direct_io import DirectFiles
+    from tierstore.tiers.nvme.direct_io import DirectFiles
     try:  # O_DIRECT where the filesystem takes it (tmpfs before Linux 6.6 does not)
         DirectFiles(seg_paths[:1], version.row_bytes).close()
         no_direct = None

@@ -1,12 +1,12 @@
 """`tierstore bench concurrency`: several worker processes reading one cache-mode table.
 
 A sidecar holds 10% of the table in DRAM; 1 and then N client processes (real
-processes, each its own Client over the fast path) read 4,096-id Zipf steps
+processes, each its own Client over the step socket) read 4,096-id Zipf steps
 for a few seconds; rounds alternate 1 and N. The figure is aggregate rows/s of
 N clients over one client's, for each way a worker reads:
   lookup  Client.lookup: local reads (client/local_reads.py), no round trip;
           the sidecar only learns the steps after the fact
-  plan    a leased Plan per step over the fast path, then rows(): every step
+  plan    a leased Plan per step over the step socket, then rows(): every step
           is served by the sidecar (promotion runs off the table lock, so one
           worker's disk reads do not stall the others' plans)
 """
@@ -29,7 +29,7 @@ UNITS = {"rows_per_s_*": "rows/s, all clients together (median over rounds)",
 
 def _worker(a: dict) -> None:
     from tierstore.bench.workload import make_batches
-    from tierstore.client.sidecar import Client
+    from tierstore.client.client import Client
 
     # one model's workers: the same rows are hot for all of them, the samples differ
     batches = make_batches(a["dist"], a["rows"], a["batch"], 64, a["seed"], hot_seed=a["hot_seed"])
@@ -77,9 +77,9 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
                           reads: tuple[str, ...] = ("lookup", "plan"), log=print) -> dict:
     """Returns {read: {rows_per_s_1, rows_per_s_N, ratio}} for each of `reads`, and the first's
     figures at the top level (the headline)."""
-    from tierstore.catalog import Catalog
-    from tierstore.client.sidecar import Client
-    from tierstore.launcher import SidecarProcess
+    from tierstore.store.catalog import Catalog
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
 
     with Catalog(data_dir, readonly=True) as cat:
         names = cat.tables()

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.catalog import Catalog
-from tierstore.spec import EngramSpec
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.store.catalog import Catalog
+from tierstore.table.spec import EngramSpec
+from tierstore.tiers.nvme.reader import SegmentReader
 
 
 def spec_from_catalog(data_dir) -> EngramSpec:
@@ -38,7 +38,7 @@ def spec_from_catalog(data_dir) -> EngramSpec:
 
 def local_source(data_dir, spec: EngramSpec):
     """A LocalTable holding every layer's rows exactly as stored on disk (verified on read)."""
-    from tierstore.client.local import LocalTable
+    from tierstore.client.model.local_table import LocalTable
 
     src = LocalTable(spec)
     with Catalog(data_dir, readonly=True) as cat:
@@ -90,7 +90,7 @@ _COUNTERS = ("tokens", "rows_read", "rows_fetched", "refresh_bytes", "h2d_bytes"
 def _tier_traffic(model, run, rounds: int, hbm_rows: int) -> dict:
     """HBM hit ratio and host -> device bytes per token over `rounds` runs, with an
     adaptive HBMCache of `hbm_rows` rows per layer (starting empty) or none."""
-    from tierstore.client.hbm_cache import HBMCache
+    from tierstore.client.model.hbm_cache import HBMCache
 
     layers = model.engram_layers.values()
     for layer in layers:
@@ -114,9 +114,9 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
             seed: int = 0, cache_budget_fraction: float | None = 0.25, threads: int | None = None,
             log=print) -> dict:
     """Run the comparison; returns a dict of results (tokens/s, ratios, equality, hit ratios)."""
-    from tierstore.client.demo_model import EngramDemoModel
-    from tierstore.client.sidecar import Client
-    from tierstore.launcher import SidecarProcess
+    from tierstore.client.model.demo_model import EngramDemoModel
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
 
     if threads:
         torch.set_num_threads(threads)
@@ -145,7 +145,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
     try:
         for name, cfg in sidecars.items():
             procs[name] = SidecarProcess(data_dir, dram_budget=cfg["budget"]).start()
-            clients[name] = Client(procs[name].socket, client_name="e2e")
+            clients[name] = Client(procs[name].socket)
         sources = {"in-process": local, "sidecar": clients["sidecar"]}
         if "sidecar-cache" in clients:
             sources["sidecar-cache"] = clients["sidecar-cache"]

@@ -45,7 +45,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_kernels(rng) -> dict:
-    from tierstore.formats import encode_rows
+    from tierstore.table.formats import encode_rows
     from tierstore.kernels import engram_gate, gather_rows
 
     out = {}
@@ -68,11 +68,11 @@ def check_kernels(rng) -> dict:
 
 
 def check_arena(rng, n_rows: int) -> dict:
-    from tierstore.client.sidecar import Client
-    from tierstore.formats import encode_rows
-    from tierstore.ingest import write_version
+    from tierstore.client.client import Client
+    from tierstore.table.formats import encode_rows
+    from tierstore.ingest.writer import write_version
     from tierstore.kernels import gather_rows
-    from tierstore.launcher import SidecarProcess
+    from tierstore.sidecar.launcher import SidecarProcess
 
     fmt, dim = "fp8-e4m3-ue8m0", 256
     res = {}

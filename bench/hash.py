@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from tierstore.client.hasher import NgramHasher
-from tierstore.spec import EngramSpec
-from tierstore.spec import preset as get_preset
+from tierstore.table.hasher import NgramHasher
+from tierstore.table.spec import EngramSpec
+from tierstore.table.spec import preset as get_preset
 
 __all__ = ["plain_numpy_hash", "run_hash_bench"]
 

@@ -1,6 +1,6 @@
 """HBM tier on a drifting trace: the adaptive HBMCache against static hot sets chosen offline.
 
-A trace's steps drive `tierstore.client.hbm_cache.HBMCache` exactly as
+A trace's steps drive `tierstore.client.model.hbm_cache.HBMCache` exactly as
 EngramLayer does (lookup, observe, maybe_refresh after the step), over a
 stand-in row source that serves zero rows (the hit ratio does not depend on
 the bytes). Per window of steps it reports the HBM hit ratio (unique rows of a
@@ -89,7 +89,7 @@ def run_hbm_drift(trace: Trace | None = None, capacity: float = 0.02, window: in
     window: steps per reported window (default: the trace's topic_steps, else steps / 8).
     profile: share of the steps held out as an offline profile (0: none).
     cache_kw: HBMCache settings (refresh_every, refresh_bytes, half_life)."""
-    from tierstore.client.hbm_cache import HBMCache
+    from tierstore.client.model.hbm_cache import HBMCache
 
     trace = trace or drift_trace()
     cap = int(capacity * trace.n_ids) if capacity < 1 else int(capacity)

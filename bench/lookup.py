@@ -7,10 +7,10 @@ Competitors, all reading the same table and the same id batches:
                mode), read with Client.lookup: local reads (client/local_reads.py),
                resident rows copied from the arena, misses from the segment files,
                the steps told to the sidecar after the fact
-  arena-cache-plan  the same, planned: a leased Plan per batch over the fast
-               path, then rows() (what a kernel reading the arena by slot needs)
-  arena-cache-grpc  the same Plan over gRPC; arena-cache-prefetch: lookup, each
-               batch's ids handed to the sidecar one batch ahead (Client.prefetch)
+  arena-cache-plan  the same, planned: a leased plan per batch over the step
+               socket, then rows() (what a kernel reading the arena by slot needs)
+  arena-cache-prefetch  lookup, each batch's ids handed to the sidecar one
+               batch ahead (Client.prefetch)
   inline       tierstore Lookup RPC, rows inside the gRPC reply
   mmap, lmdb, redis   the baselines of bench/baselines.py
 
@@ -144,7 +144,7 @@ class _Prefetching(_Lookup):
 
 class _Inline:
     def __init__(self, client, table: str, row_bytes: int):
-        from tierstore.config import MAX_RESPONSE_BYTES
+        from tierstore.proto import MAX_RESPONSE_BYTES
 
         self.client, self.table = client, table
         self.piece = max(1, (MAX_RESPONSE_BYTES - (1 << 20)) // row_bytes)
@@ -178,9 +178,9 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
     from tqdm import tqdm
 
     from tierstore.bench import baselines as bl
-    from tierstore.catalog import Catalog
-    from tierstore.client.sidecar import Client
-    from tierstore.launcher import SidecarProcess
+    from tierstore.store.catalog import Catalog
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
 
     rounds = rounds or (3 if quick else 5)
     rows_per_pass = rows_per_pass or (32768 if quick else 131072)
@@ -189,7 +189,7 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
         table = table or names[0]
         version = cat.current(table)
         total_bytes = sum(cat.current(t).nbytes for t in names)
-    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-plan", "arena-cache-grpc",
+    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-plan",
                                "arena-cache-prefetch", "inline", "mmap", "lmdb", "redis"))
     want.add("ceiling")
     skipped: dict[str, str] = {}
@@ -223,12 +223,11 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                                    "fraction_of_table": cap / version.rows, "plan_piece_ids": max(1, cap // 2)}
             fns["arena-cache"] = _Lookup(cclient, table).get
             # variants on sidecars of their own (a shared arena would hand one the other's warm rows)
-            for name, kind, fast in (("arena-cache-plan", _Arena, True), ("arena-cache-grpc", _Arena, False),
-                                     ("arena-cache-prefetch", _Prefetching, True)):
+            for name, kind in (("arena-cache-plan", _Arena), ("arena-cache-prefetch", _Prefetching)):
                 if name in want:
                     sc = SidecarProcess(data_dir, dram_budget=budget).start()
                     closers.append(sc.cleanup)
-                    vclient = Client(sc.socket, fast_path=fast)
+                    vclient = Client(sc.socket)
                     closers.append(vclient.close)
                     fns[name] = kind(vclient, table, piece=max(1, cap // 2)).get
         if "mmap" in want:

@@ -29,8 +29,8 @@ import numpy as np
 
 
 def _table(d: Path, rows: int, row_bytes: int = 256):
-    from tierstore.catalog import Catalog
-    from tierstore.ingest import write_version
+    from tierstore.store.catalog import Catalog
+    from tierstore.ingest.writer import write_version
 
     src = f"bench-read-into rows={rows}"
     try:
@@ -51,7 +51,7 @@ def _table(d: Path, rows: int, row_bytes: int = 256):
 
 def _competitors(d: Path, v, sums):
     """name -> (open() -> state, run(state, ids, dest, slots), close(state))."""
-    from tierstore.tiers.nvme import SegmentReader
+    from tierstore.tiers.nvme.reader import SegmentReader
 
     old = dataclasses.replace(v, row_sums=None)
     path = d / v.segments[0]
@@ -87,7 +87,7 @@ def run(d: Path, rows: int, misses: int, rounds: int, cold_rounds: int, log=prin
     dest = np.zeros((cap, v.row_bytes), dtype=np.uint8)
     comps = _competitors(d, v, sums)
     # the truth comes from pread: a live map would pin pages and defeat the cold passes
-    from tierstore.tiers.nvme import SegmentReader
+    from tierstore.tiers.nvme.reader import SegmentReader
     check = SegmentReader(d, dataclasses.replace(v, row_sums=None), sums)
 
     def ids_slots():

@@ -36,9 +36,9 @@ def _stats(times: list[float], rows: int) -> dict:
 
 def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> dict:
     """First pass from Mooncake (write-back on, no fill) vs second pass from the local copy."""
-    from tierstore.publish import import_manifest
-    from tierstore.tiers.local_copy import LocalCopy
-    from tierstore.tiers.remote import RemoteReader
+    from tierstore.tiers.remote.publish import import_manifest
+    from tierstore.tiers.remote.local_copy import LocalCopy
+    from tierstore.tiers.remote.reader import RemoteReader
 
     import_manifest(host, tv, sums)
     reader = RemoteReader(store, tv, sums, local=LocalCopy(host, tv, sums), fill=False)
@@ -71,9 +71,9 @@ def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> di
 
 def _fill_rate(store, tv, sums, host: Path, timeout: float = 900.0) -> dict:
     """A new host with no traffic: how fast the background fill makes the whole version local."""
-    from tierstore.publish import import_manifest
-    from tierstore.tiers.local_copy import LocalCopy
-    from tierstore.tiers.remote import RemoteReader
+    from tierstore.tiers.remote.publish import import_manifest
+    from tierstore.tiers.remote.local_copy import LocalCopy
+    from tierstore.tiers.remote.reader import RemoteReader
 
     import_manifest(host, tv, sums)
     t0 = time.perf_counter()
@@ -91,12 +91,12 @@ def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, 
               seed: int = 0, warm: bool = True, write: bool = True) -> dict:
     from mooncake.store import EngramStore, EngramStoreConfig
 
-    from tierstore.catalog import Catalog
-    from tierstore.ingest import write_version
-    from tierstore.mooncake import LocalCluster
-    from tierstore.publish import fetch_manifest, publish
-    from tierstore.tiers.nvme import SegmentReader
-    from tierstore.tiers.remote import RemoteReader
+    from tierstore.store.catalog import Catalog
+    from tierstore.ingest.writer import write_version
+    from tierstore.tiers.remote.mooncake import LocalCluster
+    from tierstore.tiers.remote.publish import fetch_manifest, publish
+    from tierstore.tiers.nvme.reader import SegmentReader
+    from tierstore.tiers.remote.reader import RemoteReader
 
     rng = np.random.default_rng(seed)
     emb = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    from tierstore.mooncake import missing_reason
+    from tierstore.tiers.remote.mooncake import missing_reason
     why = missing_reason()
     if why:
         print(f"bench remote: skipped: {why}", file=sys.stderr)

@@ -24,17 +24,17 @@ ROW_DIM = 2  # 8-byte rows: a 24 M-row table is 192 MB, so a 16 M-slot arena fit
 
 
 def _engine(data_dir: Path, version, slots: int, leases):
-    from tierstore.catalog import Catalog
-    from tierstore.engine import TableEngine
+    from tierstore.store.catalog import Catalog
+    from tierstore.engine import make_engine
     from tierstore.tiers.dram import Arena
-    from tierstore.tiers.nvme import SegmentReader
+    from tierstore.tiers.nvme.reader import SegmentReader
 
     with Catalog(data_dir, readonly=True) as cat:
         sums = cat.checksums(version.table, version.version)
     reader = SegmentReader(data_dir, version, sums)
     arena = Arena(Path("/dev/shm") / f"tierstore-bench-scale.{slots}.{time.monotonic_ns()}", slots,
                   version.row_bytes)
-    return TableEngine(version, reader, arena, leases=leases, full=False)
+    return make_engine(version, reader, arena, leases=leases, full=False)
 
 
 def _fill(engine, first: int, log) -> None:
@@ -57,14 +57,14 @@ def _timed(engine, ids: np.ndarray) -> float:
 
 def run_scale_bench(out_dir, *, quick: bool = False, seed: int = 0, small: int = 500_000,
                     large: int | None = None, step: int = 4096, rounds: int | None = None, log=print) -> dict:
-    from tierstore.ingest import write_version
-    from tierstore.leases import LeaseTable
+    from tierstore.ingest.writer import write_version
+    from tierstore.cache.leases import LeaseTable
 
     large = large or (4_000_000 if quick else 16_000_000)
     rounds = rounds or (15 if quick else 30)
     rows = large + large // 2
     data_dir = Path(out_dir) / "scale-data"
-    from tierstore.catalog import Catalog
+    from tierstore.store.catalog import Catalog
 
     version = None
     if (data_dir / "catalog" / "data.mdb").exists():

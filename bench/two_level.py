@@ -20,7 +20,7 @@ import numpy as np
 from tierstore.bench.hbm import _ZeroSource
 from tierstore.bench.traces import Trace
 from tierstore.errors import InvalidArgument
-from tierstore.policy import CachePolicy
+from tierstore.cache.policy import make_policy
 
 
 def worker_traces(workers: int = 4, seed: int = 0, **kw) -> list[Trace]:
@@ -34,7 +34,7 @@ class _Dram:
     """The shared arena: slot map and CachePolicy, driven as the engine drives them."""
 
     def __init__(self, capacity: int, n_ids: int):
-        self.policy = CachePolicy(capacity, n_ids)
+        self.policy = make_policy(capacity, n_ids)
         self.slot_of = np.full(n_ids, -1, dtype=np.int64)
         self._held_ids = np.full(capacity, -1, dtype=np.int64)
         self.free_arr = np.arange(capacity, dtype=np.int64)[::-1].copy()
@@ -79,7 +79,7 @@ class _Dram:
 
 def run_two_level(traces: list[Trace], hbm: float = 0.005, dram: float = 0.02, cooperative: bool = False) -> dict:
     """Replay `traces` (one per worker, same table) through HBM per worker + shared DRAM."""
-    from tierstore.client.hbm_cache import HBMCache
+    from tierstore.client.model.hbm_cache import HBMCache
 
     if not traces or len({t.n_ids for t in traces}) != 1:
         raise InvalidArgument("run_two_level needs one trace per worker, all over the same table")

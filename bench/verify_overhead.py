@@ -15,9 +15,9 @@ from tierstore.bench.workload import make_batches
 
 def run_verify_overhead(data_dir, *, table: str | None = None, samples=(0.0, 0.001, 0.01), batch: int = 32768,
                         budget_fraction: float = 0.10, batches: int = 8, rounds: int = 5, seed: int = 0) -> dict:
-    from tierstore.catalog import Catalog
-    from tierstore.client.sidecar import Client
-    from tierstore.launcher import SidecarProcess
+    from tierstore.store.catalog import Catalog
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
 
     with Catalog(data_dir, readonly=True) as cat:
         tables = [cat.current(t) for t in cat.tables()]

@@ -1,25 +1,27 @@
 """tierstore.client: what model code imports.
 
-Client (the sidecar), LocalTable (in-process table), NgramHasher (Engram
-hashing), EngramLayer / attach_engram (the model side), HBMCache, and the
-spec presets (EngramSpec, NgramHasher live in the core: tierstore.spec,
-tierstore.hasher). Imports are lazy so `import tierstore.client` stays light.
+Talking to a sidecar: Client (client.py) and the StepPlan a plan returns
+(step_plan.py). The model side (model/): EngramLayer, V41EngramLayer,
+attach_engram, HBMCache, LocalTable (a table held in process) and the demo
+model. Hashing and specs are the table's (tierstore.table: NgramHasher,
+EngramSpec, preset), listed here because model code needs them with the rest.
+Imports are lazy so `import tierstore.client` stays light.
 """
 from importlib import import_module
 
 _EXPORTS = {
-    "Client": "sidecar", "StepPlan": "step_plan",
-    "LocalTable": "local",
-    "NgramHasher": "tierstore.hasher", "DecodeState": "tierstore.hasher",
-    "EngramLayer": "layer", "V41EngramLayer": "v41_layer", "attach_engram": "attach", "engram_decode_step": "attach", "HBMCache": "hbm_cache",
-    "EngramDemoModel": "demo_model",
-    "EngramSpec": "tierstore.spec", "preset": "tierstore.spec", "PRESETS": "tierstore.spec",
+    "Client": "tierstore.client.client", "StepPlan": "tierstore.client.step_plan",
+    "LocalTable": "tierstore.client.model.local_table", "EngramLayer": "tierstore.client.model.layer",
+    "V41EngramLayer": "tierstore.client.model.v41_layer", "attach_engram": "tierstore.client.model.attach",
+    "engram_decode_step": "tierstore.client.model.attach", "HBMCache": "tierstore.client.model.hbm_cache",
+    "EngramDemoModel": "tierstore.client.model.demo_model",
+    "NgramHasher": "tierstore.table.hasher", "DecodeState": "tierstore.table.hasher",
+    "EngramSpec": "tierstore.table.spec", "preset": "tierstore.table.spec", "PRESETS": "tierstore.table.spec",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
     if name in _EXPORTS:
-        mod = _EXPORTS[name]
-        return getattr(import_module(mod if "." in mod else f"tierstore.client.{mod}"), name)
+        return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'tierstore.client' has no attribute {name!r}")

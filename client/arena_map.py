@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tierstore.leases import INDEX_MASK
+from tierstore.cache.leases import INDEX_MASK
 from tierstore.tiers.dram import map_readonly
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 
 from tierstore import errors
-from tierstore.config import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
+from tierstore.proto import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 
 __all__ = ["RECONNECT_WAIT_S", "open_channel", "reconnected", "to_error"]
 

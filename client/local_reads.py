@@ -3,7 +3,7 @@
 A Plan costs a round trip (two wake-ups) and the sidecar's CPU for every step,
 however few rows miss. A client on the sidecar's host that wants the rows
 copied out (Client.lookup) needs neither, when the sidecar publishes its slot
-index (tierstore/slot_index.py):
+index (tierstore/cache/slot_index.py):
 1. resident rows are copied straight from the mapped arena, each checked
    against its slot's sequence lock: a row evicted or rewritten during the
    copy is not used, it is read like a miss;
@@ -13,7 +13,7 @@ index (tierstore/slot_index.py):
    that (`cold_dir`); otherwise (Mooncake, versions without row checksums) a
    step with misses is planned through the sidecar as before;
 3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
-   and one-way (client/fast_link.py): its policy learns the step as if it had
+   and one-way (client/step_link.py): its policy learns the step as if it had
    been planned and promotes the misses, so the next steps find them resident.
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
@@ -31,11 +31,11 @@ import numpy as np
 
 from tierstore.errors import TierstoreError
 from tierstore.jit import Kernel, distinct
-from tierstore.slot_index import map_index
-from tierstore.tiers.fused import unique_inverse
+from tierstore.cache.slot_index import map_index
+from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
-    from tierstore.client.sidecar import Client
+    from tierstore.client.client import Client
     from tierstore.client.table_handle import TableHandle
 
 __all__ = ["LocalReads"]
@@ -75,7 +75,7 @@ class LocalReads:
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
             cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
             out[where] = got[inv]
-        self.client._fast.note(self.table, self.version, distinct(ids))
+        self.client.link.note(self.table, self.version, distinct(ids))
         self.steps += 1
         self.rows_resident += n - missing
         self.rows_cold += missing
@@ -88,8 +88,8 @@ class LocalReads:
         if self._cold is None and self.handle.cold_dir:
             with self._cold_lock:
                 if self._cold is None and self.handle.cold_dir:
-                    from tierstore.catalog import Catalog
-                    from tierstore.tiers.nvme import SegmentReader
+                    from tierstore.store.catalog import Catalog
+                    from tierstore.tiers.nvme.reader import SegmentReader
 
                     try:
                         with Catalog(self.handle.cold_dir, readonly=True) as cat:

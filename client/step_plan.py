@@ -1,28 +1,27 @@
-"""A step's lease on rows of one table, as the sidecar client hands it to the layer.
+"""StepPlan: one step's lease on rows of one table, as the client hands it to the layer.
 
-StepPlan: a plan over gRPC or the local fast path; its rows are read from the
-mapped arena. _InlineStep: the same interface for a client on another host
-(rows come inline). Both are tierstore.client.source.PlanHandle.
+A cache-mode step is planned over the step socket: its PLAN frame is sent at
+once and the reply (a proto.frames.PlanResult per table) is read when the
+slots are first needed; a full-resident step needs no message (slot == id).
+One type from the wire to the caller: this handle holds the pending reply
+itself. StepPlan is a tierstore.client.model.source.PlanHandle.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from tierstore import errors
 from tierstore.client.arena_map import MappedArena
-from tierstore.client.channel import to_error
 from tierstore.client.table_handle import TableHandle
-from tierstore.fastpath import PlanResult
-from tierstore.jit import strictly_increasing
-from tierstore.tiers.fused import unique_inverse
+from tierstore.jit import strictly_increasing, unique_inverse
 
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.sidecar import Client
+    from tierstore.client.client import Client
+    from tierstore.client.step_connection import PendingReply
 
 __all__ = ["StepPlan", "REPLANS", "distinct_ids"]
 
@@ -31,7 +30,7 @@ REPLANS = 1
 
 
 class StepPlan:
-    """One step's lease on rows of one table (a tierstore.client.source.PlanHandle).
+    """One step's lease on rows of one table (a tierstore.client.model.source.PlanHandle).
 
     rows() gathers from the arena the sidecar named and then checks, on the
     shared lease board, that the lease still lived when the gather ended; if it
@@ -40,20 +39,20 @@ class StepPlan:
     gathers with its own kernel calls valid() after the gather.
     """
 
-    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, future, request=None,
-                 inverse: np.ndarray | None = None):
-        self._client, self._handle, self._ids, self._future = client, handle, ids, future
-        self._request = request
-        self._inverse = inverse  # the sidecar was asked for distinct ids: slot of ids[i] = reply[inverse[i]]
+    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, pending: "PendingReply | None" = None,
+                 index: int = 0, inverse: np.ndarray | None = None):
+        """pending: the step socket's reply this table is item `index` of (None: full-resident,
+        slot == id); inverse: the sidecar was asked for distinct ids, slot of ids[i] = reply[inverse[i]]."""
+        self._client, self._handle, self._ids = client, handle, ids
+        self._pending, self._index, self._inverse = pending, index, inverse
         self.table = handle.table
         self.lease_id = 0
         self.expires_unix_ms = 0
         self._slots = None
-        self._mapped: MappedArena | None = None if future is not None else handle.mapped
+        self._mapped: MappedArena | None = None if pending is not None else handle.mapped
         self.hits = self.misses = 0
         self._released = False
         self._retried = False
-        self._fast = False
         self._error: errors.TierstoreError | None = None
 
     @property
@@ -62,51 +61,50 @@ class StepPlan:
         self.slots()
         return self._mapped.tensor
 
-    def slots(self, timeout: float | None = None) -> np.ndarray:
+    def slots(self) -> np.ndarray:
+        """int64 arena slot of each id, in request order; waits for the reply (at most the
+        client's timeout). Raises what the sidecar answered for this table."""
         if self._released:
             raise errors.StaleRows(f"step of table {self.table!r} was released; its slots may hold other rows now")
         if self._slots is None:
             if self._error is not None:  # a failed step fails again at once: no second wait on a dead sidecar
                 raise self._error
-            if self._future is None:  # full-resident: slot == id, checked client-side
+            if self._pending is None:  # full-resident: slot == id, checked client-side
                 self._slots = self._ids
             else:
                 try:
-                    self._resolve(timeout)
+                    self._resolve()
                 except errors.TierstoreError as e:
                     self._error = e
                     raise
         return self._slots
 
-    def _resolve(self, timeout: float | None) -> None:
-        try:
-            resp = self._future.result(timeout=timeout)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or not self._client._reconnected():
-                raise to_error(e, self._client.target) from None
-            resp = self._client._call("Plan", self._request, retry=False)  # the one retry (same request id)
-        if isinstance(resp, PlanResult):  # the local fast path
-            slots, self._fast = resp.slots, True
-        else:
-            slots, self._fast = np.frombuffer(resp.slots, dtype="<i8"), False
-        if resp.instance != self._handle.instance:
+    def _resolve(self) -> None:
+        res = self._pending.result()[self._index]
+        if isinstance(res, BaseException):
+            raise res
+        if res.instance != self._handle.instance:
             # the sidecar restarted since we described the table: refresh what we know of it
             self._handle = self._client._refresh(self.table)
-        self.lease_id, self.expires_unix_ms = resp.lease_id, resp.expires_unix_ms
+        self.lease_id, self.expires_unix_ms = res.lease_id, res.expires_unix_ms
         try:
-            self._mapped = self._client.arena(resp.arena, resp.arena_slots, self._handle.row_bytes, resp.instance,
+            self._mapped = self._client.arena(res.arena, res.arena_slots, self._handle.row_bytes, res.instance,
                                               leased=True)
         except errors.StaleArena:
             # freed already: the lease ended before we got here (it is dead, nothing to release)
             if self._retried:
                 raise
             self._retried = True
-            fresh = self._client.plan(self.table, self._ids)
-            self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
-            self._inverse = fresh._inverse
-            return self._resolve(timeout)
-        self.hits, self.misses = resp.hits, resp.misses
-        self._slots = slots if self._inverse is None else slots[self._inverse]
+            self.lease_id = 0
+            self._take(self._client.plan(self.table, self._ids))
+            return self._resolve()
+        self.hits, self.misses = res.hits, res.misses
+        self._slots = res.slots if self._inverse is None else res.slots[self._inverse]
+
+    def _take(self, fresh: "StepPlan") -> None:
+        """Hold `fresh`'s request from now on (a re-plan of the same ids)."""
+        self._pending, self._index, self._handle = fresh._pending, fresh._index, fresh._handle
+        self._mapped, self._inverse = fresh._mapped, fresh._inverse
 
     def valid(self) -> bool:
         """True while this step's rows are its own: its lease lives (cache mode), or
@@ -117,12 +115,12 @@ class StepPlan:
             return True
         return self._client._lease_alive(self._handle, self.lease_id)
 
-    def rows(self, timeout: float | None = None) -> np.ndarray:
+    def rows(self) -> np.ndarray:
         """uint8 [n, row_bytes] gathered from the mapped arena, request order.
 
         Raises StaleRows when the rows could not be read while leased (after one re-plan)."""
         for attempt in range(REPLANS + 1):
-            slots = self.slots(timeout)
+            slots = self.slots()
             out = np.take(self._mapped.rows, slots, axis=0)  # rows[slots], ~40% cheaper for small steps
             if self.valid():
                 return out
@@ -136,10 +134,8 @@ class StepPlan:
         if self._released:
             raise errors.StaleRows(f"step of table {self.table!r} was released; plan a new step")
         self._end_lease()
-        fresh = self._client.plan(self.table, self._ids)
-        self._future, self._request, self._handle = fresh._future, fresh._request, fresh._handle
-        self._mapped, self._slots, self._error, self.lease_id = fresh._mapped, None, None, 0
-        self._inverse = fresh._inverse
+        self._take(self._client.plan(self.table, self._ids))
+        self._slots, self._error, self.lease_id = None, None, 0
 
     def release(self) -> None:
         if self._released:
@@ -148,15 +144,15 @@ class StepPlan:
         self._released = True
 
     def _end_lease(self) -> None:
-        if self._future is None:
+        if self._pending is None:
             return
         if self._slots is None and self._error is None:
             try:
-                self.slots()  # the Plan may still be in flight: its lease must be ended too
+                self.slots()  # the plan may still be in flight: its lease must be ended too
             except errors.TierstoreError:
                 return
         if self.lease_id:
-            self._client._release_async(self.lease_id, fast=self._fast)
+            self._client._release_later(self.lease_id)
             self.lease_id = 0
 
     def __enter__(self):
@@ -164,53 +160,6 @@ class StepPlan:
 
     def __exit__(self, *exc):
         self.release()
-
-
-class _FastReply:
-    """One item of a fast-path request, awaited like a gRPC future."""
-
-    __slots__ = ("pending", "index")
-
-    def __init__(self, pending, index: int):
-        self.pending, self.index = pending, index
-
-    def result(self, timeout: float | None = None):
-        r = self.pending.result()[self.index]
-        if isinstance(r, BaseException):
-            raise r
-        return r
-
-
-class _InlineStep:
-    """A step of a client whose sidecar is on another host: rows come inline."""
-
-    def __init__(self, client: "Client", table: str, ids: np.ndarray):
-        self._client, self.table, self._ids = client, table, ids
-        self.lease_id = self.hits = self.misses = 0
-
-    @property
-    def arena(self):
-        raise errors.InvalidArgument(f"the sidecar of {self._client.target} is not on this host: its arena "
-                                     "cannot be mapped; read rows with step.rows() or lookup()")
-
-    def slots(self, timeout: float | None = None) -> np.ndarray:
-        return self.arena
-
-    def valid(self) -> bool:
-        return True
-
-    def rows(self, timeout: float | None = None) -> np.ndarray:
-        return self._client.lookup(self.table, self._ids, inline=True)
-
-    def release(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
 
 
 def distinct_ids(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

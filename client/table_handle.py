@@ -12,7 +12,7 @@ from tierstore.proto import tierstore_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.sidecar import Client
+    from tierstore.client.client import Client
 
 __all__ = ["TableHandle"]
 

@@ -21,7 +21,7 @@ import torch
 
 from tierstore.errors import InvalidArgument
 
-from .dispatch import choose_backend, tl, triton
+from tierstore.kernels.dispatch import choose_backend, tl, triton
 
 __all__ = ["engram_gate", "engram_gate_torch"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
-from tierstore.formats import FP8_BLOCK, RowFormat
+from tierstore.table.formats import FP8_BLOCK, RowFormat
 
-from .dispatch import choose_backend, tl, triton
+from tierstore.kernels.dispatch import choose_backend, tl, triton
 
 __all__ = ["OUT_DTYPES", "gather_rows", "gather_rows_torch", "decode_rows_torch"]
 

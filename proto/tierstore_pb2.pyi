@@ -68,64 +68,6 @@ class TableInfo(_message.Message):
     arena: Arena
     def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ...) -> None: ...
 
-class PlanRequest(_message.Message):
-    __slots__ = ("table", "version", "ids", "ttl_ms", "client", "release", "owner", "request_id")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    OWNER_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    version: int
-    ids: bytes
-    ttl_ms: int
-    client: str
-    release: _containers.RepeatedScalarFieldContainer[int]
-    owner: bytes
-    request_id: int
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., ids: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., client: _Optional[str] = ..., release: _Optional[_Iterable[int]] = ..., owner: _Optional[bytes] = ..., request_id: _Optional[int] = ...) -> None: ...
-
-class PlanResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "version", "unique_ids", "hits", "misses", "expires_unix_ms", "instance", "arena", "arena_slots")
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    UNIQUE_IDS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
-    MISSES_FIELD_NUMBER: _ClassVar[int]
-    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_FIELD_NUMBER: _ClassVar[int]
-    ARENA_FIELD_NUMBER: _ClassVar[int]
-    ARENA_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
-    slots: bytes
-    version: int
-    unique_ids: int
-    hits: int
-    misses: int
-    expires_unix_ms: int
-    instance: str
-    arena: str
-    arena_slots: int
-    def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., version: _Optional[int] = ..., unique_ids: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ..., arena: _Optional[str] = ..., arena_slots: _Optional[int] = ...) -> None: ...
-
-class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids", "owner")
-    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
-    OWNER_FIELD_NUMBER: _ClassVar[int]
-    lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    owner: bytes
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[bytes] = ...) -> None: ...
-
-class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
-    RELEASED_FIELD_NUMBER: _ClassVar[int]
-    released: int
-    def __init__(self, released: _Optional[int] = ...) -> None: ...
-
 class LookupRequest(_message.Message):
     __slots__ = ("table", "version", "ids")
     TABLE_FIELD_NUMBER: _ClassVar[int]

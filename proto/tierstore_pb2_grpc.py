@@ -44,16 +44,6 @@ class TierstoreStub:
                 request_serializer=tierstore_dot_proto_dot_tierstore__pb2.DescribeTableRequest.SerializeToString,
                 response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.TableInfo.FromString,
                 _registered_method=True)
-        self.Plan = channel.unary_unary(
-                '/tierstore.v1.Tierstore/Plan',
-                request_serializer=tierstore_dot_proto_dot_tierstore__pb2.PlanRequest.SerializeToString,
-                response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.PlanResponse.FromString,
-                _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/tierstore.v1.Tierstore/Release',
-                request_serializer=tierstore_dot_proto_dot_tierstore__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=tierstore_dot_proto_dot_tierstore__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/tierstore.v1.Tierstore/Lookup',
                 request_serializer=tierstore_dot_proto_dot_tierstore__pb2.LookupRequest.SerializeToString,
@@ -87,20 +77,6 @@ class TierstoreServicer:
 
     def DescribeTable(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Plan(self, request, context):
-        """Make `ids` resident in the arena and lease their slots to one step.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """End leases early (idempotent); leases also end by themselves after ttl.
-        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -144,16 +120,6 @@ def add_TierstoreServicer_to_server(servicer, server):
                     servicer.DescribeTable,
                     request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.DescribeTableRequest.FromString,
                     response_serializer=tierstore_dot_proto_dot_tierstore__pb2.TableInfo.SerializeToString,
-            ),
-            'Plan': grpc.unary_unary_rpc_method_handler(
-                    servicer.Plan,
-                    request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.PlanRequest.FromString,
-                    response_serializer=tierstore_dot_proto_dot_tierstore__pb2.PlanResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=tierstore_dot_proto_dot_tierstore__pb2.ReleaseRequest.FromString,
-                    response_serializer=tierstore_dot_proto_dot_tierstore__pb2.ReleaseResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -230,60 +196,6 @@ class Tierstore:
             '/tierstore.v1.Tierstore/DescribeTable',
             tierstore_dot_proto_dot_tierstore__pb2.DescribeTableRequest.SerializeToString,
             tierstore_dot_proto_dot_tierstore__pb2.TableInfo.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Plan(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tierstore.v1.Tierstore/Plan',
-            tierstore_dot_proto_dot_tierstore__pb2.PlanRequest.SerializeToString,
-            tierstore_dot_proto_dot_tierstore__pb2.PlanResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tierstore.v1.Tierstore/Release',
-            tierstore_dot_proto_dot_tierstore__pb2.ReleaseRequest.SerializeToString,
-            tierstore_dot_proto_dot_tierstore__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

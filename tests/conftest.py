@@ -18,7 +18,7 @@ def make_table(data_dir):
     Writes random uint8 rows as an fp32 table (row_bytes must be a multiple of 4)
     and returns its manifest and the exact bytes written.
     """
-    from tierstore.ingest import write_version
+    from tierstore.ingest.writer import write_version
 
     def make(name="t", rows=1000, row_bytes=64, seed=0, chunk=333, **kw):
         data = np.random.default_rng(seed).integers(0, 256, size=(rows, row_bytes), dtype=np.uint8)

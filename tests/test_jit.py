@@ -2,9 +2,11 @@
 import numpy as np
 import pytest
 
-from tierstore import jit, slots as slots_mod
+from tierstore import jit
+
+from tierstore.cache import slot_table as slots_mod
 from tierstore.jit import first_outside, strictly_increasing
-from tierstore.slots import FILLING, SlotTable
+from tierstore.cache.slot_table import FILLING, SlotTable
 
 
 def _both(numpy_path, module, names, run):

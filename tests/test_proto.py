@@ -29,8 +29,8 @@ def test_checked_in_stubs_are_not_stale(tmp_path):
 def test_messages_round_trip():
     ids = np.array([0, 5, 2**40, 7], dtype="<i8")
     msgs = [
-        pb.PlanRequest(table="l1", version=3, ids=ids.tobytes(), ttl_ms=500, client="w0", release=[1, 2]),
-        pb.PlanResponse(lease_id=9, slots=ids.tobytes(), version=3, unique_ids=4, hits=1, misses=3),
+        pb.LookupRequest(table="l1", version=3, ids=ids.tobytes()),
+        pb.PrefetchRequest(table="l1", ids=ids.tobytes(), hint_only=True, steps=4),
         pb.LookupResponse(rows=b"\x00\xff" * 8, row_bytes=4, version=1),
         pb.TableInfo(table="l1", rows=10, row_format="fp32", row_dim=4, row_bytes=16, layer_id=-1,
                      arena=pb.Arena(path="/dev/shm/x", slots=10, full_resident=True, size_bytes=160)),

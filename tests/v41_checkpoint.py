@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.formats import encode_rows
+from tierstore.table.formats import encode_rows
 
 CONFIG = dict(hidden_size=64, hc_mult=4, rms_norm_eps=1e-20, engram_layer_ids=[1, 3], engram_max_ngram_size=4,
               engram_n_heads=3, engram_head_dim=256, engram_vocab_size=700, engram_pad_token_id=2,
@@ -103,7 +103,7 @@ def write_checkpoint(d: Path, seed: int = 0, **overrides) -> dict:
 
 
 def _rows(text: dict) -> dict[int, int]:
-    from tierstore.spec import EngramSpec
+    from tierstore.table.spec import EngramSpec
 
     spec = EngramSpec(name="probe", layer_ids=tuple(text["engram_layer_ids"]), max_ngram=text["engram_max_ngram_size"],
                       n_heads=text["engram_n_heads"], engram_vocab_size=text["engram_vocab_size"],

@@ -1,6 +1,6 @@
 """The sidecar's plans compute one at a time, and wait side by side.
 
-Plans arrive on many threads (one per fast-path connection, the gRPC workers,
+Plans arrive on many threads (one per step-socket connection, the gRPC workers,
 the prefetch pool) that share one GIL. A plan is a millisecond of Python and
 numpy dotted with GIL releases (a numpy pass, a stat, a lock); with several
 plans runnable, each release hands the GIL to another plan and the first then

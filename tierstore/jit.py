@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing", "distinct"]
+__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing", "distinct", "unique_inverse"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -125,3 +125,52 @@ def distinct(ids: np.ndarray) -> np.ndarray:
     size = 1 << max(4, int(2 * ids.size - 1).bit_length())  # load <= 1/2
     out = np.empty_like(ids)
     return out[:k(ids, np.full(size, -1, dtype=np.int64), out)]
+
+
+def _unique_inverse_loop(ids):
+    """np.unique(ids, return_inverse=True) by hashing first: only the distinct
+    ids are sorted (a Zipf step repeats its hot ids many times)."""
+    n = ids.shape[0]
+    size = 16
+    while size < 2 * n:
+        size <<= 1
+    mask = size - 1
+    table = np.full(size, -1, np.int64)  # open addressing: index into uniq
+    uniq = np.empty(n, np.int64)
+    inv = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        x = ids[i]
+        h = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
+        while True:
+            t = table[h]
+            if t < 0:
+                table[h] = m
+                uniq[m] = x
+                inv[i] = m
+                m += 1
+                break
+            if uniq[t] == x:
+                inv[i] = t
+                break
+            h = (h + 1) & mask
+    u = uniq[:m]
+    order = np.argsort(u)
+    rank = np.empty(m, np.int64)
+    for j in range(m):
+        rank[order[j]] = j
+    for i in range(n):
+        inv[i] = rank[inv[i]]
+    return u[order], inv
+
+
+_UNIQUE = Kernel(_unique_inverse_loop)
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ids, index of each id in them): np.unique(ids, return_inverse=True)."""
+    k = _UNIQUE.compiled()
+    if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
+        return k(ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return uniq, inv.reshape(-1)

@@ -79,7 +79,7 @@ class Audit:
 
     def _budgets(self) -> dict[str, int]:
         """DRAM budgets: full fits everything; cold fits 1.2x the largest step; cache ~25% of the tables."""
-        from tierstore.catalog import Catalog
+        from tierstore.store.catalog import Catalog
 
         with Catalog(self.data_dir, readonly=True) as cat:
             sizes = {t: (cat.current(t).rows, cat.current(t).row_bytes) for t in cat.tables()}
@@ -175,7 +175,7 @@ class Audit:
         raise InvalidArgument(f"unknown audit path {name!r}; paths are {', '.join(PATHS)}")
 
     def _row_format_path(self, name: str, fmt: str) -> PathResult:
-        from tierstore.formats import RowFormat
+        from tierstore.table.formats import RowFormat
 
         stored = RowFormat.parse(self.spec.row_format)
         note = f"rows re-encoded from {stored.value} to {fmt}: quantisation drift, not a tierstore defect"

@@ -49,7 +49,7 @@ def make_builder(data_dir, module: str | None, model_kwargs: dict):
         factory = load_factory(module)
         return lambda source: factory(source, **model_kwargs).eval()  # kwargs: e.g. --checkpoint DIR
     from tierstore.bench.e2e import spec_from_catalog
-    from tierstore.client.demo_model import EngramDemoModel
+    from tierstore.client.model.demo_model import EngramDemoModel
 
     spec = spec_from_catalog(data_dir)
     return lambda source: EngramDemoModel(spec, source, **model_kwargs).eval()

@@ -21,12 +21,12 @@ class Outputs:
                 and all(torch.equal(v, other.engram[k]) for k, v in self.engram.items()))
 
 def engram_layers(model) -> dict:
-    from tierstore.client.layer import EngramLayer
+    from tierstore.client.model.layer import EngramLayer
 
     layers = {m.layer_id: m for m in model.modules() if isinstance(m, EngramLayer)}
     if not layers:
         raise InvalidArgument(f"{type(model).__name__} has no EngramLayer modules; the audit compares "
-                              "their outputs (attach them with tierstore.client.attach.attach_engram)")
+                              "their outputs (attach them with tierstore.client.model.attach.attach_engram)")
     return dict(sorted(layers.items()))
 
 def set_source(model, source) -> None:

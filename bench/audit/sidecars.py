@@ -14,8 +14,8 @@ class Sidecars:
 
     def client(self, kind: str):
         if kind not in self.clients:
-            from tierstore.client.sidecar import Client
-            from tierstore.launcher import SidecarProcess
+            from tierstore.client.client import Client
+            from tierstore.sidecar.launcher import SidecarProcess
 
             proc = SidecarProcess(self.data_dir, dram_budget=str(self.budgets[kind]))
             try:
@@ -24,7 +24,7 @@ class Sidecars:
                 proc.cleanup()
                 raise
             self.procs[kind] = proc
-            self.clients[kind] = Client(proc.socket, client_name=f"audit-{kind}")
+            self.clients[kind] = Client(proc.socket)
         return self.clients[kind]
 
     def start(self, kinds) -> None:

@@ -21,7 +21,7 @@ __all__ = ["triton_cuda", "triton_interpreter", "triton_worker"]
 
 def triton_cuda(audit) -> PathResult:
     """Whole input on the GPU: Triton kernels, compared with the CPU reference and the GPU torch kernels."""
-    from tierstore.client.local import LocalTable
+    from tierstore.client.model.local_table import LocalTable
 
     dev = torch.device("cuda")
     table = LocalTable(audit.spec, device=dev)

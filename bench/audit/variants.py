@@ -46,7 +46,7 @@ def bf16_model(model) -> None:
 def add_hbm_cache(model, hot_ids):
     """Put an HBM cache (a CPU tensor here) seeded with half of `hot_ids(table)` before each layer's
     source; returns a callable that describes the hits."""
-    from tierstore.client.hbm_cache import HBMCache
+    from tierstore.client.model.hbm_cache import HBMCache
 
     caches = []
     for layer in engram_layers(model).values():
@@ -65,8 +65,8 @@ def add_hbm_cache(model, hot_ids):
 def reencoded_table(local, spec, stored, fmt: str):
     """A LocalTable holding every table of `local` re-encoded from `stored` to `fmt`; also the largest
     change of a row value."""
-    from tierstore.client.local import LocalTable
-    from tierstore.formats import decode_rows, encode_rows
+    from tierstore.client.model.local_table import LocalTable
+    from tierstore.table.formats import decode_rows, encode_rows
 
     worst = 0.0
     table = LocalTable(spec)

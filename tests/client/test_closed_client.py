@@ -2,7 +2,7 @@
 import pytest
 
 from tierstore import errors
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 
 
 def test_a_closed_client_says_it_is_closed(tmp_path):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
-from tierstore.formats import RowFormat, decode_rows, encode_rows
+from tierstore.table.formats import RowFormat, decode_rows, encode_rows
 from tierstore.kernels import choose_backend, gather_rows, triton_available
 from tierstore.kernels import dispatch
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 
 
 def write_status(path, d):

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierstore.formats import encode_rows
-from tierstore.ingest import write_version
-from tierstore.launcher import SidecarProcess
+from tierstore.table.formats import encode_rows
+from tierstore.ingest.writer import write_version
+from tierstore.sidecar.launcher import SidecarProcess
 
 WORKER = Path(__file__).with_name("_worker.py")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tierstore import errors
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 from tierstore.tiers.dram import arena_tag
 
 NOBODY = 65534
@@ -129,7 +129,7 @@ def _self_signed(d: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.mark.reliability  # the default run has tests/server's --allow-tcp check
+@pytest.mark.reliability  # the default run has tests/sidecar's --allow-tcp check
 def test_tcp_needs_allow_tcp_and_a_token(tmp_path, rel):
     rel.write_table(tmp_path / "data", "t", 100, dim=16)
     base = [sys.executable, "-m", "tierstore", "serve", "--data", str(tmp_path / "data"), "--socket",

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 
 ROWS = 60_000  # x 64 B
 TTL_S = 1.0

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tierstore import errors
-from tierstore.catalog import Catalog
-from tierstore.client.sidecar import Client
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.store.catalog import Catalog
+from tierstore.client.client import Client
+from tierstore.tiers.nvme.reader import SegmentReader
 
 FORMATS = ["fp32", "bf16", "fp16", "fp8-e4m3-ue8m0"]
 ROWS = 6000
@@ -91,7 +91,7 @@ def test_full_mode_refuses_to_start_on_a_corrupt_block(corrupt, sidecars):
 
 KILL_INGEST = """
 import sys, numpy as np
-from tierstore.ingest import write_version
+from tierstore.ingest.writer import write_version
 data, seed, rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def chunks():
     for i in range(0, rows, 8192):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore.config import MAX_INLINE_BYTES, MAX_REQUEST_IDS, MAX_RESPONSE_BYTES
+from tierstore.proto import MAX_INLINE_BYTES, MAX_REQUEST_IDS, MAX_RESPONSE_BYTES
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.tiers.dram import map_readonly
 
@@ -20,7 +20,7 @@ ROWS, DIM = 5000, 16          # fp32: 64 B rows
 C = grpc.StatusCode
 FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 TRIED = {"structured": 0, "raw": 0, "enormous": 0}
-METHODS = ["ListTables", "DescribeTable", "Plan", "Release", "Lookup", "Stats"]
+METHODS = ["ListTables", "DescribeTable", "Lookup", "Stats"]
 
 
 class Target:
@@ -53,7 +53,7 @@ class Target:
 
 @pytest.fixture(scope="module", params=["cache", pytest.param("full", marks=pytest.mark.reliability)])
 def target(request, tmp_path_factory, rel):
-    from tierstore.launcher import SidecarProcess
+    from tierstore.sidecar.launcher import SidecarProcess
 
     d = tmp_path_factory.mktemp("hostile") / "data"
     expected = rel.write_table(d, "t", ROWS, dim=DIM, seed=9)
@@ -78,12 +78,11 @@ ID_LISTS = st.one_of(
 )
 IDS = st.one_of(ID_LISTS.map(lambda l: np.array(l, dtype="<i8").tobytes()), st.binary(max_size=64))
 VERSIONS = st.one_of(st.just(0), st.just(1), st.integers(0, 2 ** 64 - 1))
-U64S = st.lists(st.integers(0, 2 ** 64 - 1), max_size=20)
 
 
 def expected_code(t: Target, method: str, req) -> "grpc.StatusCode":
     """The status the sidecar owes this (well-formed) request."""
-    if method in ("ListTables", "Stats", "Release"):
+    if method in ("ListTables", "Stats"):
         return C.OK
     if req.table != "t":
         return C.NOT_FOUND
@@ -98,8 +97,6 @@ def expected_code(t: Target, method: str, req) -> "grpc.StatusCode":
         return C.RESOURCE_EXHAUSTED
     if method == "Lookup" and ids.size * DIM * 4 > MAX_INLINE_BYTES:
         return C.RESOURCE_EXHAUSTED
-    if method == "Plan" and req.ttl_ms > 10 * 2 * 1000:  # over 10 x --lease-ttl: refused, never capped
-        return C.INVALID_ARGUMENT
     if ids.size and ((ids < 0) | (ids >= ROWS)).any():
         return C.INVALID_ARGUMENT
     if not t.full and np.unique(ids).size > t.slots:  # Lookup plans through the cache too
@@ -113,37 +110,20 @@ def check_answer(t: Target, method: str, req, code, out) -> None:
     if code != C.OK:
         assert len(out) < 2000, "error details must stay bounded"
         return
-    if method == "Plan":
-        resp = pb.PlanResponse.FromString(out)
-        ids = np.frombuffer(req.ids, "<i8")
-        slots = np.frombuffer(resp.slots, "<i8")
-        assert slots.size == ids.size and resp.instance
-        if slots.size:
-            assert slots.min() >= 0 and slots.max() < t.slots, "a slot outside the arena"
-            assert np.array_equal(t.arena[slots], t.expected[ids])  # read while the lease holds
-        if t.full:
-            assert resp.lease_id == 0 and np.array_equal(slots, ids)
-        t.call("Release", pb.ReleaseRequest(lease_ids=[resp.lease_id]).SerializeToString())
-    elif method == "Lookup":
+    if method == "Lookup":
         ids = np.frombuffer(req.ids, "<i8")
         rows = np.frombuffer(pb.LookupResponse.FromString(out).rows, np.uint8).reshape(ids.size, DIM * 4)
         assert np.array_equal(rows, t.expected[ids])
     elif method == "DescribeTable":
         assert pb.TableInfo.FromString(out).rows == ROWS
-    elif method == "Release":
-        assert pb.ReleaseResponse.FromString(out).released <= len(req.lease_ids)
 
 
 REQUESTS = st.one_of(
     st.builds(lambda: ("ListTables", pb.ListTablesRequest())),
     st.builds(lambda: ("Stats", pb.StatsRequest())),
     st.builds(lambda n: ("DescribeTable", pb.DescribeTableRequest(table=n)), NAMES),
-    st.builds(lambda n, v, i, ttl, cl, rel_: ("Plan", pb.PlanRequest(table=n, version=v, ids=i, ttl_ms=ttl,
-                                                                      client=cl, release=rel_)),
-              st.one_of(st.just("t"), NAMES), VERSIONS, IDS, st.integers(0, 2 ** 32 - 1), st.text(max_size=30), U64S),
     st.builds(lambda n, v, i: ("Lookup", pb.LookupRequest(table=n, version=v, ids=i)),
               st.one_of(st.just("t"), NAMES), VERSIONS, IDS),
-    st.builds(lambda r: ("Release", pb.ReleaseRequest(lease_ids=r)), U64S),
 )
 
 
@@ -167,7 +147,7 @@ def _raw(t, examples):
         code, out = t.call(method, raw)
         TRIED["raw"] += 1
         req_cls = {"ListTables": pb.ListTablesRequest, "DescribeTable": pb.DescribeTableRequest,
-                   "Plan": pb.PlanRequest, "Release": pb.ReleaseRequest, "Lookup": pb.LookupRequest,
+                   "Lookup": pb.LookupRequest,
                    "Stats": pb.StatsRequest}[method]
         try:
             req = req_cls.FromString(raw)
@@ -197,7 +177,7 @@ def test_fuzz_every_rpc_long(target):
                                    MAX_REQUEST_IDS + 1, pytest.param(9_000_000, marks=pytest.mark.reliability)])
 def test_enormous_batches_are_refused_or_served(target, n_ids):
     ids = (np.arange(n_ids, dtype="<i8") % ROWS).tobytes()
-    for method, req in (("Plan", pb.PlanRequest(table="t", ids=ids)), ("Lookup", pb.LookupRequest(table="t", ids=ids))):
+    for method, req in (("Lookup", pb.LookupRequest(table="t", ids=ids)),):
         code, out = target.call(method, req.SerializeToString())
         TRIED["enormous"] += 1
         if n_ids * 8 > (64 << 20):  # over the wire limit: gRPC refuses before our code runs

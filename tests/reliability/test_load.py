@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tierstore import errors
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 
 ROWS = 400_000   # x 64 B = 25.6 MB on disk
 BATCH = 4096

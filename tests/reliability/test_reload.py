@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 
 ROWS, DIM = 30_000, 16
 

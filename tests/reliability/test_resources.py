@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierstore.catalog import Catalog
-from tierstore.client.sidecar import Client
+from tierstore.store.catalog import Catalog
+from tierstore.client.client import Client
 from tierstore.tiers.dram import HEADER_BYTES
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.tiers.nvme.reader import SegmentReader
 
 
 @pytest.fixture

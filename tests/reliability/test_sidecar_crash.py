@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.client.sidecar import RECONNECT_WAIT_S, Client
-from tierstore.launcher import SidecarProcess
+from tierstore.client.channel import RECONNECT_WAIT_S
+from tierstore.client.client import Client
+from tierstore.sidecar.launcher import SidecarProcess
 from tierstore import errors
 from tierstore.tiers.dram import map_readonly
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierstore.mooncake import LocalCluster, missing_reason
+from tierstore.tiers.remote.mooncake import LocalCluster, missing_reason
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tierstore.mooncake import missing_reason
+from tierstore.tiers.remote.mooncake import missing_reason
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierstore.catalog import Catalog
-from tierstore.publish import fetch_manifest, prefix
+from tierstore.store.catalog import Catalog
+from tierstore.tiers.remote.publish import fetch_manifest, prefix
 
 
 def test_publish_then_fetch_manifest_on_another_host(cluster, make_table, data_dir, tmp_path, cli):
@@ -29,7 +29,7 @@ def test_manifest_goes_last_so_a_half_version_is_invisible(cluster, make_table, 
     tv, _ = make_table("emb", rows=500, row_bytes=64)
     store = cluster.connect()
     try:
-        from tierstore.publish import publish
+        from tierstore.tiers.remote.publish import publish
         publish(store, data_dir, "emb")
         store.remove(prefix("emb", tv.version) + "manifest", True)  # as if killed before the last put
         import pytest

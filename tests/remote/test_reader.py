@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tierstore.errors import ChecksumError, Unavailable
-from tierstore.publish import block_keys, fetch_manifest, publish
-from tierstore.tiers.remote import RemoteReader
+from tierstore.tiers.remote.publish import block_keys, fetch_manifest, publish
+from tierstore.tiers.remote.reader import RemoteReader
 
 
 @pytest.fixture

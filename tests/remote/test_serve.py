@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.client.sidecar import Client
+from tierstore.client.client import Client
 from tierstore.errors import Unavailable
-from tierstore.launcher import SidecarProcess
+from tierstore.sidecar.launcher import SidecarProcess
 
 ROWS, ROW_BYTES = 20000, 256   # 5 MiB
 
@@ -121,8 +121,8 @@ def test_a_sidecar_killed_mid_write_back_restarts_without_a_wrong_block(cluster,
                                                                           cli):
     """kill -9 while blocks are being written back: every block the bitmap names verifies,
     and a restart completes the copy."""
-    from tierstore.catalog import Catalog
-    from tierstore.tiers.local_copy import LocalCopy
+    from tierstore.store.catalog import Catalog
+    from tierstore.tiers.remote.local_copy import LocalCopy
 
     rows = 100_000  # 25 MiB: a few write-back rounds
     _, data = make_table("emb", rows=rows, row_bytes=ROW_BYTES, chunk=8192)

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.catalog import Catalog
-from tierstore.publish import fetch_manifest, import_manifest, publish
-from tierstore.tiers.local_copy import BITMAP_NAME, LocalCopy
-from tierstore.tiers.nvme import SegmentReader
-from tierstore.tiers.remote import RemoteReader
+from tierstore.store.catalog import Catalog
+from tierstore.tiers.remote.publish import fetch_manifest, import_manifest, publish
+from tierstore.tiers.remote.local_copy import BITMAP_NAME, LocalCopy
+from tierstore.tiers.nvme.reader import SegmentReader
+from tierstore.tiers.remote.reader import RemoteReader
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ O_DIRECT row reads serves the same bit-exact rows."""
 import numpy as np
 import pytest
 
-from tierstore.client.sidecar import Client
-from tierstore.launcher import SidecarProcess
+from tierstore.client.client import Client
+from tierstore.sidecar.launcher import SidecarProcess
 
 
 def test_cache_mode_sidecar_with_direct_io_serves_bit_exact_rows(data_dir, make_table, odirect):

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tierstore import ingest
-from tierstore.catalog import Catalog
+from tierstore.ingest import writer as ingest
+from tierstore.store.catalog import Catalog
 from tierstore.errors import ChecksumError, IdOutOfRange, InvalidArgument
-from tierstore.tiers import segment_blocks
-from tierstore.tiers.nvme import SegmentReader, default_block_rows
+from tierstore.tiers.nvme import segment_blocks
+from tierstore.tiers.nvme.reader import SegmentReader, default_block_rows
 
 ROWS, RB, BR = 1000, 64, 7  # 143 blocks, the last one short (6 rows)
 

@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-from tierstore import ingest
-from tierstore.catalog import Catalog
+from tierstore.ingest import writer as ingest
+from tierstore.store.catalog import Catalog
 from tierstore.errors import ChecksumError, InvalidArgument
-from tierstore.formats import RowFormat
-from tierstore.ingest import write_version
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.table.formats import RowFormat
+from tierstore.ingest.writer import write_version
+from tierstore.tiers.nvme.reader import SegmentReader
 
 
 @pytest.fixture(params=["page-cache", "direct", "direct-pread"])
@@ -23,7 +23,7 @@ def mode(request, tmp_path, odirect, monkeypatch):
         if why:
             pytest.skip(why)
     if request.param == "direct-pread":
-        from tierstore.tiers import direct_io
+        from tierstore.tiers.nvme import direct_io
         monkeypatch.setattr(direct_io, "thread_ring", lambda: None)
     return request.param != "page-cache"
 
@@ -123,7 +123,7 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
 def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch):
     """A gather that looks like it faulted (here: every gather) drops the seen pages;
     the next reads pread them again, every row still verified."""
-    from tierstore.tiers import mapped_rows
+    from tierstore.tiers.nvme import mapped_rows
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
     monkeypatch.setattr(mapped_rows, "EVICTED_FRACTION", -1.0)
@@ -225,7 +225,7 @@ def test_direct_io_refused_at_open_is_a_clear_error(data_dir, make_table, monkey
     # tmpfs takes O_DIRECT since Linux 6.6; inject the EINVAL older kernels and other filesystems give
     import errno
 
-    from tierstore.tiers import direct_io
+    from tierstore.tiers.nvme import direct_io
     tv, _ = make_table("t", rows=100, row_bytes=64)
     real_open = os.open
 
@@ -253,7 +253,7 @@ def test_verify_cli_reports_a_fifo_segment_and_returns(data_dir, make_table, cli
 def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table, monkeypatch):
     """A gather slowed by a busy CPU (here: every gather counts as slow) is not an eviction:
     only the thread's major faults say the page cache lost the segment."""
-    from tierstore.tiers import mapped_rows
+    from tierstore.tiers.nvme import mapped_rows
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
     monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", -1.0)
@@ -269,8 +269,8 @@ def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table
 _GROWTH = """
 import sys
 import numpy as np
-from tierstore.catalog import Catalog
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.store.catalog import Catalog
+from tierstore.tiers.nvme.reader import SegmentReader
 def anon():
     return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssAnon:")).split()[1]) << 10
 with Catalog(sys.argv[1], readonly=True) as cat:

@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from tierstore.tiers.rowsum import ALGO, row_sums
+from tierstore.tiers.nvme.rowsum import ALGO, row_sums
 
 WIDTHS = st.sampled_from([6, 33, 64, 128, 132, 256, 264])
 

@@ -5,8 +5,10 @@ import os
 import numpy as np
 import pytest
 
-from tierstore.tiers import direct_io, uring
-from tierstore.tiers.direct_io import pread_rows, thread_buffer
+from tierstore.tiers.nvme import direct_io
+
+from tierstore.tiers.nvme import uring
+from tierstore.tiers.nvme.direct_io import pread_rows, thread_buffer
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """One engine per served table version: the arena (tiers/dram.py) over the cold tier.
 
-`TableEngine(version, reader, arena, leases=..., full=...)` builds the engine
-of that mode:
+`make_engine(version, reader, arena, leases=..., full=...)` (tierstore/engine/__init__.py)
+builds the engine of that mode:
 - FullEngine (full.py): the whole table sits in the arena in id order, slot ==
   id; a Plan only validates (nothing is ever evicted, so nothing needs a lease);
 - CacheEngine (cache.py): the arena caches `capacity` rows under a policy
@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierstore.errors import ChecksumError
-from tierstore.leases import LeaseTable
+from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.base import check_ids
 from tierstore.tiers.dram import Arena
-from tierstore.verifier import VerifyCounters
+from tierstore.engine.verifier import VerifyCounters
 
-__all__ = ["TableEngine", "PlanResult", "Counters"]
+__all__ = ["TableEngine", "Placement", "Counters"]
 
 
 @dataclass(slots=True)
-class PlanResult:
+class Placement:
     slots: np.ndarray     # int64, one per requested id
     lease_id: int         # 0 when no lease was needed
     unique: int
@@ -51,22 +51,11 @@ class Counters:
 
 
 class TableEngine:
-    """What every engine has; `TableEngine(..., full=...)` builds FullEngine or CacheEngine."""
+    """What every engine has; tierstore.engine.make_engine builds FullEngine or CacheEngine."""
 
     full: bool
 
-    def __new__(cls, *args, full: bool | None = None, **kwargs):
-        if cls is TableEngine:
-            from tierstore.engine.cache import CacheEngine
-            from tierstore.engine.full import FullEngine
-
-            cls = FullEngine if full else CacheEngine
-        return super().__new__(cls)
-
-    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, full: bool | None = None,
-                 recorder=None, policy_config=None, profile=None, index_path=None, instance: str = ""):
-        """policy_config, profile, index_path, instance: the cache mode's (CacheEngine); a full
-        table has no policy and no slot index."""
+    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, recorder=None):
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
@@ -76,10 +65,10 @@ class TableEngine:
         self.counters = Counters()
         self._lock = threading.Lock()
         self.capacity = arena.slots
-        self.verifier = None                          # tierstore.verifier.Verifier, set by the sidecar
+        self.verifier = None                          # tierstore.engine.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
         self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
-        self.recorder = recorder                      # tierstore.trace_recorder.TraceRecorder (serve --record-trace)
+        self.recorder = recorder                      # tierstore.sidecar.trace_recorder.TraceRecorder (serve --record-trace)
         self.retired = False                          # replaced by another version; freed when unleased
         self.freed = False                            # set (under the lock) once the sidecar may free it
         self._active = 0                              # plans running now (a retired engine waits for them)
@@ -105,11 +94,11 @@ class TableEngine:
             self.recorder.record(self.table, np.unique(ids), n_ids=self.rows)
         return ids
 
-    def _validated(self, ids: np.ndarray) -> PlanResult:
+    def _validated(self, ids: np.ndarray) -> Placement:
         """A Plan with nothing to pin (full mode, or no ids): no lease to hold or leak."""
         self.counters.plans += 1
         self.counters.hits += ids.size
-        return PlanResult(ids, 0, ids.size, ids.size, 0)
+        return Placement(ids, 0, ids.size, ids.size, 0)
 
     def close(self) -> None:
         """Let go of what the engine holds besides its arena and reader (both the sidecar's)."""

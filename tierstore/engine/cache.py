@@ -17,18 +17,19 @@ slot table's invariants and read best in one file.
 from __future__ import annotations
 
 import itertools
-import secrets
 
 import numpy as np
 
 from tierstore import cpu_token
-from tierstore.engine.base import PlanResult, TableEngine
+from tierstore.engine.base import Placement, TableEngine
 from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted, VersionNotFound
 from tierstore.jit import distinct, strictly_increasing
-from tierstore.slot_index import SlotIndexFile
-from tierstore.slots import FILLING, READY, Fill, SlotTable
-from tierstore.tiers.fused import unique_inverse, warm
-from tierstore.tiers.nvme import SegmentReader
+from tierstore.cache.policy import make_policy
+from tierstore.cache.slot_index import SlotIndexFile
+from tierstore.cache.slot_table import FILLING, READY, Fill, SlotTable
+from tierstore.jit import unique_inverse
+from tierstore.tiers.nvme.verified_copy import warm
+from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["CacheEngine"]
 
@@ -45,18 +46,16 @@ class _FillFailed(Exception):
 class CacheEngine(TableEngine):
     full = False
 
-    def __init__(self, version, reader, arena, *, leases, full: bool | None = None, policy_config=None,
+    def __init__(self, version, reader, arena, *, leases, policy_config=None,
                  profile=None, recorder=None, index_path=None, instance: str = ""):
         """index_path: where to keep the slot index in shared memory (slot_index.py), so local
         clients read resident rows without a round trip; None keeps it private."""
         super().__init__(version, reader, arena, leases=leases, recorder=recorder)
-        from tierstore.policy import CachePolicy
-
         index = SlotIndexFile(index_path, self.capacity, self.rows, instance) if index_path is not None else None
         self.slots = SlotTable(self.capacity, self.rows, index)
         try:
             # one id map for engine and policy: the policy reads the slot table's
-            self.policy = CachePolicy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
+            self.policy = make_policy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
             if profile is not None:
                 self.policy.load_profile(*profile)
         except BaseException:
@@ -68,12 +67,12 @@ class CacheEngine(TableEngine):
         warm()  # compile the miss path's kernels now (or load them), not on the first Plan
 
     # ---- requests -----------------------------------------------------------
-    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> PlanResult:
+    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:
         """Make `ids` resident and lease their slots to one step."""
         with cpu_token.hold():
             return self._plan(ids, ttl_s, client, request_id)
 
-    def _plan(self, ids: np.ndarray, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
+    def _plan(self, ids: np.ndarray, ttl_s: float, client: bytes, request_id: int) -> Placement:
         ids = self._edge(ids)
         if ids.size == 0:
             return self._validated(ids)
@@ -89,7 +88,7 @@ class CacheEngine(TableEngine):
         finally:
             self.leave()
 
-    def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> PlanResult:
+    def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> Placement:
         for attempt in range(PLAN_ATTEMPTS):
             slots, fill, waits, misses = self._reserve(uniq, lease=True)
             try:
@@ -112,7 +111,7 @@ class CacheEngine(TableEngine):
             break
         if self.verifier is not None:
             self.verifier.sample(self, uniq, slots)
-        return PlanResult(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
+        return Placement(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
                           uniq.size - misses, misses, ttl_s)
 
     def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None) -> int:
@@ -334,17 +333,35 @@ class CacheEngine(TableEngine):
             fill.finish(ResourceExhausted("lease refused"))
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Rows [n, row_bytes] copied out of the arena (inline path), under a lease of its own."""
-        ids = self.check_ids(ids)
-        self.counters.lookups += 1
-        if self.bad_blocks.size:
-            self._refuse_bad_blocks(ids)
-        client = b"\0inline" + secrets.token_bytes(8)  # its own: never counted against another caller
-        res = self.plan(ids, ttl_s=60.0, client=client)
-        try:
-            return self.arena.rows[res.slots]
-        finally:
-            self.leases.release([res.lease_id], client)
+        """Rows [n, row_bytes] copied out of the arena (the inline gRPC path).
+
+        The step's slots are pinned while they fill and are copied, then unpinned:
+        no lease (nothing a caller could leave behind, no owner to invent), and the
+        pins last only this call, which the inline limit (proto.MAX_INLINE_BYTES)
+        bounds. Counted as a plan for hits, misses and the policy."""
+        with cpu_token.hold():
+            ids = self._edge(ids)
+            self.counters.lookups += 1
+            if ids.size == 0:
+                return np.empty((0, self.version.row_bytes), dtype=np.uint8)
+            uniq, inverse = (ids, None) if strictly_increasing(ids) else unique_inverse(ids)
+            if not self.enter():
+                raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+                                      "look the rows up again")
+            try:
+                for _ in range(PLAN_ATTEMPTS):
+                    slots, fill, waits, _ = self._reserve(uniq, lease=True)
+                    try:
+                        self._complete(fill, waits)
+                        return self.arena.rows[slots if inverse is None else slots[inverse]]
+                    except _FillFailed:
+                        continue
+                    finally:
+                        self.unpin(slots)
+            finally:
+                self.leave()
+        raise ResourceExhausted(f"table {self.table!r}: rows this lookup needs kept failing to load; "
+                                "look them up again")
 
     def unpin(self, slots: np.ndarray) -> None:
         with self._lock:

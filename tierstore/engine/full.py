@@ -10,7 +10,7 @@ import numpy as np
 import xxhash
 
 from tierstore import cpu_token
-from tierstore.engine.base import PlanResult, TableEngine
+from tierstore.engine.base import Placement, TableEngine
 from tierstore.errors import ChecksumError
 
 __all__ = ["FullEngine"]
@@ -35,7 +35,7 @@ class FullEngine(TableEngine):
                 if xxhash.xxh3_64_intdigest(flat[b * br:(b + 1) * br]) != int(checksums[b])]
 
     # ---- requests -----------------------------------------------------------
-    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> PlanResult:
+    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:
         """Validate `ids`: every row is resident at slot == id."""
         with cpu_token.hold():
             return self._validated(self._edge(ids))

@@ -1,0 +1,317 @@
+"""Client of a tierstore sidecar.
+
+    from tierstore.client import Client
+    with Client("/run/tierstore.sock") as c:           # a worker on the sidecar's host
+        rows = c.lookup("l1", ids)                     # uint8 [n, row_bytes], read from the shared arena
+        with c.plan("l1", ids) as step:                # returns at once
+            ...                                        # run the first blocks meanwhile
+            slots = step.slots()                       # int64 arena slot per id, leased to this step
+            rows = step.rows()                         # gathered straight from the mapped arena
+
+One route per operation and transport (docs/architecture.md):
+- lookup: a local client reads the rows itself (the mapped arena; in cache mode
+  the slot index, misses from the segment files); a TCP client, or
+  `lookup(..., inline=True)`, gets them inline over gRPC.
+- plan and release: the step socket (`<socket>.steps`), local clients only. A
+  full-resident table needs no message at all: slot == id.
+- describe, prefetch, reload, stats: gRPC.
+
+Failures raise tierstore.errors types: IdOutOfRange / InvalidArgument (bad ids),
+TableNotFound, ResourceExhausted (arena full of leased rows, request too big),
+DataLoss (a corrupt cold block), Unavailable (no sidecar on the socket; the
+call fails within `timeout` seconds instead of hanging).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from tierstore import errors
+from tierstore.client.arena_map import ArenaMaps, MappedArena
+from tierstore.client.channel import open_channel, reconnected, to_error
+from tierstore.client.local_reads import LocalReads
+from tierstore.client.step_link import StepLink
+from tierstore.client.step_plan import StepPlan, distinct_ids
+from tierstore.client.table_handle import TableHandle
+from tierstore.proto import tierstore_pb2 as pb
+from tierstore.proto import tierstore_pb2_grpc as pb_grpc
+from tierstore.proto.frames import PlanItem
+from tierstore.tiers.base import check_ids
+
+__all__ = ["Client", "as_ids"]
+_I8 = np.dtype("<i8")
+
+
+def as_ids(ids) -> np.ndarray:
+    """Flat little-endian int64 ids (no copy when they already are)."""
+    if type(ids) is np.ndarray and ids.dtype == _I8 and ids.ndim == 1:
+        return ids  # what a step loop passes: nothing to convert
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise errors.InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype("<i8", copy=False)
+
+
+def _ttl_ms(ttl_s: float | None) -> int:
+    return int(ttl_s * 1000) if ttl_s else 0
+
+
+class Client:
+    """Connection to one sidecar: `Client(socket_path)` or `Client(target="host:port", token=...)`.
+
+    timeout: seconds any call may take before it fails with Unavailable.
+    token: the sidecar's shared token (--auth-token), sent on TCP.
+    root_certificates: PEM bytes of the CA (or self-signed certificate) that
+        signed the sidecar's --tls-cert; the TCP channel then speaks TLS.
+
+    A TCP client never maps an arena (it lives on the sidecar's host): lookup()
+    fetches rows inline and plan() is refused. Leases taken by this client belong
+    to its step-socket connection: nobody else can release them, and they end
+    when it closes.
+    """
+
+    def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
+                 token: str | None = None, root_certificates: bytes | None = None):
+        if (socket is None) == (target is None):
+            raise ValueError("give exactly one of socket=PATH or target=HOST:PORT")
+        self.socket = Path(socket) if socket is not None else None
+        self.target = f"unix:{socket}" if socket is not None else target
+        self.local = socket is not None
+        self.timeout = timeout
+        self._request_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 16 | 1)
+        self._metadata = (("x-tierstore-token", token),) if token else None  # sidecar.auth.TOKEN_HEADER
+        self._channel = open_channel(self.target, root_certificates)
+        self._stub = pb_grpc.TierstoreStub(self._channel)
+        self._handles: dict[str, TableHandle] = {}
+        self._lock = threading.Lock()
+        self._maps = ArenaMaps(self._lock)
+        self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
+        self._closed = False
+        self.link = StepLink(self.socket, timeout) if self.local else None
+
+    # ---- plumbing -----------------------------------------------------------
+    def _call(self, method: str, request, retry: bool = True):
+        self._check_open()
+        for attempt in (0, 1):
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if attempt or not retry or e.code() != grpc.StatusCode.UNAVAILABLE or not self._reconnected():
+                    raise to_error(e, self.target) from None
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+                raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new Client") from None
+
+    def _reconnected(self) -> bool:
+        return reconnected(self._channel, self.timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new Client")
+
+    def _check_local(self, what: str) -> None:
+        if not self.local:
+            raise errors.InvalidArgument(
+                f"{what} leases slots of the sidecar's shared arena, which only a process on its host can "
+                f"read; a client of {self.target} reads rows with lookup()")
+
+    def _release_later(self, lease_id: int) -> None:
+        if not self._closed:  # after close() the connection is gone, and its leases with it
+            self.link.release_later(lease_id)
+
+    def handle(self, table: str) -> TableHandle:
+        with self._lock:
+            h = self._handles.get(table)
+        if h is not None and h.stale:
+            if h.local is not None:
+                h.local.close()
+            h = None  # its arena was retired: a version swap or a restart
+        if h is None:
+            h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)), self)
+            if self.local:
+                # map now, not at first read: a sidecar restarting in between would swap the
+                # file under this handle while its instance still names the old one
+                h.mapped
+            with self._lock:
+                self._handles[table] = h
+        return h
+
+    def _refresh(self, table: str) -> TableHandle:
+        with self._lock:
+            self._handles.pop(table, None)
+        return self.handle(table)
+
+    def arena(self, path: str, slots: int, row_bytes: int, instance: str, leased: bool = False) -> MappedArena:
+        """The mapped arena at `path` (mapped once per client; retired ones are let go).
+
+        leased: the caller holds a lease in it, so a retired arena may still be read."""
+        return self._maps.arena(path, slots, row_bytes, instance, leased)
+
+    def _lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+        return self._maps.lease_alive(handle.lease_board, handle.lease_board_entries, lease_id)
+
+    # ---- public API ---------------------------------------------------------
+    def tables(self) -> list[dict]:
+        resp = self._call("ListTables", pb.ListTablesRequest())
+        return [dict(table=t.table, version=t.version, rows=t.rows, row_format=t.row_format, row_dim=t.row_dim,
+                     row_bytes=t.row_bytes, full_resident=t.arena.full_resident, arena_slots=t.arena.slots)
+                for t in resp.tables]
+
+    def table_info(self, table: str) -> dict:
+        return self.handle(table).info()
+
+    def plan(self, table: str, ids, ttl_s: float | None = None) -> StepPlan:
+        """Lease `ids` of `table` for one step; returns at once (the plan runs meanwhile).
+
+        ids: any integer array (flattened; duplicates fine). For a full-resident
+        table no message is sent: slots are the ids, range-checked here, read from
+        the arena that is current now (a retired one is let go first). A cache-mode
+        table's ids are deduplicated here and sent in one PLAN frame.
+        ttl_s: the lease's lifetime (default: the sidecar's --lease-ttl; at most
+            10 x that). A step that reads its rows after the lease ended gets
+            them planned again, or StaleRows, never another step's rows.
+        Raises InvalidArgument on a TCP client (plan needs the sidecar's host).
+        """
+        self._check_open()
+        self._check_local("plan()")
+        arr = as_ids(ids)
+        h = self.handle(table)
+        if h.full_resident:  # slot == id: no message, no packing
+            return StepPlan(self, h, check_ids(arr, h.rows, table))
+        send, inverse = distinct_ids(arr)
+        pending = self.link.connection().submit([PlanItem(table, send, 0, _ttl_ms(ttl_s), next(self._request_ids))])
+        return StepPlan(self, h, arr, pending, 0, inverse)
+
+    def plan_many(self, tables: dict, ttl_s: float | None = None) -> dict[str, StepPlan]:
+        """plan() for every table of a step ({table: ids}): the cache-mode tables in one
+        PLAN frame, one round trip; returns {table: StepPlan}."""
+        self._check_open()
+        self._check_local("plan_many()")
+        out, items, asked = {}, [], []
+        for table, ids in tables.items():
+            arr = as_ids(ids)
+            h = self.handle(table)
+            if h.full_resident:
+                out[table] = StepPlan(self, h, check_ids(arr, h.rows, table))
+            else:
+                send, inverse = distinct_ids(arr)
+                items.append(PlanItem(table, send, 0, _ttl_ms(ttl_s), next(self._request_ids)))
+                asked.append((h, arr, inverse))
+        if items:
+            pending = self.link.connection().submit(items)
+            for k, (it, (h, arr, inverse)) in enumerate(zip(items, asked)):
+                out[it.table] = StepPlan(self, h, arr, pending, k, inverse)
+        return out
+
+    def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
+        """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
+
+        A local client reads them itself, no round trip: a full-resident table
+        straight from the mapped arena; a cache-mode table through the slot
+        index (client/local_reads.py: resident rows checked against their
+        sequence numbers, misses read from the segment files and verified), the
+        sidecar learning the step afterwards. Where the sidecar offers no local
+        reads (--no-local-reads) or this process cannot open the segment files,
+        the step is planned and copied instead. A TCP client, or inline=True,
+        gets the rows inline over gRPC."""
+        if inline or not self.local:
+            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
+            return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
+        self._check_open()
+        arr = as_ids(ids)
+        h = self.handle(table)
+        checked = check_ids(arr, h.rows, table)
+        if h.full_resident:
+            return np.take(h.arena_np, checked, axis=0)  # rows[ids], ~40% cheaper for small steps
+        if h.index_path:
+            local = self._local_reads(h)
+            if local is not None:
+                rows = local.read(checked)
+                if rows is not None:
+                    return rows
+        with self.plan(table, arr) as step:  # no local reads here: a leased copy
+            return step.rows()
+
+    def _local_reads(self, h: TableHandle) -> LocalReads | None:
+        """The handle's LocalReads (made once), or None where its index is gone (the next
+        call describes the table again)."""
+        if h.local is None:
+            try:
+                h.local = LocalReads(self, h)
+            except errors.StaleArena:
+                return None
+        return h.local
+
+    def flush(self) -> None:
+        """Send the steps local reads noted now, one-way (they go within a few ms by themselves)."""
+        if self.link is not None:
+            self.link.flush_notes()
+
+    def prefetch(self, table: str, ids, read: bool = True, steps: int | None = None) -> None:
+        """Ask the sidecar to promote rows a queued request will read (no lease, returns
+        at once): their disk reads overlap the time the request waits to run.
+
+        read=False: only hint the rows already resident (the cache policy keeps them
+        over others until the request runs) and read nothing; for requests more than
+        a step or two from running, whose reads would evict rows sooner needed.
+        steps: about how many steps until the request runs; its rows are kept that
+        long (default: the sidecar's --policy default, 16). Say it when known: a hint
+        that outlives its request keeps rows nobody reads."""
+        self._check_open()
+        if steps is not None and not 0 < int(steps) < 2**32:
+            raise errors.InvalidArgument(f"prefetch steps must be a positive step count, got {steps}")
+        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read, steps=int(steps or 0))
+        fut = self._stub.Prefetch.future(req, timeout=self.timeout, metadata=self._metadata)
+        with self._lock:  # held until answered: a collected future cancels its call
+            self._inflight = [f for f in self._inflight if not f.done()] + [fut]
+
+    def reload(self, table: str = "", version: int = 0) -> list[tuple[str, int, int]]:
+        """Make the sidecar serve the catalog's current versions (or `table` at `version`)
+        without a restart; returns [(table, old version, new version)] that changed."""
+        resp = self._call("Reload", pb.ReloadRequest(table=table, version=version))
+        return [(c.table, c.old_version, c.new_version) for c in resp.changed]
+
+    def release(self, lease_ids) -> int:
+        """End leases this client took now (with any queued); returns how many were live
+        (others' ids are ignored). A TCP client holds none: 0."""
+        self._check_open()
+        if not self.local:
+            return 0
+        return self.link.release([int(i) for i in lease_ids])
+
+    def stats(self) -> dict:
+        resp = self._call("Stats", pb.StatsRequest())
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def close(self) -> None:
+        """Send queued notes and releases, wait (bounded) for prefetches, close the connections."""
+        if self._closed:
+            return
+        with self._lock:
+            inflight, self._inflight = self._inflight, []
+        for fut in inflight:
+            try:
+                fut.result(timeout=min(self.timeout, 5.0))
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass  # a hint: nothing depends on it
+        self._closed = True
+        if self.link is not None:
+            self.link.close()  # the sidecar ends this connection's leases
+        self._channel.close()
+        for h in self._handles.values():
+            if h.local is not None:
+                h.local.close()
+        self._maps.drop()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

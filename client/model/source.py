@@ -1,0 +1,54 @@
+"""The contract between where rows live and the code that gathers them.
+
+A RowSource answers `plan(table, ids)` with a PlanHandle: the arena slot of
+every requested row, leased until the handle is released. The rows themselves
+are read by the gather kernel straight from `handle.arena` (a uint8 tensor
+[arena_rows, row_bytes] mapped from shared memory for the sidecar, the table
+itself for an in-process source); no row bytes pass through the control path.
+
+Two implementations: `tierstore.client.model.local_table.LocalTable` (table in process
+memory, slot == id) and `tierstore.client.client.Client` (the sidecar).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+__all__ = ["RowSource", "PlanHandle"]
+
+
+@runtime_checkable
+class PlanHandle(Protocol):
+    """One step's lease on the rows of one table."""
+
+    table: str
+    arena: torch.Tensor  # uint8 [arena_rows, row_bytes]; CPU (pinned/mapped) or device
+
+    def slots(self) -> np.ndarray:
+        """int64 arena slot of each requested id (same order); blocks until planned (at
+        most the source's timeout).
+
+        Raises tierstore.errors.ResourceExhausted when the arena is full of leased
+        rows, IdOutOfRange / TableNotFound for bad input, Unavailable when the
+        sidecar is gone."""
+
+    def valid(self) -> bool:
+        """After a gather: True when the rows read were still this step's own (its lease
+        lived, its arena was current when the step began). Optional; absent = True."""
+
+    def replan(self) -> None:
+        """Plan the same ids again after valid() said False (the lease ended)."""
+
+    def release(self) -> None:
+        """End the lease early (idempotent). Rows must not be read afterwards."""
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    def plan(self, table: str, ids: np.ndarray) -> PlanHandle:
+        """Start planning `ids` (int64, any shape, flattened) of `table`; returns at once."""
+
+    def table_info(self, table: str) -> dict:
+        """{'rows', 'row_bytes', 'row_format', 'row_dim', 'spec' (dict or None), 'version'}."""

@@ -1,0 +1,399 @@
+"""Client of the sidecar's step socket: a step's Plan for all its tables, in one round trip.
+
+    from tierstore.client.step_connection import StepConnection
+    from tierstore.proto.frames import PlanItem
+    with StepConnection("/run/tierstore.sock.steps") as fp:
+        l1, l14 = fp.plan([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
+        slots = l1.slots                   # int64, one per id, read-only view of the reply (no copy)
+
+        step = fp.submit(items)            # or: send now, overlap the round trip with other work,
+        results = step.result()            #     collect the reply when the slots are needed
+        fp.release_later([r.lease_id for r in results])   # ends them on the next request, no round trip
+
+Each PlanResult carries `instance`: when it differs from the one whose arena you
+mapped, the sidecar restarted (the client reconnects once by itself) and the
+slots index the new arena: remap it. Errors of one table come back as that
+item's entry (a tierstore.errors instance, same class as the server raised);
+use raise_errors(results) to raise the first. Whole-request failures raise.
+
+Failure modes: Unavailable (no sidecar on the socket, or no reply within
+`timeout` seconds; the message names the socket), ResourceExhausted (request
+over the sidecar's size limit, or max_clients reached), InvalidArgument (bad
+items, protocol mismatch). Thread-safe: calls on one client take turns on its
+connection; use one client per thread for parallel steps.
+
+One cohesive thing (a little over the house's 300 lines): the connection, its one
+request in flight and the reply parser.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tierstore import errors
+from tierstore.proto.frames import step_socket_path
+from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
+                                MAX_RELEASE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
+                                FrameReader, PlanItem, PlanResult, decode_error, encode_access, pad8, send_frame,
+                                spin_seconds)
+
+__all__ = ["StepConnection", "PendingReply", "raise_errors"]
+
+RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
+RENOTE_S = 0.1           # a lost connection is tried again by notes at most this often
+SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
+_PAD = bytes(8)
+_I8 = np.dtype("<i8")
+_NO_LEASES = np.empty(0, "<u8")
+_NAMES: dict[str, bytes] = {}
+
+
+def raise_errors(results: list) -> list[PlanResult]:
+    """The results, or the first item's error raised."""
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class PendingReply:
+    """A request sent by StepConnection.submit; result() returns its reply (or raises)."""
+
+    __slots__ = ("client", "op", "parts", "size", "n_items", "error", "_value", "_error", "_done")
+
+    def __init__(self, client: StepConnection, op: int, parts: list, size: int, n_items: int):
+        self.client, self.op, self.parts, self.size, self.n_items = client, op, parts, size, n_items
+        self.error = None  # a send that failed: resend after reconnecting
+        self._value = self._error = None
+        self._done = False
+
+    def _settle(self, value=None, error=None) -> None:
+        self._value, self._error, self._done, self.parts = value, error, True, None
+
+    def done(self) -> bool:
+        """Whether the reply has been read (a later call on the client reads it)."""
+        return self._done
+
+    def result(self):
+        """The reply: a list with one PlanResult or error per item (PLAN), the released count (RELEASE)."""
+        if not self._done:
+            with self.client._lock:
+                if not self._done:
+                    self.client._finish(self)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class StepConnection:
+    """One connection to the step socket at `path` (the sidecar's `<socket>.steps`).
+
+    owner: 16 bytes naming this connection's leases (random when None); the
+           sidecar ends an owner's leases when its connection closes, and a
+           reconnect takes a fresh owner.
+    timeout: seconds a call may wait for the sidecar before Unavailable.
+    """
+
+    def __init__(self, path, owner: bytes | None = None, timeout: float = 30.0):
+        if owner is not None and (not isinstance(owner, bytes) or len(owner) != 16):
+            raise errors.InvalidArgument(f"step-socket owner must be 16 bytes, got {owner!r}")
+        if not timeout > 0:
+            raise errors.InvalidArgument(f"timeout must be positive seconds, got {timeout}")
+        self.path, self.timeout = Path(path), float(timeout)
+        self.owner, self.instance, self.max_request_bytes = owner or os.urandom(16), "", 0
+        self._sock: socket.socket | None = None
+        self._inflight: PendingReply | None = None
+        self._queued: list[int] = []  # release_later's lease ids, sent with the next request
+        self._queue_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._retry_at = 0.0  # when a note may next try to reconnect (_reconnect)
+        self._spin_s = spin_seconds()
+        with self._lock:
+            self._connect(self.owner, wait=0.0)
+
+    # -- public calls ----------------------------------------------------------------------
+
+    def plan(self, items: list[PlanItem], release=()) -> list:
+        """Release `release` (lease ids), then plan every item: one PlanResult or error per item."""
+        return self.submit(items, release).result()
+
+    def submit(self, items: list[PlanItem], release=()) -> PendingReply:
+        """Send the step's PLAN now and return at once; `.result()` waits for the reply.
+
+        Overlaps the round trip with the caller's work. One request is in flight
+        per client: the next call first collects this reply (kept for its
+        result()). Keep `ids` unchanged until result(): a reconnect resends them.
+        Bad items raise here (InvalidArgument, ResourceExhausted); a lost sidecar
+        raises Unavailable here or from result()."""
+        items = list(items)
+        rel = np.ascontiguousarray(release, dtype="<u8").ravel() if len(release) else _NO_LEASES
+        if rel.size > MAX_RELEASE:
+            raise errors.InvalidArgument(f"a step can carry at most {MAX_RELEASE} releases, got {rel.size}; "
+                                         f"call release() for the rest first")
+        parts, size = [None, None], PLAN_REQ.size
+        for i, it in enumerate(items):
+            ids = it.ids
+            if type(ids) is not np.ndarray or ids.dtype != _I8 or not ids.flags.c_contiguous:
+                ids = np.asarray(ids)
+                if ids.dtype.kind not in "iu":
+                    raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): ids must be integers, "
+                                                 f"got {ids.dtype}")
+                ids = np.ascontiguousarray(ids.ravel(), dtype=_I8)
+            name = _NAMES.get(it.table)
+            if name is None:
+                name = it.table.encode("utf-8")
+                if len(_NAMES) < 1024:  # a step loop's few tables, encoded once
+                    _NAMES[it.table] = name
+            if len(name) > MAX_NAME:
+                raise errors.InvalidArgument(f"plan item {i}: table name of {len(name)} B is over {MAX_NAME} B")
+            try:
+                head = ITEM.pack(it.version, it.request_id, ids.size, it.ttl_ms, len(name))
+            except struct.error as e:
+                raise errors.InvalidArgument(f"plan item {i} ({it.table!r}): version, request_id, ttl_ms or the "
+                                             f"id count is out of range: {e}") from None
+            parts += [head, name, _PAD[:pad8(len(name))], ids]
+            size += ITEM.size + len(name) + pad8(len(name)) + ids.nbytes
+        rel, queued = self._with_queued(rel, MAX_RELEASE)
+        parts[:2] = PLAN_REQ.pack(len(items), rel.size), rel
+        try:
+            return self._submit(PendingReply(self, PLAN, parts, size + rel.nbytes, len(items)))
+        except BaseException:
+            self.release_later(queued)  # not sent: they ride on the next request instead
+            raise
+
+    def release_later(self, lease_ids) -> None:
+        """Queue leases to end on this client's next request (no round trip of their own).
+
+        For a handle's release() in a step loop: the next step's PLAN carries them.
+        A client that closes needs no flush: the sidecar ends a closed owner's leases.
+        lease_ids: an array or list of ids, or one id (an int)."""
+        if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a handle's one lease, every step
+            with self._queue_lock:
+                self._queued.append(lease_ids)
+            return
+        with self._queue_lock:
+            self._queued.extend(int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel())
+
+    @property
+    def queued(self) -> bool:
+        """Releases wait to ride on the next request."""
+        return bool(self._queued)
+
+    def _with_queued(self, rel: np.ndarray, cap: int) -> tuple[np.ndarray, list[int]]:
+        with self._queue_lock:
+            if not self._queued:
+                return rel, []
+            room = max(cap - rel.size, 0)
+            queued, self._queued = self._queued[:room], self._queued[room:]
+        more = np.array(queued, dtype="<u8")
+        return (np.concatenate([rel, more]) if rel.size else more), queued
+
+    def release(self, lease_ids) -> int:
+        """End these leases (and any queued by release_later) now; returns how many were live."""
+        ids = np.ascontiguousarray(lease_ids, dtype="<u8").ravel()
+        with self._queue_lock:
+            ids, self._queued = np.concatenate([ids, np.asarray(self._queued, dtype="<u8")]), []
+        released = 0
+        for at in range(0, max(ids.size, 1), MAX_RELEASE):
+            part = ids[at:at + MAX_RELEASE]
+            released += self._submit(PendingReply(self, RELEASE, [COUNT.pack(part.size), part],
+                                                 COUNT.size + part.nbytes, 0)).result()
+        return released
+
+    def access(self, items: list) -> bool:
+        """Tell the sidecar about steps this client read itself (proto.frames.AccessItem list):
+        one frame, no reply, no round trip. A hint, and lossy: when the sidecar is behind
+        (its socket buffer is full) the note is dropped rather than this step made to
+        wait, so N clients never run at the pace of the sidecar's bookkeeping. Returns
+        whether it was sent; the request in flight, if any, is unaffected."""
+        parts, size = encode_access(items)
+        frame = HDR.pack(size, ACCESS) + b"".join(parts)
+        with self._lock:
+            if self._closed or size > self.max_request_bytes or (self._sock is None and not self._reconnect()):
+                return False
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._drop()  # the reply read of the request in flight reconnects
+                return False
+            if sent < len(frame):  # a frame begun must be finished, or the stream is out of step
+                try:
+                    self._sock.sendall(memoryview(frame)[sent:])
+                except OSError:  # including a send timeout (EAGAIN): the stream is cut mid-frame
+                    self._drop()
+                    return False
+        return True
+
+    def _reconnect(self) -> bool:
+        """For a client that only sends notes: connect again (a new owner), at most every
+        RENOTE_S, and only with no request in flight (its reply read reconnects and resends)."""
+        now = time.monotonic()
+        if self._inflight is not None or now < self._retry_at:
+            return False
+        self._retry_at = now + RENOTE_S
+        try:
+            self._connect(os.urandom(16), wait=0.0)
+        except errors.TierstoreError:
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._inflight is not None:
+                self._inflight._settle(error=errors.Unavailable(f"step-socket client of {self.path} was closed"))
+                self._inflight = None
+            self._closed = True
+            self._drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _unavailable(self, why) -> errors.Unavailable:
+        return errors.Unavailable(f"no tierstore sidecar step socket answers at {self.path} (is `tierstore serve` "
+                                  f"running there?): {why}")
+
+    def _connect(self, owner: bytes, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise self._unavailable(e) from None
+                time.sleep(0.02)  # a restarting sidecar: its socket comes back within `wait`
+            except OSError as e:
+                sock.close()
+                raise self._unavailable(e) from None
+        # kernel timeouts on a blocking socket: Python's own timeout polls before every send and recv
+        sock.settimeout(None)
+        tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        reader = FrameReader(sock, 1 << 20)
+        try:
+            try:
+                send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner)])
+            except OSError:
+                pass  # a refusal (max_clients) may already wait to be read
+            op, body = reader.read(owned=True)
+        except (EOFError, OSError, FrameError) as e:
+            sock.close()
+            raise self._unavailable(f"the handshake failed: {e}") from None
+        if op == ERROR:
+            sock.close()
+            raise decode_error(body, 0)[0]
+        magic, version, limit = HELLO_RESP.unpack_from(body) if len(body) >= HELLO_RESP.size else (b"", 0, 0)
+        if op != HELLO or magic != MAGIC or version != PROTOCOL_VERSION:
+            sock.close()
+            raise errors.InvalidArgument(f"{self.path} does not speak tierstore step-socket v{PROTOCOL_VERSION} "
+                                         f"(got {magic!r} v{version}); client and sidecar versions differ")
+        self.instance = body[HELLO_RESP.size:].decode("utf-8", "replace")
+        self.owner, self.max_request_bytes = owner, limit
+        reader.limit = 2 * limit + (1 << 20)  # a reply carries one slot per id plus small headers
+        self._sock, self._reader = sock, reader
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _submit(self, req: PendingReply) -> PendingReply:
+        with self._lock:
+            if self._closed:
+                raise errors.InvalidArgument(f"step-socket client of {self.path} is closed")
+            if self._inflight is not None:
+                self._finish(self._inflight)  # one in flight: a reply never waits behind our next send
+            if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+                self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+            if req.size > self.max_request_bytes:
+                raise errors.ResourceExhausted(f"step-socket request of {req.size} B exceeds the sidecar's "
+                                               f"{self.max_request_bytes} B limit; split the step")
+            self._inflight = req
+            try:
+                send_frame(self._sock, req.op, req.parts, req.size)
+            except OSError as e:
+                self._drop()
+                req.error = e  # the reply read in _finish reconnects and resends once
+        return req
+
+    def _finish(self, req: PendingReply) -> None:
+        """Read req's reply (it is the one in flight); on a lost connection reconnect once and resend."""
+        self._inflight = None
+        for attempt in (0, 1):
+            try:
+                if self._sock is None or req.error is not None:
+                    if attempt == 0 and req.error is None:
+                        raise EOFError("connection lost")
+                    self._drop()
+                    self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+                    req.error = None
+                    send_frame(self._sock, req.op, req.parts, req.size)
+                # a small step's reply is polled for; a big one's plan takes ms and may use
+                # the sidecar's read threads, which a polling client would take a core from
+                self._reader.spin_s = self._spin_s if req.size <= SPIN_MAX_REQUEST_BYTES else 0.0
+                op, body = self._reader.read(owned=True)
+                break
+            except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
+                self._drop()
+                req._settle(error=self._unavailable(f"no reply within {self.timeout:g} s"))
+                return
+            except errors.TierstoreError as e:  # the reconnect failed
+                req._settle(error=e)
+                return
+            except (EOFError, OSError, FrameError) as e:
+                self._drop()
+                req.error = e
+                if attempt:
+                    req._settle(error=self._unavailable(e))
+                    return
+            except BaseException:  # interrupted mid-frame: the stream is out of step, start afresh
+                self._drop()
+                req._settle(error=self._unavailable("the call was interrupted"))
+                raise
+        if op == ERROR:
+            req._settle(error=decode_error(body, 0)[0])
+        elif op != req.op:
+            req._settle(error=errors.TierstoreError(f"step socket at {self.path} answered op {op} to op {req.op}"))
+        else:
+            try:
+                req._settle(value=self._parse_plan(body, req.n_items) if op == PLAN else U64.unpack_from(body)[0])
+            except errors.TierstoreError as e:
+                req._settle(error=e)
+
+    def _parse_plan(self, body: bytes, n_items: int) -> list:
+        (n,), off, out = COUNT.unpack_from(body), COUNT.size, []
+        if n != n_items:
+            raise errors.TierstoreError(f"step socket at {self.path} answered {n} of {n_items} plan items")
+        for _ in range(n):
+            if body[off] == 0:
+                _, n_slots, lease_id, version, expires, hits, misses, unique, alen, aslots = \
+                    RES_OK.unpack_from(body, off)
+                off += RES_OK.size
+                slots = np.frombuffer(body, _I8, n_slots, off)
+                off += 8 * n_slots
+                arena = bytes(body[off:off + alen]).decode("utf-8", "replace")
+                off += alen + pad8(alen)
+                out.append(PlanResult(lease_id, version, slots, hits, misses, unique, expires, self.instance,
+                                      arena, aslots))
+            else:
+                err, off = decode_error(body, off)
+                out.append(err)
+        return out

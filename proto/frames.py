@@ -1,0 +1,376 @@
+"""Wire format of the step socket (tierstore/sidecar/step_server.py serves it,
+client/step_connection.py speaks it). One frame per request and per reply:
+
+    frame    = u32 body_len, u8 op, 3 pad | body          (little-endian; 8-aligned)
+    HELLO    > magic "TSFP", u16 version, 2 pad, owner[16]
+             < magic, u16 version, 2 pad, u64 max_request_bytes, instance (utf-8)
+    PLAN     > u32 n_items, u32 n_release, u64 release[n_release],
+               n_items x (u64 version, u64 request_id, u32 n_ids, u32 ttl_ms,
+                          u16 name_len, 6 pad, name padded to 8, i64 ids[n_ids])
+             < u32 n_items, 4 pad, n_items x (OK: u8 0, 3 pad, u32 n_slots, u64 lease_id,
+               u64 version, u64 expires_unix_ms, u32 hits, u32 misses, u32 unique, 4 pad,
+               i64 slots[n_slots]  |  ERR: u8 1, 3 pad, u32 name_len, u32 msg_len, 4 pad,
+               name + message padded to 8)
+    RELEASE  > u32 n, 4 pad, u64 lease_ids[n]    < u64 released
+    ACCESS   > u32 n_items, 4 pad, n_items x (u64 version, u32 n_ids, u32 n_steps,
+               u16 name_len, 6 pad, name padded to 8, i64 ids[n_ids], i64 ends[n_steps])
+             (no reply) steps a client read itself (client/local_reads.py): step k is
+               ids[ends[k-1]:ends[k]]; the sidecar's policy learns them and promotes
+               the misses. A hint: errors in it are logged by the sidecar, not answered.
+    ERROR    < (whole request failed) as an ERR item; after a framing error the
+               server closes the connection, otherwise it keeps serving it.
+
+Why a stream socket: SOCK_SEQPACKET caps a message at the socket buffer
+(~208 KiB by default), below one 32k-id step. Ids and slots are 8-aligned in
+the frame so both sides read them with np.frombuffer, no copy.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierstore import errors
+
+__all__ = ["step_socket_path", "PlanItem", "PlanResult", "AccessItem", "FrameReader", "FrameError", "send_frame", "parse_plan",
+           "encode_plan_results", "encode_access", "parse_access", "encode_error", "decode_error", "MAGIC",
+           "PROTOCOL_VERSION"]
+
+MAGIC, PROTOCOL_VERSION = b"TSFP", 1
+HELLO, PLAN, RELEASE, ACCESS, ERROR = 1, 2, 3, 4, 0x7F
+HDR = struct.Struct("<IB3x")
+HELLO_REQ = struct.Struct("<4sH2x16s")
+HELLO_RESP = struct.Struct("<4sH2xQ")
+PLAN_REQ = struct.Struct("<II")
+ITEM = struct.Struct("<QQIIH6x")
+ACCESS_ITEM = struct.Struct("<QIIH6x")
+COUNT = struct.Struct("<I4x")
+RES_OK = struct.Struct("<BxxxIQQQIIIIQ")  # ..., arena name length, arena slots
+RES_ERR = struct.Struct("<BxxxII4x")
+U64 = struct.Struct("<Q")
+MAX_ITEMS = 4096            # tables in one step; far above any model's Engram layer count
+MAX_NAME = 1024
+MAX_RELEASE = 1 << 16       # lease ids per request: a list of Python ints, so not left to the frame size
+SCRATCH = 64 << 10
+SMALL_FRAME = 16 << 10
+MAX_NAMES_KEPT = 4096      # table and arena names kept decoded/encoded (hot path: no codec per step)
+_NAMES: dict[bytes, str] = {}
+_ARENAS: dict[str, tuple[bytes, bytes]] = {}
+_I8, _U8 = np.dtype("<i8"), np.dtype("<u8")
+KEEP_BUFFER = 8 << 20      # a connection keeps a receive buffer up to this size between requests
+SOCKET_BUFFER = 4 << 20    # asked of SO_SNDBUF/SO_RCVBUF (the kernel caps it): a 32k-id step in one go
+
+
+def step_socket_path(grpc_socket: Path) -> Path:
+    """Where the step socket listens for a sidecar whose gRPC socket is `grpc_socket`."""
+    return Path(f"{grpc_socket}.steps")
+
+
+@dataclass(slots=True)
+class PlanItem:
+    """One table's ids in a step. On the server, `ids` is a read-only view of the
+    request buffer, valid during handler.plan (a handler that keeps it is noticed
+    and the buffer is not reused)."""
+
+    table: str
+    ids: np.ndarray
+    version: int = 0          # 0 = the current version
+    ttl_ms: int = 0           # 0 = the sidecar's default
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class AccessItem:
+    """Steps of one table a client read itself: step k is ids[ends[k-1]:ends[k]].
+    On the server, `ids` and `ends` are read-only views of the request buffer."""
+
+    table: str
+    ids: np.ndarray
+    ends: np.ndarray
+    version: int = 0
+
+
+@dataclass(slots=True)
+class PlanResult:
+    lease_id: int
+    version: int
+    slots: np.ndarray         # int64, one per requested id, in order
+    hits: int = 0
+    misses: int = 0
+    unique: int = 0
+    expires_unix_ms: int = 0
+    instance: str = ""        # filled by the client: the sidecar instance that answered
+    arena: str = ""           # the arena file the slots index (it changes with a version swap)
+    arena_slots: int = 0
+
+
+class FrameError(Exception):
+    """The byte stream cannot be framed any more: answer if possible, then close."""
+
+    def __init__(self, err: errors.TierstoreError):
+        super().__init__(str(err))
+        self.err = err
+
+
+def pad8(n: int) -> int:
+    return -n % 8
+
+
+def encode_error(e: BaseException) -> list:
+    name = type(e).__name__.encode() if isinstance(e, errors.TierstoreError) else b"TierstoreError"
+    msg = str(e).encode("utf-8", "replace")
+    return [RES_ERR.pack(1, len(name), len(msg)), name, msg, bytes(pad8(len(name) + len(msg)))]
+
+
+def decode_error(body, off: int) -> tuple[errors.TierstoreError, int]:
+    """The error an ERR record carries, as the same tierstore.errors class when one has that name."""
+    _, nlen, mlen = RES_ERR.unpack_from(body, off)
+    off += RES_ERR.size
+    if off + nlen + mlen > len(body):
+        raise FrameError(errors.TierstoreError("truncated error record from the sidecar step socket"))
+    name = bytes(body[off:off + nlen]).decode("utf-8", "replace")
+    msg = bytes(body[off + nlen:off + nlen + mlen]).decode("utf-8", "replace")
+    cls = getattr(errors, name, None)
+    if cls is errors.ChecksumError:  # its constructor takes the block's coordinates, the message has them
+        cls = errors.DataLoss
+    if isinstance(cls, type) and issubclass(cls, errors.TierstoreError):
+        err = cls(msg)
+    else:
+        err = errors.TierstoreError(f"{name}: {msg}")
+    return err, off + nlen + mlen + pad8(nlen + mlen)
+
+
+def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = None) -> None:
+    """Send one frame from contiguous buffers; a large one goes out as a scatter list, not joined.
+
+    `size` (the parts' total bytes) lets a small frame skip a memoryview per part."""
+    if size is not None and size <= SMALL_FRAME:  # one small copy is cheaper than a scatter list
+        sock.sendall(HDR.pack(size, op) + b"".join(parts))
+        return
+    views = [memoryview(p).cast("B") for p in parts]
+    size = sum(v.nbytes for v in views)
+    if size <= SMALL_FRAME:
+        sock.sendall(HDR.pack(size, op) + b"".join(views))
+        return
+    views.insert(0, memoryview(HDR.pack(size, op)))
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def spin_seconds() -> float:
+    """How long a step-socket reader polls before it blocks (FrameReader._recv):
+    TIERSTORE_SPIN_US, default 0 (never). Polling saves the ~30 µs a side that
+    waking a blocked thread costs, but burns the core meanwhile. On this
+    project's 2-vCPU VMs (one core's throughput) it cut a loop of all-hit
+    256-id steps from ~270 to ~160 µs, yet gained nothing in bench lookup,
+    where the poller slows its peer's plan as much as it saves; it is meant
+    for hosts with a spare core per worker."""
+    try:
+        return max(0.0, float(os.environ.get("TIERSTORE_SPIN_US", "0"))) * 1e-6
+    except ValueError:
+        return 0.0
+
+
+class FrameReader:
+    """Reads whole frames from a stream socket into a reused buffer (bounded by `limit`)."""
+
+    def __init__(self, sock: socket.socket, limit: int, spin_s: float = 0.0):
+        self.sock, self.limit = sock, limit
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        self.buf = bytearray(SCRATCH)
+        self.start = self.end = 0
+        self.spin_s = spin_s  # poll this long before a blocking recv (see _recv)
+
+    def _fill(self, upto: int) -> None:
+        while self.end < upto:
+            n = self._recv(memoryview(self.buf)[self.end:])
+            if n == 0:
+                raise EOFError("connection closed")
+            self.end += n
+
+    def _recv(self, view) -> int:
+        """recv_into, polling first for up to spin_s (see spin_seconds)."""
+        if self.spin_s > 0:
+            deadline = time.perf_counter() + self.spin_s
+            while True:
+                try:
+                    return self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() > deadline:
+                        break
+                    os.sched_yield()  # a runnable thread on this core (the peer?) goes first
+        return self.sock.recv_into(view)
+
+    def read(self, owned: bool = False):
+        """(op, body): body is a view of the buffer, or its own bytes when `owned`."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        if len(self.buf) - self.start < HDR.size:
+            self._move(len(self.buf))
+        self._fill(self.start + HDR.size)
+        length, op = HDR.unpack_from(self.buf, self.start)
+        if length > self.limit:
+            raise FrameError(errors.ResourceExhausted(
+                f"step-socket frame of {length} B exceeds the {self.limit} B request limit; split the step"))
+        total = HDR.size + length
+        if owned and total > len(self.buf):  # large reply: read straight into its own buffer
+            body = bytearray(length)
+            have = self.end - self.start - HDR.size
+            body[:have] = self.buf[self.start + HDR.size:self.end]
+            self.start = self.end = 0
+            view = memoryview(body)
+            while have < length:
+                n = self.sock.recv_into(view[have:])
+                if n == 0:
+                    raise EOFError("connection closed")
+                have += n
+            return op, body
+        if len(self.buf) - self.start < total:
+            self._move(max(total, SCRATCH))
+        self._fill(self.start + total)
+        a, self.start = self.start + HDR.size, self.start + total
+        if owned:
+            return op, bytes(memoryview(self.buf)[a:self.start])  # one copy (a bytearray slice would be two)
+        return op, memoryview(self.buf)[a:self.start]
+
+    def _move(self, size: int) -> None:
+        new = bytearray(size)
+        new[:self.end - self.start] = self.buf[self.start:self.end]
+        self.buf, self.end, self.start = new, self.end - self.start, 0
+
+    def recycle(self) -> None:
+        """After a request: keep the buffer unless someone still holds a view of it; drop a big one."""
+        try:
+            self.buf.append(0)  # resizing fails while any view of the buffer is alive
+            self.buf.pop()
+        except BufferError:
+            self._move(SCRATCH)
+            return
+        if len(self.buf) > KEEP_BUFFER and self.end - self.start <= SCRATCH:
+            self._move(SCRATCH)
+
+
+def _name(body, off: int, name_len: int, what: str) -> str:
+    raw = bytes(body[off:off + name_len])
+    table = _NAMES.get(raw)
+    if table is None:
+        try:
+            table = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise errors.InvalidArgument(f"step-socket {what}: the table name is not UTF-8") from None
+        if len(_NAMES) < MAX_NAMES_KEPT:  # a client sending endless names cannot grow it
+            _NAMES[raw] = table
+    return table
+
+
+def encode_access(items: list[AccessItem]) -> tuple[list, int]:
+    """(parts, their total bytes) of an ACCESS frame; ids and ends int64, contiguous."""
+    parts, size = [COUNT.pack(len(items))], COUNT.size
+    for it in items:
+        name = it.table.encode("utf-8")
+        parts += [ACCESS_ITEM.pack(it.version, it.ids.size, it.ends.size, len(name)), name,
+                  bytes(pad8(len(name))), it.ids, it.ends]
+        size += ACCESS_ITEM.size + len(name) + pad8(len(name)) + it.ids.nbytes + it.ends.nbytes
+    return parts, size
+
+
+def parse_access(body) -> list[AccessItem]:
+    """ACCESS body -> items; every length is checked against the body before use."""
+    bad = errors.InvalidArgument
+    if len(body) < COUNT.size:
+        raise bad(f"step-socket ACCESS body of {len(body)} B is shorter than its header")
+    (n_items,), off, items = COUNT.unpack_from(body), COUNT.size, []
+    if n_items > MAX_ITEMS:
+        raise bad(f"step-socket ACCESS names {n_items} tables; at most {MAX_ITEMS}")
+    for i in range(n_items):
+        if ACCESS_ITEM.size > len(body) - off:
+            raise bad(f"step-socket ACCESS is truncated in the header of item {i}")
+        version, n_ids, n_steps, name_len = ACCESS_ITEM.unpack_from(body, off)
+        off += ACCESS_ITEM.size
+        pad = -name_len % 8
+        if name_len > MAX_NAME or name_len + pad + (n_ids + n_steps) * 8 > len(body) - off:
+            raise bad(f"step-socket ACCESS item {i} declares a {name_len} B name, {n_ids} ids and {n_steps} steps, "
+                      f"more than the frame carries")
+        table = _name(body, off, name_len, f"ACCESS item {i}")
+        off += name_len + pad
+        ids = np.frombuffer(body, _I8, n_ids, off)
+        ends = np.frombuffer(body, _I8, n_steps, off + n_ids * 8)
+        off += (n_ids + n_steps) * 8
+        items.append(AccessItem(table, ids, ends, version))
+    if off != len(body):
+        raise bad(f"step-socket ACCESS has {len(body) - off} B after its last item")
+    return items
+
+
+def parse_plan(body) -> tuple[list[PlanItem], list[int]]:
+    """PLAN body -> (items, release); every length is checked against the body before use."""
+    bad = errors.InvalidArgument
+    if len(body) < PLAN_REQ.size:
+        raise bad(f"step-socket PLAN body of {len(body)} B is shorter than its {PLAN_REQ.size} B header")
+    n_items, n_release = PLAN_REQ.unpack_from(body, 0)
+    if n_items > MAX_ITEMS:
+        raise bad(f"step-socket PLAN names {n_items} tables; at most {MAX_ITEMS} per step")
+    off = PLAN_REQ.size
+    if n_release > MAX_RELEASE:
+        raise bad(f"step-socket PLAN releases {n_release} leases; at most {MAX_RELEASE} per request")
+    if n_release * 8 > len(body) - off:
+        raise bad(f"step-socket PLAN declares {n_release} releases but carries {len(body) - off} B")
+    if n_release == 1:  # a step loop's last lease: no array for one id
+        release = [U64.unpack_from(body, off)[0]]
+    else:
+        release = np.frombuffer(body, _U8, n_release, off).tolist() if n_release else []
+    off += n_release * 8
+    items = []
+    for i in range(n_items):
+        if ITEM.size > len(body) - off:
+            raise bad(f"step-socket PLAN is truncated in the header of item {i}")
+        version, request_id, n_ids, ttl_ms, name_len = ITEM.unpack_from(body, off)
+        off += ITEM.size
+        pad = -name_len % 8
+        if name_len > MAX_NAME or name_len + pad + n_ids * 8 > len(body) - off:
+            raise bad(f"step-socket PLAN item {i} declares a {name_len} B name and {n_ids} ids, more than the frame "
+                      f"carries")
+        table = _name(body, off, name_len, f"PLAN item {i}")
+        off += name_len + pad
+        ids = np.frombuffer(body, _I8, n_ids, off)  # a dtype object: a "<i8" string is parsed per call
+        ids.setflags(write=False)
+        off += n_ids * 8
+        items.append(PlanItem(table, ids, version, ttl_ms, request_id))
+    if off != len(body):
+        raise bad(f"step-socket PLAN has {len(body) - off} B after its last item")
+    return items, release
+
+
+def encode_plan_results(results: list) -> tuple[list, int]:
+    """(parts, their total bytes) of a PLAN reply."""
+    parts, size = [COUNT.pack(len(results))], COUNT.size
+    for r in results:
+        if isinstance(r, PlanResult):
+            slots = r.slots
+            if type(slots) is not np.ndarray or slots.dtype != _I8 or not slots.flags.c_contiguous:
+                slots = np.ascontiguousarray(slots, dtype="<i8")
+            arena = _ARENAS.get(r.arena)
+            if arena is None:  # the names of served arenas, kept encoded and padded to 8
+                arena = r.arena.encode()
+                arena = (arena, bytes(pad8(len(arena))))
+                if len(_ARENAS) >= MAX_NAMES_KEPT:
+                    _ARENAS.clear()
+                _ARENAS[r.arena] = arena
+            parts += [RES_OK.pack(0, slots.size, r.lease_id, r.version, r.expires_unix_ms, r.hits, r.misses,
+                                  r.unique, len(arena[0]), r.arena_slots), slots.reshape(-1), *arena]
+            size += RES_OK.size + slots.nbytes + len(arena[0]) + len(arena[1])
+        else:
+            parts += encode_error(r)
+            size += sum(len(p) for p in parts[-4:])
+    return parts, size
+

@@ -1,0 +1,140 @@
+"""TableEngine in cache mode, in process: promotion off the lock, failures that give
+every slot back, and steps that share rows being filled (issues 10 and 11.5)."""
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstore import cpu_token
+from tierstore.store.catalog import Catalog
+from tierstore.engine import make_engine
+from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.cache.leases import LeaseTable
+from tierstore.tiers.dram import Arena
+from tierstore.tiers.nvme.reader import SegmentReader
+
+ROWS = 20_000
+
+
+class FaultyReader(SegmentReader):
+    """The real cold tier, with an I/O error (EIO) or a slow device injected on demand."""
+
+    fail_next = 0
+    delay_s = 0.0
+
+    def read_into(self, ids, dest, slots, cached=False):
+        if self.delay_s:
+            with cpu_token.waiting():  # a device read, as the real reader waits on one
+                time.sleep(self.delay_s)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return super().read_into(ids, dest, slots, cached=cached)
+
+
+@pytest.fixture
+def engine(make_table, data_dir):
+    tv, data = make_table("t", rows=ROWS, row_bytes=64)
+    with Catalog(data_dir, readonly=True) as cat:
+        sums = cat.checksums("t", tv.version)
+    reader = FaultyReader(data_dir, tv, sums)
+    arena = Arena(Path("/dev/shm") / f"tierstore-test-engine.{time.monotonic_ns()}", 2000, tv.row_bytes)
+    leases = LeaseTable(64)
+    eng = make_engine(tv, reader, arena, leases=leases, full=False)
+    yield eng, data
+    arena.close(unlink=True)
+    reader.close()
+
+
+def _plan(eng, ids, client=b"c"):
+    res = eng.plan(np.asarray(ids), ttl_s=30.0, client=client)
+    return res, eng.arena.rows[res.slots].copy()
+
+
+def test_an_io_error_while_promoting_gives_every_slot_back(engine):
+    eng, data = engine
+    _plan(eng, np.arange(0, 1500))  # some residents, so the failed step also pins hits
+    eng.leases.release_client(b"c")
+    before = (eng.slots.n_free, eng.slots.resident)
+    eng.reader.fail_next = 1
+    with pytest.raises(OSError):
+        eng.plan(np.arange(1000, 2500), ttl_s=30.0)
+    assert eng.slots.n_pinned == 0 and len(eng.leases) == 0, "the failed step left pins or a lease"
+    assert eng.slots.n_free + eng.slots.resident == eng.capacity
+    assert eng.slots.n_free >= before[0]  # the reserved slots came back
+    res, rows = _plan(eng, np.arange(1000, 2500))
+    assert np.array_equal(rows, data[1000:2500])
+
+
+def test_a_step_waits_for_the_fill_of_a_row_it_shares_and_reads_it_whole(engine):
+    eng, data = engine
+    eng.reader.delay_s = 0.3
+    out = {}
+
+    def first():
+        out["a"] = _plan(eng, np.arange(100, 600), b"a")
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(0.1)  # a is reading rows 100..599 now, outside the lock
+    eng.reader.delay_s = 0.0
+    t0 = time.monotonic()
+    res, rows = _plan(eng, np.arange(500, 700), b"b")  # shares 500..599 with a's fill
+    t.join()
+    assert np.array_equal(rows, data[500:700]) and np.array_equal(out["a"][1], data[100:600])
+    assert eng.counters.fill_waits >= 1
+    assert time.monotonic() - t0 < 5
+
+
+def test_plans_do_not_wait_behind_another_steps_disk_reads(engine):
+    eng, data = engine
+    _plan(eng, np.arange(0, 300), b"warm")
+    eng.reader.delay_s = 1.0
+    t = threading.Thread(target=lambda: _plan(eng, np.arange(5000, 5500), b"slow"))
+    t.start()
+    time.sleep(0.1)
+    eng.reader.delay_s = 0.0
+    t0 = time.monotonic()
+    res, rows = _plan(eng, np.arange(0, 300), b"fast")  # all resident: no read of its own
+    took = time.monotonic() - t0
+    t.join()
+    assert np.array_equal(rows, data[:300])
+    assert took < 0.5, f"a plan of resident rows waited {took:.2f}s behind another step's reads"
+
+
+def test_a_refused_lease_changes_nothing(engine):
+    eng, _ = engine
+    eng.leases.max_per_client = 1
+    _plan(eng, np.arange(10))
+    state = (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned)
+    with pytest.raises(ResourceExhausted, match="per client"):
+        eng.plan(np.arange(3000, 3100), ttl_s=30.0, client=b"c")
+    assert (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned) == state
+
+
+def test_access_notes_are_learned_step_by_step_and_seen_twice_rows_promoted(engine, monkeypatch):
+    """Local reads' notes (note_access): every step counted, a few steps per hold of the
+    lock; a miss is promoted the second time it is seen (the doorkeeper), bit-exact."""
+    from tierstore.engine import cache
+
+    monkeypatch.setattr(cache, "NOTE_CHUNK_IDS", 100)  # many lock holds for one note
+    eng, data = engine
+    rng = np.random.default_rng(5)
+    ids = rng.choice(ROWS, 720, replace=False)  # 12 steps of 60 rows, none seen twice yet
+    ends = np.arange(60, 721, 60)
+    assert eng.note_access(ids, ends) == 0  # first sight: learned, nothing promoted
+    c = eng.counters
+    assert (c.local_steps, c.hits + c.misses, c.plans) == (12, ids.size, 0)
+    uniq = np.unique(ids)
+    assert eng.note_access(ids, ends) == uniq.size  # second sight: every distinct miss promoted once
+    slots = eng.slots.slot_of[uniq]
+    assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[uniq])
+    assert not (eng.slots.gen[slots] & 1).any() and eng.slots.n_pinned == 0
+    with pytest.raises(InvalidArgument):
+        eng.note_access(ids, ends - 1)  # ends that do not cover the ids
+    assert eng.counters.local_steps == 24

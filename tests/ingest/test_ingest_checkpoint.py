@@ -1,0 +1,287 @@
+"""`tierstore ingest-checkpoint` on a tiny checkpoint with DeepSeek-V4.1's exact layout:
+rows served by a real sidecar are bit-exact with embed.weight || embed.scale of the
+shard; `tierstore hash` ids match ids computed from config.json alone; malformed
+checkpoints are refused naming file and tensor, leaving the data directory as it was."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from v41_checkpoint import IMAGE_TOKEN, write_checkpoint, write_safetensors  # noqa: E402
+
+from tierstore.store.catalog import Catalog
+from tierstore.cli import main
+from tierstore.client.client import Client
+from tierstore.sidecar.launcher import SidecarProcess
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v41")
+    write_checkpoint(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ingested(ckpt, tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0
+    return data
+
+
+@pytest.fixture(scope="module")
+def client(ingested):
+    with SidecarProcess(ingested, dram_budget="64MiB") as sc, Client(sc.socket) as c:
+        yield c
+
+
+def shard_rows(ckpt: Path, layer: int) -> np.ndarray:
+    """weight || scale of a layer, read with the safetensors library (an independent reader)."""
+    from safetensors import safe_open
+
+    wm = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    name = f"layers.{layer}.engram.embed."
+    with safe_open(str(ckpt / wm[name + "weight"]), "pt") as f:
+        w = f.get_tensor(name + "weight").view(torch.uint8).numpy()
+        s = f.get_tensor(name + "scale").view(torch.uint8).numpy()
+    return np.concatenate([w, s], axis=1)
+
+
+def hash_from_config(cfg_path: Path, layer: int, ids: list[int]) -> np.ndarray:
+    """Row ids from config.json alone, written out plainly (no tierstore code)."""
+    t = json.loads(cfg_path.read_text())["text_config"]
+    N, K, C, pad = t["engram_max_ngram_size"], t["engram_n_heads"], t["engram_compressed_vocab_size"], 2
+    image = json.loads(cfg_path.read_text())["image_token_id"]
+
+    def prime(n):
+        return n > 1 and all(n % p for p in range(2, int(n ** 0.5) + 1))
+    seen, primes = set(), {}
+    for L in t["engram_layer_ids"]:
+        primes[L] = []
+        for _ in range(N - 1):
+            cur = t["engram_vocab_size"] - 1
+            for _ in range(K):
+                cur += 1
+                while not prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                primes[L].append(cur)
+    mult = np.random.default_rng(10007 * layer).integers(0, max(1, (2 ** 63 - 1) // C // 2), N, dtype=np.int64) * 2 + 1
+    P = primes[layer]
+    off = np.concatenate([[0], np.cumsum(P)[:-1]])
+    out = []
+    for pos in range(len(ids)):
+        row, mix, blocked = [], 0, False
+        for s in range(N):
+            blocked |= pos - s < 0 or ids[pos - s] == image
+            mix ^= (pad if blocked else ids[pos - s]) * int(mult[s])
+            if s:
+                row += [mix % P[(s - 1) * K + k] + off[(s - 1) * K + k] for k in range(K)]
+        out.append(row)
+    return np.asarray(out)
+
+
+def test_tables_per_layer_with_spec_from_config(ingested):
+    with Catalog(ingested, readonly=True) as cat:
+        assert cat.tables() == ["l1", "l3"]
+        tv = cat.current("l1")
+    assert (tv.row_bytes, tv.row_format, tv.layer_id) == (264, "fp8-e4m3-ue8m0", 1)
+    assert tv.spec["rms_norm_eps"] == 1e-20 and tv.spec["image_token_id"] == IMAGE_TOKEN
+    assert tv.rows % 2 == 1  # a sum of 9 odd primes: a multiple of nothing convenient
+
+
+def test_rows_served_by_sidecar_are_bit_exact_with_the_shard(ckpt, client, capsys):
+    ids = [5, 17, 3, IMAGE_TOKEN, 4, 4, 498, 0, 1, 2]
+    for L in (1, 3):
+        want = shard_rows(ckpt, L)
+        capsys.readouterr()
+        assert main(["hash", "--checkpoint", str(ckpt), "--layer", str(L),
+                     "--ids", ",".join(map(str, ids))]) == 0
+        got = json.loads(capsys.readouterr().out)
+        hashed = np.asarray(got["ids"])
+        assert got["table"] == f"l{L}"
+        assert np.array_equal(hashed, hash_from_config(ckpt / "config.json", L, ids))
+        every = np.arange(len(want))
+        for inline in (True, False):
+            assert np.array_equal(client.lookup(got["table"], hashed.reshape(-1), inline=inline),
+                                  want[hashed.reshape(-1)])
+        assert np.array_equal(client.lookup(got["table"], every, inline=True), want)
+
+
+@torch.no_grad()
+def test_v41_layer_served_by_sidecar_equals_layer_on_shard_rows(ckpt, client):
+    """README's model-side recipe: spec from config.json, layers from the checkpoint, rows from the sidecar."""
+    from tierstore.client import LocalTable, NgramHasher
+    from tierstore.table.hf_config import spec_from_config
+    from tierstore.client.model.v41_layer import V41EngramLayer
+
+    spec = spec_from_config(ckpt)
+    hasher = NgramHasher(spec)
+    raw = np.random.default_rng(3).integers(0, 500, (2, 12))
+    raw[1, 4] = IMAGE_TOKEN
+    dead = hasher.dead_mask(raw)
+    rows = hasher.hash_all(hasher.check_ids(raw), dead=dead)
+    h = torch.randn(2, 12, spec.hc_mult, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    local = LocalTable(spec)
+    for L in spec.layer_ids:
+        local.add(f"l{L}", shard_rows(ckpt, L), row_format=spec.row_format, row_dim=spec.row_dim)
+    want = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=local)(h, rows[L], dead=dead) for L in spec.layer_ids}
+    engram = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=client) for L in spec.layer_ids}
+    for L, layer in engram.items():
+        layer.prepare(rows[L], dead=dead)
+    got = {L: engram[L](h) for L in spec.layer_ids}
+    for L in spec.layer_ids:
+        assert torch.equal(got[L], want[L])
+        assert torch.equal(got[L][1, 4], h[1, 4])
+
+
+def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
+    data = tmp_path / "d"
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "3"]) == 0
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0
+    with Catalog(data, readonly=True) as cat:
+        assert [cat.current(t).version for t in ("l1", "l3")] == [1, 1]
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--force", "--layers", "1"]) == 0
+    with Catalog(data, readonly=True) as cat:
+        assert cat.current("l1").version == 2
+
+
+def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monkeypatch):
+    from tierstore.table import checkpoint
+
+    data = tmp_path / "d"
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "1"]) == 0
+    before = _snapshot(data)
+    calls = {"n": 0}
+    real = checkpoint.TensorRef.pread
+
+    def dying(self, out, first_row=0):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt  # killed mid-table
+        return real(self, out, first_row)
+    monkeypatch.setattr(checkpoint.TensorRef, "pread", dying)
+    with pytest.raises(KeyboardInterrupt):
+        from tierstore.ingest.checkpoint import ingest_checkpoint
+        ingest_checkpoint(ckpt, data, force=True, progress=False, chunk_bytes=64 << 10)
+    monkeypatch.undo()
+    assert _snapshot(data) == before  # staging removed, v1 of l1 current, no l3
+    assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0  # resumes
+    with Catalog(data, readonly=True) as cat:
+        assert (cat.current("l1").version, cat.current("l3").version) == (1, 1)
+
+
+def _snapshot(data: Path) -> dict:
+    out = {}
+    for p in sorted(data.rglob("*")):
+        if p.is_file() and p.parent.name != "catalog":
+            out[str(p.relative_to(data))] = p.stat().st_size
+    if (data / "catalog").exists():
+        with Catalog(data, readonly=True) as cat:
+            out["current"] = {t: cat.current(t).version for t in cat.tables()}
+    return out
+
+
+def _drop_tensor(d: Path, name: str) -> None:
+    from safetensors import safe_open
+
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    path = d / wm[name]
+    tensors = {}
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            if k != name:
+                t = f.get_tensor(k)
+                dt = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.bfloat16: "BF16"}[t.dtype]
+                tensors[k] = (dt, list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+    write_safetensors(path, tensors)
+
+
+def _no_scale(d):
+    _drop_tensor(d, "layers.3.engram.embed.scale")
+
+
+def _no_scale_in_index(d):
+    p = d / "model.safetensors.index.json"
+    idx = json.loads(p.read_text())
+    del idx["weight_map"]["layers.3.engram.embed.scale"]
+    p.write_text(json.dumps(idx))
+
+
+def _wrong_rows(d):
+    p = d / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["text_config"]["engram_num_embeddings"][1] += 1
+    p.write_text(json.dumps(cfg))
+
+
+def _wrong_tensor_rows(d):
+    write_checkpoint(d, engram_vocab_size=690)  # tensors of other primes ...
+    shutil.copy(d.parent / "orig_config.json", d / "config.json")  # ... under the original config
+
+
+def _truncated(d):
+    path = d / "model-00003-of-00003.safetensors"
+    os.truncate(path, path.stat().st_size - 100)
+
+
+def _no_engram_fields(d):
+    p = d / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if not k.startswith("engram_")}
+    p.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("breaks, names", [
+    (_no_scale, r"model-00003-of-00003\.safetensors.*layers\.3\.engram\.embed\.scale"),
+    (_no_scale_in_index, r"model\.safetensors\.index\.json.*layers\.3\.engram\.embed\.scale"),
+    (_wrong_rows, r"config\.json.*engram_num_embeddings.*layer 3"),
+    (_wrong_tensor_rows, r"model-00002-of-00003\.safetensors:layers\.1\.engram\.embed\.weight.*\[\d+, 256\]"),
+    (_truncated, r"model-00003-of-00003\.safetensors:layers\.3\.engram\.\S+ .*truncated"),
+    (_no_engram_fields, r"config\.json: no engram_layer_ids"),
+], ids=["missing-scale", "missing-in-index", "wrong-row-count", "wrong-tensor-rows", "truncated", "no-engram-config"])
+def test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp_path, capsys, breaks, names):
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    shutil.copy(ckpt / "config.json", tmp_path / "orig_config.json")
+    breaks(bad)
+    data = tmp_path / "data"
+    shutil.copytree(ingested, data)
+    before = _snapshot(data)
+    capsys.readouterr()
+    assert main(["ingest-checkpoint", str(bad), "--data", str(data), "--quiet", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    import re
+    assert re.search(names, err), err
+    assert _snapshot(data) == before
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
+    """Peak RSS growth during ingest is the chunk buffers (~3 x 32 MiB), not the table (~500 MB)."""
+    import subprocess
+
+    from v41_checkpoint import write_big_checkpoint
+
+    rows = write_big_checkpoint(tmp_path / "ck", 210_000)
+    assert rows * 264 > 450e6
+    code = ("import sys, re\n"
+            "from tierstore.ingest.checkpoint import ingest_checkpoint\n"
+            "import tierstore.ingest.writer, tqdm\n"
+            "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            "before = hwm()\n"
+            "ingest_checkpoint(sys.argv[1], sys.argv[2], progress=False)\n"
+            "print(before, hwm())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck"), str(tmp_path / "d")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert (after - before) * 1024 < 160 << 20, (before, after)

@@ -1,0 +1,148 @@
+import numpy as np
+import pytest
+
+from tierstore.store.catalog import Catalog
+from tierstore.errors import ChecksumError, DataLoss
+from tierstore.ingest.portable import export_table, import_table
+from tierstore.tiers.nvme.reader import SegmentReader
+
+
+def current_rows(data_dir, table):
+    with Catalog(data_dir, readonly=True) as cat:
+        tv = cat.current(table)
+        with SegmentReader(data_dir, tv, cat.checksums(table, tv.version)) as r:
+            return tv, r.read_range(0, tv.rows)
+
+
+def test_round_trip_is_bit_exact(tmp_path, data_dir, make_table):
+    tv, data = make_table("t", rows=3001, block_rows=10)
+    make_table("t", rows=5, seed=9)  # a newer version; export the older one
+    out = tmp_path / "t.tst"
+    assert export_table(data_dir, "t", out, version=1).version == 1
+    other = tmp_path / "other"
+    got = import_table(out, other)
+    assert (got.table, got.version, got.rows, got.block_rows, got.row_format) == ("t", 1, 3001, 10, "fp32")
+    assert np.array_equal(current_rows(other, "t")[1], data)
+    renamed = import_table(out, data_dir, "copy")
+    assert renamed.table == "copy" and "import t.tst (t v1" in renamed.source
+    assert np.array_equal(current_rows(data_dir, "copy")[1], data)
+
+
+def test_truncated_or_corrupt_file_imports_nothing(tmp_path, data_dir, make_table):
+    make_table("t", rows=20000, row_bytes=64)
+    out = tmp_path / "t.tst"
+    export_table(data_dir, "t", out)
+    raw = out.read_bytes()
+    dest = tmp_path / "dest"
+    old_tv, old = current_rows(data_dir, "t")
+    (tmp_path / "cut.tst").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(DataLoss, match="truncated|corrupt"):
+        import_table(tmp_path / "cut.tst", data_dir)
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0x10
+    (tmp_path / "flip.tst").write_bytes(bytes(flipped))
+    with pytest.raises(DataLoss):
+        import_table(tmp_path / "flip.tst", dest)
+    (tmp_path / "junk.tst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 50)
+    with pytest.raises(DataLoss):
+        import_table(tmp_path / "junk.tst", dest)
+    got_tv, rows = current_rows(data_dir, "t")
+    assert got_tv == old_tv and np.array_equal(rows, old)
+    with Catalog(dest) as cat:
+        assert cat.tables() == []
+    assert list((data_dir / "tmp").iterdir()) == []
+
+
+def test_corrupt_table_is_never_exported(tmp_path, data_dir, make_table):
+    tv, _ = make_table("t", rows=500, block_rows=10)
+    seg = data_dir / tv.segments[0]
+    raw = bytearray(seg.read_bytes())
+    raw[64 * 123] ^= 1  # row 123 -> block 12
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match="block 12"):
+        export_table(data_dir, "t", tmp_path / "t.tst")
+    assert list(tmp_path.glob("*.tst*")) == []
+
+
+def test_cli_export_import(tmp_path, data_dir, make_table, cli):
+    _, data = make_table("t", rows=100)
+    code, out, _ = cli("export", "--data", data_dir, "--table", "t", "--out", tmp_path / "t.tst", "--quiet")
+    assert code == 0 and "t v1" in out
+    code, out, _ = cli("import", tmp_path / "t.tst", "--data", tmp_path / "b", "--table", "u", "--quiet")
+    assert code == 0 and "u v1: 100 rows" in out
+    assert np.array_equal(current_rows(tmp_path / "b", "u")[1], data)
+    code, _, err = cli("export", "--data", data_dir, "--table", "zz", "--out", tmp_path / "z.tst")
+    assert code == 2 and "no table 'zz'" in err
+
+
+def _hostile(path, header, body=b"", hlen=None):
+    """A zstd portable file with any header (bytes, or an object dumped as JSON)."""
+    import json
+    import struct
+
+    import zstandard
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(
+        b"TSTABLE1" + struct.pack("<I", len(raw) if hlen is None else hlen) + raw + body))
+    return path
+
+
+def _good_manifest(tmp_path, make_table):
+    import json
+
+    make_table("t", rows=100)
+    out = tmp_path / "t.tst"
+    export_table(tmp_path / "data", "t", out)
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(open(out, "rb")).read()
+    n = int.from_bytes(raw[8:12], "little")
+    return json.loads(raw[12:12 + n])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("huge_hlen", "claims a 4294967295-byte header"),
+    ("whitespace", "claims a 2097152-byte header"),
+    ("list", "not an object"),
+    ("no_rows", "['rows'] missing"),
+    ("str_rows", "rows = '100' is not a positive integer"),
+    ("n_blocks_2_26", "n_blocks = 67108864 but"),
+    ("n_blocks_1e18", "n_blocks = 1000000000000000000 but"),
+    ("rows_1e18", "over 1 PiB"),
+    ("claims_2_26_blocks", "truncated"),
+    ("bad_format", "row_format"),
+    ("sums_str", "checksums_xxh3"),
+    ("spec_list", "spec is not an object"),
+])
+def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, case, message):
+    good = _good_manifest(tmp_path, make_table)
+    m = good["manifest"]
+    f = tmp_path / "h.tst"
+    if case == "huge_hlen":
+        _hostile(f, b" " * 16, hlen=2**32 - 1)
+    elif case == "whitespace":
+        _hostile(f, b" " * (2 << 20))
+    elif case == "list":
+        _hostile(f, [1, 2, 3])
+    elif case == "no_rows":
+        m.pop("rows")
+        _hostile(f, good)
+    elif case == "claims_2_26_blocks":  # consistent, but the file ends long before 512 MiB of checksums
+        m.update(rows=2**26, block_rows=1, n_blocks=2**26, segment_rows=2**26)
+        _hostile(f, good, b"\0" * 1000)
+    elif case == "sums_str":
+        good["checksums_xxh3"] = "x"
+        _hostile(f, good)
+    else:
+        m.update({"str_rows": dict(rows="100"), "n_blocks_2_26": dict(n_blocks=2**26),
+                  "n_blocks_1e18": dict(n_blocks=10**18),
+                  "rows_1e18": dict(rows=10**18, block_rows=1, n_blocks=10**18, segment_rows=10**18),
+                  "bad_format": dict(row_format=["fp32"]), "spec_list": dict(spec=[1])}[case])
+        _hostile(f, good)
+    with pytest.raises(DataLoss, match="h.tst") as e:
+        import_table(f, tmp_path / "dest")
+    assert message in str(e.value)
+    code, _, err = cli("import", f, "--data", tmp_path / "dest", "--quiet")
+    assert code == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "dest" / "tables").exists() or not any((tmp_path / "dest" / "tables").rglob("seg-*"))

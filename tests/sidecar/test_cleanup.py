@@ -1,0 +1,149 @@
+"""A sidecar cleans up what it created on every exit path (issue 16.13)."""
+from __future__ import annotations
+
+import signal
+import socket as socketlib
+import time
+
+import numpy as np
+import pytest
+
+from tierstore.client.client import Client
+from tierstore.ingest.writer import write_version
+from tierstore.sidecar.launcher import SidecarProcess
+
+
+def _table(d, rows: int, dim: int = 64, seed: int = 0) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, size=(rows, dim * 4), dtype=np.uint8)
+    write_version(d, "t", [data[i:i + 65536] for i in range(0, rows, 65536)], rows=rows, row_format="fp32",
+                  row_dim=dim)
+    return data
+
+
+def test_sigterm_while_tables_load_leaves_no_arena(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 200_000)  # 51 MB: loading takes a moment
+    sc = SidecarProcess(d, dram_budget="256MiB")
+    sc._log = open(sc.log_path, "wb")
+    import subprocess
+
+    sc.proc = subprocess.Popen(sc.args, stdout=sc._log, stderr=subprocess.STDOUT, cwd="/")
+    try:
+        deadline = time.monotonic() + 30
+        while not any(f.name.endswith(".new") for f in sc.shm_files()) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        sc.proc.send_signal(signal.SIGTERM)
+        sc.proc.wait(30)
+        assert sc.shm_files() == [], f"left behind: {sc.shm_files()}"
+    finally:
+        sc.cleanup()
+
+
+def test_a_failed_start_leaves_no_socket_or_arena(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 1000)
+    with socketlib.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        sc = SidecarProcess(d, dram_budget="64MiB", extra_args=["--metrics-port", port])
+        with pytest.raises(RuntimeError):
+            sc.start()
+        try:
+            assert sc.shm_files() == [] and not sc.socket.exists()
+        finally:
+            sc.cleanup()
+
+
+def test_persisted_arenas_of_versions_no_longer_current_are_removed(tmp_path):
+    d = tmp_path / "data"
+    _table(d, 1000, seed=1)
+    sc = SidecarProcess(d, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
+    try:
+        sc.stop()
+        assert any(".t.v1" in f.name for f in sc.arena_files())
+        v2 = _table(d, 1000, seed=2)
+        sc2 = SidecarProcess(d, socket=sc.socket, dram_budget="64MiB", extra_args=["--persist-arena"]).start()
+        try:
+            names = [f.name for f in sc2.arena_files()]
+            assert not any(".t.v1" in n for n in names) and any(".t.v2" in n for n in names)
+            with Client(sc2.socket) as c:
+                assert np.array_equal(c.lookup("t", np.arange(1000)), v2)
+        finally:
+            sc2.cleanup()
+    finally:
+        sc.cleanup()
+    assert sc.shm_files() == []
+
+
+_LAUNCHER = """
+import sys, time
+from tierstore.sidecar.launcher import SidecarProcess
+sc = SidecarProcess(sys.argv[1], dram_budget="64MiB").start()
+print(sc.proc.pid, sc.socket, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
+    """A killed test run or benchmark must not leave its sidecar serving, or its arenas in /dev/shm."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = tmp_path / "data"
+    _table(d, 1000)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(d)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, sock = launcher.stdout.readline().split()
+        side = SidecarProcess(d, socket=sock)  # for its shm_files(): the files this sidecar's tag names
+        assert side.shm_files() and Path(sock).exists()
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        if alive:
+            os.kill(int(pid), signal.SIGKILL)
+        assert not alive, "the sidecar kept serving after its launcher died"
+        assert side.shm_files() == [] and not Path(sock).exists()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.stdout.close()
+
+
+def test_health_says_serving_only_once_the_step_socket_and_tables_are_up(tmp_path):
+    """A launcher returns on SERVING and may stop the sidecar at once: a stop that came while the
+    step socket was still starting left its arenas behind (grpc's servicer said SERVING from the start)."""
+    from grpc_health.v1 import health_pb2
+
+    from tierstore.sidecar.config import ServeConfig
+    from tierstore.sidecar.server import Server
+
+    d = tmp_path / "data"
+    _table(d, 1000)
+    server = Server(ServeConfig.from_env(data_dir=d, socket=tmp_path / "s.sock", dram_budget="64MiB"))
+    try:
+        check = lambda: server.health.Check(health_pb2.HealthCheckRequest(service=""), None).status  # noqa: E731
+        assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+        server.start()
+        assert check() == health_pb2.HealthCheckResponse.SERVING and server.steps.path.exists()
+    finally:
+        server.stop(grace=0)
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_step_socket_stopped_before_its_acceptor_ran_stops_cleanly(tmp_path):
+    import threading
+
+    from tierstore.bench.step_socket import ModuloHandler
+    from tierstore.sidecar.step_server import StepServer
+
+    srv = StepServer(tmp_path / "f.steps", ModuloHandler())
+    srv._listener = srv._bind()
+    srv._acceptor = threading.Thread(target=srv._accept_loop, daemon=True)  # a SIGTERM came before start() ran it
+    srv.stop()
+    assert not (tmp_path / "f.steps").exists()

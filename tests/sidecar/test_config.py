@@ -1,0 +1,61 @@
+"""ServeConfig refuses values that would break the sidecar later (issue 16, items 9 and 15)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tierstore.sidecar.config import ServeConfig
+
+
+@pytest.fixture
+def base(tmp_path):
+    return dict(data_dir=tmp_path, socket=tmp_path / "s.sock")
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e17, 0.0, -1.0])
+def test_bad_lease_ttl_is_refused(base, ttl):
+    with pytest.raises(ValueError, match="--lease-ttl"):
+        ServeConfig(**base, lease_ttl_s=ttl)
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("workers", 0, "--workers"), ("workers", -3, "--workers"), ("workers", 10**6, "--workers"),
+    ("max_leases", 0, "--max-leases"), ("max_leases", 10**12, "--max-leases"),
+    ("metrics_port", -1, "--metrics-port"), ("metrics_port", 0, "--metrics-port"),
+    ("metrics_port", 70000, "--metrics-port"),
+    ("verify_sample", float("nan"), "--verify-sample"), ("verify_sample", 1.5, "--verify-sample"),
+    ("receive_timeout_s", float("inf"), "--receive-timeout"), ("policy", "lfu2", "policy kind 'lfu2'"),
+])
+def test_bad_numbers_are_refused(base, field, value, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig(**base, **{field: value})
+
+
+def test_sane_values_pass(base):
+    cfg = ServeConfig(**base, lease_ttl_s=86400, workers=1, max_leases=1, metrics_port=65535, verify_sample=0)
+    assert cfg.lease_ttl_s == 86400
+
+
+def test_cli_serve_refuses_a_nan_lease_ttl_with_exit_2(cli, tmp_path):
+    code, _, err = cli("serve", "--data", tmp_path, "--socket", tmp_path / "s.sock", "--lease-ttl", "nan")
+    assert code == 2 and "--lease-ttl" in err and "Traceback" not in err
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_auth_token_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIERSTORE_AUTH_TOKEN", raising=False)
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    os.chmod(f, 0o600)
+    cfg = ServeConfig.from_env(data_dir=tmp_path, listen="127.0.0.1:1", allow_tcp=True, auth_token_file=f)
+    assert cfg.auth_token == "s3cret"
+    monkeypatch.setenv("TIERSTORE_AUTH_TOKEN", "from-env")  # the flag wins over the environment
+    assert ServeConfig.from_env(data_dir=tmp_path, socket=tmp_path / "s", auth_token_file=f).auth_token == "s3cret"
+    os.chmod(f, 0o640)
+    with pytest.raises(ValueError, match="chmod 600"):
+        ServeConfig(data_dir=tmp_path, socket=tmp_path / "s", auth_token_file=f)
+    with pytest.raises(ValueError, match="cannot read"):
+        ServeConfig(data_dir=tmp_path, socket=tmp_path / "s", auth_token_file=tmp_path / "missing")
+    with pytest.raises(ValueError, match="once"):
+        ServeConfig(data_dir=tmp_path, socket=tmp_path / "s", auth_token="x", auth_token_file=f)

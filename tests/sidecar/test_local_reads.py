@@ -1,0 +1,232 @@
+"""Local reads (client/local_reads.py): Client.lookup of a cache-mode table served in
+the client, against a real sidecar process: resident rows from the shared arena,
+validated by the slot index's sequence locks; misses from the segment files;
+the steps told to the sidecar afterwards."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tierstore import errors
+from tierstore.client.step_connection import StepConnection
+from tierstore.client.client import Client
+from tierstore.proto.frames import step_socket_path
+from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame
+from tierstore.ingest.writer import write_version
+from tierstore.sidecar.launcher import SidecarProcess
+
+ROWS, WIDTH = 50_000, 64
+
+
+def _write(d, seed: int = 0, table: str = "t") -> np.ndarray:
+    """Rows that name their id (bytes 0..7) so a row served for another id is caught."""
+    data = np.random.default_rng(seed).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
+    data[:, :8] = np.arange(ROWS, dtype="<u8").view(np.uint8).reshape(ROWS, 8)
+    write_version(d, table, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    return data
+
+
+def _stats(c: Client, table: str = "t") -> dict:
+    return {k: (int(v) if isinstance(v, str) and v.isdigit() else v)
+            for k, v in next(t for t in c.stats()["tables"] if t["table"] == table).items()}
+
+
+def _wait(c: Client, key: str, at_least: int, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(c)
+        if s[key] >= at_least or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def served(tmp_path):
+    d = tmp_path / "data"
+    data = _write(d)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        yield sc, c, data
+
+
+def test_lookup_reads_locally_and_the_sidecar_learns_the_steps(served):
+    sc, c, data = served
+    rng = np.random.default_rng(1)
+    hot = rng.choice(ROWS, 300, replace=False)
+    for _ in range(3):  # a row the sidecar has seen twice is promoted (read_admit_freq)
+        ids = np.concatenate([hot, rng.integers(0, ROWS, 200)])
+        assert np.array_equal(c.lookup("t", ids), data[ids])
+        c.flush()
+        _wait(c, "local_steps", 1)
+    s = _wait(c, "local_steps", 3)
+    assert s["local_steps"] == 3 and s["plans"] == 0, "lookups went through Plan instead of reading locally"
+    assert s["leases_active"] == 0
+    local = c.handle("t").local
+    assert local.rows_cold > 0, "no miss was read from the segment files"
+    before = local.rows_resident
+    assert np.array_equal(c.lookup("t", hot), data[hot])
+    assert local.rows_resident - before == hot.size, "rows the sidecar promoted were not read from the arena"
+    # a planned step (what a kernel reading by slot needs) sees the same rows resident
+    with c.plan("t", hot) as step:
+        assert np.array_equal(step.rows(), data[hot]) and step.hits == hot.size
+
+
+def test_local_reads_stay_exact_while_another_client_churns_the_arena(served):
+    """Rows evicted and refilled while a local read copies them are never returned for the wrong id."""
+    sc, c, data = served
+    stop = threading.Event()
+    errs: list = []
+
+    def churn():
+        rng = np.random.default_rng(7)
+        try:
+            with Client(sc.socket) as other:
+                while not stop.is_set():
+                    with other.plan("t", rng.integers(0, ROWS, 4000)) as step:
+                        step.rows()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    rng = np.random.default_rng(3)
+    zipf = (rng.zipf(1.1, 400_000) - 1) % ROWS  # hot rows: resident, and evicted now and then
+    try:
+        deadline, steps = time.monotonic() + 3.0, 0
+        while time.monotonic() < deadline:
+            ids = zipf[(steps * 2000) % 398_000:][:2000]
+            got = c.lookup("t", ids)
+            bad = np.flatnonzero((got != data[ids]).any(axis=1))
+            assert bad.size == 0, f"step {steps}: {bad.size} rows differ, first id {ids[bad[0]]}"
+            steps += 1
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errs, errs
+    local = c.handle("t").local
+    assert steps > 10 and local.rows_resident > 0 and local.rows_cold > 0
+    assert _stats(c)["evictions"] > 0
+
+
+def test_a_corrupt_row_read_locally_is_data_loss_and_other_rows_still_read(tmp_path):
+    d = tmp_path / "data"
+    data = _write(d)
+    seg = d / "tables" / "t" / "v1" / "seg-00000.bin"
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        assert np.array_equal(c.lookup("t", [1, 2]), data[[1, 2]])
+        with open(seg, "r+b") as f:  # row 40000, never read: flip one byte after the sidecar mapped it
+            f.seek(40_000 * WIDTH + 20)
+            b = f.read(1)
+            f.seek(40_000 * WIDTH + 20)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(errors.DataLoss, match="40000"):
+            c.lookup("t", [5, 40_000])
+        assert np.array_equal(c.lookup("t", [5, 6]), data[[5, 6]])
+
+
+def test_a_version_swap_serves_the_new_rows(tmp_path):
+    d = tmp_path / "data"
+    old = _write(d, seed=0)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        ids = np.arange(0, ROWS, 97)
+        assert np.array_equal(c.lookup("t", ids), old[ids])
+        new = _write(d, seed=1)
+        assert c.reload("t")
+        assert np.array_equal(c.lookup("t", ids), new[ids]), "a lookup after the swap read the old version"
+
+
+@pytest.mark.parametrize("flag", ["--no-local-reads", "--direct-io"])
+def test_without_local_reads_or_with_direct_io_lookups_stay_exact(tmp_path, flag):
+    d = tmp_path / "data"
+    data = _write(d)
+    sc = SidecarProcess(d, dram_budget="1MiB", extra_args=[flag])
+    try:
+        sc.start()
+    except Exception as e:  # noqa: BLE001
+        sc.cleanup()
+        if flag == "--direct-io":
+            pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
+        raise
+    try:
+        with Client(sc.socket) as c:
+            rng = np.random.default_rng(2)
+            for _ in range(5):
+                ids = rng.integers(0, ROWS, 500)
+                assert np.array_equal(c.lookup("t", ids), data[ids])
+            s = _stats(c)
+            if flag == "--no-local-reads":
+                assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local is None
+            else:  # misses too are read here, with O_DIRECT as the sidecar reads them: no plan
+                local = c.handle("t").local
+                assert s["plans"] == 0 and local.rows_cold > 0 and local._cold.direct is not None
+    finally:
+        sc.cleanup()
+
+
+def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
+    sc, c, data = served
+    before = _stats(c)
+    fp = StepConnection(step_socket_path(sc.socket))
+    try:
+        out_of_range = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
+        bad_ends = AccessItem("t", np.array([1, 2, 3], dtype=np.int64), np.array([2], dtype=np.int64))
+        no_table = AccessItem("nope", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))
+        for item in (out_of_range, bad_ends, no_table):
+            assert fp.access([item])
+        assert fp.release([]) == 0  # a round trip after the notes: they have been handled
+        after = _stats(c)
+        assert (after["local_steps"], after["hits"], after["misses"]) == \
+               (before["local_steps"], before["hits"], before["misses"])
+        # a truncated frame ends that connection (the stream is out of step), not the sidecar
+        parts, size = encode_access([AccessItem("t", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))])
+        send_frame(fp._sock, ACCESS, [b"".join(parts)[:-8]], size - 8)
+        try:  # the sidecar answers with its error and hangs up; our next send may see either first
+            fp.release([])
+        except errors.InvalidArgument as e:
+            assert "ACCESS" in str(e)
+        assert fp.release([]) == 0  # reconnected by itself
+    finally:
+        fp.close()
+    assert np.array_equal(c.lookup("t", [3, 4]), data[[3, 4]])
+
+
+def test_the_slot_index_goes_with_the_sidecar(tmp_path):
+    d = tmp_path / "data"
+    _write(d)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with SidecarProcess(d, dram_budget="1MiB", env={"TIERSTORE_SHM_DIR": str(shm)}) as sc, Client(sc.socket) as c:
+        path = c.handle("t").index_path
+        assert path.startswith(str(shm)) and path.endswith(".index")
+        assert (shm / path.rsplit("/", 1)[1]).exists()
+    assert not list(shm.iterdir()), "the sidecar left files in its shm dir"
+
+
+def test_rows_read_locally_are_sampled_for_online_verification(tmp_path, free_port, metric):
+    d = tmp_path / "data"
+    data = _write(d)
+    port = free_port()
+    extra = ["--verify-sample", "1.0", "--metrics-port", port]
+    with SidecarProcess(d, dram_budget="1MiB", extra_args=extra) as sc, Client(sc.socket) as c:
+        hot = np.arange(100, 400)
+        for _ in range(4):  # seen twice: promoted; then read from the arena
+            assert np.array_equal(c.lookup("t", hot), data[hot])
+            c.flush()
+            time.sleep(0.1)
+        assert _stats(c)["plans"] == 0
+        deadline = time.monotonic() + 10
+        while metric(port, "tierstore_verified_rows", "dram") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(port, "tierstore_verified_rows", "dram") > 0
+
+
+def test_misses_are_planned_when_the_segment_files_are_out_of_reach(served, tmp_path):
+    sc, c, data = served
+    h = c.handle("t")
+    h.cold_dir = str(tmp_path / "not-a-data-dir")  # as if this process could not open them
+    ids = np.arange(1000, 1300)
+    assert np.array_equal(c.lookup("t", ids), data[ids])
+    assert h.cold_dir == "" and _stats(c)["plans"] == 1  # planned once, and from now on
+    assert np.array_equal(c.lookup("t", ids + 1), data[ids + 1])

@@ -1,0 +1,137 @@
+"""Request-level prefetch: rows promoted before the step that reads them (issue 10.5)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import errors
+from tierstore.bench.e2e import spec_from_catalog
+from tierstore.client.model.demo_model import EngramDemoModel
+from tierstore.client.client import Client
+from tierstore.ingest.demo_table import make_demo_tables
+from tierstore.ingest.writer import write_version
+from tierstore.sidecar.launcher import SidecarProcess
+
+
+def _wait_prefetched(c: Client, table: str, n: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = int(next(t for t in c.stats()["tables"] if t["table"] == table).get("prefetched", 0))
+        if got >= n:
+            return got
+        time.sleep(0.02)
+    return got
+
+
+def test_prefetched_rows_are_hits_and_hold_no_lease(tmp_path):
+    d = tmp_path / "data"
+    data = np.random.default_rng(0).integers(0, 256, size=(50_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=50_000, row_format="fp32", row_dim=16)
+    ids = np.random.default_rng(1).choice(50_000, 2000, replace=False)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        c.prefetch("t", ids)
+        assert _wait_prefetched(c, "t", ids.size) == ids.size
+        assert int(c.stats()["leases_active"]) == 0
+        with c.plan("t", ids) as step:
+            assert np.array_equal(step.rows(), data[ids])
+            assert step.misses == 0 and step.hits == ids.size
+
+
+@pytest.fixture
+def demo_served(tmp_path):
+    """(client, demo model, token ids of one queued request) against a real sidecar."""
+    d = tmp_path / "demo"
+    make_demo_tables(d, "engram-paper-demo", 512)
+    with SidecarProcess(d, dram_budget="2MiB") as sc, Client(sc.socket) as c:
+        model = EngramDemoModel(spec_from_catalog(d), c, d_model=64, n_heads=2, seed=3).eval()
+        yield c, model, torch.randint(0, model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def test_an_attachment_prefetches_a_queued_request(demo_served):
+    c, model, ids = demo_served
+    att = model.engram
+    asked = att.prefetch(ids)
+    assert asked > 0
+    for lid, layer in att.layers.items():
+        _wait_prefetched(c, layer.table, 1)
+    time.sleep(0.3)
+    before = {t["table"]: int(t["misses"]) for t in c.stats()["tables"]}
+    model(ids, model.new_cache())
+    after = {t["table"]: int(t["misses"]) for t in c.stats()["tables"]}
+    assert after == before, "a prefetched request still missed in DRAM"
+
+
+def _table_stats(c: Client, table: str) -> dict:
+    return next(t for t in c.stats()["tables"] if t["table"] == table)
+
+
+def test_a_hint_only_prefetch_reads_nothing_and_a_default_one_promotes(tmp_path):
+    d = tmp_path / "data"
+    data = np.random.default_rng(0).integers(0, 256, size=(50_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=50_000, row_format="fp32", row_dim=16)
+    hinted, promoted = np.random.default_rng(1).choice(50_000, (2, 2000), replace=False)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        before = _table_stats(c, "t")
+        c.prefetch("t", hinted, read=False)
+        c.prefetch("t", promoted)  # queued behind the hint: once its rows are in, the hint ran too
+        assert _wait_prefetched(c, "t", promoted.size) == promoted.size
+        time.sleep(0.2)
+        after = _table_stats(c, "t")
+        assert int(after["prefetched"]) == promoted.size  # the hint read none of its rows
+        assert int(after["bytes_read"]) > int(before["bytes_read"])
+        with c.plan("t", hinted) as step:
+            assert np.array_equal(step.rows(), data[hinted])
+            assert step.misses == hinted.size
+        with c.plan("t", promoted) as step:
+            assert np.array_equal(step.rows(), data[promoted])
+            assert step.hits == promoted.size
+
+
+def test_a_hint_only_prefetch_moves_no_bytes(tmp_path):
+    d = tmp_path / "data"
+    write_version(d, "t", [np.zeros((20_000, 64), np.uint8)], rows=20_000, row_format="fp32", row_dim=16)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        before = _table_stats(c, "t")
+        c.prefetch("t", np.arange(0, 20_000, 7), read=False)
+        time.sleep(0.3)
+        after = _table_stats(c, "t")
+        assert (after["prefetched"], after["bytes_read"]) == (before["prefetched"], before["bytes_read"])
+
+
+@torch.no_grad()
+def test_an_attachment_passes_a_hint_only_prefetch_through(demo_served):
+    c, model, ids = demo_served
+    att = model.engram
+    assert att.prefetch(ids, read=False) > 0
+    time.sleep(0.3)
+    assert all(int(t.get("prefetched", 0)) == 0 for t in c.stats()["tables"])
+    assert att.prefetch(ids) > 0
+    assert all(_wait_prefetched(c, layer.table, 1) > 0 for layer in att.layers.values())
+
+
+def test_a_hinted_row_read_in_later_outlasts_a_scan_until_its_request_runs(tmp_path):
+    """prefetch(read=False, steps=N): ids not resident at the hint are kept, once some
+    step reads them in, for N steps; the same rows unhinted are scanned out."""
+    d = tmp_path / "data"
+    data = np.random.default_rng(0).integers(0, 256, size=(60_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=60_000, row_format="fp32", row_dim=16)
+    hinted, unhinted = np.arange(0, 400), np.arange(400, 800)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        with pytest.raises(errors.InvalidArgument, match="steps"):
+            c.prefetch("t", hinted, read=False, steps=0)
+        c.prefetch("t", hinted, read=False, steps=60)  # the request runs within 60 steps
+        time.sleep(0.3)
+        for ids in (hinted, unhinted):  # another request reads both sets in
+            with c.plan("t", ids) as step:
+                assert np.array_equal(step.rows(), data[ids]) and step.misses == ids.size
+        for i in range(25):  # 25 steps of fresh rows: more than the arena holds
+            with c.plan("t", 1000 + 1000 * i + np.arange(1000)) as step:
+                step.rows()
+        with c.plan("t", hinted) as step:
+            assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size
+        with c.plan("t", unhinted) as step:
+            assert np.array_equal(step.rows(), data[unhinted]) and step.hits < unhinted.size // 10

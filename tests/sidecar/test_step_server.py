@@ -1,0 +1,488 @@
+"""The step socket (tierstore/sidecar/step_server.py + client/step_connection.py) over a real unix socket.
+
+The handler is bench/step_socket.py's ModuloHandler (slot = id & mask, leases in a
+dict): the transport's harness, not a model of the engine."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierstore import errors
+from tierstore.bench.step_socket import ChildServer, ModuloHandler
+from tierstore.client.step_connection import StepConnection, raise_errors
+from tierstore.proto.frames import PlanItem, PlanResult
+from tierstore.sidecar.step_server import StepServer, OwnedLeases
+from tierstore.proto.frames import step_socket_path
+from tierstore.proto.frames import (ACCESS, ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
+                                PROTOCOL_VERSION, FrameReader, decode_error, parse_access)
+
+MASK = (1 << 20) - 1
+
+
+@pytest.fixture
+def sock_dir():
+    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))  # unix socket paths must stay under 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(sock_dir):
+    """serve(handler=None, **kw) -> (StepServer, handler), stopped at teardown."""
+    started = []
+
+    def start(handler=None, path=None, **kw):
+        handler = handler or ModuloHandler()
+        srv = StepServer(path or sock_dir / "s.sock.steps", handler, **{"max_clients": 8, **kw})
+        srv.start()
+        started.append(srv)
+        return srv, handler
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+def ids_of(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 1 << 30, n, dtype=np.int64)
+
+
+def raw_client(path, owner=None):
+    """A socket past HELLO (or before it when owner is False), for speaking bytes by hand."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    if owner is not False:
+        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner or os.urandom(16)))
+        assert FrameReader(s, 1 << 20).read(owned=True)[0] == HELLO
+    return s
+
+
+def read_reply(s):
+    """(op, body) of the next frame, or None when the server closed the connection."""
+    try:
+        return FrameReader(s, 1 << 30).read(owned=True)
+    except (EOFError, ConnectionError):
+        return None
+
+
+def test_plan_returns_slots_per_item_and_release_rides_along(serve):
+    srv, h = serve()
+    with StepConnection(srv.path) as c:
+        assert c.instance == h.instance()
+        a, b = ids_of(256, 1), ids_of(1000, 2)
+        res = raise_errors(c.plan([PlanItem("l1", a, ttl_ms=500, request_id=7), PlanItem("l14", b, version=3)]))
+        assert [r.slots.tolist() for r in res] == [(a & MASK).tolist(), (b & MASK).tolist()]
+        assert res[0].slots.dtype == np.dtype("<i8") and not res[0].slots.flags.writeable
+        assert res[1].version == 3 and res[0].instance == h.instance() and res[0].hits == 256
+        assert len(h.leases) == 2
+        res2 = raise_errors(c.plan([PlanItem("l1", a[:0])], release=[r.lease_id for r in res]))
+        assert res2[0].slots.size == 0 and list(h.leases) == [res2[0].lease_id]  # the old two released first
+        assert c.release([res2[0].lease_id, 12345]) == 1 and not h.leases
+        assert c.release(np.arange(1, 3 * MAX_RELEASE, dtype=np.uint64)) == 0  # sent in pieces the server takes
+        with pytest.raises(errors.InvalidArgument, match="at most"):
+            c.plan([PlanItem("l1", a)], release=np.arange(1, 2 * MAX_RELEASE))
+
+
+def test_release_later_rides_on_the_next_request(serve):
+    srv, h = serve()
+    with StepConnection(srv.path) as c:
+        first = raise_errors(c.plan([PlanItem("l1", ids_of(4)), PlanItem("l14", ids_of(4))]))
+        c.release_later([first[0].lease_id])
+        c.release_later(np.array([first[1].lease_id]))
+        assert len(h.leases) == 2  # nothing sent yet
+        nxt = raise_errors(c.plan([PlanItem("l1", ids_of(4))]))
+        assert list(h.leases) == [nxt[0].lease_id]
+        c.release_later(nxt[0].lease_id)  # one id, as an int
+        assert c.release([]) == 1 and not h.leases
+        with pytest.raises((OverflowError, ValueError)):
+            c.release_later(-1)  # not a lease id: refused here, nothing queued
+        assert c.release([]) == 0
+
+
+def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
+    srv, h = serve()
+    with StepConnection(srv.path) as c:
+        a, b = ids_of(300, 1), ids_of(40000, 2)
+        first = c.submit([PlanItem("l1", a)])
+        second = c.submit([PlanItem("l14", b)], release=[])  # collects first's reply before sending
+        assert first.done() and not second.done()
+        assert np.array_equal(raise_errors(second.result())[0].slots, b & MASK)
+        assert np.array_equal(raise_errors(first.result())[0].slots, a & MASK)
+        assert len(h.leases) == 2
+        gone = c.submit([PlanItem("l1", a)])
+    with pytest.raises(errors.Unavailable, match="closed"):
+        gone.result()
+
+
+def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
+    srv, _ = serve()
+    c = StepConnection(srv.path, timeout=5)
+    srv.stop()  # the sidecar dies with our connection open ...
+    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
+    pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
+    assert raise_errors(pending.result())[0].instance == "second" and len(h2.leases) == 1
+    c.close()
+
+
+def test_owned_leases_end_only_their_owners_and_forget_the_expired():
+    owned, a, b = OwnedLeases(), b"a" * 16, b"b" * 16
+    owned.add(a, 1, time.monotonic() + 60)
+    owned.add(b, 2, time.monotonic() + 60)
+    assert owned.take(a, [2, 1, 99]) == [1] and owned.take(a, [1]) == []  # b's lease 2 is not a's to end
+    assert owned.take_all(b) == [2] and len(owned) == 0
+    for i in range(3000):  # a client that never releases: expired entries go as new ones come
+        owned.add(a, 10 + i, time.monotonic() - 1)
+    assert len(owned) < 2100
+
+
+def test_errors_come_back_per_item_as_the_same_class(serve):
+    srv, _ = serve()
+    with StepConnection(srv.path) as c:
+        res = c.plan([PlanItem("nope", ids_of(3)), PlanItem("l1", ids_of(3)), PlanItem("l1", np.array([-1]))])
+        assert type(res[0]) is errors.TableNotFound and "nope" in str(res[0])
+        assert res[1].slots.size == 3
+        assert type(res[2]) is errors.IdOutOfRange
+        with pytest.raises(errors.TableNotFound):
+            raise_errors(res)
+        with pytest.raises(errors.InvalidArgument, match="integers"):
+            c.plan([PlanItem("l1", np.array([1.5]))])
+
+
+class Broken(ModuloHandler):
+    def plan(self, owner, items, release):
+        if items and items[0].table == "boom":
+            raise RuntimeError("handler bug")
+        if items and items[0].table == "odd":
+            return [ValueError("not a tierstore error")]
+        if items and items[0].table == "short":
+            return [PlanResult(1, 1, np.zeros(1, np.int64))]
+        return super().plan(owner, items, release)
+
+
+def test_a_handler_bug_is_an_error_reply_and_the_connection_survives(serve):
+    srv, _ = serve(Broken())
+    with StepConnection(srv.path) as c:
+        with pytest.raises(errors.TierstoreError, match="internal error.*RuntimeError: handler bug"):
+            c.plan([PlanItem("boom", ids_of(2))])
+        assert type(c.plan([PlanItem("odd", ids_of(2))])[0]) is errors.TierstoreError
+        assert "1 slots for 2 ids" in str(c.plan([PlanItem("short", ids_of(2))])[0])
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(4))]))[0].slots.size == 4
+
+
+def test_socket_is_0600_and_only_a_stale_one_is_replaced(serve, sock_dir):
+    path = sock_dir / "s.sock.steps"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # a socket file nothing answers on
+    srv, _ = serve(path=path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(errors.InvalidArgument, match="another process serves"):
+        StepServer(path, ModuloHandler()).start()
+    (sock_dir / "file").write_text("keep me")
+    with pytest.raises(errors.InvalidArgument, match="not a socket"):
+        StepServer(sock_dir / "file", ModuloHandler()).start()
+    assert (sock_dir / "file").read_text() == "keep me"
+    srv.stop()
+    assert not path.exists()
+    assert step_socket_path(Path("/run/t.sock")) == Path("/run/t.sock.steps")
+
+
+def test_a_connection_that_never_says_hello_gives_its_slot_back(serve, monkeypatch):
+    import tierstore.sidecar.step_server as fastpath
+
+    monkeypatch.setattr(fastpath, "HELLO_TIMEOUT_S", 0.2)
+    srv, h = serve(max_clients=1)
+    s = raw_client(srv.path, owner=False)
+    assert read_reply(s) is None  # closed by the server, without a word
+    s.close()
+    with StepConnection(srv.path) as c:
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(3))]))[0].slots.size == 3
+    assert not h.disconnects[:-1]  # no owner was ever announced for the silent one
+
+
+def test_a_client_that_never_reads_its_replies_is_dropped(serve, monkeypatch):
+    import tierstore.sidecar.step_server as fastpath
+
+    monkeypatch.setattr(fastpath, "SEND_TIMEOUT_S", 1)
+    srv, h = serve()
+    s = raw_client(srv.path)
+    ids = ids_of(16384).astype("<i8").tobytes()
+    body = PLAN_REQ.pack(1, 0) + ITEM.pack(0, 0, 16384, 0, 2) + b"l1" + bytes(6) + ids
+    s.settimeout(0.5)
+    try:
+        for _ in range(400):  # far more replies than any socket buffer holds
+            s.sendall(HDR.pack(len(body), PLAN) + body)
+    except TimeoutError:
+        pass
+    for _ in range(1000):
+        if srv.clients == 0:
+            break
+        time.sleep(0.01)
+    assert srv.clients == 0 and len(h.disconnects) == 1 and not h.leases
+    s.close()
+
+
+def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
+    srv, _ = serve(max_clients=2)
+    a, b = StepConnection(srv.path), StepConnection(srv.path)
+    with pytest.raises(errors.ResourceExhausted, match="max_clients=2"):
+        StepConnection(srv.path)
+    a.close()
+    for _ in range(200):  # the server notices the close on its own thread
+        if srv.clients < 2:
+            break
+        time.sleep(0.01)
+    with StepConnection(srv.path) as c:
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(5))]))[0].slots.size == 5
+    b.close()
+
+
+def test_a_closed_connection_ends_its_owners_leases(serve):
+    srv, h = serve()
+    owner = os.urandom(16)
+    keep = StepConnection(srv.path)
+    keep.plan([PlanItem("l1", ids_of(5))])
+    c = StepConnection(srv.path, owner=owner)
+    c.plan([PlanItem("l1", ids_of(5)), PlanItem("l14", ids_of(5))])
+    assert len(h.leases) == 3
+    c.close()
+    for _ in range(200):
+        if owner in h.disconnects:
+            break
+        time.sleep(0.01)
+    assert h.disconnects == [owner] and list(h.leases.values()) == [keep.owner]
+    keep.close()
+
+
+def test_no_server_is_unavailable_naming_the_socket(sock_dir):
+    with pytest.raises(errors.Unavailable, match=str(sock_dir / "none")):
+        StepConnection(sock_dir / "none", timeout=1)
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never answers
+    mute.bind(str(sock_dir / "mute"))
+    mute.listen()
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable, match="mute"):
+        StepConnection(sock_dir / "mute", timeout=0.3)
+    assert time.monotonic() - t0 < 10  # it gave up instead of hanging
+    mute.close()
+
+
+def test_the_client_reconnects_once_after_a_restart_and_reports_the_new_instance(serve):
+    srv, h = serve()
+    c = StepConnection(srv.path, timeout=5)
+    raise_errors(c.plan([PlanItem("l1", ids_of(3))]))
+    srv.stop()
+    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
+    res = raise_errors(c.plan([PlanItem("l1", ids_of(3))], release=[1]))
+    assert res[0].instance == c.instance == "second" != h.instance()
+    srv2.stop()
+    with pytest.raises(errors.Unavailable, match=str(srv.path)):
+        c.plan([PlanItem("l1", ids_of(3))])
+    c.close()
+    with pytest.raises(errors.InvalidArgument, match="closed"):
+        c.release([1])
+
+
+def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
+    srv, _ = serve()
+    for magic, version in ((b"HTTP", PROTOCOL_VERSION), (MAGIC, PROTOCOL_VERSION + 1)):
+        s = raw_client(srv.path, owner=False)
+        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(magic, version, os.urandom(16)))
+        op, body = read_reply(s)
+        err = decode_error(body, 0)[0]
+        assert op == ERROR and type(err) is errors.InvalidArgument and "different tierstore versions" in str(err)
+        assert read_reply(s) is None  # and the connection is closed
+        s.close()
+    with StepConnection(srv.path) as c:
+        with pytest.raises(errors.InvalidArgument, match="already connected"):
+            StepConnection(srv.path, owner=c.owner)  # one owner, one connection: leases are never shared
+
+
+def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
+    srv, _ = serve(max_request_bytes=4096)
+    with StepConnection(srv.path) as c:
+        with pytest.raises(errors.ResourceExhausted, match="4096 B limit"):
+            c.plan([PlanItem("l1", ids_of(1000))])  # refused before sending
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(10))]))[0].slots.size == 10
+    s = raw_client(srv.path)
+    s.sendall(HDR.pack(1 << 31, PLAN))
+    op, body = read_reply(s)
+    assert op == ERROR and type(decode_error(body, 0)[0]) is errors.ResourceExhausted
+    assert read_reply(s) is None
+    s.close()
+
+
+class Keeper(ModuloHandler):
+    """Keeps the ids it was given past the call: the server must then not reuse that buffer."""
+
+    kept: list = []
+
+    def plan(self, owner, items, release):
+        self.kept.append(items[0].ids)
+        return super().plan(owner, items, release)
+
+
+def test_ids_a_handler_keeps_are_not_overwritten_by_the_next_request(serve):
+    srv, h = serve(Keeper())
+    with StepConnection(srv.path) as c:
+        first, second = ids_of(100, 1), ids_of(100, 2)
+        c.plan([PlanItem("l1", first)])
+        c.plan([PlanItem("l1", second)])
+    assert np.array_equal(h.kept[0], first) and np.array_equal(h.kept[1], second)
+
+
+def test_threads_share_one_client(serve):
+    srv, _ = serve()
+    failures = []
+    with StepConnection(srv.path) as c:
+        def worker(seed):
+            for i in range(30):
+                ids = ids_of(64 + i, seed * 100 + i)
+                res = raise_errors(c.plan([PlanItem("l1", ids)]))
+                if not np.array_equal(res[0].slots, ids & MASK):
+                    failures.append(seed)
+                c.release([res[0].lease_id])
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures
+
+
+def one_way_ok(body) -> bool:
+    try:
+        parse_access(body)
+    except errors.InvalidArgument:
+        return False
+    return True
+
+
+def frames():
+    """Hostile frames: random ops and bytes, and PLANs whose declared sizes lie."""
+    plan_body = st.builds(
+        lambda n_items, n_rel, ver, n_ids, ttl, name_len, name, tail: (
+            PLAN_REQ.pack(n_items, n_rel) + ITEM.pack(ver, 0, n_ids, ttl, name_len) + name + tail),
+        st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**16 - 1),
+        st.binary(max_size=40), st.binary(max_size=256))
+    item = st.builds(
+        lambda name, ids, lie, ver, ttl: (ITEM.pack(ver, 0, max(len(ids) + lie, 0), ttl, len(name)) + name
+                                          + bytes(-len(name) % 8) + np.asarray(ids, "<i8").tobytes()),
+        st.one_of(st.sampled_from([b"l1", b"l14", b""]), st.binary(max_size=12)),
+        st.lists(st.integers(-2**63, 2**63 - 1), max_size=20), st.sampled_from([0, 0, 0, -1, 1, 1000]),
+        st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1))
+    nearly_valid = st.builds(lambda items, rel: PLAN_REQ.pack(len(items), len(rel)) + np.asarray(
+        rel, "<u8").tobytes() + b"".join(items), st.lists(item, max_size=3), st.lists(st.integers(0, 2**64 - 1),
+                                                                                      max_size=3))
+    return st.one_of(
+        st.tuples(st.just(PLAN), nearly_valid),
+        st.tuples(st.integers(0, 255), st.binary(max_size=512)),
+        st.tuples(st.just(PLAN), plan_body),
+        st.tuples(st.sampled_from([HELLO, PLAN, 3, ACCESS, 0x7F, 200]), st.binary(max_size=64)),
+        st.tuples(st.just(ACCESS), st.sampled_from([bytes(4), bytes(8), b""])))
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.lists(frames(), min_size=1, max_size=4), truncate=st.booleans())
+def test_hostile_frames_never_break_the_server(fuzz_target, data, truncate):
+    srv, good = fuzz_target
+    s = raw_client(srv.path)
+    try:
+        for op, body in data:
+            frame = HDR.pack(len(body), op) + body
+            try:
+                s.sendall(frame[:len(frame) // 2] if truncate else frame)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server ended this connection after an earlier frame's ERROR
+            if truncate:
+                break
+            if op == ACCESS and one_way_ok(body):
+                continue  # a well-formed ACCESS is one-way: no reply
+            reply = read_reply(s)
+            if reply is None:
+                break
+            assert reply[0] in (ERROR, op)
+            if reply[0] == ERROR:
+                assert isinstance(decode_error(reply[1], 0)[0], errors.TierstoreError)
+    finally:
+        s.close()
+    ids = ids_of(50)
+    assert np.array_equal(raise_errors(good.plan([PlanItem("l1", ids)]))[0].slots, ids & MASK)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))
+    srv = StepServer(d / "f.steps", ModuloHandler(), max_request_bytes=1 << 16, max_clients=64)
+    srv.start()
+    good = StepConnection(srv.path, timeout=10)
+    yield srv, good
+    good.close()
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_server_in_another_process(sock_dir):
+    path = sock_dir / "child.steps"
+    child = ChildServer(path)
+    try:
+        c = StepConnection(path, timeout=5)
+        ids = ids_of(32768)
+        res = raise_errors(c.plan([PlanItem("l1", ids), PlanItem("l14", ids[:256])]))
+        assert np.array_equal(res[0].slots, ids & MASK) and res[0].instance == child.instance
+        assert child.leases()["leases"] == 2
+        c.release([r.lease_id for r in res])
+        assert child.leases()["leases"] == 0
+        quick = StepConnection(path, timeout=0.5)
+        os.kill(child.proc.pid, signal.SIGSTOP)  # a hung sidecar: the call gives up after `timeout`
+        while Path(f"/proc/{child.proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
+            time.sleep(0.01)
+        try:
+            with pytest.raises(errors.Unavailable, match="no reply within 0.5 s"):
+                quick.plan([PlanItem("l1", ids[:4])])
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        quick.close()
+        child.kill()  # a crashed sidecar: nothing answers, the client says so and names the socket
+        with pytest.raises(errors.Unavailable, match="child.steps"):
+            c.plan([PlanItem("l1", ids[:4])])
+        c.close()
+    finally:
+        child.kill()
+
+
+def test_polling_readers_serve_the_same_replies(serve, monkeypatch):
+    """TIERSTORE_SPIN_US: both sides poll before they block; replies are unchanged,
+    including one that arrives after the poll gave up (a slow handler)."""
+    monkeypatch.setenv("TIERSTORE_SPIN_US", "300")
+
+    class Slow(ModuloHandler):
+        def plan(self, owner, items, release):
+            if items and items[0].request_id == 99:
+                time.sleep(0.01)  # longer than the poll: the client blocks, then wakes
+            return super().plan(owner, items, release)
+
+    srv, h = serve(Slow())
+    with StepConnection(srv.path) as c:
+        assert c._spin_s == pytest.approx(300e-6)
+        for n in (1, 256, 5000):  # 5000 ids: over SPIN_MAX_REQUEST_BYTES, not polled for
+            a = ids_of(n, n)
+            res = raise_errors(c.plan([PlanItem("l1", a)]))
+            assert res[0].slots.tolist() == (a & MASK).tolist()
+        res = raise_errors(c.plan([PlanItem("l1", ids_of(8), request_id=99)]))
+        assert res[0].slots.tolist() == (ids_of(8) & MASK).tolist()

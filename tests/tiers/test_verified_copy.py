@@ -1,0 +1,73 @@
+"""The compiled miss-path kernels (tiers/nvme/verified_copy.py) against the numpy reference:
+same rows placed, same corrupt row named, same dedupe."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore import jit
+from tierstore.tiers.nvme import verified_copy as fused
+
+from tierstore.tiers.nvme import rowsum
+
+pytestmark = pytest.mark.skipif(not fused.kernels(), reason="numba is not installed: only the numpy path runs")
+
+
+def _table(rows: int, row_bytes: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    return data, rowsum.row_sums(data, np.arange(rows))
+
+
+@pytest.mark.parametrize("row_bytes", [8, 64, 256, 264, 100])
+def test_placed_rows_are_the_source_rows_and_verify(row_bytes):
+    data, sums = _table(3000, row_bytes)
+    rng = np.random.default_rng(1)
+    ids = np.sort(rng.choice(3000, 700, replace=False)).astype(np.int64)
+    slots = rng.choice(5000, 700, replace=False).astype(np.int64)
+    dest = np.zeros((5000, row_bytes), dtype=np.uint8)
+    assert fused.place_verified(data, ids, ids, dest, slots, sums) == -1
+    assert np.array_equal(dest[slots], data[ids])
+    untouched = np.setdiff1d(np.arange(5000), slots)
+    assert not dest[untouched].any()
+
+
+@pytest.mark.parametrize("row_bytes", [64, 264])
+def test_a_flipped_bit_names_its_row(row_bytes):
+    data, sums = _table(2000, row_bytes)
+    ids = np.arange(100, 600, dtype=np.int64)
+    bad = data.copy()
+    bad[345, row_bytes - 1] ^= 0x10
+    dest = np.zeros((1000, row_bytes), dtype=np.uint8)
+    assert fused.place_verified(bad, ids, ids, dest, np.arange(500), sums) == 345 - 100
+    # the row's bytes under another id's sum (a misplaced row) fail too
+    assert fused.place_verified(data, ids, ids + 1, dest, np.arange(500), sums) == 0
+
+
+def test_rows_from_a_read_only_memory_map(tmp_path):
+    data, sums = _table(4096, 256)
+    path = tmp_path / "seg"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = np.frombuffer(mm, dtype=np.uint8).reshape(4096, 256)
+    ids = np.array([0, 17, 4095, 2048], dtype=np.int64)
+    dest = np.zeros((4, 256), dtype=np.uint8)
+    assert fused.place_verified(view, ids, ids, dest, np.arange(4), sums) == -1
+    assert np.array_equal(dest, data[ids])
+    del view
+    mm.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**40), max_size=300), st.booleans())
+def test_dedupe_matches_numpy(values, repeat):
+    ids = np.array(values * (3 if repeat else 1), dtype=np.int64)
+    uniq, inv = jit.unique_inverse(ids)
+    want_u, want_inv = np.unique(ids, return_inverse=True)
+    assert np.array_equal(uniq, want_u)
+    assert np.array_equal(inv, want_inv.reshape(-1))

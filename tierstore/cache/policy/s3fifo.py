@@ -1,0 +1,284 @@
+"""Our policy: S3-FIFO's queues with TinyLFU's frequency sketch for a ghost queue.
+
+- a new row enters a small *probation* FIFO (`window` of the capacity), so a
+  one-hit wonder leaves after one pass without disturbing anything else;
+- a row hit while in probation, or whose sketch count says it was seen before
+  (`main_freq`: it was evicted and came back), goes to the *main* FIFO, which
+  evicts CLOCK-style: each hit since the last pass (capped at `max_hits`) buys
+  one more pass.
+A document's burst of repeats hits its rows while they sit in probation, so
+they are kept (recency); the Zipf head returns often enough to live in main
+(frequency). `victims` touches O(k + leased rows met) queue entries, never the
+whole arena. The queue walks are compiled loops (queues.py); the batched numpy
+code here is their fallback and reference (`tests/test_policy.py` compares).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tierstore.cache import prefault
+from tierstore.jit import Kernel
+from tierstore.cache.policy.base import CachePolicy
+from tierstore.cache.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, TICKET, TICKET_MASK, SlotQueue
+
+__all__ = ["S3FIFOPolicy"]
+
+
+class S3FIFOPolicy(CachePolicy):
+    kind = "s3fifo"
+
+    def __init__(self, capacity, n_ids, config=None, slot_id=None):
+        super().__init__(capacity, n_ids, config, slot_id)
+        cfg, cap = self.config, self.capacity
+        self._clock = 0  # one tick per pushed entry
+        self._where = prefault.zeros(cap, np.int8)
+        self._ticket = prefault.zeros(cap, TICKET)
+        self._hits = prefault.zeros(cap, np.uint8)
+        self._queues = {PROBATION: SlotQueue(cap), MAIN: SlotQueue(cap)}
+        self._count = np.zeros(3, dtype=np.int64)  # live entries per queue (index FREE unused)
+        self._window = max(1, int(cfg.window * cap))
+        # window hill climbing: accesses and hits of the current sample period
+        self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
+        self._acc = self._hit = 0
+        self._last = (np.zeros(0, np.int64), None)
+        self._period = max(1, int(cfg.adapt_period * cap)) if cfg.adapt_window else 0
+        self._cap = np.uint8(max(1, cfg.max_hits))
+        # expect(): a hinted slot is passed over until step _until[slot]; hinted ids not
+        # resident yet wait in _pending (sorted ids, the step their hint runs out)
+        self._steps = 0
+        self._until = prefault.zeros(cap, np.int64)
+        self._pending = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        # at most half the arena protected at once (counted when a protection starts, and
+        # taken off at the step it was to end): a deep queue of hints cannot crowd out
+        # the rows in use or leave the queue walks nothing to evict
+        self._protect_cap, self._protected, self._ends = cap // 2, 0, {}
+
+    @property
+    def window(self) -> float:
+        return self._share
+
+    def _held(self):
+        queues = [a for q in self._queues.values() for a in (q.slot, q.ticket)]
+        return [self._where, self._ticket, self._hits, self._until, *queues]
+
+    def _recorded(self, ids, est):
+        self._last = (ids, est)  # _admit reads the misses' estimates from here
+        self._steps += 1
+        self._protected -= self._ends.pop(self._steps, 0)
+        if self._period:
+            self._acc += ids.size
+            if self._acc >= self._period:
+                self._climb()
+
+    def _touch(self, slots):
+        k = _TOUCH.compiled()
+        if k is not None:
+            k(self._hits, slots, self._cap)
+        else:
+            self._hits[slots] = np.minimum(self._hits[slots] + np.uint8(1), self._cap)  # uint8: no int64 copy
+        self._hit += slots.size
+
+    def _admit(self, slots, ids):
+        to_main = np.zeros(slots.size, dtype=bool)
+        if self.config.main_freq > 0:
+            to_main = self._estimate_recorded(ids) >= self.config.main_freq
+        k = ADMIT.compiled()
+        if k is not None:
+            p, m = self._room(slots.size)
+            p.tail, m.tail, self._clock = k(slots, to_main, self._where, self._ticket, self._hits, self._count,
+                                            p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
+        else:
+            old = self._where[slots]
+            for q in (PROBATION, MAIN):
+                self._count[q] -= int(np.count_nonzero(old == q))
+            self._hits[slots] = 0
+            self._push(MAIN, slots[to_main])
+            self._push(PROBATION, slots[~to_main])
+        self._until[slots] = 0
+        if self._pending[0].size:  # rows a queued request was promised: protected from now on
+            pend, until = self._pending
+            pos = np.minimum(np.searchsorted(pend, ids), pend.size - 1)
+            hinted = (pend[pos] == ids) & (until[pos] > self._steps)
+            if hinted.any():
+                self._protect(slots[hinted], until[pos[hinted]])
+
+    def _forget(self, slots):
+        old = self._where[slots]
+        for q in (PROBATION, MAIN):
+            self._count[q] -= int(np.count_nonzero(old == q))
+        self._where[slots] = FREE
+
+    def _expect(self, slots, steps):
+        """Full CLOCK credit: max_hits passes in main, promotion from probation
+        (a longer credit for hinted rows measured no better)."""
+        slots = slots[self._where[slots] != FREE]
+        if steps:
+            self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))
+        else:
+            self._hits[slots] = max(1, self.config.max_hits)
+
+    def protect_room(self) -> int:
+        return max(0, self._protect_cap - self._protected)
+
+    def _protect(self, slots, until):
+        """Pass over `slots` until step `until` (theirs or later), within the protection cap."""
+        self._hits[slots] = max(1, self.config.max_hits)
+        new = self._until[slots] <= self._steps
+        room = max(0, self._protect_cap - self._protected)
+        if int(new.sum()) > room:  # over the cap: the new protections that fit, the rest only credit
+            keep = ~new
+            keep[np.flatnonzero(new)[:room]] = True
+            slots, until, new = slots[keep], until[keep], new[keep]
+        self._until[slots] = np.maximum(self._until[slots], until)
+        if new.any():
+            ends, counts = np.unique(until[new], return_counts=True)
+            for e, c in zip(ends.tolist(), counts.tolist()):
+                self._ends[e] = self._ends.get(e, 0) + c
+            self._protected += int(new.sum())
+
+    def _expect_ids(self, ids, steps):
+        """Remember hinted ids that are not resident, until their hint runs out."""
+        if not steps:
+            return
+        pend, until = self._pending
+        live = until > self._steps
+        new = np.full(ids.size, self._steps + steps, dtype=np.int64)
+        ids, until = np.concatenate([pend[live], ids]), np.concatenate([until[live], new])
+        order = np.argsort(ids, kind="stable")  # two sorted runs: a linear merge
+        ids, until = ids[order], until[order]
+        first = np.flatnonzero(np.append(True, ids[1:] != ids[:-1]))
+        self._pending = (ids[first], np.maximum.reduceat(until, first))  # a repeated id: its latest end
+
+    def _victims(self, k, pins):
+        out, need = [], k
+        fruitless = {PROBATION: 0, MAIN: 0}  # entries scanned since a queue last gave a victim
+        while need > 0:
+            usable = [q for q in (PROBATION, MAIN)
+                      if self._count[q] > 0 and fruitless[q] <= (self.config.max_hits + 1) * self._count[q]]
+            if not usable:
+                # the queues' heads are all leased or still have CLOCK credit: take the rest
+                # from one pass over the pins (O(capacity), rare) rather than refuse a step that fits
+                taken = np.concatenate(out) if out else np.zeros(0, np.int64)
+                mask = (pins == 0) & (self._where != FREE)
+                mask[taken] = False
+                extra = np.flatnonzero(mask & (self._until <= self._steps))[:need]  # unhinted first
+                if extra.size < need:
+                    mask[extra] = False
+                    extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
+                if extra.size < need:  # put back what this call took, so a failed call changes nothing
+                    self._push(PROBATION, taken)
+                    self._not_enough(k, pins)
+                self._forget(extra)
+                out.append(extra)
+                break
+            q = PROBATION if PROBATION in usable and (
+                self._count[PROBATION] > self._window or MAIN not in usable) else MAIN
+            got, scanned = self._scan(q, need, pins)
+            fruitless[q] = 0 if got.size else fruitless[q] + scanned
+            out.append(got)
+            need -= got.size
+        return np.concatenate(out)
+
+    def _scan(self, q: int, need: int, pins: np.ndarray) -> tuple[np.ndarray, int]:
+        """Pop one chunk from queue q's head: (its victims, entries consumed)."""
+        queue, chunk = self._queues[q], max(2 * need, 256)
+        k = SCAN.compiled()
+        if k is not None:
+            p, m = self._room(chunk)
+            out = np.empty(need, dtype=np.int64)
+            head = queue.head
+            n, queue.head, p.tail, m.tail, self._clock = k(
+                q, need, chunk, head, out, self._where, self._ticket, self._hits, pins, self._until, self._steps,
+                self._count, p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
+            return out[:n], queue.head - head
+        s, t = queue.peek(chunk)
+        live = (self._where[s] == q) & (self._ticket[s] == t)
+        free = (pins[s] == 0) & live & (self._until[s] <= self._steps)  # hinted rows pass as pinned ones do
+        hits = self._hits[s]
+        victim = free & (hits == 0)
+        cum = np.cumsum(victim)
+        cut = s.size if cum.size == 0 or cum[-1] < need else int(np.searchsorted(cum, need)) + 1
+        s, live, free, hits, victim = s[:cut], live[:cut], free[:cut], hits[:cut], victim[:cut]
+        queue.head += cut
+        out = s[victim]
+        self._where[out] = FREE
+        self._count[q] -= out.size
+        keep = live & ~victim
+        self._count[q] -= int(np.count_nonzero(keep))
+        if q == PROBATION:
+            promote = keep & free  # hit while on probation
+            self._hits[s[promote]] = 0
+            self._push(MAIN, s[promote])
+            self._push(PROBATION, s[keep & ~free])  # leased: in use, so recent
+        else:
+            self._hits[s[free & keep]] -= 1  # CLOCK: a hit buys one more pass
+            self._push(MAIN, s[keep])
+        return out, cut
+
+    def _room(self, n: int) -> tuple[SlotQueue, SlotQueue]:
+        """Space for n more entries in each queue (compacting one that is full)."""
+        p, m = self._queues[PROBATION], self._queues[MAIN]
+        p.room(n, self._where, self._ticket, PROBATION)
+        m.room(n, self._where, self._ticket, MAIN)
+        return p, m
+
+    def _push(self, q: int, slots: np.ndarray) -> None:
+        """Append slots to queue q (the numpy path)."""
+        if slots.size == 0:
+            return
+        self._queues[q].room(slots.size, self._where, self._ticket, q)
+        tickets = (np.arange(self._clock, self._clock + slots.size, dtype=np.int64) & TICKET_MASK).astype(TICKET)
+        self._clock += slots.size
+        self._where[slots] = q
+        self._ticket[slots] = tickets
+        self._count[q] += slots.size
+        self._queues[q].push(slots, tickets)
+
+    def _estimate_recorded(self, ids: np.ndarray) -> np.ndarray:
+        """Sketch estimates of `ids`, taken from the last record() when they are a
+        subset of its (sorted, as the engine's unique gives) ids: no rehash."""
+        rec, est = self._last
+        if est is not None and rec.size and ids.size:
+            k = _SUBSET.compiled()
+            if k is not None:
+                out = np.empty(ids.size, dtype=est.dtype)
+                return out if k(rec, est, ids, out) else self.sketch.estimate(ids)
+            pos = np.searchsorted(rec, ids)
+            pos[pos == rec.size] = 0
+            if np.array_equal(rec[pos], ids):  # fails, harmlessly, for unsorted or other ids
+                return est[pos]
+        return self.sketch.estimate(ids)
+
+    def _climb(self) -> None:
+        """One hill-climbing move of the probation window (a few scalar ops per period)."""
+        rate = self._hit / self._acc
+        if rate < self._prev_rate:
+            self._dir = -self._dir
+        self._prev_rate = rate
+        self._share = min(0.6, max(0.02, self._share + self._dir * self._step))
+        self._step *= 0.98
+        self._window = max(1, int(self._share * self.capacity))
+        self._acc = self._hit = 0
+
+
+def _touch_loop(hits, slots, cap):
+    """hits[slots] += 1, saturating at cap."""
+    for i in range(slots.shape[0]):
+        h = hits[slots[i]]
+        if h < cap:
+            hits[slots[i]] = h + 1
+
+
+def _subset_loop(rec, est, ids, out):
+    """out[i] = est[j] where rec[j] == ids[i], both sorted; False if an id is not in rec."""
+    j = 0
+    for i in range(ids.shape[0]):
+        while j < rec.shape[0] and rec[j] < ids[i]:
+            j += 1
+        if j == rec.shape[0] or rec[j] != ids[i]:
+            return False
+        out[i] = est[j]
+    return True
+
+
+_TOUCH, _SUBSET = Kernel(_touch_loop), Kernel(_subset_loop)

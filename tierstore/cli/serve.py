@@ -1,0 +1,162 @@
+"""tierstore serve: run the sidecar until SIGTERM/SIGINT.
+
+On a clean stop the socket is removed and the arenas are unlinked, unless
+--persist-arena leaves them in /dev/shm for the next sidecar to re-attach
+(after verifying every block). Clients that still map an arena keep a valid
+mapping either way: unlinking a shm file never pulls pages from under a reader.
+"""
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="data directory (catalog + segments)")
+    p.add_argument("--socket", help="unix socket path (created 0600)")
+    p.add_argument("--dram-budget", help="bytes of /dev/shm for all arenas, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--listen", help="HOST:PORT to also listen on TCP (needs --allow-tcp and a token)")
+    p.add_argument("--allow-tcp", action="store_true", default=None, help="permit --listen")
+    p.add_argument("--auth-token", help="shared token TCP clients must send (or TIERSTORE_AUTH_TOKEN)")
+    p.add_argument("--auth-token-file", help="file holding the token (mode 0600); instead of --auth-token")
+    p.add_argument("--tls-cert", help="PEM certificate chain for the TCP listener")
+    p.add_argument("--tls-key", help="PEM private key for the TCP listener")
+    p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
+    p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
+    p.add_argument("--max-leases", type=int, help="live leases in all (default 65536)")
+    p.add_argument("--max-leases-per-client", type=int, help="live leases of one client (default 1024)")
+    p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
+    p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
+                   help="seconds a TCP caller has to send its request message (default 30)")
+    p.add_argument("--persist-arena", action="store_true", default=None,
+                   help="leave arenas in /dev/shm on shutdown for re-attach")
+    p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
+    p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
+    p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
+    p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
+                   "`tierstore bench cache --trace`)")
+    p.add_argument("--direct-io", action="store_true", default=None,
+                   help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
+    p.add_argument("--no-local-reads", action="store_false", dest="local_reads", default=None,
+                   help="cache mode: local clients ask the sidecar for every step instead of reading resident "
+                   "rows (and misses, from the segment files) themselves")
+    p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store, "
+                   "writing fetched blocks back to --data in the background")
+    p.add_argument("--metadata", help="Mooncake metadata URL (with --remote)")
+    p.add_argument("--remote-table", action="append", metavar="TABLE[@VERSION]",
+                   help="with --remote: also serve this published table (default its latest published version), "
+                   "recording its manifest in --data at start-up when missing (repeatable)")
+    p.add_argument("--parent-pid", type=int, help="stop (as on SIGTERM: arenas and socket removed) once process "
+                   "PID is no longer this sidecar's parent, e.g. it died; set by the launcher tests and benches use")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    from tierstore.sidecar.config import ServeConfig
+    from tierstore.sidecar.server import Server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _return_big_buffers_to_the_os()
+    if args.remote_table:
+        _prepare_remote_tables(args)
+    cfg = ServeConfig.from_env(
+        data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
+        allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
+        lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
+        max_leases_per_client=args.max_leases_per_client, workers=args.workers,
+        receive_timeout_s=args.receive_timeout_s,
+        persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
+        profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
+        local_reads=args.local_reads)
+    if args.remote_table:
+        _import_remote_tables(cfg, args.remote_table)
+    # until serving starts, a signal unwinds the start-up, which removes every arena made so far
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_now)
+    server = Server(cfg)
+    try:
+        server.start()
+    except BaseException:
+        server.stop(grace=0)  # e.g. --metrics-port in use: leave no socket or arena behind
+        raise
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), name="parent-watch", daemon=True).start()
+    modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.served.engines.items())
+    print(f"tierstore serving {len(server.served.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
+          flush=True)
+    stop.wait()
+    server.stop()
+    print("tierstore stopped", flush=True)
+    return 0
+
+
+PARENT_POLL_S = 0.25
+
+
+def _watch_parent(pid: int, stop) -> None:
+    """Set `stop` once `pid` is no longer the parent (it died: this process was re-parented)."""
+    import os
+
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() != pid:
+            print(f"tierstore: parent process {pid} is gone; stopping", flush=True)
+            stop.set()
+
+
+def _prepare_remote_tables(args) -> None:
+    """Check --remote-table's companions, then make --data (a new host starts empty)."""
+    import os
+
+    from tierstore.store.catalog import private_dirs
+    from tierstore.tiers.remote.publish import parse_remote_table
+
+    if not ((args.remote or os.environ.get("TIERSTORE_REMOTE")) and
+            (args.metadata or os.environ.get("TIERSTORE_METADATA"))):
+        raise ValueError("--remote-table needs --remote mooncake://HOST:PORT and --metadata URL")
+    for name in args.remote_table:
+        parse_remote_table(name)
+    private_dirs(args.data)
+
+
+def _import_remote_tables(cfg, names) -> None:
+    """Record the named published tables in the local catalog (manifests only; rows stay in Mooncake)."""
+    import logging
+
+    from tierstore.tiers.remote.mooncake import connect
+    from tierstore.tiers.remote.publish import import_published
+
+    store = connect(cfg.remote, cfg.metadata)
+    try:
+        done = import_published(cfg.data_dir, store, names)
+    finally:
+        store.close()
+    for tv, new in done:
+        logging.getLogger("tierstore.serve").info(
+            "table %s v%d: manifest %s from Mooncake", tv.table, tv.version, "recorded" if new else "already recorded")
+
+
+def _return_big_buffers_to_the_os() -> None:
+    """Fills run in many RPC threads at once; glibc would keep their freed multi-MiB
+    read buffers in per-thread heaps (RSS grows with concurrency, never shrinks).
+    A fixed mmap threshold makes every buffer over 1 MiB a mapping, unmapped on free."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def _exit_now(signum, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,153 @@
+"""A whole Hugging Face checkpoint directory -> one table per Engram layer.
+
+For each Engram layer of config.json, `embed.weight` (F8_E4M3 [rows, 256]) and
+`embed.scale` (F8_E8M0 [rows, 8]) are streamed from their shard with pread and
+interleaved into packed rows (weight || scale, 264 bytes: tierstore's
+fp8-e4m3-ue8m0 format), written as a new version of table `l{L}` (spec.table_name) with
+the spec (every hashing constant, from config.json) in its manifest.
+
+Memory: one raw and two packed chunk buffers (the next chunk is read and
+interleaved in a thread while this one is written), about 3 x chunk_bytes
+(32 MiB) whatever the shard size.
+Atomicity is write_version's: a killed ingest leaves the old current version
+serving; a rerun skips layers whose current version already came from the same
+shard bytes (same path, size and mtime) and restarts the others.
+Everything is checked (config fields, index, shards, dtypes, shapes, row counts
+against the prime layout, truncation) before the data directory is touched.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.table.checkpoint import Checkpoint, TensorRef
+
+__all__ = ["ingest_checkpoint", "plain_read_seconds", "evict_from_page_cache"]
+
+
+def _source_note(w: TensorRef, s: TensorRef) -> str:
+    st = w.path.stat()
+    return f"{w.path}:{w.name}+{s.name} (size {st.st_size}, mtime_ns {st.st_mtime_ns})"
+
+
+def _current(data_dir: Path, table: str):
+    """The current version of `table`, or None (no catalog, no such table)."""
+    from tierstore.store.catalog import Catalog
+    from tierstore.errors import NotFound
+
+    try:
+        with Catalog(data_dir, readonly=True) as cat:
+            return cat.current(table)
+    except NotFound:
+        return None
+
+
+def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 32 << 20):
+    """uint8 [n, w.row_bytes + s.row_bytes] chunks of packed rows, in row order.
+
+    A thread preads and interleaves the next chunk while the caller writes this
+    one (read and write overlap); a yielded array is reused two chunks later,
+    so consume it before asking for the one after next."""
+    rows, wb, sb = w.shape[0], w.row_bytes, s.row_bytes
+    step = max(1, chunk_bytes // (wb + sb))
+    wbuf, sbuf = np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)
+    packed = [np.empty((step, wb + sb), np.uint8) for _ in range(2)]
+
+    def read(i: int) -> np.ndarray:
+        a = i * step
+        n = min(step, rows - a)
+        w.pread(wbuf[:n], a)
+        s.pread(sbuf[:n], a)
+        out = packed[i % 2][:n]
+        out[:, :wb] = wbuf[:n]
+        out[:, wb:] = sbuf[:n]
+        return out
+
+    n_chunks = -(-rows // step)
+    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-pread") as pool:
+        nxt = pool.submit(read, 0)
+        for i in range(n_chunks):
+            chunk = nxt.result()
+            if i + 1 < n_chunks:
+                nxt = pool.submit(read, i + 1)
+            yield chunk
+
+
+def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", progress: bool = True,
+                      chunk_bytes: int = 32 << 20, block_rows: int | None = None, force: bool = False,
+                      name: str | None = None) -> list:
+    """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
+
+    ckpt_dir: config.json + model.safetensors.index.json + shards.
+    layers: Engram layer ids to ingest (default all of config.json's).
+    prefix: table name prefix; layer L becomes `{prefix}l{L}` (default l1, the name
+        spec.table_name gives, which the layers, audit and hash use).
+    force: re-ingest a layer even when its current version came from the
+        same shard bytes (default: skip it, so an interrupted run resumes).
+    name: spec name stored in the manifest (default config's model type).
+
+    Raises SpecMismatch (naming the file and tensor) for a malformed checkpoint,
+    before anything is written; DataLoss / ResourceExhausted as write_version.
+    Returns [(TableVersion, skipped: bool)] per layer in layer order."""
+    from tierstore.store.catalog import validate_table_name
+    from tierstore.errors import SpecMismatch
+    from tierstore.ingest.writer import write_version
+
+    ck = Checkpoint(ckpt_dir, name)
+    spec = ck.spec
+    wanted = list(spec.layer_ids) if layers is None else [int(v) for v in layers]
+    for L in wanted:
+        if L not in spec.layer_ids:
+            raise SpecMismatch(f"{ck.dir / 'config.json'}: layer {L} is not an Engram layer; "
+                               f"engram_layer_ids are {list(spec.layer_ids)}")
+    plan = []
+    for L in wanted:  # check every layer before writing any
+        t = ck.engram_tensors(L)
+        plan.append((L, validate_table_name(ck.table_name(L, prefix)), t["weight"], t["scale"]))
+    data_dir = Path(data_dir)
+    out = []
+    for L, table, w, s in plan:
+        note = _source_note(w, s)
+        cur = None if force else _current(data_dir, table)
+        if cur is not None and cur.source == note and cur.spec == spec.to_dict():
+            out.append((cur, True))
+            continue
+        tv = write_version(data_dir, table, packed_chunks(w, s, chunk_bytes), rows=w.shape[0],
+                           row_format=spec.row_format, row_dim=spec.row_dim, spec=spec.to_dict(), layer_id=L,
+                           source=note, block_rows=block_rows, progress=progress)
+        out.append((tv, False))
+    return out
+
+
+def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to read the bytes of `refs` sequentially with plain pread into one
+    reused buffer: the floor an ingest of the same bytes is compared against."""
+    buf = np.empty(chunk_bytes, np.uint8)
+    t0 = time.perf_counter()
+    for r in refs:
+        fd = os.open(r.path, os.O_RDONLY)
+        try:
+            pos, end = r.offset, r.offset + r.nbytes
+            while pos < end:
+                n = os.preadv(fd, [memoryview(buf)[: min(chunk_bytes, end - pos)]], pos)
+                if n == 0:
+                    break
+                pos += n
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def evict_from_page_cache(refs) -> None:
+    """Drop the shard pages of `refs` from the page cache (posix_fadvise DONTNEED),
+    so the next read of them comes from the disk: a cold, fair comparison."""
+    for path in {r.path for r in refs}:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

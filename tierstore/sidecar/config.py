@@ -1,0 +1,164 @@
+"""Sidecar configuration: one dataclass, validated where it is built.
+
+Flags (`tierstore serve ...`) and environment variables (TIERSTORE_*) map onto
+ServeConfig here and nowhere else; a flag wins over the environment.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from tierstore.proto import MAX_REQUEST_IDS
+
+__all__ = ["ServeConfig", "parse_size", "MAX_LEASE_TTL_S", "MAX_WORKERS", "MAX_LEASES"]
+
+# A lease outliving a day is a leak, not a step; a huge TTL overflows expiry maths.
+MAX_LEASE_TTL_S = 86400.0
+MAX_WORKERS = 1024
+MAX_LEASES = (1 << 24) - 1  # lease ids carry a 24-bit board index
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1 << 10, "kib": 1 << 10, "m": 1e6, "mb": 1e6,
+          "mi": 1 << 20, "mib": 1 << 20, "g": 1e9, "gb": 1e9, "gi": 1 << 30, "gib": 1 << 30,
+          "t": 1e12, "tb": 1e12, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: "str | int") -> int:
+    """'4GiB', '512M', '1.5g', 1000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 512MiB, 4GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    data_dir: Path
+    socket: Path | None = None          # unix socket (mode 0600); the default transport
+    dram_budget: int = 1 << 30          # bytes of /dev/shm for all arenas together
+    listen: str | None = None           # HOST:PORT for TCP; needs allow_tcp
+    allow_tcp: bool = False
+    auth_token: str | None = None       # required on TCP
+    auth_token_file: Path | None = None  # the token in a file (not group/world readable)
+    tls_cert: Path | None = None        # PEM certificate chain: TCP then speaks TLS
+    tls_key: Path | None = None
+    metrics_port: int | None = None     # Prometheus text endpoint on 127.0.0.1
+    lease_ttl_s: float = 30.0           # a dead client's leases end after this
+    max_leases: int = 65536
+    max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step)
+    max_request_ids: int = MAX_REQUEST_IDS
+    workers: int = 8
+    receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
+    shm_dir: Path = Path("/dev/shm")
+    persist_arena: bool = False         # leave arenas in /dev/shm on shutdown for re-attach
+    verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
+    policy: str = "s3fifo"
+    profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
+    record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
+    direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
+    local_reads: bool = True            # cache mode: local clients read resident rows (and, in page-cache
+                                        # mode, misses) themselves, no round trip (client/local_reads.py)
+    remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
+    metadata: str | None = None         # Mooncake metadata URL (with remote)
+
+    def __post_init__(self):
+        self.data_dir = Path(self.data_dir)
+        self.shm_dir = Path(self.shm_dir)
+        self.dram_budget = parse_size(self.dram_budget)
+        if self.socket is not None:
+            self.socket = Path(self.socket)
+        self.profile = Path(self.profile) if self.profile else None
+        if self.profile is not None and not self.profile.is_file():
+            raise FileNotFoundError(f"--profile {self.profile} does not exist; make one with `tierstore profile`")
+        self.tls_cert = Path(self.tls_cert) if self.tls_cert else None
+        self.tls_key = Path(self.tls_key) if self.tls_key else None
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.auth_token_file is not None:
+            self.auth_token = _read_token_file(Path(self.auth_token_file), self.auth_token)
+        if self.socket is None and self.listen is None:
+            raise ValueError("give --socket PATH (or --listen HOST:PORT with --allow-tcp)")
+        if self.listen is not None and not self.allow_tcp:
+            raise ValueError("--listen opens a TCP port; pass --allow-tcp to mean it (unix sockets are the default)")
+        if self.listen is not None and not self.auth_token:
+            raise ValueError("TCP listening needs a shared token: --auth-token or TIERSTORE_AUTH_TOKEN")
+        if self.dram_budget <= 0:
+            raise ValueError(f"--dram-budget must be positive, got {self.dram_budget}")
+        if not 0.0 <= self.verify_sample <= 1.0:  # also refuses nan
+            raise ValueError(f"--verify-sample is a fraction in [0, 1], got {self.verify_sample}")
+        if not (math.isfinite(self.lease_ttl_s) and 0 < self.lease_ttl_s <= MAX_LEASE_TTL_S):
+            raise ValueError(f"--lease-ttl must be seconds in (0, {MAX_LEASE_TTL_S:.0f}], got {self.lease_ttl_s}")
+        if not (math.isfinite(self.receive_timeout_s) and 0 < self.receive_timeout_s <= 3600):
+            raise ValueError(f"--receive-timeout must be seconds in (0, 3600], got {self.receive_timeout_s}")
+        if isinstance(self.workers, bool) or not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be 1..{MAX_WORKERS} threads, got {self.workers}")
+        if isinstance(self.max_leases, bool) or not 1 <= self.max_leases <= MAX_LEASES:
+            raise ValueError(f"--max-leases must be 1..{MAX_LEASES}, got {self.max_leases}")
+        from tierstore.cache.policy import PolicyConfig
+
+        PolicyConfig(kind=self.policy)  # an unknown --policy fails here, not at the first cache-mode table
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be a TCP port 1..65535, got {self.metrics_port}")
+        if not 0 < self.max_request_ids <= MAX_REQUEST_IDS:
+            raise ValueError(f"max_request_ids must be in 1..{MAX_REQUEST_IDS}")
+        if bool(self.remote) != bool(self.metadata):
+            raise ValueError("--remote mooncake://HOST:PORT and --metadata URL go together")
+        if self.remote:
+            from tierstore.tiers.remote.mooncake import parse_master
+            parse_master(self.remote)
+        if not self.data_dir.is_dir():
+            raise FileNotFoundError(f"data directory {self.data_dir} does not exist; create a table first "
+                                    f"(tierstore demo-table / tierstore ingest)")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "ServeConfig":
+        """Defaults < TIERSTORE_<FIELD> environment variables < explicit overrides (flags)."""
+        values = {}
+        for f in fields(cls):
+            env = os.environ.get(f"TIERSTORE_{f.name.upper()}")
+            if env is not None:
+                values[f.name] = _coerce(f.type, env)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if overrides.get("auth_token_file") is not None and overrides.get("auth_token") is None:
+            values.pop("auth_token", None)  # a flag wins over the environment
+        return cls(**values)
+
+
+def _read_token_file(path: Path, token: str | None) -> str:
+    """The shared token from a file that only its owner can read."""
+    if token:
+        raise ValueError("give the token once: --auth-token (TIERSTORE_AUTH_TOKEN) or --auth-token-file")
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"--auth-token-file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(f"--auth-token-file {path} is readable by group or others "
+                             f"(mode {stat.S_IMODE(st.st_mode):04o}); run chmod 600 {path}")
+        text = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read --auth-token-file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--auth-token-file {path} is not text") from None
+    if not text:
+        raise ValueError(f"--auth-token-file {path} is empty")
+    return text
+
+
+def _coerce(type_name: str, text: str):
+    t = str(type_name)
+    if t.startswith("bool"):
+        return text.lower() in ("1", "true", "yes", "on")
+    if t.startswith("int") and "None" not in t:
+        return parse_size(text) if not text.isdigit() else int(text)
+    if t.startswith("float"):
+        return float(text)
+    if "int" in t and "None" in t:
+        return int(text)
+    return text

@@ -1,0 +1,71 @@
+"""The sidecar behind the step socket: ServedSteps implements tierstore.sidecar.step_server's
+StepHandler over the served tables (tierstore/sidecar/served.py)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from tierstore.sidecar.config import ServeConfig
+from tierstore.errors import TierstoreError
+from tierstore.proto.frames import PlanResult
+from tierstore.cache.leases import requested_ttl
+from tierstore.sidecar.served import ServedTables
+
+__all__ = ["ServedSteps"]
+
+log = logging.getLogger("tierstore.sidecar.step_server")
+
+
+class ServedSteps:
+    """The sidecar behind the step socket (tierstore/sidecar/step_server.py): every table of a
+    step in one request, releases riding along; leases belong to the connection's owner
+    and end when it disconnects."""
+
+    def __init__(self, served: ServedTables, cfg: ServeConfig, metrics):
+        self.served, self.cfg, self.metrics = served, cfg, metrics
+        self._observe = metrics.observer("StepPlan")
+        self._served: dict[str, tuple] = {}  # table -> (engine, version, arena path, arena slots) last served
+
+    def plan(self, owner: bytes, items, release) -> list:
+        t0 = time.perf_counter()
+        if len(release):
+            self.served.leases.release(release, owner)
+        out = []
+        for it in items:
+            try:
+                eng = self.served.engine(it.table, it.version)
+                ttl = requested_ttl(self.cfg.lease_ttl_s, it.ttl_ms) if it.ttl_ms else self.cfg.lease_ttl_s
+                res = eng.plan(it.ids.copy(), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                served = self._served.get(it.table)
+                if served is None or served[0] is not eng:  # str() of the arena's Path once, not per step
+                    served = self._served[it.table] = (eng, eng.version.version, str(eng.arena.path), eng.arena.slots)
+                expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
+                out.append(PlanResult(res.lease_id, served[1], res.slots, res.hits, res.misses, res.unique, expires,
+                                      "", served[2], served[3]))
+            except TierstoreError as e:
+                out.append(e)
+        self._observe(time.perf_counter() - t0)
+        return out
+
+    def access(self, owner: bytes, items) -> None:
+        """Steps a local client read itself: the engine's policy learns them, misses are promoted."""
+        for it in items:
+            try:
+                eng = self.served.engine(it.table, it.version)
+            except TierstoreError:
+                continue  # swapped out or gone: the client re-describes the table on its next step
+            if eng.full or eng.retired:
+                continue
+            try:
+                self.served.note(eng, it.ids, it.ends)  # checked now, learned by the sidecar's learner thread
+            except TierstoreError as e:
+                log.warning("access note from a local client for table %r refused: %s", it.table, e)
+
+    def release(self, owner: bytes, lease_ids) -> int:
+        return self.served.leases.release(lease_ids, owner)
+
+    def disconnected(self, owner: bytes) -> None:
+        self.served.leases.release_client(owner)
+
+    def instance(self) -> str:
+        return self.served.instance

@@ -1,0 +1,368 @@
+"""The step socket, server side: one Plan (+ releases) per decode step in tens of µs.
+
+A Plan + Release pair over Python gRPC costs ~1 ms; a decode step of 256 ids
+must cost tens of µs. Local clients therefore also reach the sidecar over a
+plain unix stream socket next to the gRPC one (`<grpc socket>.steps`, 0600) with
+the binary framing of proto/frames.py. One thread per connection: a
+blocking recv wakes exactly the thread that serves that client, with no poll
+round in between (bench/step_socket.py measures it); connections are few (one per
+worker process) and bounded by max_clients. gRPC stays the service API.
+
+Wiring (the sidecar owns the handler; see StepHandler, and bench/step_socket.py's
+ModuloHandler for a complete one):
+
+    class SidecarSteps:                      # implements StepHandler
+        def plan(self, owner, items, release):
+            self.release(owner, release)
+            out = []
+            for it in items:
+                try:
+                    res = sidecar.engine(it.table, it.version).plan(it.ids, ttl_of(it.ttl_ms))
+                    self.owned.add(owner, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
+                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, res.misses, res.unique))
+                except TierstoreError as e:
+                    out.append(e)
+            return out
+        def release(self, owner, ids): return sidecar.leases.release(self.owned.take(owner, ids))
+        def disconnected(self, owner): sidecar.leases.release(self.owned.take_all(owner))
+        def instance(self): return sidecar.instance
+
+    steps = StepServer(step_socket_path(config.socket), SidecarSteps(), max_request_bytes=..., max_clients=...)
+    steps.start()   ...   steps.stop()
+
+One cohesive thing (a little over the house's 300 lines): the listener, its per-
+connection threads and their protocol checks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from tierstore import errors
+from tierstore.proto import MAX_REQUEST_BYTES
+from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
+                                PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
+                                encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
+                                spin_seconds)
+
+__all__ = ["StepServer", "StepHandler", "OwnedLeases"]
+
+log = logging.getLogger("tierstore.sidecar.step_server")
+HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
+SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
+MAX_UNIX_PATH = 107
+
+
+class StepHandler(Protocol):
+    """What the sidecar implements. Methods are called from connection threads, concurrently.
+
+    plan: release `release` first (lease ids this owner ended), then plan every item;
+          return one PlanResult or TierstoreError per item, in order. Raising a
+          TierstoreError fails the whole request. `items[i].ids` is valid during the call.
+    release: end these leases of `owner`; return how many were live.
+    disconnected: the owner's connection closed (any reason): end its leases.
+    instance: the sidecar instance id (changes on restart; clients then remap arenas).
+    access: (optional) steps the client read itself (proto.frames.AccessItem); never answered,
+          so errors are the handler's to log. `items[i].ids` is valid during the call.
+    """
+
+    def plan(self, owner: bytes, items: list[PlanItem], release: list[int]) -> list: ...
+    def release(self, owner: bytes, lease_ids: list[int]) -> int: ...
+    def access(self, owner: bytes, items: list) -> None: ...
+    def disconnected(self, owner: bytes) -> None: ...
+    def instance(self) -> str: ...
+
+
+class OwnedLeases:
+    """Which step-socket owner holds which lease, for a handler to keep: a client may end only its
+    own leases, and all of them end when its connection closes. Thread-safe. Entries past their
+    expiry are pruned as new ones arrive, so a client that never releases cannot grow it."""
+
+    def __init__(self):
+        self._by_owner: dict[bytes, dict[int, float]] = {}
+        self._lock = threading.Lock()
+        self._adds = 0
+
+    def add(self, owner: bytes, lease_id: int, expires: float) -> None:
+        """`expires`: time.monotonic() deadline after which the sidecar has reaped the lease anyway."""
+        with self._lock:
+            mine = self._by_owner.setdefault(owner, {})
+            mine[lease_id] = expires
+            self._adds += 1
+            if self._adds % 1024 == 0 and len(mine) > 1024:
+                now = time.monotonic()
+                for k in [k for k, t in mine.items() if t < now]:
+                    del mine[k]
+
+    def take(self, owner: bytes, lease_ids) -> list[int]:
+        """The ones of `lease_ids` that `owner` holds, forgotten here: release those in the sidecar."""
+        with self._lock:
+            mine = self._by_owner.get(owner)
+            return [i for i in lease_ids if mine.pop(i, None) is not None] if mine else []
+
+    def take_all(self, owner: bytes) -> list[int]:
+        with self._lock:
+            return list(self._by_owner.pop(owner, {}))
+
+    def holders(self) -> dict[int, bytes]:
+        """lease id -> owner, of every lease held here."""
+        with self._lock:
+            return {i: o for o, mine in self._by_owner.items() for i in mine}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(m) for m in self._by_owner.values())
+
+
+class StepServer:
+    """Serves `handler` on a unix socket at `path` (created 0600) until stop()."""
+
+    def __init__(self, path: Path, handler: StepHandler, *, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 max_clients: int = 64):
+        if max_request_bytes < 64 or max_clients < 1:
+            raise errors.InvalidArgument(f"step socket needs max_request_bytes >= 64 and max_clients >= 1, got "
+                                         f"{max_request_bytes} and {max_clients}")
+        self.path, self.handler = Path(path), handler
+        self.max_request_bytes, self.max_clients = max_request_bytes, max_clients
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._owners: set[bytes] = set()
+        self._listener: socket.socket | None = None
+        self._ino: int | None = None
+        self._acceptor: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._listener = self._bind()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="steps-accept", daemon=True)
+        self._acceptor.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listener and every connection, join their threads, unlink the socket."""
+        self._stopping = True
+        if self._listener is not None:
+            _shutdown(self._listener)
+            self._listener.close()
+        if self._acceptor is not None and self._acceptor.is_alive():  # not when a stop came mid-start
+            self._acceptor.join(timeout)
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            _shutdown(sock)  # wakes the thread's blocking recv
+        for _, thread in conns:
+            thread.join(timeout)
+        if self._listener is not None:
+            if self._ino is not None and _inode(self.path) == self._ino:
+                self.path.unlink(missing_ok=True)
+            self._listener = None
+
+    @property
+    def clients(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _bind(self) -> socket.socket:
+        path = self.path
+        if len(os.fsencode(path)) > MAX_UNIX_PATH:
+            raise errors.InvalidArgument(f"step-socket socket path {path} is longer than {MAX_UNIX_PATH} bytes; "
+                                         f"use a shorter --socket path")
+        if path.is_symlink() or path.exists():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise errors.InvalidArgument(f"{path} exists and is not a socket; remove it or use another --socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink()  # stale: a dead sidecar's socket, nothing answers on it
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot tell whether {path} is in use ({e}); remove it or use "
+                                             f"another --socket") from None
+            else:
+                raise errors.InvalidArgument(f"another process serves the step socket at {path}; stop it or use "
+                                             f"another --socket")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        self._ino = _inode(path)
+        sock.listen(max(64, self.max_clients))
+        sock.settimeout(0.5)  # lets the accept loop notice stop() even where shutdown does not wake it
+        return sock
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._stopping:
+                    return
+                log.warning("step socket accept failed: %s", e)  # EMFILE and the like: keep serving the others
+                threading.Event().wait(0.05)
+                continue
+            with self._lock:
+                full = len(self._conns) >= self.max_clients
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(sock,), name="steps-conn", daemon=True)
+                    self._conns[sock] = thread
+            if full:
+                self._refuse(sock)
+                continue
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep serving the rest
+                with self._lock:
+                    self._conns.pop(sock, None)
+                self._refuse(sock)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        err = errors.ResourceExhausted(f"the tierstore step socket at {self.path} already serves max_clients="
+                                       f"{self.max_clients} connections; close idle clients, raise the limit, "
+                                       f"or use the gRPC socket")
+        try:
+            sock.settimeout(1.0)
+            send_frame(sock, ERROR, encode_error(err))
+        except OSError:
+            pass
+        sock.close()
+
+    # -- one connection ----------------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket) -> None:
+        owner = None
+        reader = FrameReader(sock, self.max_request_bytes)
+        try:
+            sock.settimeout(HELLO_TIMEOUT_S)
+            owner = self._hello(sock, *reader.read())
+            sock.settimeout(None)
+            reader.spin_s = spin_seconds()  # a decode loop's next request may come soon
+            # a client that stops reading its replies frees its thread after SEND_TIMEOUT_S (kernel timer, no poll)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+            while True:
+                op, body = reader.read()
+                if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
+                    self._access(owner, body)
+                    del body
+                    reader.recycle()
+                    continue
+                try:
+                    op, parts, size = self._dispatch(owner, op, body)
+                except errors.TierstoreError as e:
+                    op, parts, size = ERROR, encode_error(e), None
+                except Exception as e:  # a handler bug must not end the connection, let alone the sidecar
+                    log.exception("step socket handler failed")
+                    op, parts, size = ERROR, encode_error(errors.TierstoreError(
+                        f"internal error in the sidecar step socket: {type(e).__name__}: {e}")), None
+                del body
+                send_frame(sock, op, parts, size)
+                del parts
+                reader.recycle()
+        except FrameError as e:
+            try:
+                send_frame(sock, ERROR, encode_error(e.err))
+            except OSError:
+                pass
+        except (EOFError, OSError):
+            pass  # the client went away (or stop() shut the socket)
+        except Exception:
+            log.exception("step socket connection failed")
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns.pop(sock, None)
+            if owner is not None:
+                try:
+                    self.handler.disconnected(owner)
+                except Exception:
+                    log.exception("step socket disconnected() failed")
+                with self._lock:
+                    self._owners.discard(owner)
+
+    def _hello(self, sock: socket.socket, op: int, body) -> bytes:
+        if op != HELLO or len(body) != HELLO_REQ.size:
+            raise FrameError(errors.InvalidArgument(
+                "not a tierstore step-socket client: the first frame must be HELLO; close and reconnect"))
+        magic, version, owner = HELLO_REQ.unpack_from(body)
+        if magic != MAGIC or version != PROTOCOL_VERSION:
+            raise FrameError(errors.InvalidArgument(
+                f"step-socket protocol {magic!r} v{version} is not {MAGIC!r} v{PROTOCOL_VERSION}: client and sidecar "
+                f"come from different tierstore versions; upgrade one of them"))
+        with self._lock:
+            if owner in self._owners:
+                raise FrameError(errors.InvalidArgument(
+                    f"step-socket owner {owner.hex()} is already connected; each connection needs its own owner id"))
+            self._owners.add(owner)
+        instance = self.handler.instance().encode()
+        send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
+        return owner
+
+    def _access(self, owner: bytes, body) -> None:
+        try:
+            items = parse_access(body)
+        except errors.TierstoreError as e:
+            raise FrameError(e) from None
+        access = getattr(self.handler, "access", None)
+        if access is None:
+            return
+        try:
+            access(owner, items)
+        except Exception:  # a hint: the connection keeps serving
+            log.exception("step socket access() failed")
+
+    def _dispatch(self, owner: bytes, op: int, body) -> tuple[int, list, int]:
+        if op == PLAN:
+            items, release = parse_plan(body)
+            results = self.handler.plan(owner, items, release)
+            if len(results) != len(items):
+                raise errors.TierstoreError(f"internal error: the sidecar planned {len(results)} of "
+                                            f"{len(items)} tables")
+            for i, (it, r) in enumerate(zip(items, results)):  # one slot per id, or the client indexes garbage
+                if isinstance(r, PlanResult) and (r.slots.size if type(r.slots) is np.ndarray else
+                                                  np.size(r.slots)) != it.ids.size:
+                    results[i] = errors.TierstoreError(f"internal error: the sidecar returned {np.size(r.slots)} "
+                                                       f"slots for {it.ids.size} ids of table {it.table!r}")
+            return (PLAN, *encode_plan_results(results))
+        if op == RELEASE:
+            if len(body) < COUNT.size or COUNT.unpack_from(body)[0] * 8 != len(body) - COUNT.size:
+                raise errors.InvalidArgument(f"step-socket RELEASE body of {len(body)} B does not match its count")
+            if len(body) - COUNT.size > MAX_RELEASE * 8:
+                raise errors.InvalidArgument(f"step-socket RELEASE of more than {MAX_RELEASE} leases; split it")
+            ids = np.frombuffer(body, "<u8", offset=COUNT.size).tolist()
+            return RELEASE, [U64.pack(int(self.handler.release(owner, ids)))], U64.size
+        if op == HELLO:
+            raise errors.InvalidArgument("step-socket HELLO sent twice on one connection")
+        raise errors.InvalidArgument(f"unknown step-socket op {op}; client and sidecar come from different "
+                                     f"tierstore versions")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None

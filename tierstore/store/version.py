@@ -1,0 +1,134 @@
+"""A table version's manifest (TableVersion) and the rules its names and records obey.
+
+The catalog (catalog.py) stores one JSON record per version; this module
+parses and validates them, so a record damaged on disk or a hostile manifest
+from a remote store (tiers/remote/reader.py) is refused with a clear error.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, asdict, dataclass
+from pathlib import Path
+
+from tierstore.errors import DataLoss, InvalidArgument
+
+__all__ = ["TableVersion", "validate_table_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def validate_table_name(name: str) -> str:
+    """Return `name` if it is a safe table name, else raise InvalidArgument.
+
+    Names become directory names, so they must match
+    ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`` (no ``/``, no leading dot).
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"invalid table name {name!r}: use 1-64 characters from [A-Za-z0-9_.-], starting with a letter or digit")
+    return name
+
+
+@dataclass(frozen=True)
+class TableVersion:
+    """Manifest of one immutable table version.
+
+    Rows are ``row_bytes`` bytes each, stored back to back; row i lives in
+    segment ``i // segment_rows`` at byte ``(i % segment_rows) * row_bytes``.
+    Checksums cover blocks of ``block_rows`` rows (the last block may be short).
+    ``row_sums`` (versions written since per-row checksums exist, else None):
+    ``{"file": name in the version directory, "algo": tierstore.tiers.nvme.rowsum.ALGO,
+    "xxh3": xxh3-64 of that file}``; the file holds one little-endian uint64
+    per row.
+    """
+
+    table: str
+    version: int
+    rows: int
+    row_format: str
+    row_dim: int
+    row_bytes: int
+    block_rows: int
+    n_blocks: int
+    segments: tuple[str, ...]  # paths relative to the data directory
+    segment_rows: int
+    spec: dict | None
+    layer_id: int | None
+    created_at: float
+    source: str
+    row_sums: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_rows * self.row_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["segments"] = list(self.segments)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, table: str | None = None, version: int | None = None) -> "TableVersion":
+        """A manifest from its stored record, checked for internal consistency:
+        DataLoss naming table, version and field when any check fails (a record
+        that disagrees with itself would serve half rows or read past a segment).
+        `table`/`version`: the catalog key the record was stored under."""
+        where = f"table {table!r} version {version}"
+        if not isinstance(d, dict):
+            raise DataLoss(f"catalog record of {where} is not a JSON object; the catalog is corrupt")
+        if table is None or version is None:
+            where = f"table {d.get('table', table)!r} version {d.get('version', version)}"
+        bad = _record_problem(d, table, version)
+        if bad:
+            raise DataLoss(f"catalog record of {where} is inconsistent: {bad}; the catalog is corrupt "
+                           f"(restore it or ingest the table again)")
+        d = dict(d)
+        d["segments"] = tuple(d["segments"])
+        return cls(**d)
+
+
+_INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
+
+
+def _record_problem(d: dict, table: str | None, version: int | None) -> str | None:
+    """What is wrong with a stored manifest record, or None."""
+    from dataclasses import fields as dc_fields
+
+    from tierstore.table.formats import RowFormat
+
+    names = {f.name for f in dc_fields(TableVersion)}
+    required = {f.name for f in dc_fields(TableVersion) if f.default is MISSING and f.default_factory is MISSING}
+    if not required <= set(d) <= names:
+        return f"fields {sorted(required - set(d))} missing, {sorted(set(d) - names)} unknown"
+    for k in _INT_FIELDS:
+        if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1:
+            return f"{k} = {d[k]!r} is not a positive integer"
+    if table is not None and d["table"] != table:
+        return f"table = {d['table']!r} but the record is stored under {table!r}"
+    if version is not None and d["version"] != version:
+        return f"version = {d['version']!r} but the record is stored under {version}"
+    try:
+        want = RowFormat.parse(d["row_format"]).row_bytes(d["row_dim"])
+    except (ValueError, TypeError) as e:
+        return f"row_format/row_dim: {e}"
+    if d["row_bytes"] != want:
+        return f"row_bytes = {d['row_bytes']} but {d['row_format']} x {d['row_dim']} is {want} bytes"
+    if d["n_blocks"] != -(-d["rows"] // d["block_rows"]):
+        return (f"n_blocks = {d['n_blocks']} but {d['rows']} rows in blocks of {d['block_rows']} "
+                f"make {-(-d['rows'] // d['block_rows'])}")
+    if d["segment_rows"] % d["block_rows"]:
+        return f"segment_rows = {d['segment_rows']} is not a whole number of blocks of {d['block_rows']} rows"
+    segs = d["segments"]
+    if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
+        return "segments is not a list of paths"
+    if len(segs) != -(-d["rows"] // d["segment_rows"]):
+        return (f"segments: {len(segs)} segments of {d['segment_rows']} rows cannot hold exactly "
+                f"{d['rows']} rows")
+    for p in segs:
+        if p.startswith("/") or ".." in Path(p).parts:
+            return f"segments: {p!r} is not a path inside the data directory"
+    return None

@@ -1,0 +1,186 @@
+"""A Hugging Face checkpoint directory, read the way DeepSeek-V4.1 lays it out.
+
+config.json (Engram fields under text_config) + model.safetensors.index.json
+(tensor name -> shard, names without a `model.` prefix) + shards. Per Engram
+layer L six tensors, `layers.{L}.engram.`:
+
+    embed.weight  F8_E4M3 [rows, head_dim]      the fused table (24 prime segments)
+    embed.scale   F8_E8M0 [rows, head_dim/32]   weight || scale = the packed row
+    wkv.weight    F8_E4M3 [(hc+1)*hidden, columns*head_dim]   4 keys + 1 value
+    wkv.scale     F8_E8M0 [ceil(out/32), ceil(in/32)]         32x32 blocks
+    q_weight, k_weight  BF16 [hc, hidden]
+
+Only safetensors headers are parsed here (8-byte length + JSON); tensor bytes
+are located by offset and read with pread, so nothing is mapped and a 100 GB
+shard costs no memory. Every check names the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.errors import SpecMismatch
+
+__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8,
+             "F64": 8, "BOOL": 1, "I16": 2, "U16": 2}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes are: `nbytes` at absolute `offset` of `path`."""
+
+    name: str
+    path: Path
+    dtype: str  # safetensors dtype name, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+
+    def where(self) -> str:
+        return f"{self.path.name}:{self.name}"
+
+    def pread(self, out: np.ndarray, first_row: int = 0) -> np.ndarray:
+        """Fill uint8 `out` with the bytes of rows first_row.. (as many as fit)."""
+        flat = out.reshape(-1).view(np.uint8)
+        start = self.offset + first_row * self.row_bytes
+        got = 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while got < flat.nbytes:
+                n = os.preadv(fd, [memoryview(flat)[got:]], start + got)
+                if n == 0:
+                    raise SpecMismatch(f"{self.where()}: the shard ends {flat.nbytes - got} bytes early "
+                                       "(truncated download?); re-fetch the file")
+                got += n
+        finally:
+            os.close(fd)
+        return out
+
+    def read(self) -> np.ndarray:
+        """The whole tensor as uint8 [shape[0], row_bytes] (small tensors only)."""
+        return self.pread(np.empty((self.shape[0], self.row_bytes), np.uint8))
+
+    def torch(self):
+        """The whole tensor as a torch tensor of its dtype (small tensors only)."""
+        import torch
+
+        dt = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F32": torch.float32, "U8": torch.uint8}[self.dtype]
+        return torch.from_numpy(self.read()).view(dt).reshape(self.shape)
+
+
+class Checkpoint:
+    """One checkpoint directory: its Engram spec and where every tensor lives.
+
+    Raises SpecMismatch (naming file and tensor) for a missing config field,
+    index entry, shard, tensor, a wrong dtype/shape, or a shard shorter than
+    its header says."""
+
+    def __init__(self, directory, name: str | None = None):
+        from tierstore.table.hf_config import spec_from_config
+
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise SpecMismatch(f"{self.dir}: not a directory; give the checkpoint directory (config.json, "
+                               f"{INDEX_NAME}, shards)")
+        self.spec = spec_from_config(self.dir, name)
+        self.weight_map = self._weight_map()
+        self._headers: dict[str, dict] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.dir / INDEX_NAME
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise SpecMismatch(f"{index}: not a safetensors index with a weight_map ({e})") from None
+            return {str(k): str(v) for k, v in wm.items()}
+        single = self.dir / "model.safetensors"
+        if single.is_file():
+            return {k: single.name for k in self._header(single.name) if k != "__metadata__"}
+        raise SpecMismatch(f"{self.dir}: no {INDEX_NAME} and no model.safetensors")
+
+    def _header(self, shard: str) -> dict:
+        if shard not in self._headers:
+            path = self.dir / shard
+            try:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    if n > 100 << 20:
+                        raise ValueError(f"header length {n} is implausible")
+                    self._headers[shard] = json.loads(f.read(n))
+                    self._headers[shard]["__data_start__"] = 8 + n
+            except FileNotFoundError:
+                raise SpecMismatch(f"{path}: shard named by {INDEX_NAME} is missing") from None
+            except (OSError, ValueError, struct.error) as e:
+                raise SpecMismatch(f"{path}: not a safetensors file ({e})") from None
+        return self._headers[shard]
+
+    def tensor(self, name: str) -> TensorRef:
+        """Locate tensor `name`; checks its bytes are all in the shard."""
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise SpecMismatch(f"{self.dir / INDEX_NAME}: no tensor {name!r}; the checkpoint is incomplete")
+        head = self._header(shard)
+        path = self.dir / shard
+        meta = head.get(name)
+        if meta is None:
+            raise SpecMismatch(f"{path}: no tensor {name!r} although the index puts it in this shard")
+        try:
+            dtype, shape = str(meta["dtype"]), tuple(int(v) for v in meta["shape"])
+            a, b = (int(v) for v in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecMismatch(f"{path}:{name}: malformed header entry ({e})") from None
+        if dtype not in _ITEMSIZE:
+            raise SpecMismatch(f"{path}:{name}: unknown safetensors dtype {dtype!r}")
+        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+        if b - a != want:
+            raise SpecMismatch(f"{path}:{name}: header says {b - a} bytes for {dtype} {list(shape)} ({want} expected)")
+        ref = TensorRef(name, path, dtype, shape, head["__data_start__"] + a, b - a)
+        size = path.stat().st_size
+        if ref.offset + ref.nbytes > size:
+            raise SpecMismatch(f"{path}:{name}: the shard is truncated ({size} bytes, the tensor ends at "
+                               f"{ref.offset + ref.nbytes}); re-fetch the file")
+        return ref
+
+    def _expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+        ref = self.tensor(name)
+        if ref.dtype != dtype or ref.shape != shape:
+            raise SpecMismatch(f"{ref.path}:{name} is {ref.dtype} {list(ref.shape)}; config.json says it must be "
+                               f"{dtype} {list(shape)}")
+        return ref
+
+    def engram_tensors(self, layer_id: int) -> dict[str, TensorRef]:
+        """The six Engram tensors of one layer, checked against the spec:
+        {'weight', 'scale', 'wkv', 'wkv_scale', 'q_weight', 'k_weight'}."""
+        s = self.spec
+        try:
+            rows = s.rows(layer_id)
+        except KeyError as e:
+            raise SpecMismatch(f"{self.dir / 'config.json'}: {e.args[0]}") from None
+        p = f"layers.{layer_id}.engram."
+        D, hc, E = s.hidden_size, s.hc_mult, s.columns * s.row_dim
+        out_f = (hc + 1) * D
+        return {
+            "weight": self._expect(p + "embed.weight", "F8_E4M3", (rows, s.row_dim)),
+            "scale": self._expect(p + "embed.scale", "F8_E8M0", (rows, s.row_dim // 32)),
+            "wkv": self._expect(p + "wkv.weight", "F8_E4M3", (out_f, E)),
+            "wkv_scale": self._expect(p + "wkv.scale", "F8_E8M0", (-(-out_f // 32), -(-E // 32))),
+            "q_weight": self._expect(p + "q_weight", "BF16", (hc, D)),
+            "k_weight": self._expect(p + "k_weight", "BF16", (hc, D)),
+        }
+
+    def table_name(self, layer_id: int, prefix: str = "") -> str:
+        return f"{prefix}l{layer_id}"

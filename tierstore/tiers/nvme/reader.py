@@ -1,0 +1,352 @@
+"""The cold tier: rows read straight from a version's segment files.
+
+Addresses are computed (row i sits at a fixed offset). Two read paths:
+
+- Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
+  per-row checksum (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads
+  only its row, verified in one compiled pass and written straight into the
+  caller's arena slots. Page-cache mode gathers from a read-only memory map of
+  each segment (mapped_rows.py); big calls go to a thread pool so cold reads
+  are in flight together. O_DIRECT mode (`direct_io=True`) preads the aligned
+  sectors of each row (direct_io.py), so the cold tier is not cached twice.
+- Blocks (`read_range`, `iter_blocks`, `verify`, and rows of versions written
+  before row checksums existed; segment_blocks.py): one pread per run of
+  neighbouring blocks, each checked against its xxh3-64 in the catalog.
+
+A row or block that does not match raises ChecksumError, never returned; a
+missing, truncated or non-regular segment reads as corrupt, naming it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import stat
+import threading
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tierstore import cpu_token
+from tierstore.store.catalog import TableVersion
+from tierstore.errors import ChecksumError, InvalidArgument
+from tierstore.tiers.nvme import rowsum
+from tierstore.tiers.base import Tier, check_ids, check_out
+from tierstore.tiers.nvme.verified_copy import kernels, place_verified
+from tierstore.tiers.nvme.direct_io import row_buffer
+from tierstore.tiers.nvme.mapped_rows import PAGE_SHIFT, PROBE_ROWS, MappedRows
+from tierstore.tiers.nvme.segment_blocks import BlockReads, default_block_rows, read_pool
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SegmentReader", "default_block_rows"]
+
+# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES, dealt to
+# at most ROW_TASKS pool tasks (one hand-off each: a cold step has that many page
+# faults in flight); O_DIRECT waits on the device for every row, so more tasks.
+CHUNK_BYTES = 256 << 10
+ROW_TASKS, ROWS_PER_TASK = 16, 512
+# compiled (tiers/nvme/verified_copy.py), a row takes ~60 ns: a pool hand-off (~50 µs) pays only for big tasks
+COMPILED_ROWS_PER_TASK = 16384
+DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
+
+
+def _open_segment(path: Path) -> tuple[int | None, str | None]:
+    """(fd, None) for a regular file, else (None, why). O_NONBLOCK: opening a
+    FIFO put where a segment was must not wait for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, "missing"
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd, None
+    os.close(fd)
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file"
+    return None, f"not a regular file ({kind}); restore it or re-ingest the table"
+
+
+def _map_sums(fd: int, rows: int) -> np.ndarray | None:
+    """The first `rows` u64 of the row-sum file at fd, mapped read-only; None when the file is shorter."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < rows * 8:
+        return None
+    if rows == 0:
+        return np.zeros(0, np.uint64)
+    m = mmap.mmap(fd, rows * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+    return np.frombuffer(m, "<u8", rows).view(np.uint64)
+
+
+class SegmentReader(MappedRows, BlockReads, Tier):
+    """Verified reads of one table version from its segment files.
+
+    data_dir: the data directory the manifest's segment paths are relative to.
+    version: the manifest (Catalog.get / Catalog.current).
+    checksums: uint64 [n_blocks] from Catalog.checksums.
+    direct_io: read rows with O_DIRECT (no page cache); InvalidArgument when
+        the filesystem refuses it (tmpfs). Block reads stay buffered and drop
+        what they read from the page cache.
+
+    Thread-safe: reads use pread or a read-only map, never a shared file
+    offset. A missing, truncated or non-regular segment file reads as corrupt
+    (ChecksumError). `bytes_read` counts bytes read from the files (rows in
+    page-cache mode, sectors with O_DIRECT, whole blocks on the block path).
+    `row_sums` is the per-row checksum array (8 B per row) or None for a
+    version written without one (then rows verify by block); `row_sums_error`
+    says why a version's row sums were not usable.
+    map_row_sums: map the row-sum file read-only (default) rather than copy it:
+        the sidecar and its local clients share one page-cache copy, not 8 B a
+        row in each process; checked once at open like a copy, and a file
+        shrunk since then reads as corrupt, not SIGBUS.
+    """
+
+    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
+                 map_row_sums: bool = True):
+        self.data_dir = Path(data_dir)
+        self.version = version
+        self.table = version.table
+        self.rows = version.rows
+        self.row_bytes = version.row_bytes
+        self.block_rows = version.block_rows
+        self.checksums = np.asarray(checksums, dtype=np.uint64)
+        if self.checksums.shape != (version.n_blocks,):
+            raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
+                                  f"{version.n_blocks} checksums, got {self.checksums.shape}")
+        self._block_bytes = self.block_rows * self.row_bytes
+        self._blocks_per_seg = version.segment_rows // self.block_rows
+        self._fds: list[int | None] = []
+        self._why: list[str | None] = []  # why a segment cannot be read
+        self._maps: list = [None] * len(version.segments)
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.direct = None
+        self._sums_fd = None  # the mapped row-sum file (map_row_sums), checked for shrinking per read
+        self._map_sums = map_row_sums
+        for rel in version.segments:
+            fd, why = _open_segment(self.data_dir / rel)
+            self._fds.append(fd)
+            self._why.append(why)
+        self.row_sums, self.row_sums_error = self._load_row_sums()
+        if direct_io:
+            from tierstore.tiers.nvme.direct_io import DirectFiles
+
+            paths = [self.data_dir / rel if fd is not None else None for rel, fd in zip(version.segments, self._fds)]
+            try:
+                self.direct = DirectFiles(paths, self.row_bytes)
+            except BaseException:
+                self.close()
+                raise
+
+    def _load_row_sums(self) -> tuple[np.ndarray | None, str | None]:
+        meta = getattr(self.version, "row_sums", None)
+        if not meta:
+            return None, None
+        where = f"table {self.table!r} version {self.version.version}"
+        if meta.get("algo") != rowsum.ALGO:
+            return None, f"{where}: row checksums use {meta.get('algo')!r}, this build knows {rowsum.ALGO!r}"
+        path = self.data_dir / Path(self.version.segments[0]).parent / meta["file"]
+        fd, why = _open_segment(path)
+        if fd is None:
+            err = f"{where}: row checksum file {path} is {why}"
+        else:
+            try:
+                if self._map_sums:
+                    raw = _map_sums(fd, self.rows)
+                    ok = raw is not None
+                else:
+                    raw = np.empty(self.rows, dtype="<u8")
+                    ok = os.preadv(fd, [memoryview(raw).cast("B")], 0) == raw.nbytes
+                ok = ok and xxhash.xxh3_64_intdigest(raw) == int(meta["xxh3"])
+                err = None if ok else f"{where}: row checksum file {path} is corrupt or truncated"
+                if ok and self._map_sums:
+                    self._sums_fd, fd = fd, None
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        if err:
+            log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
+            return None, err
+        return raw.view(np.uint64), None
+
+    # ---- public reads ------------------------------------------------------
+    def read_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `ids` as uint8 [len(ids), row_bytes] in the caller's order.
+
+        ids: any integer array (flattened); duplicates are fine and read once.
+        out: optional C-contiguous uint8 [len(ids), row_bytes] to fill.
+        Raises IdOutOfRange, InvalidArgument (dtype/out), ChecksumError.
+        """
+        flat = check_ids(ids, self.rows, self.table)
+        out = check_out(out, flat.size, self.row_bytes)
+        if flat.size == 0:
+            return out
+        if self.row_sums is None:
+            return self._read_rows_by_block(flat, out)
+        if flat.size == 1 or np.all(flat[1:] > flat[:-1]):  # already sorted and unique: no bounce
+            self.read_into(flat, out, np.arange(flat.size))
+            return out
+        uniq, inv = np.unique(flat, return_inverse=True)
+        tmp = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+        self.read_into(uniq, tmp, np.arange(uniq.size))
+        np.take(tmp, inv.reshape(-1), axis=0, out=out)
+        return out
+
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
+        """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
+
+        ids: int64, sorted, unique and in range (not re-checked: the engine
+            validated them at the edge).
+        dest: writable uint8 [capacity, row_bytes] (the arena view); rows are
+            written in place, no bounce copy in page-cache mode.
+        slots: integer [len(ids)], distinct rows of dest.
+        cached: the caller knows the rows' pages are in the page cache (a local
+            client has just read them): page-cache mode gathers them through the
+            map at once, no probe, no pool hand-off (ignored with O_DIRECT).
+        Thread-safe: call concurrently on one reader, no lock needed.
+        Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
+        row fails verification or its segment is missing/truncated/not a file;
+        dest rows of that call may then hold anything (free those slots).
+        OSError passes through.
+        """
+        n = int(ids.size)
+        if n == 0:
+            return
+        if self.row_sums is None:  # a version written before row checksums: verify whole blocks
+            dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
+            return
+        if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
+            row = int(ids[0])  # touching the map past the file's end would be SIGBUS
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: the row checksum file shrank after it was opened")
+            err.row = row
+            raise err
+        sr = self.version.segment_rows
+        first = int(ids[0]) // sr
+        if cached and self.direct is None:
+            results = self._fill_cached(ids, dest, slots)
+        elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
+            results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
+        else:
+            results = self._fill_many(ids, dest, slots)
+        with self._lock:
+            self.bytes_read += sum(r[0] for r in results)
+        bad = [r[1:] for r in results if r[1] >= 0]
+        if bad:
+            i, why = min(bad)
+            row = int(ids[i])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}" + (f": {why}" if why else ""))
+            err.row = row
+            raise err
+
+    def _fill_small(self, s: int, ids, dest, slots) -> tuple[int, int, str]:
+        """A few rows of one segment: inline, no chunking or pool hand-off."""
+        local = ids - s * self.version.segment_rows
+        src = self._source(s, local, ids[0])
+        cold = not src[1][local * self.row_bytes >> PAGE_SHIFT].all()
+        with cpu_token.waiting() if cold else contextlib.nullcontext():
+            return self._fill_buffered(s, src, local, ids, dest, slots, 0, ids.size)
+
+    def _fill_cached(self, ids, dest, slots) -> list[tuple[int, int, str]]:
+        """Rows on cached pages, gathered through each segment's map in one compiled pass."""
+        sr, out = self.version.segment_rows, []
+        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
+        cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
+        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
+            if lo < hi:
+                local = ids[lo:hi] - s * sr
+                view, seen = self._source(s, local, ids[lo])
+                bad = place_verified(view, local, ids[lo:hi], dest, slots[lo:hi], self.row_sums)
+                seen[local * self.row_bytes >> PAGE_SHIFT] = True
+                out.append((local.size * self.row_bytes, lo + bad if bad >= 0 else -1, ""))
+        return out
+
+    def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
+        """Rows over segments and chunks, read by the pool when there are many."""
+        n, sr = int(ids.size), self.version.segment_rows
+        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
+        cut = np.searchsorted(ids, segs * sr)
+        cut = np.append(cut, n)
+        groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
+                  for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
+        results, cold = [], n if self.direct is not None else 0
+        if self.direct is None:
+            s, src, lo, hi = groups[0]
+            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.row_bytes
+                                                   >> PAGE_SHIFT].all():
+                # pages taken to be cached: a few rows first, timed, before the rest goes inline
+                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
+                groups[0] = (s, src, lo + PROBE_ROWS, hi)
+            for s, src, lo, hi in groups:
+                pages = (ids[lo:hi] - s * sr) * self.row_bytes >> PAGE_SHIFT
+                cold += int(pages.size - np.count_nonzero(src[1][pages]))
+        # mostly reads that wait on the device: small chunks over many tasks (queue depth);
+        # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
+        deep = cold * 4 > n
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
+        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
+            (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
+        k = max(1, min(most, len(chunks), n // per))
+        run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
+        # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
+        with cpu_token.waiting() if cold else contextlib.nullcontext():
+            if k > 1:
+                results += [r for rs in read_pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+            else:
+                results += run(chunks)
+        return results
+
+    def _source(self, s: int, local: np.ndarray, first_id) -> object:
+        """Where rows of segment s come from: its row view (page-cache mode) or
+        its index (O_DIRECT); ChecksumError for a segment that is not there."""
+        if self._fds[s] is None:
+            row = int(first_id)
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: segment {self.version.segments[s]} is {self._why[s]}")
+            err.row = row
+            raise err
+        if self.direct is not None:
+            return s
+        view = self._map(s)
+        size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
+        limit = min(view[0].shape[0], size // self.row_bytes)
+        if int(local[-1]) >= limit:
+            row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: segment {self.version.segments[s]} is truncated")
+            err.row = row
+            raise err
+        return view
+
+    def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
+        """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
+        index of the first bad row or -1, why)."""
+        s, src, a, b = task
+        local = ids[a:b] - s * self.version.segment_rows
+        if self.direct is None:
+            return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
+        tmp = row_buffer(b - a, self.row_bytes)
+        nbytes, short = self.direct.read_rows(s, local, tmp)
+        if short >= 0:
+            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
+        bad = place_verified(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b], self.row_sums)
+        return nbytes, (a + bad if bad >= 0 else -1), ""
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        self._maps = [None] * len(self._maps)  # a map goes with its last view
+        sums_fd, self._sums_fd = getattr(self, "_sums_fd", None), None
+        for fd in fds + [sums_fd]:
+            if fd is not None:
+                os.close(fd)
+        if self.direct is not None:
+            self.direct.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,105 @@
+"""A miss's rows placed in their arena slots and verified against their row sums, in one pass.
+
+A cache-mode fill copies each missing row into its arena slot and checks its
+fmix64-v1 sum (tiers/nvme/rowsum.py). In numpy that is a gather into scratch, six
+passes of hashing over it and a scatter into the arena, each a few µs of call
+overhead plus a trip through memory; a step of 100 misses spends most of its
+time there. Compiled (numba), one loop reads each row once, hashes its words as
+it copies them and compares the sum: ~50 ns a row, no temporaries. The GIL is
+kept: a call is microseconds, and giving it up would let another thread take it
+for a switch interval (cpu_token.py).
+
+numba is a dependency, but a platform without a wheel must still serve:
+`kernels()` is False there and callers keep the numpy path (the reference the
+tests compare the compiled one with). Compilation is cached on disk; the
+first cache-mode engine of a process warms it (`warm()`), not its first Plan.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tierstore.jit import Kernel, enabled, unique_inverse
+from tierstore.tiers.nvme import rowsum
+
+__all__ = ["kernels", "place_verified", "warm"]
+
+_M1, _M2, _SEED = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
+_S29, _S32 = np.uint64(29), np.uint64(32)
+
+
+def kernels():
+    """True where the compiled kernels run (numba present, TIERSTORE_NO_JIT unset)."""
+    return enabled()
+
+
+# ---- compiled loops (tierstore/jit.py); module constants are compile-time constants ----
+def _place_loop(src, local, ids, dest, slots, sums, skeys, kkeys):
+    """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
+    sums[ids[i]]; the index of the first row whose sum differs, or -1."""
+    words = src.shape[1]
+    for i in range(local.shape[0]):
+        r, d = local[i], slots[i]
+        acc = np.uint64(0)
+        for j in range(words):
+            w = src[r, j]
+            dest[d, j] = w
+            x = (w ^ skeys[j]) * _M1
+            x = (x ^ (x >> _S29)) * kkeys[j]
+            acc += x ^ (x >> _S32)
+        x = (np.uint64(ids[i]) ^ _SEED) * _M1
+        x = (x ^ (x >> _S29)) * _M2
+        acc += x ^ (x >> _S32)
+        if acc != sums[ids[i]]:
+            return i
+    return -1
+
+
+_PLACE = Kernel(_place_loop)
+
+
+def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
+                   sums: np.ndarray) -> int:
+    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[ids[i]].
+
+    src, dest: uint8 [*, B], rows contiguous; local, ids, slots: int64 [n].
+    Returns the index of the first row that fails verification, or -1 (rows
+    after a failure may not have been copied: the caller discards the call).
+    """
+    k = _PLACE.compiled()
+    b = src.shape[1]
+    if k is not None and b % 8 == 0 and src.strides[1] == 1 and dest.strides[1] == 1 \
+            and src.strides[0] % 8 == 0 and dest.strides[0] % 8 == 0:
+        s, kk = rowsum._keys(b // 8)
+        return int(k(_words(src), local, ids, _words(dest), slots, sums, s, kk))
+    rows = src[local]
+    ok = rowsum.row_sums(rows, ids) == sums[ids]
+    dest[slots] = rows
+    return -1 if ok.all() else int(np.argmin(ok))
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    """uint8 [n, B] (B % 8 == 0, rows 8-byte aligned) as uint64 [n, B / 8] over the same memory."""
+    if a.shape[0] == 0:
+        return np.empty((0, a.shape[1] // 8), dtype=np.uint64)
+    if a.flags.c_contiguous:  # arena, segment map, scratch: the common case
+        words = a.view(np.uint64)
+        if words.flags.aligned:  # 8-byte aligned (a.ctypes.data costs a µs)
+            return words
+    if a.ctypes.data % 8:
+        raise ValueError("rows are not 8-byte aligned")
+    first = a[:, :8].view(np.uint64)  # [n, 1], the row stride kept
+    return np.lib.stride_tricks.as_strided(first, shape=(a.shape[0], a.shape[1] // 8), strides=(a.strides[0], 8),
+                                           writeable=a.flags.writeable)
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the kernels now, not on a Plan."""
+    if not enabled():
+        return
+    src = np.zeros((2, 8), dtype=np.uint8)
+    sums = rowsum.row_sums(src, np.arange(2))
+    mapped = src.copy()
+    mapped.flags.writeable = False  # a segment's memory map is read-only: its own specialisation
+    for rows in (src, mapped):
+        place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums)
+    unique_inverse(np.arange(2))
