@@ -123,11 +123,11 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
 def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch):
     """A gather that looks like it faulted (here: every gather) drops the seen pages;
     the next reads pread them again, every row still verified."""
-    from tierstore.tiers.nvme import mapped_rows
+    from tierstore.tiers.nvme import reader as segment_reader
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
-    monkeypatch.setattr(mapped_rows, "EVICTED_FRACTION", -1.0)
-    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", -1.0)
+    monkeypatch.setattr(segment_reader, "EVICTED_FRACTION", -1.0)
+    monkeypatch.setattr(segment_reader, "EVICTED_S_PER_ROW", -1.0)
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
     with _reader(data_dir, tv) as r:
         _, seen = r._map(0)
@@ -253,10 +253,10 @@ def test_verify_cli_reports_a_fifo_segment_and_returns(data_dir, make_table, cli
 def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table, monkeypatch):
     """A gather slowed by a busy CPU (here: every gather counts as slow) is not an eviction:
     only the thread's major faults say the page cache lost the segment."""
-    from tierstore.tiers.nvme import mapped_rows
+    from tierstore.tiers.nvme import reader as segment_reader
 
     tv, data = make_table("t", rows=6000, row_bytes=256)
-    monkeypatch.setattr(mapped_rows, "EVICTED_S_PER_ROW", -1.0)
+    monkeypatch.setattr(segment_reader, "EVICTED_S_PER_ROW", -1.0)
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
     with _reader(data_dir, tv) as r:
         r.read_rows(np.arange(6000))  # every page cached and mapped: no major fault below
