@@ -147,3 +147,29 @@ def test_a_step_socket_stopped_before_its_acceptor_ran_stops_cleanly(tmp_path):
     srv._acceptor = threading.Thread(target=srv._accept_loop, daemon=True)  # a SIGTERM came before start() ran it
     srv.stop()
     assert not (tmp_path / "f.steps").exists()
+
+
+@pytest.mark.parametrize("pid", ["-5", str(2**40), "0", "not-the-parent"])
+def test_a_parent_pid_that_is_not_the_parent_is_refused_before_any_table_loads(tmp_path, pid):
+    """--parent-pid names the process that started the sidecar; anything else was a mistake
+    that used to load every table and then stop at once with exit 0 (issue 23.9)."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "data"
+    _table(d, 1000)
+    sock = tmp_path / "s.sock"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # alive, not the parent
+    try:
+        value = str(other.pid) if pid == "not-the-parent" else pid
+        done = subprocess.run([sys.executable, "-m", "tierstore", "serve", "--data", str(d), "--socket", str(sock),
+                               "--dram-budget", "64MiB", f"--parent-pid={value}"],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        other.kill()
+        other.wait()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "--parent-pid" in lines[0] and value in lines[0] and "parent" in lines[0], lines
+    assert "serving" not in done.stdout and not sock.exists()
+    assert SidecarProcess(d, socket=sock).shm_files() == []

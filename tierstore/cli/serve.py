@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --remote: also serve this published table (default its latest published version), "
                    "recording its manifest in --data at start-up when missing (repeatable)")
     p.add_argument("--parent-pid", type=int, help="stop (as on SIGTERM: arenas and socket removed) once process "
-                   "PID is no longer this sidecar's parent, e.g. it died; set by the launcher tests and benches use")
+                   "PID is no longer this sidecar's parent, e.g. it died; PID must be the parent's (the launcher's "
+                   "os.getpid()), checked at start; set by the launcher tests and benches use")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -73,7 +74,7 @@ def run(args) -> int:
         receive_timeout_s=args.receive_timeout_s,
         persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
-        local_reads=args.local_reads)
+        local_reads=args.local_reads, parent_pid=args.parent_pid)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far
@@ -88,8 +89,8 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), name="parent-watch", daemon=True).start()
+    if cfg.parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(cfg.parent_pid, stop), name="parent-watch", daemon=True).start()
     modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.served.engines.items())
     print(f"tierstore serving {len(server.served.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
           flush=True)

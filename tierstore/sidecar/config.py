@@ -12,6 +12,7 @@ import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from tierstore.errors import InvalidArgument
 from tierstore.proto import MAX_REQUEST_IDS
 
 __all__ = ["ServeConfig", "parse_size", "MAX_LEASE_TTL_S", "MAX_WORKERS", "MAX_LEASES"]
@@ -66,6 +67,7 @@ class ServeConfig:
                                         # mode, misses) themselves, no round trip (client/local_reads.py)
     remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
     metadata: str | None = None         # Mooncake metadata URL (with remote)
+    parent_pid: int | None = None       # stop once this process is no longer our parent (the launcher died)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -112,6 +114,11 @@ class ServeConfig:
         if self.remote:
             from tierstore.tiers.remote.mooncake import parse_master
             parse_master(self.remote)
+        if self.parent_pid is not None and (isinstance(self.parent_pid, bool) or self.parent_pid != os.getppid()):
+            # any other pid would stop the sidecar the moment it is up (or never, for a pid that is not ours)
+            raise InvalidArgument(f"--parent-pid {self.parent_pid} is not this sidecar's parent (pid {os.getppid()} "
+                                  f"started it); pass the pid of the process that starts the sidecar (os.getpid() "
+                                  f"in that process), or leave --parent-pid out")
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"data directory {self.data_dir} does not exist; create a table first "
                                     f"(tierstore demo-table / tierstore ingest)")
