@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
     p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
-                   "`tierstore bench cache --trace`)")
+                   "`tierstore bench cache --trace`); files are 0600, in a directory of yours others cannot write")
     p.add_argument("--direct-io", action="store_true", default=None,
                    help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
     p.add_argument("--no-local-reads", action="store_false", dest="local_reads", default=None,

@@ -32,7 +32,7 @@ from tierstore.cache import slot_index
 from tierstore.store.catalog import Catalog
 from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import make_engine
-from tierstore.errors import ResourceExhausted, TableNotFound, VersionNotFound
+from tierstore.errors import ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
 from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.dram import Arena, arena_tag, own_files, retire_file, shm_free_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -396,7 +396,10 @@ class ServedTables:
         if self.catalog is not None:
             self.catalog.close()
         if self.recorder is not None:
-            self.recorder.close()
+            try:
+                self.recorder.close()
+            except (TierstoreError, OSError) as e:  # the stop still completes; say why the trace is missing
+                log.error("--record-trace: trace not written: %s", e)
         if self._mooncake is not None:
             self._mooncake.close()
             self._mooncake = None

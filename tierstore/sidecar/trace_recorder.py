@@ -8,6 +8,12 @@ call, and writes the layout `bench cache --trace` reads:
     <stem>.<table>.steps.npy  int64 ids per call
     <stem>.<table>.json       {"sample", "recorded", "dropped", "n_ids"?}
 
+A trace holds every row id served, so it is private: the directory must be a
+real directory (not a symlink) of this user that group and others cannot write
+to, checked at construction and again through its fd on every write; each file
+is created 0600 under a fresh name (O_EXCL|O_NOFOLLOW) and renamed into place,
+so a link planted at any name is replaced, its target never written.
+
 Bounded: at most `max_ids` ids per table are kept (later calls are counted as
 dropped, never buffered). Sampled: with `sample` < 1 only ids whose hash falls
 below the rate are kept (spatial sampling, as SHARDS does: every access of a
@@ -21,7 +27,10 @@ cache sizes by the same rate. `record` is a few numpy ops on the call's ids.
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -58,8 +67,7 @@ class TraceRecorder:
         p = Path(path)
         if not p.name.endswith(".npy") or len(p.name) <= 4:
             raise InvalidArgument(f"trace path {p} must end in .npy (e.g. trace.npy -> trace.<table>.npy)")
-        if not p.parent.is_dir():
-            raise InvalidArgument(f"trace directory {p.parent} does not exist")
+        os.close(_open_dir(p.parent))  # refuse an unsafe directory at start, not at the first flush
         if max_ids < 1 or not 0.0 < sample <= 1.0 or flush_s < 0:
             raise InvalidArgument(f"TraceRecorder needs max_ids >= 1, sample in (0, 1] and flush_s >= 0; "
                                   f"got {max_ids}, {sample}, {flush_s}")
@@ -102,15 +110,19 @@ class TraceRecorder:
                 l.chunks = [snap[t][0]] if snap[t][0].size else []
             self._last_write = time.monotonic()
         written = []
-        for table, (ids, lengths, dropped, n_ids) in snap.items():
-            base = f"{self.stem}.{_safe(table)}"
-            _save(Path(base + ".npy"), ids)
-            _save(Path(base + ".steps.npy"), lengths)
-            meta = {"table": table, "sample": self.sample, "recorded": int(ids.size), "dropped": int(dropped)}
-            if n_ids is not None:
-                meta["n_ids"] = n_ids
-            Path(base + ".json").write_text(json.dumps(meta, indent=1))
-            written.append(Path(base + ".npy"))
+        dir_fd = _open_dir(self.stem.parent)
+        try:
+            for table, (ids, lengths, dropped, n_ids) in snap.items():
+                base = f"{self.stem.name}.{_safe(table)}"
+                _save(dir_fd, base + ".npy", lambda f, a=ids: np.save(f, a))
+                _save(dir_fd, base + ".steps.npy", lambda f, a=lengths: np.save(f, a))
+                meta = {"table": table, "sample": self.sample, "recorded": int(ids.size), "dropped": int(dropped)}
+                if n_ids is not None:
+                    meta["n_ids"] = n_ids
+                _save(dir_fd, base + ".json", lambda f, m=meta: f.write(json.dumps(m, indent=1).encode()))
+                written.append(self.stem.parent / (base + ".npy"))
+        finally:
+            os.close(dir_fd)
         return written
 
     def close(self) -> list[Path]:
@@ -133,9 +145,40 @@ def _safe(table: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", table)
 
 
-def _save(path: Path, arr: np.ndarray) -> None:
-    """Write then rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-    tmp.replace(path)
+def _open_dir(d: Path) -> int:
+    """An fd of directory `d`, refused unless it is ours and only we can write to it:
+    anyone else who can write there could plant a link at a trace's name."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidArgument(f"trace directory {d} does not exist; create it: mkdir -m 700 {d}") from None
+    except OSError:  # ELOOP: the last component is a symlink; ENOTDIR: not a directory
+        kind = "a symlink" if os.path.islink(d) else "not a directory"
+        raise InvalidArgument(f"trace directory {d} is {kind}; record into a real directory of your own "
+                              f"(mkdir -m 700 DIR)") from None
+    st = os.fstat(fd)
+    why = (f"is owned by uid {st.st_uid}, not this user (uid {os.getuid()}); record into a directory of your own"
+           if st.st_uid != os.getuid() else
+           f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); run chmod go-w {d} or record "
+           f"into a private directory (mkdir -m 700 DIR)" if st.st_mode & 0o022 else None)
+    if why:
+        os.close(fd)
+        raise InvalidArgument(f"trace directory {d} {why}")
+    return fd
+
+
+def _save(dir_fd: int, name: str, write) -> None:
+    """write(file) into a new 0600 file of dir_fd, renamed to `name` when complete: a reader
+    never sees half a file, and a link already at `name` is replaced, not followed."""
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"  # unguessable: nothing can be planted there first
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
