@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -260,8 +261,29 @@ def test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp
     assert main(["ingest-checkpoint", str(bad), "--data", str(data), "--quiet", "--force"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    import re
     assert re.search(names, err), err
+    assert _snapshot(data) == before
+
+
+def test_a_fifo_as_a_shard_is_refused_not_waited_on(ckpt, ingested, tmp_path):
+    """Opening a FIFO for reading waits for a writer: the shard is checked to be a file first (issue 23.7)."""
+    import subprocess
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "model-00003-of-00003.safetensors").unlink()
+    os.mkfifo(bad / "model-00003-of-00003.safetensors")
+    data = tmp_path / "data"
+    shutil.copytree(ingested, data)
+    before = _snapshot(data)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tierstore", "ingest-checkpoint", str(bad), "--data", str(data),
+                               "--quiet", "--force"], capture_output=True, text=True, timeout=60, cwd="/")
+    except subprocess.TimeoutExpired:  # run() has killed it
+        pytest.fail("ingest-checkpoint waited on the FIFO")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.search(r"model-00003-of-00003\.safetensors: not a regular file \(a FIFO\)", done.stderr), done.stderr
     assert _snapshot(data) == before
 
 

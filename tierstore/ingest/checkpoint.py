@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.table.checkpoint import Checkpoint, TensorRef
+from tierstore.table.checkpoint import Checkpoint, TensorRef, open_shard
 
 __all__ = ["ingest_checkpoint", "plain_read_seconds", "evict_from_page_cache"]
 
@@ -129,7 +129,7 @@ def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
     buf = np.empty(chunk_bytes, np.uint8)
     t0 = time.perf_counter()
     for r in refs:
-        fd = os.open(r.path, os.O_RDONLY)
+        fd = open_shard(r.path)
         try:
             pos, end = r.offset, r.offset + r.nbytes
             while pos < end:
@@ -146,7 +146,7 @@ def evict_from_page_cache(refs) -> None:
     """Drop the shard pages of `refs` from the page cache (posix_fadvise DONTNEED),
     so the next read of them comes from the disk: a cold, fair comparison."""
     for path in {r.path for r in refs}:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_shard(path)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

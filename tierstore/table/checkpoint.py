@@ -12,12 +12,14 @@ layer L six tensors, `layers.{L}.engram.`:
 
 Only safetensors headers are parsed here (8-byte length + JSON); tensor bytes
 are located by offset and read with pread, so nothing is mapped and a 100 GB
-shard costs no memory. Every check names the file and the tensor.
+shard costs no memory. A shard is opened only once it is known to be a
+regular file. Every check names the file and the tensor.
 """
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +28,34 @@ import numpy as np
 
 from tierstore.errors import SpecMismatch
 
-__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME"]
+__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME", "open_shard"]
 
 INDEX_NAME = "model.safetensors.index.json"
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8,
              "F64": 8, "BOOL": 1, "I16": 2, "U16": 2}
+
+
+def open_shard(path: Path) -> int:
+    """A read-only fd of `path`, refused (SpecMismatch) unless it is a regular file.
+
+    O_NONBLOCK: opening a FIFO for reading would wait for a writer, and reading
+    one (or a device) would never end; the flag is cleared once it is a file.
+    Raises FileNotFoundError when there is nothing at `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ENXIO: a unix socket
+        raise SpecMismatch(f"{path}: cannot open it as a shard ({e.strerror}); "
+                           f"put the .safetensors file itself there") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+        raise SpecMismatch(f"{path}: not a regular file ({kind}); put the .safetensors file itself there")
+    os.set_blocking(fd, True)
+    return fd
 
 
 @dataclass(frozen=True)
@@ -56,7 +81,7 @@ class TensorRef:
         flat = out.reshape(-1).view(np.uint8)
         start = self.offset + first_row * self.row_bytes
         got = 0
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_shard(self.path)
         try:
             while got < flat.nbytes:
                 n = os.preadv(fd, [memoryview(flat)[got:]], start + got)
@@ -116,7 +141,7 @@ class Checkpoint:
         if shard not in self._headers:
             path = self.dir / shard
             try:
-                with open(path, "rb") as f:
+                with os.fdopen(open_shard(path), "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))
                     if n > 100 << 20:
                         raise ValueError(f"header length {n} is implausible")
