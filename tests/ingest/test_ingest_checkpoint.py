@@ -241,6 +241,46 @@ def _no_engram_fields(d):
     p.write_text(json.dumps(cfg))
 
 
+def _edit_header(d: Path, edit, shard: str = "model-00003-of-00003.safetensors") -> None:
+    """Rewrite a shard's header with edit(header) applied; the tensor bytes stay as they were."""
+    import struct
+
+    raw = (d / shard).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / shard).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _overlapping(d):
+    def edit(h):  # embed.scale's bytes said to start inside embed.weight's (sizes still right)
+        w, s = h["layers.3.engram.embed.weight"], h["layers.3.engram.embed.scale"]
+        size = s["data_offsets"][1] - s["data_offsets"][0]
+        s["data_offsets"] = [w["data_offsets"][0] + 8, w["data_offsets"][0] + 8 + size]
+    _edit_header(d, edit)
+
+
+def _fractional(d):
+    def edit(h):
+        w = h["layers.3.engram.embed.weight"]
+        w["data_offsets"] = [w["data_offsets"][0] + 0.5, w["data_offsets"][1]]
+    _edit_header(d, edit)
+
+
+def _reversed(d):
+    def edit(h):
+        q = h["layers.3.engram.q_weight"]
+        q["data_offsets"] = q["data_offsets"][::-1]
+    _edit_header(d, edit)
+
+
+def _bytes_after_the_tensors(d):
+    with open(d / "model-00003-of-00003.safetensors", "ab") as f:
+        f.write(b"\0" * 64)
+
+
 @pytest.mark.parametrize("breaks, names", [
     (_no_scale, r"model-00003-of-00003\.safetensors.*layers\.3\.engram\.embed\.scale"),
     (_no_scale_in_index, r"model\.safetensors\.index\.json.*layers\.3\.engram\.embed\.scale"),
@@ -248,7 +288,12 @@ def _no_engram_fields(d):
     (_wrong_tensor_rows, r"model-00002-of-00003\.safetensors:layers\.1\.engram\.embed\.weight.*\[\d+, 256\]"),
     (_truncated, r"model-00003-of-00003\.safetensors:layers\.3\.engram\.\S+ .*truncated"),
     (_no_engram_fields, r"config\.json: no engram_layer_ids"),
-], ids=["missing-scale", "missing-in-index", "wrong-row-count", "wrong-tensor-rows", "truncated", "no-engram-config"])
+    (_overlapping, r"model-00003-of-00003\.safetensors: .*layers\.3\.engram\.embed\.(weight|scale).*overlap"),
+    (_fractional, r"model-00003-of-00003\.safetensors:layers\.3\.engram\.embed\.weight: data_offsets.*integers"),
+    (_reversed, r"model-00003-of-00003\.safetensors:layers\.3\.engram\.q_weight: data_offsets.*begin"),
+    (_bytes_after_the_tensors, r"model-00003-of-00003\.safetensors: 64 bytes after the last tensor"),
+], ids=["missing-scale", "missing-in-index", "wrong-row-count", "wrong-tensor-rows", "truncated", "no-engram-config",
+        "overlapping-offsets", "fractional-offset", "reversed-offsets", "bytes-after-the-tensors"])
 def test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp_path, capsys, breaks, names):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)

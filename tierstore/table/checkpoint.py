@@ -12,8 +12,12 @@ layer L six tensors, `layers.{L}.engram.`:
 
 Only safetensors headers are parsed here (8-byte length + JSON); tensor bytes
 are located by offset and read with pread, so nothing is mapped and a 100 GB
-shard costs no memory. A shard is opened only once it is known to be a
-regular file. Every check names the file and the tensor.
+shard costs no memory. A header is checked as the format defines it (and as
+safetensors' own parser does) before any offset is used: integer offsets,
+begin <= end, each tensor's size its shape times its dtype, and the tensors
+tiling the data section exactly (no overlap, no gap, nothing past the end).
+A shard is opened only once it is known to be a regular file. Every check
+names the file and the tensor.
 """
 from __future__ import annotations
 
@@ -28,11 +32,14 @@ import numpy as np
 
 from tierstore.errors import SpecMismatch
 
-__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME", "open_shard"]
+__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME", "open_shard", "read_header"]
 
 INDEX_NAME = "model.safetensors.index.json"
-_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8,
-             "F64": 8, "BOOL": 1, "I16": 2, "U16": 2}
+# bits per element of each safetensors dtype
+_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+         "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
+         "F6_E2M3": 6, "F6_E3M2": 6}
+_MAX_HEADER = 100 << 20
 
 
 def open_shard(path: Path) -> int:
@@ -122,7 +129,7 @@ class Checkpoint:
                                f"{INDEX_NAME}, shards)")
         self.spec = spec_from_config(self.dir, name)
         self.weight_map = self._weight_map()
-        self._headers: dict[str, dict] = {}
+        self._headers: dict[str, dict[str, TensorRef]] = {}
 
     def _weight_map(self) -> dict[str, str]:
         index = self.dir / INDEX_NAME
@@ -134,50 +141,27 @@ class Checkpoint:
             return {str(k): str(v) for k, v in wm.items()}
         single = self.dir / "model.safetensors"
         if single.is_file():
-            return {k: single.name for k in self._header(single.name) if k != "__metadata__"}
+            return {k: single.name for k in self._header(single.name)}
         raise SpecMismatch(f"{self.dir}: no {INDEX_NAME} and no model.safetensors")
 
-    def _header(self, shard: str) -> dict:
+    def _header(self, shard: str) -> dict[str, TensorRef]:
         if shard not in self._headers:
-            path = self.dir / shard
             try:
-                with os.fdopen(open_shard(path), "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    if n > 100 << 20:
-                        raise ValueError(f"header length {n} is implausible")
-                    self._headers[shard] = json.loads(f.read(n))
-                    self._headers[shard]["__data_start__"] = 8 + n
+                self._headers[shard] = read_header(self.dir / shard)
             except FileNotFoundError:
-                raise SpecMismatch(f"{path}: shard named by {INDEX_NAME} is missing") from None
-            except (OSError, ValueError, struct.error) as e:
-                raise SpecMismatch(f"{path}: not a safetensors file ({e})") from None
+                raise SpecMismatch(f"{self.dir / shard}: shard named by {INDEX_NAME} is missing") from None
         return self._headers[shard]
 
     def tensor(self, name: str) -> TensorRef:
-        """Locate tensor `name`; checks its bytes are all in the shard."""
+        """Locate tensor `name` (its shard's header checked, its bytes all in the shard)."""
         shard = self.weight_map.get(name)
         if shard is None:
             raise SpecMismatch(f"{self.dir / INDEX_NAME}: no tensor {name!r}; the checkpoint is incomplete")
-        head = self._header(shard)
-        path = self.dir / shard
-        meta = head.get(name)
-        if meta is None:
-            raise SpecMismatch(f"{path}: no tensor {name!r} although the index puts it in this shard")
-        try:
-            dtype, shape = str(meta["dtype"]), tuple(int(v) for v in meta["shape"])
-            a, b = (int(v) for v in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise SpecMismatch(f"{path}:{name}: malformed header entry ({e})") from None
-        if dtype not in _ITEMSIZE:
-            raise SpecMismatch(f"{path}:{name}: unknown safetensors dtype {dtype!r}")
-        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
-        if b - a != want:
-            raise SpecMismatch(f"{path}:{name}: header says {b - a} bytes for {dtype} {list(shape)} ({want} expected)")
-        ref = TensorRef(name, path, dtype, shape, head["__data_start__"] + a, b - a)
-        size = path.stat().st_size
-        if ref.offset + ref.nbytes > size:
-            raise SpecMismatch(f"{path}:{name}: the shard is truncated ({size} bytes, the tensor ends at "
-                               f"{ref.offset + ref.nbytes}); re-fetch the file")
+        ref = self._header(shard).get(name)
+        if ref is None:
+            raise SpecMismatch(f"{self.dir / shard}: no tensor {name!r} although the index puts it in this shard")
+        if ref.dtype not in _BITS:
+            raise SpecMismatch(f"{ref.path}:{name}: unknown safetensors dtype {ref.dtype!r}")
         return ref
 
     def _expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
@@ -209,3 +193,73 @@ class Checkpoint:
 
     def table_name(self, layer_id: int, prefix: str = "") -> str:
         return f"{prefix}l{layer_id}"
+
+
+def read_header(path: Path) -> dict[str, TensorRef]:
+    """Every tensor of safetensors file `path` (name -> TensorRef), the header checked as a whole.
+
+    Raises SpecMismatch (naming file and tensor) for a file that is not regular or
+    a header the format refuses; FileNotFoundError when `path` does not exist."""
+    fd = open_shard(path)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER:
+                raise ValueError(f"header length {n} is implausible")
+            head = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, struct.error) as e:
+        raise SpecMismatch(f"{path}: not a safetensors file ({e})") from None
+    return _tensor_refs(path, head, 8 + n, size)
+
+
+def _tensor_refs(path: Path, head, data_start: int, file_size: int) -> dict[str, TensorRef]:
+    """The tensors of a parsed safetensors header, refused (SpecMismatch) unless the header
+    is one the format allows: a read through a bad offset would ingest other bytes as rows."""
+    if not isinstance(head, dict):
+        raise SpecMismatch(f"{path}: not a safetensors file (its header is not a JSON object)")
+    refs = []
+    for name, meta in head.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}:{name}"
+        if not isinstance(meta, dict):
+            raise SpecMismatch(f"{where}: malformed header entry (not an object)")
+        offsets, shape, dtype = meta.get("data_offsets"), meta.get("shape"), meta.get("dtype")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)):
+            raise SpecMismatch(f"{where}: data_offsets must be two integers [begin, end] >= 0, got {offsets!r}; "
+                               f"the shard is malformed (re-export it with safetensors)")
+        if not (isinstance(shape, list) and all(_is_count(v) for v in shape)) or not isinstance(dtype, str):
+            raise SpecMismatch(f"{where}: malformed header entry (dtype {dtype!r}, shape {shape!r})")
+        a, b = offsets
+        if a > b:
+            raise SpecMismatch(f"{where}: data_offsets {offsets}: begin is after end; the shard is malformed")
+        if dtype in _BITS:  # an unknown dtype is refused only if its tensor is read (tensor())
+            bits = int(np.prod(shape, dtype=object)) * _BITS[dtype]
+            if bits % 8 or b - a != bits // 8:
+                want = f"{bits // 8} expected" if bits % 8 == 0 else f"{bits} bits expected, not whole bytes"
+                raise SpecMismatch(f"{where}: header says {b - a} bytes for {dtype} {shape} ({want})")
+        refs.append(TensorRef(name, path, dtype, tuple(shape), data_start + a, b - a))
+    # the format: tensors tile the data section, in offset order, with nothing over, between or after
+    end, prev = 0, None
+    for r in sorted(refs, key=lambda r: (r.offset, r.nbytes)):
+        a = r.offset - data_start
+        if a < end:
+            raise SpecMismatch(f"{path}: tensors {prev.name} and {r.name} overlap (data_offsets "
+                               f"[{prev.offset - data_start}, {end}] and [{a}, {a + r.nbytes}]); the shard is "
+                               f"malformed (re-export it with safetensors)")
+        if a > end:
+            raise SpecMismatch(f"{path}: {a - end} bytes {'after ' + prev.name if prev else 'at the start'} and "
+                               f"before {r.name} belong to no tensor; the shard is malformed")
+        if r.offset + r.nbytes > file_size:
+            raise SpecMismatch(f"{path}:{r.name}: the shard is truncated ({file_size} bytes, the tensor ends at "
+                               f"{r.offset + r.nbytes}); re-fetch the file")
+        end, prev = a + r.nbytes, r
+    if data_start + end < file_size:
+        raise SpecMismatch(f"{path}: {file_size - data_start - end} bytes after the last tensor belong to no "
+                           f"tensor; the shard is malformed (or not the file its header describes); re-fetch it")
+    return {r.name: r for r in refs}
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
