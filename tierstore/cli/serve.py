@@ -29,10 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
     p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
                    help="seconds a TCP caller has to send its request message (default 30)")
+    p.add_argument("--shm-dir", help="directory for the arenas (default /dev/shm); a tmpfs mounted huge=within_size "
+                                     "or a hugetlbfs mount gives them huge pages")
     p.add_argument("--persist-arena", action="store_true", default=None,
                    help="leave arenas in /dev/shm on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
-    p.add_argument("--policy", help="cache policy: tinylfu (default), lru, random")
+    p.add_argument("--policy", help="cache policy: s3fifo (default: S3-FIFO queues with a TinyLFU sketch), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
     p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
                    "`tierstore bench cache --trace`); files are 0600, in a directory of yours others cannot write")
@@ -72,7 +74,7 @@ def run(args) -> int:
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client, workers=args.workers,
         receive_timeout_s=args.receive_timeout_s,
-        persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
+        shm_dir=args.shm_dir, persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
         local_reads=args.local_reads, parent_pid=args.parent_pid)
     if args.remote_table:

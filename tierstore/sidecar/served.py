@@ -34,7 +34,7 @@ from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import make_engine
 from tierstore.errors import ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
 from tierstore.cache.leases import LeaseTable
-from tierstore.tiers.dram import Arena, arena_tag, own_files, retire_file, shm_free_bytes
+from tierstore.tiers.dram import Arena, arena_tag, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
 from tierstore.engine.verifier import Verifier
 
@@ -124,6 +124,8 @@ class ServedTables:
             raise ResourceExhausted(
                 f"--dram-budget {cfg.dram_budget / 2**20:.0f} MiB is more than {cfg.shm_dir} can hold "
                 f"({free / 2**20:.0f} MiB free); lower the budget or enlarge {cfg.shm_dir}")
+        self.backing = page_backing(cfg.shm_dir)
+        (log.info if self.backing.huge else log.warning)("%s", self.backing.why)
         if cfg.profile is not None:
             from tierstore.table.profile import Profile
             self._profile = Profile.load(cfg.profile)
@@ -148,7 +150,7 @@ class ServedTables:
         reader = self._reader(v, checksums)
         path = reuse if (reuse is not None and full) else self._new_name(f"{v.table}.v{v.version}")
         try:
-            arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full)
+            arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full, backing=self.backing)
         except BaseException:
             reader.close()
             raise
@@ -184,9 +186,12 @@ class ServedTables:
             arena.close(unlink=True)
             reader.close()
             raise
-        log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB) + %.1f MiB of checksums, maps and policy, "
-                 "ready in %.2fs", v.table, v.version, "full" if full else "cache", slots, v.row_bytes,
-                 slots * v.row_bytes / 2**20, engine.metadata_bytes() / 2**20, time.monotonic() - t0)
+        huge, mapped = huge_page_bytes(arena.path)
+        log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB, %.0f%% of it on %s pages) + %.1f MiB of "
+                 "checksums, maps and policy, ready in %.2fs", v.table, v.version, "full" if full else "cache", slots,
+                 v.row_bytes, slots * v.row_bytes / 2**20, 100 * huge / max(mapped, 1),
+                 f"{arena.backing.page >> 20} MiB" if arena.backing.huge else "huge", engine.metadata_bytes() / 2**20,
+                 time.monotonic() - t0)
         return engine
 
     def _reader(self, v, checksums):

@@ -11,6 +11,14 @@ version it holds, the host it lives on and a `retired` flag set before the
 sidecar stops using it (version swap, shutdown, or a successor found it
 stale). Rows start at HEADER_BYTES.
 
+Pages: random gathers from an arena past the TLB's reach (a few MiB of 4 KiB
+pages) spend most of their time walking page tables, and a GPU reading it over
+UVA suffers more. An arena gets huge pages wherever its directory's mount gives
+them (`page_backing`): a hugetlbfs mount (reserved pages), or a tmpfs mounted
+`huge=always|within_size` (transparent huge pages at allocation) or
+`huge=advise` (asked for with madvise, populated through the mapping). Elsewhere
+it stays on 4 KiB pages and the sidecar says, once, what to set.
+
 Names are unpredictable (`tierstore.<uid>.<tag>.<random>.<table>.v<N>`):
 `tag` is derived from the sidecar's resolved data directory and socket, so two
 sidecars never share a file, and another local user can neither guess nor
@@ -23,16 +31,19 @@ import mmap
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.errors import ResourceExhausted, StaleArena
 
-__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "arena_tag", "host_id", "map_file_readonly", "map_readonly",
-           "own_files", "retire_file", "shm_free_bytes"]
+__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "PageBacking", "arena_tag", "host_id", "huge_page_bytes",
+           "map_file_readonly", "map_readonly", "own_files", "page_backing", "retire_file", "shm_free_bytes"]
 
 HEADER_BYTES = 4096
+SMALL_PAGE = 4096
+MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # Linux; mmap exposes the first only from 3.8 on some builds
 _MAGIC = b"TSARENA1"
 # magic, retired, full, instance (16 ascii), version, slots, row_bytes, host (16), table (64)
 _LAYOUT = struct.Struct("<8sII16sQQI16s64s")
@@ -60,6 +71,103 @@ def own_files(shm_dir: Path, tag: str) -> list[Path]:
 def shm_free_bytes(shm_dir: Path) -> int:
     st = os.statvfs(shm_dir)
     return st.f_bavail * st.f_frsize
+
+
+@dataclass(frozen=True)
+class PageBacking:
+    """How arenas in one directory are paged.
+
+    page: the page size its files get (4096 unless huge); how: "hugetlbfs",
+    "thp" (the mount allocates huge pages), "thp-advise" (asked per mapping) or
+    "4k"; why: one line for the operator (what to set, when 4k)."""
+
+    page: int
+    how: str
+    why: str
+
+    @property
+    def huge(self) -> bool:
+        return self.page > SMALL_PAGE
+
+
+def _mount_of(path: Path) -> tuple[str, list[str]]:
+    """(filesystem type, super options) of the mount holding `path` (/proc/self/mountinfo)."""
+    target, best, found = str(Path(path).resolve()), -1, ("", [])
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > best:
+            best, found = len(point), (tail[0], tail[2].split(","))
+    return found
+
+
+def _meminfo_kib(key: str) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def page_backing(shm_dir: Path) -> PageBacking:
+    """The pages an arena created in `shm_dir` will get (see the module docstring)."""
+    fstype, opts = _mount_of(shm_dir)
+    if fstype == "hugetlbfs":
+        size = next((o.split("=", 1)[1] for o in opts if o.startswith("pagesize=")), "")
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        page = int(size[:-1]) * units[size[-1].upper()] if size[:-1].isdigit() and size[-1:].upper() in units \
+            else _meminfo_kib("Hugepagesize") << 10
+        return PageBacking(page or 2 << 20, "hugetlbfs", f"{shm_dir} is hugetlbfs: arenas take its reserved pages")
+    huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), "never")
+    try:
+        forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        forced = False
+    thp = (_meminfo_kib("Hugepagesize") << 10) or (2 << 20)
+    if fstype == "tmpfs" and (huge in ("always", "within_size") or forced):
+        return PageBacking(thp, "thp", f"{shm_dir} is tmpfs huge={huge}: arenas get transparent huge pages")
+    if fstype == "tmpfs" and huge == "advise":
+        return PageBacking(thp, "thp-advise", f"{shm_dir} is tmpfs huge=advise: each arena asks for huge pages")
+    return PageBacking(SMALL_PAGE, "4k",
+                       f"arenas in {shm_dir} ({fstype or 'unknown fs'}, huge={huge}) use 4 KiB pages: random row "
+                       f"gathers from a large arena run faster on huge pages; as root, `mount -o remount,"
+                       f"huge=within_size {shm_dir}`, or serve --shm-dir on a hugetlbfs mount with reserved pages")
+
+
+def huge_page_bytes(path: str | Path) -> tuple[int, int]:
+    """(bytes mapped on huge pages, bytes mapped) of this process's mappings of the file `path`
+    (/proc/self/smaps): what a page-size claim is checked against."""
+    want, huge, total, inside = str(path), 0, 0, False
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0, 0
+    page = SMALL_PAGE
+    for line in text.splitlines():
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms offset dev inode path
+            inside = line.rstrip().endswith(want) or line.rstrip().endswith(want + " (deleted)")
+            page = SMALL_PAGE
+        elif inside:
+            key, _, rest = line.partition(":")
+            kib = int(rest.split()[0]) << 10 if rest.split() and rest.split()[0].isdigit() else 0
+            if key == "KernelPageSize":  # listed before Rss; above 4 KiB: hugetlbfs, all of it huge
+                page = kib
+            elif key == "Rss":
+                total += kib
+                huge += kib if page > SMALL_PAGE else 0
+            elif key in ("ShmemPmdMapped", "FilePmdMapped"):
+                huge += kib
+    return huge, total
 
 
 class ArenaHeader:
@@ -99,11 +207,15 @@ class Arena:
     arenas), or returns a fresh one when it does not fit.
     """
 
-    def __init__(self, path: Path, slots: int, row_bytes: int, *, reuse: bool = False):
+    def __init__(self, path: Path, slots: int, row_bytes: int, *, reuse: bool = False,
+                 backing: PageBacking | None = None):
+        """backing: how this directory pages arenas (page_backing(path.parent) when None)."""
         self.path = Path(path)
         self.slots, self.row_bytes = int(slots), int(row_bytes)
         self.size = self.slots * self.row_bytes
-        self.file_size = HEADER_BYTES + self.size
+        self.backing = backing or page_backing(self.path.parent)
+        page = self.backing.page if self.backing.how == "hugetlbfs" else SMALL_PAGE  # hugetlbfs maps whole pages
+        self.file_size = -(-(HEADER_BYTES + self.size) // page) * page
         self.reattached = False
         self._staging: Path | None = None
         fd = self._reopen() if reuse else None
@@ -119,7 +231,10 @@ class Arena:
                                         "restart the sidecar to pick a new name") from None
             try:
                 os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
-                os.posix_fallocate(fd, 0, self.file_size)
+                if self.backing.how == "thp-advise":
+                    os.ftruncate(fd, self.file_size)  # pages come from the populate below, huge as asked
+                else:
+                    os.posix_fallocate(fd, 0, self.file_size)
             except OSError as e:
                 os.close(fd)
                 self._staging.unlink(missing_ok=True)
@@ -138,6 +253,16 @@ class Arena:
             raise
         finally:
             os.close(fd)
+        if self.backing.how == "thp-advise" and not self.reattached:
+            try:
+                self._mmap.madvise(MADV_HUGEPAGE)
+                self._mmap.madvise(MADV_POPULATE_WRITE)  # reserve now: a full tmpfs fails here, not mid-step
+            except OSError as e:
+                self._mmap.close()
+                self._staging.unlink(missing_ok=True)
+                raise ResourceExhausted(
+                    f"cannot reserve {self.size / 2**20:.1f} MiB for arena {self.path.name} in {self.path.parent} "
+                    f"({e.strerror}); lower --dram-budget or enlarge {self.path.parent}") from None
         whole = np.frombuffer(self._mmap, dtype=np.uint8)
         self.header = ArenaHeader(whole[:HEADER_BYTES])
         self.rows = whole[HEADER_BYTES:].reshape(self.slots, self.row_bytes)
