@@ -214,7 +214,7 @@ class Arena:
         self.slots, self.row_bytes = int(slots), int(row_bytes)
         self.size = self.slots * self.row_bytes
         self.backing = backing or page_backing(self.path.parent)
-        page = self.backing.page if self.backing.how == "hugetlbfs" else SMALL_PAGE  # hugetlbfs maps whole pages
+        page = self.backing.page if self.backing.how == "hugetlbfs" else 1  # hugetlbfs files are whole pages
         self.file_size = -(-(HEADER_BYTES + self.size) // page) * page
         self.reattached = False
         self._staging: Path | None = None
@@ -265,7 +265,7 @@ class Arena:
                     f"({e.strerror}); lower --dram-budget or enlarge {self.path.parent}") from None
         whole = np.frombuffer(self._mmap, dtype=np.uint8)
         self.header = ArenaHeader(whole[:HEADER_BYTES])
-        self.rows = whole[HEADER_BYTES:].reshape(self.slots, self.row_bytes)
+        self.rows = whole[HEADER_BYTES:HEADER_BYTES + self.size].reshape(self.slots, self.row_bytes)
 
     def _reopen(self) -> int | None:
         """fd of a previous arena at `path` fit to re-attach, else None.
