@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tierstore import cpu_token
 from tierstore.store.catalog import Catalog
@@ -138,3 +140,65 @@ def test_access_notes_are_learned_step_by_step_and_seen_twice_rows_promoted(engi
     with pytest.raises(InvalidArgument):
         eng.note_access(ids, ends - 1)  # ends that do not cover the ids
     assert eng.counters.local_steps == 24
+
+
+def test_a_refused_retry_keeps_the_first_attempts_lease_and_leaks_no_pin(engine):
+    """Issue 23.1: a retried Plan (same request id) refused by the slot budget leaves the
+    table as it was: the first attempt's lease stays live (its client releases it), and
+    once every client has released nothing is pinned, so the whole arena plans again."""
+    eng, data = engine
+    eng.leases.max_slots = 1000
+    first = eng.plan(np.arange(600), ttl_s=30.0, client=b"a", request_id=777)
+    eng.plan(np.arange(5000, 5300), ttl_s=30.0, client=b"b")  # another client holds part of the budget
+    before = (len(eng.leases), eng.slots.pins.copy(), eng.slots.n_pinned)
+    with pytest.raises(ResourceExhausted, match="limit 1000"):
+        eng.plan(np.arange(800), ttl_s=30.0, client=b"a", request_id=777)  # 300 + 800 > 1000
+    assert len(eng.leases) == before[0] and eng.leases.alive(first.lease_id)
+    assert np.array_equal(eng.slots.pins, before[1]) and eng.slots.n_pinned == before[2]
+    eng.leases.release_client(b"a")
+    eng.leases.release_client(b"b")
+    assert eng.slots.n_pinned == 0, "a refused retry left pins no lease holds"
+    eng.leases.max_slots = 1 << 26
+    res, rows = _plan(eng, np.arange(10_000, 10_000 + eng.capacity))  # every slot is evictable again
+    assert np.array_equal(rows, data[10_000:10_000 + eng.capacity])
+
+
+# mostly plans, mostly retries (request ids 1 and 2; 0 is none), of sizes that overrun the budget
+_OPS = st.lists(st.tuples(st.sampled_from(["plan"] * 4 + ["release", "reap"]), st.sampled_from([b"a", b"b"]),
+                          st.sampled_from([0, 1, 1, 2]), st.sampled_from([100, 400, 700]),
+                          st.integers(0, ROWS - 1)), max_size=25)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_every_pin_belongs_to_a_live_lease_whatever_is_refused(engine, ops):
+    """Plans (retried or not), refusals by each limit, releases and reaps in any order:
+    a slot's pin count is always the number of live leases that hold it, and a refused
+    plan changes neither the pins nor the leases."""
+    eng, _ = engine
+    lt = eng.leases
+    lt.max_slots, lt.max_per_client, lt.max_leases = 1000, 3, 5
+    held: dict[bytes, list] = {b"a": [], b"b": []}
+    try:
+        for op, client, rid, n, lo in ops:
+            if op == "plan":
+                ids = (lo + np.arange(n) * 7) % ROWS
+                pins, live = eng.slots.pins.copy(), len(lt)
+                try:
+                    held[client].append(eng.plan(ids, ttl_s=30.0, client=client, request_id=rid).lease_id)
+                except ResourceExhausted:
+                    assert np.array_equal(eng.slots.pins, pins) and len(lt) == live, "a refusal changed the table"
+            elif op == "release" and held[client]:
+                lt.release([held[client].pop(0)], client)
+            elif op == "reap":
+                lt.reap(time.monotonic() + 60.0)  # every lease past its TTL
+            with lt._lock:
+                expect = np.bincount(np.concatenate([x.slots for x in lt._leases.values()] or [np.zeros(0, int)])
+                                     .astype(np.int64), minlength=eng.capacity)
+            assert np.array_equal(eng.slots.pins, expect), "a pin no live lease holds"
+    finally:
+        lt.release_client(b"a")
+        lt.release_client(b"b")
+        lt.max_slots, lt.max_per_client, lt.max_leases = 1 << 26, 64, 64
+    assert eng.slots.n_pinned == 0
+

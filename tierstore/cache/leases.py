@@ -103,7 +103,10 @@ class LeaseTable:
         """Record a lease whose slots the owner has already pinned.
 
         A request id seen before from the same client (a retried Plan) ends the
-        lease the first attempt took, so a retry never leaves an extra lease."""
+        lease the first attempt took, so a retry never leaves an extra lease.
+        Every limit is checked before anything changes (the retried lease counted
+        as ended): a refusal (ResourceExhausted) leaves the table exactly as it was,
+        the first attempt's lease live, and the caller unpins the slots it passed."""
         arena = getattr(getattr(owner, "arena", None), "slots", None)  # slots index it: a bound without a max()
         if slots.size and ((arena is not None and arena <= 2**31) or int(slots.max()) < 2**31):
             slots = slots.astype(np.int32)
@@ -111,22 +114,26 @@ class LeaseTable:
         with self._lock:
             if request_id:
                 retried = self._leases.get(self._by_request.get((client, request_id), 0))
-            if retried is not None:
-                self._end(retried)
-            n_client = self._per_client.get(client, 0)
-            if len(self._leases) >= self.max_leases:
+            freed = retried is not None  # what ending the first attempt would give back
+            n_leases = len(self._leases) - freed
+            n_client = self._per_client.get(client, 0) - freed
+            held = self._slots_held - (retried.slots.size if freed else 0)
+            if n_leases >= self.max_leases:
                 raise ResourceExhausted(
-                    f"{len(self._leases)} leases are live (limit {self.max_leases}); release steps when they end")
+                    f"{n_leases} leases are live (limit {self.max_leases}); release steps when they end")
             if n_client >= self.max_per_client:
                 raise ResourceExhausted(
                     f"this client holds {n_client} live leases (limit {self.max_per_client} per client); "
                     "release finished steps")
-            if self._slots_held + slots.size > self.max_slots:
+            if held + slots.size > self.max_slots:
                 raise ResourceExhausted(
-                    f"live leases hold {self._slots_held} slots (limit {self.max_slots}); release finished steps")
-            index = self._free_index.pop()
+                    f"live leases hold {held} slots (limit {self.max_slots}); release finished steps")
             if not self._random:  # os.urandom, as secrets uses: unguessable, only drawn in batches
                 self._random = (np.frombuffer(os.urandom(8 * _RANDOM_BATCH), "<u8") >> (INDEX_BITS + 1)).tolist()
+            # nothing below raises: the first attempt ends and the new lease starts together
+            if freed:
+                self._end(retried)
+            index = self._free_index.pop()
             lease_id = (self._random.pop() or 1) << INDEX_BITS | index
             lease = Lease(lease_id, owner, client, slots, time.monotonic() + ttl_s, request_id)
             self._leases[lease_id] = lease
@@ -162,10 +169,11 @@ class LeaseTable:
 
     def release(self, lease_ids, client: bytes = b"") -> int:
         """End this client's leases (unknown, ended or foreign ids are ignored); how many ended."""
+        lease_ids = [int(i) for i in lease_ids]  # a bad id raises here, before any lease has ended
         ended = []
         with self._lock:
             for i in lease_ids:
-                lease = self._leases.get(int(i))
+                lease = self._leases.get(i)
                 if lease is not None and lease.client == client:
                     self._end(lease)
                     ended.append(lease)

@@ -93,8 +93,9 @@ class CacheEngine(TableEngine):
             slots, fill, waits, misses = self._reserve(uniq, lease=True)
             try:
                 lease = self.leases.add(self, slots, ttl_s, client, request_id)
-            except ResourceExhausted:
-                self.counters.lease_refusals += 1
+            except BaseException as e:  # a refusal, or anything else: the reservation is given back
+                if isinstance(e, ResourceExhausted):
+                    self.counters.lease_refusals += 1
                 self._abandon(slots, fill)
                 raise
             try:
