@@ -91,6 +91,7 @@ class Client:
         self._lock = threading.Lock()
         self._maps = ArenaMaps(self._lock)
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
+        self._hint_owner = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner)
         self._closed = False
         self.link = StepLink(self.socket, timeout) if self.local else None
 
@@ -259,12 +260,20 @@ class Client:
         over others until the request runs) and read nothing; for requests more than
         a step or two from running, whose reads would evict rows sooner needed.
         steps: about how many steps until the request runs; its rows are kept that
-        long (default: the sidecar's --policy default, 16). Say it when known: a hint
-        that outlives its request keeps rows nobody reads."""
+        long (default: the sidecar's --policy default, 16), at most the sidecar's
+        longest hint (TableHandle.max_prefetch_steps, 4096 by default): more raises
+        InvalidArgument, as the sidecar would refuse it. Say it when known: a hint
+        that outlives its request keeps rows nobody reads; one that waits longer
+        can be sent again. Ids not resident yet are kept pending within a bound per
+        client and per table; past it the rest of a hint is dropped (it is a hint)."""
         self._check_open()
-        if steps is not None and not 0 < int(steps) < 2**32:
-            raise errors.InvalidArgument(f"prefetch steps must be a positive step count, got {steps}")
-        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read, steps=int(steps or 0))
+        if steps is not None:
+            longest = self.handle(table).max_prefetch_steps or 2**32 - 1
+            if not 0 < int(steps) <= longest:
+                raise errors.InvalidArgument(f"prefetch steps must be a step count in 1..{longest} (this sidecar's "
+                                             f"longest hint), got {steps}; hint the request again if it waits longer")
+        req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read, steps=int(steps or 0),
+                                 owner=self._hint_owner)
         fut = self._stub.Prefetch.future(req, timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # held until answered: a collected future cancels its call
             self._inflight = [f for f in self._inflight if not f.done()] + [fut]

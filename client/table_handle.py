@@ -32,6 +32,7 @@ class TableHandle:
         # cache mode with local reads (client/local_reads.py): the slot index, and where misses may be read
         self.index_path, self.cold_dir = info.arena.index, info.arena.cold_dir
         self.cold_direct = info.arena.cold_direct  # read misses with O_DIRECT, as the sidecar does
+        self.max_prefetch_steps = info.max_prefetch_steps  # 0: the sidecar did not say
         self.local = None  # its LocalReads, made on the first lookup
         self._client = client
         self._mapped: MappedArena | None = None

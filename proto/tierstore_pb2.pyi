@@ -47,7 +47,7 @@ class Arena(_message.Message):
     def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ..., index: _Optional[str] = ..., cold_dir: _Optional[str] = ..., cold_direct: _Optional[bool] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena")
+    __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena", "max_prefetch_steps")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class TableInfo(_message.Message):
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     LAYER_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFETCH_STEPS_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     rows: int
@@ -66,7 +67,8 @@ class TableInfo(_message.Message):
     spec_json: str
     layer_id: int
     arena: Arena
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ...) -> None: ...
+    max_prefetch_steps: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., max_prefetch_steps: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("table", "version", "ids")
@@ -89,16 +91,18 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("table", "ids", "hint_only", "steps")
+    __slots__ = ("table", "ids", "hint_only", "steps", "owner")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     HINT_ONLY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     hint_only: bool
     steps: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., hint_only: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    owner: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., hint_only: _Optional[bool] = ..., steps: _Optional[int] = ..., owner: _Optional[bytes] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)

@@ -135,3 +135,48 @@ def test_a_hinted_row_read_in_later_outlasts_a_scan_until_its_request_runs(tmp_p
             assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size
         with c.plan("t", unhinted) as step:
             assert np.array_equal(step.rows(), data[unhinted]) and step.hits < unhinted.size // 10
+
+
+def test_a_hint_longer_than_the_sidecars_longest_is_refused_invalid_argument(tmp_path):
+    """Issue 23.2: steps=10**9 kept rows for good; over the sidecar's longest hint (the
+    table says which) the Prefetch RPC answers INVALID_ARGUMENT, and the client refuses it
+    before sending; the longest itself is taken."""
+    import grpc
+
+    from tierstore.proto import tierstore_pb2 as pb
+
+    d = tmp_path / "data"
+    write_version(d, "t", [np.zeros((20_000, 64), np.uint8)], rows=20_000, row_format="fp32", row_dim=16)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
+        longest = c.handle("t").max_prefetch_steps
+        assert longest == 4096
+        req = pb.PrefetchRequest(table="t", ids=np.arange(100, dtype="<i8").tobytes(), hint_only=True,
+                                 steps=10**9, owner=b"w" * 16)
+        with pytest.raises(grpc.RpcError) as e:
+            c._stub.Prefetch(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4096" in e.value.details()
+        with pytest.raises(errors.InvalidArgument, match="longest"):
+            c.prefetch("t", np.arange(100), read=False, steps=10**9)
+        c.prefetch("t", np.arange(100), read=False, steps=longest)
+        assert c._stub.Prefetch(pb.PrefetchRequest(table="t", ids=req.ids, hint_only=True, steps=longest),
+                                timeout=10).queued == 100
+
+
+def test_a_client_flooding_pending_hints_leaves_room_for_anothers(tmp_path):
+    """One client hints far more ids than the arena holds (read=False, the longest hint):
+    its pending ids stop at its share, and another client's hint still keeps its rows."""
+    d = tmp_path / "data"
+    data = np.random.default_rng(0).integers(0, 256, size=(60_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=60_000, row_format="fp32", row_dim=16)
+    hinted = np.arange(0, 400)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c, Client(sc.socket) as hog:
+        hog.prefetch("t", np.arange(30_000, 60_000), read=False, steps=4096)
+        c.prefetch("t", hinted, read=False, steps=60)
+        time.sleep(0.5)
+        with c.plan("t", hinted) as step:  # the request's rows are read in by some step
+            assert np.array_equal(step.rows(), data[hinted]) and step.misses == hinted.size
+        for i in range(25):  # then more fresh rows than the arena holds
+            with c.plan("t", 1000 + 1000 * i + np.arange(1000)) as step:
+                step.rows()
+        with c.plan("t", hinted) as step:
+            assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size

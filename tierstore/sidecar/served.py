@@ -42,6 +42,7 @@ __all__ = ["ServedTables"]
 
 log = logging.getLogger("tierstore.sidecar.served")
 PREFETCH_QUEUE = 64  # prefetch requests waiting at most; more are dropped (they are hints)
+PREFETCH_QUEUE_IDS = 1 << 22  # and their ids waiting at most (one larger request is taken alone)
 NOTE_QUEUE_IDS = 1 << 18  # ids of local reads' notes waiting for the learner; more are dropped (hints)
 # The learner thread's nice value (Linux: per thread). With 4 local-read clients on this
 # project's 2-vCPU VM, +5 let it learn ~20% of the steps (the rest dropped) and readers got
@@ -70,7 +71,7 @@ class ServedTables:
         if config.record_trace:
             from tierstore.sidecar.trace_recorder import TraceRecorder
             self.recorder = TraceRecorder(config.record_trace)
-        self._prefetch_pending = 0
+        self._prefetch_pending = self._prefetch_ids = 0
         self._notes: list = []  # (engine, ids, ends) for the learner thread (note())
         self._notes_ids = 0
         self._notes_cv = threading.Condition(threading.Lock())
@@ -299,29 +300,35 @@ class ServedTables:
             self.leases.reap()
             self._free_retired()
 
-    def prefetch(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None) -> None:
+    def prefetch(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None,
+                 client: bytes = b"") -> None:
         """Promote ids in the background (a bounded queue: dropped when it is full);
-        read=False only hints them to the policy, for `steps` (TableEngine.prefetch)."""
+        read=False only hints them to the policy, for `steps` (TableEngine.prefetch).
+        Checked now (InvalidArgument for bad ids or steps), so the caller hears of it."""
+        ids, steps = engine.check_prefetch(ids, steps)
         if engine.full or ids.size == 0:
             return
         with self._swap_lock:
-            if self._prefetch_pending >= PREFETCH_QUEUE:
+            if self._prefetch_pending >= PREFETCH_QUEUE or (
+                    self._prefetch_ids and self._prefetch_ids + ids.size > PREFETCH_QUEUE_IDS):
                 return
             self._prefetch_pending += 1
+            self._prefetch_ids += ids.size
             if self._prefetcher is None:
                 from concurrent.futures import ThreadPoolExecutor
                 self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="prefetch")
-        self._prefetcher.submit(self._prefetch_one, engine, ids, read, steps)
+        self._prefetcher.submit(self._prefetch_one, engine, ids, read, steps, client)
 
-    def _prefetch_one(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None) -> None:
+    def _prefetch_one(self, engine: TableEngine, ids, read: bool, steps: int, client: bytes) -> None:
         try:
             if not engine.retired:
-                engine.prefetch(ids, read=read, steps=steps)
+                engine.prefetch(ids, read=read, steps=steps, client=client)
         except Exception:  # noqa: BLE001 - a hint; a bad block surfaces when a step reads it
             log.debug("prefetch of %d ids in %s failed", ids.size, engine.table, exc_info=True)
         finally:
             with self._swap_lock:
                 self._prefetch_pending -= 1
+                self._prefetch_ids -= ids.size
 
     def note(self, engine: TableEngine, ids, ends) -> bool:
         """Queue steps a local client read itself (TableEngine.note_access) for the learner

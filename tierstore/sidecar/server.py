@@ -115,7 +115,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         return pb.TableInfo(
             table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
-            layer_id=-1 if v.layer_id is None else v.layer_id,
+            layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.max_prefetch_steps,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
                            size_bytes=eng.arena.size, instance=self.served.instance,
                            lease_board=str(board.path) if board else "",
@@ -142,8 +142,9 @@ class TierstoreService(pb_grpc.TierstoreServicer):
     @_rpc
     def Prefetch(self, request, context):
         eng = self.served.engine(request.table)
-        ids = eng.check_ids(decode_ids(request.ids, self.cfg.max_request_ids))
-        self.served.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None)
+        ids = decode_ids(request.ids, self.cfg.max_request_ids)
+        self.served.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None,
+                             client=bytes(request.owner))
         return pb.PrefetchResponse(queued=ids.size)
 
     @_rpc

@@ -113,25 +113,28 @@ class CachePolicy:
             self.slot_id[slots] = -1
         self._forget(slots)
 
-    def expect(self, slots: np.ndarray, ids: np.ndarray | None = None, steps: int | None = None) -> None:
+    def expect(self, slots: np.ndarray, ids: np.ndarray | None = None, steps: int | None = None,
+               client: bytes = b"") -> None:
         """Queued work will read these rows within `steps` steps (prefill ids are
-        known when a request is admitted; default PolicyConfig.expect_steps).
+        known when a request is admitted; default PolicyConfig.expect_steps, at most
+        max_expect_steps: more raises InvalidArgument, as does a negative count).
 
         slots: resident rows; ids: rows not resident now, protected if they are
-        admitted before the hint runs out (read ahead, or by another step). A
+        admitted before the hint runs out (read ahead, or by another step); client:
+        who hints (its owner id): pending ids are bounded per client and in all
+        (PolicyConfig.pending_share), the ids past a bound are dropped. A
         soft hint: hinted rows are kept over others until then, but unlike a pin
         it never makes victims() fail. TableEngine.prefetch calls it once, when
         a request is admitted. Say when the request will run: a hint that
         outlives its use keeps rows nobody reads (`bench cache`: +0.057 over the
-        best reference with the exact wait, +0.037 with a 25% longer one)."""
-        steps = self.config.expect_steps if steps is None else int(steps)
-        if steps < 0:
-            raise InvalidArgument(f"expect: steps must be >= 0, got {steps}")
+        best reference with the exact wait, +0.037 with a 25% longer one).
+        Costs O(len(slots) + len(ids)), whatever is pending already."""
+        steps = self.config.hint_steps(steps)
         slots = np.asarray(slots, dtype=np.int64)
         if slots.size:
             self._expect(slots, steps)
         if ids is not None and np.size(ids):
-            self._expect_ids(self._check_ids(ids), steps)
+            self._expect_ids(self._check_ids(ids), steps, client)
 
     def load_profile(self, ids: np.ndarray, counts: np.ndarray) -> None:
         """Seed the sketch from an offline frequency profile (`tierstore profile`)."""
@@ -176,7 +179,7 @@ class CachePolicy:
     def _expect(self, slots: np.ndarray, steps: int) -> None:
         raise NotImplementedError
 
-    def _expect_ids(self, ids: np.ndarray, steps: int) -> None:
+    def _expect_ids(self, ids: np.ndarray, steps: int, client: bytes) -> None:
         """Rows not resident yet (a policy without memory for them ignores the hint)."""
 
     # ---- shared pieces -----------------------------------------------------------

@@ -5,9 +5,10 @@ from dataclasses import dataclass
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["PolicyConfig", "KINDS"]
+__all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS"]
 
 KINDS = ("s3fifo", "lru", "random")  # tierstore/policy/__init__.py registers one class per kind
+MAX_EXPECT_STEPS = 1 << 16  # a hint's end steps index rings of this many entries (policy/pending.py)
 
 
 @dataclass(slots=True)
@@ -32,6 +33,17 @@ class PolicyConfig:
         victims() for this many steps after the hint, resident then or
         admitted later; 0: the hint is CLOCK credit only. Callers should pass
         the request's expected wait in the scheduler's queue.
+    max_expect_steps: the longest a hint may last; `expect` (and the sidecar's
+        Prefetch) refuses more with InvalidArgument, so a hint cannot keep rows
+        after its request is long gone. At most MAX_EXPECT_STEPS.
+    pending_share: hinted ids not resident yet (kept until admitted or their hint
+        runs out) remembered in all, as a share of the capacity; a hint past it
+        keeps the ids that fit.
+    pending_client_share: the share of those one client (its owner id) may hold,
+        so one client's deep queue leaves room for the others' hints (by default
+        half the arena: as many as the protection cap could keep once admitted).
+    hint_clients: clients with ids pending at once; a hint from one more is
+        dropped until another's hints run out.
     read_admit_freq: a miss a local client read itself (TableEngine.note_access:
         the row is already served, so promoting it is optional) is promoted
         only once the sketch has counted it this many times, this access
@@ -57,6 +69,10 @@ class PolicyConfig:
     main_freq: int = 2
     max_hits: int = 3
     expect_steps: int = 16
+    max_expect_steps: int = 4096
+    pending_share: float = 1.0
+    pending_client_share: float = 0.5
+    hint_clients: int = 64
     read_admit_freq: int = 2
     sketch_width: float = 8.0
     sketch_depth: int = 4
@@ -75,8 +91,13 @@ class PolicyConfig:
                                   f"{self.adapt_period}, {self.adapt_step}")
         if self.read_admit_freq < 1:
             raise InvalidArgument(f"read_admit_freq must be >= 1, got {self.read_admit_freq}")
-        if self.expect_steps < 0:
-            raise InvalidArgument(f"expect_steps must be >= 0, got {self.expect_steps}")
+        if not (1 <= self.max_expect_steps <= MAX_EXPECT_STEPS and 0 <= self.expect_steps <= self.max_expect_steps):
+            raise InvalidArgument(f"expect_steps must be in 0..max_expect_steps and max_expect_steps in "
+                                  f"1..{MAX_EXPECT_STEPS}, got {self.expect_steps}, {self.max_expect_steps}")
+        if not (0 < self.pending_share <= 4 and 0 < self.pending_client_share <= 1 and 1 <= self.hint_clients <= 255):
+            raise InvalidArgument(f"pending_share must be in (0, 4], pending_client_share in (0, 1] and "
+                                  f"hint_clients in 1..255, got {self.pending_share}, {self.pending_client_share}, "
+                                  f"{self.hint_clients}")
         if self.main_freq < 0 or not 0 <= self.max_hits <= 127:
             raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..127, got {self.main_freq}, {self.max_hits}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
@@ -85,3 +106,18 @@ class PolicyConfig:
         if not 1 <= self.counter_max <= 255 or not 1 <= self.sketch_depth <= 8:
             raise InvalidArgument(f"counter_max must be in 1..255 and sketch_depth in 1..8, got "
                                   f"{self.counter_max}, {self.sketch_depth}")
+
+    def hint_steps(self, steps: int | None) -> int:
+        """How long a hint lasts: `steps`, or expect_steps when None; InvalidArgument
+        unless 0 <= steps <= max_expect_steps."""
+        if steps is None:
+            return self.expect_steps
+        steps = int(steps)
+        if steps < 0:
+            raise InvalidArgument(f"expect: steps must be >= 0, got {steps}")
+        if steps > self.max_expect_steps:
+            raise InvalidArgument(
+                f"a prefetch hint of {steps} steps is over this sidecar's longest ({self.max_expect_steps} steps, "
+                f"PolicyConfig.max_expect_steps); pass the request's expected wait in steps, and hint it again "
+                f"if it waits longer")
+        return steps

@@ -19,6 +19,7 @@ import numpy as np
 from tierstore.cache import prefault
 from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
+from tierstore.cache.policy.pending import PendingHints
 from tierstore.cache.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, TICKET, TICKET_MASK, SlotQueue
 
 __all__ = ["S3FIFOPolicy"]
@@ -44,14 +45,19 @@ class S3FIFOPolicy(CachePolicy):
         self._period = max(1, int(cfg.adapt_period * cap)) if cfg.adapt_window else 0
         self._cap = np.uint8(max(1, cfg.max_hits))
         # expect(): a hinted slot is passed over until step _until[slot]; hinted ids not
-        # resident yet wait in _pending (sorted ids, the step their hint runs out)
+        # resident yet wait in _pending until their hint runs out
         self._steps = 0
         self._until = prefault.zeros(cap, np.int64)
-        self._pending = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        # at most half the arena protected at once (counted when a protection starts, and
-        # taken off at the step it was to end): a deep queue of hints cannot crowd out
-        # the rows in use or leave the queue walks nothing to evict
-        self._protect_cap, self._protected, self._ends = cap // 2, 0, {}
+        pending = cfg.pending_share * cap
+        self._pending = PendingHints(pending, pending * cfg.pending_client_share, cfg.hint_clients,
+                                     cfg.max_expect_steps)
+        # at most half the arena protected at once: a deep queue of hints cannot crowd out
+        # the rows in use or leave the queue walks nothing to evict. _protected counts every
+        # slot with _until > _steps (an extended protection still counts, until its new end);
+        # _ends[e % R] of them end at step e (every live end is within max_expect_steps)
+        self._protect_cap, self._protected = cap // 2, 0
+        self._ring = cfg.max_expect_steps + 1
+        self._ends = np.zeros(self._ring, np.int64)
 
     @property
     def window(self) -> float:
@@ -59,12 +65,15 @@ class S3FIFOPolicy(CachePolicy):
 
     def _held(self):
         queues = [a for q in self._queues.values() for a in (q.slot, q.ticket)]
-        return [self._where, self._ticket, self._hits, self._until, *queues]
+        return [self._where, self._ticket, self._hits, self._until, self._ends, *queues, *self._pending.arrays()]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
         self._steps += 1
-        self._protected -= self._ends.pop(self._steps, 0)
+        end = self._steps % self._ring
+        self._protected -= int(self._ends[end])
+        self._ends[end] = 0
+        self._pending.expire(self._steps)
         if self._period:
             self._acc += ids.size
             if self._acc >= self._period:
@@ -94,19 +103,19 @@ class S3FIFOPolicy(CachePolicy):
             self._hits[slots] = 0
             self._push(MAIN, slots[to_main])
             self._push(PROBATION, slots[~to_main])
-        self._until[slots] = 0
-        if self._pending[0].size:  # rows a queued request was promised: protected from now on
-            pend, until = self._pending
-            pos = np.minimum(np.searchsorted(pend, ids), pend.size - 1)
-            hinted = (pend[pos] == ids) & (until[pos] > self._steps)
+        self._unprotect(slots)
+        if self._pending.total:  # rows a queued request was promised: protected from now on
+            until = self._pending.take(ids, self._steps)
+            hinted = until > 0
             if hinted.any():
-                self._protect(slots[hinted], until[pos[hinted]])
+                self._protect(slots[hinted], until[hinted])
 
     def _forget(self, slots):
         old = self._where[slots]
         for q in (PROBATION, MAIN):
             self._count[q] -= int(np.count_nonzero(old == q))
         self._where[slots] = FREE
+        self._unprotect(slots)
 
     def _expect(self, slots, steps):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
@@ -121,33 +130,41 @@ class S3FIFOPolicy(CachePolicy):
         return max(0, self._protect_cap - self._protected)
 
     def _protect(self, slots, until):
-        """Pass over `slots` until step `until` (theirs or later), within the protection cap."""
-        self._hits[slots] = max(1, self.config.max_hits)
-        new = self._until[slots] <= self._steps
-        room = max(0, self._protect_cap - self._protected)
-        if int(new.sum()) > room:  # over the cap: the new protections that fit, the rest only credit
-            keep = ~new
-            keep[np.flatnonzero(new)[:room]] = True
-            slots, until, new = slots[keep], until[keep], new[keep]
-        self._until[slots] = np.maximum(self._until[slots], until)
-        if new.any():
-            ends, counts = np.unique(until[new], return_counts=True)
-            for e, c in zip(ends.tolist(), counts.tolist()):
-                self._ends[e] = self._ends.get(e, 0) + c
-            self._protected += int(new.sum())
+        """Pass over distinct `slots` until step `until` (theirs or later), within the cap.
 
-    def _expect_ids(self, ids, steps):
-        """Remember hinted ids that are not resident, until their hint runs out."""
-        if not steps:
-            return
-        pend, until = self._pending
-        live = until > self._steps
-        new = np.full(ids.size, self._steps + steps, dtype=np.int64)
-        ids, until = np.concatenate([pend[live], ids]), np.concatenate([until[live], new])
-        order = np.argsort(ids, kind="stable")  # two sorted runs: a linear merge
-        ids, until = ids[order], until[order]
-        first = np.flatnonzero(np.append(True, ids[1:] != ids[:-1]))
-        self._pending = (ids[first], np.maximum.reduceat(until, first))  # a repeated id: its latest end
+        A slot protected already keeps its place and may only end later; new
+        protections past the cap's room get CLOCK credit only (O(len(slots)))."""
+        self._hits[slots] = max(1, self.config.max_hits)
+        cur = self._until[slots]
+        new = cur <= self._steps
+        room = max(0, self._protect_cap - self._protected)
+        if int(np.count_nonzero(new)) > room:
+            keep = np.ones(slots.size, bool)
+            keep[np.flatnonzero(new)[room:]] = False
+            slots, until, cur, new = slots[keep], until[keep], cur[keep], new[keep]
+        grow = ~new & (until > cur)
+        if grow.any():  # the count moves to the later end: counted until the protection really ends
+            np.subtract.at(self._ends, cur[grow] % self._ring, 1)
+            np.add.at(self._ends, until[grow] % self._ring, 1)
+            self._until[slots[grow]] = until[grow]
+        if new.any():
+            np.add.at(self._ends, until[new] % self._ring, 1)
+            self._until[slots[new]] = until[new]
+            self._protected += int(np.count_nonzero(new))
+
+    def _unprotect(self, slots):
+        """End the protections of `slots` now (evicted, freed or admitted afresh)."""
+        cur = self._until[slots]
+        live = cur > self._steps
+        if live.any():
+            np.subtract.at(self._ends, cur[live] % self._ring, 1)
+            self._protected -= int(np.count_nonzero(live))
+        self._until[slots] = 0
+
+    def _expect_ids(self, ids, steps, client):
+        """Remember hinted ids that are not resident, until their hint runs out (bounded: pending.py)."""
+        if steps:
+            self._pending.add(ids, self._steps + steps, client, self._steps)
 
     def _victims(self, k, pins):
         out, need = [], k
