@@ -41,7 +41,7 @@ class PolicyConfig:
         keeps the ids that fit.
     pending_client_share: the share of those one client (its owner id) may hold,
         so one client's deep queue leaves room for the others' hints (by default
-        half the arena: as many as the protection cap could keep once admitted).
+        as many as the arena has slots: room for one client's deep queue).
     hint_clients: clients with ids pending at once; a hint from one more is
         dropped until another's hints run out.
     read_admit_freq: a miss a local client read itself (TableEngine.note_access:
@@ -70,7 +70,7 @@ class PolicyConfig:
     max_hits: int = 3
     expect_steps: int = 16
     max_expect_steps: int = 4096
-    pending_share: float = 1.0
+    pending_share: float = 2.0
     pending_client_share: float = 0.5
     hint_clients: int = 64
     read_admit_freq: int = 2

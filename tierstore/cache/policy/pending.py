@@ -5,7 +5,7 @@ then protected until that step instead (s3fifo.py). Bounded in all and per
 client, and every call costs O(ids it is given), never O(ids pending): a hint
 is a request anyone may send.
 
-- The ids live in a hash table of 4-way buckets, 2x to 4x `limit` entries (a
+- The ids live in a hash table of 4-way buckets, 1.5x to 3x `limit` entries (a
   bucket overflows rarely; a hint is soft, so an id that finds no way is
   dropped). An entry is live while its end step is ahead (`until > now`): one
   whose hint ran out is free for the next id, nothing sweeps the table.
@@ -37,7 +37,7 @@ class PendingHints:
     def __init__(self, limit: int, per_client: int, clients: int, max_steps: int):
         self.limit, self.per_client, self.clients = max(1, int(limit)), max(1, int(per_client)), int(clients)
         self._ring = int(max_steps) + 1
-        self._bits = max(4, int(np.ceil(np.log2(2 * self.limit))))  # 2^bits entries: 2x to 4x the limit
+        self._bits = max(4, int(np.ceil(np.log2(1.5 * self.limit))))  # 2^bits entries: 1.5x to 3x the limit
         self._id = self._until = self._owner = self._ends = None  # allocated by the first add()
         self._live = np.zeros(self.clients, np.int64)
         self._keys: list = [None] * self.clients  # client index -> owner id
