@@ -11,6 +11,8 @@ Competitors, all reading the same table and the same id batches:
                socket, then rows() (what a kernel reading the arena by slot needs)
   arena-cache-prefetch  lookup, each batch's ids handed to the sidecar one
                batch ahead (Client.prefetch)
+  arena-huge   arena, its arena on huge pages (--huge-shm-dir: a tmpfs mounted
+               huge=within_size or a hugetlbfs mount)
   inline       tierstore Lookup RPC, rows inside the gRPC reply
   mmap, lmdb, redis   the baselines of bench/baselines.py
 
@@ -166,12 +168,15 @@ def _table_stats(client, table: str) -> dict:
 def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(256, 4096, 32768, 65536),
                      dists=("zipf0.8", "zipf1.0", "zipf1.2", "uniform"), quick: bool = False, seed: int = 0,
                      rounds: int | None = None, rows_per_pass: int | None = None, cache_fraction: float = 0.10,
-                     competitors: tuple[str, ...] | None = None, progress: bool = True, log=print) -> dict:
+                     competitors: tuple[str, ...] | None = None, huge_shm_dir=None, progress: bool = True,
+                     log=print) -> dict:
     """Run the lookup scenario on `table` (default: the first table) of `data_dir`.
 
     out_dir: where LMDB's copy of the table is built once (OUT/baselines).
     rounds / rows_per_pass: timed rounds per cell and ids per pass (defaults
         5 / 131072, quick 3 / 32768); each pass has at least 3 batches.
+    huge_shm_dir: also run arena-huge, the full-resident arena in that directory (huge
+        pages where its mount gives them; the sidecar's log line says how many).
     Raises WrongRows when any competitor returns bytes that differ from the table.
     Returns the scenario dict written to results.json.
     """
@@ -211,6 +216,15 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                 fns["arena"] = _Arena(client, table).get
             if "inline" in want:
                 fns["inline"] = _Inline(client, table, version.row_bytes).get
+        if huge_shm_dir is not None and (competitors is None or "arena-huge" in want):
+            huge = SidecarProcess(data_dir, dram_budget=int(total_bytes * 1.02) + (8 << 20),
+                                  extra_args=["--shm-dir", huge_shm_dir]).start()
+            closers.append(huge.cleanup)
+            hclient = Client(huge.socket)
+            closers.append(hclient.close)
+            fns["arena-huge"] = _Arena(hclient, table).get
+            meta["arena_huge"] = {"shm_dir": str(huge_shm_dir),
+                                  "log": [ln for ln in huge.log().splitlines() if "pages" in ln][-3:]}
         if "arena-cache" in want:
             budget = max(int(total_bytes * cache_fraction), 1 << 16)
             cached = SidecarProcess(data_dir, dram_budget=budget).start()

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lk.add_argument("--batches", type=_csv(int), help="ids per call, e.g. 256,4096,32768,65536")
     lk.add_argument("--dists", type=_csv(str), help="id distributions, e.g. zipf0.8,zipf1.0,zipf1.2,uniform")
     lk.add_argument("--rounds", type=int, help="timed interleaved rounds per cell (default 5, quick 3)")
+    lk.add_argument("--competitors", type=_csv(str), help="run only these, e.g. arena,arena-huge (the ceiling always)")
+    lk.add_argument("--huge-shm-dir", help="also run arena-huge: a full-resident sidecar whose arenas live in DIR "
+                                          "(a tmpfs mounted huge=within_size, or hugetlbfs): huge pages vs arena's")
     cold = sub.add_parser("cold", help="table 4x the DRAM budget: NVMe tier vs all-DRAM vs a cold mmap")
     _common(cold)
     cold.add_argument("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
@@ -158,6 +161,10 @@ def _run_one(name: str, args) -> int:
             kw["batches"] = args.batches
         elif quick:
             kw["batches"] = (4096, 32768)
+        if getattr(args, "competitors", None):
+            kw["competitors"] = tuple(args.competitors)
+        if getattr(args, "huge_shm_dir", None):
+            kw["huge_shm_dir"] = args.huge_shm_dir
         if getattr(args, "dists", None):
             kw["dists"] = args.dists
         elif quick:
