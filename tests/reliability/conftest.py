@@ -31,14 +31,20 @@ def write_table(data_dir: Path, name: str, rows: int, dim: int = 32, fmt: str = 
 
 
 def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / RssAnon / RssShmem of a process in bytes (from /proc/PID/status)."""
+    """VmRSS / VmHWM (its peak) / RssAnon / RssShmem of a process in bytes (from /proc/PID/status)."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, val = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssShmem", "RssFile"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssShmem", "RssFile"):
                 out[key] = int(val.split()[0]) * 1024
     return out
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM afresh at the current RSS (clear_refs 5), so a later peak is this test's own."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
 
 
 def mappers_of(path: Path, pids) -> list[int]:
@@ -142,5 +148,5 @@ def rel():
     """The helpers above, for test modules (importlib mode cannot import conftest)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(write_table=write_table, proc_status=proc_status, mappers_of=mappers_of,
-                           my_shm_segments=my_shm_segments)
+    return SimpleNamespace(write_table=write_table, proc_status=proc_status, reset_peak_rss=reset_peak_rss,
+                           mappers_of=mappers_of, my_shm_segments=my_shm_segments)

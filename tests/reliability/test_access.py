@@ -245,22 +245,97 @@ def test_unauthenticated_slowloris_on_tcp_blocks_nobody(tmp_path, sidecars, rel)
             c.close()
 
 
+class _CountingRelay:
+    """A TCP relay to `port` that counts the bytes it forwards towards it: what the
+    sidecar's flow control let a caller send. Closed (threads joined) by close()."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.port, self.sent, self._lock = port, 0, threading.Lock()
+        self._listener = socketlib.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socketlib.create_connection(("127.0.0.1", self.port))
+            self._socks += [client, upstream]
+            for a, b, counted in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pump, args=(a, b, counted), daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, a, b, counted: bool) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+                if counted:
+                    with self._lock:
+                        self.sent += len(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socketlib.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for s in [self._listener] + self._socks:  # shutdown, not close, wakes a blocked accept or recv
+            try:
+                s.shutdown(socketlib.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(10)
+        for s in [self._listener] + self._socks:
+            s.close()
+
+
 @pytest.mark.reliability
 def test_oversized_unauthenticated_requests_are_refused_before_they_are_read(tmp_path, sidecars, rel):
+    """A TCP call without the token is refused on its headers, and until then its stream
+    may carry PRE_AUTH_WINDOW_BYTES: the sidecar lets in and holds that much per refused
+    call, whatever size its message declares."""
     import grpc
 
+    from tierstore.sidecar.auth import PRE_AUTH_WINDOW_BYTES
     from tierstore.proto import tierstore_pb2 as pb
 
+    n, size = 8, 64 << 20
     rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
     port = _free_port()
     sc = sidecars(tmp_path / "data", "64MiB", "--listen", f"127.0.0.1:{port}", "--allow-tcp", "--auth-token", "s3cret")
-    before = rel.proc_status(sc.proc.pid)["VmRSS"]
-    big = pb.LookupRequest(table="t", ids=b"\0" * ((64 << 20) - 4096))
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 80 << 20)]) as ch:
-        call = ch.unary_unary("/tierstore.v1.Tierstore/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
-                              response_deserializer=pb.LookupResponse.FromString)
-        futs = [call.future(big, timeout=60) for _ in range(8)]
-        for f in futs:
-            assert f.exception(timeout=60).code() == grpc.StatusCode.UNAUTHENTICATED
-    grown = rel.proc_status(sc.proc.pid)["VmRSS"] - before
-    assert grown < 128 << 20, f"the sidecar grew by {grown >> 20} MiB for 8 refused 64 MiB requests"
+    relay = _CountingRelay(port)
+    big = pb.LookupRequest(table="t", ids=b"\0" * (size - 4096))
+    try:
+        with grpc.insecure_channel(relay.address, options=[("grpc.max_send_message_length", 80 << 20)]) as ch:
+            call = ch.unary_unary("/tierstore.v1.Tierstore/Lookup",
+                                  request_serializer=pb.LookupRequest.SerializeToString,
+                                  response_deserializer=pb.LookupResponse.FromString)
+            small = pb.LookupRequest(table="t", ids=b"\0" * 8)  # the connection and its threads, first
+            assert call.future(small, timeout=60).exception(timeout=60).code() == grpc.StatusCode.UNAUTHENTICATED
+            rel.reset_peak_rss(sc.proc.pid)
+            before, sent = rel.proc_status(sc.proc.pid)["VmRSS"], relay.sent
+            futs = [call.future(big, timeout=60) for _ in range(n)]
+            for f in futs:
+                assert f.exception(timeout=60).code() == grpc.StatusCode.UNAUTHENTICATED
+            let_in = relay.sent - sent
+            peak = rel.proc_status(sc.proc.pid)["VmHWM"] - before
+    finally:
+        relay.close()
+    window = n * PRE_AUTH_WINDOW_BYTES
+    # each call's headers and its DATA frames' 9 B headers come on top of its window
+    assert let_in <= window + n * 4096, f"the sidecar let in {let_in >> 10} KiB for {n} refused {size >> 20} MiB calls"
+    # beyond those bytes, what serving any 8 calls costs: threads, call state, allocator slack
+    slack = size // 4
+    assert peak < window + slack, f"the sidecar's RSS peaked {peak >> 20} MiB higher for {n} refused calls"

@@ -9,6 +9,15 @@ without the token is answered UNAUTHENTICATED at once, without a message ever
 being read or allocated; one with the token (or a health probe) has
 RECEIVE_TIMEOUT_S to deliver its message before the call is cancelled. Unix-socket callers never pass here:
 they have their own server and worker pool (tierstore.sidecar.server).
+
+Bytes before the check: gRPC's transport takes a stream's DATA frames before any
+handler runs, as far as HTTP/2 flow control lets the caller send. With BDP probing
+(gRPC's default) the windows grow with the link's throughput, to megabytes a
+stream, so a refused caller still had much of its message read and held. The TCP
+server therefore runs with PRE_AUTH_OPTIONS: a fixed stream window of
+PRE_AUTH_WINDOW_BYTES, so a call holds at most that much until it is refused. An
+accepted call loses nothing: once its handler reads the message, gRPC opens the
+window to the message's declared size.
 """
 from __future__ import annotations
 
@@ -20,10 +29,14 @@ import time
 
 import grpc
 
-__all__ = ["TokenInterceptor", "TOKEN_HEADER", "RECEIVE_TIMEOUT_S", "OPEN_METHODS"]
+__all__ = ["TokenInterceptor", "TOKEN_HEADER", "RECEIVE_TIMEOUT_S", "OPEN_METHODS", "PRE_AUTH_WINDOW_BYTES",
+           "PRE_AUTH_OPTIONS"]
 
 TOKEN_HEADER = "x-tierstore-token"
 RECEIVE_TIMEOUT_S = 30.0  # 64 MiB (the request limit) at ~2 MB/s
+PRE_AUTH_WINDOW_BYTES = 64 << 10  # HTTP/2's own default stream window
+# options of the TCP server (see above): no window growth before a handler reads
+PRE_AUTH_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", PRE_AUTH_WINDOW_BYTES)]
 
 
 # Load balancers probe health without the token; Health/Watch holds a worker

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstore.sidecar.auth import TOKEN_HEADER, TokenInterceptor
+from tierstore.sidecar.auth import PRE_AUTH_OPTIONS, TOKEN_HEADER, TokenInterceptor
 from tierstore.proto import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from tierstore.sidecar.config import ServeConfig
 from tierstore.errors import ERROR_METADATA_KEY, InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
@@ -216,7 +216,7 @@ class Server:
             self._socket_id = (st.st_dev, st.st_ino)  # stop() removes this socket and no other
             self.addresses.append(f"unix:{config.socket}")
         if config.listen is not None:
-            tcp = self._grpc_server(config, service, "tcp", (self.guard,))
+            tcp = self._grpc_server(config, service, "tcp", (self.guard,), PRE_AUTH_OPTIONS)
             if pem:
                 creds = grpc.ssl_server_credentials([(pem[1], pem[0])])
                 self._bind(lambda a: tcp.add_secure_port(a, creds), config.listen, "--listen")
@@ -226,9 +226,9 @@ class Server:
                 self.addresses.append(config.listen)
         self.grpc = self.servers[0]
 
-    def _grpc_server(self, config: ServeConfig, service, name: str, interceptors=()):
+    def _grpc_server(self, config: ServeConfig, service, name: str, interceptors=(), options=()):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=name),
-                             options=GRPC_OPTIONS, maximum_concurrent_rpcs=config.workers * 64,
+                             options=GRPC_OPTIONS + list(options), maximum_concurrent_rpcs=config.workers * 64,
                              interceptors=interceptors)
         add_service(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
