@@ -192,6 +192,36 @@ def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
     assert np.array_equal(c.lookup("t", [3, 4]), data[[3, 4]])
 
 
+def test_refused_access_notes_are_counted_and_logged_once_a_while(tmp_path, free_port):
+    """A client sending bad notes in a loop: each one counts in Stats and Prometheus, the
+    log gets one line a table every NOTE_LOG_INTERVAL_S saying how many were refused."""
+    import urllib.request
+
+    from tierstore.sidecar.served_steps import NOTE_LOG_INTERVAL_S
+
+    d = tmp_path / "data"
+    _write(d)
+    port = free_port()
+    bad = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
+    with SidecarProcess(d, dram_budget="1MiB", extra_args=["--metrics-port", port]) as sc, Client(sc.socket) as c, \
+            StepConnection(step_socket_path(sc.socket)) as fp:
+        t0, sent = time.monotonic(), 0
+        for _ in range(5):
+            sent += 4000 if fp.access([bad] * 4000) else 0  # a frame the socket had no room for is not sent
+        assert fp.release([]) == 0 and sent  # a round trip after the notes: they have been handled
+        handled = time.monotonic()
+        lines = [ln for ln in sc.log_path.read_text().splitlines() if "access note" in ln]
+        assert 1 <= len(lines) <= 1 + (time.monotonic() - t0) / NOTE_LOG_INTERVAL_S, lines[:3]
+        s = _stats(c)
+        assert s["notes_refused"] == sent and s["local_steps"] == 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert f'tierstore_access_notes_refused_total{{table="t"}} {float(sent)}' in text
+        time.sleep(max(0.0, handled + NOTE_LOG_INTERVAL_S - time.monotonic()))
+        assert fp.access([bad]) and fp.release([]) == 0
+        lines = [ln for ln in sc.log_path.read_text().splitlines() if "access note" in ln]
+        assert len(lines) == 2 and f"{sent} refused" in lines[1], lines  # the ones since, this one included
+
+
 def test_the_slot_index_goes_with_the_sidecar(tmp_path):
     d = tmp_path / "data"
     _write(d)

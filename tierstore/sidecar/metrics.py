@@ -29,6 +29,9 @@ class _EngineCollector:
             "bytes_read": CounterMetricFamily("tierstore_bytes_read", "Bytes read from the cold tier",
                                               labels=["table", "tier"]),
             "plans": CounterMetricFamily("tierstore_plans", "Plan calls", labels=["table"]),
+            "notes_refused": CounterMetricFamily("tierstore_access_notes_refused",
+                                                 "Access notes from local clients refused as malformed",
+                                                 labels=["table"]),
         }
         gauges = {
             "leases_active": GaugeMetricFamily("tierstore_leases", "Live leases", labels=["table"]),
@@ -57,7 +60,7 @@ class _EngineCollector:
             fams["hits"].add_metric([t, "dram"], s["hits"])
             fams["misses"].add_metric([t, "dram"], s["misses"])
             fams["bytes_read"].add_metric([t, "nvme"], s["bytes_read"])
-            for k in ("promotions", "evictions", "lease_refusals", "plans"):
+            for k in ("promotions", "evictions", "lease_refusals", "plans", "notes_refused"):
                 fams[k].add_metric([t], s[k])
             for k, g in gauges.items():
                 g.add_metric([t], s[k])

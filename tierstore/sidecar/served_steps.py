@@ -3,6 +3,7 @@ StepHandler over the served tables (tierstore/sidecar/served.py)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from tierstore.sidecar.config import ServeConfig
@@ -11,9 +12,10 @@ from tierstore.proto.frames import PlanResult
 from tierstore.cache.leases import requested_ttl
 from tierstore.sidecar.served import ServedTables
 
-__all__ = ["ServedSteps"]
+__all__ = ["ServedSteps", "NOTE_LOG_INTERVAL_S"]
 
 log = logging.getLogger("tierstore.sidecar.step_server")
+NOTE_LOG_INTERVAL_S = 10.0  # refused notes: at most one log line a table this often (each is counted)
 
 
 class ServedSteps:
@@ -25,6 +27,8 @@ class ServedSteps:
         self.served, self.cfg, self.metrics = served, cfg, metrics
         self._observe = metrics.observer("StepPlan")
         self._served: dict[str, tuple] = {}  # table -> (engine, version, arena path, arena slots) last served
+        self._refusals: dict[str, list] = {}  # table -> [time of its last log line, refusals since]
+        self._refusals_lock = threading.Lock()
 
     def plan(self, owner: bytes, items, release) -> list:
         t0 = time.perf_counter()
@@ -59,7 +63,30 @@ class ServedSteps:
             try:
                 self.served.note(eng, it.ids, it.ends)  # checked now, learned by the sidecar's learner thread
             except TierstoreError as e:
-                log.warning("access note from a local client for table %r refused: %s", it.table, e)
+                eng.counters.notes_refused += 1
+                self._log_refusal(it.table, e)
+
+    def _log_refusal(self, table: str, err: TierstoreError) -> None:
+        """One line for a table's first refused note, then at most one every NOTE_LOG_INTERVAL_S
+        saying how many were refused since: a client that sends bad notes in a loop is told
+        about in Stats (notes_refused), not by a line per note."""
+        now = time.monotonic()
+        with self._refusals_lock:
+            seen = self._refusals.get(table)
+            if seen is None:
+                self._refusals[table] = [now, 0]
+            elif now - seen[0] < NOTE_LOG_INTERVAL_S:
+                seen[1] += 1
+                return
+            else:
+                since, n = now - seen[0], seen[1] + 1
+                seen[:] = [now, 0]
+        if seen is None:
+            log.warning("access note from a local client for table %r refused: %s (further refusals are counted "
+                        "in Stats notes_refused and logged at most every %g s)", table, err, NOTE_LOG_INTERVAL_S)
+        else:
+            log.warning("access notes from local clients for table %r: %d refused in the last %.0f s, the latest: "
+                        "%s", table, n, since, err)
 
     def release(self, owner: bytes, lease_ids) -> int:
         return self.served.leases.release(lease_ids, owner)
