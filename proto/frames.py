@@ -26,6 +26,7 @@ the frame so both sides read them with np.frombuffer, no copy.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -181,22 +182,148 @@ def spin_seconds() -> float:
 
 
 class FrameReader:
-    """Reads whole frames from a stream socket into a reused buffer (bounded by `limit`)."""
+    """Reads whole frames from a stream socket into a reused buffer.
 
-    def __init__(self, sock: socket.socket, limit: int, spin_s: float = 0.0):
+    What a peer can make it hold (the server's reader; see tierstore/sidecar/step_server.py):
+    - a frame's body is read only after its header passed the `limit` check;
+    - the buffer grows with the bytes that arrived, at most to twice those buffered,
+      never to a declared length ahead of them; up to SCRATCH (a HELLO while `limit` is
+      HELLO-sized) it is every reader's base, a bytearray; beyond it an anonymous mapping
+      (_buffer), resident only where bytes arrived and returned to the OS when dropped;
+    - with a `budget` (reserve(nbytes, wait_s), release(nbytes)), capacity beyond
+      SCRATCH is reserved from it before the buffer grows there, and given back by
+      recycle() and close(): `reserved` is always len(buf) - SCRATCH, or 0 below it;
+    - with `frame_timeout_s`, a frame begun must be whole that many seconds after its
+      first byte (time spent waiting for the budget not counted), or read() raises
+      FrameError(Unavailable). Waiting for a frame's first byte is not limited (a decode
+      loop may idle), unless read() or header() is given a deadline: then TimeoutError.
+      While a deadline runs the socket has a timeout; it is blocking again after each call.
+    """
+
+    def __init__(self, sock: socket.socket, limit: int, spin_s: float = 0.0, *, budget=None,
+                 frame_timeout_s: float | None = None):
         self.sock, self.limit = sock, limit
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        self.buf = bytearray(SCRATCH)
+        self.buf = bytearray(min(SCRATCH, HDR.size + limit))  # a HELLO-sized reader starts HELLO-sized
         self.start = self.end = 0
         self.spin_s = spin_s  # poll this long before a blocking recv (see _recv)
+        self.budget, self.frame_timeout_s, self.reserved = budget, frame_timeout_s, 0
+        self._deadline: float | None = None  # the caller's, for this read
+        self._began: float | None = None     # when this frame's first byte was seen
+        self._paused = 0.0                   # seconds this frame waited for the budget
+        self._timed = False                  # the socket has a timeout set (only while a deadline runs)
 
-    def _fill(self, upto: int) -> None:
-        while self.end < upto:
-            n = self._recv(memoryview(self.buf)[self.end:])
+    def header(self, deadline: float | None = None) -> tuple[int, int]:
+        """(body length, op) of the next frame, which stays unread: a caller can refuse it
+        before a byte of its body is read. `deadline`: time.monotonic() by which it must be here."""
+        self._deadline = deadline
+        if self.start == self.end:
+            self.start = self.end = 0
+        try:
+            self._fill(HDR.size)
+            return HDR.unpack_from(self.buf, self.start)
+        finally:
+            self._untime()
+
+    def read(self, owned: bool = False, deadline: float | None = None):
+        """(op, body): body is a view of the buffer, or its own bytes when `owned` (a large
+        reply then goes straight into a buffer of its declared size: the client's path, which
+        trusts its sidecar's lengths up to `limit`). `deadline` as in header()."""
+        try:
+            length, op = self.header(deadline)
+            if length > self.limit:
+                raise FrameError(errors.ResourceExhausted(
+                    f"step-socket frame of {length} B exceeds the {self.limit} B request limit; split the step"))
+            total = HDR.size + length
+            if owned and self.budget is None and total > len(self.buf):
+                return op, self._read_owned(length)
+            self._fill(total)
+            a, self.start = self.start + HDR.size, self.start + total
+            self._began, self._paused = None, 0.0
+            if owned:
+                return op, bytes(memoryview(self.buf)[a:self.start])  # one copy (a bytearray slice would be two)
+            return op, memoryview(self.buf)[a:self.start]
+        finally:
+            self._untime()
+
+    def _read_owned(self, length: int) -> bytearray:
+        body = bytearray(length)
+        have = self.end - self.start - HDR.size
+        body[:have] = self.buf[self.start + HDR.size:self.end]
+        self.start = self.end = 0
+        view = memoryview(body)
+        while have < length:
+            n = self.sock.recv_into(view[have:])
             if n == 0:
                 raise EOFError("connection closed")
-            self.end += n
+            have += n
+        return body
+
+    def _fill(self, n: int) -> None:
+        """Until `n` bytes are buffered from `start` (which a growing buffer moves to 0)."""
+        while self.end - self.start < n:
+            if self.end == len(self.buf):
+                self._grow(n)
+            timed = self._arm()
+            try:
+                got = self.sock.recv_into(memoryview(self.buf)[self.end:]) if timed else \
+                    self._recv(memoryview(self.buf)[self.end:])
+            except TimeoutError:
+                if self.end > self.start and timed:
+                    raise self._late() from None
+                raise
+            if got == 0:
+                raise EOFError("connection closed")
+            self.end += got
+
+    def _grow(self, want: int) -> None:
+        """Room for more of a frame of `want` bytes at start: compact, or grow to the base (SCRATCH,
+        or a HELLO while that is the limit), beyond it to at most twice what is buffered."""
+        live = self.end - self.start
+        size = max(min(SCRATCH, HDR.size + self.limit), min(want, 2 * live), len(self.buf) if self.start else 0)
+        if self.budget is not None and size - SCRATCH > self.reserved:
+            t0 = time.monotonic()
+            try:
+                self.budget.reserve(size - SCRATCH - self.reserved, self.frame_timeout_s or 0.0)
+            except errors.TierstoreError as e:
+                raise FrameError(e) from None
+            self.reserved = size - SCRATCH
+            self._paused += time.monotonic() - t0  # the sidecar's wait, not the client's
+        self._move(size)
+
+    def _arm(self) -> bool:
+        """Set the socket's timeout to what is left of this frame's deadline; False when none runs."""
+        ends = [] if self._deadline is None else [self._deadline]
+        if self.frame_timeout_s is not None and self.end > self.start:
+            if self._began is None:
+                self._began = time.monotonic()
+            ends.append(self._began + self._paused + self.frame_timeout_s)
+        if not ends:
+            self._untime()
+            return False
+        left = min(ends) - time.monotonic()
+        if left <= 0:
+            if self.end > self.start:
+                raise self._late()
+            raise TimeoutError("no frame before the deadline")
+        self.sock.settimeout(left)
+        self._timed = True
+        return True
+
+    def _untime(self) -> None:
+        if self._timed:
+            self.sock.settimeout(None)
+            self._timed = False
+
+    def _late(self) -> FrameError:
+        have = self.end - self.start
+        what = (f"a step-socket frame of {HDR.unpack_from(self.buf, self.start)[0]} B" if have >= HDR.size
+                else "a step-socket frame header")
+        return FrameError(errors.Unavailable(
+            f"{what} was not whole in time ({have} B of it arrived; a frame must be whole "
+            f"{self.frame_timeout_s or 0:g} s after its first byte), so the sidecar closed the connection: send "
+            f"each frame at once (client/step_connection.py does)"))
 
     def _recv(self, view) -> int:
         """recv_into, polling first for up to spin_s (see spin_seconds)."""
@@ -211,53 +338,66 @@ class FrameReader:
                     os.sched_yield()  # a runnable thread on this core (the peer?) goes first
         return self.sock.recv_into(view)
 
-    def read(self, owned: bool = False):
-        """(op, body): body is a view of the buffer, or its own bytes when `owned`."""
-        if self.start == self.end:
-            self.start = self.end = 0
-        if len(self.buf) - self.start < HDR.size:
-            self._move(len(self.buf))
-        self._fill(self.start + HDR.size)
-        length, op = HDR.unpack_from(self.buf, self.start)
-        if length > self.limit:
-            raise FrameError(errors.ResourceExhausted(
-                f"step-socket frame of {length} B exceeds the {self.limit} B request limit; split the step"))
-        total = HDR.size + length
-        if owned and total > len(self.buf):  # large reply: read straight into its own buffer
-            body = bytearray(length)
-            have = self.end - self.start - HDR.size
-            body[:have] = self.buf[self.start + HDR.size:self.end]
-            self.start = self.end = 0
-            view = memoryview(body)
-            while have < length:
-                n = self.sock.recv_into(view[have:])
-                if n == 0:
-                    raise EOFError("connection closed")
-                have += n
-            return op, body
-        if len(self.buf) - self.start < total:
-            self._move(max(total, SCRATCH))
-        self._fill(self.start + total)
-        a, self.start = self.start + HDR.size, self.start + total
-        if owned:
-            return op, bytes(memoryview(self.buf)[a:self.start])  # one copy (a bytearray slice would be two)
-        return op, memoryview(self.buf)[a:self.start]
-
     def _move(self, size: int) -> None:
-        new = bytearray(size)
-        new[:self.end - self.start] = self.buf[self.start:self.end]
-        self.buf, self.end, self.start = new, self.end - self.start, 0
+        """Buffered bytes into a new buffer of `size` (or of them all, if more), at its start."""
+        live, old = self.end - self.start, self.buf
+        self.buf = _buffer(max(size, live))
+        memoryview(self.buf)[:live] = memoryview(old)[self.start:self.end]
+        self.end, self.start = live, 0
+        _drop(old)
 
     def recycle(self) -> None:
-        """After a request: keep the buffer unless someone still holds a view of it; drop a big one."""
+        """After a request: keep the buffer unless someone still holds a view of it; drop a
+        big one, or any beyond SCRATCH while the budget is more than half held (so kept
+        buffers never take more than half of it from frames in flight)."""
+        if _exported(self.buf):
+            self._move(SCRATCH)
+        elif len(self.buf) > SCRATCH and self.end - self.start <= SCRATCH and (
+                len(self.buf) > KEEP_BUFFER or (self.budget is not None and self.budget.crowded())):
+            self._move(SCRATCH)
+        self._settle()
+
+    def _settle(self) -> None:
+        keep = min(self.reserved, max(0, len(self.buf) - SCRATCH))
+        if self.budget is not None and self.reserved > keep:
+            self.budget.release(self.reserved - keep)
+        self.reserved = keep
+
+    def close(self) -> None:
+        """Give the budget back everything this reader holds (its connection has ended)."""
+        if self.budget is not None and self.reserved:
+            self.budget.release(self.reserved)
+        self.reserved = 0
+        _drop(self.buf)
+        self.buf, self.start, self.end = bytearray(), 0, 0
+
+
+def _buffer(size: int):
+    """A receive buffer: a bytearray up to SCRATCH; beyond it an anonymous mapping, which is
+    not zero-filled up front (its pages become resident as bytes are written) and is unmapped
+    by _drop, not left to the allocator."""
+    return bytearray(size) if size <= SCRATCH else mmap.mmap(-1, size)
+
+
+def _exported(buf) -> bool:
+    """Whether a view of `buf` is alive (a handler kept one): resizing is refused then."""
+    try:
+        if isinstance(buf, bytearray):
+            buf.append(0)
+            buf.pop()
+        else:
+            buf.resize(len(buf))
+    except BufferError:
+        return True
+    return False
+
+
+def _drop(buf) -> None:
+    if isinstance(buf, mmap.mmap):
         try:
-            self.buf.append(0)  # resizing fails while any view of the buffer is alive
-            self.buf.pop()
-        except BufferError:
-            self._move(SCRATCH)
-            return
-        if len(self.buf) > KEEP_BUFFER and self.end - self.start <= SCRATCH:
-            self._move(SCRATCH)
+            buf.close()
+        except BufferError:  # a handler still holds a view: unmapped when it lets go
+            pass
 
 
 def _name(body, off: int, name_len: int, what: str) -> str:

@@ -325,6 +325,105 @@ def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
     s.close()
 
 
+def plan_frame(n_ids: int, table: bytes = b"l1") -> bytes:
+    """A whole PLAN frame (header included) of one item with n_ids ids."""
+    body = PLAN_REQ.pack(1, 0) + ITEM.pack(0, 0, n_ids, 0, len(table)) + table + bytes(-len(table) % 8) + \
+        ids_of(n_ids).astype("<i8").tobytes()
+    return HDR.pack(len(body), PLAN) + body
+
+
+def replied(s, wait: float) -> bool:
+    """Whether the server has written to `s` (a reply, or its close) within `wait` seconds."""
+    import select
+
+    return bool(select.select([s], [], [], wait)[0])
+
+
+def test_a_first_frame_other_than_hello_is_refused_at_its_header(serve):
+    srv, _ = serve()
+    s = raw_client(srv.path, owner=False)
+    s.settimeout(3)
+    s.sendall(HDR.pack(1 << 20, PLAN))  # declares 1 MiB; sends none of it
+    op, body = read_reply(s)
+    err = decode_error(body, 0)[0]
+    assert op == ERROR and type(err) is errors.InvalidArgument and "first frame must be HELLO" in str(err)
+    assert read_reply(s) is None
+    s.close()
+
+
+def test_a_frame_must_be_whole_in_time_and_the_wait_between_frames_is_free(serve, monkeypatch):
+    import tierstore.sidecar.step_server as fastpath
+
+    monkeypatch.setattr(fastpath, "FRAME_TIMEOUT_S", 0.5)
+    srv, _ = serve()
+    with StepConnection(srv.path) as c:
+        time.sleep(1.0)  # idle between steps, twice the frame deadline
+        assert raise_errors(c.plan([PlanItem("l1", ids_of(3))]))[0].slots.size == 3
+    s = raw_client(srv.path)
+    frame, t0 = plan_frame(100), time.monotonic()
+    for i in range(len(frame)):  # a byte at a time: each recv returns, the frame never completes in time
+        s.sendall(frame[i:i + 1])
+        if replied(s, 0.05) or time.monotonic() > t0 + 5:
+            break
+    op, body = read_reply(s)
+    err = decode_error(body, 0)[0]
+    assert op == ERROR and type(err) is errors.Unavailable and "not whole" in str(err), err
+    assert time.monotonic() - t0 < 2.5 and read_reply(s) is None
+    s.close()
+
+
+class Slow(ModuloHandler):
+    def plan(self, owner, items, release):
+        if items and items[0].table == "slow":
+            time.sleep(3)
+            items[0].table = "l1"
+        return super().plan(owner, items, release)
+
+
+def test_receive_buffers_share_one_bound_and_small_steps_never_wait_for_it(serve, monkeypatch):
+    import tierstore.sidecar.step_server as fastpath
+
+    monkeypatch.setattr(fastpath, "FRAME_TIMEOUT_S", 1.0)  # also the longest wait for room
+    srv, h = serve(Slow(), max_request_bytes=256 << 10, max_buffered_bytes=512 << 10)
+    n = 32000  # a 250 KiB frame: 186 KiB of it beyond SCRATCH, so two fill the bound but a third does not fit
+    a, b, c = raw_client(srv.path), raw_client(srv.path), raw_client(srv.path)
+    frame = plan_frame(n)
+    try:
+        a.sendall(frame[:-100])
+        b.sendall(frame[:-100])
+        time.sleep(0.2)
+        c.sendall(frame)  # whole, but no room for it: it waits
+        with StepConnection(srv.path) as good:
+            assert raise_errors(good.plan([PlanItem("l1", ids_of(256))]))[0].slots.size == 256
+        assert not replied(c, 0.3)
+        a.sendall(frame[-100:])  # a's frame is whole and served: its room goes to c
+        assert read_reply(a)[0] == PLAN and read_reply(c)[0] == PLAN
+        for s in (a, c):  # two slow steps hold the bound while they are served ...
+            s.sendall(plan_frame(n, b"slow"))
+        time.sleep(0.2)
+        d = raw_client(srv.path)
+        d.sendall(frame)  # ... so d waits its FRAME_TIMEOUT_S, then is told why
+        op, body = read_reply(d)
+        err = decode_error(body, 0)[0]
+        assert op == ERROR and type(err) is errors.ResourceExhausted and "bound across connections" in str(err)
+        d.close()
+        assert read_reply(a)[0] == PLAN and read_reply(c)[0] == PLAN
+        err = decode_error(read_reply(b)[1], 0)[0]  # b never finished its frame: cut, not kept
+        assert type(err) is errors.Unavailable
+        e = raw_client(srv.path)
+        e.sendall(frame)
+        assert read_reply(e)[0] == PLAN  # the bound is free again
+        e.close()
+    finally:
+        for s in (a, b, c):
+            s.close()
+    for _ in range(200):
+        if srv.clients == 0:
+            break
+        time.sleep(0.01)
+    assert srv.budget.held == 0  # every connection gave its room back
+
+
 class Keeper(ModuloHandler):
     """Keeps the ids it was given past the call: the server must then not reuse that buffer."""
 

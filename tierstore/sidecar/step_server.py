@@ -35,6 +35,8 @@ connection threads and their protocol checks.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import os
 import socket
@@ -54,10 +56,11 @@ from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELL
                                 encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
                                 spin_seconds)
 
-__all__ = ["StepServer", "StepHandler", "OwnedLeases"]
+__all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S"]
 
 log = logging.getLogger("tierstore.sidecar.step_server")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
+FRAME_TIMEOUT_S = 10.0      # a frame begun must be whole this long after its first byte; also the budget's wait
 SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
 MAX_UNIX_PATH = 107
 
@@ -123,16 +126,78 @@ class OwnedLeases:
             return sum(len(m) for m in self._by_owner.values())
 
 
+class ReceiveBudget:
+    """The bytes all connections' receive buffers may hold beyond their SCRATCH base, together.
+
+    Invariant: held <= limit. A reader reserves before its buffer grows past SCRATCH, as
+    a frame's bytes arrive (proto.frames.FrameReader), so holding budget takes sending
+    bytes, not declaring a length; it keeps it until its request is handled.
+    Reservations are granted in arrival order, so a large frame waiting for room is not
+    overtaken by later ones; a wait ends after `wait_s` with ResourceExhausted. Frames
+    that fit in SCRATCH never wait, so small steps are served whoever holds the budget.
+    Buffers kept between requests give theirs back while more than half is held
+    (crowded), so at least half stays for frames in flight, and with limit >= 2 x the
+    request limit a frame waits at most until frames ahead of it are whole, or cut at
+    FRAME_TIMEOUT_S. Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._cv = threading.Condition()
+        self._queue: collections.deque[int] = collections.deque()
+        self._tickets = itertools.count()
+
+    def reserve(self, nbytes: int, wait_s: float) -> None:
+        """Take `nbytes`, waiting up to `wait_s` for room behind earlier waiters; ResourceExhausted then."""
+        with self._cv:
+            if not self._queue and self.held + nbytes <= self.limit:
+                self.held += nbytes
+                return
+            ticket, deadline = next(self._tickets), time.monotonic() + wait_s
+            self._queue.append(ticket)
+            try:
+                while self._queue[0] != ticket or self.held + nbytes > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise errors.ResourceExhausted(
+                            f"the step socket's receive buffers hold {self.held} B of their {self.limit} B bound "
+                            f"across connections; a frame needing {nbytes} B more waited {wait_s:g} s for room: "
+                            f"retry, split the step, or send bulk requests over the gRPC socket")
+                    self._cv.wait(left)
+                self.held += nbytes
+            finally:
+                self._queue.remove(ticket)
+                self._cv.notify_all()  # the next in line may fit now
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self.held -= nbytes
+            self._cv.notify_all()
+
+    def crowded(self) -> bool:
+        """More than half held: buffers between requests should give theirs back."""
+        return self.held > self.limit // 2
+
+
 class StepServer:
-    """Serves `handler` on a unix socket at `path` (created 0600) until stop()."""
+    """Serves `handler` on a unix socket at `path` (created 0600) until stop().
+
+    What a connection can make it hold: before HELLO, nothing beyond a HELLO-sized
+    buffer (a larger first frame is refused at its header); after it, what its frames'
+    bytes fill (proto.frames.FrameReader), each frame for at most FRAME_TIMEOUT_S, and
+    beyond SCRATCH a connection only from one ReceiveBudget of `max_buffered_bytes`
+    (default 4 x max_request_bytes) shared by all."""
 
     def __init__(self, path: Path, handler: StepHandler, *, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 max_clients: int = 64):
-        if max_request_bytes < 64 or max_clients < 1:
-            raise errors.InvalidArgument(f"step socket needs max_request_bytes >= 64 and max_clients >= 1, got "
-                                         f"{max_request_bytes} and {max_clients}")
+                 max_clients: int = 64, max_buffered_bytes: int | None = None):
+        if max_buffered_bytes is None:
+            max_buffered_bytes = 4 * max_request_bytes
+        if max_request_bytes < 64 or max_clients < 1 or max_buffered_bytes < 2 * max_request_bytes:
+            raise errors.InvalidArgument(f"step socket needs max_request_bytes >= 64, max_clients >= 1 and "
+                                         f"max_buffered_bytes >= 2 x max_request_bytes, got {max_request_bytes}, "
+                                         f"{max_clients} and {max_buffered_bytes}")
         self.path, self.handler = Path(path), handler
         self.max_request_bytes, self.max_clients = max_request_bytes, max_clients
+        self.budget = ReceiveBudget(max_buffered_bytes)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._owners: set[bytes] = set()
@@ -249,11 +314,11 @@ class StepServer:
 
     def _serve(self, sock: socket.socket) -> None:
         owner = None
-        reader = FrameReader(sock, self.max_request_bytes)
+        # HELLO-sized until HELLO: nobody unauthenticated makes the sidecar hold more
+        reader = FrameReader(sock, HELLO_REQ.size, budget=self.budget, frame_timeout_s=FRAME_TIMEOUT_S)
         try:
-            sock.settimeout(HELLO_TIMEOUT_S)
-            owner = self._hello(sock, *reader.read())
-            sock.settimeout(None)
+            owner = self._hello(sock, reader)
+            reader.limit = self.max_request_bytes
             reader.spin_s = spin_seconds()  # a decode loop's next request may come soon
             # a client that stops reading its replies frees its thread after SEND_TIMEOUT_S (kernel timer, no poll)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
@@ -286,6 +351,7 @@ class StepServer:
         except Exception:
             log.exception("step socket connection failed")
         finally:
+            reader.close()
             sock.close()
             with self._lock:
                 self._conns.pop(sock, None)
@@ -297,10 +363,15 @@ class StepServer:
                 with self._lock:
                     self._owners.discard(owner)
 
-    def _hello(self, sock: socket.socket, op: int, body) -> bytes:
-        if op != HELLO or len(body) != HELLO_REQ.size:
+    def _hello(self, sock: socket.socket, reader: FrameReader) -> bytes:
+        """The owner a HELLO names; the whole frame must arrive within HELLO_TIMEOUT_S of the accept,
+        and one of another op or size is refused at its header, its body never read."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        length, op = reader.header(deadline)
+        if op != HELLO or length != HELLO_REQ.size:
             raise FrameError(errors.InvalidArgument(
                 "not a tierstore step-socket client: the first frame must be HELLO; close and reconnect"))
+        op, body = reader.read(deadline=deadline)
         magic, version, owner = HELLO_REQ.unpack_from(body)
         if magic != MAGIC or version != PROTOCOL_VERSION:
             raise FrameError(errors.InvalidArgument(
