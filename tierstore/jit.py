@@ -11,7 +11,9 @@ numba function (compiled on first use, cached on disk), or None where numba is
 missing or TIERSTORE_NO_JIT=1: callers then run their numpy path, which is
 also the reference the tests compare with. Kernels keep the GIL (nogil off): a
 call is microseconds, and releasing it would let another thread take it for a
-switch interval (cpu_token.py).
+switch interval (cpu_token.py). Bulk kernels that run for milliseconds over a
+whole chunk (ingest's row sums) ask for `Kernel(fn, nogil=True)` instead, so the
+other stages of a pipeline run meanwhile.
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ def enabled() -> bool:
 class Kernel:
     """A numba-compilable function, compiled lazily; `compiled()` is None without numba."""
 
-    __slots__ = ("fn", "_jit")
+    __slots__ = ("fn", "_jit", "_nogil")
 
-    def __init__(self, fn):
-        self.fn, self._jit = fn, _UNSET
+    def __init__(self, fn, *, nogil: bool = False):
+        self.fn, self._jit, self._nogil = fn, _UNSET, nogil
 
     def compiled(self):
         if self._jit is _UNSET:
@@ -51,7 +53,7 @@ class Kernel:
                 if self._jit is _UNSET:
                     if enabled():
                         import numba
-                        self._jit = numba.njit(cache=True, boundscheck=False)(self.fn)
+                        self._jit = numba.njit(cache=True, boundscheck=False, nogil=self._nogil)(self.fn)
                     else:
                         self._jit = None
         return self._jit

@@ -80,3 +80,15 @@ def test_sums_do_not_depend_on_batching_or_strides():
     wide = np.zeros((5000, 300), dtype=np.uint8)
     wide[:, :264] = data
     assert np.array_equal(whole, parts) and np.array_equal(whole, row_sums(wide[:, :264], ids))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9000), st.sampled_from([8, 64, 264, 1024]), st.integers(0, 2**40))
+def test_compiled_bulk_sums_equal_the_numpy_reference(n, width, first):
+    """Batches past BULK_BYTES (ingest, verify) take the compiled loop: same sums."""
+    rows = np.random.default_rng(n).integers(0, 256, (n, width), dtype=np.uint8)
+    ids = np.arange(first, first + n, dtype=np.int64)
+    assert np.array_equal(row_sums(rows, ids), row_sums(rows, ids, compiled=False))
+    big = np.tile(rows, (-(-(1 << 20) // rows.nbytes), 1))
+    ids = np.arange(first, first + len(big), dtype=np.int64)
+    assert np.array_equal(row_sums(big, ids), row_sums(big, ids, compiled=False))

@@ -15,10 +15,17 @@ uint64 (xor, multiply by an odd constant, xor-shift). So:
 - a torn, zeroed or misplaced row (the id is mixed in) changes several terms:
   missed with probability about 2**-64 (the terms are non-linear in the bits).
 It is an integrity check against faults, not a MAC.
+
+Batches of at least BULK_BYTES of whole-word rows (ingest, verify) go through
+a compiled loop (numba, GIL released: ingest hashes one chunk while other
+threads read and write others); smaller ones and platforms without numba run
+the numpy passes below, the reference the compiled loop is tested against.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from tierstore.jit import Kernel
 
 __all__ = ["ALGO", "row_sums"]
 
@@ -28,6 +35,8 @@ _M1, _M2, _GOLD = _U(0xFF51AFD7ED558CCD), _U(0xC4CEB9FE1A85EC53), _U(0x9E3779B97
 _SEED = _U(0x7469657273746F72)  # "tierstor"
 # rows hashed per pass: temporaries of CHUNK x W words stay in L2
 CHUNK_BYTES = 256 << 10
+# below this a batch is a cache miss's rows: numpy, and the GIL kept (cpu_token.py)
+BULK_BYTES = 1 << 20
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -60,15 +69,41 @@ def _mix(x: np.ndarray, s, k, tmp: np.ndarray) -> np.ndarray:
     return x
 
 
-def row_sums(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def _sums_loop(words, ids, skeys, kkeys, out):
+    """out[i] = fmix64-v1 sum of uint64 row words[i] stored as row ids[i]."""
+    m1, m2, seed = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x7469657273746F72)
+    s29, s32 = np.uint64(29), np.uint64(32)
+    for i in range(words.shape[0]):
+        acc = np.uint64(0)
+        for j in range(words.shape[1]):
+            x = (words[i, j] ^ skeys[j]) * m1
+            x = (x ^ (x >> s29)) * kkeys[j]
+            acc += x ^ (x >> s32)
+        x = (np.uint64(ids[i]) ^ seed) * m1
+        x = (x ^ (x >> s29)) * m2
+        out[i] = acc + (x ^ (x >> s32))
+
+
+_SUMS = Kernel(_sums_loop, nogil=True)
+
+
+def row_sums(rows: np.ndarray, ids: np.ndarray, *, compiled: bool = True) -> np.ndarray:
     """uint64 [n]: the fmix64-v1 sum of each row of uint8 [n, B] `rows`
-    (any strides) stored as row `ids[i]` (int64 [n])."""
+    (any strides) stored as row `ids[i]` (int64 [n]).
+    compiled=False always runs the numpy reference."""
     n, b = rows.shape
     words = -(-b // 8)
     s, k = _keys(words)
     out = np.empty(n, dtype=np.uint64)
     if n == 0:
         return out
+    if compiled and n * b >= BULK_BYTES and b % 8 == 0 and rows.strides[1] == 1 and rows.strides[0] % 8 == 0 \
+            and rows.ctypes.data % 8 == 0:
+        kern = _SUMS.compiled()
+        if kern is not None:
+            w = rows.view(np.uint64)  # whole words where they lie, no copy
+            kern(w, np.asarray(ids, dtype=np.int64), s, k, out)
+            return out
     step = max(1, CHUNK_BYTES // (words * 8))
     m0 = min(step, n)
     direct = b % 8 == 0 and rows.strides[1] == 1  # whole words: hash the rows where they lie
