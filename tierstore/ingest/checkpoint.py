@@ -6,9 +6,9 @@ interleaved into packed rows (weight || scale, 264 bytes: tierstore's
 fp8-e4m3-ue8m0 format), written as a new version of table `l{L}` (spec.table_name) with
 the spec (every hashing constant, from config.json) in its manifest.
 
-Memory: one raw and two packed chunk buffers (the next chunk is read and
-interleaved in a thread while this one is written), about 3 x chunk_bytes
-(32 MiB) whatever the shard size.
+Memory: two raw and CHUNKS_IN_FLIGHT packed chunk buffers (write_version
+reads, checksums, writes and reads back chunks in a pipeline), about 8 x
+chunk_bytes (16 MiB) whatever the shard size.
 Atomicity is write_version's: a killed ingest leaves the old current version
 serving; a rerun skips layers whose current version already came from the same
 shard bytes (same path, size and mtime) and restarts the others.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,39 +45,43 @@ def _current(data_dir: Path, table: str):
         return None
 
 
-def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 32 << 20):
+def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 16 << 20):
     """uint8 [n, w.row_bytes + s.row_bytes] chunks of packed rows, in row order.
 
-    A thread preads and interleaves the next chunk while the caller writes this
-    one (read and write overlap); a yielded array is reused two chunks later,
-    so consume it before asking for the one after next."""
+    A thread preads the next raw chunks (the disk never waits for the
+    interleave) while this one interleaves; packed buffers come from a ring of
+    CHUNKS_IN_FLIGHT (write_version holds a chunk until it is written and read
+    back, at most that many at once)."""
+    from tierstore.ingest.pipeline import Pipeline
+    from tierstore.ingest.writer import CHUNKS_IN_FLIGHT
+
     rows, wb, sb = w.shape[0], w.row_bytes, s.row_bytes
     step = max(1, chunk_bytes // (wb + sb))
-    wbuf, sbuf = np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)
-    packed = [np.empty((step, wb + sb), np.uint8) for _ in range(2)]
-
-    def read(i: int) -> np.ndarray:
-        a = i * step
-        n = min(step, rows - a)
-        w.pread(wbuf[:n], a)
-        s.pread(sbuf[:n], a)
-        out = packed[i % 2][:n]
-        out[:, :wb] = wbuf[:n]
-        out[:, wb:] = sbuf[:n]
-        return out
-
     n_chunks = -(-rows // step)
-    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-pread") as pool:
-        nxt = pool.submit(read, 0)
-        for i in range(n_chunks):
-            chunk = nxt.result()
-            if i + 1 < n_chunks:
-                nxt = pool.submit(read, i + 1)
-            yield chunk
+    raw = [(np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)) for _ in range(min(2, n_chunks))]
+    ring = [np.empty((step, wb + sb), np.uint8) for _ in range(min(CHUNKS_IN_FLIGHT, n_chunks))]
+    # rows as single items (void) make the interleave two flat copies, not two per-row loops
+    packed = np.dtype([("w", f"V{wb}"), ("s", f"V{sb}")])
+
+    def reads():
+        for i, a in enumerate(range(0, rows, step)):
+            n = min(step, rows - a)
+            wbuf, sbuf = raw[i % len(raw)]
+            w.pread(wbuf[:n], a)
+            s.pread(sbuf[:n], a)
+            yield i, n, wbuf, sbuf
+
+    with Pipeline(reads(), [], in_flight=len(raw), name="tierstore-pread") as pipe:
+        for i, n, wbuf, sbuf in pipe:
+            out = ring[i % len(ring)][:n]
+            items = out.view(packed)[:, 0]
+            items["w"] = wbuf.view(f"V{wb}")[:n, 0]
+            items["s"] = sbuf.view(f"V{sb}")[:n, 0]
+            yield out
 
 
 def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", progress: bool = True,
-                      chunk_bytes: int = 32 << 20, block_rows: int | None = None, force: bool = False,
+                      chunk_bytes: int = 16 << 20, block_rows: int | None = None, force: bool = False,
                       name: str | None = None) -> list:
     """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
 

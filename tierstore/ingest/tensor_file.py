@@ -27,7 +27,7 @@ def _raw_dim(fmt: RowFormat, row_bytes: int) -> int | None:
 
 
 def ingest_file(src, data_dir, table=None, *, key=None, scale_key=None, row_format=None, preset=None,
-                layer=None, scale=1, progress=True, block_rows=None, chunk_bytes=64 << 20) -> TableVersion:
+                layer=None, scale=1, progress=True, block_rows=None, chunk_bytes=16 << 20) -> TableVersion:
     """Ingest one 2-D tensor of a checkpoint as a new version of `table`.
 
     src: a .safetensors file, a .npy file or a torch state dict (torch.save);
