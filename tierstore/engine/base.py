@@ -49,6 +49,7 @@ class Counters:
     local_steps: int = 0  # steps local clients read themselves, told by note_access
     notes_dropped: int = 0  # of those, steps the sidecar dropped unlearned (it was behind)
     notes_refused: int = 0  # notes refused as malformed (ids out of range, bad step ends)
+    warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
 
 
 class TableEngine:
@@ -154,5 +155,5 @@ class TableEngine:
                     leased_slots=leased, lease_refusals=c.lease_refusals,
                     bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
-                    notes_dropped=c.notes_dropped, notes_refused=c.notes_refused,
+                    notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
                     metadata_bytes=self.metadata_bytes())

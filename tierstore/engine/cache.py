@@ -39,6 +39,10 @@ PLAN_ATTEMPTS = 3
 NOTE_CHUNK_IDS = 16384
 # prefetch hints are taken this many ids per hold of the table lock and the CPU token
 HINT_CHUNK_IDS = 16384
+# a warm start promotes this many rows per step of its own (warm); a hot set is read this
+# many slots per hold of the lock (hot_set): planned steps wait on the lock and the CPU token
+WARM_CHUNK_ROWS = 4096
+HOT_SET_CHUNK_SLOTS = 1 << 16
 
 
 class _FillFailed(Exception):
@@ -253,6 +257,68 @@ class CacheEngine(TableEngine):
             room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
         return self._promote(miss[:room], cached=True)  # the client has just read these rows' pages
 
+    def hot_set(self) -> tuple[np.ndarray, np.ndarray]:
+        """The resident rows, hottest first: (ids int64, counts uint8), counts the policy's
+        frequency estimates, ties in slot order. What a restart promotes again (warm).
+
+        Read HOT_SET_CHUNK_SLOTS slots per hold of the lock, so planned steps wait at most
+        one chunk; the rows resident throughout are all there, a row promoted or evicted
+        meanwhile may or may not be (it is a hint)."""
+        st = self.slots
+        ids, counts = [], []
+        for a in range(0, self.capacity, HOT_SET_CHUNK_SLOTS):
+            with cpu_token.hold(), self._lock:
+                b = min(self.capacity, a + HOT_SET_CHUNK_SLOTS)
+                got = st.id_of[a:b][st.state[a:b] == READY].astype(np.int64)
+                ids.append(got)
+                counts.append(np.minimum(self.policy.sketch.estimate(got), 255).astype(np.uint8))
+        ids, counts = np.concatenate(ids), np.concatenate(counts)
+        order = np.argsort(-counts.astype(np.int16), kind="stable")
+        return ids[order], counts[order]
+
+    def warm(self, ids: np.ndarray, counts: np.ndarray | None = None, stop=None) -> int:
+        """Promote `ids` (hottest first: a recorded hot_set() or a profile's hot list) into
+        free slots, WARM_CHUNK_ROWS at a time, without a lease; returns rows read.
+
+        Only free slots are filled: a row a step brought in since the start is newer
+        evidence than the hint and is never evicted for it; the warm-up ends once the
+        arena is full, the ids run out, `stop` (a threading.Event) is set, or the engine
+        is retired. `counts` (the recorded frequency estimates) seed the policy's sketch
+        first, so the rows are kept as they were before the restart (main queue), not
+        treated as one-hit wonders. Rows come from the cold tier, verified as any miss
+        (a chunk whose read fails is skipped: a step reading those rows reports it).
+        Planned steps never wait for the warm-up: each chunk holds the lock and the CPU
+        token as a step's own promotion would. InvalidArgument for ids out of range."""
+        ids = self.check_ids(ids)
+        if counts is not None:
+            counts = np.asarray(counts, dtype=np.int64).ravel()
+            if counts.shape != ids.shape:
+                raise InvalidArgument(f"table {self.table!r}: warm needs one count per id")
+        read = 0
+        for a in range(0, ids.size, WARM_CHUNK_ROWS):
+            if self.retired or (stop is not None and stop.is_set()):
+                break
+            with cpu_token.hold():
+                if not self.enter():
+                    break
+                try:
+                    with self._lock:
+                        room = self.slots.n_free
+                        if room == 0:
+                            break
+                        chunk = ids[a:a + min(WARM_CHUNK_ROWS, room)]
+                        if counts is not None:  # seeds, not accesses: no step toward halving
+                            recorded = self.policy.sketch.recorded
+                            self.policy.sketch.add(*_unique_max(chunk, counts[a:a + chunk.size]))
+                            self.policy.sketch.recorded = recorded
+                        miss = np.unique(chunk[self.slots.slot_of[chunk] < 0])
+                    got = self._promote(miss)
+                finally:
+                    self.leave()
+            read += got
+            self.counters.warmed += got
+        return read
+
     def close(self) -> None:
         """Remove the shared slot index (the arena is the sidecar's to close)."""
         self.slots.close()
@@ -460,3 +526,12 @@ class CacheEngine(TableEngine):
 
     def metadata_bytes(self) -> int:
         return super().metadata_bytes() + self.slots.held_bytes + self.policy.held_bytes()
+
+
+def _unique_max(ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ids (the sketch takes each once per call), each with its largest count."""
+    order = np.lexsort((-counts, ids))
+    ids, counts = ids[order], counts[order]
+    first = np.ones(ids.size, dtype=bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return ids[first], counts[first]
