@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: s3fifo (default: S3-FIFO queues with a TinyLFU sketch), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
+    p.add_argument("--no-warm-start", action="store_false", dest="warm_start", default=None,
+                   help="cache mode: start with an empty arena instead of promoting the hot set the last sidecar "
+                   "recorded (or --profile's hot rows) in the background")
+    p.add_argument("--hot-set-interval", type=float, dest="hot_set_interval_s",
+                   help="seconds between recordings of each cache-mode table's hot set in DATA/hot_sets "
+                   "(default 300; 0: only at stop)")
     p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
                    "`tierstore bench cache --trace`); files are 0600, in a directory of yours others cannot write")
     p.add_argument("--direct-io", action="store_true", default=None,
@@ -76,7 +82,8 @@ def run(args) -> int:
         receive_timeout_s=args.receive_timeout_s,
         shm_dir=args.shm_dir, persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
-        local_reads=args.local_reads, parent_pid=args.parent_pid)
+        local_reads=args.local_reads, parent_pid=args.parent_pid, warm_start=args.warm_start,
+        hot_set_interval_s=args.hot_set_interval_s)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far

@@ -61,6 +61,8 @@ class ServeConfig:
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "s3fifo"
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
+    warm_start: bool = True             # cache mode: promote the recorded hot set (else --profile's) at start
+    hot_set_interval_s: float = 300.0   # record each cache-mode table's hot set this often (0: only at stop)
     record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
     local_reads: bool = True            # cache mode: local clients read resident rows (and, in page-cache
@@ -96,6 +98,8 @@ class ServeConfig:
             raise ValueError(f"--verify-sample is a fraction in [0, 1], got {self.verify_sample}")
         if not (math.isfinite(self.lease_ttl_s) and 0 < self.lease_ttl_s <= MAX_LEASE_TTL_S):
             raise ValueError(f"--lease-ttl must be seconds in (0, {MAX_LEASE_TTL_S:.0f}], got {self.lease_ttl_s}")
+        if not (math.isfinite(self.hot_set_interval_s) and self.hot_set_interval_s >= 0):
+            raise ValueError(f"--hot-set-interval must be seconds >= 0 (0: only at stop), got {self.hot_set_interval_s}")
         if not (math.isfinite(self.receive_timeout_s) and 0 < self.receive_timeout_s <= 3600):
             raise ValueError(f"--receive-timeout must be seconds in (0, 3600], got {self.receive_timeout_s}")
         if isinstance(self.workers, bool) or not 1 <= self.workers <= MAX_WORKERS:

@@ -37,6 +37,7 @@ from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.dram import Arena, arena_tag, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
 from tierstore.engine.verifier import Verifier
+from tierstore.sidecar.warm_start import WarmStart
 
 __all__ = ["ServedTables"]
 
@@ -77,6 +78,7 @@ class ServedTables:
         self._notes_cv = threading.Condition(threading.Lock())
         self._learner: threading.Thread | None = None
         self._mooncake = None  # one Mooncake client for every remote table (--remote)
+        self.warm = WarmStart(config.data_dir, config.hot_set_interval_s, config.warm_start)
         try:
             stale = self._take_stale_files()
             self.leases = LeaseTable(config.max_leases, max_per_client=config.max_leases_per_client,
@@ -130,6 +132,7 @@ class ServedTables:
         if cfg.profile is not None:
             from tierstore.table.profile import Profile
             self._profile = Profile.load(cfg.profile)
+            self.warm.profile = self._profile
         for v in versions:
             self.engines[v.table] = self._build(v, versions, reuse=stale.pop((v.table, v.version), None))
         for path in stale.values():  # persisted arenas of versions no longer current
@@ -264,6 +267,7 @@ class ServedTables:
                 new = self._build(v, served)
                 new.verifier = self.verifier if self.verifier.enabled else None
                 self.engines[v.table] = new  # new plans get it from here on
+                self.warm.add(new)
                 if old is not None:
                     old.retired = True
                     old.arena.retire()
@@ -294,6 +298,7 @@ class ServedTables:
         for eng in self.engines.values():
             eng.verifier = self.verifier if self.verifier.enabled else None
         self.verifier.start(self.engines.values())
+        self.warm.start(list(self.engines.values()), lambda: list(self.engines.values()))
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(0.05):
@@ -399,6 +404,7 @@ class ServedTables:
         self.verifier.stop()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.warm.stop(list(self.engines.values()))  # records the hot sets while the arenas still hold them
         for eng in list(self.engines.values()) + self._retired:
             self._free(eng)
         self.engines.clear()
