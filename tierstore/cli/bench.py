@@ -2,6 +2,7 @@
 
     tierstore bench lookup --data DIR --out OUT [--table T] [--batches ...] [--dists ...] [--quick]
     tierstore bench cold   --data DIR --out OUT [--quick]
+    tierstore bench warm   --out OUT [--quick]          (hit ratio after a restart: warm start vs cold)
     tierstore bench cache  --out OUT [--quick]          (cache-policy simulation)
     tierstore bench cache  --out OUT --trace FILE.npy [--step-ids N] [--sizes 0.005,0.01,50000] [--rows N]
     tierstore bench hash   --out OUT [--quick]          (hashing vs plain numpy)
@@ -65,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cold.add_argument("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
     cold.add_argument("--batch", type=int, default=4096, help="ids per call (default 4096)")
     cold.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
+    wm = sub.add_parser("warm", help="hit ratio per step after a restart, warm start vs cold, against the "
+                        "steady state before it")
+    _common(wm, data=False)
+    wm.add_argument("--table-mib", type=int, help="size of the table (default 256, quick 64)")
+    wm.add_argument("--batch", type=int, default=4096, help="ids per step (default 4096)")
+    wm.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
+    wm.add_argument("--steady-steps", type=int, help="steps before the restart (default 300, quick 150)")
+    wm.add_argument("--after-steps", type=int, help="steps after each restart (default 150, quick 80)")
     cache = sub.add_parser("cache", help="cache-policy hit ratios on synthetic and real-text traces")
     _common(cache, data=False)
     cache.add_argument("--trace", action="append", metavar="FILE",
@@ -183,6 +192,13 @@ def _run_one(name: str, args) -> int:
                              quick=quick, seed=seed, progress=progress, log=_log)
         res["summary"] = cold_line(res)
         plot_cold(res, out / "cold.png")
+    elif name == "warm":
+        from tierstore.bench.warm import run_warm_bench
+
+        mib = getattr(args, "table_mib", None)
+        res = run_warm_bench(out, table_bytes=(mib << 20) if mib else None, batch=args.batch, dist=args.dist,
+                             steady_steps=args.steady_steps, after_steps=args.after_steps, quick=quick,
+                             seed=seed, progress=progress, log=_log)
     elif name == "cache":
         fn = _optional("tierstore.bench.cache", "run_cache_bench", "cache")
         if fn is None:
