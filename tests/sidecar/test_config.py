@@ -26,6 +26,7 @@ def test_bad_lease_ttl_is_refused(base, ttl):
     ("metrics_port", 70000, "--metrics-port"),
     ("verify_sample", float("nan"), "--verify-sample"), ("verify_sample", 1.5, "--verify-sample"),
     ("receive_timeout_s", float("inf"), "--receive-timeout"), ("policy", "lfu2", "policy kind 'lfu2'"),
+    ("hot_set_interval_s", -1.0, "--hot-set-interval"), ("hot_set_interval_s", float("nan"), "--hot-set-interval"),
 ])
 def test_bad_numbers_are_refused(base, field, value, flag):
     with pytest.raises(ValueError, match=flag):
@@ -59,3 +60,11 @@ def test_auth_token_file(tmp_path, monkeypatch):
         ServeConfig(data_dir=tmp_path, socket=tmp_path / "s", auth_token_file=tmp_path / "missing")
     with pytest.raises(ValueError, match="once"):
         ServeConfig(data_dir=tmp_path, socket=tmp_path / "s", auth_token="x", auth_token_file=f)
+
+
+def test_warm_start_flags_and_environment_map_onto_the_config(base, monkeypatch):
+    monkeypatch.setenv("TIERSTORE_WARM_START", "0")
+    monkeypatch.setenv("TIERSTORE_HOT_SET_INTERVAL_S", "12.5")
+    cfg = ServeConfig.from_env(**base)
+    assert cfg.warm_start is False and cfg.hot_set_interval_s == 12.5
+    assert ServeConfig.from_env(**base, hot_set_interval_s=0.0).hot_set_interval_s == 0.0  # a flag wins

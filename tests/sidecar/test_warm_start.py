@@ -142,3 +142,19 @@ def test_a_plan_does_not_wait_for_the_warm_up(tmp_path):
         assert _wait_warmed(c, cap - 256, timeout=60) >= cap - 256
         assert warmed_then < cap - 256, "the warm-up was over before the first plan returned"
         assert took < 1.0
+
+
+def test_serve_profile_is_a_warm_start_seed_too(tmp_path):
+    from tierstore.table.profile import Profile
+    from tierstore.table.spec import preset
+
+    d = tmp_path / "data"
+    data = _table(d)
+    counts = np.arange(HOT.size, 0, -1, dtype=np.int64)  # HOT[0] hottest
+    prof = Profile(preset("engram-paper-demo", 512), ids={"t": HOT}, counts={"t": counts}, tokens=1)
+    path = prof.save(tmp_path / "hot.npz")
+    with SidecarProcess(d, dram_budget=BUDGET, extra_args=["--profile", path]) as sc, Client(sc.socket) as c:
+        assert _wait_warmed(c, HOT.size) == HOT.size
+        with c.plan("t", HOT[-3000:]) as step:
+            assert np.array_equal(step.rows(), data[HOT[-3000:]]) and step.hits == 3000
+        assert "warm start from --profile" in sc.log()
