@@ -281,7 +281,8 @@ class CacheEngine(TableEngine):
         free slots, WARM_CHUNK_ROWS at a time, without a lease; returns rows read.
 
         Only free slots are filled: a row a step brought in since the start is newer
-        evidence than the hint and is never evicted for it; the warm-up ends once the
+        evidence than the hint and is not evicted for it (free slots are counted as each
+        chunk starts; steps that take some meanwhile may cost a few rows); it ends once the
         arena is full, the ids run out, `stop` (a threading.Event) is set, or the engine
         is retired. `counts` (the recorded frequency estimates) seed the policy's sketch
         first, so the rows are kept as they were before the restart (main queue), not
@@ -294,8 +295,8 @@ class CacheEngine(TableEngine):
             counts = np.asarray(counts, dtype=np.int64).ravel()
             if counts.shape != ids.shape:
                 raise InvalidArgument(f"table {self.table!r}: warm needs one count per id")
-        read = 0
-        for a in range(0, ids.size, WARM_CHUNK_ROWS):
+        read = a = 0
+        while a < ids.size:
             if self.retired or (stop is not None and stop.is_set()):
                 break
             with cpu_token.hold():
@@ -315,6 +316,7 @@ class CacheEngine(TableEngine):
                     got = self._promote(miss)
                 finally:
                     self.leave()
+            a += chunk.size
             read += got
             self.counters.warmed += got
         return read
