@@ -96,6 +96,25 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
     return 1.0 - sim.reads / max(1, trace.ids.size)
 
 
+def replay_steps(steps: list, n_ids: int, capacity: int, config: PolicyConfig | None = None,
+                 count_from: int = 0) -> float:
+    """Hit ratio of `steps` (int64 id arrays, in the order a server saw them) through a
+    `capacity`-slot arena driven as the engine drives it, counted as the sidecar counts:
+    each step's distinct ids, from step `count_from` on. `bench cold` replays the steps
+    it ran through PolicyConfig(kind="lru") to compare the sidecar with LRU."""
+    uniq = [np.unique(s) for s in steps]
+    bounds = np.concatenate([[0], np.cumsum([u.size for u in uniq])]).astype(np.int64)
+    sim = _Sim(Trace("steps", np.concatenate(uniq), bounds, n_ids), capacity, config)
+    reads = asked = 0
+    for i in range(len(uniq)):
+        before = sim.reads
+        sim.step(i)
+        if i >= count_from:
+            reads += sim.reads - before
+            asked += uniq[i].size
+    return 1.0 - reads / max(1, asked)
+
+
 class _Sim:
     """An arena of `capacity` slots driven through CachePolicy the way TableEngine drives it."""
 

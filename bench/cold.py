@@ -9,10 +9,18 @@ Competitors (same ids, same table, medians of rounds):
   tierstore-direct  the same with --direct-io (misses read with O_DIRECT: the
                     page cache holds none of the table); skipped, with the
                     reason, where the filesystem refuses O_DIRECT
+  tierstore-local   the same (--direct-io where the filesystem allows it) read by
+                    Client.lookup: local reads, misses read and verified by the
+                    client, the sidecar told each step after the fact
   mmap-cold         np.memmap of the segment files (MADV_RANDOM) in a child process
 
-Hit ratios: the sidecars' (unique ids per Plan found in the arena); mmap's is
+Hit ratios: the sidecars' (unique ids per Plan found in the arena); tierstore-local's
+as its client saw them (distinct ids per step found in the arena); mmap's is
 1 - major page faults / rows gathered (a gathered row whose page was resident).
+Each is set beside LRU's on the same steps at the same capacity (`lru_hit_ratio`:
+every step the competitors ran, replayed through PolicyConfig(kind="lru"), counted
+over the timed rounds). Arena fill: after every warm-up step, the rows resident
+against the distinct ids asked so far (`arena_fill`).
 Memory each cache-mode sidecar causes, measured after a pass from a dropped
 page cache: its RSS (heap + arena + mapped files) and the segment files' pages
 in the page cache (mincore), against --dram-budget.
@@ -38,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.bench.lookup import _Arena, check_same_rows, close_all, run_rounds, summarize
+from tierstore.bench.cache import replay_steps
 from tierstore.bench.memory import MemoryCgroup, drop_page_cache, footprint, proc_memory, resident_bytes
 from tierstore.bench.mmap_child import MmapChild
 
@@ -84,7 +93,9 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     """
     from tqdm import tqdm
 
+    from tierstore.bench.lookup import _Lookup
     from tierstore.bench.workload import make_batches
+    from tierstore.cache.policy import PolicyConfig
     from tierstore.client.client import Client
     from tierstore.sidecar.launcher import SidecarProcess
 
@@ -122,6 +133,12 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         cclient = Client(cold.socket)
         closers.append(cclient.close)
         cap = int(cclient.tables()[0]["arena_slots"])
+        # local reads (the route a local Client.lookup takes), not in a cgroup: its clients map the slot index
+        local = SidecarProcess(cache_dir, dram_budget=budget,
+                               extra_args=["--direct-io"] if no_direct is None else []).start()
+        closers.append(local.cleanup)
+        lclient = Client(local.socket)
+        closers.append(lclient.close)
         dclient = direct = None
         if no_direct is None:
             direct = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--direct-io", "--no-local-reads"]).start()
@@ -145,7 +162,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             cg_mmap.add(child.proc.pid)
             if cg_direct is not None and cg_direct.error is None:
                 cg_direct.add(direct.proc.pid)
-            memory = {"cgroup": cg_side.kind,
+            memory = {"cgroup": cg_side.kind, "tierstore_local_bytes": "not capped (its clients map the slot index)",
                       "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} page cache + {heap_bytes} heap",
                       "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
                       "note": "competitors run one after another, each from a dropped page cache: the pages "
@@ -155,8 +172,8 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
                       "note": "page cache unbounded: after warm-up mmap-cold and tierstore misses are served "
                               "from DRAM page cache, not disk"}
         fns = {"dram": _Arena(dram, "cold").get, "tierstore-cold": _Arena(cclient, "cold", piece=max(1, cap // 2)).get,
-               "mmap-cold": child.get}
-        sides = {"tierstore-cold": (cold, cclient)}
+               "mmap-cold": child.get, "tierstore-local": _Lookup(lclient, "cold").get}
+        sides = {"tierstore-cold": (cold, cclient), "tierstore-local": (local, lclient)}
         if direct is not None:
             fns["tierstore-direct"] = _Arena(dclient, "cold", piece=max(1, cap // 2)).get
             sides["tierstore-direct"] = (direct, dclient)
@@ -167,25 +184,40 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
         # its own; a warm-up of fresh ids to the cache's steady state; the timed rounds (fresh
         # ids again); its rows checked; a sidecar is then stopped (pages a mapping holds
         # survive DONTNEED: they would be the next one's hits).
-        cold_start, how, timings, stats, faults = {}, None, {}, {}, 0
-        for name in ["dram"] + [n for n in ("tierstore-direct", "tierstore-cold", "mmap-cold") if n in fns]:
+        cold_start, how, timings, stats, faults, fills, seen_local = {}, None, {}, {}, 0, {}, {}
+        order = ("tierstore-local", "tierstore-direct", "tierstore-cold", "mmap-cold")
+        for name in ["dram"] + [n for n in order if n in fns]:
+            fill = _Fill(version.rows, cap, sides[name][1]) if name in sides else None
             if name != "dram":
                 how = drop_page_cache(seg_paths)
                 pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
                 cold_start[name] = _timed_pass(fns[name], ids)
+                if fill is not None:
+                    fill.asked(ids)
                 if name in sides:
                     footprints[name] = footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
             with tqdm(total=len(warm_ids) + rounds, desc=f"cold {name}", unit="step", disable=not progress,
                       leave=False) as bar:
                 for b in warm_ids:
                     fns[name](b)
+                    if fill is not None:
+                        fill.step(b)
                     bar.update(1)
+                if fill is not None:
+                    fill.settle()
                 s0 = sides[name][1].stats()["tables"][0] if name in sides else None
+                l0 = _local_counts(lclient) if name == "tierstore-local" else None
                 f0 = child.faults() if name == "mmap-cold" else 0
                 timings.update(run_rounds({name: fns[name]}, [], rounds, progress=bar.update, round_batches=passes))
                 if name == "mmap-cold":
                     faults = child.faults() - f0
+                if l0 is not None:
+                    seen_local = {k: v - l0[k] for k, v in _local_counts(lclient).items()}
                 if name in sides:
+                    for p in passes:
+                        fill.asked(*p)
+                    fill.settle()
+                    fills[name] = fill.summary()
                     stats[name] = (s0, sides[name][1].stats()["tables"][0])
             check_same_rows(name, np.asarray((child.rows if name == "mmap-cold" else fns[name])(ids[0])),
                             table_rows[ids[0]])
@@ -200,12 +232,26 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             comps[n]["hit_ratio"] = h / (h + m) if h + m else None
             comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
             comps[n]["metadata_bytes"] = int(s1.get("metadata_bytes", 0))  # resident from start, beyond the arena
+            comps[n]["arena_fill"] = fills[n]
+            comps[n]["bytes_read_since_start"] = int(s1.get("bytes_read", 0))  # cold start and warm-up too
+        if seen_local:  # as its client saw it: the sidecar learns local steps after the fact
+            loc = comps["tierstore-local"]
+            loc["sidecar_hit_ratio"], loc["hit_ratio"] = loc["hit_ratio"], (
+                1 - seen_local["distinct_cold"] / max(1, seen_local["distinct_asked"]))
+            loc["bytes_read_by_clients"] = seen_local["bytes_read"]
+            loc["notes_dropped"] = int(stats["tierstore-local"][1].get("notes_dropped", 0))
+        # LRU on the same steps at the same capacity: every step each competitor ran, in order
+        lru = replay_steps(list(ids) + list(warm_ids) + [b for p in passes for b in p], version.rows, cap,
+                           PolicyConfig(kind="lru"), count_from=len(ids) + len(warm_ids))
+        for d in comps.values():
+            d["lru_hit_ratio"] = lru
         # rows gathered = unique ids per call (as the sidecars count), in the timed rounds
         gathered = sum(np.unique(b).size for p in passes for b in p)
         comps["mmap-cold"]["hit_ratio"] = max(0.0, 1 - faults / gathered)
         comps["mmap-cold"]["major_faults"] = faults
         if "tierstore-direct" in comps:
             comps["tierstore-direct"]["x_mmap"] = comps["tierstore-direct"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
+        comps["tierstore-local"]["x_mmap"] = comps["tierstore-local"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
         comps["tierstore-cold"]["x_mmap"] = comps["tierstore-cold"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
         if cg_side.error is None and cg_mmap.error is None:
             memory["tierstore_cold_cgroup_peak_bytes"] = cg_side.peak()
@@ -236,6 +282,58 @@ def _stop(proc, client) -> None:
                            f"rerun with a larger slack:\n{log}")
 
 
+class _Fill:
+    """Arena fill over steps: after each step, (distinct ids asked so far, rows resident),
+    read from the sidecar's stats once its client's notes are sent (local reads)."""
+
+    def __init__(self, rows: int, capacity: int, client):
+        self.seen, self.capacity, self.client = np.zeros(rows, dtype=bool), capacity, client
+        self.distinct, self.points = 0, []
+
+    def asked(self, *batches) -> None:
+        for b in batches:
+            u = np.unique(b)
+            new = u[~self.seen[u]]
+            self.seen[new] = True
+            self.distinct += new.size
+
+    def step(self, ids) -> None:
+        self.asked(ids)
+        self.client.flush()
+        self.points.append((self.distinct, int(self.client.stats()["tables"][0]["resident"])))
+
+    def settle(self, timeout_s: float = 2.0) -> None:
+        """One more point once the sidecar has learned every note sent (resident stops moving)."""
+        self.client.flush()
+        last, t0 = -1, time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            now = int(self.client.stats()["tables"][0]["resident"])
+            if now == last:
+                break
+            last = now
+            time.sleep(0.05)
+        self.points.append((self.distinct, last))
+
+    def summary(self) -> dict:
+        pts = np.asarray(self.points, dtype=np.int64).reshape(-1, 2)
+        fill = pts[:, 1] / self.capacity
+        of_asked = pts[:, 1] / np.maximum(1, np.minimum(pts[:, 0], self.capacity))
+        past = np.flatnonzero(pts[:, 0] >= self.capacity)
+        keep = np.unique(np.linspace(0, len(pts) - 1, min(len(pts), 24)).astype(int))
+        return {"capacity": self.capacity, "final_fill": float(fill[-1]),
+                "fill_once_past_capacity": float(fill[past].min()) if past.size else None,
+                "fill_of_asked_min": float(of_asked[len(of_asked) // 2:].min()),
+                "points_distinct_asked_resident": pts[keep].tolist()}
+
+
+def _local_counts(client) -> dict:
+    """What the local-reads client served: distinct ids asked and read from disk, disk bytes."""
+    local = client.handle("cold").local
+    cold = getattr(local, "_cold", None)
+    return {"distinct_asked": local.distinct_asked if local else 0, "distinct_cold": local.distinct_cold if local else 0,
+            "bytes_read": cold.bytes_read if cold is not None else 0}
+
+
 def _timed_pass(fn, batches) -> dict:
     lat = []
     t0 = time.perf_counter()
@@ -259,7 +357,20 @@ def cold_line(r: dict) -> str:
             f"mmap-cold {c['mmap-cold']['ratio_vs_dram']:.3g}x (hit {round(c['mmap-cold']['hit_ratio'], 2)}, "
             f"p99 {c['mmap-cold']['p99_ms']:.2f} ms); "
             f"cold start {r['cold_start']['tierstore-cold']['rows_per_s'] / 1e3:.0f}k vs "
-            f"{r['cold_start']['mmap-cold']['rows_per_s'] / 1e3:.0f}k rows/s" + _direct_part(r))
+            f"{r['cold_start']['mmap-cold']['rows_per_s'] / 1e3:.0f}k rows/s" + _direct_part(r) + _local_part(r))
+
+
+def _local_part(r: dict) -> str:
+    d = r["competitors"].get("tierstore-local")
+    if d is None:
+        return ""
+    f = d["arena_fill"]
+    past = f["fill_once_past_capacity"]
+    return (f"; tierstore-local {d['x_mmap']:.3g}x mmap, {d['rows_per_s'] / 1e3:.0f}k rows/s (hit "
+            f"{d['hit_ratio']:.3f} vs LRU {d['lru_hit_ratio']:.3f} on the same steps; arena "
+            f"{f['final_fill']:.1%} full, {'never past capacity' if past is None else f'{past:.1%} once past capacity'}"
+            f", at least {f['fill_of_asked_min']:.1%} of the distinct rows asked; sidecar read "
+            f"{d['bytes_read_from_segments'] / 2**20:.1f} MiB, clients {d['bytes_read_by_clients'] / 2**20:.1f} MiB)")
 
 
 def _direct_part(r: dict) -> str:

@@ -55,6 +55,7 @@ class LocalReads:
         self._cold = None  # SegmentReader over cold_dir, opened on the first miss
         self._cold_lock = threading.Lock()
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
+        self.distinct_asked = self.distinct_cold = 0  # the same in distinct ids per step (as the sidecar counts)
 
     def read(self, ids: np.ndarray) -> np.ndarray | None:
         """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
@@ -66,6 +67,7 @@ class LocalReads:
         _probe(ids, self.slot_of, self.gen, slots, gens)
         _copy(ids, slots, gens, self.id_of, self.arena, out)
         missing = _confirm(slots, gens, self.gen)
+        asked = distinct(ids)
         if missing:
             cold = self._reader()
             if cold is None:
@@ -75,7 +77,9 @@ class LocalReads:
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
             cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
             out[where] = got[inv]
-        self.client.link.note(self.table, self.version, distinct(ids))
+            self.distinct_cold += uniq.size
+        self.client.link.note(self.table, self.version, asked)
+        self.distinct_asked += asked.size
         self.steps += 1
         self.rows_resident += n - missing
         self.rows_cold += missing

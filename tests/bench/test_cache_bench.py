@@ -5,13 +5,27 @@ import json
 import numpy as np
 import pytest
 
-from tierstore.bench.cache import REFERENCES, run_cache_bench
+from tierstore.bench.cache import REFERENCES, replay, replay_steps, run_cache_bench
+from tierstore.cache.policy import PolicyConfig
 from tierstore.bench.traces import Trace, dedupe_steps, document_trace, text_trace, zipf_trace
 
 
 def test_dedupe_keeps_first_access_per_step():
     ids, bounds = dedupe_steps(np.array([5, 3, 5, 3, 3, 9]), np.array([0, 0, 0, 1, 1, 1]))
     assert ids.tolist() == [5, 3, 3, 9] and bounds.tolist() == [0, 2, 4]
+
+
+def test_replay_steps_is_lru_on_the_steps_a_server_saw():
+    """bench cold's LRU figure: the same hit ratio replay() gives the deduped trace, and
+    counting from a later step leaves out the earlier steps' misses."""
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(0, 500, size=64) for _ in range(40)]  # repeats within a step: counted once
+    uniq = [np.unique(s) for s in steps]
+    trace = Trace("t", np.concatenate(uniq), np.concatenate([[0], np.cumsum([u.size for u in uniq])]), 500)
+    lru = PolicyConfig(kind="lru")
+    assert replay_steps(steps, 500, 100, lru) == pytest.approx(replay(trace, 100, lru))
+    assert replay_steps(steps, 500, 500, lru, count_from=20) > replay_steps(steps, 500, 500, lru)
+    assert replay_steps([np.arange(10)] * 3, 500, 10, lru, count_from=1) == 1.0
 
 
 def test_trace_round_trips(tmp_path):
