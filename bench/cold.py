@@ -83,7 +83,8 @@ def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0,
 def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
                    batch: int = 4096, dist: str = "zipf1.0", quick: bool = False, seed: int = 0,
                    rounds: int | None = None, rows_per_pass: int | None = None, slack_bytes: int = 32 << 20,
-                   heap_bytes: int = 32 << 20, warmup_calls: int | None = None, progress: bool = True,
+                   heap_bytes: int = 32 << 20, warmup_calls: int | None = None, warmup_arenas: float = 2.0,
+                   progress: bool = True,
                    log=print) -> dict:
     """Run the cold-tier scenario on a random table of `table_bytes` (default
     768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once).
@@ -109,8 +110,9 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     seg_paths = [cache_dir / s for s in version.segments]
     calls = max(3, rows_per_pass // batch)
     cap_rows = budget // version.row_bytes
-    # warm-up: twice the arena in ids, so each cache reaches its steady state before it is timed
-    warm_calls = max(calls, -(-2 * cap_rows // batch)) if warmup_calls is None else warmup_calls
+    # warm-up: `warmup_arenas` (default twice) the arena in ids, so each cache reaches its steady state
+    # before it is timed
+    warm_calls = max(calls, -(-int(warmup_arenas * cap_rows) // batch)) if warmup_calls is None else warmup_calls
     # fresh ids everywhere (cold start, warm-up, each round): a cold tier must see the distribution's tail
     stream = make_batches(dist, version.rows, batch, calls * (rounds + 1) + warm_calls, seed)
     ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]

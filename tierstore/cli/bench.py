@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cold.add_argument("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
     cold.add_argument("--batch", type=int, default=4096, help="ids per call (default 4096)")
     cold.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
+    cold.add_argument("--budget-fraction", type=float, default=0.25,
+                      help="DRAM budget as a fraction of the table (default 0.25)")
+    cold.add_argument("--warmup-arenas", type=float, default=2.0,
+                      help="warm-up ids per competitor, in arena sizes (default 2)")
     wm = sub.add_parser("warm", help="hit ratio per step after a restart, warm start vs cold, against the "
                         "steady state before it")
     _common(wm, data=False)
@@ -189,6 +193,7 @@ def _run_one(name: str, args) -> int:
         mib = getattr(args, "table_mib", None)
         res = run_cold_bench(args.data, out, table_bytes=(mib << 20) if mib else None,
                              batch=getattr(args, "batch", 4096), dist=getattr(args, "dist", "zipf1.0"),
+                             budget_fraction=args.budget_fraction, warmup_arenas=args.warmup_arenas,
                              quick=quick, seed=seed, progress=progress, log=_log)
         res["summary"] = cold_line(res)
         plot_cold(res, out / "cold.png")
