@@ -119,27 +119,36 @@ def test_a_refused_lease_changes_nothing(engine):
     assert (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned) == state
 
 
-def test_access_notes_are_learned_step_by_step_and_seen_twice_rows_promoted(engine, monkeypatch):
+def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_evictions(engine, monkeypatch):
     """Local reads' notes (note_access): every step counted, a few steps per hold of the
-    lock; a miss is promoted the second time it is seen (the doorkeeper), bit-exact."""
+    lock; while the arena has free slots every miss is promoted at first sight (a free
+    slot beats a disk read); once a row must be evicted for it, only a miss seen before
+    is (the doorkeeper, read_admit_freq), so one-hit wonders never displace resident rows."""
     from tierstore.engine import cache
 
     monkeypatch.setattr(cache, "NOTE_CHUNK_IDS", 100)  # many lock holds for one note
     eng, data = engine
     rng = np.random.default_rng(5)
-    ids = rng.choice(ROWS, 720, replace=False)  # 12 steps of 60 rows, none seen twice yet
+    order = rng.permutation(ROWS)
+    ids = order[:720]  # 12 steps of 60 rows, none seen before
     ends = np.arange(60, 721, 60)
-    assert eng.note_access(ids, ends) == 0  # first sight: learned, nothing promoted
+    assert eng.note_access(ids, ends) == ids.size  # an empty arena takes every one
     c = eng.counters
-    assert (c.local_steps, c.hits + c.misses, c.plans) == (12, ids.size, 0)
-    uniq = np.unique(ids)
-    assert eng.note_access(ids, ends) == uniq.size  # second sight: every distinct miss promoted once
-    slots = eng.slots.slot_of[uniq]
-    assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[uniq])
+    assert (c.local_steps, c.hits + c.misses, c.plans, c.evictions) == (12, ids.size, 0, 0)
+    slots = eng.slots.slot_of[ids]
+    assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[ids])
     assert not (eng.slots.gen[slots] & 1).any() and eng.slots.n_pinned == 0
+    more = order[720:2300]  # more distinct rows than the 1,280 free slots left: those fill up, none evicts
+    assert eng.note_access(more, np.array([more.size])) == eng.capacity - ids.size
+    assert (eng.slots.resident, c.evictions) == (eng.capacity, 0)
+    fresh = order[2300:2400]  # a full arena: first sight evicts for none (bar a sketch collision or two)
+    first = eng.note_access(fresh, np.array([fresh.size]))
+    assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 3
+    assert eng.note_access(fresh, np.array([fresh.size])) == fresh.size - first  # seen twice: worth a victim
+    assert c.evictions == fresh.size and np.array_equal(eng.arena.rows[eng.slots.slot_of[fresh]], data[fresh])
     with pytest.raises(InvalidArgument):
         eng.note_access(ids, ends - 1)  # ends that do not cover the ids
-    assert eng.counters.local_steps == 24
+    assert eng.counters.local_steps == 15
 
 
 def test_a_refused_retry_keeps_the_first_attempts_lease_and_leaks_no_pin(engine):

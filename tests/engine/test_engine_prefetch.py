@@ -53,3 +53,15 @@ def test_prefetch_reads_missing_rows_ahead(engine):
     assert eng.prefetch(np.arange(100, 200)) == 100
     res, rows = _step(eng, np.arange(100, 200))
     assert res.hits == 100 and np.array_equal(rows, data[100:200])
+
+
+def test_a_prefetch_fills_free_slots_past_what_it_protects(engine):
+    """Reading ahead is capped at what the policy can protect (half the arena) only where it
+    would evict: into an empty arena every missing row of the request is read."""
+    eng, data = engine
+    ids = np.arange(7000, 7000 + int(0.8 * SLOTS))
+    assert eng.prefetch(ids) == ids.size and eng.counters.evictions == 0
+    res, rows = _step(eng, ids)
+    assert res.hits == ids.size and np.array_equal(rows, data[ids])
+    more = np.arange(12000, 12000 + SLOTS)  # a full arena: the cap holds, no more than half is read
+    assert eng.prefetch(more) <= SLOTS // 2

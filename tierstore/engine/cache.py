@@ -168,8 +168,10 @@ class CacheEngine(TableEngine):
             miss = uniq[slots < 0]
             # kept for the request: resident rows, and missing ones once read in (here, or by another step)
             self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, client)
-            # read ahead no more than the policy can keep until then, and leave room for steps
-            room = max(0, min(self.capacity - 2 * self.slots.n_pinned, self.policy.protect_room())) if read else 0
+            # read ahead no more than the policy can keep until then (free slots evict nothing:
+            # fill them regardless), and leave room for steps
+            ahead = max(self.policy.protect_room(), self.slots.n_free)
+            room = max(0, min(self.capacity - 2 * self.slots.n_pinned, ahead)) if read else 0
         misses = self._promote(miss[:room])
         self.counters.prefetched += misses
         return misses
@@ -193,9 +195,11 @@ class CacheEngine(TableEngine):
         """Steps a local client served itself (client/local_reads.py), told after the fact in
         batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
         ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
-        policy learns each step as if it had been planned (hits touched), and the
-        rows that missed and were seen before (PolicyConfig.read_admit_freq) are promoted
-        without a lease, so the next steps find them resident. Never refused: when the
+        policy learns each step as if it had been planned (hits touched), and the rows that
+        missed are promoted without a lease, so the next steps find them resident: every
+        miss while the arena has free slots (a free slot is always better than a disk
+        read), and of those that would evict a row only the ones seen before
+        (PolicyConfig.read_admit_freq, a doorkeeper). Never refused: when the
         arena is full of leased rows, the misses that do not fit are skipped. Returns rows
         read. InvalidArgument for bad ids or step ends (nothing is learned then)."""
         ids, ends = self.check_note(ids, ends)
@@ -250,10 +254,7 @@ class CacheEngine(TableEngine):
             c.local_steps += ends.size
             c.hits += hit_slots.size
             c.misses += ids.size - hit_slots.size
-            miss = np.sort(distinct(ids[~hit]))  # sorted, for the cold tier
-            gate = self.policy.config.read_admit_freq
-            if gate > 1 and miss.size:  # a doorkeeper (PolicyConfig.read_admit_freq)
-                miss = miss[self.policy.sketch.estimate(miss) >= gate]
+            miss = self._admitted_misses(np.sort(distinct(ids[~hit])))  # sorted, for the cold tier
             room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
         return self._promote(miss[:room], cached=True)  # the client has just read these rows' pages
 
@@ -320,6 +321,22 @@ class CacheEngine(TableEngine):
             read += got
             self.counters.warmed += got
         return read
+
+    def _admitted_misses(self, miss: np.ndarray) -> np.ndarray:
+        """(lock held) The misses of noted steps to promote, order kept: all of them while the
+        free slots take them; otherwise the doorkeeper's (PolicyConfig.read_admit_freq: seen
+        before, this access included) and, while free slots are left, the others in id
+        order. The filter applies only to rows that need a victim: a one-hit wonder never
+        displaces a resident row, but never leaves a slot empty either. The free count is
+        this moment's: a planned step taking slots before the promotion evicts for a few."""
+        free, gate = self.slots.n_free, self.policy.config.read_admit_freq
+        if gate <= 1 or miss.size <= free:
+            return miss
+        passed = self.policy.sketch.estimate(miss) >= gate
+        spare = free - int(np.count_nonzero(passed))
+        if spare > 0:
+            passed |= np.cumsum(~passed) <= spare
+        return miss[passed]
 
     def close(self) -> None:
         """Remove the shared slot index (the arena is the sidecar's to close)."""

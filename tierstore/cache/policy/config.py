@@ -45,9 +45,11 @@ class PolicyConfig:
     hint_clients: clients with ids pending at once; a hint from one more is
         dropped until another's hints run out.
     read_admit_freq: a miss a local client read itself (TableEngine.note_access:
-        the row is already served, so promoting it is optional) is promoted
-        only once the sketch has counted it this many times, this access
-        included: a doorkeeper, one-hit wonders never displace resident rows.
+        the row is already served, so promoting it is optional) that needs a
+        victim is promoted only once the sketch has counted it this many times,
+        this access included: a doorkeeper, one-hit wonders never displace
+        resident rows. While the arena has free slots every such miss is
+        promoted (a free slot is always better than a disk read).
         On the demo table at a 10% budget, 2 against 1 (promote every miss):
         hit ratio 0.59 -> 0.66 (Zipf 1.0, 4,096-id steps), 0.39 -> 0.46 (Zipf
         0.8), 0.886 -> 0.890 (Zipf 1.2, 256), and a quarter less sidecar CPU;
