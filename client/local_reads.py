@@ -14,7 +14,9 @@ index (tierstore/cache/slot_index.py):
    step with misses is planned through the sidecar as before;
 3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
    and one-way (client/step_link.py): its policy learns the step as if it had
-   been planned and promotes the misses, so the next steps find them resident.
+   been planned and promotes the misses, so the next steps find them resident;
+   the note carries the rows this process read for them, so the sidecar does not
+   read them from disk again (it verifies each against its row sum first).
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
 a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
@@ -68,6 +70,7 @@ class LocalReads:
         _copy(ids, slots, gens, self.id_of, self.arena, out)
         missing = _confirm(slots, gens, self.gen)
         asked = distinct(ids)
+        uniq = got = None
         if missing:
             cold = self._reader()
             if cold is None:
@@ -78,7 +81,8 @@ class LocalReads:
             cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
             out[where] = got[inv]
             self.distinct_cold += uniq.size
-        self.client.link.note(self.table, self.version, asked)
+        # the misses' verified rows ride on the note: the sidecar promotes them without a disk read
+        self.client.link.note(self.table, self.version, asked, uniq, got)
         self.distinct_asked += asked.size
         self.steps += 1
         self.rows_resident += n - missing

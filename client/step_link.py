@@ -6,7 +6,10 @@ step's PLAN frame; a client that stops planning sends it in a RELEASE frame
 after RELEASE_LINGER_S, from a background thread: one release path, carried by
 the wire either way. Steps a client read itself (client/local_reads.py) are
 noted here and sent in batches, one-way: every NOTE_EVERY_S or NOTE_IDS ids
-while steps run, by the same thread after the last.
+while steps run, by the same thread after the last. A note carries the rows its
+steps read from disk, up to NOTE_ROW_BYTES a frame, so the sidecar promotes them
+without reading them again (it verifies each first); rows past that bound go
+without their bytes (the sidecar reads the ones it promotes).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ __all__ = ["StepLink", "RELEASE_LINGER_S"]
 RELEASE_LINGER_S = 0.02
 # local reads' notes go out at least this often while steps run, or once this many ids wait
 NOTE_EVERY_S, NOTE_IDS = 0.002, 1 << 13
+# bytes of rows one note carries at most (and at most half the sidecar's request limit)
+NOTE_ROW_BYTES = 32 << 20
 
 
 class StepLink:
@@ -37,8 +42,9 @@ class StepLink:
         self._lock = threading.Lock()
         self._closed = False
         self._flusher, self._flush_event, self._flush_due = None, threading.Event(), 0.0
-        self._notes: dict[tuple[str, int], tuple[list, list]] = {}  # (table, version) -> (id arrays, sizes)
-        self._note_ids, self._note_since = 0, 0.0
+        # (table, version) -> (id arrays, sizes, row-id arrays, row arrays)
+        self._notes: dict[tuple[str, int], tuple[list, list, list, list]] = {}
+        self._note_ids, self._note_since, self._note_bytes = 0, 0.0, 0
         self._notes_lock = threading.Lock()
 
     def connection(self) -> StepConnection:
@@ -64,16 +70,23 @@ class StepLink:
         """End leases now (and any queued); how many were live."""
         return self.conn.release(lease_ids) if self.conn is not None else 0
 
-    def note(self, table: str, version: int, ids: np.ndarray) -> None:
+    def note(self, table: str, version: int, ids: np.ndarray, row_ids: np.ndarray | None = None,
+             rows: np.ndarray | None = None) -> None:
         """A step of `table` this client read itself (int64 ids, kept as given: do not
-        change them); sent with others, one-way, soon (see the module docstring)."""
+        change them); sent with others, one-way, soon (see the module docstring).
+        row_ids, rows: the rows of its misses as read from disk (int64 [n], uint8
+        [n, row_bytes], kept as given too), carried while the note has room."""
         now = time.monotonic()
         with self._notes_lock:
             buf = self._notes.get((table, version))
             if buf is None:
-                buf = self._notes[(table, version)] = ([], [])
+                buf = self._notes[(table, version)] = ([], [], [], [])
             buf[0].append(ids)
             buf[1].append(ids.size)
+            if rows is not None and rows.size and self._note_bytes + rows.nbytes <= NOTE_ROW_BYTES:
+                buf[2].append(row_ids)
+                buf[3].append(rows)
+                self._note_bytes += rows.nbytes
             if not self._note_ids:
                 self._note_since = now
             self._note_ids += ids.size
@@ -86,13 +99,18 @@ class StepLink:
     def flush_notes(self) -> None:
         """Send the noted steps now (dropped when no connection can be had: they are hints)."""
         with self._notes_lock:
-            notes, self._notes, self._note_ids = self._notes, {}, 0
+            notes, self._notes, self._note_ids, self._note_bytes = self._notes, {}, 0, 0
         if not notes or self._closed:
             return
-        items = [AccessItem(t, np.concatenate(arrs) if len(arrs) > 1 else arrs[0],
-                            np.cumsum(sizes, dtype=np.int64), v) for (t, v), (arrs, sizes) in notes.items()]
+        items = [AccessItem(t, _joined(arrs), np.cumsum(sizes, dtype=np.int64), v,
+                            _joined(row_ids) if row_ids else None, _joined(rows) if rows else None)
+                 for (t, v), (arrs, sizes, row_ids, rows) in notes.items()]
         try:
-            self.connection().access(items)
+            conn = self.connection()
+            if sum(it.rows.nbytes for it in items if it.rows is not None) > conn.max_request_bytes // 2:
+                for it in items:  # a sidecar with a small request limit: the ids still go
+                    it.row_ids = it.rows = None
+            conn.access(items)
         except errors.TierstoreError:
             pass
 
@@ -137,3 +155,7 @@ class StepLink:
             if self.conn is not None:
                 self.conn.close()
                 self.conn = None
+
+
+def _joined(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]

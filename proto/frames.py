@@ -13,10 +13,16 @@ client/step_connection.py speaks it). One frame per request and per reply:
                name + message padded to 8)
     RELEASE  > u32 n, 4 pad, u64 lease_ids[n]    < u64 released
     ACCESS   > u32 n_items, 4 pad, n_items x (u64 version, u32 n_ids, u32 n_steps,
-               u16 name_len, 6 pad, name padded to 8, i64 ids[n_ids], i64 ends[n_steps])
+               u32 n_rows, u32 row_bytes, u16 name_len, 6 pad, name padded to 8,
+               i64 ids[n_ids], i64 ends[n_steps], i64 row_ids[n_rows],
+               u8 rows[n_rows * row_bytes] padded to 8)
              (no reply) steps a client read itself (client/local_reads.py): step k is
                ids[ends[k-1]:ends[k]]; the sidecar's policy learns them and promotes
-               the misses. A hint: errors in it are logged by the sidecar, not answered.
+               the misses. rows: the misses the client read from the segment files
+               (row_ids[i]'s bytes), so the sidecar promotes them without reading the
+               disk again; it verifies each against its row sum before it places it
+               (a row that fails is read from disk instead). A hint: errors in it
+               are logged by the sidecar, not answered.
     ERROR    < (whole request failed) as an ERR item; after a framing error the
                server closes the connection, otherwise it keeps serving it.
 
@@ -42,14 +48,14 @@ __all__ = ["step_socket_path", "PlanItem", "PlanResult", "AccessItem", "FrameRea
            "encode_plan_results", "encode_access", "parse_access", "encode_error", "decode_error", "MAGIC",
            "PROTOCOL_VERSION"]
 
-MAGIC, PROTOCOL_VERSION = b"TSFP", 1
+MAGIC, PROTOCOL_VERSION = b"TSFP", 2  # 2: ACCESS items carry the rows the client read
 HELLO, PLAN, RELEASE, ACCESS, ERROR = 1, 2, 3, 4, 0x7F
 HDR = struct.Struct("<IB3x")
 HELLO_REQ = struct.Struct("<4sH2x16s")
 HELLO_RESP = struct.Struct("<4sH2xQ")
 PLAN_REQ = struct.Struct("<II")
 ITEM = struct.Struct("<QQIIH6x")
-ACCESS_ITEM = struct.Struct("<QIIH6x")
+ACCESS_ITEM = struct.Struct("<QIIIIH6x")
 COUNT = struct.Struct("<I4x")
 RES_OK = struct.Struct("<BxxxIQQQIIIIQ")  # ..., arena name length, arena slots
 RES_ERR = struct.Struct("<BxxxII4x")
@@ -88,12 +94,17 @@ class PlanItem:
 @dataclass(slots=True)
 class AccessItem:
     """Steps of one table a client read itself: step k is ids[ends[k-1]:ends[k]].
-    On the server, `ids` and `ends` are read-only views of the request buffer."""
+    row_ids / rows (optional): rows the client read from disk for its misses, int64
+    [n] and uint8 [n, row_bytes], rows[i] being row_ids[i]'s bytes as read (the
+    sidecar verifies them). On the server, all four are read-only views of the
+    request buffer."""
 
     table: str
     ids: np.ndarray
     ends: np.ndarray
     version: int = 0
+    row_ids: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -414,13 +425,19 @@ def _name(body, off: int, name_len: int, what: str) -> str:
 
 
 def encode_access(items: list[AccessItem]) -> tuple[list, int]:
-    """(parts, their total bytes) of an ACCESS frame; ids and ends int64, contiguous."""
+    """(parts, their total bytes) of an ACCESS frame; ids, ends and row_ids int64, rows
+    uint8 [n, row_bytes], all contiguous."""
     parts, size = [COUNT.pack(len(items))], COUNT.size
     for it in items:
         name = it.table.encode("utf-8")
-        parts += [ACCESS_ITEM.pack(it.version, it.ids.size, it.ends.size, len(name)), name,
+        n_rows, row_bytes = (0, 0) if it.rows is None else it.rows.shape
+        parts += [ACCESS_ITEM.pack(it.version, it.ids.size, it.ends.size, n_rows, row_bytes, len(name)), name,
                   bytes(pad8(len(name))), it.ids, it.ends]
         size += ACCESS_ITEM.size + len(name) + pad8(len(name)) + it.ids.nbytes + it.ends.nbytes
+        if n_rows:
+            tail = bytes(pad8(it.rows.nbytes))
+            parts += [it.row_ids, it.rows, tail]
+            size += it.row_ids.nbytes + it.rows.nbytes + len(tail)
     return parts, size
 
 
@@ -435,18 +452,25 @@ def parse_access(body) -> list[AccessItem]:
     for i in range(n_items):
         if ACCESS_ITEM.size > len(body) - off:
             raise bad(f"step-socket ACCESS is truncated in the header of item {i}")
-        version, n_ids, n_steps, name_len = ACCESS_ITEM.unpack_from(body, off)
+        version, n_ids, n_steps, n_rows, row_bytes, name_len = ACCESS_ITEM.unpack_from(body, off)
         off += ACCESS_ITEM.size
-        pad = -name_len % 8
-        if name_len > MAX_NAME or name_len + pad + (n_ids + n_steps) * 8 > len(body) - off:
-            raise bad(f"step-socket ACCESS item {i} declares a {name_len} B name, {n_ids} ids and {n_steps} steps, "
-                      f"more than the frame carries")
+        pad, row_part = -name_len % 8, n_rows * (8 + row_bytes) + -(n_rows * row_bytes) % 8
+        if name_len > MAX_NAME or name_len + pad + (n_ids + n_steps) * 8 + row_part > len(body) - off:
+            raise bad(f"step-socket ACCESS item {i} declares a {name_len} B name, {n_ids} ids, {n_steps} steps and "
+                      f"{n_rows} rows of {row_bytes} B, more than the frame carries")
+        if n_rows and not row_bytes:
+            raise bad(f"step-socket ACCESS item {i} carries {n_rows} rows of 0 B")
         table = _name(body, off, name_len, f"ACCESS item {i}")
         off += name_len + pad
         ids = np.frombuffer(body, _I8, n_ids, off)
         ends = np.frombuffer(body, _I8, n_steps, off + n_ids * 8)
         off += (n_ids + n_steps) * 8
-        items.append(AccessItem(table, ids, ends, version))
+        row_ids = rows = None
+        if n_rows:
+            row_ids = np.frombuffer(body, _I8, n_rows, off)
+            rows = np.frombuffer(body, np.uint8, n_rows * row_bytes, off + n_rows * 8).reshape(n_rows, row_bytes)
+            off += row_part
+        items.append(AccessItem(table, ids, ends, version, row_ids, rows))
     if off != len(body):
         raise bad(f"step-socket ACCESS has {len(body) - off} B after its last item")
     return items

@@ -260,3 +260,84 @@ def test_misses_are_planned_when_the_segment_files_are_out_of_reach(served, tmp_
     assert np.array_equal(c.lookup("t", ids), data[ids])
     assert h.cold_dir == "" and _stats(c)["plans"] == 1  # planned once, and from now on
     assert np.array_equal(c.lookup("t", ids + 1), data[ids + 1])
+
+
+def test_local_reads_fill_the_arena_as_rows_arrive_and_beat_lru(tmp_path):
+    """Issue 24.1: every miss a local client reads goes into a free slot at first sight,
+    from the bytes the client read (the sidecar reads nothing from disk), so the arena is
+    as full as the distinct rows asked allow after every step; once it is full the
+    doorkeeper guards evictions, and the hit ratio the client sees is at least LRU's on
+    the same steps at the same capacity."""
+    d = tmp_path / "data"
+    data = _write(d)
+    # no online verification: its re-reads would count in the disk bytes this test checks
+    with SidecarProcess(d, dram_budget="512KiB", extra_args=["--verify-sample", "0"]) as sc, \
+            Client(sc.socket) as c:
+        _fill_and_compare(c, data)
+
+
+def _settled(c: Client, steps: int, timeout: float = 10.0) -> dict:
+    """Stats once the sidecar has learned `steps` noted steps and its promotions stopped."""
+    s, deadline = _wait(c, "local_steps", steps, timeout), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _stats(c)
+        if now["promotions"] == s["promotions"]:
+            return now
+        s = now
+    return s
+
+
+def _fill_and_compare(c: Client, data: np.ndarray) -> None:
+    from tierstore.bench.cache import replay_steps
+    from tierstore.bench.workload import make_batches
+    from tierstore.cache.policy import PolicyConfig
+
+    cap = int(c.tables()[0]["arena_slots"])
+    steps = make_batches("zipf0.9", ROWS, 1500, 40, seed=4)
+    seen = np.zeros(ROWS, dtype=bool)
+    local = None
+    for k, ids in enumerate(steps):
+        assert np.array_equal(c.lookup("t", ids), data[ids])
+        local = c.handle("t").local
+        c.flush()
+        seen[ids] = True
+        want = min(int(seen.sum()), cap)
+        s = _wait(c, "resident", int(np.ceil(0.95 * want)))  # once the sidecar has learned the step
+        assert s["resident"] >= 0.95 * want, f"step {k}: {s['resident']} rows resident of {want} distinct asked"
+        if k == 9:
+            asked, cold = local.distinct_asked, local.distinct_cold
+    assert seen.sum() > 1.5 * cap and s["resident"] == cap  # well past capacity: full, and evicting
+    s = _settled(c, len(steps))
+    # promoted from the bytes the client sent, bar a few rows the client found resident but the
+    # sidecar evicted (promoting the step before) by the time it learned the step: those it reads
+    assert s["promotions"] > cap and s["note_rows_refused"] == 0
+    assert s["note_rows_placed"] >= 0.98 * s["promotions"], "the sidecar read rows its clients had sent"
+    assert s["bytes_read"] <= (s["promotions"] - s["note_rows_placed"]) * WIDTH
+    hit = 1 - (local.distinct_cold - cold) / (local.distinct_asked - asked)
+    lru = replay_steps(steps, ROWS, cap, PolicyConfig(kind="lru"), count_from=10)
+    assert hit >= lru, f"hit ratio {hit:.3f} below LRU's {lru:.3f} on the same steps"
+
+
+def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served):
+    """The sidecar never places a row it did not verify: an access note carrying a
+    corrupted row gets that note's rows read from disk (counted), and every client then
+    reads the rows as stored."""
+    sc, c, data = served
+    ids = np.arange(30_000, 30_064, dtype=np.int64)
+    rows = data[ids].copy()
+    rows[10, 40] ^= 0x01  # one flipped bit
+    fp = StepConnection(step_socket_path(sc.socket))
+    try:
+        assert fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
+        s = _wait(c, "local_steps", 1)
+    finally:
+        fp.close()
+    s = _wait(c, "promotions", ids.size)
+    assert s["note_rows_refused"] == ids.size and s["note_rows_placed"] == 0 and s["bytes_read"] > 0
+    local_before = c.lookup("t", [1])  # opens the local reader
+    assert np.array_equal(local_before, data[[1]])
+    got = c.lookup("t", ids)
+    assert np.array_equal(got, data[ids]) and c.handle("t").local.rows_resident >= ids.size
+    with c.plan("t", ids) as step:
+        assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size

@@ -26,7 +26,8 @@ from tierstore.proto.frames import PlanItem, PlanResult
 from tierstore.sidecar.step_server import StepServer, OwnedLeases
 from tierstore.proto.frames import step_socket_path
 from tierstore.proto.frames import (ACCESS, ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
-                                PROTOCOL_VERSION, FrameReader, decode_error, parse_access)
+                                PROTOCOL_VERSION, AccessItem, FrameReader, decode_error, encode_access,
+                                parse_access)
 
 MASK = (1 << 20) - 1
 
@@ -461,6 +462,32 @@ def test_threads_share_one_client(serve):
         for t in threads:
             t.join()
     assert not failures
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(n_ids=st.integers(0, 40), n_rows=st.integers(0, 12), row_bytes=st.sampled_from([8, 13, 264]),
+       cut=st.integers(1, 64))
+def test_access_frames_carry_rows_and_a_lie_about_them_is_refused(n_ids, n_rows, row_bytes, cut):
+    """An ACCESS item's rows round-trip bit-exact (any width, padded to 8); a frame cut
+    short anywhere in them is InvalidArgument, never a view past the body."""
+    rng = np.random.default_rng(n_ids * 100 + n_rows)
+    ids = rng.integers(0, 1000, n_ids).astype(np.int64)
+    row_ids = rng.integers(0, 1000, n_rows).astype(np.int64)
+    rows = rng.integers(0, 256, (n_rows, row_bytes), dtype=np.uint8)
+    items = [AccessItem("b", ids[:1], np.array([min(1, n_ids)], np.int64)),  # the rows' item last: cut into
+             AccessItem("tbl", ids, np.array([n_ids], np.int64), 3, row_ids if n_rows else None,
+                        rows if n_rows else None)]
+    parts, size = encode_access(items)
+    body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert len(body) == size and size % 8 == 0
+    got = parse_access(body)
+    assert np.array_equal(got[1].ids, ids) and got[1].version == 3 and got[0].rows is None
+    if n_rows:
+        assert np.array_equal(got[1].row_ids, row_ids) and np.array_equal(got[1].rows, rows)
+    else:
+        assert got[1].rows is None and got[1].row_ids is None
+    with pytest.raises(errors.InvalidArgument):
+        parse_access(body[:-min(cut, len(body) - 1)])
 
 
 def one_way_ok(body) -> bool:

@@ -314,3 +314,26 @@ def test_a_mapped_row_sum_file_that_shrinks_is_data_loss_not_a_crash(data_dir, m
         os.truncate(path, 100)  # touching the map past here would be SIGBUS
         with pytest.raises(ChecksumError, match="row checksum file shrank"):
             r.read_into(np.array([5, 1500]), np.zeros((2, 64), np.uint8), np.arange(2))
+
+
+@pytest.mark.parametrize("fmt,dim", [("fp32", 64), ("fp16", 3)], ids=["256B", "6B"])
+def test_place_rows_places_only_rows_that_match_their_row_sums(data_dir, fmt, dim):
+    """SegmentReader.place_rows (the sidecar promoting rows a client read): bit-exact rows
+    into their slots, no disk read; the first row that does not match its row sum is
+    named; a version without row sums places nothing; a shrunk row-sum file is DATA_LOSS."""
+    width = RowFormat.parse(fmt).row_bytes(dim)
+    data = np.random.default_rng(8).integers(0, 256, size=(1500, width), dtype=np.uint8)
+    tv = _write(data_dir, "t", data, fmt=fmt, dim=dim)
+    with _reader(data_dir, tv) as r:
+        ids = np.array([3, 700, 1499, 42])
+        src = data[ids[::-1]].copy()  # the caller's order: local indexes into it
+        dest = np.zeros((8, width), dtype=np.uint8)
+        assert r.place_rows(ids, src, np.arange(4)[::-1].copy(), dest, np.array([7, 0, 2, 5])) == -1
+        assert np.array_equal(dest[[7, 0, 2, 5]], data[ids]) and r.bytes_read == 0
+        src[1, -1] ^= 0x80  # row 1499's last byte, as sent
+        assert r.place_rows(ids, src, np.arange(4)[::-1].copy(), dest, np.arange(4)) == 2
+        with pytest.raises(ChecksumError, match="shrank"):
+            os.truncate(data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"], 100)
+            r.place_rows(ids, data[ids], np.arange(4), dest, np.arange(4))
+    with _reader(data_dir, dataclasses.replace(tv, row_sums=None)) as r:
+        assert r.place_rows(ids, data[ids], np.arange(4), dest, np.arange(4)) == 0

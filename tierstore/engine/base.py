@@ -50,6 +50,8 @@ class Counters:
     notes_dropped: int = 0  # of those, steps the sidecar dropped unlearned (it was behind)
     notes_refused: int = 0  # notes refused as malformed (ids out of range, bad step ends)
     warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
+    note_rows_placed: int = 0  # promoted from the rows a note carried (no disk read)
+    note_rows_refused: int = 0  # rows a note carried that failed their row sums (read from disk instead)
 
 
 class TableEngine:
@@ -156,4 +158,5 @@ class TableEngine:
                     bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
                     notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
+                    note_rows_placed=c.note_rows_placed, note_rows_refused=c.note_rows_refused,
                     metadata_bytes=self.metadata_bytes())

@@ -17,6 +17,7 @@ slot table's invariants and read best in one file.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from tierstore.tiers.nvme.verified_copy import warm
 from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["CacheEngine"]
+
+log = logging.getLogger("tierstore.engine.cache")
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
@@ -69,6 +72,7 @@ class CacheEngine(TableEngine):
             raise
         self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
         self._fills: dict[int, Fill] = {}
+        self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
         warm()  # compile the miss path's kernels now (or load them), not on the first Plan
 
@@ -176,9 +180,10 @@ class CacheEngine(TableEngine):
         self.counters.prefetched += misses
         return misses
 
-    def _promote(self, miss: np.ndarray, cached: bool = False) -> int:
+    def _promote(self, miss: np.ndarray, cached: bool = False, carried=None) -> int:
         """Read sorted, unique `miss` into the arena without a lease; rows read, 0 when
-        the arena has no room (leased) or the read failed (a step reading them reports it)."""
+        the arena has no room (leased) or the read failed (a step reading them reports it).
+        carried: rows a client already read (_complete)."""
         if miss.size == 0:
             return 0
         try:
@@ -186,12 +191,13 @@ class CacheEngine(TableEngine):
         except ResourceExhausted:
             return 0
         try:
-            self._complete(fill, (), cached=cached)
+            self._complete(fill, (), cached=cached, carried=carried)
         except (_FillFailed, ChecksumError):
             return 0
         return misses
 
-    def note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
+    def note_access(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None = None,
+                    rows: np.ndarray | None = None) -> int:
         """Steps a local client served itself (client/local_reads.py), told after the fact in
         batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
         ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
@@ -199,41 +205,59 @@ class CacheEngine(TableEngine):
         missed are promoted without a lease, so the next steps find them resident: every
         miss while the arena has free slots (a free slot is always better than a disk
         read), and of those that would evict a row only the ones seen before
-        (PolicyConfig.read_admit_freq, a doorkeeper). Never refused: when the
-        arena is full of leased rows, the misses that do not fit are skipped. Returns rows
-        read. InvalidArgument for bad ids or step ends (nothing is learned then)."""
-        ids, ends = self.check_note(ids, ends)
+        (PolicyConfig.read_admit_freq, a doorkeeper). row_ids, rows: rows the client read
+        for its misses (int64 [n], uint8 [n, row_bytes], any order): a promoted miss among
+        them is placed from those bytes, each verified against its row sum in the same
+        pass, instead of read from disk; one that does not match is read from disk
+        instead and counted (note_rows_refused): no row the sidecar did not verify is
+        ever placed. Never refused: when the arena is full of leased rows, the misses that
+        do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
+        ends or rows (nothing is learned then)."""
+        ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
         if ids.size == 0:
             return 0
         with cpu_token.hold():
             if not self.enter():
                 return 0  # freed meanwhile (a version swap): nothing to learn
             try:
-                return self._note_access(ids, ends)
+                carried = None
+                if row_ids is not None and row_ids.size and getattr(self.reader, "row_sums", None) is not None:
+                    have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
+                    carried = (have, first.astype(np.int64, copy=False), rows)
+                return self._note_access(ids, ends, carried)
             finally:
                 self.leave()
 
-    def check_note(self, ids, ends) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, ends) of an access note, validated (note_access); InvalidArgument otherwise."""
+    def check_note(self, ids, ends, row_ids=None, rows=None) -> tuple:
+        """(ids, ends, row_ids, rows) of an access note, validated (note_access); InvalidArgument
+        otherwise. row_ids and rows are None when the note carries no rows."""
         ids = self.check_ids(ids)
         ends = np.asarray(ends, dtype=np.int64).reshape(-1)
         if ends.size == 0 or ends[-1] != ids.size or ends[0] < 0 or np.any(np.diff(ends) < 0):
             raise InvalidArgument(f"table {self.table!r}: access note of {ids.size} ids needs non-decreasing step "
                                   f"ends that finish at {ids.size}, got {ends.size} ends")
-        return ids, ends
+        if rows is None or row_ids is None or not np.size(row_ids):
+            return ids, ends, None, None
+        row_ids = self.check_ids(row_ids)
+        rows = np.asarray(rows)
+        if rows.dtype != np.uint8 or rows.shape != (row_ids.size, self.version.row_bytes):
+            raise InvalidArgument(f"table {self.table!r}: an access note carries {row_ids.size} row ids and rows "
+                                  f"{rows.dtype} {rows.shape}; rows must be uint8 [{row_ids.size}, "
+                                  f"{self.version.row_bytes}]")
+        return ids, ends, row_ids, rows
 
-    def _note_access(self, ids: np.ndarray, ends: np.ndarray) -> int:
+    def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None) -> int:
         """note_access after its checks, a few steps at a time (the lock is held for at most
         NOTE_CHUNK_IDS ids: planned steps of other workers wait on it)."""
         read, a = 0, 0
         while a < ends.size:
             start = int(ends[a - 1]) if a else 0
             b = max(a + 1, int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right")))
-            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start)
+            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried)
             a = b
         return read
 
-    def _note_steps(self, ids: np.ndarray, ends: np.ndarray) -> int:
+    def _note_steps(self, ids: np.ndarray, ends: np.ndarray, carried=None) -> int:
         """Steps ids[ends[k-1]:ends[k]], each step's ids distinct (repeats across steps are
         further accesses): learned under the lock, then the admitted misses promoted."""
         st, starts = self.slots, np.concatenate([[0], ends[:-1]]).tolist()
@@ -256,7 +280,8 @@ class CacheEngine(TableEngine):
             c.misses += ids.size - hit_slots.size
             miss = self._admitted_misses(np.sort(distinct(ids[~hit])))  # sorted, for the cold tier
             room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
-        return self._promote(miss[:room], cached=True)  # the client has just read these rows' pages
+        # the client has just read these rows: their bytes (carried) or at least their pages (cached)
+        return self._promote(miss[:room], cached=True, carried=carried)
 
     def hot_set(self) -> tuple[np.ndarray, np.ndarray]:
         """The resident rows, hottest first: (ids int64, counts uint8), counts the policy's
@@ -388,13 +413,14 @@ class CacheEngine(TableEngine):
                 st.unpin(slots)  # a prefetch holds only its fill's pins
         return slots, fill, waits, n_miss
 
-    def _complete(self, fill: Fill | None, waits, cached: bool = False) -> None:
+    def _complete(self, fill: Fill | None, waits, cached: bool = False, carried=None) -> None:
         """Stages 2 and 3: read this step's misses into place, then wait for other steps'
         fills of rows it shares. Raises the fill's error, or _FillFailed (plan again).
-        cached: the rows' pages are known to be in the page cache (SegmentReader.read_into)."""
+        cached: the rows' pages are known to be in the page cache (SegmentReader.read_into).
+        carried: (sorted row ids, their index in rows, rows) a client already read (_read_into)."""
         if fill is not None:
             try:
-                self._read_into(fill.ids, fill.slots, cached)
+                self._read_into(fill.ids, fill.slots, cached, carried)
             except BaseException as e:
                 with self._lock:
                     self.slots.unmap(fill.slots)
@@ -417,7 +443,30 @@ class CacheEngine(TableEngine):
             if other.error is not None:
                 raise _FillFailed()
 
-    def _read_into(self, ids: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
+    def _read_into(self, ids: np.ndarray, slots: np.ndarray, cached: bool = False, carried=None) -> None:
+        """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified. The
+        ones in `carried` are placed from those bytes and checked against their row sums in
+        one pass (SegmentReader.place_rows); if any does not match, all of them are read
+        from disk like the rest (a client's copy is never trusted over the disk's)."""
+        if carried is not None and ids.size and hasattr(self.reader, "place_rows"):
+            have_ids, local, rows = carried
+            pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
+            have = have_ids[pos] == ids
+            n = int(np.count_nonzero(have))
+            if n:
+                bad = self.reader.place_rows(ids[have], rows, local[pos[have]], self.arena.rows, slots[have])
+                if bad < 0:
+                    self.counters.note_rows_placed += n
+                    ids, slots = ids[~have], slots[~have]
+                else:
+                    self.counters.note_rows_refused += n
+                    if not self._refused_logged:
+                        self._refused_logged = True
+                        log.warning("table %s: rows a local client sent with its access note do not match their "
+                                    "row sums (row %d first); read from disk instead", self.table,
+                                    int(ids[have][bad]))
+            if ids.size == 0:
+                return
         read_into = getattr(self.reader, "read_into", None)
         if read_into is not None:
             read_into(ids, self.arena.rows, slots, **({"cached": True} if cached and self._gathers else {}))

@@ -45,6 +45,9 @@ log = logging.getLogger("tierstore.sidecar.served")
 PREFETCH_QUEUE = 64  # prefetch requests waiting at most; more are dropped (they are hints)
 PREFETCH_QUEUE_IDS = 1 << 22  # and their ids waiting at most (one larger request is taken alone)
 NOTE_QUEUE_IDS = 1 << 18  # ids of local reads' notes waiting for the learner; more are dropped (hints)
+# bytes of rows those notes carry waiting for the learner; past it a note's rows are dropped (its ids
+# are still learned, and the misses it promotes are read from disk)
+NOTE_QUEUE_ROW_BYTES = 64 << 20
 # The learner thread's nice value (Linux: per thread). With 4 local-read clients on this
 # project's 2-vCPU VM, +5 let it learn ~20% of the steps (the rest dropped) and readers got
 # the CPU: 1.38x and 1.50x one client's rows/s in two runs, against 0.99x and 1.48x at 0;
@@ -73,8 +76,8 @@ class ServedTables:
             from tierstore.sidecar.trace_recorder import TraceRecorder
             self.recorder = TraceRecorder(config.record_trace)
         self._prefetch_pending = self._prefetch_ids = 0
-        self._notes: list = []  # (engine, ids, ends) for the learner thread (note())
-        self._notes_ids = 0
+        self._notes: list = []  # (engine, ids, ends, row_ids, rows) for the learner thread (note())
+        self._notes_ids = self._notes_bytes = 0
         self._notes_cv = threading.Condition(threading.Lock())
         self._learner: threading.Thread | None = None
         self._mooncake = None  # one Mooncake client for every remote table (--remote)
@@ -335,17 +338,24 @@ class ServedTables:
                 self._prefetch_pending -= 1
                 self._prefetch_ids -= ids.size
 
-    def note(self, engine: TableEngine, ids, ends) -> bool:
+    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None) -> bool:
         """Queue steps a local client read itself (TableEngine.note_access) for the learner
         thread, after checking them (InvalidArgument). False when NOTE_QUEUE_IDS ids already
         wait: the note is dropped, so while the sidecar is behind its policy learns from a
-        sample of the steps, and no client ever waits for its bookkeeping."""
-        ids, ends = engine.check_note(ids, ends)
+        sample of the steps, and no client ever waits for its bookkeeping. The rows a note
+        carries are queued while NOTE_QUEUE_ROW_BYTES allows, else left out (the misses
+        they were for are then read from disk if promoted): the queue holds at most that."""
+        ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows)
         with self._notes_cv:
             if self._notes_ids and self._notes_ids + ids.size > NOTE_QUEUE_IDS:
                 engine.counters.notes_dropped += ends.size
                 return False
-            self._notes.append((engine, ids.copy(), ends.copy()))  # the request buffer is reused
+            if rows is not None and self._notes_bytes + rows.nbytes > NOTE_QUEUE_ROW_BYTES:
+                row_ids = rows = None
+            if rows is not None:  # copies, as for the ids: the request buffer is reused
+                row_ids, rows = row_ids.copy(), rows.copy()
+                self._notes_bytes += rows.nbytes
+            self._notes.append((engine, ids.copy(), ends.copy(), row_ids, rows))
             self._notes_ids += ids.size
             if self._learner is None:
                 self._learner = threading.Thread(target=self._learn_loop, name="learner", daemon=True)
@@ -365,17 +375,21 @@ class ServedTables:
                     self._notes_cv.wait()
                 if self._stop.is_set():
                     return
-                batch, self._notes, self._notes_ids = self._notes, [], 0
+                batch, self._notes, self._notes_ids, self._notes_bytes = self._notes, [], 0, 0
             groups: dict[int, tuple] = {}
-            for eng, ids, ends in batch:
-                g = groups.setdefault(id(eng), (eng, [], []))
+            for eng, ids, ends, row_ids, rows in batch:
+                g = groups.setdefault(id(eng), (eng, [], [], [], []))
                 g[2].append(ends + sum(a.size for a in g[1]))
                 g[1].append(ids)
-            for eng, ids, ends in groups.values():
+                if rows is not None:
+                    g[3].append(row_ids)
+                    g[4].append(rows)
+            for eng, ids, ends, row_ids, rows in groups.values():
                 if eng.retired:
                     continue
                 try:
-                    eng.note_access(np.concatenate(ids), np.concatenate(ends))
+                    carried = (_joined(row_ids), _joined(rows)) if rows else (None, None)
+                    eng.note_access(np.concatenate(ids), np.concatenate(ends), *carried)
                 except Exception:  # noqa: BLE001 - a hint; the next step's note may well work
                     log.exception("learning the local steps of table %s failed", eng.table)
 
@@ -421,3 +435,7 @@ class ServedTables:
         if self._mooncake is not None:
             self._mooncake.close()
             self._mooncake = None
+
+
+def _joined(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]

@@ -52,7 +52,8 @@ class ServedSteps:
         return out
 
     def access(self, owner: bytes, items) -> None:
-        """Steps a local client read itself: the engine's policy learns them, misses are promoted."""
+        """Steps a local client read itself: the engine's policy learns them, misses are promoted
+        (from the rows the note carries, verified, where it carries them)."""
         for it in items:
             try:
                 eng = self.served.engine(it.table, it.version)
@@ -61,7 +62,8 @@ class ServedSteps:
             if eng.full or eng.retired:
                 continue
             try:
-                self.served.note(eng, it.ids, it.ends)  # checked now, learned by the sidecar's learner thread
+                # checked now, learned by the sidecar's learner thread
+                self.served.note(eng, it.ids, it.ends, it.row_ids, it.rows)
             except TierstoreError as e:
                 eng.counters.notes_refused += 1
                 self._log_refusal(it.table, e)

@@ -303,12 +303,7 @@ class SegmentReader(Tier):
         if self.row_sums is None:  # a version written before row checksums: verify whole blocks
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
             return
-        if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
-            row = int(ids[0])  # touching the map past the file's end would be SIGBUS
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
-                                f"row {row}: the row checksum file shrank after it was opened")
-            err.row = row
-            raise err
+        self._check_sums(ids)
         sr = self.version.segment_rows
         first = int(ids[0]) // sr
         if cached and self.direct is None:
@@ -325,6 +320,35 @@ class SegmentReader(Tier):
             row = int(ids[i])
             err = ChecksumError(self.table, self.version.version, row // self.block_rows,
                                 f"row {row}" + (f": {why}" if why else ""))
+            err.row = row
+            raise err
+
+    def place_rows(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
+                   slots: np.ndarray) -> int:
+        """Write src[local[i]], row ids[i] as someone else read it, into dest[slots[i]], each
+        row verified against its row sum in the same pass (verified_copy.place_verified):
+        the sidecar promotes the rows a local client read without reading them again.
+
+        ids: int64, in range (the engine checked them); src: uint8 [*, row_bytes];
+        local, slots: int64 [len(ids)]. Returns the index of the first row that does
+        not match its row sum, or -1 when all do; after a mismatch the rows of this
+        call in dest may hold anything (the caller reads them from disk instead).
+        Every row mismatches for a version without row sums: nothing unverified is
+        ever placed. ChecksumError when the row-sum file shrank since it was opened."""
+        if ids.size == 0:
+            return -1
+        if self.row_sums is None or src.ndim != 2 or src.shape[1] != self.row_bytes:
+            return 0
+        self._check_sums(ids)
+        return place_verified(src, local, ids, dest, slots, self.row_sums)
+
+    def _check_sums(self, ids: np.ndarray) -> None:
+        """ChecksumError (naming ids[0]) when the mapped row-sum file shrank: touching the
+        map past the file's end would be SIGBUS."""
+        if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
+            row = int(ids[0])
+            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+                                f"row {row}: the row checksum file shrank after it was opened")
             err.row = row
             raise err
 
