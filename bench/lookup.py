@@ -165,6 +165,21 @@ def _table_stats(client, table: str) -> dict:
     return {}
 
 
+def _learned_stats(client, table: str, wait_s: float = 10.0) -> dict:
+    """The table's stats once the sidecar has learned (or dropped) every step this client
+    read locally: local reads count hits and misses when the learner takes their notes,
+    which a busy host runs behind the steps (bounded wait)."""
+    client.flush()
+    local = client.handle(table).local
+    sent = local.steps if local is not None else 0
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = _table_stats(client, table)
+        if int(st.get("local_steps", 0)) + int(st.get("notes_dropped", 0)) >= sent or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
 def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(256, 4096, 32768, 65536),
                      dists=("zipf0.8", "zipf1.0", "zipf1.2", "uniform"), quick: bool = False, seed: int = 0,
                      rounds: int | None = None, rows_per_pass: int | None = None, cache_fraction: float = 0.10,
@@ -278,12 +293,12 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                     for name, fn in fns.items():
                         check_same_rows(name, fn(ids[0]), want_rows)
                     bar.set_description(f"lookup {dist} b={batch}")
-                    s0 = _table_stats(cclient, table) if "arena-cache" in fns else None
+                    s0 = _learned_stats(cclient, table) if "arena-cache" in fns else None
                     timings = run_rounds(fns, ids, rounds, progress=bar.update)
                     cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
                             "competitors": summarize(timings, calls * batch)}
                     if s0 is not None:
-                        s1 = _table_stats(cclient, table)
+                        s1 = _learned_stats(cclient, table)
                         h, m = int(s1.get("hits", 0)) - int(s0.get("hits", 0)), int(s1.get("misses", 0)) - int(s0.get("misses", 0))
                         cell["competitors"]["arena-cache"]["hit_ratio"] = h / (h + m) if h + m else None
                     cells.append(cell)

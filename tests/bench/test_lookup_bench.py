@@ -67,7 +67,7 @@ def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
                          slack_bytes=16 << 20, progress=False, log=lambda *_: None)
     comps = res["competitors"]
     assert {"dram", "tierstore-cold", "mmap-cold"} <= set(comps) <= {"dram", "tierstore-cold", "tierstore-direct",
-                                                                      "mmap-cold"}
+                                                                      "tierstore-local", "mmap-cold"}
     assert res["dram_budget_bytes"] == res["table_bytes"] // 4
     assert 0.0 <= comps["tierstore-cold"]["hit_ratio"] <= 1.0
     for name, d in comps.items():
