@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstore import cpu_token
-from tierstore.store.catalog import Catalog
-from tierstore.engine import make_engine
 from tierstore.errors import InvalidArgument, ResourceExhausted
-from tierstore.cache.leases import LeaseTable
-from tierstore.tiers.dram import Arena
 from tierstore.tiers.nvme.reader import SegmentReader
 
 ROWS = 20_000
@@ -40,17 +35,8 @@ class FaultyReader(SegmentReader):
 
 
 @pytest.fixture
-def engine(make_table, data_dir):
-    tv, data = make_table("t", rows=ROWS, row_bytes=64)
-    with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("t", tv.version)
-    reader = FaultyReader(data_dir, tv, sums)
-    arena = Arena(Path("/dev/shm") / f"tierstore-test-engine.{time.monotonic_ns()}", 2000, tv.row_bytes)
-    leases = LeaseTable(64)
-    eng = make_engine(tv, reader, arena, leases=leases, full=False)
-    yield eng, data
-    arena.close(unlink=True)
-    reader.close()
+def engine(cache_engines):
+    return cache_engines(ROWS, 2000, FaultyReader)
 
 
 def _plan(eng, ids, client=b"c"):
