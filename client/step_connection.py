@@ -37,7 +37,6 @@ from pathlib import Path
 import numpy as np
 
 from tierstore import errors
-from tierstore.proto.frames import step_socket_path
 from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
                                 MAX_RELEASE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
                                 FrameReader, PlanItem, PlanResult, decode_error, encode_access, pad8, send_frame,

@@ -13,8 +13,7 @@ import pytest
 from tierstore import errors
 from tierstore.client.step_connection import StepConnection
 from tierstore.client.client import Client
-from tierstore.proto.frames import step_socket_path
-from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame
+from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame, step_socket_path
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 

@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 from tierstore import errors
 from tierstore.bench.step_socket import ChildServer, ModuloHandler
 from tierstore.client.step_connection import StepConnection, raise_errors
-from tierstore.proto.frames import PlanItem, PlanResult
+from tierstore.proto.frames import PlanItem, PlanResult, step_socket_path
 from tierstore.sidecar.step_server import StepServer, OwnedLeases
-from tierstore.proto.frames import step_socket_path
 from tierstore.proto.frames import (ACCESS, ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
                                 PROTOCOL_VERSION, AccessItem, FrameReader, decode_error, encode_access,
                                 parse_access)
