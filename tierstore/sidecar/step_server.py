@@ -351,8 +351,9 @@ class StepServer:
         except Exception:
             log.exception("step socket connection failed")
         finally:
+            # slot, leases and owner go back before the socket closes: a client that sees the close
+            # (and reconnects at once) finds them free
             reader.close()
-            sock.close()
             with self._lock:
                 self._conns.pop(sock, None)
             if owner is not None:
@@ -362,6 +363,7 @@ class StepServer:
                     log.exception("step socket disconnected() failed")
                 with self._lock:
                     self._owners.discard(owner)
+            sock.close()
 
     def _hello(self, sock: socket.socket, reader: FrameReader) -> bytes:
         """The owner a HELLO names; the whole frame must arrive within HELLO_TIMEOUT_S of the accept,
