@@ -50,7 +50,8 @@ from tierstore.bench.cache import replay_steps
 from tierstore.bench.memory import MemoryCgroup, drop_page_cache, footprint, proc_memory, resident_bytes
 from tierstore.bench.mmap_child import MmapChild
 
-__all__ = ["run_cold_bench", "MemoryCgroup", "drop_page_cache"]
+__all__ = ["run_cold_bench", "cold_table", "direct_io_refusal", "stop_sidecar", "local_counts", "timed_pass",
+           "MemoryCgroup", "drop_page_cache"]
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
          "ratio_vs_dram": "x (rows/s over the all-DRAM sidecar's, median of per-round ratios)",
@@ -118,12 +119,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]
     passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
     closers, memory, footprints = [], {}, {}
-    from tierstore.tiers.nvme.direct_io import DirectFiles
-    try:  # O_DIRECT where the filesystem takes it (tmpfs before Linux 6.6 does not)
-        DirectFiles(seg_paths[:1], version.row_bytes).close()
-        no_direct = None
-    except Exception as e:
-        no_direct = str(e)
+    no_direct = direct_io_refusal(seg_paths, version.row_bytes)
     try:
         full = SidecarProcess(cache_dir, dram_budget=int(version.nbytes * 1.02) + (8 << 20)).start()
         closers.append(full.cleanup)
@@ -193,7 +189,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             if name != "dram":
                 how = drop_page_cache(seg_paths)
                 pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
-                cold_start[name] = _timed_pass(fns[name], ids)
+                cold_start[name] = timed_pass(fns[name], ids)
                 if fill is not None:
                     fill.asked(ids)
                 if name in sides:
@@ -208,13 +204,13 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
                 if fill is not None:
                     fill.settle()
                 s0 = sides[name][1].stats()["tables"][0] if name in sides else None
-                l0 = _local_counts(lclient) if name == "tierstore-local" else None
+                l0 = local_counts(lclient, "cold") if name == "tierstore-local" else None
                 f0 = child.faults() if name == "mmap-cold" else 0
                 timings.update(run_rounds({name: fns[name]}, [], rounds, progress=bar.update, round_batches=passes))
                 if name == "mmap-cold":
                     faults = child.faults() - f0
                 if l0 is not None:
-                    seen_local = {k: v - l0[k] for k, v in _local_counts(lclient).items()}
+                    seen_local = {k: v - l0[k] for k, v in local_counts(lclient, "cold").items()}
                 if name in sides:
                     for p in passes:
                         fill.asked(*p)
@@ -224,7 +220,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             check_same_rows(name, np.asarray((child.rows if name == "mmap-cold" else fns[name])(ids[0])),
                             table_rows[ids[0]])
             if name in sides:
-                _stop(*sides[name])
+                stop_sidecar(*sides[name])
         comps = summarize(timings, len(ids) * batch, ref="dram")
         for d in comps.values():
             d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
@@ -272,7 +268,19 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     return result
 
 
-def _stop(proc, client) -> None:
+def direct_io_refusal(seg_paths, row_bytes: int) -> str | None:
+    """None where the segments' filesystem takes O_DIRECT (tmpfs before Linux 6.6
+    does not), else why not: competitors that need it are skipped with that reason."""
+    from tierstore.tiers.nvme.direct_io import DirectFiles
+
+    try:
+        DirectFiles(list(seg_paths)[:1], row_bytes).close()
+        return None
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
+        return str(e)
+
+
+def stop_sidecar(proc, client) -> None:
     """Stop a cache-mode sidecar after its block; a death during it (its memory
     cgroup killed it?) fails the bench with its log."""
     died = proc.proc.poll() is not None
@@ -328,24 +336,28 @@ class _Fill:
                 "points_distinct_asked_resident": pts[keep].tolist()}
 
 
-def _local_counts(client) -> dict:
-    """What the local-reads client served: distinct ids asked and read from disk, disk bytes."""
-    local = client.handle("cold").local
+def local_counts(client, table: str) -> dict:
+    """What the local-reads client served of `table`: distinct ids asked and read from disk, disk bytes."""
+    local = client.handle(table).local
     cold = getattr(local, "_cold", None)
     return {"distinct_asked": local.distinct_asked if local else 0, "distinct_cold": local.distinct_cold if local else 0,
             "bytes_read": cold.bytes_read if cold is not None else 0}
 
 
-def _timed_pass(fn, batches) -> dict:
+def timed_pass(fn, batches, rows: int | None = None) -> dict:
+    """fn over `batches` back to back: rows/s (`rows` gathered, default the ids of
+    every batch), per-batch p50 / p99 in ms, and seconds."""
     lat = []
     t0 = time.perf_counter()
     for b in batches:
         t = time.perf_counter()
         fn(b)
         lat.append(time.perf_counter() - t)
+    seconds = time.perf_counter() - t0
     lat_ms = np.asarray(lat) * 1e3
-    return {"rows_per_s": sum(b.size for b in batches) / (time.perf_counter() - t0),
-            "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
+    rows = sum(b.size for b in batches) if rows is None else rows
+    return {"rows_per_s": rows / seconds, "p50_ms": float(np.percentile(lat_ms, 50)),
+            "p99_ms": float(np.percentile(lat_ms, 99)), "seconds": seconds, "steps": len(lat)}
 
 
 def cold_line(r: dict) -> str:

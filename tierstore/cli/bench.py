@@ -2,6 +2,8 @@
 
     tierstore bench lookup --data DIR --out OUT [--table T] [--batches ...] [--dists ...] [--quick]
     tierstore bench cold   --data DIR --out OUT [--quick]
+    tierstore bench large  --data DIR --out OUT [--table-gib 8] [--row-format F] [--dram-budget 1GiB] [--quick]
+                           (a V4.1-layout table past TLB reach: the disk's IOPS, tierstore vs memmap capped)
     tierstore bench warm   --out OUT [--quick]          (hit ratio after a restart: warm start vs cold)
     tierstore bench cache  --out OUT [--quick]          (cache-policy simulation)
     tierstore bench cache  --out OUT --trace FILE.npy [--step-ids N] [--sizes 0.005,0.01,50000] [--rows N]
@@ -41,6 +43,15 @@ def _csv(kind):
     return parse
 
 
+def _size(text):
+    from tierstore.sidecar.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _common(p, data=True):
     if data:
         p.add_argument("--data", required=True, help="tierstore data directory (a demo table is created if empty)")
@@ -70,6 +81,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="DRAM budget as a fraction of the table (default 0.25)")
     cold.add_argument("--warmup-arenas", type=float, default=2.0,
                       help="warm-up ids per competitor, in arena sizes (default 2)")
+    lg = sub.add_parser("large", help="a V4.1-layout table at the size users run: real-text prefill and decode "
+                        "steps, cold start and steady state, tierstore vs memmap (capped at tierstore's memory), "
+                        "against the disk's own random-read IOPS")
+    _common(lg)
+    lg.add_argument("--table-gib", type=float, help="table size in GiB, both layers (default 8, quick 1/16; "
+                    "34 is the 1/6-scale V4.1 layout); written once into --data with demo-table, then reused")
+    lg.add_argument("--row-format", choices=["fp32", "bf16", "fp16", "fp8-e4m3-ue8m0"],
+                    help="row format (default fp8-e4m3-ue8m0: 264-B rows, V4.1's)")
+    lg.add_argument("--dram-budget", type=_size, help="the sidecar's DRAM budget for both tables, e.g. 4GiB "
+                    "(default 1/8 of the table)")
+    lg.add_argument("--prefill-steps", type=int, help="prefill steps of 4,096 tokens per measured phase "
+                    "(default 30, quick 2)")
+    lg.add_argument("--decode-steps", type=int, help="decode steps of 128 streams per measured phase "
+                    "(default 300, quick 8)")
+    lg.add_argument("--warmup-steps", type=int, help="untimed prefill steps of other text before the steady "
+                    "state (default 100, quick 2)")
+    lg.add_argument("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
     wm = sub.add_parser("warm", help="hit ratio per step after a restart, warm start vs cold, against the "
                         "steady state before it")
     _common(wm, data=False)
@@ -197,6 +225,14 @@ def _run_one(name: str, args) -> int:
                              quick=quick, seed=seed, progress=progress, log=_log)
         res["summary"] = cold_line(res)
         plot_cold(res, out / "cold.png")
+    elif name == "large":
+        from tierstore.bench.large import run_large_bench
+
+        res = run_large_bench(args.data, out, table_gib=args.table_gib, row_format=args.row_format,
+                              dram_budget=args.dram_budget,
+                              prefill_steps=args.prefill_steps, decode_steps=args.decode_steps,
+                              warmup_steps=args.warmup_steps, disk_seconds=args.disk_seconds, quick=quick,
+                              seed=seed, progress=progress, log=_log)
     elif name == "warm":
         from tierstore.bench.warm import run_warm_bench
 

