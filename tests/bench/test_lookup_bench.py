@@ -76,3 +76,43 @@ def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
     assert "fadvise" in res["page_cache_drop"]
     mem = res["memory_limits"]
     assert mem["cgroup"] in ("v1", "v2") or mem["reason"]
+
+
+@pytest.mark.parametrize("row_bytes", [264, 66])  # copied as 8-byte words, and byte by byte
+def test_the_compiled_ceiling_gathers_what_numpy_does_into_one_reused_buffer(row_bytes):
+    from tierstore.bench.lookup import CompiledGather
+
+    table = np.random.default_rng(1).integers(0, 256, size=(1000, row_bytes), dtype=np.uint8)
+    ceiling = CompiledGather(table)
+    a, b = np.array([5, 999, 0, 5], dtype=np.int64), np.array([7, 1, 2, 3], dtype=np.int64)
+    got_a = ceiling.get(a).copy()
+    got_b = ceiling.get(b)
+    assert np.array_equal(got_a, table[a]) and np.array_equal(got_b, table[b])
+    assert ceiling.get(a) is got_b  # the same buffer for the same batch size: nothing allocated per call
+
+
+def test_the_ceiling_without_numba_is_numpys_take(numpy_path):
+    from tierstore.bench import lookup
+
+    numpy_path(lookup, "_GATHER")
+    table = np.arange(64 * 40, dtype=np.uint8).reshape(64, 40)
+    ceiling = lookup.CompiledGather(table)
+    assert ceiling.kind.startswith("numpy")
+    ids = np.array([3, 63, 3], dtype=np.int64)
+    assert np.array_equal(ceiling.get(ids), table[ids])
+
+
+def test_lookup_table_mib_writes_its_own_table_once_and_leaves_out_whole_copies(tmp_path, monkeypatch):
+    from tierstore.bench import lookup
+
+    monkeypatch.setattr(lookup, "COPY_LIMIT", 1 << 20)  # a 2 MiB table counts as large here
+    kw = dict(table_bytes=2 << 20, batches=(256,), dists=("uniform",), rounds=1, rows_per_pass=768,
+              competitors=("arena", "mmap", "lmdb"), progress=False, log=lambda *_: None)
+    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", **kw)
+    assert res["row_bytes"] == 264 and abs(res["table_bytes"] - (2 << 20)) < 264 * 1024
+    assert res["config"]["ceiling"]["gather"] in ("numba", "numpy take (numba missing or TIERSTORE_NO_JIT=1)")
+    assert set(res["cells"][0]["competitors"]) == {"ceiling", "arena", "mmap", "lmdb"}  # named: lmdb runs
+    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", **{**kw, "competitors": None})
+    assert "lmdb" in res["skipped"] and "redis" in res["skipped"] and "lmdb" not in res["cells"][0]["competitors"]
+    with pytest.raises(lookup.InvalidArgument, match="--table-mib"):
+        run_lookup_bench(tmp_path / "unused", tmp_path / "out", table="t", **kw)

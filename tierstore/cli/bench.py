@@ -1,6 +1,6 @@
 """`tierstore bench`: storage benchmarks against simple alternatives.
 
-    tierstore bench lookup --data DIR --out OUT [--table T] [--batches ...] [--dists ...] [--quick]
+    tierstore bench lookup --data DIR --out OUT [--table T | --table-mib 8192] [--batches ...] [--dists ...] [--quick]
     tierstore bench cold   --data DIR --out OUT [--quick]
     tierstore bench large  --data DIR --out OUT [--table-gib 8] [--row-format F] [--dram-budget 1GiB] [--quick]
                            (a V4.1-layout table past TLB reach: the disk's IOPS, tierstore vs memmap capped)
@@ -65,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="scenario", metavar="SCENARIO")
     lk = sub.add_parser("lookup", help="rows/s and latency: tierstore paths vs numpy, mmap, LMDB, Redis")
     _common(lk)
-    lk.add_argument("--table", help="table to read (default: the first)")
+    lk.add_argument("--table", help="table of --data to read (default: the first; with --quick and no --table-mib)")
+    lk.add_argument("--table-mib", type=int, help="read a random table of this many MiB of 264-B rows instead, "
+                    "written once into OUT/baselines/lookup-data (default 8192, past TLB reach; --quick, "
+                    "--table and `bench all` read a table of --data)")
     lk.add_argument("--batches", type=_csv(int), help="ids per call, e.g. 256,4096,32768,65536")
     lk.add_argument("--dists", type=_csv(str), help="id distributions, e.g. zipf0.8,zipf1.0,zipf1.2,uniform")
     lk.add_argument("--rounds", type=int, help="timed interleaved rounds per cell (default 5, quick 3)")
@@ -191,8 +194,12 @@ def _run_one(name: str, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     quick, seed, progress = args.quick, args.seed, args.progress
-    if name in ("lookup", "e2e", "concurrency"):  # cold writes its own table of a chosen size
-        ensure_data(args.data)
+    lookup_mib = None
+    if name == "lookup":  # a table past TLB reach unless a quick run, a --data table or `bench all` asks otherwise
+        lookup_mib = getattr(args, "table_mib", None) or (
+            None if quick or args.scenario == "all" or getattr(args, "table", None) else 8192)
+    if name in ("e2e", "concurrency") or (name == "lookup" and lookup_mib is None):
+        ensure_data(args.data)  # cold, large and lookup --table-mib write their own tables of a chosen size
     if name == "lookup":
         from tierstore.bench.lookup import line_for, run_lookup_bench
         from tierstore.bench.plots import headline, plot_lookup
@@ -211,7 +218,8 @@ def _run_one(name: str, args) -> int:
         elif quick:
             kw["dists"] = ("zipf1.0", "uniform")
         res = run_lookup_bench(args.data, out, table=getattr(args, "table", None), quick=quick, seed=seed,
-                               rounds=getattr(args, "rounds", None), progress=progress, log=_log, **kw)
+                               rounds=getattr(args, "rounds", None), progress=progress, log=_log,
+                               table_bytes=lookup_mib << 20 if lookup_mib else None, **kw)
         res["summary"] = line_for(headline(res["cells"]))
         plot_lookup(res, out / "lookup.png")
     elif name == "cold":
