@@ -44,41 +44,30 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from tierstore.bench.lookup import _Arena, check_same_rows, close_all, run_rounds, summarize
 from tierstore.bench.cache import replay_steps
-from tierstore.bench.memory import MemoryCgroup, drop_page_cache, footprint, proc_memory, resident_bytes
+from tierstore.bench.lookup import (
+    _Arena,
+    check_same_rows,
+    close_all,
+    run_rounds,
+    summarize,
+)
+from tierstore.bench.memory import (
+    MemoryCgroup,
+    drop_page_cache,
+    footprint,
+    proc_memory,
+    resident_bytes,
+)
 from tierstore.bench.mmap_child import MmapChild
+from tierstore.bench.random_table import random_table
 
-__all__ = ["run_cold_bench", "cold_table", "direct_io_refusal", "stop_sidecar", "local_counts", "timed_pass",
+__all__ = ["run_cold_bench", "direct_io_refusal", "stop_sidecar", "local_counts", "timed_pass",
            "MemoryCgroup", "drop_page_cache"]
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
          "ratio_vs_dram": "x (rows/s over the all-DRAM sidecar's, median of per-round ratios)",
          "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena", "bytes": "bytes"}
-
-
-def cold_table(cache_dir, table_bytes: int, row_bytes: int = 256, seed: int = 0, progress=False):
-    """A random table of about `table_bytes` in `cache_dir`, written once and reused."""
-    from tierstore.store.catalog import Catalog
-    from tierstore.ingest.writer import write_version
-
-    rows = max(1024, table_bytes // row_bytes)
-    name = "cold"
-    try:
-        with Catalog(cache_dir, readonly=True) as cat:
-            v = cat.current(name)
-            # a table written before row checksums is rewritten: its misses would verify by block
-            if v.rows == rows and v.row_bytes == row_bytes and v.source == f"bench-cold seed={seed}" and v.row_sums:
-                return v
-    except (KeyError, FileNotFoundError):
-        pass
-    rng = np.random.default_rng(seed)
-    step = (16 << 20) // row_bytes
-    chunks = (rng.integers(0, 256, size=(min(step, rows - a), row_bytes), dtype=np.uint8)
-              for a in range(0, rows, step))
-    return write_version(cache_dir, name, chunks, rows=rows, row_format="fp32", row_dim=row_bytes // 4,
-                         source=f"bench-cold seed={seed}", progress=progress)
 
 
 def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
@@ -93,12 +82,12 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     data_dir is unused (the scenario needs a table of a chosen size) and kept
     for a uniform signature. Returns the scenario dict for results.json.
     """
-    from tqdm import tqdm
-
     from tierstore.bench.lookup import _Lookup
     from tierstore.bench.workload import make_batches
-    from tierstore.cache.policy import PolicyConfig
     from tierstore.client.client import Client
+    from tqdm import tqdm
+
+    from tierstore.cache.policy import PolicyConfig
     from tierstore.sidecar.launcher import SidecarProcess
 
     table_bytes = table_bytes or ((160 if quick else 768) << 20)
@@ -106,7 +95,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     rows_per_pass = rows_per_pass or (16384 if quick else 65536)
     cache_dir = Path(out_dir) / "baselines" / "cold-data"
     log(f"cold: table of {table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
-    version = cold_table(cache_dir, table_bytes, seed=seed, progress=progress)
+    version = random_table(cache_dir, table_bytes, seed=seed, progress=progress)
     budget = int(version.nbytes * budget_fraction)
     seg_paths = [cache_dir / s for s in version.segments]
     calls = max(3, rows_per_pass // batch)

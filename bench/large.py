@@ -41,9 +41,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from tierstore.bench.cold import direct_io_refusal, local_counts, stop_sidecar
-from tierstore.bench.memory import MemoryCgroup, drop_page_cache, proc_memory, resident_bytes
+from tierstore.bench.memory import (
+    MemoryCgroup,
+    drop_page_cache,
+    proc_memory,
+    resident_bytes,
+)
+
 from tierstore.errors import InvalidArgument
 
 __all__ = ["run_large_bench", "large_tables", "disk_limit", "text_phases", "large_line", "PRESET"]
@@ -213,8 +218,14 @@ def text_phases(spec, *, prefill_steps: int, decode_steps: int, warmup_steps: in
                 log=print) -> dict:
     """{phase: list of steps}, a step being one int64 array of distinct row ids per
     layer of `spec`; phases as in the module docstring, dealt disjoint documents."""
-    from tierstore.bench.traces import (aws_docs_corpus, deepseek_tokenizer, deepseek_tokenizer_json,
-                                        python_docs_corpus, text_trace)
+    from tierstore.bench.traces import (
+        aws_docs_corpus,
+        deepseek_tokenizer,
+        deepseek_tokenizer_json,
+        python_docs_corpus,
+        text_trace,
+    )
+
     from tierstore.table.hasher import NgramHasher
     from tierstore.table.tokenizer_map import build_compression_map
 
@@ -271,6 +282,7 @@ class _TierstoreSide:
 
     def __init__(self, data_dir, tables, budget: int, extra: list[str]):
         from tierstore.client.client import Client
+
         from tierstore.sidecar.launcher import SidecarProcess
 
         self.tables = tables
@@ -371,8 +383,10 @@ def _check(res: dict, got, want) -> None:
         res["rows_wrong"] += w.shape[0] if g.shape != w.shape else int((g != w).any(axis=1).sum())
 
 
-def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_best: float | None) -> dict:
-    """Hit ratio, misses/s, arena fill per phase; metadata and RSS at the end."""
+def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_best: float | None,
+                       lru: dict) -> dict:
+    """Hit ratio, misses/s, arena fill per phase; metadata and RSS at the end. `lru` keeps
+    LRU's replays by (table, capacity): the same steps at the same capacity replay once."""
     counts = r.pop("counts")
     for k, p in enumerate(PHASES):
         c0, c1 = counts[k], counts[k + 1]
@@ -380,7 +394,7 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         cold = sum(c1[t]["local"]["distinct_cold"] - c0[t]["local"]["distinct_cold"] for t in side.tables)
         d = r["phases"][p]
         d["hit_ratio"] = 1 - cold / asked if asked else None
-        d["misses"] = cold
+        d["asked"], d["misses"] = asked, cold
         d["misses_per_s"] = cold / max(d["seconds"], 1e-9)
         d["bytes_read_by_client"] = sum(c1[t]["local"]["bytes_read"] - c0[t]["local"]["bytes_read"]
                                         for t in side.tables)
@@ -391,6 +405,9 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
     secs = sum(d["seconds"] for d in st)
     r["steady_misses_per_s"] = sum(d["misses"] for d in st) / max(secs, 1e-9)
     r["misses_per_s_of_disk_best"] = r["steady_misses_per_s"] / disk_best if disk_best else None
+    for part, names in (("cold", ("cold_prefill", "cold_decode")), ("steady", ("steady_prefill", "steady_decode"))):
+        asked = sum(r["phases"][p]["asked"] for p in names)  # as LRU's replay counts: both kinds of step
+        r[f"hit_ratio_{part}"] = 1 - sum(r["phases"][p]["misses"] for p in names) / asked if asked else None
     r["tables"] = {}
     n_cold = len(phases["cold_prefill"]) + len(phases["cold_decode"])
     n_warm = n_cold + len(phases["warmup"])
@@ -398,6 +415,8 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         s = last[t]
         cap = int(s.get("capacity", 0))
         steps = [st_[j] for p in PHASES for st_ in phases[p]]
+        if (t, cap) not in lru:
+            lru[t, cap] = (_lru(steps[:n_cold], v.rows, cap, 0), _lru(steps, v.rows, cap, n_warm))
         r["tables"][t] = {
             "rows": v.rows, "arena_slots": cap, "resident": int(s.get("resident", 0)),
             "arena_fill": int(s.get("resident", 0)) / max(1, cap),
@@ -406,8 +425,7 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
             "metadata_bytes_per_row": int(s.get("metadata_bytes", 0)) / max(1, v.rows),
             "sidecar_bytes_read": int(s.get("bytes_read", 0)), "notes_dropped": int(s.get("notes_dropped", 0)),
             # LRU over the very steps this sidecar served, at its capacity
-            "lru_hit_ratio_cold": _lru(steps[:n_cold], v.rows, cap, 0),
-            "lru_hit_ratio_steady": _lru(steps, v.rows, cap, n_warm)}
+            "lru_hit_ratio_cold": lru[t, cap][0], "lru_hit_ratio_steady": lru[t, cap][1]}
     m = proc_memory(side.proc.proc.pid)
     r["sidecar_rss"] = sum(m.values())
     r["sidecar_rss_anon"] = m.get("RssAnon", 0)
@@ -420,6 +438,7 @@ def _lru(steps, rows: int, capacity: int, count_from: int) -> float | str:
     """LRU's hit ratio over `steps` at `capacity` (counted from step `count_from`), or why
     it has none (a step asking more rows than the arena holds)."""
     from tierstore.bench.cache import replay_steps
+
     from tierstore.cache.policy import PolicyConfig
 
     try:
@@ -474,14 +493,14 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
     best_512 = max((d["iops"] for k, d in disk.items() if k.startswith("512B_qd")), default=None)
     best = max((d["iops"] for d in disk.values() if isinstance(d, dict) and "iops" in d), default=None)
     no_direct = direct_io_refusal(seg_paths, versions[0].row_bytes)
-    comps, closers = {}, []
+    comps, closers, lru = {}, [], {}
     try:
         if no_direct is None:
             side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
             closers.append(side.close)
             comps["tierstore-direct"] = _tierstore_figures(
                 _run_phases("tierstore-direct", side, phases, reference, seg_paths, progress),
-                side, versions, phases, best)
+                side, versions, phases, best, lru)
             closers.pop()
             side.close()
         else:
@@ -490,7 +509,7 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
         closers.append(side.close)
         comps["tierstore-cached"] = _tierstore_figures(
             _run_phases("tierstore-cached", side, phases, reference, seg_paths, progress), side, versions, phases,
-            best)
+            best, lru)
         closers.pop()
         side.close()
         mm = _MmapSide(data_dir, versions, phases)
@@ -516,7 +535,7 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
             comps["mmap-capped"] = {"skipped": cg.error, "limit_bytes": cap}
     finally:
         close_all(closers)
-    for name, d in comps.items():
+    for d in comps.values():
         if "phases" not in d:
             continue
         for p in ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode"):
@@ -557,7 +576,9 @@ def large_line(r: dict) -> str:
             s += f", misses {d['steady_misses_per_s'] / 1e3:.0f}k/s = {d['misses_per_s_of_disk_best']:.2f} of disk"
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
-            s += f", arena {fill:.0%} full, hit {sp.get('hit_ratio') or 0:.3f}"
+            lru = [t["lru_hit_ratio_steady"] for t in d["tables"].values() if isinstance(t["lru_hit_ratio_steady"], float)]
+            s += (f", arena {fill:.0%} full, steady hit {d['hit_ratio_steady'] or 0:.3f}"
+                  + (f" vs LRU {np.mean(lru):.3f}" if lru else ""))
         parts.append(s)
     best = r.get("disk_best_iops")
     return (f"large {r['table_bytes'] / 2**30:.2f} GiB ({r['row_format']}), budget {r['dram_budget_bytes'] / 2**30:.2f}"

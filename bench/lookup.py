@@ -256,14 +256,14 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
     rounds = rounds or (3 if quick else 5)
     rows_per_pass = rows_per_pass or (32768 if quick else 131072)
     if table_bytes is not None:
-        from tierstore.bench.cold import cold_table
+        from tierstore.bench.random_table import random_table
 
         if table is not None:
             raise InvalidArgument("bench lookup: --table reads a table of --data, --table-mib writes its own; "
                                   "pass one of them")
         data_dir = Path(out_dir) / "baselines" / "lookup-data"
         log(f"lookup: random table of {table_bytes / 2**20:.0f} MiB in {data_dir} (written once, then reused)")
-        table = cold_table(data_dir, table_bytes, row_bytes=264, seed=seed, progress=progress).table
+        table = random_table(data_dir, table_bytes, row_bytes=264, seed=seed, progress=progress, name="lookup").table
     with Catalog(data_dir, readonly=True) as cat:
         names = cat.tables()
         table = table or names[0]

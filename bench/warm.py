@@ -36,10 +36,11 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
                    progress: bool = True, log=print) -> dict:
     """Run the scenario (module docstring) on a random table of `table_bytes` (default
     256 MiB, quick 64 MiB) in OUT/baselines/cold-data; returns its results.json entry."""
-    from tierstore.bench.cold import cold_table
     from tierstore.bench.memory import drop_page_cache
+    from tierstore.bench.random_table import random_table
     from tierstore.bench.workload import make_batches
     from tierstore.client.client import Client
+
     from tierstore.sidecar.launcher import SidecarProcess
     from tierstore.store.hot_set import hot_set_path
 
@@ -48,7 +49,7 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
     after_steps = after_steps or (80 if quick else 150)
     cache_dir = Path(out_dir) / "baselines" / "cold-data"
     log(f"warm: table of {table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
-    version = cold_table(cache_dir, table_bytes, seed=seed, progress=progress)
+    version = random_table(cache_dir, table_bytes, seed=seed, progress=progress)
     budget = int(version.nbytes * budget_fraction)
     segments = [cache_dir / s for s in version.segments]
     stream = make_batches(dist, version.rows, batch, steady_steps + after_steps, seed)
