@@ -470,6 +470,8 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
     out_dir is unused beyond the caller's results.json. Returns the results.json entry."""
     from tierstore.bench.lookup import close_all
 
+    from tierstore.store.catalog import Catalog
+
     table_gib = table_gib or (1 / 16 if quick else 8.0)
     prefill_steps = prefill_steps or (2 if quick else 30)
     decode_steps = decode_steps or (8 if quick else 300)
@@ -477,6 +479,11 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
     disk_seconds = disk_seconds or (0.3 if quick else 3.0)
     spec, versions = large_tables(data_dir, table_gib, row_format, seed=seed, progress=progress, log=log)
     tables = [v.table for v in versions]
+    with Catalog(data_dir, readonly=True) as cat:
+        others = sorted(set(cat.tables()) - set(tables))
+    if others:  # the sidecar serves every table of --data: they would share the budget
+        log(f"large: {data_dir} also holds tables {others}; they take part of the DRAM budget "
+            f"(give the bench a data directory of its own)")
     table_bytes = sum(v.nbytes for v in versions)
     # quick: a prefill step's distinct rows must fit the arena of a small table
     budget = int(dram_budget or table_bytes // (2 if quick else 8))
