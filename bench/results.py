@@ -59,13 +59,16 @@ def git_commit(start: Path | None = None) -> str | None:
             if not head.startswith("ref: "):
                 return head
             ref = head[5:]
-            if (g / ref).exists():
-                return (g / ref).read_text().strip()
-            packed = g / "packed-refs"
-            if packed.exists():
-                for line in packed.read_text().splitlines():
-                    if line.endswith(" " + ref):
-                        return line.split()[0]
+            # a worktree's branch refs live in the main repository's git dir (its "commondir")
+            common = g / "commondir"
+            for base in (g, (g / common.read_text().strip()).resolve()) if common.exists() else (g,):
+                if (base / ref).exists():
+                    return (base / ref).read_text().strip()
+                packed = base / "packed-refs"
+                if packed.exists():
+                    for line in packed.read_text().splitlines():
+                        if line.endswith(" " + ref):
+                            return line.split()[0]
         except OSError:
             return None
         return None
