@@ -8,7 +8,7 @@ index (tierstore/cache/slot_index.py):
    against its slot's sequence lock: a row evicted or rewritten during the
    copy is not used, it is read like a miss;
 2. misses are read from the table's segment files and verified by their row
-   checksums in this process (tiers/nvme.SegmentReader, the same code the
+   checksums (inside each record, or format 1's mapped row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
    sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
    that (`cold_dir`); otherwise (Mooncake, versions without row checksums) a
    step with misses is planned through the sidecar as before;
@@ -103,7 +103,8 @@ class LocalReads:
                         with Catalog(self.handle.cold_dir, readonly=True) as cat:
                             v = cat.get(self.table, self.version)
                             checksums = cat.checksums(self.table, self.version)
-                        # its row sums are mapped: one page-cache copy for every worker on the host
+                        # format 2: each record carries its row sum (nothing per row held here);
+                        # format 1: the row-sum file is mapped, one page-cache copy for the host
                         self._cold = SegmentReader(self.handle.cold_dir, v, checksums,
                                                    direct_io=self.handle.cold_direct)
                     except (OSError, TierstoreError) as e:

@@ -13,11 +13,14 @@ from tierstore.tiers.nvme.reader import SegmentReader, default_block_rows
 ROWS, RB, BR = 1000, 64, 7  # 143 blocks, the last one short (6 rows)
 
 
-@pytest.fixture
-def table(data_dir, make_table, monkeypatch):
-    # small segments so reads cross segment files: 20 blocks (8960 B) per segment
-    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 20 * BR * RB)
-    tv, data = make_table("t", rows=ROWS, row_bytes=RB, block_rows=BR)
+@pytest.fixture(params=[2, 1], ids=["format2", "format1"])
+def table(data_dir, make_table, monkeypatch, request):
+    """Every test here runs on both segment formats: records carrying their row sums
+    (2, the default) and rows beside a row-sum file (1, older versions, still served)."""
+    # small segments so reads cross segment files: 20 blocks per segment
+    rec = RB + 8 if request.param == 2 else RB
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 20 * BR * rec)
+    tv, data = make_table("t", rows=ROWS, row_bytes=RB, block_rows=BR, segment_format=request.param)
     with Catalog(data_dir, readonly=True) as cat:
         sums = cat.checksums("t", tv.version)
     reader = SegmentReader(data_dir, tv, sums)
@@ -34,6 +37,7 @@ def test_default_block_is_about_one_4_kib_page():
 def test_manifest_layout(table):
     _, tv, _ = table
     assert tv.n_blocks == 143 and tv.segment_rows == 140 and len(tv.segments) == 8
+    assert tv.record_bytes == (RB + 8 if tv.segment_format == 2 else RB)
 
 
 def test_read_rows_in_caller_order_with_duplicates(table):
@@ -59,18 +63,20 @@ def test_out_buffer_is_filled_in_place(table):
 
 
 def test_rows_are_read_once_each_not_their_blocks(table):
-    reader, _, _ = table
+    reader, tv, _ = table
     before = reader.bytes_read
     reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
-    assert reader.bytes_read - before == 4 * RB
+    assert reader.bytes_read - before == 4 * tv.record_bytes
 
 
 def test_block_path_reads_each_block_once_and_neighbours_coalesce(table, data_dir):
     _, tv, _ = table
+    if tv.segment_format == 2:
+        pytest.skip("format 2 records always carry their row sums")
     old = dataclasses.replace(tv, row_sums=None)  # a version written before row checksums
     with Catalog(data_dir, readonly=True) as cat:
         reader = SegmentReader(data_dir, old, cat.checksums("t", 1))
-    assert reader.row_sums is None
+    assert reader.row_sums is None and not reader.verifies_rows
     before = reader.bytes_read
     reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
     assert reader.bytes_read - before == BR * RB
@@ -119,7 +125,7 @@ def _flip(data_dir, tv, row, byte=5):
     seg = row // tv.segment_rows
     path = data_dir / tv.segments[seg]
     raw = bytearray(path.read_bytes())
-    raw[(row % tv.segment_rows) * tv.row_bytes + byte] ^= 0x01
+    raw[(row % tv.segment_rows) * tv.record_bytes + byte] ^= 0x01
     path.write_bytes(bytes(raw))
 
 
@@ -139,7 +145,7 @@ def test_flipped_bit_is_never_served(table, data_dir):
 def test_truncated_and_missing_segments(table, data_dir):
     reader, tv, _ = table
     last = data_dir / tv.segments[-1]  # rows 980..999, blocks 140..142
-    last.write_bytes(last.read_bytes()[:RB * 8])  # keeps block 140 and 1 row of 141
+    last.write_bytes(last.read_bytes()[:tv.record_bytes * 8])  # keeps block 140 and 1 row of 141
     assert reader.verify() == [141, 142]
     with pytest.raises(ChecksumError, match="block 141.*truncated"):
         reader.read_rows(np.array([990]))
@@ -158,3 +164,27 @@ def test_read_rows_matches_numpy_gather(table, ids):
     reader, _, data = table  # read-only, so sharing it across examples is sound
     ids = np.array(ids, dtype=np.int64)
     assert np.array_equal(reader.read_rows(ids), data[ids])
+
+
+def test_a_flipped_row_sum_inside_a_record_is_data_loss(table, data_dir):
+    """Format 2: the sum a record carries is checked like its row; a damaged sum is
+    DATA_LOSS on every path (row read, range load, verify), never a row served unchecked."""
+    reader, tv, data = table
+    if tv.segment_format == 1:
+        pytest.skip("format 1 keeps its row sums in a separate file")
+    _flip(data_dir, tv, 300, byte=RB + 3)
+    with pytest.raises(ChecksumError, match="block 42"):
+        reader.read_rows(np.array([300]))
+    with pytest.raises(ChecksumError, match="block 42"):
+        reader.read_range(0, ROWS)
+    assert reader.verify() == [42]
+    assert np.array_equal(reader.read_rows(np.array([299, 301])), data[[299, 301]])
+
+
+def test_a_format_2_reader_holds_nothing_per_row(table):
+    reader, tv, _ = table
+    if tv.segment_format == 1:
+        assert reader.row_sums is not None and reader.row_sums.size == ROWS
+    else:
+        assert reader.row_sums is None and reader.verifies_rows
+        assert tv.record_bytes == RB + 8 and tv.block_bytes == BR * (RB + 8)

@@ -1,5 +1,6 @@
 """SegmentReader.read_into: the engine's miss path (rows verified by their row
-checksum, written straight into arena slots), page-cache and O_DIRECT modes."""
+checksum, written straight into arena slots), page-cache and O_DIRECT modes, on
+segment format 2 (each record carries its row sum) and format 1 (a row-sum file)."""
 import dataclasses
 import os
 import threading
@@ -28,6 +29,12 @@ def mode(request, tmp_path, odirect, monkeypatch):
     return request.param != "page-cache"
 
 
+@pytest.fixture(params=[2, 1], ids=["format2", "format1"])
+def seg(request):
+    """The segment format a test's table is written in (both are served)."""
+    return request.param
+
+
 def _write(data_dir, name, data, fmt="fp32", dim=None, **kw):
     rows, rb = data.shape
     dim = dim or rb // 4
@@ -47,13 +54,14 @@ WIDTHS = [("fp32", 64), ("bf16", 64), ("fp8-e4m3-ue8m0", 256), ("fp16", 3), ("fp
 
 @pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])
 @pytest.mark.parametrize("fmt,dim", WIDTHS)
-def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, cached):
+def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, cached, seg):
     """cached=True: the caller knows the pages are cached (a local client's misses): one gather."""
     rb = RowFormat.parse(fmt).row_bytes(dim)
     monkeypatch.setattr(ingest, "SEGMENT_BYTES", 3001 * rb // 4)  # several segments per table
     data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)
-    tv = _write(data_dir, "w", data, fmt=fmt, dim=dim)
-    assert len(tv.segments) > 2 and tv.row_sums["algo"] == "fmix64-v1"
+    tv = _write(data_dir, "w", data, fmt=fmt, dim=dim, segment_format=seg)
+    assert len(tv.segments) > 2 and tv.segment_format == seg
+    assert (tv.row_sums is None) if seg == 2 else tv.row_sums["algo"] == "fmix64-v1"
     rng = np.random.default_rng(0)
     with _reader(data_dir, tv, direct_io=mode) as r:
         for n in (1, 2, 50, 3001):
@@ -68,8 +76,8 @@ def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode,
         r.read_into(np.zeros(0, np.int64), np.zeros((1, rb), np.uint8), np.zeros(0, np.int64))
 
 
-def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode):
-    tv, data = make_table("t", rows=20_000, row_bytes=256)
+def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode, seg):
+    tv, data = make_table("t", rows=20_000, row_bytes=256, segment_format=seg)
     dest = np.zeros((20_000, 256), dtype=np.uint8)
     errors = []
 
@@ -97,15 +105,15 @@ def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode):
 def _flip(data_dir, tv, row, byte):
     seg = data_dir / tv.segments[row // tv.segment_rows]
     with open(seg, "r+b") as f:
-        f.seek((row % tv.segment_rows) * tv.row_bytes + byte)
+        f.seek((row % tv.segment_rows) * tv.record_bytes + byte)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])
-def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, make_table, mode, cached):
-    tv, data = make_table("t", rows=5000, row_bytes=256)  # 16 rows per block
+def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, make_table, mode, cached, seg):
+    tv, data = make_table("t", rows=5000, row_bytes=256, block_rows=16, segment_format=seg)
     _flip(data_dir, tv, 1234, byte=200)
     with _reader(data_dir, tv, direct_io=mode) as r:
         dest = np.zeros((5000, 256), dtype=np.uint8)
@@ -120,12 +128,12 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
         assert r.verify() == [77]
 
 
-def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch):
+def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, make_table, monkeypatch, seg):
     """A gather that looks like it faulted (here: every gather) drops the seen pages;
     the next reads pread them again, every row still verified."""
     from tierstore.tiers.nvme import reader as segment_reader
 
-    tv, data = make_table("t", rows=6000, row_bytes=256)
+    tv, data = make_table("t", rows=6000, row_bytes=256, segment_format=seg)
     monkeypatch.setattr(segment_reader, "EVICTED_FRACTION", -1.0)
     monkeypatch.setattr(segment_reader, "EVICTED_S_PER_ROW", -1.0)
     ids = np.sort(np.random.default_rng(3).choice(6000, 1500, replace=False)).astype(np.int64)
@@ -136,7 +144,7 @@ def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, m
             dest = np.zeros((1500, 256), dtype=np.uint8)
             before = r.bytes_read
             r.read_into(ids, dest, np.arange(1500))
-            assert np.array_equal(dest, data[ids]) and r.bytes_read - before == 1500 * 256
+            assert np.array_equal(dest, data[ids]) and r.bytes_read - before == 1500 * tv.record_bytes
             assert not seen.all()
         _flip(data_dir, tv, 77, byte=3)
         with pytest.raises(ChecksumError, match=r"row 77"):
@@ -144,7 +152,7 @@ def test_rows_from_pages_the_kernel_evicted_are_read_again_bit_exact(data_dir, m
 
 
 def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mode):
-    tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=8)
+    tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=8, segment_format=1)
     old = dataclasses.replace(tv, row_sums=None)  # as written before row checksums existed
     with _reader(data_dir, old, direct_io=mode) as r:
         assert r.row_sums is None
@@ -160,7 +168,7 @@ def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mo
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["copied", "mapped"])
 def test_a_corrupt_row_sum_file_falls_back_to_blocks(data_dir, make_table, mapped):
-    tv, data = make_table("t", rows=2000, row_bytes=64)
+    tv, data = make_table("t", rows=2000, row_bytes=64, segment_format=1)
     path = data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"]
     raw = bytearray(path.read_bytes())
     raw[8] ^= 1
@@ -170,13 +178,14 @@ def test_a_corrupt_row_sum_file_falls_back_to_blocks(data_dir, make_table, mappe
         assert np.array_equal(r.read_rows(np.arange(2000)), data)  # still verified, by block
 
 
-def test_a_truncated_segment_is_data_loss_not_a_crash(data_dir, make_table, mode, monkeypatch):
-    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
-    tv, data = make_table("t", rows=1000, row_bytes=256)
+def test_a_truncated_segment_is_data_loss_not_a_crash(data_dir, make_table, mode, monkeypatch, seg):
+    rec = 256 + 8 if seg == 2 else 256
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * rec)
+    tv, data = make_table("t", rows=1000, row_bytes=256, block_rows=16, segment_format=seg)
     with _reader(data_dir, tv, direct_io=mode) as r:
         r.read_rows(np.arange(1000))  # maps every segment while whole
-        seg = data_dir / tv.segments[1]  # rows 64..127
-        os.truncate(seg, 10 * 256 + 100)
+        path = data_dir / tv.segments[1]  # rows 64..127
+        os.truncate(path, 10 * rec + 100)
         dest = np.zeros((4, 256), dtype=np.uint8)
         with pytest.raises(ChecksumError, match=r"row 74: segment .*seg-00001.bin is truncated"):
             r.read_into(np.array([64, 73, 74, 500]), dest, np.arange(4))
@@ -186,9 +195,9 @@ def test_a_truncated_segment_is_data_loss_not_a_crash(data_dir, make_table, mode
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_fifo_or_directory_in_place_of_a_segment_is_data_loss_and_never_hangs(data_dir, make_table, kind,
-                                                                                monkeypatch):
-    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * 256)
-    tv, _ = make_table("t", rows=300, row_bytes=256)
+                                                                                monkeypatch, seg):
+    monkeypatch.setattr(ingest, "SEGMENT_BYTES", 64 * (256 + 8 if seg == 2 else 256))
+    tv, _ = make_table("t", rows=300, row_bytes=256, block_rows=16, segment_format=seg)
     seg = data_dir / tv.segments[2]  # rows 128..191, blocks 8..11
     seg.unlink()
     os.mkfifo(seg) if kind == "fifo" else seg.mkdir()
@@ -266,6 +275,42 @@ def test_a_slow_gather_without_major_faults_keeps_its_pages(data_dir, make_table
         assert np.array_equal(dest, data[ids]) and seen.all()
 
 
+_FORMAT2_GROWTH = """
+import sys
+import numpy as np
+from tierstore.store.catalog import Catalog
+from tierstore.tiers.nvme.reader import SegmentReader
+def anon():
+    return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssAnon:")).split()[1]) << 10
+with Catalog(sys.argv[1], readonly=True) as cat:
+    tv = cat.current("t")
+    sums = cat.checksums("t", tv.version)
+warm = SegmentReader(sys.argv[1], tv, sums)
+warm.read_rows(np.arange(0, tv.rows, 997))  # compiled kernels, pools
+warm.close()
+before = anon()
+r = SegmentReader(sys.argv[1], tv, sums)
+assert r.row_sums is None and r.verifies_rows
+r.read_rows(np.arange(0, tv.rows, 997))
+print(anon() - before)
+"""
+
+
+def test_a_format_2_reader_holds_nothing_per_row_not_even_mapped(data_dir, make_table):
+    """Format 2 (the default): there is no row-sum file, and a reader (sidecar or
+    client) holds nothing per row: its memory does not grow with the table's rows."""
+    import subprocess
+    import sys
+
+    rows = 1 << 21
+    tv, data = make_table("t", rows=rows, row_bytes=8)
+    assert tv.segment_format == 2 and not any("rowsums" in p.name for p in
+                                              (data_dir / os.path.dirname(tv.segments[0])).iterdir())
+    anon = int(subprocess.run([sys.executable, "-c", _FORMAT2_GROWTH, str(data_dir)], check=True,
+                              capture_output=True, text=True, timeout=120).stdout)
+    assert anon < rows * 8 * 0.1  # format 1 copied would be rows * 8 (the test below)
+
+
 _GROWTH = """
 import sys
 import numpy as np
@@ -294,7 +339,7 @@ def test_a_client_reader_maps_the_row_sums_instead_of_copying_them(data_dir, mak
     import sys
 
     rows = 1 << 21
-    tv, data = make_table("t", rows=rows, row_bytes=8)
+    tv, data = make_table("t", rows=rows, row_bytes=8, segment_format=1)
     grew = {mapped: int(subprocess.run([sys.executable, "-c", _GROWTH, str(data_dir), str(int(mapped))],
                                        check=True, capture_output=True, text=True, timeout=120).stdout)
             for mapped in (False, True)}  # a fresh process each: no heap an earlier test freed
@@ -307,7 +352,7 @@ def test_a_client_reader_maps_the_row_sums_instead_of_copying_them(data_dir, mak
 
 
 def test_a_mapped_row_sum_file_that_shrinks_is_data_loss_not_a_crash(data_dir, make_table):
-    tv, data = make_table("t", rows=2000, row_bytes=64)
+    tv, data = make_table("t", rows=2000, row_bytes=64, segment_format=1)
     path = data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"]
     with _reader(data_dir, tv, map_row_sums=True) as r:
         r.read_rows(np.arange(10))
@@ -317,13 +362,14 @@ def test_a_mapped_row_sum_file_that_shrinks_is_data_loss_not_a_crash(data_dir, m
 
 
 @pytest.mark.parametrize("fmt,dim", [("fp32", 64), ("fp16", 3)], ids=["256B", "6B"])
-def test_place_rows_places_only_rows_that_match_their_row_sums(data_dir, fmt, dim):
+def test_place_rows_places_only_rows_that_match_their_row_sums(data_dir, fmt, dim, seg):
     """SegmentReader.place_rows (the sidecar promoting rows a client read): bit-exact rows
     into their slots, no disk read; the first row that does not match its row sum is
-    named; a version without row sums places nothing; a shrunk row-sum file is DATA_LOSS."""
+    named (format 2: the sums come from the records on disk, never from the sender); a
+    version without row sums places nothing; a shrunk row-sum file or segment is DATA_LOSS."""
     width = RowFormat.parse(fmt).row_bytes(dim)
     data = np.random.default_rng(8).integers(0, 256, size=(1500, width), dtype=np.uint8)
-    tv = _write(data_dir, "t", data, fmt=fmt, dim=dim)
+    tv = _write(data_dir, "t", data, fmt=fmt, dim=dim, segment_format=seg)
     with _reader(data_dir, tv) as r:
         ids = np.array([3, 700, 1499, 42])
         src = data[ids[::-1]].copy()  # the caller's order: local indexes into it
@@ -332,8 +378,10 @@ def test_place_rows_places_only_rows_that_match_their_row_sums(data_dir, fmt, di
         assert np.array_equal(dest[[7, 0, 2, 5]], data[ids]) and r.bytes_read == 0
         src[1, -1] ^= 0x80  # row 1499's last byte, as sent
         assert r.place_rows(ids, src, np.arange(4)[::-1].copy(), dest, np.arange(4)) == 2
-        with pytest.raises(ChecksumError, match="shrank"):
-            os.truncate(data_dir / os.path.dirname(tv.segments[0]) / tv.row_sums["file"], 100)
+        with pytest.raises(ChecksumError, match="shrank" if seg == 1 else "truncated"):
+            shrink = tv.row_sums["file"] if seg == 1 else os.path.basename(tv.segments[-1])
+            os.truncate(data_dir / os.path.dirname(tv.segments[0]) / shrink, 100)
             r.place_rows(ids, data[ids], np.arange(4), dest, np.arange(4))
-    with _reader(data_dir, dataclasses.replace(tv, row_sums=None)) as r:
-        assert r.place_rows(ids, data[ids], np.arange(4), dest, np.arange(4)) == 0
+    if seg == 1:
+        with _reader(data_dir, dataclasses.replace(tv, row_sums=None)) as r:
+            assert r.place_rows(ids, data[ids], np.arange(4), dest, np.arange(4)) == 0

@@ -71,3 +71,57 @@ def test_dedupe_matches_numpy(values, repeat):
     want_u, want_inv = np.unique(ids, return_inverse=True)
     assert np.array_equal(uniq, want_u)
     assert np.array_equal(inv, want_inv.reshape(-1))
+
+
+# ---- segment format 2: records carrying their row sums (place_records) ----
+
+@pytest.mark.parametrize("row_bytes", [8, 64, 256, 264, 6, 132])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_records_place_their_rows_and_verify_against_the_sum_they_carry(row_bytes, compiled, monkeypatch):
+    """Compiled and numpy paths agree: rows out of records bit-exact, nothing outside
+    the slots written, the first record whose row or sum was damaged named."""
+    if not compiled:
+        monkeypatch.setattr(fused, "_RECORDS", jit.Kernel(fused._records_loop))
+        monkeypatch.setattr(fused._RECORDS, "_jit", None)
+    data, _ = _table(3000, row_bytes)
+    recs = rowsum.records(data, np.arange(3000))
+    assert recs.shape == (3000, -(-row_bytes // 8) * 8 + 8) and not recs[:, row_bytes:-8].any()
+    assert np.array_equal(recs[:, -8:].copy().view("<u8").reshape(-1), rowsum.row_sums(data, np.arange(3000)))
+    rng = np.random.default_rng(1)
+    ids = np.sort(rng.choice(3000, 700, replace=False)).astype(np.int64)
+    slots = rng.choice(5000, 700, replace=False).astype(np.int64)
+    dest = np.zeros((5000, row_bytes), dtype=np.uint8)
+    assert fused.place_records(recs, ids, ids, dest, slots) == -1
+    assert np.array_equal(dest[slots], data[ids])
+    assert not dest[np.setdiff1d(np.arange(5000), slots)].any()
+    for byte in (0, row_bytes - 1, recs.shape[1] - 1):  # the row's first and last byte, the sum's last
+        bad = recs.copy()
+        bad[ids[345], byte] ^= 0x10
+        assert fused.place_records(bad, ids, ids, dest, slots) == 345
+    assert fused.place_records(recs, ids, ids + 1, dest, slots) == 0  # a misplaced record fails too
+
+
+def test_records_from_a_read_only_memory_map(tmp_path):
+    data, _ = _table(4096, 264)
+    path = tmp_path / "seg"
+    path.write_bytes(rowsum.records(data, np.arange(4096)).tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = np.frombuffer(mm, dtype=np.uint8).reshape(4096, 272)
+    ids = np.array([0, 17, 4095, 2048], dtype=np.int64)
+    dest = np.zeros((4, 264), dtype=np.uint8)
+    assert fused.place_records(view, ids, ids, dest, np.arange(4)) == -1
+    assert np.array_equal(dest, data[ids])
+    del view
+    mm.close()
+
+
+def test_sums_gathered_elsewhere_are_found_by_position():
+    """place_verified's `at`: sums of the rows in hand (format 2's place_rows gathers them
+    from the records on disk), each row still checked under its own id."""
+    data, sums = _table(1000, 64)
+    ids = np.array([900, 3, 512], dtype=np.int64)
+    dest = np.zeros((3, 64), dtype=np.uint8)
+    assert fused.place_verified(data, ids, ids, dest, np.arange(3), sums[ids], np.arange(3)) == -1
+    assert np.array_equal(dest, data[ids])
+    assert fused.place_verified(data, ids, ids, dest, np.arange(3), sums[ids][::-1].copy(), np.arange(3)) == 0

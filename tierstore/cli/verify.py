@@ -1,4 +1,6 @@
-"""`tierstore verify`: re-read every block and check its xxh3-64 checksum."""
+"""`tierstore verify`: re-read every block and check its xxh3-64 checksum, and every
+row against its row checksum (inside its record in segment format 2, in the row-sum
+file in format 1)."""
 from __future__ import annotations
 
 import sys
@@ -29,12 +31,13 @@ def run(args) -> int:
                 with SegmentReader(args.data, tv, cat.checksums(name, tv.version)) as r:
                     bad = r.verify()
                 if not bad:
-                    print(f"{name} v{tv.version}: ok ({tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB)")
+                    print(f"{name} v{tv.version}: ok ({tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB, "
+                          f"segment format {tv.segment_format})")
                     continue
                 bad_total += len(bad)
                 for b in bad[:20]:
                     seg = b * tv.block_rows // tv.segment_rows
-                    off = (b * tv.block_rows - seg * tv.segment_rows) * tv.row_bytes
+                    off = (b * tv.block_rows - seg * tv.segment_rows) * tv.record_bytes
                     print(f"{name} v{tv.version}: block {b} is corrupt (rows {b * tv.block_rows}.."
                           f"{min((b + 1) * tv.block_rows, tv.rows) - 1}, {tv.segments[seg]} at byte {off})",
                           file=sys.stderr)

@@ -143,7 +143,8 @@ class TableEngine:
         raise NotImplementedError
 
     def metadata_bytes(self) -> int:
-        """DRAM this table holds beyond its arena rows: block and row checksums, and
+        """DRAM this table holds beyond its arena rows: block checksums, format 1's row
+        checksums (format 2 keeps them in the records on disk: nothing per row), and
         (cache mode) the id/slot maps and the policy's state."""
         held = (getattr(self.reader, "checksums", None), getattr(self.reader, "row_sums", None))
         return int(sum(a.nbytes for a in held if a is not None))

@@ -221,7 +221,7 @@ class CacheEngine(TableEngine):
                 return 0  # freed meanwhile (a version swap): nothing to learn
             try:
                 carried = None
-                if row_ids is not None and row_ids.size and getattr(self.reader, "row_sums", None) is not None:
+                if row_ids is not None and row_ids.size and getattr(self.reader, "verifies_rows", False):
                     have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
                     carried = (have, first.astype(np.int64, copy=False), rows)
                 return self._note_access(ids, ends, carried)

@@ -4,11 +4,13 @@ Layout of the decompressed stream (all integers little-endian)::
 
     b"TSTABLE1"                      magic, format version 1
     u32 header length, header JSON   {"manifest": {...}, "checksums_xxh3": int}
-    u64 x n_blocks                   per-block xxh3-64 checksums
+    u64 x n_blocks                   per-block xxh3-64 checksums of the exported version's
+                                     on-disk blocks (its manifest's segment_format)
     rows                             rows x row_bytes bytes, in id order
 
 The zstd frame carries its own content checksum; on import every block is also
-checked against the header's checksums before the version is committed, so a
+checked against the header's checksums (rebuilt in the exported version's segment
+format) before the version is committed, written in the current format, so a
 corrupt or truncated file imports nothing. Export and import both stream: memory
 use is a few MB whatever the table size.
 """
@@ -138,7 +140,7 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
             data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=m["row_dim"],
             spec=m["spec"], layer_id=m["layer_id"], block_rows=m["block_rows"],
             source=f"import {src.name} ({m['table']} v{m['version']}: {m['source']})",
-            expected_checksums=sums, progress=progress)
+            expected_checksums=sums, expected_format=m.get("segment_format", 1), progress=progress)
 
 
 def _parse_header(raw: bytes, src: Path) -> tuple[dict, dict]:

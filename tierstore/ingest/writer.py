@@ -35,7 +35,7 @@ import xxhash
 
 from tierstore.store.catalog import Catalog
 from tierstore.store.data_dir import LOCK_NAME, fsync_dir, private_dirs, staging_guard
-from tierstore.store.version import TableVersion, validate_table_name
+from tierstore.store.version import FORMATS, LATEST_FORMAT, TableVersion, record_bytes, validate_table_name
 from tierstore.errors import ChecksumError, DataLoss, InvalidArgument, ResourceExhausted, SpecMismatch
 from tierstore.ingest.pipeline import Pipeline
 from tierstore.table.formats import RowFormat
@@ -47,7 +47,7 @@ __all__ = ["write_version", "SEGMENT_BYTES", "CHUNKS_IN_FLIGHT"]
 # Segments are capped at ~1 GiB so a 98 GB layer is ~100 files that copy,
 # rsync and checksum in pieces; reads never cross a segment (whole blocks each).
 SEGMENT_BYTES = 1 << 30
-# one uint64 checksum per row (tierstore.tiers.nvme.rowsum), beside the segments
+# segment format 1: one uint64 checksum per row (tierstore.tiers.nvme.rowsum), beside the segments
 ROW_SUMS_FILE = "rowsums.u64"
 # A checksum block is read and hashed whole; the default is ~16 KiB.
 MAX_BLOCK_BYTES = 64 << 20
@@ -60,17 +60,62 @@ CHUNKS_IN_FLIGHT = 6
 CHECK_BYTES = 8 << 20
 
 
+class _BlockHashes:
+    """xxh3-64 of every `block_bytes` block of a stream of `total` bytes fed in
+    order and in pieces of any size (a block split across pieces is hashed in
+    parts; the stream's last block may be short): `sums` once all is fed."""
+
+    def __init__(self, total: int, block_bytes: int):
+        self.total, self.block_bytes = total, block_bytes
+        self.sums = np.zeros(-(-total // block_bytes), dtype=np.uint64)
+        self._hash = xxhash.xxh3_64()
+        self._block = 0
+        self._pos = 0
+
+    def update(self, data: memoryview) -> None:
+        bb, h, p = self.block_bytes, xxhash.xxh3_64_intdigest, self._pos
+        if p % bb and len(data):  # finish the block the last piece began
+            end = min((self._block + 1) * bb, self.total)
+            take = min(len(data), end - p)
+            self._hash.update(data[:take])
+            p += take
+            data = data[take:]
+            if p == end:
+                self.sums[self._block] = self._hash.intdigest()
+                self._hash.reset()
+                self._block += 1
+        whole = len(data) // bb
+        if whole:  # one xxh3 call per block, no other Python per block
+            self.sums[self._block:self._block + whole] = [h(data[i:i + bb]) for i in range(0, whole * bb, bb)]
+            self._block += whole
+            p += whole * bb
+            data = data[whole * bb:]
+        if len(data):  # a block that the next piece finishes (or the stream's short last block)
+            self._hash.update(data)
+            p += len(data)
+            if p == self.total:
+                self.sums[self._block] = self._hash.intdigest()
+                self._hash.reset()
+                self._block += 1
+        self._pos = p
+
+
 class _Staging:
     """Segment files of one version being written, plus their block checksums
-    and the row-checksum file (one uint64 per row, hashed as it is written).
+    (over the bytes on disk) and, for segment format 1, the row-checksum file
+    (one uint64 per row, hashed as it is written). Format 2 writes each row's
+    sum into its record instead (tierstore.store.version.TableVersion).
 
     Written by write_version's pipeline, one method per stage, each called
-    from one thread in row order: `hash` (block checksums and row sums of a
-    chunk, from the source's bytes), `put` (pwrite it and its row sums, start
+    from one thread in row order: `hash` (row sums of a chunk, its records and
+    their block checksums, from the source's bytes), `put` (pwrite them, start
     writeback), `check` (read back what is now on file, block by block,
-    against the checksums `hash` made), then `finish` (fsync everything)."""
+    against the checksums `hash` made), then `finish` (fsync everything).
+    `source_checksums` (when asked for, format 1 blocks of the source rows): what
+    an import compares with the checksums of a version exported from format 1."""
 
-    def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int):
+    def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int,
+                 segment_format: int, source_checksums: bool = False):
         tmp = private_dirs(data_dir, "tmp")
         with staging_guard(data_dir, exclusive=False):  # cleanup never sees the dir before its lock
             self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
@@ -78,72 +123,62 @@ class _Staging:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
         self.data_dir, self.table = data_dir, table
         self.rows, self.row_bytes, self.block_rows = rows, row_bytes, block_rows
-        self.block_bytes = block_rows * row_bytes
-        self.total = rows * row_bytes
+        self.segment_format = segment_format
+        self.record_bytes = rec = record_bytes(row_bytes, segment_format)
+        self.block_bytes = block_rows * rec
+        self.total = rows * rec  # bytes on disk
         self.segment_rows = max(1, SEGMENT_BYTES // self.block_bytes) * block_rows
-        self.segment_bytes = self.segment_rows * row_bytes
+        self.segment_bytes = self.segment_rows * rec
         self.n_blocks = -(-rows // block_rows)
-        self.checksums = np.zeros(self.n_blocks, dtype=np.uint64)
-        self.pos = 0  # bytes taken from the source
+        self._blocks = _BlockHashes(self.total, self.block_bytes)
+        self.checksums = self._blocks.sums
+        self._source = _BlockHashes(rows * row_bytes, block_rows * row_bytes) if source_checksums else None
+        self.pos = 0  # bytes on disk the source's rows so far take
         self.written = 0  # bytes on file
         self.checked = 0  # blocks read back and found as hashed
         # every segment stays open (read-write: `check` reads through the same fd) until finish
         self._fds: list[int] = []
-        self._hash = xxhash.xxh3_64()
-        self._block = 0
-        self._sums_fd: int | None = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        self._sums_fd: int | None = None
+        if segment_format == 1:
+            self._sums_fd = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
         self._sums_hash = xxhash.xxh3_64()
         self._scratch: np.ndarray | None = None
 
+    @property
+    def source_checksums(self) -> np.ndarray | None:
+        return None if self._source is None else self._source.sums
+
     def take(self, chunk) -> tuple[int, np.ndarray]:
-        """Source stage: check a chunk's shape and place; returns (byte offset, rows)."""
+        """Source stage: check a chunk's shape and place; returns (byte offset on disk, rows)."""
         if not isinstance(chunk, np.ndarray) or chunk.dtype != np.uint8 or chunk.ndim != 2 \
                 or chunk.shape[1] != self.row_bytes:
             raise InvalidArgument(f"row chunks must be uint8 [n, {self.row_bytes}], got "
                                   f"{getattr(chunk, 'dtype', type(chunk))} {getattr(chunk, 'shape', '')}")
         chunk = np.ascontiguousarray(chunk)
-        if self.pos + chunk.nbytes > self.total:
+        if self.pos + chunk.shape[0] * self.record_bytes > self.total:
             raise SpecMismatch(f"the source yields more than the declared {self.rows} rows")
         pos = self.pos
-        self.pos += chunk.nbytes
+        self.pos += chunk.shape[0] * self.record_bytes
         return pos, chunk
 
-    def hash(self, item: tuple[int, np.ndarray]) -> tuple[int, np.ndarray, np.ndarray]:
-        """Hash stage: block checksums of the chunk's bytes (a block split across
-        chunks is hashed in pieces) and its rows' row sums."""
+    def hash(self, item: tuple[int, np.ndarray]) -> tuple[int, np.ndarray, np.ndarray | None]:
+        """Hash stage: the chunk's row sums, its bytes on disk (format 2: records
+        carrying them) and their block checksums. Returns (offset, bytes to write,
+        format 1's row sums or None)."""
         pos, chunk = item
-        data = memoryview(chunk).cast("B")
-        bb, h = self.block_bytes, xxhash.xxh3_64_intdigest
-        p = pos
-        if p % bb and len(data):  # finish the block the last chunk began
-            end = min((self._block + 1) * bb, self.total)
-            take = min(len(data), end - p)
-            self._hash.update(data[:take])
-            p += take
-            data = data[take:]
-            if p == end:
-                self.checksums[self._block] = self._hash.intdigest()
-                self._hash.reset()
-                self._block += 1
-        whole = len(data) // bb
-        if whole:  # one xxh3 call per block, no other Python per block
-            self.checksums[self._block:self._block + whole] = [h(data[i:i + bb]) for i in range(0, whole * bb, bb)]
-            self._block += whole
-            p += whole * bb
-            data = data[whole * bb:]
-        if len(data):  # a block that the next chunk finishes (or the table's short last block)
-            self._hash.update(data)
-            p += len(data)
-            if p == self.total:
-                self.checksums[self._block] = self._hash.intdigest()
-                self._hash.reset()
-                self._block += 1
-        first = pos // self.row_bytes
-        sums = rowsum.row_sums(chunk, np.arange(first, first + chunk.shape[0], dtype=np.int64))
-        return pos, chunk, sums.astype("<u8", copy=False)
+        first = pos // self.record_bytes
+        ids = np.arange(first, first + chunk.shape[0], dtype=np.int64)
+        if self._source is not None:
+            self._source.update(memoryview(chunk).cast("B"))
+        if self.segment_format == 2:
+            disk, sums = rowsum.records(chunk, ids), None
+        else:
+            disk, sums = chunk, rowsum.row_sums(chunk, ids).astype("<u8", copy=False)
+        self._blocks.update(memoryview(disk).cast("B"))
+        return pos, disk, sums
 
-    def put(self, item: tuple[int, np.ndarray, np.ndarray]) -> int:
-        """Write stage: pwrite the chunk and its row sums; returns the bytes now on file."""
+    def put(self, item: tuple[int, np.ndarray, np.ndarray | None]) -> int:
+        """Write stage: pwrite the chunk's bytes (and format 1's row sums); returns the bytes now on file."""
         pos, chunk, sums = item
         data = memoryview(chunk).cast("B")
         while len(data):
@@ -155,9 +190,10 @@ class _Staging:
             _start_writeback(self._fds[seg], off, n)
             pos += n
             data = data[n:]
-        raw = memoryview(sums).cast("B")
-        self._sums_hash.update(raw)
-        _pwrite_all(self._sums_fd, raw, item[0] // self.row_bytes * 8)
+        if sums is not None:
+            raw = memoryview(sums).cast("B")
+            self._sums_hash.update(raw)
+            _pwrite_all(self._sums_fd, raw, item[0] // self.record_bytes * 8)
         self.written = pos
         return pos
 
@@ -188,14 +224,17 @@ class _Staging:
         return min(self.checked * bb, self.total) - min(before * bb, self.total)
 
     @property
-    def row_sums_meta(self) -> dict:
+    def row_sums_meta(self) -> dict | None:
+        """The manifest's `row_sums`: format 1's file, None for format 2 (sums inline)."""
+        if self.segment_format == 2:
+            return None
         return {"file": ROW_SUMS_FILE, "algo": rowsum.ALGO, "xxh3": self._sums_hash.intdigest()}
 
     def finish(self) -> None:
         if self.pos != self.total:
-            raise SpecMismatch(f"the source ended after {self.pos // self.row_bytes} rows; "
+            raise SpecMismatch(f"the source ended after {self.pos // self.record_bytes} rows; "
                                f"{self.rows} were declared")
-        for fd in self._fds + [self._sums_fd]:
+        for fd in self._fds + ([self._sums_fd] if self._sums_fd is not None else []):
             os.fsync(fd)
         self._close()
         fsync_dir(self.dir)
@@ -263,7 +302,8 @@ def _start_writeback(fd: int, off: int, n: int) -> None:
 def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: int, row_format: str,
                   row_dim: int, spec: dict | None = None, layer_id: int | None = None, source: str = "",
                   block_rows: int | None = None, progress: bool = False,
-                  expected_checksums: np.ndarray | None = None, verify: bool = True) -> TableVersion:
+                  expected_checksums: np.ndarray | None = None, expected_format: int | None = None,
+                  verify: bool = True, segment_format: int = LATEST_FORMAT) -> TableVersion:
     """Write a new version of `table` from row chunks and make it current.
 
     chunks: uint8 arrays [n, row_bytes] in row order (any n), `rows` in total,
@@ -272,9 +312,13 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
         chunks after yielding it (a ring of that many buffers).
     row_format/row_dim: the rows' format (tierstore.table.formats) and values per row.
     spec/layer_id: the Engram spec dict and layer the table serves (stored as is).
-    block_rows: rows per checksum block (default: about 16 KiB of rows).
-    expected_checksums: when given (import), the computed block checksums must
-        match them or nothing is committed (ChecksumError).
+    block_rows: rows per checksum block (default: about 4 KiB of records on disk).
+    expected_checksums: when given (import), the block checksums of the incoming
+        rows laid out in `expected_format` (the exported version's segment format,
+        default `segment_format`) must match them or nothing is committed (DataLoss).
+    segment_format: 2 (default: each row's checksum inside its record) or 1 (a
+        separate row-sum file; older versions, kept readable and writable so they
+        stay tested); tierstore.store.version.TableVersion says what each holds.
     verify: read every block back from its file against its checksum before
         commit (as the pipeline goes, a few chunks behind the writes).
 
@@ -293,19 +337,27 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     row_bytes = fmt.row_bytes(int(row_dim))
     if rows < 1:
         raise InvalidArgument(f"table {table!r} needs at least one row, got {rows}")
-    block_rows = int(block_rows or default_block_rows(row_bytes))
+    if segment_format not in FORMATS:
+        raise InvalidArgument(f"segment format {segment_format!r}: this build writes {list(FORMATS)}")
+    expected_format = segment_format if expected_format is None else expected_format
+    if expected_checksums is not None and expected_format not in (1, segment_format):
+        raise InvalidArgument(f"checksums of segment format {expected_format} can only be checked while "
+                              f"writing that format")
+    rec = record_bytes(row_bytes, segment_format)
+    block_rows = int(block_rows or default_block_rows(rec))
     if block_rows < 1:
         raise InvalidArgument(f"block_rows must be >= 1, got {block_rows}")
-    if block_rows * row_bytes > MAX_BLOCK_BYTES and rows * row_bytes <= MAX_BLOCK_BYTES:
+    if block_rows * rec > MAX_BLOCK_BYTES and rows * rec <= MAX_BLOCK_BYTES:
         block_rows = rows  # the whole table is one block either way
-    if block_rows * row_bytes > MAX_BLOCK_BYTES:
-        raise InvalidArgument(f"--block-rows {block_rows} x {row_bytes} B rows makes {block_rows * row_bytes} B "
+    if block_rows * rec > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"--block-rows {block_rows} x {rec} B records makes {block_rows * rec} B "
                               f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
-                              f"(--block-rows <= {MAX_BLOCK_BYTES // row_bytes})")
+                              f"(--block-rows <= {MAX_BLOCK_BYTES // rec})")
+    by_source = expected_checksums is not None and expected_format != segment_format
     with Catalog(data_dir) as cat:  # opening for writing cleans a killed writer's leftovers
-        stage = _Staging(data_dir, table, rows, row_bytes, block_rows)
+        stage = _Staging(data_dir, table, rows, row_bytes, block_rows, segment_format, source_checksums=by_source)
         try:
-            bar = tqdm(total=rows * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+            bar = tqdm(total=stage.total, unit="B", unit_scale=True, unit_divisor=1024,
                        desc=f"ingest {table}", file=sys.stderr, disable=not progress, mininterval=0.25)
             stages = [stage.hash, stage.put] + ([stage.check] if verify else [])
             with bar, Pipeline(map(stage.take, chunks), stages, in_flight=CHUNKS_IN_FLIGHT,
@@ -317,14 +369,19 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
                     bar.update(step)
             stage.finish()
             if expected_checksums is not None:
-                bad = np.flatnonzero(np.asarray(expected_checksums, dtype=np.uint64) != stage.checksums)
+                got = stage.source_checksums if by_source else stage.checksums
+                if len(expected_checksums) != stage.n_blocks:
+                    bad = np.zeros(0, dtype=np.int64)
+                else:
+                    bad = np.flatnonzero(np.asarray(expected_checksums, dtype=np.uint64) != got)
                 if len(bad) or len(expected_checksums) != stage.n_blocks:
                     blk = int(bad[0]) if len(bad) else stage.n_blocks
                     raise DataLoss(f"table {table!r}: block {blk} of the incoming rows does not match its "
                                    f"checksum; the source is corrupt, nothing was committed")
             fields = dict(rows=rows, row_format=fmt.value, row_dim=int(row_dim), row_bytes=row_bytes,
                           block_rows=block_rows, n_blocks=stage.n_blocks, segment_rows=stage.segment_rows,
-                          spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta)
+                          spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta,
+                          segment_format=segment_format)
             if verify:
                 _spot_check(data_dir, stage, table, fields)
             tv = cat.commit_version(table, stage.dir, fields, stage.checksums)
@@ -343,8 +400,8 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
 
 
 def _spot_check(data_dir: Path, stage: _Staging, table: str, fields: dict) -> None:
-    """Open the staged files as a reader will once committed (its geometry, the
-    row-sum file against its xxh3) and read the first and last row of every
+    """Open the staged files as a reader will once committed (its geometry, format
+    1's row-sum file against its xxh3) and read the first and last row of every
     segment through it (each checked against its row sum; the table's first
     and last block against their checksums). The
     pipeline's read-back compared every block already; this checks that the
@@ -357,7 +414,7 @@ def _spot_check(data_dir: Path, stage: _Staging, table: str, fields: dict) -> No
     ids = np.unique(np.concatenate([ends, np.minimum(ends + stage.segment_rows, stage.rows) - 1]))
     try:
         with SegmentReader(data_dir, tv, stage.checksums) as reader:
-            if reader.row_sums is None:
+            if not reader.verifies_rows:
                 raise DataLoss(reader.row_sums_error or "no row sums")
             reader.read_range(int(ids[0]), 1)
             reader.read_range(int(ids[-1]), 1)

@@ -127,7 +127,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         if index is None:
             return {}
         r = eng.reader
-        own = isinstance(r, SegmentReader) and r.row_sums is not None
+        own = isinstance(r, SegmentReader) and r.verifies_rows
         return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "",
                     cold_direct=own and r.direct is not None)
 

@@ -12,7 +12,16 @@ from pathlib import Path
 
 from tierstore.errors import DataLoss, InvalidArgument
 
-__all__ = ["TableVersion", "validate_table_name"]
+__all__ = ["FORMATS", "LATEST_FORMAT", "TableVersion", "record_bytes", "validate_table_name"]
+
+FORMATS = (1, 2)  # segment formats this build reads (TableVersion)
+LATEST_FORMAT = 2  # what writers write
+
+
+def record_bytes(row_bytes: int, segment_format: int) -> int:
+    """On-disk bytes of one row of `row_bytes` in `segment_format`: the row alone (1), or
+    the row padded to whole 8-byte words and its 8-byte row sum (2)."""
+    return row_bytes if segment_format == 1 else -(-row_bytes // 8) * 8 + 8
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -33,13 +42,22 @@ def validate_table_name(name: str) -> str:
 class TableVersion:
     """Manifest of one immutable table version.
 
-    Rows are ``row_bytes`` bytes each, stored back to back; row i lives in
-    segment ``i // segment_rows`` at byte ``(i % segment_rows) * row_bytes``.
-    Checksums cover blocks of ``block_rows`` rows (the last block may be short).
-    ``row_sums`` (versions written since per-row checksums exist, else None):
-    ``{"file": name in the version directory, "algo": tierstore.tiers.nvme.rowsum.ALGO,
-    "xxh3": xxh3-64 of that file}``; the file holds one little-endian uint64
-    per row.
+    Rows are ``row_bytes`` bytes each, stored in records of ``record_bytes``
+    back to back; row i lives in segment ``i // segment_rows`` at byte
+    ``(i % segment_rows) * record_bytes``. ``segment_format`` says what a record is:
+
+    - 2 (written by default): the row, zero padding to a multiple of 8 bytes,
+      then its fmix64-v1 row sum (tierstore.tiers.nvme.rowsum) as one
+      little-endian uint64, so the sector a miss reads carries the row's
+      checksum and nothing per row is held in memory; ``row_sums`` is None.
+    - 1 (older versions): the row alone (record_bytes == row_bytes);
+      ``row_sums`` is ``{"file": name in the version directory,
+      "algo": tierstore.tiers.nvme.rowsum.ALGO, "xxh3": xxh3-64 of that file}``
+      (the file holds one little-endian uint64 per row), or None for versions
+      written before per-row checksums (rows then verify by block).
+
+    Block checksums (xxh3-64) cover the on-disk bytes of ``block_rows``
+    records (the last block may be short), in either format.
     """
 
     table: str
@@ -57,14 +75,22 @@ class TableVersion:
     created_at: float
     source: str
     row_sums: dict | None = None
+    segment_format: int = 1  # records written before the field existed are format 1
 
     @property
     def nbytes(self) -> int:
+        """Bytes of row data (what an arena holding the whole table needs)."""
         return self.rows * self.row_bytes
 
     @property
+    def record_bytes(self) -> int:
+        """Bytes one row takes in a segment file (see the class docstring)."""
+        return record_bytes(self.row_bytes, self.segment_format)
+
+    @property
     def block_bytes(self) -> int:
-        return self.block_rows * self.row_bytes
+        """Bytes of one checksum block on disk."""
+        return self.block_rows * self.record_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -122,6 +148,12 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
                 f"make {-(-d['rows'] // d['block_rows'])}")
     if d["segment_rows"] % d["block_rows"]:
         return f"segment_rows = {d['segment_rows']} is not a whole number of blocks of {d['block_rows']} rows"
+    fmt = d.get("segment_format", 1)
+    if fmt not in FORMATS or isinstance(fmt, bool):
+        return (f"segment_format = {fmt!r}; this build reads formats {list(FORMATS)} "
+                f"(a newer tierstore wrote it: upgrade, or re-ingest the table)")
+    if fmt == 2 and d.get("row_sums") is not None:
+        return "segment_format 2 carries its row sums inline, yet row_sums names a file"
     segs = d["segments"]
     if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
         return "segments is not a list of paths"

@@ -1,17 +1,23 @@
 """The cold tier: rows read straight from a version's segment files.
 
-Addresses are computed (row i sits at a fixed offset). Two read paths:
+Addresses are computed (row i's record sits at a fixed offset). A record is
+the row followed by its per-row checksum (segment format 2, the default:
+tierstore.store.version.TableVersion), or the row alone with the checksums in
+a separate row-sum file (format 1, older versions). Two read paths:
 
 - Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
   per-row checksum (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads
-  only its row, verified in one compiled pass and written straight into the
-  caller's arena slots. Page-cache mode gathers from a read-only memory map of
+  only its record, verified in one compiled pass against the sum the record
+  carries (format 2: nothing per row is held in memory) or the mapped row-sum
+  file (format 1), and written straight into the caller's arena slots. Page-cache mode gathers from a read-only memory map of
   each segment; big calls go to a thread pool so cold reads are in flight
   together. O_DIRECT mode (`direct_io=True`) preads the aligned
   sectors of each row (direct_io.py), so the cold tier is not cached twice.
-- Blocks (`read_range`, `iter_blocks`, `verify`, and rows of versions written
-  before row checksums existed): one pread per run of
-  neighbouring blocks, each checked against its xxh3-64 in the catalog.
+- Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
+  written before row checksums existed): one pread per run of neighbouring
+  blocks, each checked against its xxh3-64 in the catalog over the on-disk
+  bytes; format 2 records are then de-interleaved into rows by a compiled copy
+  that checks each row's sum too.
 
 A row or block that does not match raises ChecksumError, never returned; a
 missing, truncated or non-regular segment reads as corrupt, naming it.
@@ -48,7 +54,7 @@ from tierstore.store.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
-from tierstore.tiers.nvme.verified_copy import kernels, place_verified
+from tierstore.tiers.nvme.verified_copy import kernels, place_records, place_verified
 from tierstore.tiers.nvme.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer
 
 log = logging.getLogger(__name__)
@@ -180,13 +186,16 @@ class SegmentReader(Tier):
     offset. A missing, truncated or non-regular segment file reads as corrupt
     (ChecksumError). `bytes_read` counts bytes read from the files (rows in
     page-cache mode, sectors with O_DIRECT, whole blocks on the block path).
-    `row_sums` is the per-row checksum array (8 B per row) or None for a
-    version written without one (then rows verify by block); `row_sums_error`
-    says why a version's row sums were not usable.
-    map_row_sums: map the row-sum file read-only (default) rather than copy it:
-        the sidecar and its local clients share one page-cache copy, not 8 B a
-        row in each process; checked once at open like a copy, and a file
-        shrunk since then reads as corrupt, not SIGBUS.
+    `verifies_rows`: each row read is checked against its own checksum (a
+    format 2 version, whose records carry it; or a format 1 version with a
+    usable row-sum file), else rows verify by their block.
+    `row_sums` (format 1 only) is the per-row checksum array (8 B per row) or
+    None (format 2, or a version written without one); `row_sums_error` says
+    why a format 1 version's row sums were not usable.
+    map_row_sums (format 1): map the row-sum file read-only (default) rather
+        than copy it: the sidecar and its local clients share one page-cache
+        copy, not 8 B a row in each process; checked once at open like a copy,
+        and a file shrunk since then reads as corrupt, not SIGBUS.
     """
 
     def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
@@ -197,11 +206,13 @@ class SegmentReader(Tier):
         self.rows = version.rows
         self.row_bytes = version.row_bytes
         self.block_rows = version.block_rows
+        self.inline = version.segment_format == 2  # each record carries its row sum
+        self.record_bytes = version.record_bytes
         self.checksums = np.asarray(checksums, dtype=np.uint64)
         if self.checksums.shape != (version.n_blocks,):
             raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
-        self._block_bytes = self.block_rows * self.row_bytes
+        self._block_bytes = self.block_rows * self.record_bytes
         self._blocks_per_seg = version.segment_rows // self.block_rows
         self._fds: list[int | None] = []
         self._why: list[str | None] = []  # why a segment cannot be read
@@ -216,12 +227,13 @@ class SegmentReader(Tier):
             self._fds.append(fd)
             self._why.append(why)
         self.row_sums, self.row_sums_error = self._load_row_sums()
+        self.verifies_rows = self.inline or self.row_sums is not None
         if direct_io:
             from tierstore.tiers.nvme.direct_io import DirectFiles
 
             paths = [self.data_dir / rel if fd is not None else None for rel, fd in zip(version.segments, self._fds)]
             try:
-                self.direct = DirectFiles(paths, self.row_bytes)
+                self.direct = DirectFiles(paths, self.record_bytes)
             except BaseException:
                 self.close()
                 raise
@@ -269,7 +281,7 @@ class SegmentReader(Tier):
         out = check_out(out, flat.size, self.row_bytes)
         if flat.size == 0:
             return out
-        if self.row_sums is None:
+        if not self.verifies_rows:
             return self._read_rows_by_block(flat, out)
         if flat.size == 1 or np.all(flat[1:] > flat[:-1]):  # already sorted and unique: no bounce
             self.read_into(flat, out, np.arange(flat.size))
@@ -300,7 +312,7 @@ class SegmentReader(Tier):
         n = int(ids.size)
         if n == 0:
             return
-        if self.row_sums is None:  # a version written before row checksums: verify whole blocks
+        if not self.verifies_rows:  # a version written before row checksums: verify whole blocks
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
             return
         self._check_sums(ids)
@@ -334,12 +346,41 @@ class SegmentReader(Tier):
         not match its row sum, or -1 when all do; after a mismatch the rows of this
         call in dest may hold anything (the caller reads them from disk instead).
         Every row mismatches for a version without row sums: nothing unverified is
-        ever placed. ChecksumError when the row-sum file shrank since it was opened."""
+        ever placed. Format 2: the sums are read from the records' last words through
+        the segment maps (pages the client's read has just brought into the page
+        cache), never taken from the client. ChecksumError when a segment or the
+        row-sum file shrank since it was opened."""
         if ids.size == 0:
             return -1
-        if self.row_sums is None or src.ndim != 2 or src.shape[1] != self.row_bytes:
+        if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
             return 0
+        if self.inline:
+            order = np.argsort(ids, kind="stable")
+            sums = np.empty(ids.size, dtype=np.uint64)
+            sums[order] = self._stored_sums(ids[order])
+            return place_verified(src, local, ids, dest, slots, sums, np.arange(ids.size))
         self._check_sums(ids)
+        return place_verified(src, local, ids, dest, slots, self.row_sums)
+
+    def _stored_sums(self, ids: np.ndarray) -> np.ndarray:
+        """Format 2: the row sums the records of sorted `ids` carry, gathered from the
+        segment maps (ChecksumError for a segment missing or shrunk)."""
+        sr, out = self.version.segment_rows, np.empty(ids.size, dtype=np.uint64)
+        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
+        cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
+        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
+            if lo < hi:
+                local = ids[lo:hi] - s * sr
+                view, _ = self._mapped(s, local, ids[lo])
+                out[lo:hi] = view.view("<u8")[local, -1]
+        return out
+
+    def _place(self, src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray,
+               slots: np.ndarray) -> int:
+        """Place records src[local] (as read from a segment) into dest[slots], each row
+        verified: against the sum its record carries (format 2) or the row-sum file's."""
+        if self.inline:
+            return place_records(src, local, ids, dest, slots)
         return place_verified(src, local, ids, dest, slots, self.row_sums)
 
     def _check_sums(self, ids: np.ndarray) -> None:
@@ -356,7 +397,7 @@ class SegmentReader(Tier):
         """A few rows of one segment: inline, no chunking or pool hand-off."""
         local = ids - s * self.version.segment_rows
         src = self._source(s, local, ids[0])
-        cold = not src[1][local * self.row_bytes >> PAGE_SHIFT].all()
+        cold = not src[1][local * self.record_bytes >> PAGE_SHIFT].all()
         with cpu_token.waiting() if cold else contextlib.nullcontext():
             return self._fill_buffered(s, src, local, ids, dest, slots, 0, ids.size)
 
@@ -369,9 +410,9 @@ class SegmentReader(Tier):
             if lo < hi:
                 local = ids[lo:hi] - s * sr
                 view, seen = self._source(s, local, ids[lo])
-                bad = place_verified(view, local, ids[lo:hi], dest, slots[lo:hi], self.row_sums)
-                seen[local * self.row_bytes >> PAGE_SHIFT] = True
-                out.append((local.size * self.row_bytes, lo + bad if bad >= 0 else -1, ""))
+                bad = self._place(view, local, ids[lo:hi], dest, slots[lo:hi])
+                seen[local * self.record_bytes >> PAGE_SHIFT] = True
+                out.append((local.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
         return out
 
     def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
@@ -385,18 +426,18 @@ class SegmentReader(Tier):
         results, cold = [], n if self.direct is not None else 0
         if self.direct is None:
             s, src, lo, hi = groups[0]
-            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.row_bytes
+            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
                                                    >> PAGE_SHIFT].all():
                 # pages taken to be cached: a few rows first, timed, before the rest goes inline
                 results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
                 groups[0] = (s, src, lo + PROBE_ROWS, hi)
             for s, src, lo, hi in groups:
-                pages = (ids[lo:hi] - s * sr) * self.row_bytes >> PAGE_SHIFT
+                pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
                 cold += int(pages.size - np.count_nonzero(src[1][pages]))
         # mostly reads that wait on the device: small chunks over many tasks (queue depth);
         # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
         deep = cold * 4 > n
-        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.row_bytes)
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
         chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
         per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
             (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
@@ -421,9 +462,15 @@ class SegmentReader(Tier):
             raise err
         if self.direct is not None:
             return s
+        return self._mapped(s, local, first_id)
+
+    def _mapped(self, s: int, local: np.ndarray, first_id) -> tuple[np.ndarray, np.ndarray]:
+        """Segment s's map (see _map), ChecksumError when it no longer holds rows `local`."""
+        if self._fds[s] is None:
+            return self._source(s, local, first_id)  # raises
         view = self._map(s)
         size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
-        limit = min(view[0].shape[0], size // self.row_bytes)
+        limit = min(view[0].shape[0], size // self.record_bytes)
         if int(local[-1]) >= limit:
             row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
             err = ChecksumError(self.table, self.version.version, row // self.block_rows,
@@ -439,11 +486,11 @@ class SegmentReader(Tier):
         local = ids[a:b] - s * self.version.segment_rows
         if self.direct is None:
             return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
-        tmp = row_buffer(b - a, self.row_bytes)
+        tmp = row_buffer(b - a, self.record_bytes)
         nbytes, short = self.direct.read_rows(s, local, tmp)
         if short >= 0:
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
-        bad = place_verified(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b], self.row_sums)
+        bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
         return nbytes, (a + bad if bad >= 0 else -1), ""
 
     def close(self) -> None:
@@ -465,7 +512,7 @@ class SegmentReader(Tier):
     # ---- page-cache mode of the row path (read_into through the segment maps) ----
 
     def _map(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """Segment s as a read-only uint8 [rows held, row_bytes] view, mapped once,
+        """Segment s as a read-only uint8 [records held, record_bytes] view, mapped once,
         and its pages' seen flags."""
         view = self._maps[s]
         if view is None:
@@ -473,13 +520,14 @@ class SegmentReader(Tier):
                 view = self._maps[s]
                 if view is None:
                     size = os.fstat(self._fds[s]).st_size
-                    held = size // self.row_bytes
+                    rb = self.record_bytes
+                    held = size // rb
                     if held == 0:
-                        rows = np.empty((0, self.row_bytes), dtype=np.uint8)
+                        rows = np.empty((0, rb), dtype=np.uint8)
                     else:
-                        mm = mmap.mmap(self._fds[s], held * self.row_bytes, prot=mmap.PROT_READ)
+                        mm = mmap.mmap(self._fds[s], held * rb, prot=mmap.PROT_READ)
                         mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
-                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, self.row_bytes)
+                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, rb)
                     # one flag per page: is it likely cached (see _Gather)?
                     view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
         return view
@@ -492,26 +540,27 @@ class SegmentReader(Tier):
         after which their pages count as seen. Every row is placed and verified
         in one pass (tiers/nvme/verified_copy.py)."""
         view, seen = src
-        pages = local * self.row_bytes >> PAGE_SHIFT
+        rb = self.record_bytes
+        pages = local * rb >> PAGE_SHIFT
         warm = seen[pages]
         if warm.all():
             with _Gather(seen, local.size):
-                bad = place_verified(view, local, ids[a:b], dest, slots[a:b], self.row_sums)
-            return local.size * self.row_bytes, (a + bad if bad >= 0 else -1), ""
+                bad = self._place(view, local, ids[a:b], dest, slots[a:b])
+            return local.size * rb, (a + bad if bad >= 0 else -1), ""
         cold = np.flatnonzero(~warm)
-        got = row_buffer(cold.size, self.row_bytes)
-        nbytes, short = pread_rows(self._fds[s], local[cold], self.row_bytes, 1, got, self._pread_buffer)
+        got = row_buffer(cold.size, rb)
+        nbytes, short = pread_rows(self._fds[s], local[cold], rb, 1, got, self._pread_buffer)
         if short >= 0:
             return nbytes, a + int(cold[short]), f"segment {self.version.segments[s]} is truncated"
-        bad = place_verified(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold], self.row_sums)
+        bad = self._place(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold])
         if bad >= 0:
             return nbytes, a + int(cold[bad]), ""
         seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
         if cold.size < local.size:
             hot = np.flatnonzero(warm)
             with _Gather(seen, hot.size):
-                bad = place_verified(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot], self.row_sums)
-            nbytes += hot.size * self.row_bytes
+                bad = self._place(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot])
+            nbytes += hot.size * rb
             if bad >= 0:
                 return nbytes, a + int(hot[bad]), ""
         return nbytes, -1, ""
@@ -522,9 +571,9 @@ class SegmentReader(Tier):
     # ---- the block path: whole checksummed blocks ----
 
     def _block_len(self, blocks: np.ndarray) -> np.ndarray:
-        """Bytes in each block (only the table's last block may be short)."""
+        """Bytes in each block on disk (only the table's last block may be short)."""
         end = np.minimum((blocks + 1) * self.block_rows, self.rows)
-        return (end - blocks * self.block_rows) * self.row_bytes
+        return (end - blocks * self.block_rows) * self.record_bytes
 
     def _read_blocks(self, blocks: np.ndarray, buf: memoryview) -> None:
         """Read sorted unique `blocks` into `buf` (block j at j * block_bytes) and
@@ -598,8 +647,11 @@ class SegmentReader(Tier):
     def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, start + n) as uint8 [n, row_bytes], verified block by block.
 
-        Whole blocks inside the range are read straight into `out` (no copy), so
-        loading a table into a DRAM arena costs one pass over the files.
+        Format 1: whole blocks inside the range are read straight into `out` (no
+        copy), so loading a table into a DRAM arena costs one pass over the files.
+        Format 2: blocks are read into scratch, checked over their on-disk bytes,
+        then de-interleaved into `out` by one compiled pass that checks every row
+        against the sum its record carries (verified_copy.place_records).
         """
         start, n = int(start), int(n)
         if n < 0 or start < 0 or start + n > self.rows:
@@ -614,6 +666,20 @@ class SegmentReader(Tier):
         for a in range(first, last + 1, g):
             blocks = np.arange(a, min(a + g, last + 1), dtype=np.int64)
             r0, r1 = a * br, min((a + len(blocks)) * br, self.rows)
+            if self.inline:
+                if scratch is None:
+                    scratch = np.empty(g * self._block_bytes, dtype=np.uint8)
+                self._read_blocks(blocks, memoryview(scratch))
+                c0, c1 = max(r0, start), min(r1, start + n)
+                recs = scratch[:(r1 - r0) * self.record_bytes].reshape(-1, self.record_bytes)
+                ids = np.arange(c0, c1, dtype=np.int64)
+                bad = place_records(recs, ids - r0, ids, out, ids - start)
+                if bad >= 0:
+                    row = c0 + bad
+                    err = ChecksumError(self.table, self.version.version, row // br, f"row {row}")
+                    err.row = row
+                    raise err
+                continue
             if r0 >= start and r1 <= start + n:
                 self._read_blocks(blocks, memoryview(out[r0 - start:r1 - start]).cast("B"))
                 continue
@@ -634,10 +700,23 @@ class SegmentReader(Tier):
             k = min(step, self.rows - r)
             yield r, self.read_range(r, k, out=buf[:k])
 
+    def disk_blocks(self, group: int):
+        """Yield (first block, uint8 [k, block_bytes]) over the whole table: `group`
+        blocks at a time as they lie on disk (records, in either format), each checked
+        against its block checksum; the last block's tail past the table is
+        undefined. The array is reused between steps (remote publish: objects are
+        on-disk blocks)."""
+        buf = np.empty(max(1, group) * self._block_bytes, dtype=np.uint8)
+        for a in range(0, self.version.n_blocks, max(1, group)):
+            blocks = np.arange(a, min(a + max(1, group), self.version.n_blocks), dtype=np.int64)
+            self._read_blocks(blocks, memoryview(buf))
+            yield a, buf[:blocks.size * self._block_bytes].reshape(blocks.size, self._block_bytes)
+
     def verify(self) -> list[int]:
         """Re-check every block, and every row against its row checksum when the
-        version has them; return the numbers of bad (corrupt, truncated, missing,
-        or holding a row that fails its row checksum) blocks, empty when intact."""
+        version has them (inline in its record, format 2; the row-sum file, format 1);
+        return the numbers of bad (corrupt, truncated, missing, or holding a row that
+        fails its row checksum) blocks, empty when intact."""
         bad: list[int] = []
         g = self._group_blocks()
         buf = np.empty(g * self._block_bytes, dtype=np.uint8)
@@ -653,10 +732,11 @@ class SegmentReader(Tier):
                 bad.append(e.block)
                 a = e.block + 1
                 continue
-            if self.row_sums is not None:
+            if self.verifies_rows:
                 r0, r1 = int(blocks[0]) * br, min(a * br, self.rows)
                 ids = np.arange(r0, r1, dtype=np.int64)
-                rows = buf[:(r1 - r0) * self.row_bytes].reshape(-1, self.row_bytes)
-                wrong = rowsum.row_sums(rows, ids) != self.row_sums[r0:r1]
+                recs = buf[:(r1 - r0) * self.record_bytes].reshape(-1, self.record_bytes)
+                want = recs.view("<u8")[:, -1] if self.inline else self.row_sums[r0:r1]
+                wrong = rowsum.row_sums(recs[:, :self.row_bytes], ids) != want
                 bad += np.unique(ids[wrong] // br).tolist()
         return bad

@@ -27,7 +27,7 @@ import numpy as np
 
 from tierstore.jit import Kernel
 
-__all__ = ["ALGO", "row_sums"]
+__all__ = ["ALGO", "records", "row_sums"]
 
 ALGO = "fmix64-v1"
 _U = np.uint64
@@ -121,4 +121,19 @@ def row_sums(rows: np.ndarray, ids: np.ndarray, *, compiled: bool = True) -> np.
             _mix(x[:m], s, k, tmp[:m]).sum(axis=1, dtype=np.uint64, out=out[a:a + m])
         idm = np.asarray(ids, dtype=np.int64).view(np.uint64) ^ _SEED
         out += _mix(idm, _SEED, _M2, np.empty_like(idm))
+    return out
+
+
+def records(rows: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Segment format 2 records of uint8 [n, B] `rows` stored as rows `ids`: uint8
+    [n, R] (R = tierstore.store.version.record_bytes(B, 2)), each the row, zero
+    padding to whole 8-byte words, then its sum as one little-endian uint64.
+    out: optional uint8 [n, R] to fill."""
+    n, b = rows.shape
+    r = -(-b // 8) * 8 + 8
+    if out is None:
+        out = np.empty((n, r), dtype=np.uint8)
+    out[:, :b] = rows
+    out[:, b:r - 8] = 0
+    out[:, r - 8:] = row_sums(rows, ids).astype("<u8", copy=False).view(np.uint8).reshape(n, 8)
     return out

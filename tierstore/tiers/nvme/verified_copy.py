@@ -1,7 +1,9 @@
 """A miss's rows placed in their arena slots and verified against their row sums, in one pass.
 
 A cache-mode fill copies each missing row into its arena slot and checks its
-fmix64-v1 sum (tiers/nvme/rowsum.py). In numpy that is a gather into scratch, six
+fmix64-v1 sum (tiers/nvme/rowsum.py): against the sum stored in the record
+beside the row (segment format 2, `place_records`: the record a miss reads
+carries it), or against a separate row-sum array (format 1, `place_verified`). In numpy that is a gather into scratch, six
 passes of hashing over it and a scatter into the arena, each a few µs of call
 overhead plus a trip through memory; a step of 100 misses spends most of its
 time there. Compiled (numba), one loop reads each row once, hashes its words as
@@ -21,7 +23,7 @@ import numpy as np
 from tierstore.jit import Kernel, enabled, unique_inverse
 from tierstore.tiers.nvme import rowsum
 
-__all__ = ["kernels", "place_verified", "warm"]
+__all__ = ["kernels", "place_records", "place_verified", "warm"]
 
 _M1, _M2, _SEED = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
 _S29, _S32 = np.uint64(29), np.uint64(32)
@@ -33,9 +35,9 @@ def kernels():
 
 
 # ---- compiled loops (tierstore/jit.py); module constants are compile-time constants ----
-def _place_loop(src, local, ids, dest, slots, sums, skeys, kkeys):
+def _place_loop(src, local, ids, dest, slots, sums, at, skeys, kkeys):
     """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
-    sums[ids[i]]; the index of the first row whose sum differs, or -1."""
+    sums[at[i]]; the index of the first row whose sum differs, or -1."""
     words = src.shape[1]
     for i in range(local.shape[0]):
         r, d = local[i], slots[i]
@@ -49,32 +51,84 @@ def _place_loop(src, local, ids, dest, slots, sums, skeys, kkeys):
         x = (np.uint64(ids[i]) ^ _SEED) * _M1
         x = (x ^ (x >> _S29)) * _M2
         acc += x ^ (x >> _S32)
-        if acc != sums[ids[i]]:
+        if acc != sums[at[i]]:
+            return i
+    return -1
+
+
+def _records_loop(src, local, ids, dest, slots, skeys, kkeys):
+    """dest[slots[i]] = the row words of record src[local[i]] (uint64 words; the record's
+    last word is the row's sum) for every i, verified against that sum; the index of
+    the first row whose sum differs, or -1."""
+    words, last = dest.shape[1], src.shape[1] - 1
+    for i in range(local.shape[0]):
+        r, d = local[i], slots[i]
+        acc = np.uint64(0)
+        for j in range(words):
+            w = src[r, j]
+            dest[d, j] = w
+            x = (w ^ skeys[j]) * _M1
+            x = (x ^ (x >> _S29)) * kkeys[j]
+            acc += x ^ (x >> _S32)
+        x = (np.uint64(ids[i]) ^ _SEED) * _M1
+        x = (x ^ (x >> _S29)) * _M2
+        acc += x ^ (x >> _S32)
+        if acc != src[r, last]:
             return i
     return -1
 
 
 _PLACE = Kernel(_place_loop)
+_RECORDS = Kernel(_records_loop)
 
 
 def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
-                   sums: np.ndarray) -> int:
-    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[ids[i]].
+                   sums: np.ndarray, at: np.ndarray | None = None) -> int:
+    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[at[i]]
+    (at: default ids, a version's whole row-sum array; or positions in a gathered one).
 
-    src, dest: uint8 [*, B], rows contiguous; local, ids, slots: int64 [n].
+    src, dest: uint8 [*, B], rows contiguous; local, ids, slots, at: int64 [n].
     Returns the index of the first row that fails verification, or -1 (rows
     after a failure may not have been copied: the caller discards the call).
     """
+    at = ids if at is None else at
     k = _PLACE.compiled()
     b = src.shape[1]
-    if k is not None and b % 8 == 0 and src.strides[1] == 1 and dest.strides[1] == 1 \
-            and src.strides[0] % 8 == 0 and dest.strides[0] % 8 == 0:
+    if k is not None and b % 8 == 0 and _aligned(src) and _aligned(dest):
         s, kk = rowsum._keys(b // 8)
-        return int(k(_words(src), local, ids, _words(dest), slots, sums, s, kk))
+        return int(k(_words(src), local, ids, _words(dest), slots, sums, at, s, kk))
     rows = src[local]
-    ok = rowsum.row_sums(rows, ids) == sums[ids]
+    ok = rowsum.row_sums(rows, ids) == sums[at]
     dest[slots] = rows
     return -1 if ok.all() else int(np.argmin(ok))
+
+
+def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray,
+                  slots: np.ndarray) -> int:
+    """Copy the rows of records src[local[i]] (segment format 2: row, zero padding to
+    whole words, its uint64 row sum) to dest[slots[i]], each checked against the sum
+    its record carries for row ids[i]. The full-resident load de-interleaves with
+    it too (slots = every row), so every row is checked on the way in.
+
+    src: uint8 [*, R] records (R = TableVersion.record_bytes); dest: uint8 [*, B]
+    rows, B <= R - 8; local, ids, slots: int64 [n]. Returns the index of the first
+    row that fails verification, or -1 (rows after a failure may not have been
+    copied: the caller discards the call).
+    """
+    b, r = dest.shape[1], src.shape[1]
+    k = _RECORDS.compiled()
+    if k is not None and b % 8 == 0 and r % 8 == 0 and _aligned(src) and _aligned(dest):
+        s, kk = rowsum._keys(b // 8)
+        return int(k(_words(src), local, ids, _words(dest), slots, s, kk))
+    recs = src[local]
+    ok = rowsum.row_sums(recs[:, :b], ids) == recs[:, r - 8:].copy().view("<u8").reshape(-1)
+    dest[slots] = recs[:, :b]
+    return -1 if ok.all() else int(np.argmin(ok))
+
+
+def _aligned(a: np.ndarray) -> bool:
+    """Rows of whole bytes at 8-byte strides (what the compiled loops take as words)."""
+    return a.strides[1] == 1 and a.strides[0] % 8 == 0
 
 
 def _words(a: np.ndarray) -> np.ndarray:
@@ -100,6 +154,11 @@ def warm() -> None:
     sums = rowsum.row_sums(src, np.arange(2))
     mapped = src.copy()
     mapped.flags.writeable = False  # a segment's memory map is read-only: its own specialisation
+    recs = rowsum.records(src, np.arange(2))
+    mapped_recs = recs.copy()
+    mapped_recs.flags.writeable = False
     for rows in (src, mapped):
         place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums)
+    for rows in (recs, mapped_recs):
+        place_records(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2))
     unique_inverse(np.arange(2))

@@ -2,7 +2,8 @@
 
 While the copy is partial, its files in the version directory are
   ``seg-NNNNN.bin.partial``  the segments, at full size from the start (sparse)
-  ``<row sums>.partial``     per-row checksums, when the manifest has them
+  ``<row sums>.partial``     per-row checksums, when the manifest names a file
+                             (segment format 1; format 2 records carry their own)
   ``blocks.present``         a header, then one bit per block: which blocks are durable
 Durability order per batch: the block bytes (checked against the manifest's
 checksum first) and their row sums are written and fdatasync'ed, then their
@@ -57,7 +58,7 @@ class LocalCopy:
         self._tag = xxhash.xxh3_64_intdigest(np.ascontiguousarray(self.checksums, dtype="<u8"))
         self.finished = False
         seg_rows = [min(v.segment_rows, v.rows - s * v.segment_rows) for s in range(len(v.segments))]
-        self._fds = [self._open(self.data_dir / p, n * v.row_bytes) for p, n in zip(v.segments, seg_rows)]
+        self._fds = [self._open(self.data_dir / p, n * v.record_bytes) for p, n in zip(v.segments, seg_rows)]
         self._sums_path = self.dir / v.row_sums["file"] if v.row_sums else None
         self._sums_fd = self._open(self._sums_path, 8 * v.rows) if self._sums_path else None
         self.present = np.zeros(-(-v.n_blocks // 8) * 8, dtype=bool)  # padded to whole bytes
@@ -100,7 +101,7 @@ class LocalCopy:
     def _where(self, b: int) -> tuple[int, int, int]:
         """(fd, byte offset, length) of block b."""
         v = self.version
-        n = (min((b + 1) * v.block_rows, v.rows) - b * v.block_rows) * v.row_bytes
+        n = (min((b + 1) * v.block_rows, v.rows) - b * v.block_rows) * v.record_bytes
         return self._fds[b // self._bps], (b % self._bps) * self._bb, n
 
     def read_blocks(self, blocks: np.ndarray, buf: np.ndarray, where: np.ndarray) -> np.ndarray:
@@ -162,7 +163,7 @@ class LocalCopy:
             os.pwrite(fd, row[:n], off)
             touched.add(fd)
         blocks = blocks[good]
-        if self._sums_fd is not None and blocks.size:
+        if self._sums_fd is not None and blocks.size:  # format 1 (record_bytes == row_bytes)
             ids = (blocks[:, None] * v.block_rows + np.arange(v.block_rows)).reshape(-1)
             sums = rowsum.row_sums(data[good].reshape(-1, v.row_bytes), ids).astype("<u8")
             sums = sums.reshape(blocks.size, v.block_rows)

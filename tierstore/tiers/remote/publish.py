@@ -1,7 +1,7 @@
 """Publish a table version to Mooncake Store, and bring its manifest to another host.
 
 Object layout (keys under ``tierstore/<table>/v<version>/``):
-  ``b<block>``      one checksum block of rows (``block_rows`` rows, about 4 KiB)
+  ``b<block>``      one checksum block as it lies on disk (``block_rows`` records, about 4 KiB)
   ``checksums``     uint64 little-endian [n_blocks], xxh3-64 of each block
   ``manifest``      TableVersion JSON + xxh3 of the checksum list; written LAST
 and ``tierstore/<table>/latest`` -> the newest published version number.
@@ -72,12 +72,10 @@ def publish(store, data_dir, table: str, version: int | None = None, *, replicas
     cfg = _replicate(replicas)
     group = max(1, PUT_GROUP_BYTES // tv.block_bytes)
     with SegmentReader(data_dir, tv, sums) as reader:
-        for r0, rows in reader.iter_blocks(group * tv.block_rows):
-            b0 = r0 // tv.block_rows
-            n = -(-rows.shape[0] // tv.block_rows)
-            flat = rows.reshape(-1)
-            bb = tv.block_bytes
-            values = [flat[i * bb:(i + 1) * bb] for i in range(n)]
+        for b0, grid in reader.disk_blocks(group):
+            n = grid.shape[0]
+            tail = (tv.rows - (tv.n_blocks - 1) * tv.block_rows) * tv.record_bytes  # the last block may be short
+            values = [grid[i] if b0 + i < tv.n_blocks - 1 else grid[i, :tail] for i in range(n)]
             # upsert: a publish killed half way leaves blocks behind; re-running overwrites them
             _check(store.upsert_batch(block_keys(tv.table, tv.version, range(b0, b0 + n)), values, cfg),
                    f"blocks {b0}..{b0 + n - 1}")

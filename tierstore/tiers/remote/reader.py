@@ -77,7 +77,7 @@ class RemoteReader(Tier):
     # ---- block fetch ---------------------------------------------------------
     def _block_len(self, blocks: np.ndarray) -> np.ndarray:
         end = np.minimum((blocks + 1) * self.block_rows, self.rows)
-        return (end - blocks * self.block_rows) * self.row_bytes
+        return (end - blocks * self.block_rows) * self.version.record_bytes
 
     def _read_blocks(self, blocks: np.ndarray, buf: np.ndarray) -> None:
         """Sorted unique `blocks` into `buf` (block j at byte j * block_bytes), verified:
@@ -153,8 +153,13 @@ class RemoteReader(Tier):
         return max(1, GROUP_BYTES // self._block_bytes)
 
     def _gather(self, flat: np.ndarray, put) -> None:
-        """Fetch the blocks of ids `flat`, group by group; put(sel, rows) stores rows for flat[sel]."""
-        gather_by_block(flat, self.block_rows, self.row_bytes, self._group_blocks(), self._read_blocks, put)
+        """Fetch the blocks of ids `flat`, group by group; put(sel, rows) stores rows for flat[sel].
+        Blocks are on-disk bytes, verified whole: format 2 records are cut to their rows."""
+        if self.version.segment_format == 2:
+            rb, store = self.row_bytes, put
+            put = lambda sel, recs: store(sel, recs[:, :rb])  # noqa: E731
+        gather_by_block(flat, self.block_rows, self.version.record_bytes, self._group_blocks(),
+                        self._read_blocks, put)
 
     def _finished_reader(self):
         """Once the local copy is complete: a SegmentReader on it (row-sized verified reads)."""
