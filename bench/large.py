@@ -108,9 +108,9 @@ def _read_rows(data_dir, version, ids: np.ndarray) -> np.ndarray:
     out = np.empty((ids.size, version.row_bytes), dtype=np.uint8)
     seg = ids // version.segment_rows
     for s in np.unique(seg).tolist():
-        m = np.memmap(Path(data_dir) / version.segments[s], dtype=np.uint8, mode="r").reshape(-1, version.row_bytes)
+        m = np.memmap(Path(data_dir) / version.segments[s], dtype=np.uint8, mode="r").reshape(-1, version.record_bytes)
         sel = seg == s
-        out[sel] = m[ids[sel] - s * version.segment_rows]
+        out[sel] = m[ids[sel] - s * version.segment_rows, :version.row_bytes]  # a record's row
         del m
     return out
 

@@ -3,14 +3,17 @@
     python -m tierstore.bench.read_into [--dir DIR] [--rows 1000000] [--misses 14000]
 
 A table of `rows` x 256 B random rows is written once under DIR (a disk, not
-tmpfs, for O_DIRECT). Each pass places `misses` sorted unique ids into random
-slots of a `dest` arena of rows/10 slots, four ways, side by side:
+tmpfs, for O_DIRECT) in each segment format: 2 (each record carries its row
+sum) and 1 (rows alone, a row-sum file beside them). Each pass places `misses`
+sorted unique ids into random slots of a `dest` arena of rows/10 slots, side by side:
 
-  old-block    read_rows on the block path (4 KiB block per miss, xxh3 per
-               block in a loop, scratch + copy) + dest[slots] = rows
-  read_into    SegmentReader.read_into, page-cache mode (mmap gather + row sums)
-  read_into-direct   the same with direct_io=True (O_DIRECT sector reads)
-  mmap         dest[slots] = np.memmap(file)[ids]: no verification (the baseline)
+  old-block    format 1 without its row sums: read_rows on the block path (4 KiB
+               block per miss, xxh3 per block in a loop, scratch + copy) + dest[slots] = rows
+  read_into-v1 SegmentReader.read_into on format 1, page-cache mode (mmap gather,
+               sums from the mapped row-sum file)
+  read_into    the same on format 2 (sums inside the records read)
+  read_into-direct   format 2 with direct_io=True (O_DIRECT sector reads)
+  mmap         dest[slots] = np.memmap(format 1 file)[ids]: no verification (the baseline)
 
 Warm: page cache holds the file; passes repeat the same ids (medians of
 rounds). Cold: before each pass the file is dropped from the page cache
@@ -28,33 +31,35 @@ from pathlib import Path
 import numpy as np
 
 
-def _table(d: Path, rows: int, row_bytes: int = 256):
+def _table(d: Path, rows: int, segment_format: int, row_bytes: int = 256):
     from tierstore.store.catalog import Catalog
     from tierstore.ingest.writer import write_version
 
     src = f"bench-read-into rows={rows}"
+    name = "t" if segment_format == 2 else "t1"
     try:
         with Catalog(d, readonly=True) as cat:
-            v = cat.current("t")
-            if v.source == src and v.row_sums:
-                return v, cat.checksums("t", v.version)
+            v = cat.current(name)
+            if v.source == src and v.segment_format == segment_format and (segment_format == 2 or v.row_sums):
+                return v, cat.checksums(name, v.version)
     except (KeyError, FileNotFoundError):
         pass
     rng = np.random.default_rng(0)
     step = (16 << 20) // row_bytes
     chunks = (rng.integers(0, 256, size=(min(step, rows - a), row_bytes), dtype=np.uint8)
               for a in range(0, rows, step))
-    v = write_version(d, "t", chunks, rows=rows, row_format="fp32", row_dim=row_bytes // 4, source=src)
+    v = write_version(d, name, chunks, rows=rows, row_format="fp32", row_dim=row_bytes // 4, source=src,
+                      segment_format=segment_format)
     with Catalog(d, readonly=True) as cat:
-        return v, cat.checksums("t", v.version)
+        return v, cat.checksums(name, v.version)
 
 
-def _competitors(d: Path, v, sums):
+def _competitors(d: Path, v, sums, v1, sums1):
     """name -> (open() -> state, run(state, ids, dest, slots), close(state))."""
     from tierstore.tiers.nvme.reader import SegmentReader
 
-    old = dataclasses.replace(v, row_sums=None)
-    path = d / v.segments[0]
+    old = dataclasses.replace(v1, row_sums=None)
+    path = d / v1.segments[0]
 
     def mm_open():
         import mmap
@@ -66,8 +71,10 @@ def _competitors(d: Path, v, sums):
         dest[slots] = m[ids]
 
     return {
-        "old-block": (lambda: SegmentReader(d, old, sums), lambda r, i, dst, s: dst.__setitem__(s, r.read_rows(i)),
+        "old-block": (lambda: SegmentReader(d, old, sums1), lambda r, i, dst, s: dst.__setitem__(s, r.read_rows(i)),
                       lambda r: r.close()),
+        "read_into-v1": (lambda: SegmentReader(d, v1, sums1), lambda r, i, dst, s: r.read_into(i, dst, s),
+                         lambda r: r.close()),
         "read_into": (lambda: SegmentReader(d, v, sums), lambda r, i, dst, s: r.read_into(i, dst, s),
                       lambda r: r.close()),
         "read_into-direct": (lambda: SegmentReader(d, v, sums, direct_io=True),
@@ -80,15 +87,16 @@ def run(d: Path, rows: int, misses: int, rounds: int, cold_rounds: int, log=prin
     from tierstore.bench.memory import drop_page_cache
 
     d.mkdir(parents=True, exist_ok=True)
-    v, sums = _table(d, rows)
-    paths = [d / s for s in v.segments]
+    v, sums = _table(d, rows, 2)
+    v1, sums1 = _table(d, rows, 1)
+    paths = [d / s for s in v.segments + v1.segments]
     rng = np.random.default_rng(1)
     cap = max(misses, rows // 10)
     dest = np.zeros((cap, v.row_bytes), dtype=np.uint8)
-    comps = _competitors(d, v, sums)
+    comps = _competitors(d, v, sums, v1, sums1)
     # the truth comes from pread: a live map would pin pages and defeat the cold passes
     from tierstore.tiers.nvme.reader import SegmentReader
-    check = SegmentReader(d, dataclasses.replace(v, row_sums=None), sums)
+    check = SegmentReader(d, dataclasses.replace(v1, row_sums=None), sums1)
 
     def ids_slots():
         ids = np.sort(rng.choice(rows, misses, replace=False)).astype(np.int64)

@@ -31,7 +31,7 @@ def test_safetensors_fp32_reads_back_bit_exact(tmp_path, data_dir):
     w = torch.randn(5000, 64)
     save_file({"engram.table": w, "other.bias": torch.zeros(3)}, tmp_path / "m.safetensors")
     tv = ingest_file(tmp_path / "m.safetensors", data_dir, "emb", progress=False, chunk_bytes=100_000)
-    assert (tv.row_format, tv.row_dim, tv.rows, tv.block_rows) == ("fp32", 64, 5000, 16)
+    assert (tv.row_format, tv.row_dim, tv.rows, tv.block_rows) == ("fp32", 64, 5000, 15)  # 15 x 264-B records
     _, rows = read_all(data_dir, "emb")
     assert np.array_equal(rows, w.numpy().view(np.uint8))
     with Catalog(data_dir, readonly=True) as cat, \

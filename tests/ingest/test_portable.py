@@ -14,14 +14,18 @@ def current_rows(data_dir, table):
             return tv, r.read_range(0, tv.rows)
 
 
-def test_round_trip_is_bit_exact(tmp_path, data_dir, make_table):
-    tv, data = make_table("t", rows=3001, block_rows=10)
+@pytest.mark.parametrize("exported", [2, 1], ids=["from-format2", "from-format1"])
+def test_round_trip_is_bit_exact(tmp_path, data_dir, make_table, exported):
+    """An export of either segment format imports as the current format (2), its rows
+    checked against the exported block checksums on the way in."""
+    tv, data = make_table("t", rows=3001, block_rows=10, segment_format=exported)
     make_table("t", rows=5, seed=9)  # a newer version; export the older one
     out = tmp_path / "t.tst"
     assert export_table(data_dir, "t", out, version=1).version == 1
     other = tmp_path / "other"
     got = import_table(out, other)
     assert (got.table, got.version, got.rows, got.block_rows, got.row_format) == ("t", 1, 3001, 10, "fp32")
+    assert got.segment_format == 2 and got.row_sums is None
     assert np.array_equal(current_rows(other, "t")[1], data)
     renamed = import_table(out, data_dir, "copy")
     assert renamed.table == "copy" and "import t.tst (t v1" in renamed.source
@@ -57,7 +61,7 @@ def test_corrupt_table_is_never_exported(tmp_path, data_dir, make_table):
     tv, _ = make_table("t", rows=500, block_rows=10)
     seg = data_dir / tv.segments[0]
     raw = bytearray(seg.read_bytes())
-    raw[64 * 123] ^= 1  # row 123 -> block 12
+    raw[tv.record_bytes * 123] ^= 1  # row 123 -> block 12
     seg.write_bytes(bytes(raw))
     with pytest.raises(ChecksumError, match="block 12"):
         export_table(data_dir, "t", tmp_path / "t.tst")
@@ -146,3 +150,20 @@ def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, c
     code, _, err = cli("import", f, "--data", tmp_path / "dest", "--quiet")
     assert code == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "dest" / "tables").exists() or not any((tmp_path / "dest" / "tables").rglob("seg-*"))
+
+
+def test_rows_that_miss_a_format_1_exports_checksums_commit_nothing(data_dir, make_table):
+    """Import of a format 1 export writes format 2: the exported checksums are checked
+    over the incoming rows as format 1 laid them out, and one that differs is DataLoss."""
+    from tierstore.ingest.writer import write_version
+
+    tv, data = make_table("t", rows=300, block_rows=10, segment_format=1)
+    with Catalog(data_dir, readonly=True) as cat:
+        sums = cat.checksums("t", tv.version).copy()
+    kw = dict(rows=300, row_format="fp32", row_dim=16, block_rows=10, expected_format=1)
+    assert write_version(data_dir, "ok", [data], expected_checksums=sums, **kw).segment_format == 2
+    sums[7] ^= 1
+    with pytest.raises(DataLoss, match="block 7 of the incoming rows"):
+        write_version(data_dir, "bad", [data], expected_checksums=sums, **kw)
+    with Catalog(data_dir, readonly=True) as cat:
+        assert "bad" not in cat.tables()

@@ -23,7 +23,7 @@ ROWS = 6000
 
 def _flip(data_dir, tv, row, byte=3):
     seg = data_dir / tv.segments[row // tv.segment_rows]
-    off = (row % tv.segment_rows) * tv.row_bytes + byte
+    off = (row % tv.segment_rows) * tv.record_bytes + byte
     with open(seg, "r+b") as f:
         f.seek(off)
         b = f.read(1)
@@ -33,19 +33,24 @@ def _flip(data_dir, tv, row, byte=3):
 
 @pytest.fixture(scope="module")
 def corrupt(tmp_path_factory, rel):
-    """Four tables, one per row format, each with three corrupt blocks (first, middle, last)."""
+    """Eight tables, one per row format and segment format (2: each record carries its row
+    sum; 1: a row-sum file beside the segments), each with three corrupt blocks (first,
+    middle, last); in format 2 the middle one's damage is in the row sum its record carries."""
     d = tmp_path_factory.mktemp("corrupt") / "data"
     tables = {}
     for i, fmt in enumerate(FORMATS):
-        name = f"c{i}"
-        expected = rel.write_table(d, name, ROWS, dim=64, fmt=fmt, seed=i)
-        with Catalog(d, readonly=True) as cat:
-            tv = cat.current(name)
-        bad_rows = [5, ROWS // 2 + 7, ROWS - 1]
-        for r in bad_rows:
-            _flip(d, tv, r, byte=r % tv.row_bytes)
-        bad_blocks = sorted({r // tv.block_rows for r in bad_rows})
-        tables[name] = (tv, expected, bad_rows, bad_blocks)
+        for seg in (2, 1):
+            name = f"c{i}" if seg == 2 else f"c{i}-v1"
+            expected = rel.write_table(d, name, ROWS, dim=64, fmt=fmt, seed=i, segment_format=seg)
+            with Catalog(d, readonly=True) as cat:
+                tv = cat.current(name)
+            assert tv.segment_format == seg
+            bad_rows = [5, ROWS // 2 + 7, ROWS - 1]
+            for r in bad_rows:
+                in_sum = seg == 2 and r == bad_rows[1]
+                _flip(d, tv, r, byte=tv.record_bytes - 2 if in_sum else r % tv.row_bytes)
+            bad_blocks = sorted({r // tv.block_rows for r in bad_rows})
+            tables[name] = (tv, expected, bad_rows, bad_blocks)
     return d, tables
 
 

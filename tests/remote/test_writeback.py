@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tierstore.store.catalog import Catalog
+from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.remote.publish import fetch_manifest, import_manifest, publish
 from tierstore.tiers.remote.local_copy import BITMAP_NAME, LocalCopy
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -15,10 +16,12 @@ from tierstore.tiers.remote.reader import RemoteReader
 
 
 @pytest.fixture
-def new_host(cluster, make_table, data_dir, tmp_path):
+def new_host(cluster, make_table, data_dir, tmp_path, request):
     """(store, manifest, checksums, host-b data dir, rows): a table published from data_dir,
-    its manifest recorded on host b, which has no rows."""
-    _, data = make_table("emb", rows=3000, row_bytes=64, chunk=1000)
+    its manifest recorded on host b, which has no rows. Segment format 2 unless a test
+    is parametrized with `new_host` = 1."""
+    fmt = getattr(request, "param", 2)
+    _, data = make_table("emb", rows=3000, row_bytes=64, chunk=1000, segment_format=fmt)
     store = cluster.connect()
     publish(store, data_dir, "emb")
     tv, sums = fetch_manifest(store, "emb")
@@ -52,6 +55,7 @@ def test_fetched_blocks_are_read_locally_next_time(new_host):
         reader.close()
 
 
+@pytest.mark.parametrize("new_host", [2, 1], ids=["format2", "format1"], indirect=True)
 def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
     store, tv, sums, host_b, data = new_host
     reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums))
@@ -68,7 +72,8 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
     vdir = host_b / "tables" / "emb" / f"v{tv.version}"
     assert not (vdir / BITMAP_NAME).exists() and not list(vdir.glob("*.partial"))
     with Catalog(host_b, readonly=True) as cat, SegmentReader(host_b, cat.current("emb"), sums) as local:
-        assert local.row_sums is not None  # rebuilt row checksums match the manifest's
+        assert local.verifies_rows and local.version.segment_format == tv.segment_format
+        assert (local.row_sums is None) == (tv.segment_format == 2)  # format 1: rebuilt, match the manifest
         assert np.array_equal(local.read_rows(np.arange(tv.rows)), data)
 
 
@@ -93,7 +98,8 @@ def test_a_block_whose_local_bytes_are_bad_is_fetched_again(new_host):
         assert local.present[0]
     finally:
         reader.close()
-    assert bytes(seg.read_bytes()[:tv.block_bytes]) == data[:tv.block_rows].tobytes()
+    assert bytes(seg.read_bytes()[:tv.block_bytes]) == rowsum.records(data[:tv.block_rows],
+                                                                      np.arange(tv.block_rows)).tobytes()
 
 
 def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):

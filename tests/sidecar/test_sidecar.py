@@ -224,9 +224,9 @@ def test_corrupt_cold_block_is_data_loss_and_the_rest_keeps_serving(tmp_path):
     seg = tmp_path / tv.segments[0]
     bad_row = 1234
     with open(seg, "r+b") as f:
-        f.seek(bad_row * tv.row_bytes + 3)
+        f.seek(bad_row * tv.record_bytes + 3)
         b = f.read(1)
-        f.seek(bad_row * tv.row_bytes + 3)
+        f.seek(bad_row * tv.record_bytes + 3)
         f.write(bytes([b[0] ^ 0x01]))
     bad_block = bad_row // tv.block_rows
     with _sidecar(tmp_path, "64KiB") as sc, Client(sc.socket) as c:

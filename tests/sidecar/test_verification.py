@@ -50,7 +50,7 @@ def test_flipped_cold_byte_under_a_resident_row_is_caught_and_refused(table, fre
         ids = np.arange(victim - 3, victim + 3)
         with c.plan("v", ids) as step:  # planned: promoted, resident and correct
             assert np.array_equal(step.rows(), rows[ids])
-        _flip(d / tv.segments[0], victim * tv.row_bytes + 5)   # the cold copy rots afterwards
+        _flip(d / tv.segments[0], victim * tv.record_bytes + 5)   # the cold copy rots afterwards
         with c.plan("v", ids) as step:
             assert np.array_equal(step.rows(), rows[ids])  # still the verified copy ...
         assert _wait(lambda: metric(port, "tierstore_verify_mismatches", "nvme") > 0)  # ... but found
