@@ -113,7 +113,8 @@ def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(os, "fdatasync", no_sync)
         with pytest.raises(OSError):
-            local.write_blocks(np.array([0]), data[:tv.block_rows].reshape(1, -1))
+            block = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows))  # as on disk
+            local.write_blocks(np.array([0]), block.reshape(1, -1))
         assert not local.present[0]
     finally:
         monkeypatch.undo()
@@ -140,3 +141,15 @@ def test_written_back_blocks_serve_while_the_master_is_down(new_host, cluster):
             reader.read_rows([tv.rows - 1])
     finally:
         reader.close()
+
+
+def test_blocks_that_all_fail_their_checksum_write_nothing(new_host):
+    """Rows where records belong (or any bytes that do not match) are dropped, not written."""
+    _, tv, sums, host_b, data = new_host
+    local = LocalCopy(host_b, tv, sums)
+    try:
+        rows = np.zeros((1, tv.block_bytes), np.uint8)
+        rows[0, :tv.block_rows * tv.row_bytes] = data[:tv.block_rows].reshape(-1)
+        assert local.write_blocks(np.array([0]), rows) == 0 and not local.present[0]
+    finally:
+        local.close()

@@ -163,6 +163,8 @@ class LocalCopy:
             os.pwrite(fd, row[:n], off)
             touched.add(fd)
         blocks = blocks[good]
+        if blocks.size == 0:
+            return 0
         if self._sums_fd is not None and blocks.size:  # format 1 (record_bytes == row_bytes)
             ids = (blocks[:, None] * v.block_rows + np.arange(v.block_rows)).reshape(-1)
             sums = rowsum.row_sums(data[good].reshape(-1, v.row_bytes), ids).astype("<u8")
