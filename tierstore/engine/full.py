@@ -13,6 +13,7 @@ from tierstore import cpu_token
 from tierstore.cache.policy.config import PolicyConfig
 from tierstore.engine.base import Placement, TableEngine
 from tierstore.errors import ChecksumError
+from tierstore.tiers.nvme import rowsum
 
 __all__ = ["FullEngine"]
 
@@ -32,10 +33,26 @@ class FullEngine(TableEngine):
                 progress(n)
 
     def verify_arena(self, checksums: np.ndarray) -> list[int]:
-        """Blocks of a full-mode arena whose bytes no longer match the catalog."""
-        br, flat = self.version.block_rows, self.arena.rows
-        return [b for b in range(self.version.n_blocks)
-                if xxhash.xxh3_64_intdigest(flat[b * br:(b + 1) * br]) != int(checksums[b])]
+        """Blocks of a full-mode arena whose bytes no longer match the catalog (each block's
+        rows hashed as the segment holds them: format 2 rebuilds their records first)."""
+        v, flat, h = self.version, self.arena.rows, xxhash.xxh3_64_intdigest
+        br, bb = v.block_rows, v.block_bytes
+        group = max(1, (8 << 20) // bb)
+        bad: list[int] = []
+        for a in range(0, v.n_blocks, group):
+            z = min(a + group, v.n_blocks)
+            lo, hi = a * br, min(z * br, self.rows)
+            raw = memoryview(self._stored(lo, hi)).cast("B")
+            want = checksums[a:z].tolist()
+            bad += [a + j for j, off in enumerate(range(0, len(raw), bb)) if h(raw[off:off + bb]) != want[j]]
+        return bad
+
+    def _stored(self, lo: int, hi: int) -> np.ndarray:
+        """Arena rows [lo, hi) as the segments store them (what block checksums cover)."""
+        rows = self.arena.rows[lo:hi]
+        if self.version.segment_format == 1:
+            return np.ascontiguousarray(rows)
+        return rowsum.records(rows, np.arange(lo, hi, dtype=np.int64))
 
     # ---- requests -----------------------------------------------------------
     def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:
@@ -84,7 +101,7 @@ class FullEngine(TableEngine):
                 found.append(("nvme", b, None, str(e)))
                 disk = None
             vc.checked["dram"] += hi - lo
-            if xxhash.xxh3_64_intdigest(self.arena.rows[lo:hi]) == int(sums[b]) or disk is None:
+            if xxhash.xxh3_64_intdigest(self._stored(lo, hi)) == int(sums[b]) or disk is None:
                 continue
             diff = np.any(self.arena.rows[lo:hi] != disk, axis=1)
             self.arena.rows[lo:hi] = disk
