@@ -122,9 +122,9 @@ def test_a_corrupt_row_read_locally_is_data_loss_and_other_rows_still_read(tmp_p
     with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as c:
         assert np.array_equal(c.lookup("t", [1, 2]), data[[1, 2]])
         with open(seg, "r+b") as f:  # row 40000, never read: flip one byte after the sidecar mapped it
-            f.seek(40_000 * WIDTH + 20)
+            f.seek(40_000 * (WIDTH + 8) + 20)  # a record: the row, then its 8-byte sum
             b = f.read(1)
-            f.seek(40_000 * WIDTH + 20)
+            f.seek(40_000 * (WIDTH + 8) + 20)
             f.write(bytes([b[0] ^ 0xFF]))
         with pytest.raises(errors.DataLoss, match="40000"):
             c.lookup("t", [5, 40_000])

@@ -16,6 +16,10 @@ uint64 (xor, multiply by an odd constant, xor-shift). So:
   missed with probability about 2**-64 (the terms are non-linear in the bits).
 It is an integrity check against faults, not a MAC.
 
+Where the sums live is the segment format's business (tierstore.store.version):
+format 2 stores each row's sum in its record (`records` builds them), format 1
+in a separate file of one uint64 per row.
+
 Batches of at least BULK_BYTES of whole-word rows (ingest, verify) go through
 a compiled loop (numba, GIL released: ingest hashes one chunk while other
 threads read and write others); smaller ones and platforms without numba run
