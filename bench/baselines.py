@@ -65,8 +65,9 @@ class MmapTable:
 
     def __init__(self, data_dir, version):
         self.seg_rows = version.segment_rows
-        self.maps = [np.memmap(Path(data_dir) / rel, dtype=np.uint8, mode="r").reshape(-1, version.row_bytes)
-                     for rel in version.segments]
+        # each record's row (format 2 records end with the row's sum)
+        self.maps = [np.memmap(Path(data_dir) / rel, dtype=np.uint8, mode="r").reshape(-1, version.record_bytes)
+                     [:, :version.row_bytes] for rel in version.segments]
         self.row_bytes = version.row_bytes
 
     def get(self, ids: np.ndarray) -> np.ndarray:

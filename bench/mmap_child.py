@@ -11,15 +11,15 @@ import numpy as np
 __all__ = ["MmapChild"]
 
 
-def _mmap_worker(conn, paths, seg_rows, row_bytes, batches):
+def _mmap_worker(conn, paths, seg_rows, row_bytes, record_bytes, batches):
     import mmap as _mmap
     import resource
 
     maps = []
     for p in paths:
-        m = np.memmap(p, dtype=np.uint8, mode="r").reshape(-1, row_bytes)
+        m = np.memmap(p, dtype=np.uint8, mode="r").reshape(-1, record_bytes)
         m._mmap.madvise(_mmap.MADV_RANDOM)  # random gathers: no readaround
-        maps.append(m)
+        maps.append(m[:, :row_bytes])  # each record's row (format 2 records end with its sum)
 
     def get(ids):
         if len(maps) == 1:
@@ -49,7 +49,7 @@ class MmapChild:
         self.conn, child = ctx.Pipe()
         paths = [str(Path(data_dir) / s) for s in version.segments]
         self.proc = ctx.Process(target=_mmap_worker, args=(child, paths, version.segment_rows, version.row_bytes,
-                                                           batches), daemon=True)
+                                                           version.record_bytes, batches), daemon=True)
         self.proc.start()
         child.close()
         if self.conn.recv() != "ready":
