@@ -107,8 +107,7 @@ def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.
                   slots: np.ndarray) -> int:
     """Copy the rows of records src[local[i]] (segment format 2: row, zero padding to
     whole words, its uint64 row sum) to dest[slots[i]], each checked against the sum
-    its record carries for row ids[i]. The full-resident load de-interleaves with
-    it too (slots = every row), so every row is checked on the way in.
+    its record carries for row ids[i] (the miss path: no block checksum is read).
 
     src: uint8 [*, R] records (R = TableVersion.record_bytes); dest: uint8 [*, B]
     rows, B <= R - 8; local, ids, slots: int64 [n]. Returns the index of the first
