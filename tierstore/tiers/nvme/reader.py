@@ -9,15 +9,15 @@ a separate row-sum file (format 1, older versions). Two read paths:
   per-row checksum (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads
   only its record, verified in one compiled pass against the sum the record
   carries (format 2: nothing per row is held in memory) or the mapped row-sum
-  file (format 1), and written straight into the caller's arena slots. Page-cache mode gathers from a read-only memory map of
-  each segment; big calls go to a thread pool so cold reads are in flight
-  together. O_DIRECT mode (`direct_io=True`) preads the aligned
+  file (format 1), and written straight into the caller's arena slots.
+  Page-cache mode gathers from a read-only memory map of each segment; big
+  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode (`direct_io=True`) preads the aligned
   sectors of each row (direct_io.py), so the cold tier is not cached twice.
 - Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
   written before row checksums existed): one pread per run of neighbouring
   blocks, each checked against its xxh3-64 in the catalog over the on-disk
-  bytes; format 2 records are then de-interleaved into rows by a compiled copy
-  that checks each row's sum too.
+  bytes (a record's row and sum alike); format 2 records are then
+  de-interleaved into rows by one strided copy.
 
 A row or block that does not match raises ChecksumError, never returned; a
 missing, truncated or non-regular segment reads as corrupt, naming it.
