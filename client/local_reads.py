@@ -52,7 +52,7 @@ class LocalReads:
         self.client, self.handle = client, handle
         self.table, self.version, self.row_bytes = handle.table, handle.version, handle.row_bytes
         self.arena = handle.arena_np
-        self.gen, self.id_of, self.slot_of = map_index(handle.index_path, self.arena.shape[0], handle.rows,
+        self.gen, self.id_of, self.map = map_index(handle.index_path, self.arena.shape[0], handle.rows,
                                                        handle.instance)
         self._cold = None  # SegmentReader over cold_dir, opened on the first miss
         self._cold_lock = threading.Lock()
@@ -66,7 +66,7 @@ class LocalReads:
         out = np.empty((n, self.row_bytes), dtype=np.uint8)
         slots, gens = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.uint32)
         # three calls, each reading after the previous returned (slot_index.py: the reader)
-        _probe(ids, self.slot_of, self.gen, slots, gens)
+        _probe(ids, self.map, self.gen, slots, gens)
         _copy(ids, slots, gens, self.id_of, self.arena, out)
         missing = _confirm(slots, gens, self.gen)
         asked = distinct(ids)
@@ -120,10 +120,9 @@ class LocalReads:
 
 
 # ---- the reader's three passes (compiled; numpy below is the reference) ----
-def _probe_loop(ids, slot_of, gen, slots, gens):
-    for i in range(ids.shape[0]):
-        s = slot_of[ids[i]]
-        slots[i] = s
+def _probe_loop(slots, gen, gens):
+    for i in range(slots.shape[0]):
+        s = slots[i]
         gens[i] = gen[s] if s >= 0 else 1
 
 
@@ -150,13 +149,14 @@ def _confirm_loop(slots, gens, gen):
 _PROBE, _COPY, _CONFIRM = Kernel(_probe_loop), Kernel(_copy_loop), Kernel(_confirm_loop)
 
 
-def _probe(ids, slot_of, gen, slots, gens) -> None:
-    """slots[i] = slot_of[ids[i]]; gens[i] = its gen (odd: not resident)."""
+def _probe(ids, slot_map, gen, slots, gens) -> None:
+    """slots[i] = the slot the map finds for ids[i] (slot_map.py: a probe racing the sidecar's
+    writes may miss it, never finds a wrong one); gens[i] = its gen (odd: not resident)."""
+    slot_map.find(ids, out=slots)
     k = _PROBE.compiled()
     if k is not None:
-        k(ids, slot_of, gen, slots, gens)
+        k(slots, gen, gens)
         return
-    slots[:] = slot_of[ids]
     gens[:] = np.where(slots >= 0, gen[slots], 1)
 
 

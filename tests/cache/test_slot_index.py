@@ -25,7 +25,7 @@ def table(tmp_path):
 def _fill(st: SlotTable, arena: np.ndarray, ids) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64)
     slots = st.take_free(ids.size)
-    st.assign(slots, ids, 1)
+    st.assign(slots, ids)
     arena[slots] = ids[:, None].astype(np.uint8)  # a row is its id (mod 256)
     st.ready(slots)
     return slots
@@ -36,7 +36,7 @@ def _read(st: SlotTable, arena: np.ndarray, ids, between=None):
     ids = np.asarray(ids, dtype=np.int64)
     out = np.zeros((ids.size, WIDTH), dtype=np.uint8)
     slots, gens = np.empty(ids.size, np.int64), np.empty(ids.size, np.uint32)
-    local_reads._probe(ids, st.slot_of, st.gen, slots, gens)
+    local_reads._probe(ids, st.map, st.gen, slots, gens)
     if between:
         between(1)
     local_reads._copy(ids, slots, gens, st.id_of, arena, out)
@@ -56,7 +56,7 @@ def test_gen_is_even_only_while_a_slot_holds_a_ready_row(table):
     st.end_write(slots[:1])
     assert not st.gen[slots[0]] & 1
     st.unmap(slots[1:2])
-    assert st.gen[slots[1]] & 1 and st.id_of[slots[1]] == -1 and st.slot_of[6] == -1
+    assert st.gen[slots[1]] & 1 and st.id_of[slots[1]] == -1 and st.lookup([6])[0] == -1
 
 
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
@@ -82,7 +82,7 @@ def test_a_row_evicted_and_refilled_during_the_read_is_a_miss(table, path, phase
     def evict_and_refill(at):
         if at == phase:
             st.unmap(slots[:1])
-            st.assign(slots[:1], np.array([74]), 2)
+            st.assign(slots[:1], np.array([74]))
             arena[slots[0]] = 74
             st.ready(slots[:1])
 
@@ -105,10 +105,11 @@ def test_a_row_being_written_is_a_miss(table):
 def test_a_client_maps_the_index_read_only_and_checks_it(table):
     st, arena, path = table
     _fill(st, arena, [42])
-    gen, id_of, slot_of = map_index(path, CAP, ROWS, "inst0")
-    assert slot_of[42] == st.slot_of[42] and id_of[st.slot_of[42]] == 42 and gen[st.slot_of[42]] % 2 == 0
+    gen, id_of, slot_map = map_index(path, CAP, ROWS, "inst0")
+    s = st.lookup([42])[0]
+    assert slot_map.find([42])[0] == s and id_of[s] == 42 and gen[s] % 2 == 0
     with pytest.raises(ValueError):
-        slot_of[42] = 0  # read-only
+        slot_map.table[0] = 0  # read-only
     for args in ((CAP + 1, ROWS, "inst0"), (CAP, ROWS, "other")):
         with pytest.raises(errors.StaleArena):
             map_index(path, *args)

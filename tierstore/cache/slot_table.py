@@ -8,7 +8,14 @@ States: EMPTY (on the free stack), FILLING (reserved for a row being read from
 the cold tier; pinned by its fill, so it cannot be evicted half-written),
 READY. Callers hold the engine's lock.
 
-`gen`, `id_of` and `slot_of` may live in a shared slot index (slot_index.py)
+Memory is O(slots), nothing per row: the id -> slot map is a hash table of
+slots keyed by `id_of` (slot_map.py), and the free stack is threaded through
+`id_of` itself: a slot on it holds -2 - (the next free slot, -1 at the
+bottom), so every slot not holding a row reads negative (not resident) there.
+A FILLING slot's fill is found by the engine among the fills in flight, not
+stored per slot.
+
+`gen`, `id_of` and the map may live in a shared slot index (slot_index.py)
 that local clients read without a lock: `gen[s]` is a sequence lock, odd
 while slot s is empty or being written, even while it holds a READY row
 (odd too for a row of a cold block online verification found bad: never
@@ -25,7 +32,8 @@ import numpy as np
 
 from tierstore.cache import prefault
 from tierstore.jit import Kernel
-from tierstore.cache.slot_index import SlotIndexFile, index_dtypes
+from tierstore.cache.slot_index import SlotIndexFile, id_dtype
+from tierstore.cache.slot_map import SlotMap
 
 __all__ = ["SlotTable", "Fill", "EMPTY", "FILLING", "READY"]
 
@@ -65,45 +73,48 @@ class SlotTable:
     """id <-> slot maps, pin counts and fill state of `capacity` slots over `rows` ids."""
 
     def __init__(self, capacity: int, rows: int, index: SlotIndexFile | None = None):
-        """index: the shared slot index to keep gen, id_of and slot_of in (local reads); private when None."""
+        """index: the shared slot index to keep gen, id_of and the map in (local reads); private when None."""
         self.capacity, self.rows = int(capacity), int(rows)
         self.index = index
         if index is not None:
-            self.gen, self.id_of, self.slot_of = index.gen, index.id_of, index.slot_of
+            self.gen, self.id_of, table = index.gen, index.id_of, index.table
         else:
-            # 4 B per row and 17 B per slot at V4.1 scale (rows and slots < 2^31)
-            id_dt, slot_dt = index_dtypes(self.capacity, self.rows)
-            self.slot_of = np.full(self.rows, -1, dtype=slot_dt)
-            self.id_of = np.full(self.capacity, -1, dtype=id_dt)  # = policy.slot_id
+            self.id_of = np.full(self.capacity, -1, dtype=id_dtype(self.rows))  # = policy.slot_id
             self.gen = np.ones(self.capacity, dtype=np.uint32)
+            table = SlotMap.empty_table(self.capacity)
+        self.map = SlotMap(table, self.id_of, self.capacity)
         self.pins = prefault.zeros(self.capacity, np.int32)
         self.state = prefault.zeros(self.capacity, np.uint8)
-        self.fill_of = prefault.zeros(self.capacity, np.int32)  # fill id (mod 2^31) of a FILLING slot
-        # a stack: pop from the end (int32 below 2^31 slots, handed out as int64)
-        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32 if self.capacity < 2**31 else np.int64)
+        # the free stack, threaded through id_of: popped from slot 0 up at first
+        self.id_of[:] = -2 - np.arange(1, self.capacity + 1, dtype=self.id_of.dtype)
+        self.id_of[-1] = -1
+        self._free_top = 0  # the slot on top of the free stack (-1: none free)
         self.n_free = self.capacity
         self.n_pinned = 0  # slots with pins > 0, kept incrementally for stats
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the maps, pins and fill state (the shared index's included)."""
-        return sum(a.nbytes for a in (self.slot_of, self.id_of, self.gen, self.pins, self.state, self.fill_of,
-                                      self._free))
+        """Bytes of the map, ids, pins and fill state (the shared index's included)."""
+        return sum(a.nbytes for a in (self.map.table, self.id_of, self.gen, self.pins, self.state))
 
     @property
     def resident(self) -> int:
         return self.capacity - self.n_free
 
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id (int64; -1: not resident). Lock held: exact."""
+        return self.map.find(ids)
+
     def lookup_pin(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The slot of each id (-1: not resident), the resident ones pinned once.
 
         ids: unique. Returns (slots int64, hit slots, how many of them are FILLING)."""
+        slots = self.map.find(ids)
         k = _LOOKUP_PIN.compiled()
         if k is not None:
-            slots, n_hit, newly, filling = k(self.slot_of, ids, self.pins, self.state, FILLING)
+            n_hit, newly, filling = k(slots, self.pins, self.state, FILLING)
             self.n_pinned += newly
             return slots, slots[slots >= 0] if n_hit < ids.size else slots, filling
-        slots = self.slot_of[ids].astype(np.int64)
         hit = slots[slots >= 0]
         self.pin(hit)
         return slots, hit, int(np.count_nonzero(self.state[hit] == FILLING))
@@ -128,26 +139,27 @@ class SlotTable:
         self.n_pinned -= int(np.count_nonzero(after == 0))
 
     def take_free(self, k: int) -> np.ndarray:
+        """Up to k slots off the free stack (EMPTY, id_of -1 once taken), in stack order."""
         take = min(k, self.n_free)
-        got = self._free[self.n_free - take:self.n_free].astype(np.int64)
+        got = np.empty(take, np.int64)
+        self._free_top = (_TAKE.compiled() or _take_loop)(self.id_of, self._free_top, got)
         self.n_free -= take
         return got
 
     def put_free(self, slots: np.ndarray) -> None:
-        n = slots.size
-        self._free[self.n_free:self.n_free + n] = slots
-        self.n_free += n
+        """EMPTY slots (unmapped) back on the free stack."""
+        self._free_top = (_PUT.compiled() or _put_loop)(self.id_of, self._free_top, np.asarray(slots, np.int64))
+        self.n_free += slots.size
 
     def unmap(self, slots: np.ndarray) -> None:
         """Forget the rows `slots` hold (evicted, or a failed fill); they stay off the free stack.
-        Their gen goes odd first (a local reader then rejects what it copies from them)."""
-        k = _UNMAP.compiled()
-        if k is not None:
-            k(self.slot_of, self.id_of, self.state, self.gen, slots, EMPTY)
-            return
+        Their gen goes odd first (a local reader then rejects what it copies from them), then
+        their map entries go, then their ids (-1)."""
+        slots = np.asarray(slots, dtype=np.int64)
         self.gen[slots] |= np.uint32(1)
-        held = self.id_of[slots]
-        self.slot_of[held[held >= 0]] = -1
+        held = self.id_of[slots].astype(np.int64)
+        mapped = held >= 0
+        self.map.delete(held[mapped], slots[mapped])
         self.id_of[slots] = -1
         self.state[slots] = EMPTY
 
@@ -167,20 +179,16 @@ class SlotTable:
     def close(self) -> None:
         """Remove the shared index file, if any (clients mapping it keep their view)."""
         if self.index is not None:
-            self.slot_of = self.id_of = self.gen = None
+            self.id_of = self.gen = self.map = None
             self.index.close()
             self.index = None
 
-    def assign(self, slots: np.ndarray, ids: np.ndarray, fill_id: int) -> None:
-        """Map ids to slots, FILLING by fill `fill_id`."""
-        k = _ASSIGN.compiled()
-        if k is not None:
-            k(self.slot_of, self.id_of, self.state, self.fill_of, slots, ids, FILLING, fill_id)
-            return
+    def assign(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Map unmapped ids to EMPTY slots taken off the free stack or unmapped: FILLING (gen
+        stays odd until ready). id_of first: the map's entries are confirmed by it."""
         self.id_of[slots] = ids
-        self.slot_of[ids] = slots
         self.state[slots] = FILLING
-        self.fill_of[slots] = fill_id
+        self.map.insert(ids, slots)
 
 
 # ---- compiled loops (tierstore/jit.py); the numpy code above is their reference ----
@@ -195,37 +203,33 @@ def _pin_loop(pins, slots, times):
     return delta
 
 
-def _lookup_pin_loop(slot_of, ids, pins, state, filling):
-    slots = np.empty(ids.shape[0], np.int64)
+def _lookup_pin_loop(slots, pins, state, filling):
     n_hit = newly = n_filling = 0
-    for i in range(ids.shape[0]):
-        s = slot_of[ids[i]]
-        slots[i] = s
+    for i in range(slots.shape[0]):
+        s = slots[i]
         if s >= 0:
             n_hit += 1
             newly += pins[s] == 0
             pins[s] += 1
             n_filling += state[s] == filling
-    return slots, n_hit, newly, n_filling
+    return n_hit, newly, n_filling
 
 
-def _unmap_loop(slot_of, id_of, state, gen, slots, empty):
+def _take_loop(id_of, top, out):
+    """Pop out.shape[0] slots off the free stack threaded through id_of; returns the new top.
+    A sequential walk: the Python loop is the reference."""
+    for i in range(out.shape[0]):
+        out[i] = top
+        top = -2 - id_of[top]
+        id_of[out[i]] = -1
+    return top
+
+
+def _put_loop(id_of, top, slots):
     for i in range(slots.shape[0]):
-        s = slots[i]
-        gen[s] |= 1
-        if id_of[s] >= 0:
-            slot_of[id_of[s]] = -1
-        id_of[s] = -1
-        state[s] = empty
+        id_of[slots[i]] = -2 - top
+        top = slots[i]
+    return top
 
 
-def _assign_loop(slot_of, id_of, state, fill_of, slots, ids, filling, fill_id):
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        id_of[s] = ids[i]
-        slot_of[ids[i]] = s
-        state[s] = filling
-        fill_of[s] = fill_id
-
-
-_PIN, _LOOKUP_PIN, _UNMAP, _ASSIGN = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _unmap_loop, _assign_loop))
+_PIN, _LOOKUP_PIN, _TAKE, _PUT = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _take_loop, _put_loop))

@@ -168,7 +168,7 @@ class CacheEngine(TableEngine):
 
     def _prefetch_unique(self, uniq: np.ndarray, read: bool, steps: int, client: bytes) -> int:
         with self._lock:
-            slots = self.slots.slot_of[uniq]
+            slots = self.slots.lookup(uniq)
             miss = uniq[slots < 0]
             # kept for the request: resident rows, and missing ones once read in (here, or by another step)
             self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, client)
@@ -267,7 +267,7 @@ class CacheEngine(TableEngine):
                     self.policy.record(ids[a:b])
                     if self.recorder is not None:
                         self.recorder.record(self.table, ids[a:b], n_ids=self.rows)
-            slots = st.slot_of[ids]
+            slots = st.lookup(ids)
             hit = slots >= 0
             hit_slots = slots[hit].astype(np.int64, copy=False)
             if hit_slots.size:
@@ -338,7 +338,7 @@ class CacheEngine(TableEngine):
                             recorded = self.policy.sketch.recorded
                             self.policy.sketch.add(*_unique_max(chunk, counts[a:a + chunk.size]))
                             self.policy.sketch.recorded = recorded
-                        miss = np.unique(chunk[self.slots.slot_of[chunk] < 0])
+                        miss = np.unique(chunk[self.slots.lookup(chunk) < 0])
                     got = self._promote(miss)
                 finally:
                     self.leave()
@@ -393,7 +393,7 @@ class CacheEngine(TableEngine):
             waits = ()
             if n_filling:
                 filling = hit_slots[st.state[hit_slots] == FILLING]
-                waits = [self._fills[f].waiter() for f in np.unique(st.fill_of[filling]).tolist() if f in self._fills]
+                waits = self._fills_of(filling)
             fill = None
             if n_miss:
                 try:
@@ -404,7 +404,7 @@ class CacheEngine(TableEngine):
                 hit = slots >= 0
                 miss_ids = uniq[~hit]
                 fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
-                st.assign(new, miss_ids, fill.fill_id)
+                st.assign(new, miss_ids)
                 st.pin(new, times=2)  # one for the step, one for the fill
                 self.policy.admitted(new, miss_ids)
                 self._fills[fill.fill_id] = fill
@@ -412,6 +412,11 @@ class CacheEngine(TableEngine):
             if admit_only:
                 st.unpin(slots)  # a prefetch holds only its fill's pins
         return slots, fill, waits, n_miss
+
+    def _fills_of(self, filling: np.ndarray) -> list[Fill]:
+        """(lock held) The fills in flight that hold FILLING `filling` (a waiter of each): a search
+        of the few fills in flight, so no slot carries its fill's id."""
+        return [f.waiter() for f in self._fills.values() if np.isin(filling, f.slots, assume_unique=True).any()]
 
     def _complete(self, fill: Fill | None, waits, cached: bool = False, carried=None) -> None:
         """Stages 2 and 3: read this step's misses into place, then wait for other steps'
@@ -530,7 +535,7 @@ class CacheEngine(TableEngine):
         super()._mark_bad(block)
         br = self.version.block_rows
         with self._lock:
-            slots = self.slots.slot_of[block * br:min((block + 1) * br, self.rows)]
+            slots = self.slots.lookup(np.arange(block * br, min((block + 1) * br, self.rows), dtype=np.int64))
             self.slots.gen[slots[slots >= 0]] |= np.uint32(1)
 
     def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
