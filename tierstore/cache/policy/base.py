@@ -53,7 +53,7 @@ class CachePolicy:
         self.slot_id = np.full(capacity, -1, dtype=np.int64) if slot_id is None else slot_id
         if self.slot_id.shape != (capacity,):
             raise InvalidArgument(f"slot_id must have shape [{capacity}], got {self.slot_id.shape}")
-        budget = int(cfg.sketch_max_mib * 2**20) // cfg.sketch_depth // 2  # the width rounds up to 2^n
+        budget = int(cfg.sketch_max_mib * 2**20) // cfg.sketch_depth
         self.sketch = FrequencySketch(
             width=max(16, min(int(cfg.sketch_width * capacity), budget)), depth=cfg.sketch_depth,
             counter_max=cfg.counter_max, period=int(cfg.halve_every * capacity))

@@ -1,136 +1,154 @@
-"""TinyLFU's two FIFO queues of slots, and the loops that walk them.
+"""TinyLFU's two FIFO queues of slots, as lists linked through the slots, and the
+loops that walk them.
 
-A queue is a flat buffer of (slot, ticket) entries between `head` and `tail`.
-A slot's live entry is the one whose ticket matches the slot's current ticket
-(`ticket[slot]`, with `where[slot]` naming its queue); moving a slot pushes a
-new entry and leaves the old one stale, to be skipped when the head reaches it
-or dropped when the buffer is compacted. So every operation costs O(entries
-it touches), never O(arena).
+Each queue is a singly linked FIFO threaded through one array of the arena's
+size, `nxt[slot]` (the slot behind it, -1 at the tail), with a head and a tail
+per queue: 4 B a slot for both queues, no entry buffers, no tickets, nothing
+to compact. Every operation costs O(entries it touches), never O(arena).
+
+`where[slot]` names a slot's queue (PROBATION, MAIN) or FREE. A singly linked
+list cannot unlink a slot from its middle, so a slot the policy forgets while
+it is linked stays linked as a *ghost* (`where` = -its queue): a walk that
+reaches a ghost drops it (it is then FREE), and a ghost admitted again before
+that is revived where it lies (`admit`). The engine forgets slots that it had
+just admitted (a refused lease, a failed fill), so a revived slot sits where a
+fresh push would, near the tail; the one other forget, of victims chosen by a
+pass over the pins when the queue heads give none (s3fifo.py), is rare.
+`counts` are the live entries of each queue, `linked` the entries its list
+holds (live and ghosts): a walk visits at most that many, so it never meets
+an entry it pushed itself.
+
+A hint protects a slot until the end step `until[slot]`, kept mod 2^16: it is
+live while 0 < (until - now) mod 2^16 <= the longest hint (PolicyConfig's
+max_expect_steps, at most MAX_EXPECT_STEPS = 2^15). A value whose end passed
+would read live again 2^16 - that many steps later, so s3fifo.py rewrites the
+ended ones of 1/SWEEP_STEPS of the arena every step (each within 2^14 steps).
 
 The loops (`admit`, `scan`) are written once, for numba (tierstore/jit.py);
-without numba the same Python functions would be far too slow per entry, so
-`s3fifo.py` keeps its batched numpy path as the fallback and the reference.
+without numba the same Python functions run interpreted (they are the
+reference the compiled ones are tested against, and the fallback).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from tierstore.cache import prefault
 from tierstore.jit import Kernel
 
-__all__ = ["SlotQueue", "FREE", "PROBATION", "MAIN", "ADMIT", "SCAN", "TICKET", "TICKET_MASK", "slot_dtype"]
+__all__ = ["FREE", "PROBATION", "MAIN", "ADMIT", "SCAN", "FORGET", "slot_dtype", "hinted", "UNTIL",
+           "SWEEP_STEPS"]
 
 FREE, PROBATION, MAIN = 0, 1, 2
-# An entry's ticket is the policy clock mod 2^32 when it was pushed: tickets are only
-# compared for equality (is this entry the slot's latest?), so 4 B do. A stale entry
-# whose slot's clock came round to the same value 2^32 pushes later would pass for
-# live only to be handled once at its old place: the first visit re-tickets the slot.
-TICKET, TICKET_MASK = np.uint32, 0xFFFFFFFF
+UNTIL = np.uint16  # hint ends, mod 2^16
+SWEEP_STEPS = 1 << 14  # every until is rewritten (if ended) once per this many steps
 
 
 def slot_dtype(capacity: int):
-    """int32 slots below 2^31 (every arena a host holds): queues cost 8 B an entry."""
+    """int32 slots below 2^31 (every arena a host holds): the links cost 4 B a slot."""
     return np.int32 if capacity < 2**31 else np.int64
 
 
-class SlotQueue:
-    """FIFO of (slot, ticket) in a ring-free buffer; stale entries are skipped lazily."""
-
-    def __init__(self, capacity: int):
-        self.slot = prefault.resident(np.empty(2 * capacity + 1024, dtype=slot_dtype(capacity)))
-        self.ticket = prefault.resident(np.empty(self.slot.size, dtype=TICKET))
-        self.head = self.tail = 0
-
-    def room(self, n: int, where: np.ndarray, ticket: np.ndarray, q: int) -> None:
-        """Make space for n more entries at the tail (dropping stale ones, growing if need be)."""
-        if self.tail + n <= self.slot.size:
-            return
-        s, t = self.slot[self.head:self.tail], self.ticket[self.head:self.tail]
-        keep = (where[s] == q) & (ticket[s] == t)
-        s, t = s[keep], t[keep]
-        if s.size + n > self.slot.size:
-            self.slot = np.empty(2 * (s.size + n), dtype=self.slot.dtype)
-            self.ticket = np.empty(self.slot.size, dtype=TICKET)
-        self.slot[:s.size], self.ticket[:s.size] = s, t
-        self.head, self.tail = 0, s.size
-
-    def push(self, slots: np.ndarray, tickets: np.ndarray) -> None:
-        """Append entries (room() made space)."""
-        n = slots.size
-        self.slot[self.tail:self.tail + n] = slots
-        self.ticket[self.tail:self.tail + n] = tickets
-        self.tail += n
-
-    def peek(self, m: int) -> tuple[np.ndarray, np.ndarray]:
-        end = min(self.head + m, self.tail)
-        return self.slot[self.head:end].astype(np.int64), self.ticket[self.head:end].copy()
+def hinted(until: np.ndarray, step: int, longest: int) -> np.ndarray:
+    """Which of `until` (hint ends mod 2^16) are still ahead of `step`."""
+    d = (until.astype(np.int64) - step) & 0xFFFF
+    return (d != 0) & (d <= longest)
 
 
-def _admit_loop(slots, to_main, where, ticket, hits, count, ps, pt, ptail, ms, mt, mtail, clock):
-    """Each slot leaves its old queue (if any) and enters main (to_main) or probation
-    with no hits. Returns (probation tail, main tail, clock)."""
+def _admit_loop(slots, to_main, where, hits, counts, linked, nxt, heads, tails):
+    """Each slot enters main (to_main) or probation with no hits; a linked one (a ghost, or
+    live) stays where it lies, live in that queue, and a main one there is owed promotion
+    (a hit while on probation)."""
     for i in range(slots.shape[0]):
         s = slots[i]
-        if where[s] != FREE:
-            count[where[s]] -= 1
-        hits[s] = 0
-        if to_main[i]:
-            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
-            mtail += 1
-            where[s] = MAIN
+        w = where[s]
+        if w == FREE:
+            q = MAIN if to_main[i] else PROBATION
+            nxt[s] = -1  # push at q's tail
+            if tails[q] >= 0:
+                nxt[tails[q]] = s
+            else:
+                heads[q] = s
+            tails[q] = s
+            linked[q] += 1
+            hits[s] = 0
         else:
-            ps[ptail], pt[ptail] = s, clock & TICKET_MASK
-            ptail += 1
-            where[s] = PROBATION
-        count[where[s]] += 1
-        ticket[s] = clock & TICKET_MASK
-        clock += 1
-    return ptail, mtail, clock
+            q = w if w > 0 else -w
+            if w > 0:
+                counts[q] -= 1
+            hits[s] = 1 if (to_main[i] and q == PROBATION) else 0
+        where[s] = q
+        counts[q] += 1
 
 
-def _scan_loop(q, need, chunk, head, out, where, ticket, hits, pins, until, step, count, ps, pt, ptail, ms, mt,
-               mtail, clock):
-    """Walk at most `chunk` entries of queue q from `head`, stopping at the `need`-th victim.
+def _forget_loop(slots, where, counts):
+    """Live slots become ghosts of their queue (FREE ones stay FREE)."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if where[s] > 0:
+            counts[where[s]] -= 1
+            where[s] = -where[s]
+
+
+def _scan_loop(q, need, chunk, out, where, hits, pins, until, step, longest, counts, linked, nxt, heads, tails):
+    """Walk at most `chunk` entries of queue q from its head (and at most those it holds
+    now), stopping at the `need`-th victim.
 
     A victim is a live, unpinned entry with no hits left; an entry hinted
-    until a later step (until[s] > step) passes as a pinned one. Probation: an
-    unpinned entry with hits was hit there and moves to main (hits reset); a
-    pinned one goes back to the tail. Main: every live non-victim goes back to
-    the tail, an unpinned one spending one hit (CLOCK). Stale entries are dropped.
-    Returns (victims written to out, new head, probation tail, main tail, clock)."""
-    qs, qt = (ps, pt) if q == PROBATION else (ms, mt)
-    end = min(head + chunk, ptail if q == PROBATION else mtail)
-    n = 0
-    while head < end and n < need:
-        s, t = qs[head], qt[head]
-        head += 1
-        if where[s] != q or ticket[s] != t:
+    until a later step passes as a pinned one. Probation: an unpinned entry
+    with hits was hit there and moves to main (hits reset); a pinned one goes
+    back to the tail. Main: every live non-victim goes back to the tail, an
+    unpinned one spending one hit (CLOCK). Ghosts are dropped.
+    Returns (victims written to out, entries walked)."""
+    n = walked = 0
+    end = min(chunk, linked[q])
+    while walked < end and n < need:
+        s = heads[q]
+        heads[q] = nxt[s]
+        if heads[q] < 0:
+            tails[q] = -1
+        linked[q] -= 1
+        walked += 1
+        if where[s] != q:  # a ghost
+            where[s] = FREE
             continue
-        free = pins[s] == 0 and until[s] <= step
+        d = (np.int64(until[s]) - step) & 0xFFFF
+        free = pins[s] == 0 and (d == 0 or d > longest)
         if free and hits[s] == 0:
             out[n] = s
             n += 1
             where[s] = FREE
-            count[q] -= 1
+            counts[q] -= 1
             continue
         if q == PROBATION and free:  # hit while on probation: promoted
             hits[s] = 0
-            count[PROBATION] -= 1
-            count[MAIN] += 1
-            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
-            mtail += 1
+            counts[PROBATION] -= 1
+            counts[MAIN] += 1
             where[s] = MAIN
+            nxt[s] = -1  # push at MAIN's tail
+            if tails[MAIN] >= 0:
+                nxt[tails[MAIN]] = s
+            else:
+                heads[MAIN] = s
+            tails[MAIN] = s
+            linked[MAIN] += 1
         elif q == PROBATION:  # leased: in use, so recent
-            ps[ptail], pt[ptail] = s, clock & TICKET_MASK
-            ptail += 1
+            nxt[s] = -1  # push at PROBATION's tail
+            if tails[PROBATION] >= 0:
+                nxt[tails[PROBATION]] = s
+            else:
+                heads[PROBATION] = s
+            tails[PROBATION] = s
+            linked[PROBATION] += 1
         else:
             if free:
                 hits[s] -= 1
-            ms[mtail], mt[mtail] = s, clock & TICKET_MASK
-            mtail += 1
-        ticket[s] = clock & TICKET_MASK
-        clock += 1
-    return n, head, ptail, mtail, clock
+            nxt[s] = -1  # push at MAIN's tail
+            if tails[MAIN] >= 0:
+                nxt[tails[MAIN]] = s
+            else:
+                heads[MAIN] = s
+            tails[MAIN] = s
+            linked[MAIN] += 1
+    return n, walked
 
 
-ADMIT, SCAN = Kernel(_admit_loop), Kernel(_scan_loop)
+ADMIT, FORGET, SCAN = Kernel(_admit_loop), Kernel(_forget_loop), Kernel(_scan_loop)

@@ -9,8 +9,8 @@
 A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
 (frequency). `victims` touches O(k + leased rows met) queue entries, never the
-whole arena. The queue walks are compiled loops (queues.py); the batched numpy
-code here is their fallback and reference (`tests/test_policy.py` compares).
+whole arena. The queues are lists linked through the slots and their walks
+compiled loops (queues.py), 8 B a slot in all (link, queue, hits, hint end).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from tierstore.cache import prefault
 from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
 from tierstore.cache.policy.pending import PendingHints
-from tierstore.cache.policy.queues import ADMIT, FREE, MAIN, PROBATION, SCAN, TICKET, TICKET_MASK, SlotQueue
+from tierstore.cache.policy.queues import (ADMIT, FORGET, FREE, MAIN, PROBATION, SCAN, SWEEP_STEPS, UNTIL,
+                                           _admit_loop, _forget_loop, _scan_loop, hinted, slot_dtype)
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -31,12 +32,13 @@ class S3FIFOPolicy(CachePolicy):
     def __init__(self, capacity, n_ids, config=None, slot_id=None):
         super().__init__(capacity, n_ids, config, slot_id)
         cfg, cap = self.config, self.capacity
-        self._clock = 0  # one tick per pushed entry
-        self._where = prefault.zeros(cap, np.int8)
-        self._ticket = prefault.zeros(cap, TICKET)
+        self._where = prefault.zeros(cap, np.int8)  # FREE, PROBATION, MAIN; minus a queue: a ghost in it
         self._hits = prefault.zeros(cap, np.uint8)
-        self._queues = {PROBATION: SlotQueue(cap), MAIN: SlotQueue(cap)}
-        self._count = np.zeros(3, dtype=np.int64)  # live entries per queue (index FREE unused)
+        self._nxt = prefault.resident(np.full(cap, -1, dtype=slot_dtype(cap)))  # both queues' links
+        self._count = np.zeros(3, dtype=np.int64)   # live entries per queue (index FREE unused)
+        self._linked = np.zeros(3, dtype=np.int64)  # entries per queue's list, ghosts included
+        self._heads = np.full(3, -1, dtype=np.int64)
+        self._tails = np.full(3, -1, dtype=np.int64)
         self._window = max(1, int(cfg.window * cap))
         # window hill climbing: accesses and hits of the current sample period
         self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
@@ -44,16 +46,18 @@ class S3FIFOPolicy(CachePolicy):
         self._last = (np.zeros(0, np.int64), None)
         self._period = max(1, int(cfg.adapt_period * cap)) if cfg.adapt_window else 0
         self._cap = np.uint8(max(1, cfg.max_hits))
-        # expect(): a hinted slot is passed over until step _until[slot]; hinted ids not
-        # resident yet wait in _pending until their hint runs out
+        # expect(): a hinted slot is passed over until step _until[slot] (mod 2^16, queues.py);
+        # hinted ids not resident yet wait in _pending until their hint runs out
         self._steps = 0
-        self._until = prefault.zeros(cap, np.int64)
+        self._until = prefault.zeros(cap, UNTIL)
+        self._sweep = 0  # where the next step's sweep of ended hint ends starts
+        self._longest = cfg.max_expect_steps
         pending = cfg.pending_share * cap
         self._pending = PendingHints(pending, pending * cfg.pending_client_share, cfg.hint_clients,
                                      cfg.max_expect_steps)
         # at most half the arena protected at once: a deep queue of hints cannot crowd out
         # the rows in use or leave the queue walks nothing to evict. _protected counts every
-        # slot with _until > _steps (an extended protection still counts, until its new end);
+        # slot whose hint is live (an extended protection still counts, until its new end);
         # _ends[e % R] of them end at step e (every live end is within max_expect_steps)
         self._protect_cap, self._protected = cap // 2, 0
         self._ring = cfg.max_expect_steps + 1
@@ -64,8 +68,7 @@ class S3FIFOPolicy(CachePolicy):
         return self._share
 
     def _held(self):
-        queues = [a for q in self._queues.values() for a in (q.slot, q.ticket)]
-        return [self._where, self._ticket, self._hits, self._until, self._ends, *queues, *self._pending.arrays()]
+        return [self._where, self._hits, self._nxt, self._until, self._ends, *self._pending.arrays()]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
@@ -74,10 +77,24 @@ class S3FIFOPolicy(CachePolicy):
         self._protected -= int(self._ends[end])
         self._ends[end] = 0
         self._pending.expire(self._steps)
+        self._sweep_ends()
         if self._period:
             self._acc += ids.size
             if self._acc >= self._period:
                 self._climb()
+
+    def _sweep_ends(self) -> None:
+        """Rewrite the ended hint ends of the next 1/SWEEP_STEPS of the arena to "ended a step
+        ago": an end kept mod 2^16 never comes round to read live again (queues.py)."""
+        a = self._sweep
+        b = min(self.capacity, a + -(-self.capacity // SWEEP_STEPS))
+        part = self._until[a:b]
+        part[~hinted(part, self._steps, self._longest)] = (self._steps - 1) & 0xFFFF
+        self._sweep = 0 if b == self.capacity else b
+
+    def _hinted(self, slots) -> np.ndarray:
+        """Which slots a live hint protects (slots: an index, or slice(None) for all)."""
+        return hinted(self._until[slots], self._steps, self._longest)
 
     def _touch(self, slots):
         k = _TOUCH.compiled()
@@ -87,40 +104,29 @@ class S3FIFOPolicy(CachePolicy):
             self._hits[slots] = np.minimum(self._hits[slots] + np.uint8(1), self._cap)  # uint8: no int64 copy
         self._hit += slots.size
 
+    def _lists(self) -> tuple:
+        return self._count, self._linked, self._nxt, self._heads, self._tails
+
     def _admit(self, slots, ids):
         to_main = np.zeros(slots.size, dtype=bool)
         if self.config.main_freq > 0:
             to_main = self._estimate_recorded(ids) >= self.config.main_freq
-        k = ADMIT.compiled()
-        if k is not None:
-            p, m = self._room(slots.size)
-            p.tail, m.tail, self._clock = k(slots, to_main, self._where, self._ticket, self._hits, self._count,
-                                            p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
-        else:
-            old = self._where[slots]
-            for q in (PROBATION, MAIN):
-                self._count[q] -= int(np.count_nonzero(old == q))
-            self._hits[slots] = 0
-            self._push(MAIN, slots[to_main])
-            self._push(PROBATION, slots[~to_main])
+        (ADMIT.compiled() or _admit_loop)(slots, to_main, self._where, self._hits, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
             until = self._pending.take(ids, self._steps)
-            hinted = until > 0
-            if hinted.any():
-                self._protect(slots[hinted], until[hinted])
+            hinted_ = until > 0
+            if hinted_.any():
+                self._protect(slots[hinted_], until[hinted_])
 
     def _forget(self, slots):
-        old = self._where[slots]
-        for q in (PROBATION, MAIN):
-            self._count[q] -= int(np.count_nonzero(old == q))
-        self._where[slots] = FREE
+        (FORGET.compiled() or _forget_loop)(slots, self._where, self._count)
         self._unprotect(slots)
 
     def _expect(self, slots, steps):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
         (a longer credit for hinted rows measured no better)."""
-        slots = slots[self._where[slots] != FREE]
+        slots = slots[self._where[slots] > 0]
         if steps:
             self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))
         else:
@@ -129,13 +135,18 @@ class S3FIFOPolicy(CachePolicy):
     def protect_room(self) -> int:
         return max(0, self._protect_cap - self._protected)
 
+    def _end_of(self, slots) -> np.ndarray:
+        """The step each slot's hint ends (int64; <= now: none live)."""
+        d = (self._until[slots].astype(np.int64) - self._steps) & 0xFFFF
+        return np.where((d != 0) & (d <= self._longest), self._steps + d, 0)
+
     def _protect(self, slots, until):
         """Pass over distinct `slots` until step `until` (theirs or later), within the cap.
 
         A slot protected already keeps its place and may only end later; new
         protections past the cap's room get CLOCK credit only (O(len(slots)))."""
         self._hits[slots] = max(1, self.config.max_hits)
-        cur = self._until[slots]
+        cur = self._end_of(slots)
         new = cur <= self._steps
         room = max(0, self._protect_cap - self._protected)
         if int(np.count_nonzero(new)) > room:
@@ -146,20 +157,20 @@ class S3FIFOPolicy(CachePolicy):
         if grow.any():  # the count moves to the later end: counted until the protection really ends
             np.subtract.at(self._ends, cur[grow] % self._ring, 1)
             np.add.at(self._ends, until[grow] % self._ring, 1)
-            self._until[slots[grow]] = until[grow]
+            self._until[slots[grow]] = until[grow] & 0xFFFF
         if new.any():
             np.add.at(self._ends, until[new] % self._ring, 1)
-            self._until[slots[new]] = until[new]
+            self._until[slots[new]] = until[new] & 0xFFFF
             self._protected += int(np.count_nonzero(new))
 
     def _unprotect(self, slots):
         """End the protections of `slots` now (evicted, freed or admitted afresh)."""
-        cur = self._until[slots]
+        cur = self._end_of(slots)
         live = cur > self._steps
         if live.any():
             np.subtract.at(self._ends, cur[live] % self._ring, 1)
             self._protected -= int(np.count_nonzero(live))
-        self._until[slots] = 0
+        self._until[slots] = (self._steps - 1) & 0xFFFF
 
     def _expect_ids(self, ids, steps, client):
         """Remember hinted ids that are not resident, until their hint runs out (bounded: pending.py)."""
@@ -176,14 +187,15 @@ class S3FIFOPolicy(CachePolicy):
                 # the queues' heads are all leased or still have CLOCK credit: take the rest
                 # from one pass over the pins (O(capacity), rare) rather than refuse a step that fits
                 taken = np.concatenate(out) if out else np.zeros(0, np.int64)
-                mask = (pins == 0) & (self._where != FREE)
+                mask = (pins == 0) & (self._where > 0)
                 mask[taken] = False
-                extra = np.flatnonzero(mask & (self._until <= self._steps))[:need]  # unhinted first
+                extra = np.flatnonzero(mask & ~self._hinted(slice(None)))[:need]  # unhinted first
                 if extra.size < need:
                     mask[extra] = False
                     extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
-                    self._push(PROBATION, taken)
+                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, bool), self._where, self._hits,
+                                                      *self._lists())
                     self._not_enough(k, pins)
                 self._forget(extra)
                 out.append(extra)
@@ -197,59 +209,11 @@ class S3FIFOPolicy(CachePolicy):
         return np.concatenate(out)
 
     def _scan(self, q: int, need: int, pins: np.ndarray) -> tuple[np.ndarray, int]:
-        """Pop one chunk from queue q's head: (its victims, entries consumed)."""
-        queue, chunk = self._queues[q], max(2 * need, 256)
-        k = SCAN.compiled()
-        if k is not None:
-            p, m = self._room(chunk)
-            out = np.empty(need, dtype=np.int64)
-            head = queue.head
-            n, queue.head, p.tail, m.tail, self._clock = k(
-                q, need, chunk, head, out, self._where, self._ticket, self._hits, pins, self._until, self._steps,
-                self._count, p.slot, p.ticket, p.tail, m.slot, m.ticket, m.tail, self._clock)
-            return out[:n], queue.head - head
-        s, t = queue.peek(chunk)
-        live = (self._where[s] == q) & (self._ticket[s] == t)
-        free = (pins[s] == 0) & live & (self._until[s] <= self._steps)  # hinted rows pass as pinned ones do
-        hits = self._hits[s]
-        victim = free & (hits == 0)
-        cum = np.cumsum(victim)
-        cut = s.size if cum.size == 0 or cum[-1] < need else int(np.searchsorted(cum, need)) + 1
-        s, live, free, hits, victim = s[:cut], live[:cut], free[:cut], hits[:cut], victim[:cut]
-        queue.head += cut
-        out = s[victim]
-        self._where[out] = FREE
-        self._count[q] -= out.size
-        keep = live & ~victim
-        self._count[q] -= int(np.count_nonzero(keep))
-        if q == PROBATION:
-            promote = keep & free  # hit while on probation
-            self._hits[s[promote]] = 0
-            self._push(MAIN, s[promote])
-            self._push(PROBATION, s[keep & ~free])  # leased: in use, so recent
-        else:
-            self._hits[s[free & keep]] -= 1  # CLOCK: a hit buys one more pass
-            self._push(MAIN, s[keep])
-        return out, cut
-
-    def _room(self, n: int) -> tuple[SlotQueue, SlotQueue]:
-        """Space for n more entries in each queue (compacting one that is full)."""
-        p, m = self._queues[PROBATION], self._queues[MAIN]
-        p.room(n, self._where, self._ticket, PROBATION)
-        m.room(n, self._where, self._ticket, MAIN)
-        return p, m
-
-    def _push(self, q: int, slots: np.ndarray) -> None:
-        """Append slots to queue q (the numpy path)."""
-        if slots.size == 0:
-            return
-        self._queues[q].room(slots.size, self._where, self._ticket, q)
-        tickets = (np.arange(self._clock, self._clock + slots.size, dtype=np.int64) & TICKET_MASK).astype(TICKET)
-        self._clock += slots.size
-        self._where[slots] = q
-        self._ticket[slots] = tickets
-        self._count[q] += slots.size
-        self._queues[q].push(slots, tickets)
+        """Walk queue q from its head: (its victims, entries walked)."""
+        out = np.empty(need, dtype=np.int64)
+        n, walked = (SCAN.compiled() or _scan_loop)(q, need, max(2 * need, 256), out, self._where, self._hits, pins,
+                                                   self._until, self._steps, self._longest, *self._lists())
+        return out[:n], walked
 
     def _estimate_recorded(self, ids: np.ndarray) -> np.ndarray:
         """Sketch estimates of `ids`, taken from the last record() when they are a

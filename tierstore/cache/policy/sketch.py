@@ -6,7 +6,9 @@ hashed to one counter per row; its estimate is the minimum of those counters.
 The rows are *blocked* (as Caffeine's sketch is): an id's `depth` counters lie
 in one 64-byte block, a segment of each row, so an update or estimate costs one
 cache line per id instead of `depth` (the sketch is tens of MB and every
-access misses the CPU cache).
+access misses the CPU cache). The block is picked by scaling the hash's top 32
+bits to the number of blocks, so a sketch is as many blocks as asked for (no
+rounding up to a power of two: its size is a per-slot budget).
 
 Updates are *conservative* (only counters equal to the current minimum grow),
 which keeps estimates tight, and an estimate never falls below the true count
@@ -36,8 +38,7 @@ _BLOCK = 64  # bytes per block: one CPU cache line
 class FrequencySketch:
     """Approximate per-id access counts in `depth * width` bytes.
 
-    width: counters per row, rounded up to a power of two blocks (TinyLFU uses about
-        one counter per cache slot). depth: hash rows, 1..8.
+    width: counters per row, rounded up to whole blocks. depth: hash rows, 1..8.
     counter_max: saturation value (15 mimics TinyLFU's 4-bit counters; at most 255).
     period: recorded accesses between halvings; 0 disables halving.
     """
@@ -56,16 +57,16 @@ class FrequencySketch:
         self.period = period
         # a 64-byte block holds a segment of `seg` counters of each row
         seg = 1 << int(np.log2(_BLOCK // depth))
-        blocks = 1 << max(0, int(np.ceil(np.log2(max(1, -(-width // seg))))))
+        blocks = max(1, -(-width // seg))
         self.width = blocks * seg
         self.counters = prefault.zeros((blocks, _BLOCK), np.uint8)
         self.recorded = 0  # accesses since the last halving
         self.halvings = 0
-        log2_seg, log2_blocks = int(np.log2(seg)), int(np.log2(blocks))
-        # one mixed 64-bit hash per id: its top bits pick the block, the next
-        # log2(seg) bits per row pick that row's counter in the block
-        self._block_shift = np.uint64(64 - log2_blocks) if blocks > 1 else None
-        self._row_shift = (64 - log2_blocks - log2_seg * np.arange(1, depth + 1)).astype(np.uint64)[:, None]
+        log2_seg = int(np.log2(seg))
+        # one mixed 64-bit hash per id: its top 32 bits, scaled to the block count, pick
+        # the block; the next log2(seg) bits per row pick that row's counter in the block
+        self._blocks = np.uint64(blocks)
+        self._row_shift = (32 - log2_seg * np.arange(1, depth + 1)).astype(np.uint64)[:, None]
         self._row_mask = np.uint64(seg - 1)
         self._row_base = (np.arange(depth, dtype=np.uint64) * np.uint64(seg))[:, None]
         self._flat = self.counters.ravel()
@@ -76,15 +77,12 @@ class FrequencySketch:
         h ^= h >> np.uint64(31)
         h *= _MULTIPLIERS[1]
         idx = ((h >> self._row_shift) & self._row_mask) + self._row_base
-        if self._block_shift is not None:
-            idx += (h >> self._block_shift) << np.uint64(6)  # * _BLOCK
+        idx += (((h >> np.uint64(32)) * self._blocks) >> np.uint64(32)) << np.uint64(6)  # * _BLOCK
         return idx.view(np.int64)
 
     def _params(self) -> tuple:
         """The hash layout as the compiled loops take it."""
-        one = self._block_shift is None
-        return (self._row_shift.ravel(), self._row_mask, self._row_base.ravel(),
-                np.uint64(0) if one else self._block_shift, not one)
+        return self._row_shift.ravel(), self._row_mask, self._row_base.ravel(), self._blocks
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Estimated recent access count of each id (int64, same length as ids)."""
@@ -147,7 +145,7 @@ class FrequencySketch:
 
 
 # ---- compiled loop (tierstore/jit.py); the numpy code above is its reference ----
-def _sketch_loop(flat, ids, many, one, counter_max, write, row_shift, row_mask, row_base, block_shift, blocked):
+def _sketch_loop(flat, ids, many, one, counter_max, write, row_shift, row_mask, row_base, blocks):
     """Per id: the minimum of its counters (write=False), or its conservative
     update by many[i] (or `one`), capped at counter_max (write=True)."""
     depth = row_shift.shape[0]
@@ -157,7 +155,7 @@ def _sketch_loop(flat, ids, many, one, counter_max, write, row_shift, row_mask, 
         h = np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15)  # _MULTIPLIERS
         h ^= h >> np.uint64(31)
         h *= np.uint64(0xC2B2AE3D27D4EB4F)
-        base = (h >> block_shift) << np.uint64(6) if blocked else np.uint64(0)
+        base = (((h >> np.uint64(32)) * blocks) >> np.uint64(32)) << np.uint64(6)
         m = 255
         for r in range(depth):
             idx[r] = ((h >> row_shift[r]) & row_mask) + row_base[r] + base
