@@ -8,6 +8,11 @@ filled to capacity first. Then the same steps run against both, interleaved:
   tier and evicts a row: the path whose cost used to grow with the arena);
 - hit: 4,096 resident ids.
 The figure is the ratio of median Plan times, large over small (1.0 = flat).
+
+It also measures the id -> slot lookup of the large arena: the slot-sized hash
+map the engine keeps (tierstore/cache/slot_map.py) against the per-row int32
+array it replaced, built beside it in the same run, over the same resident
+and missing ids (a within-run ratio, map over array).
 """
 from __future__ import annotations
 
@@ -19,7 +24,9 @@ import numpy as np
 __all__ = ["run_scale_bench", "scale_line", "UNITS"]
 
 UNITS = {"*_ms": "ms per Plan (median over rounds)", "ratio_*": "x (large arena's median over the small's)",
-         "slots_*": "arena slots"}
+         "slots_*": "arena slots", "lookup_*_us": "µs per lookup of a step's ids (median over rounds)",
+         "ratio_lookup_*": "x (the hash map's median over the per-row array's)",
+         "map_bytes_a_slot": "B a slot of the hash map", "array_bytes_a_slot": "B a slot of the per-row array"}
 ROW_DIM = 2  # 8-byte rows: a 24 M-row table is 192 MB, so a 16 M-slot arena fits this machine
 
 
@@ -97,7 +104,8 @@ def run_scale_bench(out_dir, *, quick: bool = False, seed: int = 0, small: int =
                     times[f"miss_{name}"].append(dm)
                     times[f"hit_{name}"].append(dh)
         med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-        res = {"slots_small": small, "slots_large": large, "step_ids": step, "rounds": rounds, "table_rows": rows,
+        lookup = _lookup_bench(engines["large"], rows, fresh[(rounds + 1) * step:], step, rounds, rng)
+        res = {**lookup, "slots_small": small, "slots_large": large, "step_ids": step, "rounds": rounds, "table_rows": rows,
                **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                "ratio_miss": round(med["miss_large"] / med["miss_small"], 3),
                "ratio_hit": round(med["hit_large"] / med["hit_small"], 3), "units": UNITS}
@@ -110,8 +118,39 @@ def run_scale_bench(out_dir, *, quick: bool = False, seed: int = 0, small: int =
     return res
 
 
+def _lookup_bench(eng, rows: int, fresh: np.ndarray, step: int, rounds: int, rng) -> dict:
+    """The engine's id -> slot lookup (its hash map) against a per-row array of the same arena."""
+    st = eng.slots
+    held = st.id_of >= 0
+    per_row = np.full(rows, -1, dtype=np.int32)  # what slot_of was: 4 B a row
+    per_row[st.id_of[held]] = np.flatnonzero(held).astype(np.int32)
+    times = {f"{how}_{kind}": [] for how in ("map", "array") for kind in ("hit", "miss")}
+    for r in range(rounds + 1):
+        ids = {"hit": np.sort(st.id_of[rng.choice(np.flatnonzero(held), step, replace=False)]).astype(np.int64),
+               "miss": np.sort(fresh[(r * step) % max(1, fresh.size - step):][:step])}
+        for kind, x in ids.items():
+            order = (("map", st.lookup), ("array", per_row.take)) if r % 2 else \
+                (("array", per_row.take), ("map", st.lookup))
+            got = {}
+            for how, fn in order:
+                t0 = time.perf_counter()
+                got[how] = fn(x)
+                dt = time.perf_counter() - t0
+                if r:
+                    times[f"{how}_{kind}"].append(dt)
+            assert np.array_equal(got["map"], got["array"]), "the map and the array disagree"
+    med = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
+    return {**{f"lookup_{k}_us": round(v, 2) for k, v in med.items()},
+            "ratio_lookup_hit": round(med["map_hit"] / med["array_hit"], 3),
+            "ratio_lookup_miss": round(med["map_miss"] / med["array_miss"], 3),
+            "map_bytes_a_slot": round(st.map.table.nbytes / eng.capacity, 2),
+            "array_bytes_a_slot": round(per_row.nbytes / eng.capacity, 2)}
+
+
 def scale_line(res: dict) -> str:
     return (f"scale: Plan of {res['step_ids']} missing ids {res['miss_small_ms']:.2f} ms at "
             f"{res['slots_small'] / 1e6:g} M slots vs {res['miss_large_ms']:.2f} ms at {res['slots_large'] / 1e6:g} M "
             f"(ratio {res['ratio_miss']:.2f}); resident ids {res['hit_small_ms']:.2f} vs {res['hit_large_ms']:.2f} ms "
-            f"(ratio {res['ratio_hit']:.2f})")
+            f"(ratio {res['ratio_hit']:.2f}); id -> slot lookup, hash map over per-row array: "
+            f"{res['ratio_lookup_hit']:.2f}x resident, {res['ratio_lookup_miss']:.2f}x missing "
+            f"({res['map_bytes_a_slot']:g} vs {res['array_bytes_a_slot']:g} B a slot)")

@@ -56,11 +56,9 @@ class PolicyConfig:
         3 lost at 256-id steps (0.85). Planned misses are always promoted (the
         step reads them from the arena).
     sketch_width: sketch counters per row per cache slot (rounded up to whole
-        64-byte blocks). With sketch_depth, the sketch's bytes a slot: 2 x 2 = 4 B
-        keeps a cached table's state within 32 B a slot (docs/architecture.md).
-        Wider sketches pay only in small arenas: at 1% of the rows (`bench cache`
-        traces, quick) 8 x 4 reached hit ratio 0.494 (zipf1.0) and 0.263 (text),
-        2 x 2 0.467 and 0.236, 1 x 4 0.468 and 0.241; at 10% all within 0.001.
+        64-byte blocks). With sketch_depth, the sketch's bytes a slot: the default
+        keeps a cached table's state within 32 B a slot (docs/architecture.md); a
+        wider sketch pays only in small arenas (docs/benchmarks.md, the sketch).
     sketch_depth: hash rows of the sketch.
     counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters).
     halve_every: recorded accesses between sketch halvings, per cache slot.
