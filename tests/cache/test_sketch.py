@@ -64,11 +64,31 @@ def test_bad_parameters_are_rejected():
         FrequencySketch(width=16, counter_max=300)
 
 
-def test_an_ids_counters_share_one_cache_line():
-    sk = FrequencySketch(width=1 << 20, depth=4)
+@pytest.mark.parametrize("counter_max,per_byte", [(15, 2), (255, 1)])
+def test_an_ids_counters_share_one_cache_line(counter_max, per_byte):
+    sk = FrequencySketch(width=1 << 20, depth=4, counter_max=counter_max)
     idx = sk._index(np.arange(1000))
-    assert np.all(idx.min(axis=0) // 64 == idx.max(axis=0) // 64)  # one 64-byte block per id
-    assert sk.nbytes == 4 << 20
+    per_line = 64 * per_byte
+    assert np.all(idx.min(axis=0) // per_line == idx.max(axis=0) // per_line)  # one 64-byte block per id
+    assert sk.nbytes == (4 << 20) // per_byte  # 4-bit counters where counter_max allows
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_four_bit_counters_count_halve_and_saturate_on_their_own(path, numpy_path):
+    """Two counters a byte: neither's update, saturation or halving reaches the other."""
+    if path == "numpy":
+        import tierstore.cache.policy.sketch as sketch_mod
+        numpy_path(sketch_mod, "_LOOP")
+    sk = FrequencySketch(width=64, depth=2, counter_max=15)  # 200 ids on 128 counters: bytes shared
+    sk.add(np.arange(200), counts=np.arange(200) % 16)
+    assert np.all(sk.estimate(np.arange(200)) >= np.arange(200) % 16)
+    exact = FrequencySketch(width=1 << 16, depth=2, counter_max=15)
+    exact.add(np.arange(50), counts=np.arange(50) % 16)
+    assert exact.estimate(np.arange(50)).tolist() == (np.arange(50) % 16).tolist()
+    exact.add(np.arange(50), counts=20)
+    assert (exact.estimate(np.arange(50)) == 15).all()
+    exact.halve()
+    assert (exact.estimate(np.arange(50)) == 7).all()
 
 
 def test_ids_sharing_a_counter_in_one_call_both_count():

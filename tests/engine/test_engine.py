@@ -128,8 +128,8 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
     assert eng.note_access(more, np.array([more.size])) == eng.capacity - ids.size
     assert (eng.slots.resident, c.evictions) == (eng.capacity, 0)
     fresh = order[2300:2400]  # a full arena: first sight evicts only for sketch collisions (2,400 ids
-    first = eng.note_access(fresh, np.array([fresh.size]))  # seen, 4 counters a slot: about 1 in 5)
-    assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 35
+    first = eng.note_access(fresh, np.array([fresh.size]))  # seen by 2 x 4 counters a slot: a few in 100)
+    assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 15
     assert eng.note_access(fresh, np.array([fresh.size])) == fresh.size - first  # seen twice: worth a victim
     assert c.evictions == fresh.size and np.array_equal(eng.arena.rows[eng.slots.lookup(fresh)], data[fresh])
     with pytest.raises(InvalidArgument):

@@ -60,7 +60,8 @@ class PolicyConfig:
         keeps a cached table's state within 32 B a slot (docs/architecture.md); a
         wider sketch pays only in small arenas (docs/benchmarks.md, the sketch).
     sketch_depth: hash rows of the sketch.
-    counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters).
+    counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters, packed two a
+        byte; more takes a byte a counter).
     halve_every: recorded accesses between sketch halvings, per cache slot.
     sketch_max_mib: ceiling on the sketch's memory (depth * width bytes).
     seed: for kind="random" only.
@@ -79,7 +80,7 @@ class PolicyConfig:
     pending_client_share: float = 0.5
     hint_clients: int = 64
     read_admit_freq: int = 2
-    sketch_width: float = 2.0
+    sketch_width: float = 4.0
     sketch_depth: int = 2
     counter_max: int = 15
     halve_every: float = 5.0
