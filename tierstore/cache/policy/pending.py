@@ -5,7 +5,7 @@ then protected until that step instead (s3fifo.py). Bounded in all and per
 client, and every call costs O(ids it is given), never O(ids pending): a hint
 is a request anyone may send.
 
-- The ids live in a hash table of 4-way buckets, 1.5x to 3x `limit` entries (a
+- The ids live in a hash table of 4-way buckets, 1.5x `limit` entries (a
   bucket overflows rarely; a hint is soft, so an id that finds no way is
   dropped). An entry is live while its end step is ahead (`until > now`): one
   whose hint ran out is free for the next id, nothing sweeps the table.
@@ -34,10 +34,12 @@ class PendingHints:
     `_live.sum() <= limit`, `_live[c] <= per_client`.
     """
 
-    def __init__(self, limit: int, per_client: int, clients: int, max_steps: int):
+    def __init__(self, limit: int, per_client: int, clients: int, max_steps: int, n_ids: int = 2**63 - 1):
+        """n_ids: the table's rows (ids are kept in 4 B below 2^31)."""
+        self._id_dtype = np.int32 if n_ids <= 2**31 else np.int64
         self.limit, self.per_client, self.clients = max(1, int(limit)), max(1, int(per_client)), int(clients)
         self._ring = int(max_steps) + 1
-        self._bits = max(4, int(np.ceil(np.log2(1.5 * self.limit))))  # 2^bits entries: 1.5x to 3x the limit
+        self._buckets_n = np.uint64(max(4, -(-3 * self.limit // (2 * WAYS))))  # 1.5x the limit in entries
         self._id = self._until = self._owner = self._ends = None  # allocated by the first add()
         self._live = np.zeros(self.clients, np.int64)
         self._keys: list = [None] * self.clients  # client index -> owner id
@@ -51,7 +53,7 @@ class PendingHints:
 
     def _buckets(self, ids: np.ndarray) -> np.ndarray:
         """[n, WAYS] table positions of each id's bucket."""
-        b = (ids.astype(np.uint64) * _HASH) >> np.uint64(64 - self._bits + 2)
+        b = (((ids.astype(np.uint64) * _HASH) >> np.uint64(32)) * self._buckets_n) >> np.uint64(32)
         return b.astype(np.int64)[:, None] * WAYS + np.arange(WAYS)
 
     def take(self, ids: np.ndarray, now: int) -> np.ndarray:
@@ -91,8 +93,8 @@ class PendingHints:
             self.dropped += ids.size
             return 0
         if self._id is None:
-            n = 1 << self._bits
-            self._id, self._until = np.zeros(n, np.int64), np.zeros(n, np.int64)
+            n = int(self._buckets_n) * WAYS
+            self._id, self._until = np.zeros(n, self._id_dtype), np.zeros(n, np.int64)
             self._owner = np.zeros(n, np.uint8)
             self._ends = np.zeros((self._ring, self.clients), np.int32)
         pos = self._buckets(ids)

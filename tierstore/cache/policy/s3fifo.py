@@ -54,7 +54,7 @@ class S3FIFOPolicy(CachePolicy):
         self._longest = cfg.max_expect_steps
         pending = cfg.pending_share * cap
         self._pending = PendingHints(pending, pending * cfg.pending_client_share, cfg.hint_clients,
-                                     cfg.max_expect_steps)
+                                     cfg.max_expect_steps, n_ids)
         # at most half the arena protected at once: a deep queue of hints cannot crowd out
         # the rows in use or leave the queue walks nothing to evict. _protected counts every
         # slot whose hint is live (an extended protection still counts, until its new end);
