@@ -133,3 +133,13 @@ def test_distinct_keeps_first_seen_order_and_matches_numpy():
         assert np.array_equal(np.sort(got), np.unique(ids))
         first = np.sort(np.unique(ids, return_index=True)[1])
         assert np.array_equal(got, ids[first])
+
+
+def test_an_index_of_another_format_version_is_refused_with_the_reason(table):
+    """Format 1 kept a per-row slot_of; a client reading it as the slot map would look rows
+    up in the wrong array: it is refused, saying the two sides are different releases."""
+    st, arena, path = table
+    with open(path, "r+b") as f:
+        f.write(b"TSINDEX1")
+    with pytest.raises(errors.StaleArena, match="format version 1; this client reads version 2"):
+        map_index(path, CAP, ROWS, "inst0")

@@ -1,4 +1,5 @@
-"""Cache-mode DRAM state: which row each arena slot holds (slot_table), the slot
-index local clients read through (slot_index), the leases that pin a step's
-slots (leases), and which slot to evict (policy/).
+"""Cache-mode DRAM state, all of it O(slots): which row each arena slot holds
+(slot_table), the id -> slot hash map (slot_map), the slot index local clients
+read through (slot_index), the leases that pin a step's slots (leases), and
+which slot to evict (policy/).
 """

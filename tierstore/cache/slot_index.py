@@ -51,7 +51,7 @@ from tierstore.tiers.dram import map_file_readonly
 __all__ = ["SlotIndexFile", "map_index", "supported", "id_dtype", "FORMAT"]
 
 HEADER_BYTES = 4096
-_MAGIC = b"TSINDEX"  # + one byte: the format version
+_MAGIC = b"TSINDEX"  # + the format version, one ASCII digit
 FORMAT = 2  # 1: a per-row slot_of array; 2: the slot-sized hash map
 _LAYOUT = struct.Struct("<8sII QQ 16s")  # magic+version, id width, map entry width, slots, rows, instance
 _ALIGN = 64
@@ -111,7 +111,7 @@ class SlotIndexFile:
         self.gen[:] = 1
         self.id_of[:] = -1
         self.table[:] = np.iinfo(self.table.dtype).max
-        self._mmap[:_LAYOUT.size] = _LAYOUT.pack(_MAGIC + bytes([FORMAT]), self.id_of.itemsize,
+        self._mmap[:_LAYOUT.size] = _LAYOUT.pack(_MAGIC + str(FORMAT).encode(), self.id_of.itemsize,
                                                  self.table.itemsize, capacity, rows, instance.encode()[:16])
 
     def close(self) -> None:
@@ -130,8 +130,8 @@ def map_index(path: str | Path, capacity: int, rows: int, instance: str | None =
     head = map_file_readonly(path, HEADER_BYTES, "slot index", "the sidecar restarted or swapped the table's version")
     magic, iw, ew, cap, n, inst = _LAYOUT.unpack_from(head)
     head.close()
-    if magic[:7] != _MAGIC or magic[7] != FORMAT:
-        got = magic[7] if magic[:7] == _MAGIC else "unknown"
+    if magic != _MAGIC + str(FORMAT).encode():
+        got = magic[7:8].decode("ascii", "replace") if magic[:7] == _MAGIC else "unknown"
         raise StaleArena(f"slot index {path} has format version {got}; this client reads version {FORMAT} "
                          f"(the sidecar and the client are different tierstore releases): run the same "
                          f"release on both sides")
