@@ -124,26 +124,52 @@ def find(ids, table, id_of, args, out) -> None:
 
 # ---- compiled loops (tierstore/jit.py); find's numpy path above is their reference ----
 def _find_loop(ids, table, id_of, slot_bits, tag_shift, tag_mask, slot_mask, empty, out):
+    """Three passes, so the cache misses of different ids overlap (a probe that loops on
+    what it loaded stalls on every one): each id's home entry; the probe from there to the
+    first entry whose tag matches (its lines now cached); that entry's id confirmed, the
+    probe going on past it in the rare case it is another id's. Bounded by the table's
+    size in all: a reader racing a shift never loops."""
     n = table.shape[0]
-    for i in range(ids.shape[0]):
-        x = ids[i]
-        h = np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)
+    m = ids.shape[0]
+    pos = np.empty(m, np.int64)
+    for i in range(m):  # pass 1: the home entries, no branch on what is loaded
+        h = np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15)
         p = np.int64(((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
-        tag = (h >> tag_shift) & tag_mask
+        pos[i] = p
+        out[i] = np.int64(table[p])
+    for i in range(m):  # pass 2: to the first tag match or an empty entry
+        tag = ((np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15)) >> tag_shift) & tag_mask
+        p = pos[i]
         out[i] = -1
-        for _ in range(n):  # bounded: a reader racing a shift never loops
-            e = table[p]
-            if np.uint64(e) == empty:
+        for _ in range(n):
+            e = np.uint64(table[p])
+            if e == empty:
                 break
-            e64 = np.uint64(e)
-            if (e64 >> slot_bits) == tag:
-                s = np.int64(e64 & slot_mask)
-                if id_of[s] == x:
-                    out[i] = s
-                    break
+            if (e >> slot_bits) == tag:
+                out[i] = np.int64(e & slot_mask)
+                break
             p += 1
             if p == n:
                 p = 0
+        pos[i] = p
+    for i in range(m):  # pass 3: the match confirmed by id_of (its loads overlap too)
+        s = out[i]
+        if s < 0 or id_of[s] == ids[i]:
+            continue
+        x = ids[i]
+        tag = ((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> tag_shift) & tag_mask
+        p = pos[i]
+        out[i] = -1
+        for _ in range(n - 1):
+            p += 1
+            if p == n:
+                p = 0
+            e = np.uint64(table[p])
+            if e == empty:
+                break
+            if (e >> slot_bits) == tag and id_of[np.int64(e & slot_mask)] == x:
+                out[i] = np.int64(e & slot_mask)
+                break
 
 
 def _insert_loop(ids, slots, table, slot_bits, tag_shift, tag_mask, slot_mask, empty):
