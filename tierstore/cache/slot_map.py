@@ -23,8 +23,8 @@ shifts, and this is why that can only cost a miss, never a wrong row:
   position it has not reached to one it has passed (or, for a moment, leave
   it at both): the reader then meets an empty entry, or its bound, and calls
   the id a miss, which it reads from disk, exact;
-- a probe is bounded by the table's size, so a reader never loops, whatever
-  it sees mid-shift.
+- a probe is bounded (by twice the table's size), so a reader never loops,
+  whatever it sees mid-shift.
 The writer's own lookups run under the lock on a consistent table: exact.
 """
 from __future__ import annotations
@@ -127,8 +127,8 @@ def _find_loop(ids, table, id_of, slot_bits, tag_shift, tag_mask, slot_mask, emp
     """Three passes, so the cache misses of different ids overlap (a probe that loops on
     what it loaded stalls on every one): each id's home entry; the probe from there to the
     first entry whose tag matches (its lines now cached); that entry's id confirmed, the
-    probe going on past it in the rare case it is another id's. Bounded by the table's
-    size in all: a reader racing a shift never loops."""
+    probe going on past it in the rare case it is another id's. At most twice the table's
+    size in probes: a reader racing a shift never loops."""
     n = table.shape[0]
     m = ids.shape[0]
     pos = np.empty(m, np.int64)
