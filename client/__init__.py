@@ -11,6 +11,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Client": "tierstore.client.client", "StepPlan": "tierstore.client.step_plan",
+    "SplitTable": "tierstore.client.split_table",
     "LocalTable": "tierstore.client.model.local_table", "EngramLayer": "tierstore.client.model.layer",
     "V41EngramLayer": "tierstore.client.model.v41_layer", "attach_engram": "tierstore.client.model.attach",
     "engram_decode_step": "tierstore.client.model.attach", "HBMCache": "tierstore.client.model.hbm_cache",

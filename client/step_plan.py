@@ -121,7 +121,7 @@ class StepPlan:
         Raises StaleRows when the rows could not be read while leased (after one re-plan)."""
         for attempt in range(REPLANS + 1):
             slots = self.slots()
-            out = np.take(self._mapped.rows, slots, axis=0)  # rows[slots], ~40% cheaper for small steps
+            out = self._mapped.take(slots)
             if self.valid():
                 return out
             if attempt < REPLANS:

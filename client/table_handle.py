@@ -33,6 +33,8 @@ class TableHandle:
         self.index_path, self.cold_dir = info.arena.index, info.arena.cold_dir
         self.cold_direct = info.arena.cold_direct  # read misses with O_DIRECT, as the sidecar does
         self.max_prefetch_steps = info.max_prefetch_steps  # 0: the sidecar did not say
+        # split-layout arena (all weights, then all scales; client/split_table.py): a row's weight bytes, else 0
+        self.split = info.arena.split_bytes if info.arena.layout == "split" else 0
         self.local = None  # its LocalReads, made on the first lookup
         self._client = client
         self._mapped: MappedArena | None = None
@@ -41,9 +43,11 @@ class TableHandle:
     def mapped(self) -> MappedArena:
         if self._mapped is None:
             # mapped on first use: a remote client that only uses inline lookups never maps
-            self._mapped = (self._client.arena(self._arena_path, self._arena_slots, self.row_bytes, self.instance)
+            self._mapped = (self._client.arena(self._arena_path, self._arena_slots, self.row_bytes, self.instance,
+                                               split=self.split)
                             if self._client is not None else
-                            MappedArena(self._arena_path, self._arena_slots, self.row_bytes, self.instance))
+                            MappedArena(self._arena_path, self._arena_slots, self.row_bytes, self.instance,
+                                        split=self.split))
         return self._mapped
 
     @property

@@ -23,7 +23,7 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance", "lease_board", "lease_board_entries", "index", "cold_dir", "cold_direct")
+    __slots__ = ("path", "slots", "full_resident", "size_bytes", "instance", "lease_board", "lease_board_entries", "index", "cold_dir", "cold_direct", "layout", "split_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FULL_RESIDENT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class Arena(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COLD_DIR_FIELD_NUMBER: _ClassVar[int]
     COLD_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
     slots: int
     full_resident: bool
@@ -44,7 +46,9 @@ class Arena(_message.Message):
     index: str
     cold_dir: str
     cold_direct: bool
-    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ..., index: _Optional[str] = ..., cold_dir: _Optional[str] = ..., cold_direct: _Optional[bool] = ...) -> None: ...
+    layout: str
+    split_bytes: int
+    def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ..., index: _Optional[str] = ..., cold_dir: _Optional[str] = ..., cold_direct: _Optional[bool] = ..., layout: _Optional[str] = ..., split_bytes: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena", "max_prefetch_steps")

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, help="stop (as on SIGTERM: arenas and socket removed) once process "
                    "PID is no longer this sidecar's parent, e.g. it died; PID must be the parent's (the launcher's "
                    "os.getpid()), checked at start; set by the launcher tests and benches use")
+    p.add_argument("--split-layout", metavar="TABLES",
+                   help="comma-separated fp8-e4m3-ue8m0 tables (or 'all') whose arena holds all weights, then all "
+                        "scales: byte for byte the host table sglang and vLLM map (docs/engines.md); they must be "
+                        "full-resident (fit --dram-budget)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -83,7 +87,7 @@ def run(args) -> int:
         shm_dir=args.shm_dir, persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
         local_reads=args.local_reads, parent_pid=args.parent_pid, warm_start=args.warm_start,
-        hot_set_interval_s=args.hot_set_interval_s)
+        hot_set_interval_s=args.hot_set_interval_s, split_layout=args.split_layout)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
     # until serving starts, a signal unwinds the start-up, which removes every arena made so far

@@ -2,6 +2,11 @@
 
 A Plan only validates: nothing is ever evicted, so nothing needs a lease. The
 verifier scrubs arena blocks against the catalog and repairs them from disk.
+
+The arena is interleaved or split (tiers/dram.py: all weights, then all
+scales, as the engines keep a table); this engine reads and writes it through
+Arena.take / range / put, so checksums, lookups and repairs see the same
+interleaved rows, the catalog's bytes, in either layout.
 """
 from __future__ import annotations
 
@@ -25,17 +30,23 @@ class FullEngine(TableEngine):
 
     # ---- loading ------------------------------------------------------------
     def load_full(self, chunk_rows: int = 1 << 16, progress=None) -> None:
-        """Fill a full-mode arena from the cold tier (every block verified)."""
+        """Fill a full-mode arena from the cold tier (every block verified): straight into
+        an interleaved arena, through one chunk buffer into a split one."""
+        buf = np.empty((min(chunk_rows, self.rows), self.arena.row_bytes), np.uint8) if self.arena.split else None
         for start in range(0, self.rows, chunk_rows):
             n = min(chunk_rows, self.rows - start)
-            self.reader.read_range(start, n, out=self.arena.rows[start:start + n])
+            if buf is None:
+                self.reader.read_range(start, n, out=self.arena.rows[start:start + n])
+            else:
+                self.arena.put(start, self.reader.read_range(start, n, out=buf[:n]))
             if progress is not None:
                 progress(n)
 
     def verify_arena(self, checksums: np.ndarray) -> list[int]:
         """Blocks of a full-mode arena whose bytes no longer match the catalog (each block's
-        rows hashed as the segment holds them: format 2 rebuilds their records first)."""
-        v, flat, h = self.version, self.arena.rows, xxhash.xxh3_64_intdigest
+        rows hashed as the segment holds them, whatever the arena's layout: format 2
+        rebuilds their records first)."""
+        v, h = self.version, xxhash.xxh3_64_intdigest
         br, bb = v.block_rows, v.block_bytes
         group = max(1, (8 << 20) // bb)
         bad: list[int] = []
@@ -47,9 +58,10 @@ class FullEngine(TableEngine):
             bad += [a + j for j, off in enumerate(range(0, len(raw), bb)) if h(raw[off:off + bb]) != want[j]]
         return bad
 
-    def _stored(self, lo: int, hi: int) -> np.ndarray:
-        """Arena rows [lo, hi) as the segments store them (what block checksums cover)."""
-        rows = self.arena.rows[lo:hi]
+    def _stored(self, lo: int, hi: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """Arena rows [lo, hi) (`rows`: already read interleaved) as the segments store
+        them (what block checksums cover)."""
+        rows = self.arena.range(lo, hi) if rows is None else rows
         if self.version.segment_format == 1:
             return np.ascontiguousarray(rows)
         return rowsum.records(rows, np.arange(lo, hi, dtype=np.int64))
@@ -82,7 +94,7 @@ class FullEngine(TableEngine):
         if self.bad_blocks.size:
             self._refuse_bad_blocks(ids)
         self.counters.hits += ids.size
-        return self.arena.rows[ids]
+        return self.arena.take(ids)
 
     # ---- online verification --------------------------------------------------
     def scrub_blocks(self, blocks: np.ndarray) -> list[tuple]:
@@ -101,10 +113,11 @@ class FullEngine(TableEngine):
                 found.append(("nvme", b, None, str(e)))
                 disk = None
             vc.checked["dram"] += hi - lo
-            if xxhash.xxh3_64_intdigest(self._stored(lo, hi)) == int(sums[b]) or disk is None:
+            held = self.arena.range(lo, hi)
+            if xxhash.xxh3_64_intdigest(self._stored(lo, hi, held)) == int(sums[b]) or disk is None:
                 continue
-            diff = np.any(self.arena.rows[lo:hi] != disk, axis=1)
-            self.arena.rows[lo:hi] = disk
+            diff = np.any(held != disk, axis=1)
+            self.arena.put(lo, disk)
             vc.mismatches["dram"] += int(diff.sum())
             found.append(("dram", b, lo + int(np.argmax(diff)), f"{int(diff.sum())} arena rows repaired from disk"))
         return found

@@ -70,6 +70,9 @@ class ServeConfig:
     remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
     metadata: str | None = None         # Mooncake metadata URL (with remote)
     parent_pid: int | None = None       # stop once this process is no longer our parent (the launcher died)
+    split_layout: tuple = ()            # tables whose arena is split (all weights, then all scales: the host
+                                        # table sglang and vLLM map); ("all",): every fp8-e4m3-ue8m0 table.
+                                        # Full-resident only: a selected table that would be cached fails at start
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -123,6 +126,11 @@ class ServeConfig:
             raise InvalidArgument(f"--parent-pid {self.parent_pid} is not this sidecar's parent (pid {os.getppid()} "
                                   f"started it); pass the pid of the process that starts the sidecar (os.getpid() "
                                   f"in that process), or leave --parent-pid out")
+        if isinstance(self.split_layout, str):  # --split-layout l1,l14 / TIERSTORE_SPLIT_LAYOUT
+            self.split_layout = tuple(t.strip() for t in self.split_layout.split(",") if t.strip())
+        self.split_layout = tuple(self.split_layout)
+        if "all" in self.split_layout and len(self.split_layout) > 1:
+            raise ValueError(f"--split-layout is 'all' or a list of tables, not both: {','.join(self.split_layout)}")
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"data directory {self.data_dir} does not exist; create a table first "
                                     f"(tierstore demo-table / tierstore ingest)")

@@ -32,7 +32,7 @@ from tierstore.cache import slot_index
 from tierstore.store.catalog import Catalog
 from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import make_engine
-from tierstore.errors import ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
+from tierstore.errors import InvalidArgument, ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
 from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.dram import Arena, arena_tag, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -150,14 +150,35 @@ class ServedTables:
         share = self.config.dram_budget * (v.rows * v.row_bytes) / total
         return False, int(min(v.rows, max(1, share // v.row_bytes)))
 
+    def _split(self, v, full: bool) -> int:
+        """The bytes of a row's weights when version v is served split-layout (--split-layout), else 0.
+
+        Split arenas are what sglang's and vLLM's kernels address (weight + row * 256, the scales
+        after all weights): fp8-e4m3-ue8m0 tables held whole only. A table named that cannot be is
+        refused at start (or reload) with the fix; 'all' takes every fp8-e4m3-ue8m0 table."""
+        chosen = self.config.split_layout
+        if v.table not in chosen and not ("all" in chosen and v.row_format == "fp8-e4m3-ue8m0"):
+            return 0
+        if v.row_format != "fp8-e4m3-ue8m0":
+            raise InvalidArgument(f"--split-layout {v.table}: the table is {v.row_format}; only fp8-e4m3-ue8m0 "
+                                  f"tables (weights, then ue8m0 scales) have the engines' split layout")
+        if not full:
+            raise ResourceExhausted(
+                f"--split-layout {v.table}: the table ({v.rows * v.row_bytes / 2**20:.0f} MiB) does not fit "
+                f"--dram-budget {self.config.dram_budget / 2**20:.0f} MiB with the others, so it would be a cache; "
+                f"a split arena is the whole table: raise --dram-budget, or serve it without --split-layout")
+        return v.row_dim  # fp8: one byte per value, then row_dim / 32 scale bytes
+
     def _build(self, v, versions, reuse=None) -> TableEngine:
         """An engine for version v, its arena loaded and published (verified throughout)."""
         full, slots = self._layout(v, versions)
+        split = self._split(v, full)
         checksums = self.catalog.checksums(v.table, v.version)
         reader = self._reader(v, checksums)
         path = reuse if (reuse is not None and full) else self._new_name(f"{v.table}.v{v.version}")
         try:
-            arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full, backing=self.backing)
+            arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full, backing=self.backing,
+                          split=split)
         except BaseException:
             reader.close()
             raise
@@ -184,7 +205,7 @@ class ServedTables:
             elif full:
                 engine.load_full()
             arena.header.write(instance=self.instance, version=v.version, slots=slots, row_bytes=v.row_bytes,
-                               full=full, table=v.table)
+                               full=full, table=v.table, split=split)
             arena.publish()
             self._hold_version(engine)
         except BaseException:
@@ -194,8 +215,9 @@ class ServedTables:
             reader.close()
             raise
         huge, mapped = huge_page_bytes(arena.path)
-        log.info("table %s v%d: %s mode, %d slots x %d B (%.1f MiB, %.0f%% of it on %s pages) + %.1f MiB of "
-                 "checksums, maps and policy, ready in %.2fs", v.table, v.version, "full" if full else "cache", slots,
+        log.info("table %s v%d: %s mode%s, %d slots x %d B (%.1f MiB, %.0f%% of it on %s pages) + %.1f MiB of "
+                 "checksums, maps and policy, ready in %.2fs", v.table, v.version, "full" if full else "cache",
+                 f" (split: {split} B weights, then scales)" if split else "", slots,
                  v.row_bytes, slots * v.row_bytes / 2**20, 100 * huge / max(mapped, 1),
                  f"{arena.backing.page >> 20} MiB" if arena.backing.huge else "huge", engine.metadata_bytes() / 2**20,
                  time.monotonic() - t0)

@@ -119,7 +119,8 @@ class TierstoreService(pb_grpc.TierstoreServicer):
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
                            size_bytes=eng.arena.size, instance=self.served.instance,
                            lease_board=str(board.path) if board else "",
-                           lease_board_entries=board.n if board else 0, **self._local_reads(eng)))
+                           lease_board_entries=board.n if board else 0, layout="split" if eng.arena.split else "",
+                           split_bytes=eng.arena.split, **self._local_reads(eng)))
 
     def _local_reads(self, eng) -> dict:
         """What a local client needs to read this table without a Plan (client/local_reads.py)."""

@@ -11,6 +11,16 @@ version it holds, the host it lives on and a `retired` flag set before the
 sidecar stops using it (version swap, shutdown, or a successor found it
 stale). Rows start at HEADER_BYTES.
 
+Two layouts of the rows after the header. Interleaved (the default): row i is
+bytes [i * row_bytes, (i + 1) * row_bytes). Split (`split=W`, full-resident
+fp8-e4m3-ue8m0 tables only): every row's first W bytes (its e4m3 weights) for
+all rows in id order, then every row's remaining bytes (its ue8m0 scales) in id
+order: byte for byte the host table sglang and vLLM keep (one buffer, weights
+first), so an engine maps the arena in place of loading its own copy. The
+header records W (0: interleaved), so a client never reads one layout as the
+other. Either way the engine and `Client.lookup` see interleaved rows
+(`SplitRows.take`).
+
 Pages: random gathers from an arena past the TLB's reach (a few MiB of 4 KiB
 pages) spend most of their time walking page tables, and a GPU reading it over
 UVA suffers more. An arena gets huge pages wherever its directory's mount gives
@@ -38,15 +48,17 @@ import numpy as np
 
 from tierstore.errors import ResourceExhausted, StaleArena
 
-__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "PageBacking", "arena_tag", "host_id", "huge_page_bytes",
-           "map_file_readonly", "map_readonly", "own_files", "page_backing", "retire_file", "shm_free_bytes"]
+__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "PageBacking", "SplitRows", "arena_tag", "host_id",
+           "huge_page_bytes", "map_file_readonly", "map_readonly", "map_split_readonly", "own_files", "page_backing",
+           "retire_file", "shm_free_bytes"]
 
 HEADER_BYTES = 4096
 SMALL_PAGE = 4096
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # Linux; mmap exposes the first only from 3.8 on some builds
 _MAGIC = b"TSARENA1"
-# magic, retired, full, instance (16 ascii), version, slots, row_bytes, host (16), table (64)
-_LAYOUT = struct.Struct("<8sII16sQQI16s64s")
+# magic, retired, full, instance (16 ascii), version, slots, row_bytes, host (16), table (64),
+# split (bytes of a row's leading part stored for all rows first; 0: interleaved, as in arenas before it)
+_LAYOUT = struct.Struct("<8sII16sQQI16s64sI")
 
 
 def host_id() -> bytes:
@@ -176,16 +188,18 @@ class ArenaHeader:
     def __init__(self, buf):
         self._buf = buf
 
-    def write(self, *, instance: str, version: int, slots: int, row_bytes: int, full: bool, table: str) -> None:
+    def write(self, *, instance: str, version: int, slots: int, row_bytes: int, full: bool, table: str,
+              split: int = 0) -> None:
         packed = _LAYOUT.pack(_MAGIC, 0, int(full), instance.encode()[:16], version, slots, row_bytes,
-                              host_id(), table.encode()[:64])
+                              host_id(), table.encode()[:64], split)
         self._buf[:_LAYOUT.size] = np.frombuffer(packed, dtype=np.uint8)
 
     def read(self) -> dict:
         fields = _LAYOUT.unpack_from(self._buf.tobytes()[:_LAYOUT.size])
-        magic, retired, full, inst, version, slots, row_bytes, host, table = fields
+        magic, retired, full, inst, version, slots, row_bytes, host, table, split = fields
         return dict(magic=magic, retired=bool(retired), full=bool(full), instance=inst.rstrip(b"\0").decode(),
-                    version=version, slots=slots, row_bytes=row_bytes, host=host, table=table.rstrip(b"\0").decode())
+                    version=version, slots=slots, row_bytes=row_bytes, host=host, table=table.rstrip(b"\0").decode(),
+                    split=split)
 
     @property
     def retired(self) -> bool:
@@ -198,20 +212,64 @@ class ArenaHeader:
         self._buf[16:32] = np.frombuffer(instance.encode()[:16].ljust(16, b"\0"), dtype=np.uint8)
 
 
+class SplitRows:
+    """The rows of a split arena (see the module docstring): `weight` uint8 [slots, split]
+    then `scale` uint8 [slots, row_bytes - split], two views of one mapping.
+
+    take/put/range speak interleaved rows (the row format), so the engine, the
+    verifier and lookups read a split table exactly as an interleaved one."""
+
+    def __init__(self, data: np.ndarray, slots: int, row_bytes: int, split: int):
+        if not 0 < split < row_bytes:
+            raise ValueError(f"a split arena's leading part is 1..{row_bytes - 1} bytes of a row, got {split}")
+        self.slots, self.row_bytes, self.split = slots, row_bytes, split
+        self.weight = data[:slots * split].reshape(slots, split)
+        self.scale = data[slots * split:slots * row_bytes].reshape(slots, row_bytes - split)
+        # a row as one item of each part: take/put move whole rows, not bytes
+        self._item = np.dtype([("w", f"V{split}"), ("s", f"V{row_bytes - split}")])
+
+    def take(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Interleaved rows uint8 [n, row_bytes] of slots `ids` (checked by the caller)."""
+        if out is None:
+            out = np.empty((len(ids), self.row_bytes), np.uint8)
+        items = out.view(self._item)[:, 0]
+        items["w"] = self.weight.view(f"V{self.split}")[ids, 0]
+        items["s"] = self.scale.view(f"V{self.row_bytes - self.split}")[ids, 0]
+        return out
+
+    def range(self, lo: int, hi: int) -> np.ndarray:
+        """Interleaved rows [lo, hi) (a copy)."""
+        out = np.empty((hi - lo, self.row_bytes), np.uint8)
+        out[:, :self.split] = self.weight[lo:hi]
+        out[:, self.split:] = self.scale[lo:hi]
+        return out
+
+    def put(self, lo: int, rows: np.ndarray) -> None:
+        """Write interleaved rows uint8 [n, row_bytes] at slots [lo, lo + n)."""
+        n = len(rows)
+        self.weight[lo:lo + n] = rows[:, :self.split]
+        self.scale[lo:lo + n] = rows[:, self.split:]
+
+
 class Arena:
     """`slots` rows of `row_bytes` bytes in one shared-memory file.
 
-    `rows` is a writable uint8 view [slots, row_bytes] for the sidecar.
+    Interleaved (split=0): `rows` is a writable uint8 view [slots, row_bytes]
+    for the sidecar. Split (split=W, full-resident tables only): `rows` is None
+    and `split_rows` holds the weight and scale views (SplitRows); take, put
+    and range read and write interleaved rows in either layout.
     New arenas are built under a private `.new` name and renamed into place by
     publish(); `reuse=True` re-opens the file at `path` instead (persisted
     arenas), or returns a fresh one when it does not fit.
     """
 
     def __init__(self, path: Path, slots: int, row_bytes: int, *, reuse: bool = False,
-                 backing: PageBacking | None = None):
-        """backing: how this directory pages arenas (page_backing(path.parent) when None)."""
+                 backing: PageBacking | None = None, split: int = 0):
+        """backing: how this directory pages arenas (page_backing(path.parent) when None).
+        split: 0 for interleaved rows, else the bytes of a row's weights (split layout)."""
         self.path = Path(path)
         self.slots, self.row_bytes = int(slots), int(row_bytes)
+        self.split = int(split)
         self.size = self.slots * self.row_bytes
         self.backing = backing or page_backing(self.path.parent)
         page = self.backing.page if self.backing.how == "hugetlbfs" else 1  # hugetlbfs files are whole pages
@@ -265,7 +323,26 @@ class Arena:
                     f"({e.strerror}); lower --dram-budget or enlarge {self.path.parent}") from None
         whole = np.frombuffer(self._mmap, dtype=np.uint8)
         self.header = ArenaHeader(whole[:HEADER_BYTES])
-        self.rows = whole[HEADER_BYTES:HEADER_BYTES + self.size].reshape(self.slots, self.row_bytes)
+        data = whole[HEADER_BYTES:HEADER_BYTES + self.size]
+        self.split_rows = SplitRows(data, self.slots, self.row_bytes, self.split) if self.split else None
+        self.rows = None if self.split else data.reshape(self.slots, self.row_bytes)
+        if self.reattached and self.header.read()["split"] != self.split:
+            self.reattached = False  # the other layout's bytes: the caller loads the table again
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        """Interleaved rows uint8 [n, row_bytes] at slots `ids` (checked by the caller), a copy."""
+        return self.split_rows.take(ids) if self.split else self.rows[ids]
+
+    def range(self, lo: int, hi: int) -> np.ndarray:
+        """Interleaved rows of slots [lo, hi): a view (interleaved) or a copy (split)."""
+        return self.split_rows.range(lo, hi) if self.split else self.rows[lo:hi]
+
+    def put(self, lo: int, rows: np.ndarray) -> None:
+        """Write interleaved rows uint8 [n, row_bytes] at slots [lo, lo + n)."""
+        if self.split:
+            self.split_rows.put(lo, rows)
+        else:
+            self.rows[lo:lo + len(rows)] = rows
 
     def _reopen(self) -> int | None:
         """fd of a previous arena at `path` fit to re-attach, else None.
@@ -292,14 +369,14 @@ class Arena:
 
     def retire(self) -> None:
         """Tell every client mapping this arena to stop reading it (they re-describe the table)."""
-        if self.rows is not None:
+        if self.header is not None:
             self.header.retire()
 
     def close(self, unlink: bool = True) -> None:
         """Unmap; with unlink, retire and remove the file (clients' mappings stay valid)."""
         if unlink:
             self.retire()
-        self.rows = self.header = None
+        self.rows = self.split_rows = self.header = None
         try:
             self._mmap.close()
         except BufferError:
@@ -347,15 +424,10 @@ def map_file_readonly(path: str | Path, size: int, what: str, gone_because: str)
         os.close(fd)
 
 
-def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str | None = None,
-                 allow_retired: bool = False):
-    """A client's read-only view of an arena: (rows uint8 [slots, row_bytes], ArenaHeader).
-
-    Raises StaleArena when the file is not the arena described (another host's
-    path, another sidecar instance, already retired, or the wrong shape).
-    allow_retired: a step holding a lease in a retired cache arena may still
-    read it (its rows stay pinned until the lease ends).
-    """
+def _map_checked(path: str | Path, slots: int, row_bytes: int, split: int, instance: str | None,
+                 allow_retired: bool) -> tuple[np.ndarray, ArenaHeader]:
+    """(the arena's row bytes, flat uint8, and its header), read-only, checked against what
+    was described: StaleArena otherwise."""
     mm = map_file_readonly(path, HEADER_BYTES + slots * row_bytes, "arena",
                            "the sidecar is on another host (use inline lookups) or it has restarted")
     whole = np.frombuffer(mm, dtype=np.uint8)
@@ -372,6 +444,30 @@ def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str 
         problem = "is retired"
     elif (h["slots"], h["row_bytes"]) != (slots, row_bytes):
         problem = f"holds {h['slots']} x {h['row_bytes']} B rows, not {slots} x {row_bytes}"
+    elif h["split"] != split:
+        problem = (f"is laid out {'split at ' + str(h['split']) + ' B' if h['split'] else 'interleaved'}, not "
+                   f"{'split at ' + str(split) + ' B' if split else 'interleaved'}")
     if problem:
         raise StaleArena(f"arena {path} {problem}; describe the table again")
-    return whole[HEADER_BYTES:].reshape(slots, row_bytes), header
+    return whole[HEADER_BYTES:HEADER_BYTES + slots * row_bytes], header
+
+
+def map_readonly(path: str | Path, slots: int, row_bytes: int, *, instance: str | None = None,
+                 allow_retired: bool = False):
+    """A client's read-only view of an interleaved arena: (rows uint8 [slots, row_bytes], ArenaHeader).
+
+    Raises StaleArena when the file is not the arena described (another host's
+    path, another sidecar instance, already retired, split, or the wrong shape).
+    allow_retired: a step holding a lease in a retired cache arena may still
+    read it (its rows stay pinned until the lease ends).
+    """
+    data, header = _map_checked(path, slots, row_bytes, 0, instance, allow_retired)
+    return data.reshape(slots, row_bytes), header
+
+
+def map_split_readonly(path: str | Path, slots: int, row_bytes: int, split: int, *,
+                       instance: str | None = None) -> tuple[SplitRows, ArenaHeader]:
+    """A client's read-only view of a split arena: (SplitRows, ArenaHeader); StaleArena as
+    map_readonly, and when the file is not split at `split` bytes."""
+    data, header = _map_checked(path, slots, row_bytes, split, instance, False)
+    return SplitRows(data, slots, row_bytes, split), header
