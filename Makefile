@@ -12,7 +12,7 @@ STAMP := $(VENV)/.tierstore-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: remote-deps venv run test test-slow test-reliability proto bench demo clean distclean
+.PHONY: remote-deps engine-deps engine-deps-sglang venv run test test-slow test-reliability proto bench demo clean distclean
 
 venv: $(STAMP)
 
@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PIP) install -q $(FIND_LINKS) -e ".[dev,bench]"
 	$(MAKE) --no-print-directory remote-deps
+	$(MAKE) --no-print-directory engine-deps
 	touch $(STAMP)
 
 # Mooncake Store for the remote tier (optional: without it the remote tests skip and say why).
@@ -43,6 +44,30 @@ remote-deps:
 	      || echo "libibverbs1 not installed: remote tests will skip"; \
 	  else echo "libibverbs1 missing (needs root and apt): remote tests will skip"; fi; \
 	fi
+
+# The engines tierstore serves (docs/engines.md), for their CPU tests: each wheel --no-deps,
+# then only what its Engram modules import, under a constraint that holds the installed torch
+# (their own pins want a CUDA torch and PyPI's torchvision, which links one). Failure is
+# tolerated: the engine tests then skip and say why.
+ENGINE_WHEELS ?= /tmp/engwheels
+ENGINE_LINKS := $(if $(wildcard $(ENGINE_WHEELS)),--find-links $(ENGINE_WHEELS),)
+TORCH_PIN := $(VENV)/torch-pin.txt
+# What `import sglang.srt.layers.engram` (and engram_staging) reaches, at sglang's own pins
+# where it pins; torchvision is not among them (tierstore.client.engines.sglang imports
+# the modules without it: docs/engines.md).
+SGLANG_ENGRAM_DEPS := msgspec orjson psutil pybase64 starlette pydantic pyzmq "apache-tvm-ffi==0.1.11" \
+  "transformers==5.19.0" ipython dill "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.8.0" \
+  partial_json_parser
+
+engine-deps: engine-deps-sglang
+
+$(TORCH_PIN):
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $@
+
+engine-deps-sglang: $(TORCH_PIN)
+	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "sglang==0.5.23" && \
+	   $(PIP) install -q -c $(TORCH_PIN) $(FIND_LINKS) $(SGLANG_ENGRAM_DEPS) ) \
+	  || echo "sglang 0.5.23 unavailable: tests/client/engines/test_sglang*.py will skip"
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

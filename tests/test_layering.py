@@ -36,10 +36,11 @@ ALLOWED = {
     "sidecar": {"table", "store", "tiers", "tiers.nvme", "tiers.remote", "cache", "cache.policy", "engine", "proto"},
     "client": {"table", "store", "tiers", "tiers.nvme", "cache", "proto"},
     "client.model": {"client", "kernels", "table", "tiers", "cache.policy"},
+    "client.engines": {"client"},  # engines fed by tierstore: through the client only
     "kernels": {"table"},
 }
 OPEN = {"cli", "bench", "__main__"}  # may import anything of ours
-SUBGROUPS = {("tiers", "nvme"), ("tiers", "remote"), ("cache", "policy"), ("client", "model")}
+SUBGROUPS = {("tiers", "nvme"), ("tiers", "remote"), ("cache", "policy"), ("client", "model"), ("client", "engines")}
 
 
 def _module(path: Path) -> str:

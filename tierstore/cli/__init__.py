@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "publish": ("tierstore.cli.publish", "publish a table version to Mooncake Store (shared remote tier)"),
     "fetch-manifest": ("tierstore.cli.fetch_manifest", "record a version published in Mooncake in a local catalog"),
     "audit": ("tierstore.cli.audit", "compare execution paths of a model served by tierstore"),
+    "sglang": ("tierstore.cli.sglang", "run sglang's server with its Engram tables mapped from the sidecar"),
 }
 
 

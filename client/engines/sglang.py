@@ -1,0 +1,355 @@
+"""sglang 0.5.23 over tierstore: sglang's Engram host table is tierstore's split arena.
+
+sglang keeps each DeepSeek-V4.1 Engram table in a host table it allocates
+(`_HostTable`: a memfd or anonymous map, cudaHostRegister) and fills from the
+checkpoint (`EngramEmbedding._load_rows`), laid out by
+`EngramEmbedding._init_host_table`: all fp8 weights [rows, 256], then all
+ue8m0 scales [rows, 8]. A split-layout arena (`serve --split-layout`) is that
+buffer byte for byte, so this module hands sglang the arena instead:
+
+- seam: an AROUND hook on `EngramEmbedding._init_host_table`, registered
+  through sglang's own general-plugin framework (entry point group
+  `sglang.srt.plugins`, loaded in every sglang process; `HookRegistry`).
+  Nothing of sglang is forked or copied. The hook maps table
+  `{TIERSTORE_SGLANG_PREFIX}l{layer}` (Client.split_table), makes sglang's
+  `weight` / `scale` parameters views of it, and replaces the loader of those
+  two parameters only: the checkpoint's Engram rows are checked against the
+  arena (a spread of rows; every row with TIERSTORE_SGLANG_VERIFY=all), never
+  copied (the mapping is read-only).
+- on CUDA the mapping is registered once per process (SplitTable.register_cuda)
+  and sglang's own kernels read it over UVA as they read their host table
+  (`engram_gather`, and `EngramRowStager` where sglang stages rows); on CPU
+  sglang's torch path (`_owned_rows`) reads the same views.
+- turned on by TIERSTORE_SGLANG_SOCKET (the sidecar's socket); `tierstore sglang
+  --socket S -- <sglang args>` sets it and starts sglang's server. Without it the
+  plugin registers nothing and sglang loads its tables itself.
+- sidecar down at start: EngineAttachError naming the socket and the fix,
+  raised from the layer's construction (sglang's start fails; nothing is
+  served). While serving, the rows are the sidecar's verified and scrubbed
+  pages; each forward checks the arena's header (one byte): once the sidecar
+  retires it for another version, the forward raises EngineAttachError
+  (restart sglang: the model never mixes versions); retired by a sidecar
+  restart that serves the same version, the mapped rows (verified at load, the
+  same bytes) keep serving and one warning says so.
+
+Importing sglang's Engram modules without a GPU install (CPU tests, bench):
+`import_engram()` imports `sglang.srt.layers.engram` and `engram_staging`
+without running `sglang/__init__.py` (sglang.lang, HF patches), and, where
+torchvision is absent, lets the one module of that chain that imports it at
+module level (`sglang.srt.multimodal.internvl_utils`, reached through
+`sglang.srt.configs`) import against a stand-in, removed again at once;
+Engram never calls into it (docs/engines.md).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierstore import errors
+
+__all__ = ["SglangConfig", "EngineAttachError", "import_engram", "plugin", "install", "HOOK_TARGET", "launch"]
+
+log = logging.getLogger("tierstore.client.engines.sglang")
+HOOK_TARGET = "sglang.srt.layers.engram.EngramEmbedding._init_host_table"
+SGLANG_VERSION = "0.5.23"
+CHECK_ROWS = 4096  # rows of each checkpoint tensor compared with the arena (TIERSTORE_SGLANG_VERIFY=sample)
+
+
+class EngineAttachError(errors.TierstoreError):
+    """sglang's Engram layer cannot be fed from the sidecar (down, table missing, wrong shape, retired)."""
+
+    GRPC_CODE = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """The integration's settings; `from_env()` maps the TIERSTORE_SGLANG_* variables onto it.
+
+    socket: the sidecar's unix socket. prefix: table name prefix (`ingest-checkpoint
+    --prefix`); layer L is table `{prefix}l{L}`. verify: "sample" (CHECK_ROWS rows of each
+    checkpoint tensor compared with the arena), "all" (every row: reads the checkpoint's
+    Engram tensors in full) or "off" (skipped). timeout: seconds a sidecar call may take."""
+
+    socket: str
+    prefix: str = ""
+    verify: str = "sample"
+    timeout: float = 30.0
+
+    def __post_init__(self):
+        if self.verify not in ("sample", "all", "off"):
+            raise errors.InvalidArgument(f"TIERSTORE_SGLANG_VERIFY is sample, all or off, not {self.verify!r}")
+        if not self.socket:
+            raise errors.InvalidArgument("TIERSTORE_SGLANG_SOCKET is empty; set it to the sidecar's --socket")
+
+    @classmethod
+    def from_env(cls) -> "SglangConfig | None":
+        """None unless TIERSTORE_SGLANG_SOCKET is set (the integration is off)."""
+        socket = os.environ.get("TIERSTORE_SGLANG_SOCKET")
+        if socket is None:
+            return None
+        return cls(socket=socket, prefix=os.environ.get("TIERSTORE_SGLANG_PREFIX", ""),
+                   verify=os.environ.get("TIERSTORE_SGLANG_VERIFY", "sample"),
+                   timeout=float(os.environ.get("TIERSTORE_SGLANG_TIMEOUT", "30")))
+
+    def table(self, layer_id: int) -> str:
+        return f"{self.prefix}l{layer_id}"
+
+
+# ---- importing sglang's Engram modules ---------------------------------------------------------
+def import_engram() -> tuple[types.ModuleType, types.ModuleType]:
+    """(sglang.srt.layers.engram, sglang.srt.layers.engram_staging), imported as narrowly as
+    they allow (module docstring). Raises ImportError naming the install command."""
+    if "sglang.srt.layers.engram" not in sys.modules:
+        try:
+            from importlib.metadata import version
+
+            have = version("sglang")
+        except Exception:  # noqa: BLE001 - PackageNotFoundError and broken metadata alike
+            have = None
+        if have != SGLANG_VERSION:
+            raise ImportError(f"sglang {SGLANG_VERSION} is needed, found {have or 'none'}: `make engine-deps-sglang` "
+                              f"(CPU) or `pip install tierstore[sglang]` (GPU)")
+        if "sglang" not in sys.modules:
+            _bare_package("sglang")
+        with _torchvision_stand_in():
+            importlib.import_module("sglang.srt.layers.engram")
+            importlib.import_module("sglang.srt.layers.engram_staging")
+    return sys.modules["sglang.srt.layers.engram"], sys.modules["sglang.srt.layers.engram_staging"]
+
+
+def _bare_package(name: str) -> None:
+    """Register package `name` with its path but without running its __init__."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name} is not installed")
+    bare = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    bare.submodule_search_locations = list(spec.submodule_search_locations)
+    module = importlib.util.module_from_spec(bare)
+    module.__path__ = list(spec.submodule_search_locations)
+    sys.modules[name] = module
+
+
+class _StandIn(types.ModuleType):
+    """A module-level name of torchvision, for an import that Engram never calls into."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {"__module__": self.__name__})
+
+
+class _torchvision_stand_in:
+    """While importing sglang's Engram chain without torchvision: stand-ins for the three
+    torchvision modules internvl_utils imports at module level, removed afterwards (so
+    `find_spec("torchvision")` is None again). transformers is imported first, so its
+    availability checks have already seen torchvision missing."""
+
+    NAMES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+
+    def __enter__(self):
+        self.active = importlib.util.find_spec("torchvision") is None
+        if self.active:
+            from transformers.utils import import_utils
+
+            import_utils.is_torchvision_available()
+            for n in self.NAMES:
+                sys.modules[n] = _StandIn(n)
+
+    def __exit__(self, *exc):
+        if self.active:
+            for n in self.NAMES:
+                sys.modules.pop(n, None)
+
+
+# ---- the plugin ---------------------------------------------------------------------------------
+def plugin() -> None:
+    """sglang general plugin (entry point `tierstore` in group `sglang.srt.plugins`), run by
+    sglang's load_plugins() in every process: with TIERSTORE_SGLANG_SOCKET set, turn on
+    sglang's host-table path (shared layout) and register the hook; else do nothing."""
+    config = SglangConfig.from_env()
+    if config is None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
+    os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = "shared"
+    HookRegistry.register(HOOK_TARGET, init_host_table, HookType.AROUND)
+    log.info("tierstore: sglang's Engram host tables come from the sidecar at %s", config.socket)
+
+
+def install() -> None:
+    """plugin() and apply its hook now, in this process: for code that builds sglang's modules
+    itself (tests, bench) rather than through sglang's server start-up."""
+    plugin()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+
+
+_TABLES: dict[tuple[str, str], object] = {}  # (socket, table) -> SplitTable, one per process
+_LOCK = threading.Lock()
+
+
+def _split_table(config: SglangConfig, table: str):
+    from tierstore.client.client import Client
+
+    with _LOCK:
+        t = _TABLES.get((config.socket, table))
+        if t is not None and not t.retired:
+            return t
+        try:
+            with Client(config.socket, timeout=config.timeout) as c:
+                t = c.split_table(table)
+        except errors.Unavailable as e:
+            raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
+                                    f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "
+                                    f"--data DIR --socket {config.socket} --split-layout all`") from None
+        except errors.TierstoreError as e:
+            raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
+        _TABLES[(config.socket, table)] = t
+        return t
+
+
+def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: int):
+    """AROUND hook of EngramEmbedding._init_host_table: the host table is the split arena of
+    table `config.table(layer_id)`. Off (TIERSTORE_SGLANG_SOCKET unset): sglang's own."""
+    config = SglangConfig.from_env()
+    if config is None:
+        return original(embed, num_embeddings, dim, layer_id)
+    import torch
+    from torch import nn
+
+    table = config.table(layer_id)
+    t = _split_table(config, table)
+    if (t.rows, t.row_dim) != (num_embeddings, dim):
+        raise EngineAttachError(f"tierstore table {table} holds {t.rows} rows x {t.row_dim}, sglang's Engram layer "
+                                f"{layer_id} wants {num_embeddings} x {dim}: the sidecar serves another model's "
+                                f"tables (or --prefix); ingest this checkpoint (tierstore ingest-checkpoint)")
+    weight, scale = t.tensors()
+    embed.weight = nn.Parameter(weight, requires_grad=False)
+    embed.scale = nn.Parameter(scale, requires_grad=False)
+    # the loader __init__ gives both parameters is `self._load_rows`, looked up after this
+    # hook returns: this instance's checks the checkpoint's rows instead of copying them
+    embed._load_rows = CheckpointCheck(embed, t, table, config.verify)
+    if torch.cuda.is_available():
+        from sglang.srt.layers import engram as sg
+
+        t.register_cuda()
+        embed.host_table = MappedHostTable(t)
+        ptr = t.weight.ctypes.data  # UVA: the host address is the device address on CUDA
+        embed._host_table_ptrs = (ptr, ptr + t.weight.nbytes)
+        embed._sort_host_reads = sg._sorted_host_reads(torch.cuda.current_device())
+    else:
+        embed.host_table = None  # sglang's CPU torch path reads weight / scale
+    embed.register_forward_pre_hook(ArenaGuard(config, table, t))
+
+
+class MappedHostTable:
+    """What sglang's forward reads of its `_HostTable` (layout, dirty, finish_load), over a
+    split arena: "shared" (every row mapped in every rank), loaded already."""
+
+    layout = "shared"
+
+    def __init__(self, split):
+        self.split = split
+        self.dirty = False
+        self.nbytes = split.weight.nbytes + split.scale.nbytes
+        self.device_ptr = split.weight.ctypes.data
+
+    def finish_load(self, label: str) -> None:
+        log.info("engram host table %s: tierstore table %s v%d, mapped (%.2f GiB, no load)", label,
+                 self.split.table, self.split.version, self.nbytes / 2**30)
+
+
+class CheckpointCheck:
+    """The weight loader of a tierstore-fed EngramEmbedding's weight and scale: compares the
+    checkpoint's tensor with the arena (CHECK_ROWS rows spread over the table, or all), and
+    raises EngineAttachError on a difference; writes nothing."""
+
+    def __init__(self, embed, split, table: str, verify: str):
+        self.embed, self.split, self.table, self.verify = embed, split, table, verify
+        self.checked: list[str] = []
+
+    def __call__(self, param, loaded_weight) -> None:
+        import torch
+
+        which = "weight" if param is self.embed.weight else "scale"
+        mine = self.split.weight if which == "weight" else self.split.scale
+        if tuple(loaded_weight.shape) != mine.shape:
+            raise EngineAttachError(f"checkpoint tensor embed.{which} is {tuple(loaded_weight.shape)}, tierstore "
+                                    f"table {self.table} holds {mine.shape}: ingest this checkpoint")
+        self.checked.append(which)
+        if self.verify == "off":
+            return
+        rows = (np.arange(mine.shape[0]) if self.verify == "all" or mine.shape[0] <= CHECK_ROWS
+                else np.unique(np.linspace(0, mine.shape[0] - 1, CHECK_ROWS).astype(np.int64)))
+        theirs = loaded_weight.detach().cpu().view(torch.uint8)[torch.from_numpy(rows)].numpy()
+        differ = np.flatnonzero(np.any(theirs != mine[rows], axis=1))
+        if differ.size:
+            raise EngineAttachError(f"checkpoint tensor embed.{which} differs from tierstore table {self.table} "
+                                    f"v{self.split.version} at row {int(rows[differ[0]])} ({differ.size} of "
+                                    f"{rows.size} rows checked): the sidecar serves another ingest; re-ingest "
+                                    f"this checkpoint (tierstore ingest-checkpoint) or start sglang on the one "
+                                    f"that was ingested")
+
+
+class ArenaGuard:
+    """Forward pre-hook: the arena is still the one the sidecar serves for this table, or a
+    retired copy of the same version (same verified bytes); another version raises."""
+
+    def __init__(self, config: SglangConfig, table: str, split):
+        self.config, self.table, self.split = config, table, split
+        self.warned = False
+
+    def __call__(self, module, args) -> None:
+        if not self.split.retired:
+            return
+        from tierstore.client.client import Client
+
+        try:
+            with Client(self.config.socket, timeout=self.config.timeout) as c:
+                served = c.table_info(self.table)["version"]
+        except errors.TierstoreError:
+            served = None  # sidecar away: the mapped rows are the verified bytes of our version
+        if served is not None and served != self.split.version:
+            raise EngineAttachError(f"tierstore now serves table {self.table} at v{served}; this sglang process "
+                                    f"maps v{self.split.version} and never mixes versions: restart sglang (it maps "
+                                    f"the warm arena, no load)")
+        if not self.warned:
+            self.warned = True
+            log.warning("tierstore table %s v%d: the sidecar retired this arena (restart%s); its mapped rows, "
+                        "verified at load, keep serving", self.table, self.split.version,
+                        "" if served is not None else ", and the sidecar does not answer now")
+
+
+# ---- the launcher -------------------------------------------------------------------------------
+def launch(socket: str, sglang_args: list[str], prefix: str = "", verify: str = "sample") -> int:
+    """`tierstore sglang --socket S -- ARGS`: sglang's server (python -m sglang.launch_server ARGS)
+    with the integration on in it and every process it spawns. Fails before sglang starts when
+    the sidecar does not answer or serves no split table."""
+    import subprocess
+
+    from tierstore.client.client import Client
+
+    SglangConfig(socket=socket, prefix=prefix, verify=verify)
+    try:
+        with Client(socket, timeout=10) as c:
+            split = [t["table"] for t in c.tables() if t["table"].startswith(prefix)]
+            if not any(c.handle(t).split for t in split):
+                raise EngineAttachError(f"the sidecar at {socket} serves no split-layout table named {prefix}l*: "
+                                        f"restart it with --split-layout all")
+    except errors.Unavailable as e:
+        raise EngineAttachError(f"no tierstore sidecar answers at {socket} ({e}); start `tierstore serve --data DIR "
+                                f"--socket {socket} --split-layout all` first") from None
+    env = {**os.environ, "TIERSTORE_SGLANG_SOCKET": str(socket), "TIERSTORE_SGLANG_PREFIX": prefix,
+           "TIERSTORE_SGLANG_VERIFY": verify}
+    return subprocess.call([sys.executable, "-m", "sglang.launch_server", *sglang_args], env=env)

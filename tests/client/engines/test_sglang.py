@@ -1,0 +1,214 @@
+"""sglang 0.5.23's real Engram modules fed from a real sidecar's split arena, on CPU.
+
+The same `Engram` / `EngramEmbedding` built twice from one synthetic V4.1
+checkpoint: once loading the checkpoint's bytes itself (sglang's own loaders,
+device parameters), once with the tierstore plugin's hook (its host table is
+the sidecar's mapped split arena; the checkpoint's rows are checked, not
+copied). Both get the hash ids of sglang's own `EngramHasher` for a real
+extend batch and the decode batch after it, and must give identical bits.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from v41_checkpoint import write_checkpoint  # noqa: E402
+
+from tierstore.client.client import Client
+from tierstore.ingest.checkpoint import ingest_checkpoint
+from tierstore.sidecar.launcher import SidecarProcess
+from tierstore.table.hasher import NgramHasher
+from tierstore.table.tokenizer_map import build_compression_map
+
+LAYERS = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, sglang_engram):
+    """A checkpoint, its tables served split-layout by a real sidecar, and a tokenizer of its vocabulary."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("sglang")
+    arrays = write_checkpoint(root / "ckpt")
+    ingest_checkpoint(root / "ckpt", root / "data", progress=False)
+    # 512 raw tokens, 500 once lowercased (the config's compressed vocabulary): t0..t499, T0..T11
+    vocab = {f"t{i}": i for i in range(500)} | {f"T{i}": 500 + i for i in range(12)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.save(str(root / "tokenizer.json"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = json.loads((root / "ckpt" / "config.json").read_text())["text_config"]
+    with SidecarProcess(root / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc:
+        yield dict(root=root, arrays=arrays, text=text, tokenizer=tokenizer, socket=str(sc.socket), sidecar=sc)
+
+
+def _config(text):
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(**text)
+
+
+def _shard_tensors(root: Path, layer: int) -> dict:
+    from safetensors.torch import load_file
+
+    index = json.loads((root / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
+    name = index[f"layers.{layer}.engram.embed.weight"]
+    p = f"layers.{layer}.engram."
+    return {k[len(p):]: v for k, v in load_file(root / "ckpt" / name).items() if k.startswith(p)}
+
+
+def _dequant_wkv(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp8 e4m3 [O, I] with one ue8m0 scale per 32 x 32 block -> bf16 (exact: 4 significant bits)."""
+    scale = torch.exp2(s.view(torch.uint8).float() - 127)
+    full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)[: w.shape[0], : w.shape[1]]
+    return (w.float() * full).to(torch.bfloat16)
+
+
+def _engram(sg, m, layer, dtype=torch.bfloat16):
+    """sglang's Engram for `layer`, loaded through sglang's own weight loaders."""
+    engram = sg[0]
+    config = _config(m["text"])
+    layout = engram.EngramLayout.from_config(config)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as sglang's model loader sets it
+    try:
+        module = engram.Engram(config, layer, layout)
+    finally:
+        torch.set_default_dtype(before)
+    t = _shard_tensors(m["root"], layer)
+    e = module.embed
+    e.weight.weight_loader(e.weight, t["embed.weight"])
+    e.scale.weight_loader(e.scale, t["embed.scale"])
+    module.wkv.weight.weight_loader(module.wkv.weight, _dequant_wkv(t["wkv.weight"], t["wkv.scale"]).to(dtype))
+    with torch.no_grad():
+        module.q_weight.copy_(t["q_weight"])
+        module.k_weight.copy_(t["k_weight"])
+    e.finish_load(f"layer {layer}")
+    return module.eval(), layout
+
+
+@pytest.fixture(scope="module")
+def engines(model, sglang_engram):
+    """{layer: (sglang loading its own table, sglang fed by tierstore)}, and the layout."""
+    from tierstore.client.engines import sglang as ts_sglang
+
+    mp = pytest.MonkeyPatch()
+    own = {L: _engram(sglang_engram, model, L) for L in LAYERS}
+    mp.setenv("TIERSTORE_SGLANG_SOCKET", model["socket"])
+    ts_sglang.install()  # sglang's HookRegistry applies the hook; the plugin sets the host-table flags
+    try:
+        fed = {L: _engram(sglang_engram, model, L) for L in LAYERS}
+    finally:
+        mp.undo()
+        for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+            __import__("os").environ.pop(var, None)
+    return {L: (own[L][0], fed[L][0]) for L in LAYERS}, own[1][1]
+
+
+def _batches(sg, m, layout):
+    """sglang's EngramHasher over an extend batch of two requests, then their next decode step:
+    [(mode name, input_ids, hash ids [T, layers, cols], forward batch, token sequences)]."""
+    engram = sg[0]
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    text = m["text"]
+    hasher = engram.EngramHasher(layout, m["tokenizer"], text["engram_pad_token_id"],
+                                 text["engram_compressed_vocab_size"])
+    hasher.init_history(4, "cpu")
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 512, 9).tolist(), rng.integers(0, 512, 6).tolist()]
+    lens = [len(s) for s in seqs]
+    ids = torch.tensor(sum(seqs, []), dtype=torch.int64)
+    extend = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=ids,
+                          req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor(lens),
+                          out_cache_loc=torch.arange(1, len(ids) + 1), seq_lens_sum=sum(lens),
+                          positions=torch.cat([torch.arange(n) for n in lens]), extend_seq_lens=torch.tensor(lens),
+                          extend_start_loc=torch.tensor([0, lens[0]]), extend_seq_lens_cpu=lens,
+                          extend_prefix_lens=torch.tensor([0, 0]), extend_prefix_lens_cpu=[0, 0])
+    out = [("extend", ids, hasher(ids, extend), extend, [list(s) for s in seqs])]
+    nxt = [int(v) for v in rng.integers(0, 512, 2)]
+    for s, t in zip(seqs, nxt):
+        s.append(t)
+    step = torch.tensor(nxt, dtype=torch.int64)
+    decode = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=step,
+                          req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor([n + 1 for n in lens]),
+                          out_cache_loc=torch.tensor([len(ids) + 1, len(ids) + 2]), seq_lens_sum=sum(lens) + 2,
+                          positions=torch.tensor(lens))
+    out.append(("decode", step, hasher(step, decode), decode, [list(s) for s in seqs]))
+    return out
+
+
+def test_sglang_fed_by_tierstore_is_bit_identical_for_extend_and_decode(model, engines, sglang_engram):
+    modules, layout = engines
+    text = model["text"]
+    for mode, input_ids, hash_ids, batch, _ in _batches(sglang_engram, model, layout):
+        x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
+                        generator=torch.Generator().manual_seed(len(input_ids))).to(torch.bfloat16)
+        for k, L in enumerate(LAYERS):
+            own, fed = modules[L]
+            with torch.no_grad():
+                a = own(x, hash_ids[:, k], batch, input_ids=input_ids)
+                b = fed(x, hash_ids[:, k], batch, input_ids=input_ids)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{mode}, layer {L}"
+            assert not torch.equal(a, x)  # the gate opened: rows were read
+
+
+def test_the_fed_table_is_the_mapped_arena_not_a_copy(model, engines):
+    modules, _ = engines
+    arrays = model["arrays"]
+    with Client(model["socket"]) as c:
+        for L in LAYERS:
+            own, fed = modules[L]
+            t = c.split_table(f"l{L}")
+            assert fed.embed.weight.data_ptr() == t.weight.ctypes.data  # one mapping per process
+            assert fed.embed.scale.data_ptr() == t.scale.ctypes.data
+            assert np.array_equal(fed.embed.weight.view(torch.uint8).numpy(), arrays[L]["embed.weight"])
+            assert own.embed.weight.data_ptr() != fed.embed.weight.data_ptr()
+            t.close()
+
+
+def test_sglang_hashes_as_tierstore_does(model, engines, sglang_engram):
+    """EngramHasher (sglang's torch path) and NgramHasher give the same row ids, extend and decode."""
+    from tierstore.table.checkpoint import Checkpoint
+
+    _, layout = engines
+    spec = Checkpoint(model["root"] / "ckpt").spec
+    ours = NgramHasher(spec, build_compression_map(model["root"] / "tokenizer.json"))
+    for mode, input_ids, hash_ids, batch, seqs in _batches(sglang_engram, model, layout):
+        for k, L in enumerate(LAYERS):
+            want = [ours.hash(ours.map_raw(np.array([s])), L)[0] for s in seqs]
+            want = np.concatenate(want) if mode == "extend" else np.stack([w[-1] for w in want])
+            assert np.array_equal(hash_ids[:, k].numpy(), want), (mode, L)
+
+
+def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang_engram):
+    modules, _ = engines
+    fed = modules[1][1].embed
+    t = _shard_tensors(model["root"], 1)
+    bad = t["embed.weight"].view(torch.uint8).clone()
+    bad[-1, 0] ^= 1
+    from tierstore.client.engines.sglang import EngineAttachError
+
+    with pytest.raises(EngineAttachError, match="differs from tierstore table l1"):
+        fed.weight.weight_loader(fed.weight, bad.view(torch.float8_e4m3fn))
+
+
+def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path, monkeypatch):
+    from tierstore.client.engines import sglang as ts_sglang
+
+    monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(tmp_path / "nobody.sock"))
+    monkeypatch.setenv("TIERSTORE_SGLANG_TIMEOUT", "2")
+    ts_sglang.install()
+    try:
+        with pytest.raises(ts_sglang.EngineAttachError, match="does not answer.*tierstore serve"):
+            _engram(sglang_engram, model, 1)
+    finally:
+        for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+            __import__("os").environ.pop(var, None)
