@@ -212,3 +212,41 @@ def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path, 
     finally:
         for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
             __import__("os").environ.pop(var, None)
+
+
+def _v41_vs_sglang(model, sglang_engram, dtype):
+    """(tierstore's V41EngramLayer output, sglang's Engram output as float32, h) on the same
+    weights (the checkpoint's), row ids and hidden states; a layer without image tokens."""
+    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.v41_layer import V41EngramLayer
+
+    module, _ = _engram(sglang_engram, model, 1, dtype)
+    layer = V41EngramLayer.from_checkpoint(model["root"] / "ckpt", 1)
+    spec, a = layer.spec, model["arrays"][1]
+    layer.source = LocalTable(spec)
+    layer.source.add("l1", np.concatenate([a["embed.weight"], a["embed.scale"]], axis=1),
+                     row_format=spec.row_format, row_dim=spec.row_dim)
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, spec.compressed_vocab_size - 2, (1, 40))
+    rows = NgramHasher(spec).hash(ids, 1)
+    h = torch.randn(1, 40, spec.hc_mult, spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    h = h.to(torch.bfloat16).float()  # representable in both dtypes: the inputs are the same numbers
+    with torch.no_grad():
+        ours = layer(h, rows).numpy()[0]
+        theirs = module(h[0].to(dtype), torch.from_numpy(rows[0]), None, input_ids=torch.from_numpy(ids[0]))
+    return ours, theirs.float().numpy(), h[0].numpy()
+
+
+def test_v41_engram_layer_agrees_with_sglangs_engram_in_bfloat16(model, sglang_engram):
+    """sglang's Engram runs in bf16 only (its rows come out of the lookup as bf16, exactly: an
+    e4m3 value times a power of two fits bf16's 8 significant bits), so wkv's output (kv) and
+    the layer's output are rounded to bf16; tierstore's layer stays in float32. kv's rounding (2^-9
+    relative, in key and value) reaches the output through the gate and the value term, whose size
+    is the Engram's contribution |out - h|; the output's own rounding is 2^-9 |out|. Bound: each
+    element within 2^-5 (|out| + |out - h|), i.e. four bf16 steps of the larger term (measured
+    here: under 2^-6), and on average a hundredth of the Engram's contribution (measured: ~1/450)."""
+    ours, theirs, h = _v41_vs_sglang(model, sglang_engram, torch.bfloat16)
+    diff, contribution = np.abs(theirs - ours), np.abs(ours - h)
+    assert (diff <= 2.0 ** -5 * (np.abs(ours) + contribution)).all()
+    assert diff.mean() < contribution.mean() / 100
+
