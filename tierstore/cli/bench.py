@@ -12,6 +12,7 @@
     tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
     tierstore bench concurrency --data DIR --out OUT    (N worker processes on one cache-mode table)
     tierstore bench remote --out OUT [--quick]          (misses from NVMe vs Mooncake vs EngramStore; warm-up)
+    tierstore bench engines --out OUT [--quick]         (sglang's Engram: own host table vs tierstore's arena)
     tierstore bench all    --data DIR --out OUT [--quick]
     tierstore bench report OUT
 
@@ -138,6 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rm.add_argument("--rounds", type=int, help="timed interleaved rounds (default 30; quick 5)")
     al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
     _common(al)
+    en = sub.add_parser("engines", help="sglang's Engram on CPU: its own host table vs tierstore's split arena "
+                        "(step time, bit-exactness, start-up)")
+    _common(en, data=False)
+    en.add_argument("--vocab", type=int, help="engram vocab size: rows are ~24x it (default 200000, quick 20000)")
+    en.add_argument("--tokens", type=int, default=512, help="tokens per extend batch (default 512)")
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
     rep.add_argument("out", help="output directory of an earlier run")
     p.set_defaults(_parser=p)
@@ -289,6 +295,11 @@ def _run_one(name: str, args) -> int:
         res = run_bench(out, rows=args.rows or (20_000 if quick else 200_000), batch=args.batch,
                         rounds=args.rounds or (5 if quick else 30), seed=seed, write=False)
         print("\n".join(format_remote(res)), flush=True)
+    elif name == "engines":
+        from tierstore.bench.engines import engines_line, run_engines_bench
+
+        res = run_engines_bench(out, vocab=args.vocab, tokens=args.tokens, quick=quick, seed=seed, log=_log)
+        res["summary"] = engines_line(res)
     elif name == "scale":
         from tierstore.bench.scale import run_scale_bench
 
