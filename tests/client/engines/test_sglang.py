@@ -250,3 +250,20 @@ def test_v41_engram_layer_agrees_with_sglangs_engram_in_bfloat16(model, sglang_e
     assert (diff <= 2.0 ** -5 * (np.abs(ours) + contribution)).all()
     assert diff.mean() < contribution.mean() / 100
 
+
+
+def test_the_launcher_refuses_to_start_sglang_without_a_sidecar(cli, tmp_path):
+    code, out, err = cli("sglang", "--socket", tmp_path / "nobody.sock", "--", "--model-path", "/nowhere")
+    assert code == 1
+    assert "no tierstore sidecar answers" in err and "--split-layout all" in err
+
+
+def test_the_launcher_refuses_a_sidecar_without_split_tables(cli, tmp_path):
+    data = tmp_path / "data"
+    rows = np.random.default_rng(0).integers(0, 256, (100, 264), dtype=np.uint8)
+    from tierstore.ingest.writer import write_version
+
+    write_version(data, "l1", [rows], rows=100, row_format="fp8-e4m3-ue8m0", row_dim=256)
+    with SidecarProcess(data) as sc:
+        code, out, err = cli("sglang", "--socket", sc.socket, "--", "--model-path", "/nowhere")
+    assert code == 1 and "serves no split-layout table" in err
