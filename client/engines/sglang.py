@@ -16,7 +16,8 @@ buffer byte for byte, so this module hands sglang the arena instead:
   two parameters only: the checkpoint's Engram rows are checked against the
   arena (a spread of rows; every row with TIERSTORE_SGLANG_VERIFY=all), never
   copied (the mapping is read-only).
-- on CUDA the mapping is registered once per process (SplitTable.register_cuda)
+- on CUDA (the layer built under a CUDA default device, as sglang's loader
+  builds it) the mapping is registered once per process (SplitTable.register_cuda)
   and sglang's own kernels read it over UVA as they read their host table
   (`engram_gather`, and `EngramRowStager` where sglang stages rows); on CPU
   sglang's torch path (`_owned_rows`) reads the same views.
@@ -62,6 +63,7 @@ log = logging.getLogger("tierstore.client.engines.sglang")
 HOOK_TARGET = "sglang.srt.layers.engram.EngramEmbedding._init_host_table"
 SGLANG_VERSION = "0.5.23"
 CHECK_ROWS = 4096  # rows of each checkpoint tensor compared with the arena (TIERSTORE_SGLANG_VERIFY=sample)
+CHECK_CHUNK_ROWS = 1 << 20  # rows compared at a time (TIERSTORE_SGLANG_VERIFY=all)
 
 
 class EngineAttachError(errors.TierstoreError):
@@ -240,7 +242,7 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     # the loader __init__ gives both parameters is `self._load_rows`, looked up after this
     # hook returns: this instance's checks the checkpoint's rows instead of copying them
     embed._load_rows = CheckpointCheck(embed, t, table, config.verify)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.get_default_device().type == "cuda":  # sglang builds under its device
         from sglang.srt.layers import engram as sg
 
         t.register_cuda()
@@ -292,14 +294,16 @@ class CheckpointCheck:
             return
         rows = (np.arange(mine.shape[0]) if self.verify == "all" or mine.shape[0] <= CHECK_ROWS
                 else np.unique(np.linspace(0, mine.shape[0] - 1, CHECK_ROWS).astype(np.int64)))
-        theirs = loaded_weight.detach().cpu().view(torch.uint8)[torch.from_numpy(rows)].numpy()
-        differ = np.flatnonzero(np.any(theirs != mine[rows], axis=1))
-        if differ.size:
-            raise EngineAttachError(f"checkpoint tensor embed.{which} differs from tierstore table {self.table} "
-                                    f"v{self.split.version} at row {int(rows[differ[0]])} ({differ.size} of "
-                                    f"{rows.size} rows checked): the sidecar serves another ingest; re-ingest "
-                                    f"this checkpoint (tierstore ingest-checkpoint) or start sglang on the one "
-                                    f"that was ingested")
+        raw = loaded_weight.detach().view(torch.uint8)
+        for a in range(0, rows.size, CHECK_CHUNK_ROWS):  # bounded memory, whatever the table's size
+            part = rows[a:a + CHECK_CHUNK_ROWS]
+            theirs = raw[torch.from_numpy(part).to(raw.device)].cpu().numpy()
+            differ = np.flatnonzero(np.any(theirs != mine[part], axis=1))
+            if differ.size:
+                raise EngineAttachError(f"checkpoint tensor embed.{which} differs from tierstore table {self.table} "
+                                        f"v{self.split.version} at row {int(part[differ[0]])}: the sidecar serves "
+                                        f"another ingest; re-ingest this checkpoint (tierstore ingest-checkpoint) "
+                                        f"or start sglang on the one that was ingested")
 
 
 class ArenaGuard:

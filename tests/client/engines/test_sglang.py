@@ -198,6 +198,18 @@ def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang
 
     with pytest.raises(EngineAttachError, match="differs from tierstore table l1"):
         fed.weight.weight_loader(fed.weight, bad.view(torch.float8_e4m3fn))
+    from tierstore.client.engines.sglang import CheckpointCheck
+
+    sampled = fed.weight.weight_loader
+    unsampled = next(r for r in range(len(bad)) if r not in set(np.linspace(0, len(bad) - 1, 4096).astype(int)))
+    bad = t["embed.weight"].view(torch.uint8).clone()
+    bad[unsampled, 5] ^= 1
+    sampled(fed.weight, bad.view(torch.float8_e4m3fn))  # the default sample does not see that row
+    every = CheckpointCheck(fed, sampled.split, "l1", "all")
+    with pytest.raises(EngineAttachError, match=f"at row {unsampled}:"):
+        every(fed.weight, bad.view(torch.float8_e4m3fn))
+    every(fed.weight, t["embed.weight"])  # the checkpoint's own bytes pass, and nothing is written
+    assert np.array_equal(fed.weight.view(torch.uint8).numpy(), model["arrays"][1]["embed.weight"])
 
 
 def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path, monkeypatch):
