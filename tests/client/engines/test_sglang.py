@@ -279,3 +279,35 @@ def test_the_launcher_refuses_a_sidecar_without_split_tables(cli, tmp_path):
     with SidecarProcess(data) as sc:
         code, out, err = cli("sglang", "--socket", sc.socket, "--", "--model-path", "/nowhere")
     assert code == 1 and "serves no split-layout table" in err
+
+
+def test_a_reload_to_another_version_stops_the_forward_not_mixes_versions(tmp_path, sglang_engram, monkeypatch):
+    """After `tierstore reload` serves v2, a module mapping v1 refuses its next forward (restart
+    sglang to map v2); the rows it had mapped were never changed under it."""
+    from tierstore.client.engines import sglang as ts_sglang
+
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    text = json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"]
+    m = dict(root=tmp_path, text=text)
+    with SidecarProcess(tmp_path / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc, \
+            Client(sc.socket) as c:
+        monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
+        ts_sglang.install()
+        try:
+            fed, _ = _engram(sglang_engram, m, 1)
+        finally:
+            for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+                __import__("os").environ.pop(var, None)
+        before = fed.embed.weight.view(torch.uint8).clone()
+        ids = torch.zeros(3, 9, dtype=torch.int64)
+        x = torch.ones(3, text["hc_mult"], text["hidden_size"], dtype=torch.bfloat16)
+        with torch.no_grad():
+            fed(x, ids, None, input_ids=ids[:, 0])  # v1 is current: serves
+        write_checkpoint(tmp_path / "ckpt2", seed=1)
+        ingest_checkpoint(tmp_path / "ckpt2", tmp_path / "data", progress=False, layers=[1])
+        assert c.reload() == [("l1", 1, 2)]
+        with pytest.raises(ts_sglang.EngineAttachError, match="now serves table l1 at v2.*restart sglang"):
+            with torch.no_grad():
+                fed(x, ids, None, input_ids=ids[:, 0])
+        assert torch.equal(fed.embed.weight.view(torch.uint8), before)
