@@ -12,7 +12,7 @@ STAMP := $(VENV)/.tierstore-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: remote-deps engine-deps engine-deps-sglang venv run test test-slow test-reliability proto bench demo clean distclean
+.PHONY: remote-deps engine-deps engine-deps-sglang engine-deps-vllm venv run test test-slow test-reliability proto bench demo clean distclean
 
 venv: $(STAMP)
 
@@ -59,7 +59,14 @@ SGLANG_ENGRAM_DEPS := msgspec orjson psutil pybase64 starlette pydantic pyzmq "a
   "transformers==5.19.0" ipython dill "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.8.0" \
   partial_json_parser
 
-engine-deps: engine-deps-sglang
+# What `import vllm.models.deepseek_v41.common.engram` reaches (its own import chain runs
+# through vllm.model_executor.layers.linear into vllm.v1 and vllm.multimodal), at vLLM's
+# own pins where it pins; no torchvision, torchaudio, flashinfer or CUDA wheel among them.
+VLLM_ENGRAM_DEPS := regex "pydantic>=2.12.0" cbor2 psutil "pyzmq>=25.0.0" "transformers>=5.16.1,<5.20.0" \
+  openai-harmony "openai>=2.25.0" pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
+  "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops
+
+engine-deps: engine-deps-sglang engine-deps-vllm
 
 $(TORCH_PIN):
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $@
@@ -68,6 +75,12 @@ engine-deps-sglang: $(TORCH_PIN)
 	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "sglang==0.5.23" && \
 	   $(PIP) install -q -c $(TORCH_PIN) $(FIND_LINKS) $(SGLANG_ENGRAM_DEPS) ) \
 	  || echo "sglang 0.5.23 unavailable: tests/client/engines/test_sglang*.py will skip"
+
+engine-deps-vllm: $(TORCH_PIN)
+	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "vllm==0.32.0" && \
+	   $(PIP) install -q -c $(TORCH_PIN) $(FIND_LINKS) $(VLLM_ENGRAM_DEPS) && \
+	   $(PY) -c "import vllm.models.deepseek_v41.common.engram" 2>/dev/null ) \
+	  || echo "vllm 0.32.0 unavailable: tests/client/engines/test_vllm*.py will skip"
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -5,6 +5,7 @@
     proto                               the wire: imported by sidecar and client alike
     client -> proto, tiers, cache       talking to a sidecar; never the sidecar's own modules
     client.model -> client, kernels     the model side
+    client.engines -> client            tierstore under the engines (sglang, vLLM)
     cli, bench                          the only importers of the sidecar
 
 Every import counts, a lazy one inside a function too: a cycle hidden in a

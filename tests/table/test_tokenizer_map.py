@@ -79,6 +79,18 @@ def test_bpe_map_merges_variants_only(bpe_json):
         assert len({int(cmap[i]) for i in ids}) == 1, group
 
 
+def test_tokens_that_decode_to_nothing_share_one_id(tmp_path):
+    """Tokens whose lone decode is "" all key on "" (the engines do the same): keyed
+    apart they would add ids, and C feeds every multiplier."""
+    words = ["[UNK]", "a", "<e1>", "b", "<e2>", "A"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.decoder = decoders.Sequence([decoders.Replace("<e1>", ""), decoders.Replace("<e2>", "")])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert [tok.decode([i]) for i in (2, 4)] == ["", ""]
+    assert build_compression_map(path).tolist() == [0, 1, 2, 3, 2, 1]
+
+
 @pytest.mark.parametrize("name", ["map.npy", "map.npz"])
 def test_save_load_with_spec(tmp_path, wordlevel_json, name):
     cmap = build_compression_map(wordlevel_json)

@@ -14,6 +14,10 @@ built once from a Hugging Face `tokenizer.json`:
 Two fall-backs keep distinct tokens distinct: a token whose lone decode is not
 valid UTF-8 (a byte-level fragment, decoded with U+FFFD) keys on its raw
 vocabulary string, and a token that normalises to "" keys on its decoded text.
+A token whose decoded text is itself "" keys on "": every such token shares one
+canonical id, as in the engines that serve these tables (vLLM's
+`build_compressed_token_map`, sglang's hasher) -- keying them apart would
+change C and so every multiplier (tests/client/engines/test_hash_agreement_vllm.py).
 
 The size C of the map's range feeds every multiplier; a table is only valid
 with the map it was built with, so save them together (`save_map`).
@@ -73,7 +77,7 @@ def build_compression_map(tokenizer_json: str | Path) -> np.ndarray:
         if _REPLACEMENT in text:
             key = tok.id_to_token(raw_id) or text
         else:
-            key = normalize_token(text) or text or (tok.id_to_token(raw_id) or "")
+            key = normalize_token(text) or text
         out[raw_id] = canon.setdefault(key, len(canon))
     return out
 

@@ -1,0 +1,190 @@
+"""One prepared script for a machine with a GPU: the engines' Engram kernels reading
+tierstore's split arena in place, bit-exact against the CPU path.
+
+    python -m tierstore.bench.gpu_check_engines --out $OUT [--rows 1048576] [--tokens 4096]
+
+A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layout, then:
+1. split arena: Client.split_table(...).register_cuda() (cudaHostRegister, read-only);
+   torch must see the weights and scales as pinned (what vLLM's UVA views require).
+2. vLLM 0.32 (if installed): with tierstore's vLLM plugin installed, a real
+   ParallelEngramEmbedding(cpu_offload=True) is built (tensor-parallel world of one);
+   its `_storage()` views must address the arena itself (UVA: device pointer == host
+   pointer), and `lookup()` (vLLM's `_engram_lookup_kernel`) must give, for [tokens, 24]
+   ids, the bf16 rows the CPU path decodes from the sidecar's interleaved rows, bit for
+   bit, and in packed mode (EngramBatch.packed_rows' format) tierstore's 264-byte rows.
+   If the module cannot be built, the kernel is launched directly over vLLM's UVA views.
+3. sglang 0.5.23 (if installed): `engram_gather` over the registered arena pointers,
+   the same bf16 rows bit for bit.
+Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
+so and exits 2 (nothing was checked). Sized to finish well under five minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HEADS, DIM = 24, 256
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16)))
+
+
+def _head_sizes(rows: int) -> tuple[int, ...]:
+    base = rows // HEADS
+    return tuple(base + (1 if h < rows - base * HEADS else 0) for h in range(HEADS))
+
+
+def _ids(rng, sizes: tuple[int, ...], tokens: int) -> np.ndarray:
+    """[tokens, HEADS] global row ids, head h's within its own range (as hashing makes them)."""
+    offsets = np.cumsum((0,) + sizes[:-1])
+    return (offsets + rng.integers(0, np.array(sizes), (tokens, HEADS))).astype(np.int32)
+
+
+def _reference(packed: np.ndarray) -> torch.Tensor:
+    """The CPU path: tierstore's decode of interleaved 264-byte rows, to bf16."""
+    from tierstore.table.formats import decode_rows
+
+    return torch.from_numpy(decode_rows(packed, "fp8-e4m3-ue8m0", DIM)).to(torch.bfloat16)
+
+
+def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.Tensor,
+               want_packed: np.ndarray, split) -> dict:
+    try:
+        from vllm.models.deepseek_v41.common import engram
+    except Exception as e:  # noqa: BLE001 - report why, run the rest
+        return {"skipped": f"vLLM's Engram module does not import here: {type(e).__name__}: {e}"}
+    from tierstore.client.engines import vllm_plugin
+
+    res: dict = {}
+    dev_ids = torch.from_numpy(ids).cuda()
+    try:
+        emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows)
+        weight, scales = emb._storage()
+        res["_storage() views address the arena (UVA)"] = (
+            weight.is_cuda and weight.data_ptr() == split.weight.ctypes.data
+            and scales.data_ptr() == split.scale.ctypes.data)
+        out = torch.empty(ids.shape[0], HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+        emb.lookup(dev_ids, out)
+        res["ParallelEngramEmbedding.lookup bf16 == CPU path"] = _same_bits(out.cpu(), want)
+        packed = torch.empty(ids.shape[0], HEADS, DIM + DIM // 32, dtype=torch.uint8, device="cuda")
+        emb.lookup(dev_ids, packed)
+        res["lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            emb.lookup(dev_ids, out)
+        torch.cuda.synchronize()
+        res["lookup rows/s over the arena"] = ids.size * 20 / (time.perf_counter() - t0)
+        return res
+    except Exception as e:  # noqa: BLE001 - fall back to the bare kernel, say why
+        res["module route"] = f"not built: {type(e).__name__}: {e}"
+    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+    w, s = split.tensors()
+    weight = get_accelerator_view_from_cpu_tensor(w)
+    scales = get_accelerator_view_from_cpu_tensor(s.view(torch.uint8))
+    res["UVA views address the arena"] = weight.data_ptr() == split.weight.ctypes.data
+    n = ids.size
+    grid = min(-(-n // 16), torch.cuda.get_device_properties(0).multi_processor_count)
+    for name, out in (("bf16", torch.empty(ids.shape[0], HEADS, DIM, dtype=torch.bfloat16, device="cuda")),
+                      ("packed", torch.empty(ids.shape[0], HEADS, DIM + DIM // 32, dtype=torch.uint8, device="cuda"))):
+        engram._engram_lookup_kernel[(grid,)](
+            weight, scales, dev_ids, dev_ids, out, 0, rows, n, dev_ids.stride(0), dev_ids.stride(1),
+            HEAD_START=0, LOCAL_HEADS=HEADS, TOTAL_HEADS=HEADS, DIM=DIM, QUANT_BLOCK=32, BLOCK_R=16, GRID=grid,
+            SORTED=False, PACKED=out.dtype == torch.uint8, OUT_STRIDE=out.stride(0))
+        ok = (_same_bits(out.cpu(), want) if name == "bf16" else bool(np.array_equal(out.cpu().numpy(), want_packed)))
+        res[f"_engram_lookup_kernel {name} == CPU path"] = ok
+    return res
+
+
+def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: int):
+    """A real ParallelEngramEmbedding over the arena: vLLM config, a TP world of one, the plugin."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}))
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                            distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}")
+            ps.initialize_model_parallel(1, 1)
+        with vllm_plugin.engram_layer(1):
+            return engram.ParallelEngramEmbedding(rows, DIM, _head_sizes(rows), cpu_offload=True)
+
+
+def check_sglang(ids: np.ndarray, want: torch.Tensor, split) -> dict:
+    try:
+        from sglang.kernels.ops.embeddings.engram_gather import engram_gather
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"sglang's engram_gather does not import here: {type(e).__name__}: {e}"}
+    flat = torch.from_numpy(ids.reshape(-1).astype(np.int64)).cuda()
+    out = torch.empty(flat.numel(), DIM, dtype=torch.bfloat16, device="cuda")
+    engram_gather(split.weight.ctypes.data, split.scale.ctypes.data, flat, out, DIM, 32)
+    return {"engram_gather bf16 == CPU path": _same_bits(out.cpu().view(*ids.shape, DIM), want)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", type=int, default=1 << 20)
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"gpu_check_engines: torch {torch.__version__} sees no CUDA device; nothing was checked "
+              f"(run it on a GPU host with a CUDA torch)", file=sys.stderr)
+        return 2
+    from tierstore.client.client import Client
+    from tierstore.ingest.writer import write_version
+    from tierstore.sidecar.launcher import SidecarProcess
+    from tierstore.table.formats import encode_rows
+
+    rng = np.random.default_rng(0)
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows}
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory() as d:
+        chunks = (encode_rows(rng.standard_normal((min(65536, args.rows - a), DIM)).astype(np.float32) * 3,
+                              "fp8-e4m3-ue8m0") for a in range(0, args.rows, 65536))
+        write_version(d, "l1", chunks, rows=args.rows, row_format="fp8-e4m3-ue8m0", row_dim=DIM, layer_id=1)
+        budget = int(args.rows * 264 * 1.2) + (64 << 20)
+        with SidecarProcess(d, dram_budget=budget, extra_args=("--split-layout", "all")) as sc, \
+                Client(sc.socket) as c, c.split_table("l1") as split:
+            ids = _ids(rng, _head_sizes(args.rows), args.tokens)
+            want_packed = c.lookup("l1", ids.reshape(-1)).reshape(*ids.shape, DIM + DIM // 32)
+            want = _reference(want_packed.reshape(-1, DIM + DIM // 32)).view(*ids.shape, DIM)
+            parts = {}
+            try:
+                split.register_cuda()
+                w, s = split.tensors()
+                parts["split arena"] = {"registered (weights pinned)": bool(w.is_pinned()),
+                                        "registered (scales pinned)": bool(s.is_pinned())}
+            except Exception as e:  # noqa: BLE001
+                parts["split arena"] = {"error": f"{type(e).__name__}: {e}"}
+            for name, fn in (("vllm", lambda: check_vllm(str(sc.socket), "l1", args.rows, ids, want, want_packed,
+                                                         split)),
+                             ("sglang", lambda: check_sglang(ids, want, split))):
+                try:
+                    parts[name] = fn()
+                except Exception as e:  # noqa: BLE001 - report every part, then fail
+                    parts[name] = {"error": f"{type(e).__name__}: {e}"}
+            for name, part in parts.items():
+                report[name] = part
+                failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]
+    report["failed"] = failed
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_check_engines.json").write_text(json.dumps(report, indent=1, default=float))
+    print(json.dumps(report, indent=1, default=float))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

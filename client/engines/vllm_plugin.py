@@ -1,0 +1,329 @@
+"""tierstore as vLLM's Engram table store: a vLLM general plugin.
+
+vLLM runs every `vllm.general_plugins` entry point in each process it starts;
+tierstore's is `register` (pyproject.toml). It does nothing unless
+TIERSTORE_VLLM_SOCKET names a sidecar's socket. Then each `ParallelEngramEmbedding`
+of vLLM 0.32 (vllm/models/deepseek_v41/common/engram.py) takes its `weight`
+(float8_e4m3fn [rows, 256]) and `weight_scale_inv` (uint8 [rows, 8]) from the
+sidecar's split arena of that layer's table (`tierstore serve --split-layout`,
+`Client.split_table(...).tensors()`) instead of allocating pinned host memory,
+and its weight loader leaves the checkpoint's `engram.embed.weight` /
+`engram.embed.scale` where they lie: every worker of the host reads the one
+copy the sidecar keeps warm, and a restart loads no table rows.
+
+The seam. vLLM has no hook for Engram storage. `ParallelEngramEmbedding.__init__`
+calls `self._allocate_weights()` and gives `self._weight_loader` to
+`set_weight_attrs`; vLLM's own DP-shared host copy (`DPSharedEngramStorage`)
+plugs in through exactly these two. The plugin replaces `_allocate_weights` on
+the class (patch by plugin: the method's contract -- return (weight, scales)
+for rows [vocab_start_idx, vocab_end_idx) -- is kept) and sets the instance's
+`_weight_loader`. The embedding is told only sizes, so `Engram._create_embedding`
+is wrapped to say which layer (`layout.layer_ids[layer_hash_index]`) is built.
+vLLM's `_storage()` is untouched: on CUDA it makes UVA views of the arena,
+which the plugin has registered (`SplitTable.register_cuda`) so the views read
+the mapping in place instead of a private pinned copy.
+
+Invariants:
+- Zero copies: the parameters are views of the mapping; a rank's head shard
+  (tensor / Engram-DP parallel) is the row range [vocab_start_idx,
+  vocab_end_idx) of it. With dp_shared_memory the arena already is the host's
+  one copy, so vLLM's DPSharedEngramStorage is never made.
+- Nothing writes the arena: it is mapped PROT_READ. The loader never copies;
+  it checks the checkpoint tensor's shape and, per TIERSTORE_VLLM_VERIFY, a few
+  rows ("sample", the default), all of them ("all") or none ("off"); a
+  mismatch is a SpecMismatch naming the layer. `--load-format dummy` (which
+  fills the parameters) is refused.
+- Host tables only (EngramConfig.cpu_offload, vLLM's default): with the table
+  in HBM vLLM would own it, so the plugin refuses instead of copying.
+- One Client per process, opened where the model is built (vLLM starts its
+  workers as new processes); the SplitTables live as long as the process.
+- A table reloaded to a new version while vLLM runs is not picked up: the
+  mapping keeps the old version's bytes (no longer scrubbed); restart vLLM.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tierstore import errors
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierstore.client.split_table import SplitTable
+
+__all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "uninstall", "engram_layer"]
+
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+VERIFY_MODES = ("sample", "all", "off")
+_SAMPLE_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class VllmPluginConfig:
+    """What the plugin serves from; built from the environment by `from_env`.
+
+    socket: the sidecar's unix socket (TIERSTORE_VLLM_SOCKET).
+    tables: Engram layer id -> table name (TIERSTORE_VLLM_TABLES="1=l1,14=l14");
+        empty: each split-layout table the sidecar serves, by the layer id it records.
+    verify: how much of the checkpoint's Engram tensors the loader compares with the
+        arena (TIERSTORE_VLLM_VERIFY): "sample" (4096 rows spread over the tensor), "all", or "off".
+    """
+
+    socket: str
+    tables: dict[int, str] = field(default_factory=dict)
+    verify: str = "sample"
+
+    def validate(self) -> "VllmPluginConfig":
+        if not self.socket:
+            raise errors.InvalidArgument("TIERSTORE_VLLM_SOCKET is empty; set it to the sidecar's --socket path")
+        if self.verify not in VERIFY_MODES:
+            raise errors.InvalidArgument(f"TIERSTORE_VLLM_VERIFY={self.verify!r}; use one of {', '.join(VERIFY_MODES)}")
+        return self
+
+    @classmethod
+    def from_env(cls, env=None) -> "VllmPluginConfig | None":
+        """None when TIERSTORE_VLLM_SOCKET is unset (the plugin stays off)."""
+        env = os.environ if env is None else env
+        if "TIERSTORE_VLLM_SOCKET" not in env:
+            return None
+        tables = {}
+        for item in filter(None, (s.strip() for s in env.get("TIERSTORE_VLLM_TABLES", "").split(","))):
+            layer, sep, name = item.partition("=")
+            if not sep or not layer.strip().isdigit() or not name.strip():
+                raise errors.InvalidArgument(
+                    f"TIERSTORE_VLLM_TABLES item {item!r} is not LAYER=TABLE (e.g. 1=l1,14=l14)")
+            tables[int(layer)] = name.strip()
+        return cls(env["TIERSTORE_VLLM_SOCKET"], tables, env.get("TIERSTORE_VLLM_VERIFY", "sample")).validate()
+
+
+class TierstoreEngramTables:
+    """This process's split tables, by Engram layer id, and the loader that skips their rows."""
+
+    def __init__(self, config: VllmPluginConfig):
+        from tierstore.client.client import Client
+
+        self.config, self.pid = config, os.getpid()
+        self._lock = threading.Lock()
+        self._client = Client(config.socket)
+        self._by_layer = dict(config.tables)
+        self._split: dict[int, "SplitTable"] = {}
+        if not self._by_layer:
+            for info in self._client.tables():
+                handle = self._client.handle(info["table"])
+                if handle.split and handle.layer_id is not None:
+                    self._by_layer[handle.layer_id] = handle.table
+        if not self._by_layer:
+            raise errors.NotFound(
+                f"the sidecar at {config.socket} serves no split-layout table with a layer id; serve the "
+                f"ingested V4.1 tables with `tierstore serve --split-layout all`, or name them in "
+                f"TIERSTORE_VLLM_TABLES=LAYER=TABLE,...")
+
+    def split_table(self, layer_id: int) -> "SplitTable":
+        """The split table of Engram layer `layer_id` (mapped once per process)."""
+        with self._lock:
+            t = self._split.get(layer_id)
+            if t is None:
+                name = self._by_layer.get(layer_id)
+                if name is None:
+                    raise errors.TableNotFound(
+                        f"no tierstore table for Engram layer {layer_id} (have layers "
+                        f"{sorted(self._by_layer)}); ingest it and serve it --split-layout, or map it in "
+                        f"TIERSTORE_VLLM_TABLES")
+                t = self._split[layer_id] = self._client.split_table(name)
+            return t
+
+    def storage(self, layer_id: int, num_embeddings: int, dim: int, block_size: int,
+                start: int, end: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(weight e4m3 [end-start, dim], scales uint8 [end-start, dim // block_size]): views of
+        layer `layer_id`'s arena rows [start, end), which is what vLLM would have allocated."""
+        import torch
+
+        t = self.split_table(layer_id)
+        if (t.rows, t.row_dim) != (num_embeddings, dim) or block_size != 32:
+            raise errors.SpecMismatch(
+                f"tierstore table {t.table!r} holds {t.rows} rows x {t.row_dim} (+ {t.row_dim // 32} ue8m0 "
+                f"scales, blocks of 32); vLLM's Engram layer {layer_id} wants {num_embeddings} x {dim} "
+                f"(blocks of {block_size}): ingest the checkpoint vLLM serves (`tierstore ingest-checkpoint`)")
+        weight, scale = t.tensors()
+        return weight[start:end], scale.view(torch.uint8)[start:end]
+
+    def loader(self, layer_id: int):
+        """A weight loader for vLLM's Engram parameters: checks, never copies (see `verify`)."""
+        verify = self.config.verify
+
+        def load(param: "torch.nn.Parameter", loaded: "torch.Tensor") -> None:
+            import torch
+
+            start = param.engram_vocab_start
+            if loaded.dim() != 2 or loaded.shape[0] < start + param.shape[0] or loaded.shape[1:] != param.shape[1:]:
+                raise errors.SpecMismatch(
+                    f"checkpoint Engram tensor {tuple(loaded.shape)} of layer {layer_id} does not fit the "
+                    f"tierstore arena rows {tuple(param.shape)}: serve the table ingested from this checkpoint")
+            if verify == "off":
+                return
+            shard = loaded.narrow(0, start, param.shape[0])
+            rows = (np.arange(shard.shape[0]) if verify == "all" else
+                    np.unique(np.linspace(0, shard.shape[0] - 1, min(_SAMPLE_ROWS, shard.shape[0])).astype(np.int64)))
+            idx = torch.from_numpy(rows)
+            got = param.data.view(torch.uint8).index_select(0, idx)
+            want = shard.view(torch.uint8).index_select(0, idx)
+            if not torch.equal(got, want):
+                bad = int(rows[(got != want).any(dim=1).numpy()][0])
+                raise errors.SpecMismatch(
+                    f"Engram layer {layer_id}: checkpoint row {start + bad} differs from tierstore's table "
+                    f"{self.split_table(layer_id).table!r}; the sidecar serves another checkpoint's table: "
+                    f"ingest this one (`tierstore ingest-checkpoint`) and restart the sidecar")
+
+        return load
+
+    def close(self) -> None:
+        with self._lock:
+            for t in self._split.values():
+                t.close()
+            self._split.clear()
+        self._client.close()
+
+
+# ---- the patch ----------------------------------------------------------------
+_LAYER = contextvars.ContextVar("tierstore_vllm_engram_layer", default=None)
+_STATE: dict = {}  # "tables": TierstoreEngramTables of this process, "originals": what install replaced
+_STATE_LOCK = threading.Lock()
+
+
+def _tables() -> TierstoreEngramTables:
+    with _STATE_LOCK:
+        tables = _STATE.get("tables")
+        if tables is None or tables.pid != os.getpid():
+            tables = _STATE["tables"] = TierstoreEngramTables(_STATE["config"])
+        return tables
+
+
+@contextlib.contextmanager
+def engram_layer(layer_id: int):
+    """Within it, a ParallelEngramEmbedding built is layer `layer_id`'s (the wrapped
+    Engram._create_embedding opens it; the embedding itself is told only sizes)."""
+    token = _LAYER.set(layer_id)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def _patch(engram) -> None:
+    """Replace ParallelEngramEmbedding._allocate_weights and wrap Engram._create_embedding."""
+    emb_cls, engram_cls = engram.ParallelEngramEmbedding, engram.Engram
+    if "originals" in _STATE:
+        return
+    alloc, create = emb_cls._allocate_weights, engram_cls._create_embedding
+
+    def _create_embedding(self, layout, layer_hash_index):
+        with engram_layer(layout.layer_ids[layer_hash_index]):
+            return create(self, layout, layer_hash_index)
+
+    def _allocate_weights(self):
+        layer_id = _LAYER.get()
+        if layer_id is None:
+            raise errors.InvalidArgument(
+                "tierstore's vLLM plugin met a ParallelEngramEmbedding built outside Engram._create_embedding, "
+                "so it cannot tell the layer; unset TIERSTORE_VLLM_SOCKET to let vLLM allocate it")
+        if not self.cpu_offload:
+            raise errors.InvalidArgument(
+                f"Engram layer {layer_id}: tierstore serves host tables (vLLM's engram cpu_offload, its "
+                f"default); with cpu_offload off vLLM keeps the table in HBM itself: turn cpu_offload on "
+                f"or unset TIERSTORE_VLLM_SOCKET")
+        from vllm.config.vllm import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()  # set wherever vLLM builds a model
+        if vllm_config is not None and "dummy" in str(vllm_config.load_config.load_format):
+            raise errors.InvalidArgument(
+                "--load-format dummy fills the Engram parameters, and tierstore's arena is read-only: "
+                "unset TIERSTORE_VLLM_SOCKET for dummy-weight runs")
+        tables = _tables()
+        weight, scales = tables.storage(layer_id, self.num_embeddings, self.dim, self.block_size,
+                                        self.vocab_start_idx, self.vocab_end_idx)
+        if engram.current_platform.is_cuda_alike():
+            tables.split_table(layer_id).register_cuda()
+        self._weight_loader = tables.loader(layer_id)
+        return weight, scales
+
+    emb_cls._allocate_weights = _allocate_weights
+    engram_cls._create_embedding = _create_embedding
+    _STATE["originals"] = (engram, alloc, create)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Patches vLLM's Engram module right after it first executes (plugins load before models)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != ENGRAM_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _patch(module)
+
+
+def install(config: VllmPluginConfig) -> None:
+    """Serve vLLM's Engram tables from tierstore in this process (idempotent).
+
+    Patches vllm's Engram module now if it is imported, else when it is."""
+    with _STATE_LOCK:
+        _STATE["config"] = config.validate()
+    engram = sys.modules.get(ENGRAM_MODULE)
+    if engram is not None:
+        _patch(engram)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def uninstall() -> None:
+    """Undo `install`: vLLM's own methods back, the finder removed, the tables closed."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    with _STATE_LOCK:
+        originals = _STATE.pop("originals", None)
+        tables = _STATE.pop("tables", None)
+        _STATE.pop("config", None)
+    if originals is not None:
+        engram, alloc, create = originals
+        engram.ParallelEngramEmbedding._allocate_weights = alloc
+        engram.Engram._create_embedding = create
+    if tables is not None:
+        tables.close()
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point. Off without TIERSTORE_VLLM_SOCKET; with it, the
+    sidecar must answer now (a clear error at vLLM's start, not at the first layer)."""
+    config = VllmPluginConfig.from_env()
+    if config is None:
+        return
+    from tierstore.client.client import Client
+
+    try:
+        with Client(config.socket, timeout=10) as c:
+            c.tables()
+    except Exception as e:
+        raise errors.Unavailable(
+            f"TIERSTORE_VLLM_SOCKET={config.socket}: no tierstore sidecar answers there ({e}); start it with "
+            f"`tierstore serve --data DIR --socket {config.socket} --split-layout all`, or unset "
+            f"TIERSTORE_VLLM_SOCKET to let vLLM load its Engram tables itself") from None
+    install(config)

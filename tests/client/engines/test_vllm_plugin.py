@@ -1,0 +1,228 @@
+"""tierstore's vLLM plugin with vLLM 0.32's real Engram module and a real sidecar serving a
+synthetic V4.1-layout checkpoint split-layout.
+
+What runs on CPU, and why not more: `ParallelEngramEmbedding.__init__` cannot run without
+CUDA. It asks vLLM's tensor-parallel group for its size; that group is made by
+`initialize_model_parallel`, which needs the current `VllmConfig`, and a `VllmConfig`
+cannot be built here ("Failed to infer device type": with no GPU and no compiled
+`vllm._C`, vLLM finds no platform). Past that, `__init__` reads
+`torch.cuda.get_device_properties(...)` for the SM count, before it allocates anything.
+Its `_storage()` turns host tables into CUDA UVA views with vLLM's compiled `_C` op. So these tests run the deepest real parts: vLLM's plugin loader and entry
+point, the patched class methods of the real `ParallelEngramEmbedding` (allocation and the
+weight loader vLLM hands the checkpoint tensors to) on an instance holding the sizes
+`__init__` computes (from vLLM's own `EngramLayout`), and the checkpoint read through
+safetensors as vLLM's loader reads it. bench/gpu_check_engines.py runs `_storage()` and
+`_engram_lookup_kernel` over the arena on a GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
+
+from tierstore import errors  # noqa: E402
+from tierstore.client.engines import vllm_plugin  # noqa: E402
+from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
+from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
+
+engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A sidecar serving both Engram layers of one synthetic checkpoint split-layout."""
+    root = tmp_path_factory.mktemp("vllm")
+    arrays = write_checkpoint(root / "ckpt")
+    ingest_checkpoint(root / "ckpt", root / "data", progress=False)
+    with SidecarProcess(root / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc:
+        yield sc, arrays, root / "ckpt"
+
+
+@pytest.fixture
+def plugin(served):
+    sc, arrays, ckpt = served
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket)))
+    yield sc, arrays, ckpt
+    vllm_plugin.uninstall()
+
+
+def _layout():
+    cfg = dict(CONFIG, engram_num_embeddings=[0, 0])
+    probe = engram.EngramLayout(SimpleNamespace(**cfg))
+    cfg["engram_num_embeddings"] = [sum(p for order in layer for p in order) for layer in probe.primes]
+    return engram.EngramLayout(SimpleNamespace(**cfg))
+
+
+def _embedding(layout, index: int, shards: int = 1, rank: int = 0, cpu_offload: bool = True):
+    """A real ParallelEngramEmbedding holding what its __init__ computes before it allocates
+    (that __init__ needs CUDA: see the module docstring), for head shard `rank` of `shards`."""
+    heads = tuple(size for order in layout.primes[index] for size in order)
+    emb = engram.ParallelEngramEmbedding.__new__(engram.ParallelEngramEmbedding)
+    nn.Module.__init__(emb)
+    per = -(-len(heads) // shards)
+    emb.cpu_offload, emb.dp_shared_memory, emb.use_thp = cpu_offload, False, False
+    emb.num_embeddings, emb.dim, emb.block_size = layout.num_embeddings[index], layout.head_dim, 32
+    emb.n_hash_cols, emb.part_n_hash_cols, emb.head_start = len(heads), per, rank * per
+    emb.vocab_start_idx, emb.vocab_end_idx = sum(heads[:rank * per]), sum(heads[:(rank + 1) * per])
+    emb.part_num_embeddings = emb.vocab_end_idx - emb.vocab_start_idx
+    emb._views = emb._view_src = None
+    return emb
+
+
+def _build(emb, layer_id: int):
+    """The allocation and weight attributes, as ParallelEngramEmbedding.__init__ makes them."""
+    with vllm_plugin.engram_layer(layer_id):
+        weight, scales = emb._allocate_weights()
+    emb.weight = nn.Parameter(weight, requires_grad=False)
+    emb.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+    for p in (emb.weight, emb.weight_scale_inv):
+        engram.set_weight_attrs(p, {"weight_loader": emb._weight_loader, "engram_vocab_start": emb.vocab_start_idx})
+    return emb
+
+
+def _mapped_file(ptr: int) -> str:
+    """The file whose mapping in this process holds address `ptr` ('' if anonymous)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[5] if len(parts) > 5 else ""
+    return ""
+
+
+def _checkpoint_tensors(ckpt: Path, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's Engram tensors as vLLM's safetensors iterator yields them (safe_open)."""
+    from safetensors import safe_open
+
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            if f"layers.{layer_id}.engram.embed.weight" in st.keys():
+                return (st.get_tensor(f"layers.{layer_id}.engram.embed.weight"),
+                        st.get_tensor(f"layers.{layer_id}.engram.embed.scale"))
+    raise AssertionError(layer_id)
+
+
+def test_vllm_cannot_build_the_embedding_on_cpu_which_is_why_these_tests_go_no_deeper():
+    layout = _layout()
+    heads = tuple(size for order in layout.primes[0] for size in order)
+    with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
+        engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, index):
+    sc, arrays, ckpt = plugin
+    layout = _layout()
+    L = layout.layer_ids[index]
+    emb = _build(_embedding(layout, index), L)
+    w, s = arrays[L]["embed.weight"], arrays[L]["embed.scale"]
+    assert emb.weight.dtype == torch.float8_e4m3fn and emb.weight_scale_inv.dtype == torch.uint8
+    assert tuple(emb.weight.shape) == w.shape and tuple(emb.weight_scale_inv.shape) == s.shape
+    assert np.array_equal(emb.weight.data.view(torch.uint8).numpy(), w)
+    assert np.array_equal(emb.weight_scale_inv.data.numpy(), s)
+    # no copy: both live in the sidecar's arena file, weights then scales, one buffer
+    arena = next(f for f in sc.arena_files() if f".l{L}." in f.name)
+    assert _mapped_file(emb.weight.data_ptr()) == str(arena)
+    assert _mapped_file(emb.weight_scale_inv.data_ptr()) == str(arena)
+    assert emb.weight_scale_inv.data_ptr() == emb.weight.data_ptr() + w.nbytes
+    with pytest.raises(ValueError, match="not supported"):
+        emb._storage()  # host tables become CUDA UVA views: vLLM's _C op, CUDA only
+
+
+def test_a_head_shard_is_its_row_range_of_the_same_arena(plugin):
+    sc, arrays, ckpt = plugin
+    layout = _layout()
+    full = _build(_embedding(layout, 0), 1)
+    for rank in (0, 1):
+        part = _build(_embedding(layout, 0, shards=2, rank=rank), 1)
+        start, end = part.vocab_start_idx, part.vocab_end_idx
+        assert 0 < end - start < full.num_embeddings
+        assert part.weight.data_ptr() == full.weight.data_ptr() + start * 256
+        assert np.array_equal(part.weight.data.view(torch.uint8).numpy(), arrays[1]["embed.weight"][start:end])
+        assert np.array_equal(part.weight_scale_inv.data.numpy(), arrays[1]["embed.scale"][start:end])
+
+
+def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path):
+    sc, arrays, ckpt = plugin
+    layout = _layout()
+    emb = _build(_embedding(layout, 1), 3)
+    weight, scale = _checkpoint_tensors(ckpt, 3)
+    before = emb.weight.data_ptr()
+    emb.weight.weight_loader(emb.weight, weight)
+    emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, scale.view(torch.float8_e8m0fnu))
+    assert emb.weight.data_ptr() == before
+    assert np.array_equal(emb.weight.data.view(torch.uint8).numpy(), arrays[3]["embed.weight"])
+    # a checkpoint that is not the table the sidecar serves is refused, naming the fix
+    other = weight.view(torch.uint8).clone()
+    other[-1] ^= 1
+    with pytest.raises(errors.SpecMismatch, match="ingest this one"):
+        emb.weight.weight_loader(emb.weight, other.view(torch.float8_e4m3fn))
+    with pytest.raises(errors.SpecMismatch, match="does not fit"):
+        emb.weight.weight_loader(emb.weight, weight[:10])
+
+
+def test_what_the_plugin_refuses_says_what_to_do(plugin):
+    sc, arrays, ckpt = plugin
+    layout = _layout()
+    with pytest.raises(errors.InvalidArgument, match="cpu_offload"):
+        _build(_embedding(layout, 0, cpu_offload=False), 1)
+    with pytest.raises(errors.TableNotFound, match="no tierstore table for Engram layer 7"):
+        _build(_embedding(layout, 0), 7)
+    with pytest.raises(errors.SpecMismatch, match="ingest the checkpoint vLLM serves"):
+        _build(_embedding(layout, 0), 3)  # layer 1's sizes against layer 3's table
+    with pytest.raises(errors.InvalidArgument, match="outside Engram._create_embedding"):
+        _embedding(layout, 0)._allocate_weights()
+
+
+def test_config_from_the_environment():
+    assert vllm_plugin.VllmPluginConfig.from_env({}) is None
+    c = vllm_plugin.VllmPluginConfig.from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_TABLES": "1=l1, 14=l14"})
+    assert (c.socket, c.tables, c.verify) == ("/s", {1: "l1", 14: "l14"}, "sample")
+    with pytest.raises(errors.InvalidArgument, match="LAYER=TABLE"):
+        vllm_plugin.VllmPluginConfig.from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_TABLES": "l1"})
+    with pytest.raises(errors.InvalidArgument, match="sample, all, off"):
+        vllm_plugin.VllmPluginConfig.from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_VERIFY": "some"})
+
+
+_CHILD = """
+import sys
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+from vllm.models.deepseek_v41.common import engram
+print(engram.ParallelEngramEmbedding._allocate_weights.__module__)
+print(engram.Engram._create_embedding.__module__)
+"""
+
+
+def _child(env: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    return subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
+    sc, arrays, ckpt = served
+    on = _child({"TIERSTORE_VLLM_SOCKET": str(sc.socket)})
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert on.stdout.split() == ["tierstore.client.engines.vllm_plugin"] * 2
+    off = _child({"TIERSTORE_VLLM_SOCKET": None})
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert off.stdout.split() == [engram.__name__] * 2  # vLLM's own methods without the variable
+    down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
+    assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
+    assert "tierstore serve" in down.stderr
