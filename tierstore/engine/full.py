@@ -42,13 +42,13 @@ class FullEngine(TableEngine):
             if progress is not None:
                 progress(n)
 
-    def verify_arena(self, checksums: np.ndarray) -> list[int]:
+    def verify_arena(self, checksums: np.ndarray, chunk_blocks: int | None = None) -> list[int]:
         """Blocks of a full-mode arena whose bytes no longer match the catalog (each block's
         rows hashed as the segment holds them, whatever the arena's layout: format 2
-        rebuilds their records first)."""
+        rebuilds their records first); `chunk_blocks` at a time (default: 8 MiB of them)."""
         v, h = self.version, xxhash.xxh3_64_intdigest
         br, bb = v.block_rows, v.block_bytes
-        group = max(1, (8 << 20) // bb)
+        group = chunk_blocks or max(1, (8 << 20) // bb)
         bad: list[int] = []
         for a in range(0, v.n_blocks, group):
             z = min(a + group, v.n_blocks)
