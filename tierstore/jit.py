@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["Kernel", "enabled", "first_outside", "strictly_increasing", "distinct", "unique_inverse"]
+__all__ = ["Kernel", "inlined", "enabled", "first_outside", "strictly_increasing", "distinct", "unique_inverse"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -37,6 +37,16 @@ def enabled() -> bool:
     except ImportError:
         return False
     return True
+
+
+def inlined(fn):
+    """A helper the compiled loops call: numba compiles it into its caller (register_jitable);
+    it stays the plain function it was, so the interpreted loops call it as it is."""
+    try:
+        from numba.extending import register_jitable
+    except ImportError:
+        return fn
+    return register_jitable(fn)
 
 
 class Kernel:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierstore.jit import Kernel
+from tierstore.jit import Kernel, inlined
 
 __all__ = ["FREE", "PROBATION", "MAIN", "ADMIT", "SCAN", "FORGET", "slot_dtype", "hinted", "UNTIL",
            "SWEEP_STEPS"]
@@ -53,6 +53,18 @@ def hinted(until: np.ndarray, step: int, longest: int) -> np.ndarray:
     return (d != 0) & (d <= longest)
 
 
+@inlined
+def _push(q, s, nxt, heads, tails, linked):
+    """Link slot s at queue q's tail."""
+    nxt[s] = -1
+    if tails[q] >= 0:
+        nxt[tails[q]] = s
+    else:
+        heads[q] = s
+    tails[q] = s
+    linked[q] += 1
+
+
 def _admit_loop(slots, to_main, where, hits, counts, linked, nxt, heads, tails):
     """Each slot enters main (to_main) or probation with no hits; a linked one (a ghost, or
     live) stays where it lies, live in that queue, and a main one there is owed promotion
@@ -62,13 +74,7 @@ def _admit_loop(slots, to_main, where, hits, counts, linked, nxt, heads, tails):
         w = where[s]
         if w == FREE:
             q = MAIN if to_main[i] else PROBATION
-            nxt[s] = -1  # push at q's tail
-            if tails[q] >= 0:
-                nxt[tails[q]] = s
-            else:
-                heads[q] = s
-            tails[q] = s
-            linked[q] += 1
+            _push(q, s, nxt, heads, tails, linked)
             hits[s] = 0
         else:
             q = w if w > 0 else -w
@@ -123,31 +129,13 @@ def _scan_loop(q, need, chunk, out, where, hits, pins, until, step, longest, cou
             counts[PROBATION] -= 1
             counts[MAIN] += 1
             where[s] = MAIN
-            nxt[s] = -1  # push at MAIN's tail
-            if tails[MAIN] >= 0:
-                nxt[tails[MAIN]] = s
-            else:
-                heads[MAIN] = s
-            tails[MAIN] = s
-            linked[MAIN] += 1
+            _push(MAIN, s, nxt, heads, tails, linked)
         elif q == PROBATION:  # leased: in use, so recent
-            nxt[s] = -1  # push at PROBATION's tail
-            if tails[PROBATION] >= 0:
-                nxt[tails[PROBATION]] = s
-            else:
-                heads[PROBATION] = s
-            tails[PROBATION] = s
-            linked[PROBATION] += 1
+            _push(PROBATION, s, nxt, heads, tails, linked)
         else:
             if free:
                 hits[s] -= 1
-            nxt[s] = -1  # push at MAIN's tail
-            if tails[MAIN] >= 0:
-                nxt[tails[MAIN]] = s
-            else:
-                heads[MAIN] = s
-            tails[MAIN] = s
-            linked[MAIN] += 1
+            _push(MAIN, s, nxt, heads, tails, linked)
     return n, walked
 
 

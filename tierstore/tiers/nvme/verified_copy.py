@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierstore.jit import Kernel, enabled, unique_inverse
+from tierstore.jit import Kernel, enabled, inlined, unique_inverse
 from tierstore.tiers.nvme import rowsum
 
 __all__ = ["kernels", "place_records", "place_verified", "warm"]
@@ -35,23 +35,27 @@ def kernels():
 
 
 # ---- compiled loops (tierstore/jit.py); module constants are compile-time constants ----
+@inlined
+def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys):
+    """dest[d, :words] = src[r, :words]; their row sum with row_id mixed in (rowsum.py)."""
+    acc = np.uint64(0)
+    for j in range(words):
+        w = src[r, j]
+        dest[d, j] = w
+        x = (w ^ skeys[j]) * _M1
+        x = (x ^ (x >> _S29)) * kkeys[j]
+        acc += x ^ (x >> _S32)
+    x = (np.uint64(row_id) ^ _SEED) * _M1
+    x = (x ^ (x >> _S29)) * _M2
+    return acc + (x ^ (x >> _S32))
+
+
 def _place_loop(src, local, ids, dest, slots, sums, at, skeys, kkeys):
     """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
     sums[at[i]]; the index of the first row whose sum differs, or -1."""
     words = src.shape[1]
     for i in range(local.shape[0]):
-        r, d = local[i], slots[i]
-        acc = np.uint64(0)
-        for j in range(words):
-            w = src[r, j]
-            dest[d, j] = w
-            x = (w ^ skeys[j]) * _M1
-            x = (x ^ (x >> _S29)) * kkeys[j]
-            acc += x ^ (x >> _S32)
-        x = (np.uint64(ids[i]) ^ _SEED) * _M1
-        x = (x ^ (x >> _S29)) * _M2
-        acc += x ^ (x >> _S32)
-        if acc != sums[at[i]]:
+        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys) != sums[at[i]]:
             return i
     return -1
 
@@ -62,18 +66,7 @@ def _records_loop(src, local, ids, dest, slots, skeys, kkeys):
     the first row whose sum differs, or -1."""
     words, last = dest.shape[1], src.shape[1] - 1
     for i in range(local.shape[0]):
-        r, d = local[i], slots[i]
-        acc = np.uint64(0)
-        for j in range(words):
-            w = src[r, j]
-            dest[d, j] = w
-            x = (w ^ skeys[j]) * _M1
-            x = (x ^ (x >> _S29)) * kkeys[j]
-            acc += x ^ (x >> _S32)
-        x = (np.uint64(ids[i]) ^ _SEED) * _M1
-        x = (x ^ (x >> _S29)) * _M2
-        acc += x ^ (x >> _S32)
-        if acc != src[r, last]:
+        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys) != src[local[i], last]:
             return i
     return -1
 
