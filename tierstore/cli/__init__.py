@@ -38,24 +38,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command's name and help; `command`'s module is imported and its
+    arguments added (only that one: `tierstore serve` never imports what `audit` needs,
+    torch among it). command=None: every module, every argument."""
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if command is not None and name != command:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name != module:
                 raise
             continue  # command not built yet
-        p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
 
 
+def _command(argv: list[str]) -> str:
+    """The command argv names (its first word that is not an option), '' for none."""
+    first = next((a for a in argv if not a.startswith("-")), "")
+    return first if first in COMMANDS else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv) or "")
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
