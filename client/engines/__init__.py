@@ -1,6 +1,8 @@
 """Engines served by tierstore: the serving stacks users already run, fed from the sidecar.
 
 sglang.py: sglang 0.5.23's Engram host tables are tierstore's split arenas (a
-general plugin of sglang, `tierstore sglang -- ARGS`). vllm_plugin.py: vLLM's.
+general plugin of sglang, `tierstore sglang -- ARGS`); sglang_stager.py: its
+tables larger than RAM, each batch's rows staged from the cache-mode sidecar
+ahead of the forward. vllm_plugin.py: vLLM's.
 Nothing here forks or copies an engine; each module says which seam it uses.
 """

@@ -33,6 +33,15 @@ buffer byte for byte, so this module hands sglang the arena instead:
   restart that serves the same version, the mapped rows (verified at load, the
   same bytes) keep serving and one warning says so.
 
+Tables larger than RAM (the sidecar in cache mode) cannot be mapped: sglang's
+host table would be the whole table. Such a layer is *staged*
+(client/engines/sglang_stager.py): its parameters are empty placeholders, the
+checkpoint's rows are checked against the sidecar's, and every extend and
+decode batch's rows are read from tierstore ahead of the forward by
+`RowStager`, which takes the place of sglang's `EngramRowStager`
+(TIERSTORE_SGLANG_STAGE: auto, the default, stages the layers whose table is
+not served split-layout; on stages every layer; off stages none).
+
 Importing sglang's Engram modules without a GPU install (CPU tests, bench):
 `import_engram()` imports `sglang.srt.layers.engram` and `engram_staging`
 without running `sglang/__init__.py` (sglang.lang, HF patches), and, where
@@ -61,6 +70,9 @@ __all__ = ["SglangConfig", "EngineAttachError", "import_engram", "plugin", "inst
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 HOOK_TARGET = "sglang.srt.layers.engram.EngramEmbedding._init_host_table"
+STAGER_TARGET = "sglang.srt.layers.engram_staging.EngramRowStager.from_model"
+DEQUANT_TARGET = "sglang.srt.layers.engram.EngramEmbedding.dequant_staged"
+ENQUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 SGLANG_VERSION = "0.5.23"
 CHECK_ROWS = 4096  # rows of each checkpoint tensor compared with the arena (TIERSTORE_SGLANG_VERIFY=sample)
 CHECK_CHUNK_ROWS = 1 << 20  # rows compared at a time (TIERSTORE_SGLANG_VERIFY=all)
@@ -79,18 +91,25 @@ class SglangConfig:
     socket: the sidecar's unix socket. prefix: table name prefix (`ingest-checkpoint
     --prefix`); layer L is table `{prefix}l{L}`. verify: "sample" (CHECK_ROWS rows of each
     checkpoint tensor compared with the arena), "all" (every row: reads the checkpoint's
-    Engram tensors in full) or "off" (skipped). timeout: seconds a sidecar call may take."""
+    Engram tensors in full) or "off" (skipped). timeout: seconds a sidecar call may take.
+    stage: which layers tierstore's row stager serves instead of a mapped host table
+    (client/engines/sglang_stager.py): "auto" (those whose table is not served split-layout:
+    cache mode, tables larger than RAM), "on" (every layer) or "off" (none: every table
+    must be split-layout). TIERSTORE_SGLANG_STAGE also takes 1 / 0 for on / off."""
 
     socket: str
     prefix: str = ""
     verify: str = "sample"
     timeout: float = 30.0
+    stage: str = "auto"
 
     def __post_init__(self):
         if self.verify not in ("sample", "all", "off"):
             raise errors.InvalidArgument(f"TIERSTORE_SGLANG_VERIFY is sample, all or off, not {self.verify!r}")
         if not self.socket:
             raise errors.InvalidArgument("TIERSTORE_SGLANG_SOCKET is empty; set it to the sidecar's --socket")
+        if self.stage not in ("auto", "on", "off"):
+            raise errors.InvalidArgument(f"TIERSTORE_SGLANG_STAGE is auto, on (1) or off (0), not {self.stage!r}")
 
     @classmethod
     def from_env(cls) -> "SglangConfig | None":
@@ -98,9 +117,11 @@ class SglangConfig:
         socket = os.environ.get("TIERSTORE_SGLANG_SOCKET")
         if socket is None:
             return None
+        stage = os.environ.get("TIERSTORE_SGLANG_STAGE", "auto").strip().lower()
         return cls(socket=socket, prefix=os.environ.get("TIERSTORE_SGLANG_PREFIX", ""),
                    verify=os.environ.get("TIERSTORE_SGLANG_VERIFY", "sample"),
-                   timeout=float(os.environ.get("TIERSTORE_SGLANG_TIMEOUT", "30")))
+                   timeout=float(os.environ.get("TIERSTORE_SGLANG_TIMEOUT", "30")),
+                   stage={"1": "on", "0": "off"}.get(stage, stage))
 
     def table(self, layer_id: int) -> str:
         return f"{self.prefix}l{layer_id}"
@@ -176,21 +197,41 @@ class _torchvision_stand_in:
 def plugin() -> None:
     """sglang general plugin (entry point `tierstore` in group `sglang.srt.plugins`), run by
     sglang's load_plugins() in every process: with TIERSTORE_SGLANG_SOCKET set, turn on
-    sglang's host-table path (shared layout) and register the hook; else do nothing."""
+    sglang's host-table path (shared layout) and register the hooks; else do nothing.
+
+    Hooks: _init_host_table (AROUND: the mapped arena, or a staged layer); the three seams of
+    staged layers (sglang_stager.py), each a no-op where no layer is staged:
+    EngramRowStager.from_model (AROUND: tierstore's RowStager), EngramEmbedding.dequant_staged
+    (AROUND: its CPU twin where the staged rows are on the host) and
+    Scheduler._add_request_to_queue (AFTER: prefetch a queued request's rows)."""
     config = SglangConfig.from_env()
     if config is None:
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from tierstore.client.engines import sglang_stager
 
     os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
     os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = "shared"
-    HookRegistry.register(HOOK_TARGET, init_host_table, HookType.AROUND)
+    _register(HOOK_TARGET, init_host_table, HookType.AROUND)
+    _register(STAGER_TARGET, sglang_stager.from_model, HookType.AROUND)
+    _register(DEQUANT_TARGET, sglang_stager.dequant_staged, HookType.AROUND)
+    _register(ENQUEUE_TARGET, sglang_stager.on_enqueue, HookType.AFTER)
     log.info("tierstore: sglang's Engram host tables come from the sidecar at %s", config.socket)
 
 
+def _register(target: str, hook, kind) -> None:
+    """HookRegistry.register, once per process however often the plugin runs (install())."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+        HookRegistry.register(target, hook, kind)
+
+
 def install() -> None:
-    """plugin() and apply its hook now, in this process: for code that builds sglang's modules
-    itself (tests, bench) rather than through sglang's server start-up."""
+    """plugin() and apply its hooks now, in this process: for code that builds sglang's modules
+    itself (tests, bench) rather than through sglang's server start-up. The scheduler's hook
+    applies only where sglang's scheduler imports (HookRegistry logs the others it cannot)."""
     plugin()
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -221,6 +262,24 @@ def _split_table(config: SglangConfig, table: str):
         return t
 
 
+def _staged(config: SglangConfig, table: str) -> bool:
+    """Whether layer table `table` is staged (sglang_stager.py) rather than mapped: by
+    config.stage, and under "auto" whether the sidecar serves it anything but split-layout."""
+    if config.stage != "auto":
+        return config.stage == "on"
+    from tierstore.client.client import Client
+
+    try:
+        with Client(config.socket, timeout=config.timeout) as c:
+            return not c.handle(table).split
+    except errors.Unavailable as e:
+        raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
+                                f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "
+                                f"--data DIR --socket {config.socket}`") from None
+    except errors.TierstoreError as e:
+        raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
+
+
 def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: int):
     """AROUND hook of EngramEmbedding._init_host_table: the host table is the split arena of
     table `config.table(layer_id)`. Off (TIERSTORE_SGLANG_SOCKET unset): sglang's own."""
@@ -231,6 +290,8 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     from torch import nn
 
     table = config.table(layer_id)
+    if _staged(config, table):
+        return _attach_staged(embed, config, table, num_embeddings, dim, layer_id)
     t = _split_table(config, table)
     if (t.rows, t.row_dim) != (num_embeddings, dim):
         raise EngineAttachError(f"tierstore table {table} holds {t.rows} rows x {t.row_dim}, sglang's Engram layer "
@@ -241,7 +302,7 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     embed.scale = nn.Parameter(scale, requires_grad=False)
     # the loader __init__ gives both parameters is `self._load_rows`, looked up after this
     # hook returns: this instance's checks the checkpoint's rows instead of copying them
-    embed._load_rows = CheckpointCheck(embed, t, table, config.verify)
+    embed._load_rows = CheckpointCheck(embed, SplitRows(t), table, config.verify)
     if torch.cuda.is_available() and torch.get_default_device().type == "cuda":  # sglang builds under its device
         from sglang.srt.layers import engram as sg
 
@@ -253,6 +314,38 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     else:
         embed.host_table = None  # sglang's CPU torch path reads weight / scale
     embed.register_forward_pre_hook(ArenaGuard(config, table, t))
+
+
+def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int, dim: int, layer_id: int) -> None:
+    """The plugin's _init_host_table for a staged layer: placeholder parameters (no rows), a
+    loader that checks the checkpoint's rows against tierstore's, a forward that refuses
+    unstaged batches. `embed.tierstore_table` is what RowStager.from_model looks for."""
+    import torch
+    from torch import nn
+
+    from tierstore.client.engines.sglang_stager import (FP8_BLOCK, StagedHostTable, StagedTable,
+                                                        UnstagedForward, process_client)
+
+    try:
+        t = StagedTable(process_client(config.socket, config.timeout), table)
+    except errors.Unavailable as e:
+        raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
+                                f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "
+                                f"--data DIR --socket {config.socket}`") from None
+    except errors.TierstoreError as e:  # StagingError too (a table not in fp8-e4m3-ue8m0)
+        raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
+    if (t.rows, t.dim) != (num_embeddings, dim):
+        raise EngineAttachError(f"tierstore table {table} holds {t.rows} rows x {t.dim}, sglang's Engram layer "
+                                f"{layer_id} wants {num_embeddings} x {dim}: the sidecar serves another model's "
+                                f"tables (or --prefix); ingest this checkpoint (tierstore ingest-checkpoint)")
+    scale_dtype = getattr(torch, "float8_e8m0fnu", torch.uint8)
+    embed.weight = nn.Parameter(torch.empty((0, dim), dtype=torch.float8_e4m3fn), requires_grad=False)
+    embed.scale = nn.Parameter(torch.empty((0, dim // FP8_BLOCK), dtype=scale_dtype), requires_grad=False)
+    embed._load_rows = CheckpointCheck(embed, t, table, config.verify)
+    embed.host_table = StagedHostTable(t)
+    embed.staged_by_scheduler = True  # what sglang's enable_scheduler_staging sets
+    embed.tierstore_table = t
+    embed.forward = UnstagedForward(embed, table)
 
 
 class MappedHostTable:
@@ -272,36 +365,53 @@ class MappedHostTable:
                  self.split.table, self.split.version, self.nbytes / 2**30)
 
 
+class SplitRows:
+    """A mapped split table's bytes as CheckpointCheck reads them: `shape(which)`, `read(which,
+    rows)` (uint8 [len(rows), width]) of "weight" or "scale", and `version`."""
+
+    def __init__(self, split):
+        self.split, self.version = split, split.version
+
+    def shape(self, which: str) -> tuple[int, int]:
+        return (self.split.weight if which == "weight" else self.split.scale).shape
+
+    def read(self, which: str, rows: np.ndarray) -> np.ndarray:
+        return (self.split.weight if which == "weight" else self.split.scale)[rows]
+
+
 class CheckpointCheck:
     """The weight loader of a tierstore-fed EngramEmbedding's weight and scale: compares the
-    checkpoint's tensor with the arena (CHECK_ROWS rows spread over the table, or all), and
-    raises EngineAttachError on a difference; writes nothing."""
+    checkpoint's tensor with tierstore's rows (CHECK_ROWS rows spread over the table, or all),
+    and raises EngineAttachError on a difference; writes nothing.
 
-    def __init__(self, embed, split, table: str, verify: str):
-        self.embed, self.split, self.table, self.verify = embed, split, table, verify
+    source: SplitRows (a mapped split arena) or a StagedTable (sglang_stager.py: rows read
+    from the sidecar, verified as any lookup)."""
+
+    def __init__(self, embed, source, table: str, verify: str):
+        self.embed, self.source, self.table, self.verify = embed, source, table, verify
         self.checked: list[str] = []
 
     def __call__(self, param, loaded_weight) -> None:
         import torch
 
         which = "weight" if param is self.embed.weight else "scale"
-        mine = self.split.weight if which == "weight" else self.split.scale
-        if tuple(loaded_weight.shape) != mine.shape:
+        shape = tuple(self.source.shape(which))
+        if tuple(loaded_weight.shape) != shape:
             raise EngineAttachError(f"checkpoint tensor embed.{which} is {tuple(loaded_weight.shape)}, tierstore "
-                                    f"table {self.table} holds {mine.shape}: ingest this checkpoint")
+                                    f"table {self.table} holds {shape}: ingest this checkpoint")
         self.checked.append(which)
         if self.verify == "off":
             return
-        rows = (np.arange(mine.shape[0]) if self.verify == "all" or mine.shape[0] <= CHECK_ROWS
-                else np.unique(np.linspace(0, mine.shape[0] - 1, CHECK_ROWS).astype(np.int64)))
+        rows = (np.arange(shape[0]) if self.verify == "all" or shape[0] <= CHECK_ROWS
+                else np.unique(np.linspace(0, shape[0] - 1, CHECK_ROWS).astype(np.int64)))
         raw = loaded_weight.detach().view(torch.uint8)
         for a in range(0, rows.size, CHECK_CHUNK_ROWS):  # bounded memory, whatever the table's size
             part = rows[a:a + CHECK_CHUNK_ROWS]
             theirs = raw[torch.from_numpy(part).to(raw.device)].cpu().numpy()
-            differ = np.flatnonzero(np.any(theirs != mine[part], axis=1))
+            differ = np.flatnonzero(np.any(theirs != self.source.read(which, part), axis=1))
             if differ.size:
                 raise EngineAttachError(f"checkpoint tensor embed.{which} differs from tierstore table {self.table} "
-                                        f"v{self.split.version} at row {int(part[differ[0]])}: the sidecar serves "
+                                        f"v{self.source.version} at row {int(part[differ[0]])}: the sidecar serves "
                                         f"another ingest; re-ingest this checkpoint (tierstore ingest-checkpoint) "
                                         f"or start sglang on the one that was ingested")
 
@@ -336,24 +446,28 @@ class ArenaGuard:
 
 
 # ---- the launcher -------------------------------------------------------------------------------
-def launch(socket: str, sglang_args: list[str], prefix: str = "", verify: str = "sample") -> int:
+def launch(socket: str, sglang_args: list[str], prefix: str = "", verify: str = "sample", stage: str = "auto") -> int:
     """`tierstore sglang --socket S -- ARGS`: sglang's server (python -m sglang.launch_server ARGS)
     with the integration on in it and every process it spawns. Fails before sglang starts when
-    the sidecar does not answer or serves no split table."""
+    the sidecar does not answer, serves no table named {prefix}l*, or (stage off) none of them
+    split-layout."""
     import subprocess
 
     from tierstore.client.client import Client
 
-    SglangConfig(socket=socket, prefix=prefix, verify=verify)
+    SglangConfig(socket=socket, prefix=prefix, verify=verify, stage=stage)
     try:
         with Client(socket, timeout=10) as c:
-            split = [t["table"] for t in c.tables() if t["table"].startswith(prefix)]
-            if not any(c.handle(t).split for t in split):
+            named = [t["table"] for t in c.tables() if t["table"].startswith(f"{prefix}l")]
+            if not named:
+                raise EngineAttachError(f"the sidecar at {socket} serves no table named {prefix}l*: ingest the "
+                                        f"checkpoint (tierstore ingest-checkpoint) or pass its --prefix")
+            if stage == "off" and not any(c.handle(t).split for t in named):
                 raise EngineAttachError(f"the sidecar at {socket} serves no split-layout table named {prefix}l*: "
-                                        f"restart it with --split-layout all")
+                                        f"restart it with --split-layout all, or stage the rows (--stage auto)")
     except errors.Unavailable as e:
         raise EngineAttachError(f"no tierstore sidecar answers at {socket} ({e}); start `tierstore serve --data DIR "
                                 f"--socket {socket} --split-layout all` first") from None
     env = {**os.environ, "TIERSTORE_SGLANG_SOCKET": str(socket), "TIERSTORE_SGLANG_PREFIX": prefix,
-           "TIERSTORE_SGLANG_VERIFY": verify}
+           "TIERSTORE_SGLANG_VERIFY": verify, "TIERSTORE_SGLANG_STAGE": stage}
     return subprocess.call([sys.executable, "-m", "sglang.launch_server", *sglang_args], env=env)

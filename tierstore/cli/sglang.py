@@ -1,7 +1,9 @@
 """`tierstore sglang --socket S -- ARGS`: sglang's server with its Engram tables from the sidecar.
 
-The sidecar must serve the model's Engram tables split-layout (`tierstore serve
---split-layout all`); see tierstore.client.engines.sglang and docs/engines.md.
+Tables the sidecar serves split-layout (`tierstore serve --split-layout all`) are
+mapped as sglang's host tables; the others (cache mode: tables larger than RAM)
+are staged per batch by tierstore's row stager (`--stage`); see
+tierstore.client.engines.sglang, sglang_stager and docs/engines.md.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", default="sample", choices=("sample", "all", "off"),
                    help="compare the checkpoint's Engram rows with the arena at load: a spread of rows (default), "
                         "all of them, or none")
+    p.add_argument("--stage", default="auto", choices=("auto", "on", "off"),
+                   help="which layers tierstore's row stager serves ahead of each forward: those whose table is "
+                        "not split-layout (auto, default: cache mode, tables larger than RAM), all, or none")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then sglang.launch_server's arguments")
 
 
@@ -23,4 +28,4 @@ def run(args) -> int:
     from tierstore.client.engines.sglang import launch
 
     rest = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
-    return launch(args.socket, rest, prefix=args.prefix, verify=args.verify)
+    return launch(args.socket, rest, prefix=args.prefix, verify=args.verify, stage=args.stage)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sglang_engram import build_engram, shard_tensors, word_tokenizer  # noqa: E402
 from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore.client.client import Client
@@ -32,66 +33,13 @@ LAYERS = (1, 3)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, sglang_engram):
     """A checkpoint, its tables served split-layout by a real sidecar, and a tokenizer of its vocabulary."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("sglang")
     arrays = write_checkpoint(root / "ckpt")
     ingest_checkpoint(root / "ckpt", root / "data", progress=False)
-    # 512 raw tokens, 500 once lowercased (the config's compressed vocabulary): t0..t499, T0..T11
-    vocab = {f"t{i}": i for i in range(500)} | {f"T{i}": 500 + i for i in range(12)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    tok.save(str(root / "tokenizer.json"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    tokenizer = word_tokenizer(root)
     text = json.loads((root / "ckpt" / "config.json").read_text())["text_config"]
     with SidecarProcess(root / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc:
         yield dict(root=root, arrays=arrays, text=text, tokenizer=tokenizer, socket=str(sc.socket), sidecar=sc)
-
-
-def _config(text):
-    from transformers import PretrainedConfig
-
-    return PretrainedConfig(**text)
-
-
-def _shard_tensors(root: Path, layer: int) -> dict:
-    from safetensors.torch import load_file
-
-    index = json.loads((root / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
-    name = index[f"layers.{layer}.engram.embed.weight"]
-    p = f"layers.{layer}.engram."
-    return {k[len(p):]: v for k, v in load_file(root / "ckpt" / name).items() if k.startswith(p)}
-
-
-def _dequant_wkv(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """fp8 e4m3 [O, I] with one ue8m0 scale per 32 x 32 block -> bf16 (exact: 4 significant bits)."""
-    scale = torch.exp2(s.view(torch.uint8).float() - 127)
-    full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)[: w.shape[0], : w.shape[1]]
-    return (w.float() * full).to(torch.bfloat16)
-
-
-def _engram(sg, m, layer, dtype=torch.bfloat16):
-    """sglang's Engram for `layer`, loaded through sglang's own weight loaders."""
-    engram = sg[0]
-    config = _config(m["text"])
-    layout = engram.EngramLayout.from_config(config)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as sglang's model loader sets it
-    try:
-        module = engram.Engram(config, layer, layout)
-    finally:
-        torch.set_default_dtype(before)
-    t = _shard_tensors(m["root"], layer)
-    e = module.embed
-    e.weight.weight_loader(e.weight, t["embed.weight"])
-    e.scale.weight_loader(e.scale, t["embed.scale"])
-    module.wkv.weight.weight_loader(module.wkv.weight, _dequant_wkv(t["wkv.weight"], t["wkv.scale"]).to(dtype))
-    with torch.no_grad():
-        module.q_weight.copy_(t["q_weight"])
-        module.k_weight.copy_(t["k_weight"])
-    e.finish_load(f"layer {layer}")
-    return module.eval(), layout
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +48,11 @@ def engines(model, sglang_engram):
     from tierstore.client.engines import sglang as ts_sglang
 
     mp = pytest.MonkeyPatch()
-    own = {L: _engram(sglang_engram, model, L) for L in LAYERS}
+    own = {L: build_engram(sglang_engram, model, L) for L in LAYERS}
     mp.setenv("TIERSTORE_SGLANG_SOCKET", model["socket"])
     ts_sglang.install()  # sglang's HookRegistry applies the hook; the plugin sets the host-table flags
     try:
-        fed = {L: _engram(sglang_engram, model, L) for L in LAYERS}
+        fed = {L: build_engram(sglang_engram, model, L) for L in LAYERS}
     finally:
         mp.undo()
         for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
@@ -191,7 +139,7 @@ def test_sglang_hashes_as_tierstore_does(model, engines, sglang_engram):
 def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang_engram):
     modules, _ = engines
     fed = modules[1][1].embed
-    t = _shard_tensors(model["root"], 1)
+    t = shard_tensors(model["root"], 1)
     bad = t["embed.weight"].view(torch.uint8).clone()
     bad[-1, 0] ^= 1
     from tierstore.client.engines.sglang import EngineAttachError
@@ -205,7 +153,7 @@ def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang
     bad = t["embed.weight"].view(torch.uint8).clone()
     bad[unsampled, 5] ^= 1
     sampled(fed.weight, bad.view(torch.float8_e4m3fn))  # the default sample does not see that row
-    every = CheckpointCheck(fed, sampled.split, "l1", "all")
+    every = CheckpointCheck(fed, sampled.source, "l1", "all")
     with pytest.raises(EngineAttachError, match=f"at row {unsampled}:"):
         every(fed.weight, bad.view(torch.float8_e4m3fn))
     every(fed.weight, t["embed.weight"])  # the checkpoint's own bytes pass, and nothing is written
@@ -220,7 +168,7 @@ def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path, 
     ts_sglang.install()
     try:
         with pytest.raises(ts_sglang.EngineAttachError, match="does not answer.*tierstore serve"):
-            _engram(sglang_engram, model, 1)
+            build_engram(sglang_engram, model, 1)
     finally:
         for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
             __import__("os").environ.pop(var, None)
@@ -232,7 +180,7 @@ def _v41_vs_sglang(model, sglang_engram, dtype):
     from tierstore.client.model.local_table import LocalTable
     from tierstore.client.model.v41_layer import V41EngramLayer
 
-    module, _ = _engram(sglang_engram, model, 1, dtype)
+    module, _ = build_engram(sglang_engram, model, 1, dtype)
     layer = V41EngramLayer.from_checkpoint(model["root"] / "ckpt", 1)
     spec, a = layer.spec, model["arrays"][1]
     layer.source = LocalTable(spec)
@@ -277,7 +225,7 @@ def test_the_launcher_refuses_a_sidecar_without_split_tables(cli, tmp_path):
 
     write_version(data, "l1", [rows], rows=100, row_format="fp8-e4m3-ue8m0", row_dim=256)
     with SidecarProcess(data) as sc:
-        code, out, err = cli("sglang", "--socket", sc.socket, "--", "--model-path", "/nowhere")
+        code, out, err = cli("sglang", "--socket", sc.socket, "--stage", "off", "--", "--model-path", "/nowhere")
     assert code == 1 and "serves no split-layout table" in err
 
 
@@ -295,7 +243,7 @@ def test_a_reload_to_another_version_stops_the_forward_not_mixes_versions(tmp_pa
         monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
         ts_sglang.install()
         try:
-            fed, _ = _engram(sglang_engram, m, 1)
+            fed, _ = build_engram(sglang_engram, m, 1)
         finally:
             for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
                 __import__("os").environ.pop(var, None)

@@ -1,0 +1,455 @@
+"""sglang 0.5.23's Engram rows staged from tierstore: tables larger than RAM (cache mode).
+
+A cache-mode table cannot be sglang's host table (that is the whole table), so
+a staged layer holds no rows at all. Ahead of each forward, in the scheduler,
+`RowStager` hashes the batch's tokens on the host, reads each layer's rows from
+the sidecar's client (Client.lookup: resident rows copied from the cache arena,
+each checked against its slot's sequence lock; misses read from the segment
+files and verified by their row sums, or planned through the sidecar) into
+split buffers, fp8 weights [n, 256] and ue8m0 scales [n, 8], pinned on CUDA,
+and copies them to the GPU on a side stream. The layer only dequantises them.
+It is `EngramRowStager`'s contract (sglang/srt/layers/engram_staging.py), for
+extend and decode batches alike (sglang's own stages extend batches only and
+leaves decode to the forward's gather from its host table, which a staged
+layer does not have).
+
+Seams (registered by the plugin, client/engines/sglang.py; each a no-op in a
+process without a staged layer):
+- `EngramEmbedding._init_host_table` (the plugin's hook, sglang.py's
+  attach_staged): a staged layer gets
+  empty placeholder parameters, a weight loader that checks the checkpoint's
+  rows against the sidecar's (nothing is copied), and a forward that refuses
+  to run: a batch whose rows were not staged raises instead of reading rows.
+- `EngramRowStager.from_model` (AROUND), called by `NgramEmbeddingManager`
+  when the model runner starts: a model with a staged layer gets a RowStager,
+  whatever SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING says; `prepare_for_forward`
+  then puts `stage(batch)` on every batch (`batch.engram_staged_rows`), and
+  `Engram.embed_rows` hands each layer's entry to `dequant_staged`.
+- `EngramEmbedding.dequant_staged` (AROUND): on CUDA sglang's own (wait for the
+  copy's event, `engram_gather` over the staged rows); rows on the host (a CPU
+  run) are dequantised in torch with the arithmetic of sglang's CPU lookup.
+- `Scheduler._add_request_to_queue` (AFTER): a request entering the waiting
+  queue gets its prompt's rows prefetched (`Client.prefetch`) with its
+  expected wait in steps (RowStager.prefetch).
+
+A step never uses rows it could not verify: a lookup that fails (DATA_LOSS, a
+sidecar that cannot plan a miss, ...) raises StagingError from `stage`, in the
+scheduler, before the forward; a table the sidecar now serves at another
+version raises too (restart sglang; the model never mixes versions).
+
+Not staged, and so refused with the fix where a staged layer would need it:
+decode under CUDA graphs (a captured graph replays the capture's reads:
+`--cuda-graph-backend-decode=disabled`), batches whose newest token is still on
+the device (the overlap scheduler: `--disable-overlap-schedule`), speculative
+decoding, beam search rows and prefill context parallelism.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from array import array
+
+import numpy as np
+
+from tierstore import errors
+from tierstore.jit import unique_inverse
+
+__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "StagingError", "process_client",
+           "from_model", "dequant_staged", "on_enqueue", "close"]
+
+log = logging.getLogger("tierstore.client.engines.sglang")
+FP8_BLOCK = 32  # values per ue8m0 scale
+READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
+PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
+
+
+class StagingError(errors.TierstoreError):
+    """tierstore cannot stage sglang's Engram rows: a read failed, the table is now served at
+    another version, or sglang runs in a way the stager does not serve (the message says how)."""
+
+    GRPC_CODE = "FAILED_PRECONDITION"
+
+
+# ---- one layer's table ----------------------------------------------------------------------------
+_CLIENTS: dict[str, object] = {}  # socket -> the process's Client of it, shared by every staged layer
+_LOCK = threading.Lock()
+
+
+def process_client(socket: str, timeout: float):
+    """This process's Client of the sidecar at `socket`, made once, shared by every staged layer."""
+    from tierstore.client.client import Client
+
+    with _LOCK:
+        c = _CLIENTS.get(socket)
+        if c is None:
+            c = _CLIENTS[socket] = Client(socket, timeout=timeout)
+        return c
+
+
+def close() -> None:
+    """Close this process's clients of the sidecar and forget its stager (tests, bench: a
+    process that outlives the sglang model it staged for)."""
+    with _LOCK:
+        clients = list(_CLIENTS.values())
+        _CLIENTS.clear()
+    RowStager.current = None
+    for c in clients:
+        c.close()
+
+
+class StagedTable:
+    """The tierstore table of one staged layer, read row by row through the sidecar's client.
+
+    version is the one served when the layer was built; a read that finds another raises
+    StagingError (the checkpoint's rows were checked against this one)."""
+
+    def __init__(self, client, table: str):
+        h = client.handle(table)
+        if h.row_format != "fp8-e4m3-ue8m0":
+            raise StagingError(f"tierstore table {table} is {h.row_format}; sglang's Engram rows are "
+                               f"fp8-e4m3-ue8m0 (ingest the checkpoint with tierstore ingest-checkpoint)")
+        self.client, self.table = client, table
+        self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
+        self.full_resident = h.full_resident
+
+    def shape(self, which: str) -> tuple[int, int]:
+        return (self.rows, self.dim if which == "weight" else self.dim // FP8_BLOCK)
+
+    def read(self, which: str, rows: np.ndarray) -> np.ndarray:
+        """uint8 [len(rows), width] of the weights or the scales of `rows` (CheckpointCheck)."""
+        got = self._lookup(np.ascontiguousarray(rows, dtype=np.int64))
+        return got[:, :self.dim] if which == "weight" else got[:, self.dim:]
+
+    def gather(self, ids: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> None:
+        """weight[k] = the fp8 bytes of row ids[k], scale[k] its ue8m0 bytes: each distinct row
+        read once (Client.lookup), then split into the two buffers."""
+        uniq, inv = unique_inverse(ids)
+        got = self._lookup(uniq)
+        np.take(got[:, :self.dim], inv, axis=0, out=weight)
+        np.take(got[:, self.dim:], inv, axis=0, out=scale)
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        try:
+            got = self.client.lookup(self.table, ids)
+            served = self.client.handle(self.table).version
+        except errors.TierstoreError as e:
+            raise StagingError(f"tierstore could not give sglang's Engram rows of table {self.table} for this "
+                               f"batch ({type(e).__name__}: {e}); no rows were staged") from e
+        if served != self.version:
+            raise StagingError(f"tierstore now serves table {self.table} at v{served}; this sglang process checked "
+                               f"its checkpoint against v{self.version} and never mixes versions: restart sglang")
+        return got
+
+
+class StagedHostTable:
+    """What sglang reads of a staged layer's `host_table` (its layout, finish_load): no rows
+    here ("staged" is not sglang's "shared", so none of its gathers address it)."""
+
+    layout = "staged"
+
+    def __init__(self, staged: StagedTable):
+        self.staged = staged
+        self.dirty = False
+
+    def finish_load(self, label: str) -> None:
+        log.info("engram host table %s: tierstore table %s v%d, staged per batch (%s)", label, self.staged.table,
+                 self.staged.version, "full-resident" if self.staged.full_resident else "cache mode")
+
+
+class UnstagedForward:
+    """A staged layer's EngramEmbedding.forward, which sglang calls only for a batch without
+    staged rows: empty batches (and the capture of a piecewise prefill graph, whose replays
+    read the rows staged for them) get empty rows; any other batch raises."""
+
+    def __init__(self, embed, table: str):
+        self.embed, self.table = embed, table
+
+    def __call__(self, indices, forward_batch=None, *, cp_all_tokens: bool = False):
+        mode = getattr(forward_batch, "forward_mode", None)
+        if indices.shape[0] == 0:
+            return self.embed.new_rows(indices)
+        if _capturing():
+            if mode is not None and mode.is_extend_without_speculative():
+                return self.embed.new_rows(indices).zero_()  # the replay's eager segment reads its staged rows
+            raise StagingError(f"sglang's Engram table {self.table} is staged per batch by tierstore, and a captured "
+                               f"decode graph would replay this capture's rows: start sglang with "
+                               f"--cuda-graph-backend-decode=disabled (prefill graphs are fine)")
+        raise StagingError(f"sglang's Engram table {self.table} is staged per batch by tierstore, and this "
+                           f"{getattr(mode, 'name', 'unknown')} batch's rows were not staged: tierstore stages "
+                           f"extend and decode batches whose tokens are on the host (run sglang with "
+                           f"--disable-overlap-schedule; no speculative decoding)")
+
+
+def _capturing() -> bool:
+    try:
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+    except ImportError:
+        return False
+    return bool(get_is_capture_mode())
+
+
+# ---- the stager -------------------------------------------------------------------------------------
+class RowStager:
+    """EngramRowStager's contract over tierstore: `stage(batch)` -> per Engram layer (by its
+    layer_hash_index) (fp8 rows uint8 [n, dim], ue8m0 scales uint8 [n, dim / 32], the copy's
+    CUDA event or None on the host), n = tokens x hash columns in the forward's order; None
+    for a batch with nothing to stage (idle, empty, a mode the forward stages itself).
+
+    A layer sglang maps (a split-layout table, stage "auto") is gathered from the mapping,
+    the staged ones through their StagedTable. Raises StagingError when rows cannot be had
+    or the batch's tokens are not all on the host."""
+
+    current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
+
+    def __init__(self, hasher, engrams: list, device):
+        import torch
+
+        self.hasher, self.device = hasher, torch.device(device)
+        self.n = hasher.max_ngram_size
+        self.n_layers = int(hasher.primes.shape[0])
+        self.layers = [(m.layer_hash_index, _source(m.embed)) for m in engrams]
+        self.dim = int(engrams[0].embed.dim)
+        self.cuda = self.device.type == "cuda"
+        # the schedule stream waits on the running forward; a side stream's copies overlap it
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    @classmethod
+    def from_model(cls, model, hasher, device) -> "RowStager | None":
+        """A RowStager when any Engram layer of `model` is staged by tierstore, else None."""
+        from sglang.srt.layers.engram import Engram
+        from sglang.srt.runtime_context import get_parallel, get_schedule
+
+        engrams = sorted((m for m in model.modules() if isinstance(m, Engram)), key=lambda m: m.layer_hash_index)
+        if not any(getattr(m.embed, "tierstore_table", None) is not None for m in engrams):
+            return None
+        try:
+            cp = get_parallel().attn_cp_size
+        except ValueError:  # no parallel config published: a module built outside a server (tests, bench)
+            cp = 1
+        try:
+            overlap = not get_schedule().disable_overlap_schedule
+        except ValueError:
+            overlap = False
+        if overlap:  # each decode step's token would still be on the device when the step is staged
+            raise StagingError("tierstore stages sglang's Engram rows from the tokens on the host, which the "
+                               "overlap scheduler has not got yet at a decode step: start sglang with "
+                               "--disable-overlap-schedule (or serve the tables split-layout with RAM for them)")
+        if cp > 1:
+            raise StagingError("tierstore's row stager does not serve prefill context parallelism (each rank "
+                               "hashes the whole prompt): run sglang without it, or serve the tables "
+                               "split-layout (tierstore serve --split-layout all) with RAM for them")
+        stager = cls(hasher, engrams, device)
+        RowStager.current = stager
+        return stager
+
+    # ---- a batch ----
+    def stage(self, batch):
+        mode = batch.forward_mode
+        if mode is None or mode.is_idle() or not batch.reqs:
+            return None
+        if mode.is_decode():
+            tokens, positions = self._decode_windows(batch)
+        elif mode.is_extend_without_speculative():
+            tokens, positions = self._extend_windows(batch)
+        else:
+            return None  # target-verify, draft and prebuilt batches: a staged layer's forward refuses them
+        if tokens.shape[0] == 0:
+            return None
+        ids = self._hash(tokens, positions)
+        staged = [None] * self.n_layers
+        for k, source in self.layers:
+            staged[k] = self._stage_layer(source, np.ascontiguousarray(ids[:, k].reshape(-1)))
+        return staged
+
+    def _stage_layer(self, source, ids: np.ndarray):
+        import torch
+
+        n = ids.size
+        weight = torch.empty((n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
+        scale = torch.empty((n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
+        source.gather(ids, weight.numpy(), scale.numpy())
+        if not self.cuda:
+            return weight, scale, None
+        with torch.cuda.stream(self.copy_stream):
+            rows = weight.to(self.device, non_blocking=True)
+            scales = scale.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        # the pinned buffers go back to torch's host allocator, which reuses them only once
+        # the copies that read them are done; the device rows are the forward's (record_stream)
+        return rows, scales, copied
+
+    def _hash(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """sglang's own hash of predecessor windows (EngramHasher.hash_windows, on the host):
+        the ids its forward computes, [T, layers, hash columns]."""
+        import torch
+
+        t = torch.from_numpy(tokens)
+        blocked = torch.from_numpy(positions[:, None] < np.arange(self.n))
+        ids, _ = self.hasher.hash_windows(t, blocked)
+        return ids.cpu().numpy()
+
+    def _extend_windows(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [T, n]: column s the s-th predecessor, 0 before the sequence start;
+        positions [T]) of an extend batch's tokens in the forward's order."""
+        from sglang.srt.model_executor.encoder_swa_replay import replay_len
+
+        resets = batch.encoder_swa_reset or []
+        spans = []
+        for i, (req, prefix, extend) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True)):
+            head = replay_len(prefix) if i < len(resets) and resets[i] else 0  # an encoder SWA replay's head
+            spans.append((req, prefix - head, extend + head))
+        return self._windows(spans, "extend")
+
+    def _decode_windows(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """The windows of a decode batch: each request's newest token, at seq_len - 1."""
+        seq = [int(v) for v in batch.seq_lens_cpu.tolist()]
+        if len(seq) != len(batch.reqs):
+            raise StagingError(f"a decode batch of {len(batch.reqs)} requests has {len(seq)} rows (beam search): "
+                               f"tierstore's row stager does not stage those")
+        return self._windows([(req, s - 1, 1) for req, s in zip(batch.reqs, seq)], "decode")
+
+    def _windows(self, spans, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """spans: (request, first position, tokens) in the forward's order. One slice of each
+        request's ids (its look-back and its tokens), then one vectorised gather."""
+        lookback = self.n - 1
+        segs, lens, starts = [], [], []
+        for req, start, length in spans:
+            if length <= 0:
+                continue
+            lo = max(0, start - lookback)
+            seg = _slice_ids(req, lo, start + length)
+            if seg.size < start + length - lo:
+                raise StagingError(f"a {what} batch's newest token of request {req.rid} is still on the device "
+                                   f"(sglang's overlap scheduler): tierstore stages rows from the tokens on the "
+                                   f"host; run sglang with --disable-overlap-schedule")
+            segs.append(np.zeros(lookback - (start - lo), np.int64))
+            segs.append(seg)
+            lens.append(length)
+            starts.append(start)
+        if not lens:
+            return np.zeros((0, self.n), np.int64), np.zeros(0, np.int64)
+        flat = np.concatenate(segs)
+        lens_a, starts_a = np.asarray(lens), np.asarray(starts)
+        seg_base = np.concatenate([[0], np.cumsum(lens_a + lookback)[:-1]])  # each request's slice in flat
+        within = np.arange(lens_a.sum()) - np.repeat(np.cumsum(lens_a) - lens_a, lens_a)
+        at = np.repeat(seg_base + lookback, lens_a) + within  # each token's own index in flat
+        tokens = flat[at[:, None] - np.arange(self.n)]
+        return tokens, np.repeat(starts_a, lens_a) + within
+
+    # ---- a queued request ----
+    def prefetch(self, req, wait_steps: int) -> int:
+        """Prefetch the rows of queued request `req` (its first PREFETCH_TOKENS tokens) from every
+        cache-mode table: read now when it is expected to run within READ_AHEAD_STEPS steps,
+        else only hinted (the resident ones kept for it); kept about 2 x wait_steps + 2 steps
+        (a prefill step may be followed by a decode step). Returns the ids hinted. A hint:
+        a sidecar error is logged, never raised into the scheduler."""
+        tables = [(k, s) for k, s in self.layers if isinstance(s, StagedTable) and not s.full_resident]
+        if not tables:
+            return 0
+        n_ids = _fill_len(req)
+        tokens, positions = self._windows([(req, 0, min(n_ids, PREFETCH_TOKENS))], "prefetch")
+        if tokens.shape[0] == 0:
+            return 0
+        ids = self._hash(tokens, positions)
+        sent = 0
+        for k, t in tables:
+            uniq = np.unique(ids[:, k])
+            try:
+                longest = t.client.handle(t.table).max_prefetch_steps or 4096
+                t.client.prefetch(t.table, uniq, read=wait_steps <= READ_AHEAD_STEPS,
+                                  steps=max(1, min(longest, 2 * wait_steps + 2)))
+            except errors.TierstoreError as e:
+                log.warning("tierstore prefetch of request %s's rows of %s failed: %s", req.rid, t.table, e)
+                continue
+            sent += uniq.size
+        return sent
+
+
+class _MappedSource:
+    """A layer sglang maps (split-layout arena): rows gathered straight from the mapping."""
+
+    def __init__(self, embed):
+        import torch
+
+        self.weight = embed.weight.detach().view(torch.uint8).numpy()
+        self.scale = embed.scale.detach().view(torch.uint8).numpy()
+
+    def gather(self, ids: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> None:
+        np.take(self.weight, ids, axis=0, out=weight)
+        np.take(self.scale, ids, axis=0, out=scale)
+
+
+def _source(embed):
+    staged = getattr(embed, "tierstore_table", None)
+    if staged is not None:
+        return staged
+    if embed.weight.shape[0] == 0 or embed.weight.device.type != "cpu":
+        raise StagingError("an sglang Engram layer beside tierstore-staged ones keeps its table on the device: "
+                           "serve every Engram table from tierstore (TIERSTORE_SGLANG_SOCKET in every process)")
+    return _MappedSource(embed)
+
+
+def _fill_len(req) -> int:
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
+def _slice_ids(req, lo: int, hi: int) -> np.ndarray:
+    """int64 ids [lo, hi) of origin_input_ids + output_ids (fewer where the request has
+    fewer), sliced without joining the whole prompt (it can be 100k tokens)."""
+    origin, output = req.origin_input_ids, req.output_ids
+    o = len(origin)
+    parts = []
+    if lo < o:
+        parts.append(_as_int64(origin[lo:min(hi, o)]))
+    if hi > o:
+        parts.append(_as_int64(output[max(0, lo - o):hi - o]))
+    return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0, np.int64))
+
+
+def _as_int64(ids) -> np.ndarray:
+    if isinstance(ids, array) and ids.typecode == "q":
+        return np.frombuffer(ids, dtype=np.int64)  # sglang's ids are array("q"): no copy
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+# ---- the hooks ----------------------------------------------------------------------------------------
+def from_model(original, cls, model, hasher, device):
+    """AROUND EngramRowStager.from_model: tierstore's RowStager for a model with a staged
+    layer; sglang's own stager otherwise."""
+    stager = RowStager.from_model(model, hasher, device)
+    return stager if stager is not None else original(cls, model, hasher, device)
+
+
+def dequant_staged(original, embed, rows, scales, copied, hash_shape):
+    """AROUND EngramEmbedding.dequant_staged: sglang's own on CUDA; rows staged on the host are
+    dequantised as sglang's CPU lookup does (_owned_rows): fp32(e4m3) x fp32(e8m0), rounded
+    once to bf16, which is also engram_gather's arithmetic. Rows past the staged ones are 0."""
+    if rows.is_cuda:
+        return original(embed, rows, scales, copied, hash_shape)
+    import torch
+
+    out = torch.zeros(*hash_shape, embed.dim, dtype=torch.bfloat16)
+    flat = out.view(-1, embed.dim)
+    n = rows.shape[0]
+    w = rows.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, FP8_BLOCK))
+    s = scales.view(torch.float8_e8m0fnu).float()
+    flat[:n] = (w * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    return out
+
+
+def on_enqueue(result, scheduler, req, is_retracted: bool = False):
+    """AFTER Scheduler._add_request_to_queue: a request that joined the waiting queue has its
+    rows prefetched, its wait estimated from the tokens queued ahead of it in prefill chunks
+    (sglang's queue policy may reorder the queue: it is an estimate, and a hint)."""
+    stager = RowStager.current
+    queue = getattr(scheduler, "waiting_queue", None)
+    if stager is None or not queue or queue[-1] is not req:
+        return result  # not queued here (aborted, disaggregated prefill's bootstrap queue)
+    chunk = getattr(scheduler, "chunked_prefill_size", None) or PREFETCH_TOKENS
+    ahead = sum(_fill_len(r) for r in queue[:-1])
+    try:
+        stager.prefetch(req, wait_steps=ahead // chunk)
+    except Exception:  # noqa: BLE001 - a hint must never fail the scheduler
+        log.exception("tierstore prefetch of request %s failed", req.rid)
+    return result

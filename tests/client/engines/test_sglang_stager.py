@@ -1,0 +1,241 @@
+"""sglang 0.5.23's real Engram modules fed by tierstore's row stager from a cache-mode sidecar, on CPU.
+
+The checkpoint's tables are served by a real sidecar in cache mode (its
+--dram-budget a quarter of the rows): they are not split-layout, so the plugin
+stages them (client/engines/sglang_stager.py). The same `Engram` built twice
+from one checkpoint: once loading its table itself, once staged (no rows
+held; the checkpoint's rows checked against the sidecar's). The stager is what
+sglang's own seam returns (`EngramRowStager.from_model`, hooked through
+sglang's HookRegistry), fed real `ScheduleBatch`es of real `Req`s; its staged
+rows reach the module through sglang's `ForwardBatch.engram_staged_rows` ->
+`Engram.embed_rows` -> `dequant_staged`. An extend batch, then decode steps
+whose rows partly missed (read from the segment files) and partly hit (the
+rows the extend's misses promoted): identical bits every step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from array import array
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sglang_engram import build_engram, shard_tensors, word_tokenizer  # noqa: E402
+from v41_checkpoint import write_checkpoint  # noqa: E402
+
+from tierstore.client.client import Client
+from tierstore.ingest.checkpoint import ingest_checkpoint
+from tierstore.sidecar.launcher import SidecarProcess
+
+LAYERS = (1, 3)
+DECODE_STEPS = 6
+HOST_TABLE_VARS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
+
+
+@pytest.fixture(scope="module")
+def cache_model(tmp_path_factory, sglang_engram):
+    """The checkpoint, its tables served in cache mode (a quarter of the rows fit), a tokenizer."""
+    root = tmp_path_factory.mktemp("sglang_stager")
+    arrays = write_checkpoint(root / "ckpt")
+    ingest_checkpoint(root / "ckpt", root / "data", progress=False)
+    text = json.loads((root / "ckpt" / "config.json").read_text())["text_config"]
+    rows = sum(a["embed.weight"].shape[0] for a in arrays.values())
+    with SidecarProcess(root / "data", dram_budget=str(rows * 264 // 4)) as sc:
+        yield dict(root=root, arrays=arrays, text=text, tokenizer=word_tokenizer(root), socket=str(sc.socket))
+
+
+def _stats(socket) -> dict:
+    """{table: its sidecar stats}, counters as ints (the wire's JSON writes uint64 as strings)."""
+    with Client(socket) as c:
+        return {t["table"]: {k: (int(v) if k != "mode" and k != "table" else v) for k, v in t.items()}
+                for t in c.stats()["tables"]}
+
+
+@pytest.fixture(scope="module")
+def staged(cache_model, sglang_engram):
+    """{layer: (sglang loading its own table, sglang staged by tierstore)}, the stager sglang's
+    seam returns, and sglang's EngramHasher."""
+    from torch import nn
+
+    from sglang.srt.layers.engram_staging import EngramRowStager
+
+    from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.client.engines import sglang_stager
+
+    assert all(s["mode"] == "cache" for s in _stats(cache_model["socket"]).values())
+    own = {L: build_engram(sglang_engram, cache_model, L)[0] for L in LAYERS}
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
+    # the load checks a spread of 64 rows here: 4096 would be most of this small table, where on
+    # V4.1's it is a few in a million, and the cache would start full of them
+    mp.setattr(ts_sglang, "CHECK_ROWS", 64)
+    ts_sglang.install()
+    try:
+        fed = {L: build_engram(sglang_engram, cache_model, L) for L in LAYERS}
+    finally:
+        mp.undo()
+        for var in HOST_TABLE_VARS:
+            os.environ.pop(var, None)
+    layout = fed[1][1]
+    text = cache_model["text"]
+    hasher = sglang_engram[0].EngramHasher(layout, cache_model["tokenizer"], text["engram_pad_token_id"],
+                                           text["engram_compressed_vocab_size"])
+    hasher.init_history(4, "cpu")
+    model = nn.ModuleList([fed[L][0] for L in LAYERS])
+    stager = EngramRowStager.from_model(model, hasher, torch.device("cpu"))  # sglang's seam, hooked
+    yield dict(modules={L: (own[L], fed[L][0]) for L in LAYERS}, stager=stager, hasher=hasher)
+    sglang_stager.close()
+
+
+def _req(rid: str, tokens) -> object:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=64))
+    req.refresh_fill_ids()
+    return req
+
+
+def _forward_batches(reqs, lens, step: int):
+    """sglang's ForwardBatch of the extend (step 0) or the step-th decode step of `reqs`."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    bs = len(reqs)
+    if step == 0:
+        ids = torch.tensor(sum((list(r.origin_input_ids) for r in reqs), []), dtype=torch.int64)
+        starts = torch.tensor([0, *np.cumsum(lens)[:-1].tolist()])
+        return ids, ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=bs, input_ids=ids, req_pool_indices=torch.arange(bs),
+            seq_lens=torch.tensor(lens), out_cache_loc=torch.arange(1, len(ids) + 1), seq_lens_sum=sum(lens),
+            positions=torch.cat([torch.arange(n) for n in lens]), extend_seq_lens=torch.tensor(lens),
+            extend_start_loc=starts, extend_seq_lens_cpu=list(lens),
+            extend_prefix_lens=torch.zeros(bs, dtype=torch.int64), extend_prefix_lens_cpu=[0] * bs)
+    ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+    seq = [n + step for n in lens]
+    return ids, ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=ids, req_pool_indices=torch.arange(bs),
+        seq_lens=torch.tensor(seq), out_cache_loc=torch.arange(bs) + 1000 * step, seq_lens_sum=sum(seq),
+        positions=torch.tensor(seq) - 1)
+
+
+def _promoted(socket, steps: int, timeout: float = 10.0) -> dict:
+    """The sidecar's stats once it has learned `steps` local steps of every table (notes are one-way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _stats(socket)
+        if all(s["local_steps"] >= steps for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_misses(cache_model, staged):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tierstore.client.engines.sglang_stager import RowStager
+
+    stager, hasher, modules = staged["stager"], staged["hasher"], staged["modules"]
+    assert isinstance(stager, RowStager)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 512, 40).tolist(), rng.integers(0, 512, 24).tolist()]
+    reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=list(lens))
+    text = cache_model["text"]
+    for step in range(DECODE_STEPS + 1):
+        if step:  # the token sampled last step, on the host (no overlap scheduler); it repeats the
+            for r, p in zip(reqs, prompts):  # prompt, so later steps' n-grams are the extend's again
+                r.output_ids.append(p[step - 1])
+            batch.forward_mode = ForwardMode.DECODE
+            batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+        staged_rows = stager.stage(batch)  # ahead of the forward, as prepare_for_forward does
+        input_ids, fb = _forward_batches(reqs, lens, step)
+        hash_ids = hasher(input_ids, fb)  # the forward's own hash (and history commit)
+        x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
+                        generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        for k, L in enumerate(LAYERS):
+            own, fed = modules[L]
+            with torch.no_grad():
+                fb.engram_staged_rows = None
+                a = own(x, hash_ids[:, k], fb, input_ids=input_ids)
+                fb.engram_staged_rows = staged_rows
+                b = fed(x, hash_ids[:, k], fb, input_ids=input_ids)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}, layer {L}"
+            assert not torch.equal(a, x)  # the gate opened: rows were read
+        if step == 0:  # let the sidecar promote the extend's misses before the decode steps read
+            stager.layers[0][1].client.flush()
+            _promoted(cache_model["socket"], 1)
+    stats = _promoted(cache_model["socket"], DECODE_STEPS + 1)
+    for L in LAYERS:
+        s = stats[f"l{L}"]
+        assert s["hits"] > 0 and s["misses"] > 0, s
+        local = stager.layers[LAYERS.index(L)][1].client.handle(f"l{L}").local
+        assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
+
+
+def test_a_queued_requests_rows_are_prefetched_by_the_sidecar(cache_model, staged):
+    stager = staged["stager"]
+    before = {t: s["prefetched"] for t, s in _stats(cache_model["socket"]).items()}
+    req = _req("queued", np.random.default_rng(99).integers(0, 512, 48).tolist())
+    assert stager.prefetch(req, wait_steps=0) > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = _stats(cache_model["socket"])
+        if all(now[t]["prefetched"] > before[t] for t in before):
+            break
+        time.sleep(0.02)
+    assert all(now[t]["prefetched"] > before[t] for t in before), (before, now)
+
+
+def test_an_unstaged_batch_or_a_token_still_on_the_device_is_refused_not_guessed(cache_model, staged):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tierstore.client.engines.sglang_stager import StagingError
+
+    req = _req("late", [5, 6, 7, 8])
+    input_ids, fb = _forward_batches([req], [4], 0)
+    _, fed = staged["modules"][1]
+    x = torch.zeros(4, cache_model["text"]["hc_mult"], cache_model["text"]["hidden_size"], dtype=torch.bfloat16)
+    with pytest.raises(StagingError, match="EXTEND batch's rows were not staged"):
+        fed(x, torch.zeros(4, 9, dtype=torch.int64), fb, input_ids=input_ids)
+    # overlap scheduling: the decode step's token has not reached req.output_ids yet
+    batch = ScheduleBatch(reqs=[req], forward_mode=ForwardMode.DECODE, seq_lens_cpu=torch.tensor([5]))
+    with pytest.raises(StagingError, match="--disable-overlap-schedule"):
+        staged["stager"].stage(batch)
+
+
+def test_a_checkpoint_that_differs_from_the_sidecars_rows_is_refused_at_load(cache_model, staged):
+    from tierstore.client.engines.sglang import CheckpointCheck, EngineAttachError
+
+    fed = staged["modules"][1][1].embed
+    assert fed.weight.shape[0] == 0  # a staged layer holds no rows
+    t = shard_tensors(cache_model["root"], 1)
+    every = CheckpointCheck(fed, fed.tierstore_table, "l1", "all")
+    every(fed.weight, t["embed.weight"])
+    every(fed.scale, t["embed.scale"])
+    bad = t["embed.scale"].view(torch.uint8).clone()
+    bad[-3, 2] ^= 1
+    row = len(bad) - 3
+    with pytest.raises(EngineAttachError, match=f"embed.scale differs from tierstore table l1 v1 at row {row}"):
+        every(fed.scale, bad.view(t["embed.scale"].dtype))
+
+
+def test_stage_is_set_the_sglang_way(monkeypatch):
+    from tierstore.client.engines.sglang import SglangConfig
+    from tierstore.errors import InvalidArgument
+
+    monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", "/s")
+    assert SglangConfig.from_env().stage == "auto"  # stage what is not split-layout
+    for given, want in (("1", "on"), ("0", "off"), ("ON", "on"), ("auto", "auto")):
+        monkeypatch.setenv("TIERSTORE_SGLANG_STAGE", given)
+        assert SglangConfig.from_env().stage == want
+    monkeypatch.setenv("TIERSTORE_SGLANG_STAGE", "sometimes")
+    with pytest.raises(InvalidArgument, match="TIERSTORE_SGLANG_STAGE is auto, on"):
+        SglangConfig.from_env()
