@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sglang_engram import build_engram, shard_tensors, word_tokenizer  # noqa: E402
 from v41_checkpoint import write_checkpoint  # noqa: E402
 
+from tierstore import errors
 from tierstore.client.client import Client
 from tierstore.ingest.checkpoint import ingest_checkpoint
 from tierstore.sidecar.launcher import SidecarProcess
@@ -239,3 +240,47 @@ def test_stage_is_set_the_sglang_way(monkeypatch):
     monkeypatch.setenv("TIERSTORE_SGLANG_STAGE", "sometimes")
     with pytest.raises(InvalidArgument, match="TIERSTORE_SGLANG_STAGE is auto, on"):
         SglangConfig.from_env()
+
+
+def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sglang_engram, staged, monkeypatch):
+    """A flipped byte in a cold row a batch needs: stage() raises StagingError (DATA_LOSS from the
+    verified read), and no rows reach the forward."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from torch import nn
+
+    from sglang.srt.layers.engram_staging import EngramRowStager
+
+    from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.client.engines.sglang_stager import RowStager, StagingError
+    from tierstore.store.catalog import Catalog
+
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    text = json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"]
+    req = _req("bad", [11, 12, 13, 14, 15])
+    tokens, positions = staged["stager"]._windows([(req, 0, 5)], "extend")
+    bad = int(staged["stager"]._hash(tokens, positions)[2, 0, 4])  # layer 1, token 2, hash column 4
+    with Catalog(tmp_path / "data", readonly=True) as cat:
+        tv = cat.current("l1")
+    seg = tmp_path / "data" / tv.segments[bad // tv.segment_rows]
+    with open(seg, "r+b") as f:
+        f.seek((bad % tv.segment_rows) * tv.record_bytes + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    with SidecarProcess(tmp_path / "data", dram_budget="256KiB") as sc:
+        monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
+        monkeypatch.setenv("TIERSTORE_SGLANG_VERIFY", "off")
+        ts_sglang.install()
+        try:
+            fed, _ = build_engram(sglang_engram, dict(root=tmp_path, text=text), 1)
+        finally:
+            for var in HOST_TABLE_VARS:
+                os.environ.pop(var, None)
+        stager = EngramRowStager.from_model(nn.ModuleList([fed]), staged["hasher"], torch.device("cpu"))
+        assert isinstance(stager, RowStager)
+        batch = ScheduleBatch(reqs=[req], forward_mode=ForwardMode.EXTEND, prefix_lens=[0], extend_lens=[5])
+        with pytest.raises(StagingError, match=rf"checksum mismatch in block \d+ \(row {bad}\)") as e:
+            stager.stage(batch)
+        assert isinstance(e.value.__cause__, errors.DataLoss)
