@@ -195,9 +195,8 @@ class RowStager:
     CUDA event or None on the host), n = tokens x hash columns in the forward's order; None
     for a batch with nothing to stage (idle, empty, a mode the forward stages itself).
 
-    A layer sglang maps (a split-layout table, stage "auto") is gathered from the mapping,
-    the staged ones through their StagedTable. Raises StagingError when rows cannot be had
-    or the batch's tokens are not all on the host."""
+    Every Engram layer of the model is staged (from_model refuses a mix). Raises
+    StagingError when rows cannot be had or the batch's tokens are not all on the host."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
@@ -207,7 +206,7 @@ class RowStager:
         self.hasher, self.device = hasher, torch.device(device)
         self.n = hasher.max_ngram_size
         self.n_layers = int(hasher.primes.shape[0])
-        self.layers = [(m.layer_hash_index, _source(m.embed)) for m in engrams]
+        self.layers = [(m.layer_hash_index, m.embed.tierstore_table) for m in engrams]
         self.dim = int(engrams[0].embed.dim)
         self.cuda = self.device.type == "cuda"
         # the schedule stream waits on the running forward; a side stream's copies overlap it
@@ -220,8 +219,13 @@ class RowStager:
         from sglang.srt.runtime_context import get_parallel, get_schedule
 
         engrams = sorted((m for m in model.modules() if isinstance(m, Engram)), key=lambda m: m.layer_hash_index)
-        if not any(getattr(m.embed, "tierstore_table", None) is not None for m in engrams):
+        staged = [getattr(m.embed, "tierstore_table", None) is not None for m in engrams]
+        if not any(staged):
             return None
+        if not all(staged):  # e.g. a sidecar whose --split-layout names some of the tables
+            raise StagingError("some of sglang's Engram layers are staged by tierstore and others are mapped or "
+                               "sglang's own: serve every Engram table split-layout (--split-layout all, when they "
+                               "fit) or set TIERSTORE_SGLANG_STAGE=on to stage them all")
         try:
             cp = get_parallel().attn_cp_size
         except ValueError:  # no parallel config published: a module built outside a server (tests, bench)
@@ -344,7 +348,7 @@ class RowStager:
         else only hinted (the resident ones kept for it); kept about 2 x wait_steps + 2 steps
         (a prefill step may be followed by a decode step). Returns the ids hinted. A hint:
         a sidecar error is logged, never raised into the scheduler."""
-        tables = [(k, s) for k, s in self.layers if isinstance(s, StagedTable) and not s.full_resident]
+        tables = [(k, t) for k, t in self.layers if not t.full_resident]
         if not tables:
             return 0
         n_ids = _fill_len(req)
@@ -364,30 +368,6 @@ class RowStager:
                 continue
             sent += uniq.size
         return sent
-
-
-class _MappedSource:
-    """A layer sglang maps (split-layout arena): rows gathered straight from the mapping."""
-
-    def __init__(self, embed):
-        import torch
-
-        self.weight = embed.weight.detach().view(torch.uint8).numpy()
-        self.scale = embed.scale.detach().view(torch.uint8).numpy()
-
-    def gather(self, ids: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> None:
-        np.take(self.weight, ids, axis=0, out=weight)
-        np.take(self.scale, ids, axis=0, out=scale)
-
-
-def _source(embed):
-    staged = getattr(embed, "tierstore_table", None)
-    if staged is not None:
-        return staged
-    if embed.weight.shape[0] == 0 or embed.weight.device.type != "cpu":
-        raise StagingError("an sglang Engram layer beside tierstore-staged ones keeps its table on the device: "
-                           "serve every Engram table from tierstore (TIERSTORE_SGLANG_SOCKET in every process)")
-    return _MappedSource(embed)
 
 
 def _fill_len(req) -> int:

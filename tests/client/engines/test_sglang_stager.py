@@ -284,3 +284,48 @@ def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sg
         with pytest.raises(StagingError, match=rf"checksum mismatch in block \d+ \(row {bad}\)") as e:
             stager.stage(batch)
         assert isinstance(e.value.__cause__, errors.DataLoss)
+
+
+def test_stage_on_stages_a_split_layout_table_too(tmp_path, sglang_engram, staged, monkeypatch):
+    """TIERSTORE_SGLANG_STAGE=on: a full-resident split table is staged as well (its rows read
+    with Client.lookup, interleaved whatever the arena's layout), bit-identical."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from torch import nn
+
+    from sglang.srt.layers.engram_staging import EngramRowStager
+
+    from tierstore.client.engines import sglang as ts_sglang
+
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    m = dict(root=tmp_path, text=json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"])
+    own, _ = build_engram(sglang_engram, m, 1)
+    with SidecarProcess(tmp_path / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc:
+        monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
+        monkeypatch.setenv("TIERSTORE_SGLANG_STAGE", "1")
+        ts_sglang.install()
+        try:
+            fed, _ = build_engram(sglang_engram, m, 1)
+        finally:
+            for var in HOST_TABLE_VARS:
+                os.environ.pop(var, None)
+        assert fed.embed.weight.shape[0] == 0 and fed.embed.tierstore_table.full_resident
+        hasher = staged["hasher"]
+        stager = EngramRowStager.from_model(nn.ModuleList([fed]), hasher, torch.device("cpu"))
+        req = _req("split", np.random.default_rng(3).integers(0, 512, 12).tolist())
+        batch = ScheduleBatch(reqs=[req], forward_mode=ForwardMode.EXTEND, prefix_lens=[0], extend_lens=[12])
+        for step in (0, 1):
+            if step:
+                req.output_ids.append(77)
+                batch.forward_mode, batch.seq_lens_cpu = ForwardMode.DECODE, torch.tensor([13])
+            rows = stager.stage(batch)
+            input_ids, fb = _forward_batches([req], [12], step)
+            hash_ids = hasher(input_ids, fb)
+            x = torch.randn(len(input_ids), m["text"]["hc_mult"], m["text"]["hidden_size"],
+                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            with torch.no_grad():
+                a = own(x, hash_ids[:, 0], fb, input_ids=input_ids)
+                fb.engram_staged_rows = rows
+                b = fed(x, hash_ids[:, 0], fb, input_ids=input_ids)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), step
