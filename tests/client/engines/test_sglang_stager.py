@@ -329,3 +329,30 @@ def test_stage_on_stages_a_split_layout_table_too(tmp_path, sglang_engram, stage
                 fb.engram_staged_rows = rows
                 b = fed(x, hash_ids[:, 0], fb, input_ids=input_ids)
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), step
+
+
+def test_windows_of_any_span_are_the_whole_sequences_windows(staged):
+    """A chunk (prefix > 0), a decode token, a span across prompt and output: the windows built
+    from the slice are the whole sequence's, positions included (0 before the start)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    stager = staged["stager"]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 30), st.integers(0, 10), st.data())
+    def check(n_origin, n_output, data):
+        rng = np.random.default_rng(n_origin * 31 + n_output)
+        req = _req("w", rng.integers(0, 512, n_origin).tolist())
+        req.output_ids.extend(rng.integers(0, 512, n_output).tolist())
+        total = n_origin + n_output
+        start = data.draw(st.integers(0, total - 1))
+        length = data.draw(st.integers(1, total - start))
+        whole, pos = stager._windows([(req, 0, total)], "extend")
+        part, part_pos = stager._windows([(req, start, length)], "extend")
+        assert np.array_equal(part, whole[start:start + length])
+        assert np.array_equal(part_pos, pos[start:start + length])
+        seq = np.concatenate([np.zeros(3, np.int64), np.asarray(list(req.origin_input_ids) + list(req.output_ids))])
+        assert np.array_equal(whole[:, 0], seq[3:]) and np.array_equal(whole[:, 3], seq[:-3])
+
+    check()
