@@ -57,6 +57,7 @@ def test_the_wheel_ships_every_package(installed):
     assert "site-packages" in where and str(ROOT) not in where
 
 
+@pytest.mark.slow
 def test_the_installed_command_serves_a_table(installed):
     py, script, cwd = installed
     data, sock = cwd / "data", cwd / "s.sock"

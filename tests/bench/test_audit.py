@@ -26,6 +26,7 @@ def demo_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_cli_audit_reports_every_path(cli, demo_dir, tmp_path):
     out = tmp_path / "report"
     code, stdout, _ = cli("audit", "--data", demo_dir, "--out", out, "--batch", 2, "--seq", 32,

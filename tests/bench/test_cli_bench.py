@@ -1,6 +1,8 @@
 """`tierstore bench ...` end to end: results.json, plots, summary lines, report."""
 import json
 
+import pytest
+
 from tierstore.bench import baselines
 
 
@@ -26,6 +28,7 @@ def test_bench_lookup_writes_results_plot_and_report(cli, make_table, data_dir, 
     assert "ceiling" in report and "zipf1.0 batch=128" in report and "lookup zipf1.0 b=128" in report
 
 
+@pytest.mark.slow
 def test_bench_cold_adds_to_the_same_results(cli, tmp_path):
     out = tmp_path / "out"
     (out).mkdir()

@@ -16,6 +16,7 @@ def real_text():
             pytest.skip(f"{mod} is not installed: the bench hashes real text with DeepSeek's tokenizer")
 
 
+@pytest.mark.slow
 def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_path, real_text):
     data, out = tmp_path / "data", tmp_path / "out"
     code, stdout, err = cli("bench", "large", "--data", data, "--out", out, "--quick", "--no-progress")

@@ -60,6 +60,7 @@ def test_a_competitor_returning_wrong_rows_fails_loudly(make_table, data_dir, tm
                          competitors=("mmap",), progress=False, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
     from tierstore.bench.cold import run_cold_bench
 
@@ -102,6 +103,7 @@ def test_the_ceiling_without_numba_is_numpys_take(numpy_path):
     assert np.array_equal(ceiling.get(ids), table[ids])
 
 
+@pytest.mark.slow
 def test_lookup_table_mib_writes_its_own_table_once_and_leaves_out_whole_copies(tmp_path, monkeypatch):
     from tierstore.bench import lookup
 

@@ -2,7 +2,10 @@
 without, both measured in the same run against the steady state before them."""
 import json
 
+import pytest
 
+
+@pytest.mark.slow
 def test_bench_warm_reports_warm_and_cold_restarts(cli, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = cli("bench", "warm", "--out", out, "--table-mib", "8", "--batch", "1024",

@@ -25,6 +25,7 @@ def two_hosts(cluster, make_table, data_dir, tmp_path, cli):
     return data_dir, host_b, flags, data
 
 
+@pytest.mark.slow
 def test_both_hosts_serve_bit_exact_rows(two_hosts):
     host_a, host_b, flags, data = two_hosts
     ids = np.random.default_rng(3).integers(0, ROWS, 4000)

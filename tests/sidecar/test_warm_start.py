@@ -2,6 +2,8 @@
 promotes the hot set its predecessor recorded, in the background, while serving."""
 from __future__ import annotations
 
+import pytest
+
 import shutil
 import stat
 import time
@@ -122,6 +124,7 @@ def test_a_damaged_hot_set_is_ignored_with_a_warning_and_rows_stay_exact(tmp_pat
         assert log.count("ignoring a damaged hot set") == 2 and "WARNING" in log
 
 
+@pytest.mark.slow
 def test_a_plan_does_not_wait_for_the_warm_up(tmp_path):
     rows, row_bytes = 600_000, 64
     d = tmp_path / "data"
