@@ -173,3 +173,24 @@ def test_a_parent_pid_that_is_not_the_parent_is_refused_before_any_table_loads(t
     assert len(lines) == 1 and "--parent-pid" in lines[0] and value in lines[0] and "parent" in lines[0], lines
     assert "serving" not in done.stdout and not sock.exists()
     assert SidecarProcess(d, socket=sock).shm_files() == []
+
+
+def test_a_burst_of_signals_stops_the_sidecar_cleanly(tmp_path):
+    """Ctrl-C pressed again and again, or a supervisor repeating SIGTERM: the sidecar stops,
+    exit 0, its socket and arenas gone. (A handler that set a threading.Event deadlocked
+    when a signal landed while the main thread held the Event's lock: the sidecar hung.)"""
+    d = tmp_path / "data"
+    _table(d, 4096)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        sc = SidecarProcess(d, dram_budget="8MiB").start()
+        shm = sc.shm_files()
+        assert shm
+        try:
+            deadline = time.monotonic() + 5
+            while sc.proc.poll() is None and time.monotonic() < deadline:
+                sc.proc.send_signal(sig)
+            sc.proc.wait(10)
+            assert sc.proc.returncode == 0, sc.log()
+            assert not sc.socket.exists() and not any(p.exists() for p in shm)
+        finally:
+            sc.stop()

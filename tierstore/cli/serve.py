@@ -8,6 +8,8 @@ mapping either way: unlinking a shm file never pulls pages from under a reader.
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 
 __all__ = ["add_arguments", "run"]
 
@@ -68,7 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import logging
     import signal
-    import threading
 
     from tierstore.sidecar.config import ServeConfig
     from tierstore.sidecar.server import Server
@@ -94,20 +95,22 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
     server = Server(cfg)
+    stop = _StopPipe()
     try:
         server.start()
-    except BaseException:
-        server.stop(grace=0)  # e.g. --metrics-port in use: leave no socket or arena behind
+        for sig in (signal.SIGTERM, signal.SIGINT):  # serving: a signal now asks for a clean stop
+            signal.signal(sig, stop.signal)
+    except BaseException:  # e.g. --metrics-port in use, or a signal as serving began
+        _ignore_stop_signals()
+        server.stop(grace=0)  # leave no socket or arena behind
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     if cfg.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, stop), name="parent-watch", daemon=True).start()
     modes = ", ".join(f"{t}:{e.stats()['mode']}" for t, e in server.served.engines.items())
     print(f"tierstore serving {len(server.served.engines)} table(s) [{modes}] on {' '.join(server.addresses)}",
           flush=True)
     stop.wait()
+    _ignore_stop_signals()  # one stop: more signals (Ctrl-C pressed again) neither interrupt nor kill it
     server.stop()
     print("tierstore stopped", flush=True)
     return 0
@@ -116,14 +119,39 @@ def run(args) -> int:
 PARENT_POLL_S = 0.25
 
 
-def _watch_parent(pid: int, stop) -> None:
-    """Set `stop` once `pid` is no longer the parent (it died: this process was re-parented)."""
-    import os
+class _StopPipe:
+    """What ends `serve`: SIGTERM, SIGINT or a parent gone. A signal handler must take no
+    lock: it runs in the main thread between two bytecodes, possibly while that thread
+    holds the very lock it would take (threading.Event.set() from a handler deadlocks
+    when the signal lands as Event.wait() begins, and the sidecar then never stops). So
+    a handler only writes a byte to a pipe, and the main thread blocks reading it."""
 
-    while not stop.wait(PARENT_POLL_S):
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self.stopped = threading.Event()  # for threads (the parent watch), set by the main thread
+
+    def signal(self, *_) -> None:
+        self.set()
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:  # the pipe is full of earlier requests: one is enough
+            pass
+
+    def wait(self) -> None:
+        os.read(self._r, 1)
+        self.stopped.set()
+
+
+def _watch_parent(pid: int, stop: _StopPipe) -> None:
+    """Stop once `pid` is no longer the parent (it died: this process was re-parented)."""
+    while not stop.stopped.wait(PARENT_POLL_S):
         if os.getppid() != pid:
             print(f"tierstore: parent process {pid} is gone; stopping", flush=True)
             stop.set()
+            return
 
 
 def _prepare_remote_tables(args) -> None:
@@ -170,6 +198,13 @@ def _return_big_buffers_to_the_os() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
+
+
+def _ignore_stop_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _exit_now(signum, frame) -> None:
