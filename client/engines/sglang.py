@@ -52,6 +52,7 @@ Engram never calls into it (docs/engines.md).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -243,21 +244,12 @@ _LOCK = threading.Lock()
 
 
 def _split_table(config: SglangConfig, table: str):
-    from tierstore.client.client import Client
-
     with _LOCK:
         t = _TABLES.get((config.socket, table))
         if t is not None and not t.retired:
             return t
-        try:
-            with Client(config.socket, timeout=config.timeout) as c:
-                t = c.split_table(table)
-        except errors.Unavailable as e:
-            raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
-                                    f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "
-                                    f"--data DIR --socket {config.socket} --split-layout all`") from None
-        except errors.TierstoreError as e:
-            raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
+        with _sidecar(config, table, " --split-layout all") as c:
+            t = c.split_table(table)
         _TABLES[(config.socket, table)] = t
         return t
 
@@ -267,15 +259,23 @@ def _staged(config: SglangConfig, table: str) -> bool:
     config.stage, and under "auto" whether the sidecar serves it anything but split-layout."""
     if config.stage != "auto":
         return config.stage == "on"
+    with _sidecar(config, table) as c:
+        return not c.handle(table).split
+
+
+@contextlib.contextmanager
+def _sidecar(config: SglangConfig, table: str, serve_flags: str = ""):
+    """A Client of the sidecar, its errors as EngineAttachError naming table `table` and,
+    for a sidecar that does not answer, the command that starts one (with `serve_flags`)."""
     from tierstore.client.client import Client
 
     try:
         with Client(config.socket, timeout=config.timeout) as c:
-            return not c.handle(table).split
+            yield c
     except errors.Unavailable as e:
         raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
                                 f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "
-                                f"--data DIR --socket {config.socket}`") from None
+                                f"--data DIR --socket {config.socket}{serve_flags}`") from None
     except errors.TierstoreError as e:
         raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
 
