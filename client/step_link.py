@@ -9,7 +9,8 @@ noted here and sent in batches, one-way: every NOTE_EVERY_S or NOTE_IDS ids
 while steps run, by the same thread after the last. A note carries the rows its
 steps read from disk, up to NOTE_ROW_BYTES a frame, so the sidecar promotes them
 without reading them again (it verifies each first); rows past that bound go
-without their bytes (the sidecar reads the ones it promotes).
+without their bytes (the sidecar reads the ones it promotes), as do all of them
+with O_DIRECT (local_reads.py says why).
 """
 from __future__ import annotations
 

@@ -71,6 +71,11 @@ class CacheEngine(TableEngine):
             self.slots.close()
             raise
         self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
+        # rows a client carried are placed only where their sums are cheap to get: through the page
+        # cache. With O_DIRECT each sum is a disk read (a page fault on the map, one at a time), so
+        # the records are read instead, batched at queue depth (read_into): the same reads, no faults
+        self._places_carried = (hasattr(reader, "place_rows") and getattr(reader, "verifies_rows", False)
+                                and getattr(reader, "direct", None) is None)
         self._fills: dict[int, Fill] = {}
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
@@ -210,7 +215,9 @@ class CacheEngine(TableEngine):
         them is placed from those bytes, each verified against its row sum in the same
         pass, instead of read from disk; one that does not match is read from disk
         instead and counted (note_rows_refused): no row the sidecar did not verify is
-        ever placed. Never refused: when the arena is full of leased rows, the misses that
+        ever placed. With O_DIRECT the rows are not used (a row's sum would cost a disk
+        read of its own): the promoted misses are read from disk, batched, like any
+        miss (the client does not send them then). Never refused: when the arena is full of leased rows, the misses that
         do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
         ends or rows (nothing is learned then)."""
         ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
@@ -221,7 +228,7 @@ class CacheEngine(TableEngine):
                 return 0  # freed meanwhile (a version swap): nothing to learn
             try:
                 carried = None
-                if row_ids is not None and row_ids.size and getattr(self.reader, "verifies_rows", False):
+                if row_ids is not None and row_ids.size and self._places_carried:
                     have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
                     carried = (have, first.astype(np.int64, copy=False), rows)
                 return self._note_access(ids, ends, carried)
@@ -453,7 +460,7 @@ class CacheEngine(TableEngine):
         ones in `carried` are placed from those bytes and checked against their row sums in
         one pass (SegmentReader.place_rows); if any does not match, all of them are read
         from disk like the rest (a client's copy is never trusted over the disk's)."""
-        if carried is not None and ids.size and hasattr(self.reader, "place_rows"):
+        if carried is not None and ids.size:
             have_ids, local, rows = carried
             pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
             have = have_ids[pos] == ids

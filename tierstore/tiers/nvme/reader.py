@@ -348,8 +348,10 @@ class SegmentReader(Tier):
         Every row mismatches for a version without row sums: nothing unverified is
         ever placed. Format 2: the sums are read from the records' last words through
         the segment maps (pages the client's read has just brought into the page
-        cache), never taken from the client. ChecksumError when a segment or the
-        row-sum file shrank since it was opened."""
+        cache), never taken from the client. For page-cache mode: with O_DIRECT those
+        pages are not cached and each sum is a page fault, one at a time, so the engine
+        reads the records instead (read_into, batched). ChecksumError when a segment or
+        the row-sum file shrank since it was opened."""
         if ids.size == 0:
             return -1
         if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
