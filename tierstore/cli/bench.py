@@ -12,7 +12,8 @@
     tierstore bench scale  --out OUT [--quick]          (Plan cost vs arena size)
     tierstore bench concurrency --data DIR --out OUT    (N worker processes on one cache-mode table)
     tierstore bench remote --out OUT [--quick]          (misses from NVMe vs Mooncake vs EngramStore; warm-up)
-    tierstore bench engines --out OUT [--quick]         (sglang's Engram: own host table vs tierstore's arena)
+    tierstore bench engines --out OUT [--quick]         (sglang's Engram: own host table vs tierstore's arena
+                           vs tierstore cache mode at 25% of rows, the row stager, real-text ids)
     tierstore bench all    --data DIR --out OUT [--quick]
     tierstore bench report OUT
 
@@ -140,10 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
     _common(al)
     en = sub.add_parser("engines", help="sglang's Engram on CPU: its own host table vs tierstore's split arena "
-                        "(step time, bit-exactness, start-up)")
+                        "vs tierstore cache mode at 25%% of rows through the row stager (step time, bit-exactness, "
+                        "hit ratio, start-up)")
     _common(en, data=False)
     en.add_argument("--vocab", type=int, help="engram vocab size: rows are ~24x it (default 200000, quick 20000)")
-    en.add_argument("--tokens", type=int, default=512, help="tokens per extend batch (default 512)")
+    en.add_argument("--tokens", type=int, default=512, help="tokens per extend batch (default 512; in cache mode "
+                    "over 4 requests, each extend followed by 8 decode steps, quick 3)")
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
     rep.add_argument("out", help="output directory of an earlier run")
     p.set_defaults(_parser=p)
