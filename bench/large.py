@@ -286,7 +286,8 @@ class _TierstoreSide:
         from tierstore.sidecar.launcher import SidecarProcess
 
         self.tables = tables
-        self.proc = SidecarProcess(data_dir, dram_budget=budget, extra_args=extra).start()
+        # every competitor starts cold: no warm start from the hot set the previous one recorded
+        self.proc = SidecarProcess(data_dir, dram_budget=budget, extra_args=["--no-warm-start", *extra]).start()
         try:
             self.client = Client(self.proc.socket)
         except BaseException:
