@@ -318,10 +318,13 @@ class StepConnection:
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument(f"step-socket client of {self.path} is closed")
+            # one wait for a restarting sidecar per call, however many reconnects it makes (the
+            # reply in flight, then this request): Unavailable within RECONNECT_WAIT_S, not twice that
+            deadline = time.monotonic() + min(self.timeout, RECONNECT_WAIT_S)
             if self._inflight is not None:
-                self._finish(self._inflight)  # one in flight: a reply never waits behind our next send
+                self._finish(self._inflight, deadline)  # one in flight: a reply never waits behind our next send
             if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
-                self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+                self._connect(os.urandom(16), wait=max(0.0, deadline - time.monotonic()))
             if req.size > self.max_request_bytes:
                 raise errors.ResourceExhausted(f"step-socket request of {req.size} B exceeds the sidecar's "
                                                f"{self.max_request_bytes} B limit; split the step")
@@ -333,16 +336,19 @@ class StepConnection:
                 req.error = e  # the reply read in _finish reconnects and resends once
         return req
 
-    def _finish(self, req: PendingReply) -> None:
-        """Read req's reply (it is the one in flight); on a lost connection reconnect once and resend."""
+    def _finish(self, req: PendingReply, deadline: float | None = None) -> None:
+        """Read req's reply (it is the one in flight); on a lost connection reconnect once (until
+        `deadline`, default RECONNECT_WAIT_S from now) and resend."""
         self._inflight = None
+        if deadline is None:
+            deadline = time.monotonic() + min(self.timeout, RECONNECT_WAIT_S)
         for attempt in (0, 1):
             try:
                 if self._sock is None or req.error is not None:
                     if attempt == 0 and req.error is None:
                         raise EOFError("connection lost")
                     self._drop()
-                    self._connect(os.urandom(16), wait=min(self.timeout, RECONNECT_WAIT_S))
+                    self._connect(os.urandom(16), wait=max(0.0, deadline - time.monotonic()))
                     req.error = None
                     send_frame(self._sock, req.op, req.parts, req.size)
                 # a small step's reply is polled for; a big one's plan takes ms and may use

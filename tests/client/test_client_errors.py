@@ -74,3 +74,28 @@ def test_metadata_names_the_class_and_the_text_is_the_fallback(status_server):
     # neither: the status code decides
     err = status_server(grpc.StatusCode.DATA_LOSS, "disk: gone")
     assert type(err) is errors.DataLoss and "disk: gone" in str(err)
+
+
+def test_a_call_after_a_lost_reply_waits_once_for_a_dead_sidecar(data_dir, make_table):
+    """The sidecar dies with a step in flight: the next call collects that lost reply and
+    then sends its own; together they wait for the sidecar once (RECONNECT_WAIT_S), then
+    Unavailable. (Each waited in turn: twice the bound a caller plans for.)"""
+    import time
+
+    import numpy as np
+
+    from tierstore.client.step_connection import RECONNECT_WAIT_S, StepConnection
+    from tierstore.proto.frames import PlanItem, step_socket_path
+
+    make_table("t", rows=100, row_bytes=16)
+    with SidecarProcess(data_dir, dram_budget="1MiB") as sc, StepConnection(step_socket_path(sc.socket)) as c:
+        assert c.plan([PlanItem("t", np.arange(4))])[0].slots.size == 4
+        sc.kill()
+        first = c.submit([PlanItem("t", np.arange(4))])  # the send fails: its reply is lost
+        t0 = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            c.submit([PlanItem("t", np.arange(8))]).result()
+        took = time.monotonic() - t0
+        assert took < RECONNECT_WAIT_S + 1.0, took
+        with pytest.raises(errors.Unavailable):
+            first.result()
