@@ -16,10 +16,10 @@ index (tierstore/cache/slot_index.py):
    and one-way (client/step_link.py): its policy learns the step as if it had
    been planned and promotes the misses, so the next steps find them resident;
    the note carries the rows this process read for them, so the sidecar does not
-   read them from disk again (it verifies each against its row sum first). With
-   O_DIRECT it does not: a row's sum is not in the page cache then, so checking the
-   row would read its record anyway, and the sidecar reads the records itself,
-   batched at queue depth.
+   read them from disk again (it verifies each against its row sum first). For
+   format 2 under O_DIRECT it does not: a row's sum is not in the page cache then,
+   so checking the row would read its record anyway, and the sidecar reads the
+   records itself, batched at queue depth.
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
 a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
@@ -85,9 +85,9 @@ class LocalReads:
             out[where] = got[inv]
             self.distinct_cold += uniq.size
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
-        # Not with O_DIRECT: their sums are not in the page cache, so the sidecar reads the records
-        # itself (the same reads, batched) and the rows would cross the socket for nothing
-        if uniq is not None and self._cold.direct is not None:
+        # Not for format 2 under O_DIRECT: their sums are not in the page cache, so the sidecar reads
+        # the records itself (the same reads, batched) and the rows would cross the socket for nothing
+        if uniq is not None and not self._cold.checks_carried_rows_cheaply:
             uniq = got = None
         self.client.link.note(self.table, self.version, asked, uniq, got)
         self.distinct_asked += asked.size

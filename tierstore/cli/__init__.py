@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command's name and help; `command`'s module is imported and its
     arguments added (only that one: `tierstore serve` never imports what `audit` needs,
-    torch among it). command=None: every module, every argument."""
+    torch among it). "": no command's (the top-level help); None: every command's."""
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -67,7 +67,7 @@ def _command(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(_command(argv) or "")
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -71,11 +71,9 @@ class CacheEngine(TableEngine):
             self.slots.close()
             raise
         self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
-        # rows a client carried are placed only where their sums are cheap to get: through the page
-        # cache. With O_DIRECT each sum is a disk read (a page fault on the map, one at a time), so
-        # the records are read instead, batched at queue depth (read_into): the same reads, no faults
-        self._places_carried = (hasattr(reader, "place_rows") and getattr(reader, "verifies_rows", False)
-                                and getattr(reader, "direct", None) is None)
+        # rows a client carried are placed only where their sums are cheap to get (held, or in the
+        # page cache); a format 2 table under O_DIRECT reads the records instead, batched (read_into)
+        self._places_carried = getattr(reader, "checks_carried_rows_cheaply", False)
         self._fills: dict[int, Fill] = {}
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
@@ -215,10 +213,10 @@ class CacheEngine(TableEngine):
         them is placed from those bytes, each verified against its row sum in the same
         pass, instead of read from disk; one that does not match is read from disk
         instead and counted (note_rows_refused): no row the sidecar did not verify is
-        ever placed. With O_DIRECT the rows are not used (a row's sum would cost a disk
-        read of its own): the promoted misses are read from disk, batched, like any
-        miss (the client does not send them then). Never refused: when the arena is full of leased rows, the misses that
-        do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
+        ever placed. Format 2 under O_DIRECT does not use the rows (a row's sum would cost
+        a disk read of its own): the promoted misses are read from disk, batched, like
+        any miss (the client does not send them then). Never refused: when the arena is
+        full of leased rows, the misses that do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
         ends or rows (nothing is learned then)."""
         ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
         if ids.size == 0:

@@ -335,6 +335,13 @@ class SegmentReader(Tier):
             err.row = row
             raise err
 
+    @property
+    def checks_carried_rows_cheaply(self) -> bool:
+        """place_rows costs no disk read a row: the sums are held (format 1) or the records'
+        pages are in the page cache (format 2 without O_DIRECT). With O_DIRECT a format 2
+        row's sum is a page fault of its own: reading the records (read_into) costs the same."""
+        return self.verifies_rows and not (self.inline and self.direct is not None)
+
     def place_rows(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
                    slots: np.ndarray) -> int:
         """Write src[local[i]], row ids[i] as someone else read it, into dest[slots[i]], each
@@ -348,10 +355,9 @@ class SegmentReader(Tier):
         Every row mismatches for a version without row sums: nothing unverified is
         ever placed. Format 2: the sums are read from the records' last words through
         the segment maps (pages the client's read has just brought into the page
-        cache), never taken from the client. For page-cache mode: with O_DIRECT those
-        pages are not cached and each sum is a page fault, one at a time, so the engine
-        reads the records instead (read_into, batched). ChecksumError when a segment or
-        the row-sum file shrank since it was opened."""
+        cache), never taken from the client; with O_DIRECT they are not cached, so the
+        engine reads the records instead (checks_carried_rows_cheaply). ChecksumError
+        when a segment or the row-sum file shrank since it was opened."""
         if ids.size == 0:
             return -1
         if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
