@@ -20,11 +20,11 @@ from tierstore.sidecar.launcher import SidecarProcess
 ROWS, WIDTH = 50_000, 64
 
 
-def _write(d, seed: int = 0, table: str = "t") -> np.ndarray:
+def _write(d, seed: int = 0, table: str = "t", **kw) -> np.ndarray:
     """Rows that name their id (bytes 0..7) so a row served for another id is caught."""
     data = np.random.default_rng(seed).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
     data[:, :8] = np.arange(ROWS, dtype="<u8").view(np.uint8).reshape(ROWS, 8)
-    write_version(d, table, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    write_version(d, table, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4, **kw)
     return data
 
 
@@ -374,6 +374,27 @@ def test_with_direct_io_the_arena_fills_from_batched_reads_and_the_next_steps_hi
             for step in steps:  # the next steps hit
                 assert np.array_equal(c.lookup("t", step), data[step])
             assert local.rows_cold - ids.size <= 0.02 * ids.size, "rows promoted were read from disk again"
+    finally:
+        sc.cleanup()
+
+
+def test_with_direct_io_a_format_1_table_still_places_the_rows_a_client_read(tmp_path):
+    """Format 1 holds its row sums: checking a client's rows costs no disk read even under
+    --direct-io, so the sidecar places them instead of reading them again."""
+    d = tmp_path / "data"
+    data = _write(d, segment_format=1)
+    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    try:
+        with Client(sc.socket) as c:
+            cap = int(c.tables()[0]["arena_slots"])
+            ids = np.random.default_rng(6).permutation(ROWS)[:int(0.5 * cap)]
+            for step in np.array_split(ids, 4):
+                assert np.array_equal(c.lookup("t", step), data[step])
+                c.flush()
+            s = _settled(c, 4)
+            assert s["note_rows_placed"] >= 0.9 * ids.size and s["note_rows_refused"] == 0, s
+            assert s["resident"] >= 0.98 * ids.size
+            assert np.array_equal(c.lookup("t", ids), data[ids])
     finally:
         sc.cleanup()
 
