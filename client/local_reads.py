@@ -85,10 +85,14 @@ class LocalReads:
             out[where] = got[inv]
             self.distinct_cold += uniq.size
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
-        # Not for format 2 under O_DIRECT: their sums are not in the page cache, so the sidecar reads
-        # the records itself (the same reads, batched) and the rows would cross the socket for nothing
-        if uniq is not None and not self._cold.checks_carried_rows_cheaply:
-            uniq = got = None
+        # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
+        # sum is on disk, a read of its own); a version without row sums: nothing to send
+        if uniq is not None:
+            form = self._cold.carried_form
+            if form == "records":
+                got = self._cold.carried_records(uniq, got)
+            elif not form:
+                uniq = got = None
         self.client.link.note(self.table, self.version, asked, uniq, got)
         self.distinct_asked += asked.size
         self.steps += 1

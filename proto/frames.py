@@ -21,8 +21,11 @@ client/step_connection.py speaks it). One frame per request and per reply:
                the misses. rows: the misses the client read from the segment files
                (row_ids[i]'s bytes), so the sidecar promotes them without reading the
                disk again; it verifies each against its row sum before it places it
-               (a row that fails is read from disk instead). A hint: errors in it
-               are logged by the sidecar, not answered.
+               (a row that fails is read from disk instead). row_bytes is the table's
+               row width, or for a segment format 2 table under O_DIRECT its record
+               width: each row with its own sum (taken only from a peer of the
+               sidecar's uid). A hint: errors in it are logged by the sidecar, not
+               answered.
     ERROR    < (whole request failed) as an ERR item; after a framing error the
                server closes the connection, otherwise it keeps serving it.
 

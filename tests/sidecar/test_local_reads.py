@@ -341,12 +341,13 @@ def _segments(d, table: str = "t") -> list:
         return [d / rel for rel in cat.current(table).segments]
 
 
-def test_with_direct_io_the_arena_fills_from_batched_reads_and_the_next_steps_hit(tmp_path):
+def test_with_direct_io_the_arena_fills_from_the_clients_records_and_the_next_steps_hit(tmp_path):
     """Issue 24.1 under --direct-io: the misses a local client read are promoted as the
-    steps arrive (the arena holds every distinct row asked while it has room) by the
-    sidecar's own O_DIRECT reads, batched, never by faulting the segment files' pages in
-    one at a time through their maps: the files stay out of the page cache, as
-    --direct-io promises. The next steps over the same rows hit, bit-exact."""
+    steps arrive (the arena holds every distinct row asked while it has room) from the
+    records the client's note carries (each row with its sum: the client's peer uid is
+    the sidecar's), not read from disk a second time, and never by faulting the segment
+    files' pages in one at a time through their maps: the files stay out of the page
+    cache, as --direct-io promises. The next steps over the same rows hit, bit-exact."""
     from tierstore.bench.memory import drop_page_cache, resident_bytes
 
     d = tmp_path / "data"
@@ -367,8 +368,9 @@ def test_with_direct_io_the_arena_fills_from_batched_reads_and_the_next_steps_hi
             s = _settled(c, len(steps))
             assert s["local_steps"] == len(steps) and s["notes_dropped"] == 0
             assert s["resident"] >= 0.98 * ids.size, f"{s['resident']} rows resident of {ids.size} asked"
-            # read by the sidecar (the client sent no rows), the reads' pages dropped or never cached
-            assert s["note_rows_placed"] == 0 and s["bytes_read"] >= s["promotions"] * (WIDTH + 8)
+            # placed from the client's records, not read again; no page of the segments cached
+            assert s["note_rows_placed"] >= 0.98 * s["promotions"] and s["note_rows_refused"] == 0, s
+            assert s["bytes_read"] <= (s["promotions"] - s["note_rows_placed"]) * (WIDTH + 8), s
             cached = resident_bytes(segs)
             assert cached <= 0.01 * sum(p.stat().st_size for p in segs), f"{cached} B of segments in the page cache"
             for step in steps:  # the next steps hit
@@ -415,13 +417,14 @@ def served_either(request, tmp_path):
 
 
 def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
-    """The sidecar never places a row it did not verify: an access note carrying a
-    corrupted row gets that note's rows read from disk (counted; with --direct-io the
-    sidecar reads a note's rows from disk in any case), and every client then reads the
-    rows as stored."""
+    """The sidecar never places a row that fails its sum: an access note carrying a
+    corrupted row (with --direct-io, a record: the row and its sum) gets that note's rows
+    read from disk (counted), and every client then reads the rows as stored."""
+    from tierstore.tiers.nvme.rowsum import records
+
     sc, c, data, mode = served_either
     ids = np.arange(30_000, 30_064, dtype=np.int64)
-    rows = data[ids].copy()
+    rows = data[ids].copy() if mode == "page-cache" else records(data[ids], ids)
     rows[10, 40] ^= 0x01  # one flipped bit
     fp = StepConnection(step_socket_path(sc.socket))
     try:
@@ -430,11 +433,66 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     finally:
         fp.close()
     s = _wait(c, "promotions", ids.size)
-    refused = ids.size if mode == "page-cache" else 0  # direct: not checked, not used
-    assert s["note_rows_refused"] == refused and s["note_rows_placed"] == 0 and s["bytes_read"] > 0
+    assert s["note_rows_refused"] == ids.size and s["note_rows_placed"] == 0 and s["bytes_read"] > 0
     local_before = c.lookup("t", [1])  # opens the local reader
     assert np.array_equal(local_before, data[[1]])
     got = c.lookup("t", ids)
     assert np.array_equal(got, data[ids]) and c.handle("t").local.rows_resident >= ids.size
     with c.plan("t", ids) as step:
         assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size
+
+
+def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
+    """Records carry their own sums, so the sidecar takes them only from a peer of its own
+    uid (who can write the segments anyway). A client of another uid (the step socket
+    widened by an operator) that sends forged records with consistent sums gets its misses
+    read from disk: every client reads the rows as stored."""
+    import os
+
+    from tierstore.tiers.nvme.rowsum import records
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another uid")
+    d = tmp_path / "data"
+    data = _write(d)
+    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    widened = []
+    try:
+        path = step_socket_path(sc.socket)
+        os.chmod(path, 0o666)
+        for parent in path.parents:  # the operator's widening: the socket reachable by others
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                widened.append((parent, mode))
+                os.chmod(parent, mode | 0o001)
+        ids = np.arange(20_000, 20_064, dtype=np.int64)
+        forged = np.full((ids.size, WIDTH), 0xAB, dtype=np.uint8)
+        forged[:, :8] = data[ids, :8]  # the id bytes kept: only the rest is forged
+        frame_records = records(forged, ids)  # sums that match the forged bytes
+        pid = os.fork()
+        if pid == 0:  # the other uid's client
+            code = 1
+            try:
+                import traceback
+                os.setgid(65534)
+                os.setuid(65534)
+                fp = StepConnection(path)
+                ok = fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
+                fp.close()
+                code = 0 if ok else 2
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, "the other uid's client could not send its note"
+        with Client(sc.socket) as c:
+            s = _wait(c, "promotions", ids.size)
+            assert s["local_steps"] == 1 and s["promotions"] >= ids.size, s
+            assert s["note_rows_placed"] == 0 and s["bytes_read"] >= ids.size * (WIDTH + 8), s
+            with c.plan("t", ids) as step:
+                assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size
+    finally:
+        for parent, mode in widened:
+            os.chmod(parent, mode)
+        sc.cleanup()

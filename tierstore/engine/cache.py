@@ -71,9 +71,9 @@ class CacheEngine(TableEngine):
             self.slots.close()
             raise
         self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
-        # rows a client carried are placed only where their sums are cheap to get (held, or in the
-        # page cache); a format 2 table under O_DIRECT reads the records instead, batched (read_into)
-        self._places_carried = getattr(reader, "checks_carried_rows_cheaply", False)
+        # what a client's note may carry for its misses (SegmentReader.carried_form): rows checked
+        # against sums held or cached, records (format 2 under O_DIRECT) or nothing
+        self._carried_form = getattr(reader, "carried_form", "")
         self._fills: dict[int, Fill] = {}
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
@@ -212,10 +212,13 @@ class CacheEngine(TableEngine):
         for its misses (int64 [n], uint8 [n, row_bytes], any order): a promoted miss among
         them is placed from those bytes, each verified against its row sum in the same
         pass, instead of read from disk; one that does not match is read from disk
-        instead and counted (note_rows_refused): no row the sidecar did not verify is
-        ever placed. Format 2 under O_DIRECT does not use the rows (a row's sum would cost
-        a disk read of its own): the promoted misses are read from disk, batched, like
-        any miss (the client does not send them then). Never refused: when the arena is
+        instead and counted (note_rows_refused): no row that failed its sum is ever
+        placed. Format 2 under O_DIRECT carries records instead (rows [n, record_bytes]:
+        each row with its sum, checked against it; a row's sum on disk would cost a disk
+        read of its own): the caller takes them only from a peer it trusts with the
+        table (served.note: the sidecar's own uid). Rows of another form than the
+        reader's carried_form are ignored: those misses are read from disk, batched,
+        like any miss. Never refused: when the arena is
         full of leased rows, the misses that do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
         ends or rows (nothing is learned then)."""
         ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
@@ -226,12 +229,17 @@ class CacheEngine(TableEngine):
                 return 0  # freed meanwhile (a version swap): nothing to learn
             try:
                 carried = None
-                if row_ids is not None and row_ids.size and self._places_carried:
+                if row_ids is not None and row_ids.size and self._takes(rows):
                     have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
                     carried = (have, first.astype(np.int64, copy=False), rows)
                 return self._note_access(ids, ends, carried)
             finally:
                 self.leave()
+
+    def _takes(self, rows: np.ndarray) -> bool:
+        """Rows a note carries are of the form this table's reader places (carried_form)."""
+        width = {"rows": self.version.row_bytes, "records": self.version.record_bytes}.get(self._carried_form)
+        return rows.shape[1] == width
 
     def check_note(self, ids, ends, row_ids=None, rows=None) -> tuple:
         """(ids, ends, row_ids, rows) of an access note, validated (note_access); InvalidArgument
@@ -245,10 +253,12 @@ class CacheEngine(TableEngine):
             return ids, ends, None, None
         row_ids = self.check_ids(row_ids)
         rows = np.asarray(rows)
-        if rows.dtype != np.uint8 or rows.shape != (row_ids.size, self.version.row_bytes):
+        widths = {self.version.row_bytes, self.version.record_bytes}  # rows, or format 2's records
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[0] != row_ids.size or rows.shape[1] not in widths:
             raise InvalidArgument(f"table {self.table!r}: an access note carries {row_ids.size} row ids and rows "
                                   f"{rows.dtype} {rows.shape}; rows must be uint8 [{row_ids.size}, "
-                                  f"{self.version.row_bytes}]")
+                                  f"{self.version.row_bytes}] (or records [{row_ids.size}, "
+                                  f"{self.version.record_bytes}])")
         return ids, ends, row_ids, rows
 
     def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None) -> int:
@@ -456,15 +466,16 @@ class CacheEngine(TableEngine):
     def _read_into(self, ids: np.ndarray, slots: np.ndarray, cached: bool = False, carried=None) -> None:
         """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified. The
         ones in `carried` are placed from those bytes and checked against their row sums in
-        one pass (SegmentReader.place_rows); if any does not match, all of them are read
-        from disk like the rest (a client's copy is never trusted over the disk's)."""
+        one pass (SegmentReader.place_rows, or place_records for records); if any does not
+        match, all of them are read from disk like the rest."""
         if carried is not None and ids.size:
             have_ids, local, rows = carried
             pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
             have = have_ids[pos] == ids
             n = int(np.count_nonzero(have))
             if n:
-                bad = self.reader.place_rows(ids[have], rows, local[pos[have]], self.arena.rows, slots[have])
+                place = self.reader.place_records if self._carried_form == "records" else self.reader.place_rows
+                bad = place(ids[have], rows, local[pos[have]], self.arena.rows, slots[have])
                 if bad < 0:
                     self.counters.note_rows_placed += n
                     ids, slots = ids[~have], slots[~have]

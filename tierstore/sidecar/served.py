@@ -360,14 +360,22 @@ class ServedTables:
                 self._prefetch_pending -= 1
                 self._prefetch_ids -= ids.size
 
-    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None) -> bool:
+    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
         """Queue steps a local client read itself (TableEngine.note_access) for the learner
         thread, after checking them (InvalidArgument). False when NOTE_QUEUE_IDS ids already
         wait: the note is dropped, so while the sidecar is behind its policy learns from a
         sample of the steps, and no client ever waits for its bookkeeping. The rows a note
         carries are queued while NOTE_QUEUE_ROW_BYTES allows, else left out (the misses
-        they were for are then read from disk if promoted): the queue holds at most that."""
+        they were for are then read from disk if promoted): the queue holds at most that.
+
+        trusted: the peer runs as the sidecar's uid (or root; step_server.peer_trusted). Only
+        then are carried records (format 2 under O_DIRECT: each row with its own sum) kept:
+        such a peer can write the segments and the arena itself, so a sum it sends guards
+        against faults, not forgery. Rows checked against the sidecar's own sums are kept
+        from anyone."""
         ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows)
+        if rows is not None and not trusted and rows.shape[1] != engine.version.row_bytes:
+            row_ids = rows = None  # records from a peer of another uid: promoted from disk instead
         with self._notes_cv:
             if self._notes_ids and self._notes_ids + ids.size > NOTE_QUEUE_IDS:
                 engine.counters.notes_dropped += ends.size

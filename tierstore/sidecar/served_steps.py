@@ -51,9 +51,10 @@ class ServedSteps:
         self._observe(time.perf_counter() - t0)
         return out
 
-    def access(self, owner: bytes, items) -> None:
+    def access(self, owner: bytes, items, trusted: bool = False) -> None:
         """Steps a local client read itself: the engine's policy learns them, misses are promoted
-        (from the rows the note carries, verified, where it carries them)."""
+        (from the rows the note carries, verified, where it carries them). trusted: the peer has
+        the sidecar's uid (ServedTables.note)."""
         for it in items:
             try:
                 eng = self.served.engine(it.table, it.version)
@@ -63,7 +64,7 @@ class ServedSteps:
                 continue
             try:
                 # checked now, learned by the sidecar's learner thread
-                self.served.note(eng, it.ids, it.ends, it.row_ids, it.rows)
+                self.served.note(eng, it.ids, it.ends, it.row_ids, it.rows, trusted)
             except TierstoreError as e:
                 eng.counters.notes_refused += 1
                 self._log_refusal(it.table, e)

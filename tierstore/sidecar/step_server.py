@@ -56,13 +56,25 @@ from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELL
                                 encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
                                 spin_seconds)
 
-__all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S"]
+__all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
 
 log = logging.getLogger("tierstore.sidecar.step_server")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
 FRAME_TIMEOUT_S = 10.0      # a frame begun must be whole this long after its first byte; also the budget's wait
 SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
 MAX_UNIX_PATH = 107
+
+
+def peer_trusted(sock: socket.socket) -> bool:
+    """The process at the other end of a unix socket runs as this process's effective uid
+    or as root (SO_PEERCRED, read once at accept): it can write whatever this process can
+    (segments, arenas), so the bytes it vouches for need no more than a fault check. The
+    step socket is born 0600, so only such peers connect unless an operator widened it."""
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):  # not a unix socket, or no SO_PEERCRED here
+        return False
+    return uid in (0, os.geteuid())
 
 
 class StepHandler(Protocol):
@@ -76,11 +88,12 @@ class StepHandler(Protocol):
     instance: the sidecar instance id (changes on restart; clients then remap arenas).
     access: (optional) steps the client read itself (proto.frames.AccessItem); never answered,
           so errors are the handler's to log. `items[i].ids` is valid during the call.
+          trusted: the peer runs as the sidecar's uid or root (peer_trusted).
     """
 
     def plan(self, owner: bytes, items: list[PlanItem], release: list[int]) -> list: ...
     def release(self, owner: bytes, lease_ids: list[int]) -> int: ...
-    def access(self, owner: bytes, items: list) -> None: ...
+    def access(self, owner: bytes, items: list, trusted: bool) -> None: ...
     def disconnected(self, owner: bytes) -> None: ...
     def instance(self) -> str: ...
 
@@ -313,7 +326,7 @@ class StepServer:
     # -- one connection ----------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
-        owner = None
+        owner, trusted = None, peer_trusted(sock)
         # HELLO-sized until HELLO: nobody unauthenticated makes the sidecar hold more
         reader = FrameReader(sock, HELLO_REQ.size, budget=self.budget, frame_timeout_s=FRAME_TIMEOUT_S)
         try:
@@ -325,7 +338,7 @@ class StepServer:
             while True:
                 op, body = reader.read()
                 if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
-                    self._access(owner, body)
+                    self._access(owner, body, trusted)
                     del body
                     reader.recycle()
                     continue
@@ -388,7 +401,7 @@ class StepServer:
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
         return owner
 
-    def _access(self, owner: bytes, body) -> None:
+    def _access(self, owner: bytes, body, trusted: bool) -> None:
         try:
             items = parse_access(body)
         except errors.TierstoreError as e:
@@ -397,7 +410,7 @@ class StepServer:
         if access is None:
             return
         try:
-            access(owner, items)
+            access(owner, items, trusted)
         except Exception:  # a hint: the connection keeps serving
             log.exception("step socket access() failed")
 

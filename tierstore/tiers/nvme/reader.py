@@ -336,11 +336,37 @@ class SegmentReader(Tier):
             raise err
 
     @property
-    def checks_carried_rows_cheaply(self) -> bool:
-        """place_rows costs no disk read a row: the sums are held (format 1) or the records'
-        pages are in the page cache (format 2 without O_DIRECT). With O_DIRECT a format 2
-        row's sum is a page fault of its own: reading the records (read_into) costs the same."""
-        return self.verifies_rows and not (self.inline and self.direct is not None)
+    def carried_form(self) -> str:
+        """How a local client hands the sidecar the misses it read and verified, so the
+        sidecar promotes them without reading them again: "rows", checked against sums
+        the sidecar holds (format 1) or finds in the page cache the client's read has
+        just filled (format 2 without O_DIRECT: place_rows); "records", each row with its
+        row sum, for format 2 under O_DIRECT, where the sum on disk would cost a read of
+        its own (place_records; the sidecar takes records only from a peer with its own
+        uid, who can write the segments anyway: served.note); "" for a version without
+        row sums (nothing the sidecar did not verify is ever placed)."""
+        if not self.verifies_rows:
+            return ""
+        return "records" if self.inline and self.direct is not None else "rows"
+
+    def carried_records(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The format 2 records (row, padding, row sum) of verified rows uint8 [n, row_bytes]
+        stored as `ids` (int64 [n]), as a client carries them (carried_form "records")."""
+        return rowsum.records(rows, ids)
+
+    def place_records(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
+                      slots: np.ndarray) -> int:
+        """Write the row of record src[local[i]] into dest[slots[i]], each checked against
+        the sum its record carries for row ids[i] (a damaged or mislabelled record fails).
+        The sum comes with the record: the caller vouches for whoever sent it (the sidecar
+        only for a peer of its own uid). src: uint8 [*, record_bytes]; ids, local, slots:
+        int64 [n]. Returns the index of the first record that fails, or -1; every record
+        fails for a table without inline row sums."""
+        if ids.size == 0:
+            return -1
+        if not (self.verifies_rows and self.inline) or src.ndim != 2 or src.shape[1] != self.record_bytes:
+            return 0
+        return place_records(src, local, ids, dest, slots)
 
     def place_rows(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
                    slots: np.ndarray) -> int:
@@ -355,8 +381,8 @@ class SegmentReader(Tier):
         Every row mismatches for a version without row sums: nothing unverified is
         ever placed. Format 2: the sums are read from the records' last words through
         the segment maps (pages the client's read has just brought into the page
-        cache), never taken from the client; with O_DIRECT they are not cached, so the
-        engine reads the records instead (checks_carried_rows_cheaply). ChecksumError
+        cache), never taken from the client; with O_DIRECT they are not cached, and the
+        client carries whole records instead (carried_form, place_records). ChecksumError
         when a segment or the row-sum file shrank since it was opened."""
         if ids.size == 0:
             return -1
