@@ -31,7 +31,7 @@ import numpy as np
 from tierstore.cache import slot_index
 from tierstore.store.catalog import Catalog
 from tierstore.sidecar.config import ServeConfig
-from tierstore.engine import make_engine
+from tierstore.engine import TableEngine, make_engine
 from tierstore.errors import InvalidArgument, ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
 from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.dram import Arena, arena_tag, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
