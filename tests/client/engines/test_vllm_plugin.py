@@ -180,3 +180,20 @@ def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
     assert "tierstore serve" in down.stderr
+
+
+def test_stage_on_stages_a_split_layout_table_too(served):
+    """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
+    lookup the stored rows (read with Client.lookup, interleaved whatever the arena's layout)."""
+    sc, arrays, ckpt = served
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", stage="on"))
+    try:
+        emb = vllm_engram.build(vllm_engram.embedding(vllm_engram.layout(CONFIG), 0), 1)
+        assert emb.weight.shape[0] == 0 and emb.tierstore_staged.full_resident
+        ids = np.random.default_rng(3).integers(0, emb.num_embeddings, (5, emb.n_hash_cols))
+        out = torch.empty(5, emb.n_hash_cols, 264, dtype=torch.uint8)
+        emb.lookup(torch.from_numpy(ids), out)
+        rows = np.concatenate([arrays[1]["embed.weight"], arrays[1]["embed.scale"]], axis=1)
+        assert np.array_equal(out.numpy(), rows[ids])
+    finally:
+        vllm_plugin.uninstall()
