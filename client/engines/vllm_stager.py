@@ -128,7 +128,7 @@ class StagedEngramTable:
 
         On CUDA, `indices` is copied to the host here: a sync with the current stream. The
         distinct rows are read into a pinned buffer, copied to the device on the current
-        stream, and gathered (and dequantised) there. Raises StagingError before `out` is
+        stream, and dequantised (bf16) and gathered there. Raises StagingError before `out` is
         written when a row cannot be read (see `read`) or when a CUDA graph is capturing."""
         import torch
 
@@ -158,8 +158,10 @@ class StagedEngramTable:
         if cuda:
             rows = rows.to(out.device, non_blocking=True)
             where_t = where_t.pin_memory().to(out.device, non_blocking=True)
-        packed = rows.index_select(0, where_t).view(tokens, part, width)
-        out.copy_(packed if out.dtype == torch.uint8 else dequantize(packed, self.dim))
+        if out.dtype == torch.uint8:
+            out.copy_(rows.index_select(0, where_t).view(tokens, part, width))
+        else:  # distinct rows dequantised, then gathered: the fp32 intermediates are per distinct row
+            out.copy_(dequantize(rows, self.dim).index_select(0, where_t).view(tokens, part, self.dim))
 
 
 class StagedCheck:
