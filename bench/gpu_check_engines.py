@@ -15,6 +15,14 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    If the module cannot be built, the kernel is launched directly over vLLM's UVA views.
 3. sglang 0.5.23 (if installed): `engram_gather` over the registered arena pointers,
    the same bf16 rows bit for bit.
+4. vLLM staged (if installed; NOT YET RUN: written on a host without a GPU): the same
+   table served again in cache mode (a quarter of the rows fit), a real staged
+   ParallelEngramEmbedding (client/engines/vllm_stager.py, no rows held); its lookup on
+   CUDA ids, run on a side stream as Engram._start_prefetch runs it, must give the same
+   bf16 and packed rows (ids outside the table included: zeros, as the kernel writes);
+   vllm_stager.dequantize must equal `_engram_lookup_kernel` on the GPU for every e4m3 x
+   ue8m0 byte pair (NaN equal to NaN: what the CPU test could not check under Triton's
+   interpreter); a lookup inside a CUDA graph capture must raise StagingError.
 Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
 so and exits 2 (nothing was checked). Sized to finish well under five minutes.
 """
@@ -106,12 +114,13 @@ def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.
     return res
 
 
-def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: int):
+def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: int, stage: str = "auto"):
     """A real ParallelEngramEmbedding over the arena: vLLM config, a TP world of one, the plugin."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}))
+    vllm_plugin.uninstall()  # a plugin installed for another sidecar keeps its tables otherwise
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}, stage=stage))
     config = VllmConfig()
     with set_current_vllm_config(config):
         if not ps.model_parallel_is_initialized():
@@ -120,6 +129,68 @@ def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: in
             ps.initialize_model_parallel(1, 1)
         with vllm_plugin.engram_layer(1):
             return engram.ParallelEngramEmbedding(rows, DIM, _head_sizes(rows), cpu_offload=True)
+
+
+def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.Tensor,
+                      want_packed: np.ndarray) -> dict:
+    """Part 4 (not yet run on a GPU): the staged lookup on CUDA against the same rows."""
+    try:
+        from vllm.models.deepseek_v41.common import engram
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"vLLM's Engram module does not import here: {type(e).__name__}: {e}"}
+    from tierstore.client.engines import vllm_plugin, vllm_stager
+
+    res: dict = {}
+    emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows)
+    res["staged: no rows held"] = emb.weight.shape[0] == 0 and emb.tierstore_staged is not None
+    bad = ids.copy()
+    bad[0, 0], bad[1, 3] = -1, rows + 9  # outside the table: zero rows, as the kernel writes
+    dev_ids = torch.from_numpy(bad).cuda()
+    want_bad, want_packed_bad = want.clone(), want_packed.copy()
+    want_bad[0, 0] = want_bad[1, 3] = 0
+    want_packed_bad[0, 0] = want_packed_bad[1, 3] = 0
+    side = torch.cuda.Stream()
+    out = torch.full((ids.shape[0], HEADS, DIM), 7.0, dtype=torch.bfloat16, device="cuda")
+    packed = torch.empty(ids.shape[0], HEADS, DIM + DIM // 32, dtype=torch.uint8, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # as Engram._start_prefetch runs it
+        emb.lookup(dev_ids, out, background=True)
+        emb.lookup(dev_ids, packed, background=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    torch.cuda.current_stream().wait_event(done)
+    res["staged lookup bf16 == CPU path"] = _same_bits(out.cpu(), want_bad)
+    res["staged lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed_bad))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        emb.lookup(dev_ids, out)
+    torch.cuda.synchronize()
+    res["staged lookup rows/s (cache mode, ids synced to the host)"] = ids.size * 5 / (time.perf_counter() - t0)
+    # every e4m3 byte under every ue8m0 byte: vLLM's kernel on the GPU against dequantize
+    weight = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
+    grid_ids = torch.arange(256, dtype=torch.int32, device="cuda")[:, None]
+    kernel_out = torch.empty(256, 1, DIM, dtype=torch.bfloat16, device="cuda")
+    engram._engram_lookup_kernel[(16,)](
+        weight.cuda().view(torch.float8_e4m3fn), scale.cuda(), grid_ids, grid_ids, kernel_out, 0, 256, 256, 1, 1,
+        HEAD_START=0, LOCAL_HEADS=1, TOTAL_HEADS=1, DIM=DIM, QUANT_BLOCK=32, BLOCK_R=16, GRID=16,
+        SORTED=False, PACKED=False, OUT_STRIDE=kernel_out.stride(0))
+    k = kernel_out.view(256, DIM).cpu()
+    d = vllm_stager.dequantize(torch.cat([weight, scale], dim=1).cuda(), DIM).cpu()
+    nan = torch.isnan(k)
+    res["dequantize == kernel for every byte pair (NaN as NaN)"] = bool(
+        torch.equal(nan, torch.isnan(d)) and torch.equal(k[~nan].view(torch.int16), d[~nan].view(torch.int16)))
+    res["byte pairs that differ"] = int(((k.view(torch.int16) != d.view(torch.int16)) & ~(nan & torch.isnan(d))).sum())
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            emb.lookup(dev_ids, out)
+        res["a capture is refused (StagingError)"] = False
+    except vllm_stager.StagingError:
+        res["a capture is refused (StagingError)"] = True
+    vllm_plugin.uninstall()
+    return res
 
 
 def check_sglang(ids: np.ndarray, want: torch.Tensor, split) -> dict:
@@ -176,9 +247,14 @@ def main(argv=None) -> int:
                     parts[name] = fn()
                 except Exception as e:  # noqa: BLE001 - report every part, then fail
                     parts[name] = {"error": f"{type(e).__name__}: {e}"}
-            for name, part in parts.items():
-                report[name] = part
-                failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]
+        with SidecarProcess(d, dram_budget=args.rows * 264 // 4 + (1 << 20)) as sc:  # cache mode
+            try:
+                parts["vllm staged"] = check_vllm_staged(str(sc.socket), "l1", args.rows, ids, want, want_packed)
+            except Exception as e:  # noqa: BLE001
+                parts["vllm staged"] = {"error": f"{type(e).__name__}: {e}"}
+        for name, part in parts.items():
+            report[name] = part
+            failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]
     report["failed"] = failed
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check_engines.json").write_text(json.dumps(report, indent=1, default=float))

@@ -23,7 +23,16 @@ vLLM's `_storage()` is untouched: on CUDA it makes UVA views of the arena,
 which the plugin has registered (`SplitTable.register_cuda`) so the views read
 the mapping in place instead of a private pinned copy.
 
-Invariants:
+Staged layers (client/engines/vllm_stager.py). A table the sidecar serves in cache
+mode (larger than its --dram-budget) has no split arena, and is what vLLM could not
+allocate either. Under TIERSTORE_VLLM_STAGE ("auto": such tables; "on": every table;
+"off": none) its layer is staged: `_allocate_weights` returns zero-row placeholders,
+the loader checks the checkpoint's rows against tierstore's (Client.lookup) and copies
+nothing, and the patched `ParallelEngramEmbedding.lookup` reads this rank's heads' rows
+through tierstore on every call. `_storage()` of a staged layer raises: nothing can
+read its rows in place.
+
+Invariants (mapped layers):
 - Zero copies: the parameters are views of the mapping; a rank's head shard
   (tensor / Engram-DP parallel) is the row range [vocab_start_idx,
   vocab_end_idx) of it. With dp_shared_memory the arena already is the host's
@@ -46,6 +55,7 @@ import contextlib
 import contextvars
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import threading
@@ -59,12 +69,15 @@ from tierstore import errors
 if TYPE_CHECKING:
     import torch
 
+    from tierstore.client.engines.vllm_stager import StagedEngramTable
     from tierstore.client.split_table import SplitTable
 
 __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "uninstall", "engram_layer"]
 
+log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 VERIFY_MODES = ("sample", "all", "off")
+STAGE_MODES = ("auto", "on", "off")
 _SAMPLE_ROWS = 4096
 
 
@@ -74,20 +87,28 @@ class VllmPluginConfig:
 
     socket: the sidecar's unix socket (TIERSTORE_VLLM_SOCKET).
     tables: Engram layer id -> table name (TIERSTORE_VLLM_TABLES="1=l1,14=l14");
-        empty: each split-layout table the sidecar serves, by the layer id it records.
+        empty: each table the sidecar serves with a layer id (split-layout ones only under
+        stage "off"), by the layer id ingest recorded.
     verify: how much of the checkpoint's Engram tensors the loader compares with the
         arena (TIERSTORE_VLLM_VERIFY): "sample" (4096 rows spread over the tensor), "all", or "off".
+    stage: which layers are staged (client/engines/vllm_stager.py: no rows held, each lookup
+        read through tierstore) instead of mapped (TIERSTORE_VLLM_STAGE): "auto" (those whose
+        table is not served split-layout, e.g. a cache-mode table larger than --dram-budget),
+        "on" (every layer), "off" (none: every table must be split-layout); also 1 / 0.
     """
 
     socket: str
     tables: dict[int, str] = field(default_factory=dict)
     verify: str = "sample"
+    stage: str = "auto"
 
     def validate(self) -> "VllmPluginConfig":
         if not self.socket:
             raise errors.InvalidArgument("TIERSTORE_VLLM_SOCKET is empty; set it to the sidecar's --socket path")
         if self.verify not in VERIFY_MODES:
             raise errors.InvalidArgument(f"TIERSTORE_VLLM_VERIFY={self.verify!r}; use one of {', '.join(VERIFY_MODES)}")
+        if self.stage not in STAGE_MODES:
+            raise errors.InvalidArgument(f"TIERSTORE_VLLM_STAGE={self.stage!r}; use auto, on (1) or off (0)")
         return self
 
     @classmethod
@@ -103,11 +124,14 @@ class VllmPluginConfig:
                 raise errors.InvalidArgument(
                     f"TIERSTORE_VLLM_TABLES item {item!r} is not LAYER=TABLE (e.g. 1=l1,14=l14)")
             tables[int(layer)] = name.strip()
-        return cls(env["TIERSTORE_VLLM_SOCKET"], tables, env.get("TIERSTORE_VLLM_VERIFY", "sample")).validate()
+        stage = env.get("TIERSTORE_VLLM_STAGE", "auto").strip().lower()
+        return cls(env["TIERSTORE_VLLM_SOCKET"], tables, env.get("TIERSTORE_VLLM_VERIFY", "sample"),
+                   {"1": "on", "0": "off"}.get(stage, stage)).validate()
 
 
 class TierstoreEngramTables:
-    """This process's split tables, by Engram layer id, and the loader that skips their rows."""
+    """This process's Engram tables, by layer id: split tables mapped (and the loader that skips
+    their rows), or staged tables read per lookup (vllm_stager.py), per config.stage."""
 
     def __init__(self, config: VllmPluginConfig):
         from tierstore.client.client import Client
@@ -117,29 +141,50 @@ class TierstoreEngramTables:
         self._client = Client(config.socket)
         self._by_layer = dict(config.tables)
         self._split: dict[int, "SplitTable"] = {}
+        self._staged: dict[int, "StagedEngramTable"] = {}
         if not self._by_layer:
             for info in self._client.tables():
                 handle = self._client.handle(info["table"])
-                if handle.split and handle.layer_id is not None:
+                if handle.layer_id is not None and (handle.split or config.stage != "off"):
                     self._by_layer[handle.layer_id] = handle.table
         if not self._by_layer:
             raise errors.NotFound(
-                f"the sidecar at {config.socket} serves no split-layout table with a layer id; serve the "
-                f"ingested V4.1 tables with `tierstore serve --split-layout all`, or name them in "
-                f"TIERSTORE_VLLM_TABLES=LAYER=TABLE,...")
+                f"the sidecar at {config.socket} serves no {'split-layout ' if config.stage == 'off' else ''}table "
+                f"with a layer id; serve the ingested V4.1 tables (`tierstore serve --split-layout all`, or in "
+                f"cache mode without it), or name them in TIERSTORE_VLLM_TABLES=LAYER=TABLE,...")
+
+    def _table(self, layer_id: int) -> str:
+        name = self._by_layer.get(layer_id)
+        if name is None:
+            raise errors.TableNotFound(
+                f"no tierstore table for Engram layer {layer_id} (have layers {sorted(self._by_layer)}); ingest "
+                f"it and serve it (--split-layout to map it, or in cache mode to stage it), or map it in "
+                f"TIERSTORE_VLLM_TABLES")
+        return name
+
+    def staged(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` is staged (vllm_stager.py) rather than mapped: by config.stage,
+        and under "auto" whether the sidecar serves its table anything but split-layout."""
+        if self.config.stage != "auto":
+            return self.config.stage == "on"
+        return not self._client.handle(self._table(layer_id)).split
+
+    def staged_table(self, layer_id: int) -> "StagedEngramTable":
+        """Layer `layer_id`'s table as a staged layer reads it (one per layer per process)."""
+        from tierstore.client.engines.vllm_stager import StagedEngramTable
+
+        with self._lock:
+            t = self._staged.get(layer_id)
+            if t is None:
+                t = self._staged[layer_id] = StagedEngramTable(self._client, self._table(layer_id), layer_id)
+            return t
 
     def split_table(self, layer_id: int) -> "SplitTable":
         """The split table of Engram layer `layer_id` (mapped once per process)."""
         with self._lock:
             t = self._split.get(layer_id)
             if t is None:
-                name = self._by_layer.get(layer_id)
-                if name is None:
-                    raise errors.TableNotFound(
-                        f"no tierstore table for Engram layer {layer_id} (have layers "
-                        f"{sorted(self._by_layer)}); ingest it and serve it --split-layout, or map it in "
-                        f"TIERSTORE_VLLM_TABLES")
-                t = self._split[layer_id] = self._client.split_table(name)
+                t = self._split[layer_id] = self._client.split_table(self._table(layer_id))
             return t
 
     def storage(self, layer_id: int, num_embeddings: int, dim: int, block_size: int,
@@ -191,6 +236,7 @@ class TierstoreEngramTables:
             for t in self._split.values():
                 t.close()
             self._split.clear()
+            self._staged.clear()
         self._client.close()
 
 
@@ -220,11 +266,14 @@ def engram_layer(layer_id: int):
 
 
 def _patch(engram) -> None:
-    """Replace ParallelEngramEmbedding._allocate_weights and wrap Engram._create_embedding."""
+    """Replace ParallelEngramEmbedding._allocate_weights, lookup and _storage, and wrap
+    Engram._create_embedding. lookup and _storage are vLLM's own for a layer that is not
+    staged (no `tierstore_staged` on the instance)."""
     emb_cls, engram_cls = engram.ParallelEngramEmbedding, engram.Engram
     if "originals" in _STATE:
         return
     alloc, create = emb_cls._allocate_weights, engram_cls._create_embedding
+    lookup, storage = emb_cls.lookup, emb_cls._storage
 
     def _create_embedding(self, layout, layer_hash_index):
         with engram_layer(layout.layer_ids[layer_hash_index]):
@@ -249,6 +298,8 @@ def _patch(engram) -> None:
                 "--load-format dummy fills the Engram parameters, and tierstore's arena is read-only: "
                 "unset TIERSTORE_VLLM_SOCKET for dummy-weight runs")
         tables = _tables()
+        if tables.staged(layer_id):
+            return _stage(self, tables, layer_id)
         weight, scales = tables.storage(layer_id, self.num_embeddings, self.dim, self.block_size,
                                         self.vocab_start_idx, self.vocab_end_idx)
         if engram.current_platform.is_cuda_alike():
@@ -256,9 +307,50 @@ def _patch(engram) -> None:
         self._weight_loader = tables.loader(layer_id)
         return weight, scales
 
+    def _lookup(self, indices, out, background=False):
+        """vLLM's lookup, or for a staged layer its rows read through tierstore (vllm_stager.py;
+        on CUDA the ids' copy to the host is a device sync)."""
+        staged = getattr(self, "tierstore_staged", None)
+        if staged is None:
+            return lookup(self, indices, out, background)
+        staged.lookup(self, indices, out)
+
+    def _storage(self):
+        staged = getattr(self, "tierstore_staged", None)
+        if staged is None:
+            return storage(self)
+        from tierstore.client.engines.vllm_stager import StagingError
+
+        raise StagingError(
+            f"vLLM's Engram layer {staged.layer_id} is staged by tierstore (table {staged.table}, served in cache "
+            f"mode): vLLM holds none of its rows, so nothing can read them in place. vLLM's Engram DP peer "
+            f"exchange does: run with --engram-config '{{\"embedding_across_dp\": false}}', or serve the table "
+            f"split-layout (tierstore serve --split-layout all) with RAM for it")
+
     emb_cls._allocate_weights = _allocate_weights
+    emb_cls.lookup = _lookup
+    emb_cls._storage = _storage
     engram_cls._create_embedding = _create_embedding
-    _STATE["originals"] = (engram, alloc, create)
+    _STATE["originals"] = (engram, alloc, create, lookup, storage)
+
+
+def _stage(emb, tables: TierstoreEngramTables, layer_id: int):
+    """_allocate_weights of a staged layer: zero-row placeholders (vLLM's loading accepts them;
+    the loader checks the checkpoint's rows against tierstore's and copies nothing), the layer's
+    table on the instance for the patched lookup."""
+    import torch
+
+    from tierstore.client.engines.vllm_stager import StagedCheck
+
+    staged = tables.staged_table(layer_id)
+    staged.check_shape(emb.num_embeddings, emb.dim, emb.block_size)
+    emb.tierstore_staged = staged
+    emb._weight_loader = StagedCheck(staged, emb.vocab_start_idx, emb.vocab_end_idx, tables.config.verify)
+    log.info("Engram layer %d: tierstore table %s v%d staged per lookup (%s), rows [%d, %d) of this rank; no "
+             "table allocated", layer_id, staged.table, staged.version,
+             "full-resident" if staged.full_resident else "cache mode", emb.vocab_start_idx, emb.vocab_end_idx)
+    return (torch.empty((0, emb.dim), dtype=torch.float8_e4m3fn, device="cpu"),
+            torch.empty((0, emb.dim // emb.block_size), dtype=torch.uint8, device="cpu"))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -303,8 +395,10 @@ def uninstall() -> None:
         tables = _STATE.pop("tables", None)
         _STATE.pop("config", None)
     if originals is not None:
-        engram, alloc, create = originals
+        engram, alloc, create, lookup, storage = originals
         engram.ParallelEngramEmbedding._allocate_weights = alloc
+        engram.ParallelEngramEmbedding.lookup = lookup
+        engram.ParallelEngramEmbedding._storage = storage
         engram.Engram._create_embedding = create
     if tables is not None:
         tables.close()
@@ -324,6 +418,7 @@ def register() -> None:
     except Exception as e:
         raise errors.Unavailable(
             f"TIERSTORE_VLLM_SOCKET={config.socket}: no tierstore sidecar answers there ({e}); start it with "
-            f"`tierstore serve --data DIR --socket {config.socket} --split-layout all`, or unset "
+            f"`tierstore serve --data DIR --socket {config.socket} --split-layout all` (tables that fit its "
+            f"--dram-budget, mapped) or without --split-layout (cache mode: the layers are staged), or unset "
             f"TIERSTORE_VLLM_SOCKET to let vLLM load its Engram tables itself") from None
     install(config)

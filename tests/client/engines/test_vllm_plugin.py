@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,9 +30,10 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_engram  # noqa: E402
 from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
@@ -62,40 +62,6 @@ def plugin(served):
     vllm_plugin.uninstall()
 
 
-def _layout():
-    cfg = dict(CONFIG, engram_num_embeddings=[0, 0])
-    probe = engram.EngramLayout(SimpleNamespace(**cfg))
-    cfg["engram_num_embeddings"] = [sum(p for order in layer for p in order) for layer in probe.primes]
-    return engram.EngramLayout(SimpleNamespace(**cfg))
-
-
-def _embedding(layout, index: int, shards: int = 1, rank: int = 0, cpu_offload: bool = True):
-    """A real ParallelEngramEmbedding holding what its __init__ computes before it allocates
-    (that __init__ needs CUDA: see the module docstring), for head shard `rank` of `shards`."""
-    heads = tuple(size for order in layout.primes[index] for size in order)
-    emb = engram.ParallelEngramEmbedding.__new__(engram.ParallelEngramEmbedding)
-    nn.Module.__init__(emb)
-    per = -(-len(heads) // shards)
-    emb.cpu_offload, emb.dp_shared_memory, emb.use_thp = cpu_offload, False, False
-    emb.num_embeddings, emb.dim, emb.block_size = layout.num_embeddings[index], layout.head_dim, 32
-    emb.n_hash_cols, emb.part_n_hash_cols, emb.head_start = len(heads), per, rank * per
-    emb.vocab_start_idx, emb.vocab_end_idx = sum(heads[:rank * per]), sum(heads[:(rank + 1) * per])
-    emb.part_num_embeddings = emb.vocab_end_idx - emb.vocab_start_idx
-    emb._views = emb._view_src = None
-    return emb
-
-
-def _build(emb, layer_id: int):
-    """The allocation and weight attributes, as ParallelEngramEmbedding.__init__ makes them."""
-    with vllm_plugin.engram_layer(layer_id):
-        weight, scales = emb._allocate_weights()
-    emb.weight = nn.Parameter(weight, requires_grad=False)
-    emb.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
-    for p in (emb.weight, emb.weight_scale_inv):
-        engram.set_weight_attrs(p, {"weight_loader": emb._weight_loader, "engram_vocab_start": emb.vocab_start_idx})
-    return emb
-
-
 def _mapped_file(ptr: int) -> str:
     """The file whose mapping in this process holds address `ptr` ('' if anonymous)."""
     for line in Path("/proc/self/maps").read_text().splitlines():
@@ -106,20 +72,8 @@ def _mapped_file(ptr: int) -> str:
     return ""
 
 
-def _checkpoint_tensors(ckpt: Path, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checkpoint's Engram tensors as vLLM's safetensors iterator yields them (safe_open)."""
-    from safetensors import safe_open
-
-    for f in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            if f"layers.{layer_id}.engram.embed.weight" in st.keys():
-                return (st.get_tensor(f"layers.{layer_id}.engram.embed.weight"),
-                        st.get_tensor(f"layers.{layer_id}.engram.embed.scale"))
-    raise AssertionError(layer_id)
-
-
 def test_vllm_cannot_build_the_embedding_on_cpu_which_is_why_these_tests_go_no_deeper():
-    layout = _layout()
+    layout = vllm_engram.layout(CONFIG)
     heads = tuple(size for order in layout.primes[0] for size in order)
     with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
         engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
@@ -128,9 +82,9 @@ def test_vllm_cannot_build_the_embedding_on_cpu_which_is_why_these_tests_go_no_d
 @pytest.mark.parametrize("index", [0, 1])
 def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, index):
     sc, arrays, ckpt = plugin
-    layout = _layout()
+    layout = vllm_engram.layout(CONFIG)
     L = layout.layer_ids[index]
-    emb = _build(_embedding(layout, index), L)
+    emb = vllm_engram.build(vllm_engram.embedding(layout, index), L)
     w, s = arrays[L]["embed.weight"], arrays[L]["embed.scale"]
     assert emb.weight.dtype == torch.float8_e4m3fn and emb.weight_scale_inv.dtype == torch.uint8
     assert tuple(emb.weight.shape) == w.shape and tuple(emb.weight_scale_inv.shape) == s.shape
@@ -147,10 +101,10 @@ def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, i
 
 def test_a_head_shard_is_its_row_range_of_the_same_arena(plugin):
     sc, arrays, ckpt = plugin
-    layout = _layout()
-    full = _build(_embedding(layout, 0), 1)
+    layout = vllm_engram.layout(CONFIG)
+    full = vllm_engram.build(vllm_engram.embedding(layout, 0), 1)
     for rank in (0, 1):
-        part = _build(_embedding(layout, 0, shards=2, rank=rank), 1)
+        part = vllm_engram.build(vllm_engram.embedding(layout, 0, shards=2, rank=rank), 1)
         start, end = part.vocab_start_idx, part.vocab_end_idx
         assert 0 < end - start < full.num_embeddings
         assert part.weight.data_ptr() == full.weight.data_ptr() + start * 256
@@ -160,9 +114,9 @@ def test_a_head_shard_is_its_row_range_of_the_same_arena(plugin):
 
 def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path):
     sc, arrays, ckpt = plugin
-    layout = _layout()
-    emb = _build(_embedding(layout, 1), 3)
-    weight, scale = _checkpoint_tensors(ckpt, 3)
+    layout = vllm_engram.layout(CONFIG)
+    emb = vllm_engram.build(vllm_engram.embedding(layout, 1), 3)
+    weight, scale = vllm_engram.checkpoint_tensors(ckpt, 3)
     before = emb.weight.data_ptr()
     emb.weight.weight_loader(emb.weight, weight)
     emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, scale.view(torch.float8_e8m0fnu))
@@ -179,15 +133,15 @@ def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path
 
 def test_what_the_plugin_refuses_says_what_to_do(plugin):
     sc, arrays, ckpt = plugin
-    layout = _layout()
+    layout = vllm_engram.layout(CONFIG)
     with pytest.raises(errors.InvalidArgument, match="cpu_offload"):
-        _build(_embedding(layout, 0, cpu_offload=False), 1)
+        vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
     with pytest.raises(errors.TableNotFound, match="no tierstore table for Engram layer 7"):
-        _build(_embedding(layout, 0), 7)
+        vllm_engram.build(vllm_engram.embedding(layout, 0), 7)
     with pytest.raises(errors.SpecMismatch, match="ingest the checkpoint vLLM serves"):
-        _build(_embedding(layout, 0), 3)  # layer 1's sizes against layer 3's table
+        vllm_engram.build(vllm_engram.embedding(layout, 0), 3)  # layer 1's sizes against layer 3's table
     with pytest.raises(errors.InvalidArgument, match="outside Engram._create_embedding"):
-        _embedding(layout, 0)._allocate_weights()
+        vllm_engram.embedding(layout, 0)._allocate_weights()
 
 
 def test_config_from_the_environment():
@@ -226,3 +180,20 @@ def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
     assert "tierstore serve" in down.stderr
+
+
+def test_stage_on_stages_a_split_layout_table_too(served):
+    """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
+    lookup the stored rows (read with Client.lookup, interleaved whatever the arena's layout)."""
+    sc, arrays, ckpt = served
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", stage="on"))
+    try:
+        emb = vllm_engram.build(vllm_engram.embedding(vllm_engram.layout(CONFIG), 0), 1)
+        assert emb.weight.shape[0] == 0 and emb.tierstore_staged.full_resident
+        ids = np.random.default_rng(3).integers(0, emb.num_embeddings, (5, emb.n_hash_cols))
+        out = torch.empty(5, emb.n_hash_cols, 264, dtype=torch.uint8)
+        emb.lookup(torch.from_numpy(ids), out)
+        rows = np.concatenate([arrays[1]["embed.weight"], arrays[1]["embed.scale"]], axis=1)
+        assert np.array_equal(out.numpy(), rows[ids])
+    finally:
+        vllm_plugin.uninstall()

@@ -1,0 +1,340 @@
+"""vLLM 0.32's real Engram classes over a table tierstore serves in cache mode, on CPU.
+
+A real sidecar serves the synthetic V4.1-layout checkpoint's tables in cache
+mode (its --dram-budget a quarter of the rows): they are not split-layout, so
+the plugin stages them (client/engines/vllm_stager.py). A staged
+`ParallelEngramEmbedding` (the real class, built as test_vllm_plugin.py builds
+it: its __init__ needs CUDA) holds zero rows, and its patched `lookup` reads
+each step's rows through tierstore. The reference is vLLM's own `lookup` over
+the same table held in memory: its real `_engram_lookup_kernel`, run on CPU
+tensors under Triton's interpreter in a child pytest run (TRITON_INTERPRET=1
+must be set before Triton is first imported; CUDA_VISIBLE_DEVICES="" keeps
+vLLM's Triton kernels real without a GPU driver, vllm/triton_utils/importing.py).
+Triton 3.7's interpreter cannot pass a Python bool to a kernel argument that is
+not constexpr (it boxes it as int32 under an int1 type and refuses); vLLM passes
+SORTED=False that way, so the child teaches the interpreter's argument
+conversion bools (`_interpreter_takes_bools`). The kernel itself runs unmodified.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)",
+                allow_module_level=True)
+
+CHILD = os.environ.get("TIERSTORE_VLLM_STAGER_CHILD") == "1"
+if CHILD:
+    def _interpreter_takes_bools() -> None:
+        import triton.language as tl
+        import triton.runtime.interpreter as interpreter
+
+        convert = interpreter._implicit_cvt
+
+        def implicit_cvt(arg):
+            if isinstance(arg, bool):
+                return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.bool_), tl.int1), tl.int1)
+            return convert(arg)
+
+        interpreter._implicit_cvt = implicit_cvt
+
+    _interpreter_takes_bools()
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_engram  # noqa: E402
+from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
+
+from tierstore import errors  # noqa: E402
+from tierstore.client.client import Client  # noqa: E402
+from tierstore.client.engines import vllm_plugin, vllm_stager  # noqa: E402
+from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
+from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
+
+engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
+interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter child of test_staged_lookup_is_vllms_own")
+parent = pytest.mark.skipif(CHILD, reason="runs in the parent process (no interpreter needed)")
+LAYERS = (1, 3)
+SAMPLE_ROWS = 64  # rows the load checks here: 4096 would be most of this small table and fill its cache
+
+
+@pytest.fixture(scope="module")
+def cache_model(tmp_path_factory):
+    """The checkpoint, its tables served in cache mode (a quarter of the rows fit)."""
+    root = tmp_path_factory.mktemp("vllm_stager")
+    arrays = write_checkpoint(root / "ckpt")
+    ingest_checkpoint(root / "ckpt", root / "data", progress=False)
+    rows = sum(a["embed.weight"].shape[0] for a in arrays.values())
+    with SidecarProcess(root / "data", dram_budget=str(rows * 264 // 4)) as sc:
+        with Client(sc.socket) as c:
+            assert all(t["mode"] == "cache" for t in c.stats()["tables"])
+        yield dict(root=root, arrays=arrays, ckpt=root / "ckpt", socket=str(sc.socket))
+
+
+@pytest.fixture
+def plugin(cache_model, monkeypatch):
+    monkeypatch.setattr(vllm_stager.StagedCheck, "SAMPLE_ROWS", SAMPLE_ROWS)
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(cache_model["socket"]))
+    yield cache_model
+    vllm_plugin.uninstall()
+
+
+def _staged(layout, index: int, shards: int = 1, rank: int = 0):
+    L = layout.layer_ids[index]
+    emb = vllm_engram.build(vllm_engram.embedding(layout, index, shards, rank), L)
+    assert isinstance(emb.tierstore_staged, vllm_stager.StagedEngramTable)
+    return emb
+
+
+def _steps(emb, primes, rng, steps: int = 4, tokens: int = 12) -> list[torch.Tensor]:
+    """Hash ids [tokens, n_hash_cols] of a few steps: mostly each head's own rows (later steps
+    reuse earlier steps' ids, so they hit rows the sidecar promoted), some other heads' rows
+    (outside this rank's range when it holds a shard), ids past the table, and -1."""
+    heads = np.cumsum([0, *[p for order in primes for p in order]])  # each head's first row
+    seen, out = [], []
+    for s in range(steps):
+        ids = np.stack([rng.integers(heads[h], heads[h + 1], tokens) for h in range(emb.n_hash_cols)], axis=1)
+        if seen:
+            old = np.concatenate(seen)
+            ids[: tokens // 2] = old[rng.integers(0, len(old), tokens // 2)]
+        seen.append(ids.copy())
+        ids[1, 0] = -1
+        ids[2, emb.n_hash_cols - 1] = emb.num_embeddings + 5
+        ids[3, :] = rng.integers(0, emb.num_embeddings, emb.n_hash_cols)  # any head's rows in any column
+        out.append(torch.from_numpy(ids).to(torch.int32))
+    return out
+
+
+def _promoted(socket, table: str, steps: int, timeout: float = 10.0) -> None:
+    """Wait until the sidecar has learned `steps` local steps of `table` (notes are one-way)."""
+    deadline = time.monotonic() + timeout
+    with Client(socket) as c:
+        while time.monotonic() < deadline:
+            if any(t["table"] == table and int(t["local_steps"]) >= steps for t in c.stats()["tables"]):
+                return
+            time.sleep(0.02)
+
+
+# ---- against vLLM's own kernel (the interpreter child) -------------------------------------------
+@parent
+def test_staged_lookup_is_vllms_own_kernel():
+    """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERSTORE_VLLM_STAGER_CHILD="1")
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
+                        __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+@interp
+@pytest.mark.parametrize("shards,rank", [(1, 0), (2, 1)])
+def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(plugin, shards, rank):
+    """Every step, both layers: the staged lookup's bf16 rows and packed rows are bit for bit
+    what vLLM's lookup (`_engram_lookup_kernel`) writes over the table in memory, for the
+    whole table (one rank) and for the second of two head shards (a padded head, and ids of
+    the first shard's heads outside its range). Later steps hit rows the earlier ones promoted."""
+    layout = vllm_engram.layout(CONFIG)
+    rng = np.random.default_rng(shards)
+    for index, L in enumerate(LAYERS):
+        emb = _staged(layout, index, shards, rank)
+        a = plugin["arrays"][L]
+        own = vllm_engram.holding(vllm_engram.embedding(layout, index, shards, rank, cpu_offload=False),
+                                  a["embed.weight"], a["embed.scale"])
+        assert emb.weight.shape[0] == 0 and own.weight.shape[0] == emb.part_num_embeddings > 0
+        part = emb.part_n_hash_cols
+        for step, ids in enumerate(_steps(emb, layout.primes[index], rng)):
+            want = torch.full((len(ids), part, 256), 7.0, dtype=torch.bfloat16)
+            got = want.clone()
+            own.lookup(ids, want)  # vLLM's lookup: the kernel under the interpreter
+            emb.lookup(ids, got)  # tierstore's: the class's patched method
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {L} step {step} bf16"
+            assert (want != 0).any() and (want[:, part - 1] == 0).all() == (shards == 2)  # padded head: zeros
+            # packed rows into one layer's slot of a [tokens, layers, heads, 264] buffer, as EngramBatch does
+            want_p = torch.full((len(ids), 2, part, 264), 9, dtype=torch.uint8)
+            got_p = want_p.clone()
+            own.lookup(ids, want_p[:, 1])
+            emb.lookup(ids, got_p[:, 1])
+            assert torch.equal(got_p, want_p), f"layer {L} step {step} packed"
+            assert (want_p[:, 1] != 0).any() and (want_p[:, 0] == 9).all()
+            if step == 0:
+                emb.tierstore_staged.client.flush()
+                _promoted(plugin["socket"], f"l{L}", 1)
+    for L in LAYERS:  # misses read from the segment files, hits from the cache arena
+        local = emb.tierstore_staged.client.handle(f"l{L}").local
+        assert local.rows_cold > 0 and local.rows_resident > 0, L
+
+
+@interp
+def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair():
+    """vllm_stager.dequantize against `_engram_lookup_kernel` (PACKED=False) for all 256 e4m3
+    bytes under all 256 ue8m0 bytes: bit for bit, zero and inf scales, overflow and NaNs from
+    them included, but for what Triton's interpreter itself gets wrong, which is left out and
+    counted: it decodes the e4m3 NaN bytes 0x7f / 0xff as +-480 (e4m3fn has no 480: torch and
+    the GPU's cvt read NaN), and it rounds products in bf16's subnormal range (|x| < 2^-126,
+    reached only with scale bytes under 10, 2^-118) otherwise than IEEE round-to-nearest-even
+    (torch's). bench/gpu_check_engines.py compares every pair on a GPU."""
+    emb = vllm_engram.embedding(vllm_engram.layout(CONFIG), 0, cpu_offload=False)
+    emb.n_hash_cols = emb.part_n_hash_cols = 1
+    emb.head_start, emb.vocab_start_idx, emb.vocab_end_idx = 0, 0, 256
+    weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row s: every e4m3 byte...
+    scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)  # ...under scale byte s
+    own = vllm_engram.holding(emb, weight, scale)
+    want = torch.empty(256, 1, 256, dtype=torch.bfloat16)
+    own.lookup(torch.arange(256, dtype=torch.int32)[:, None], want)
+    w = want.view(256, 256)
+    g = vllm_stager.dequantize(torch.from_numpy(np.concatenate([weight, scale], axis=1)), 256)
+
+    def subnormal(x):
+        return (x != 0) & (x.float().abs() < 2.0 ** -126)
+
+    e4m3_nan = torch.from_numpy((weight & 0x7F) == 0x7F)
+    left_out = e4m3_nan | subnormal(w) | subnormal(g)
+    assert torch.isnan(g[e4m3_nan]).all()
+    assert set(torch.nonzero(left_out & ~e4m3_nan)[:, 0].tolist()) <= set(range(1, 10))  # scale bytes 1..9
+    assert int(left_out.sum()) < 1000  # of 65,536 pairs
+    kept = ~left_out
+    assert torch.equal(torch.isnan(w[kept]), torch.isnan(g[kept]))  # 0 x inf, inf - the NaN payload may differ
+    same = kept & ~torch.isnan(w)
+    assert torch.equal(w[same].view(torch.int16), g[same].view(torch.int16))
+    assert torch.isnan(w[kept]).any() and torch.isinf(w[same]).any() and (w[same] == 0).any()
+
+
+# ---- in this process -------------------------------------------------------------------------------
+@parent
+def test_weight_loading_allocates_nothing_table_sized_and_copies_nothing(plugin):
+    """vLLM's own loading path (safetensors_weights_iterator, the model's hf_to_vllm_mapper,
+    AutoWeightsLoader) into staged layers: every aten op it runs is recorded, and none
+    allocates or copies more than the sampled rows; the placeholders stay zero-row."""
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+    from vllm.models.deepseek_v41.nvidia.model import _make_deepseek_v4_weights_mapper
+
+    layout = vllm_engram.layout(CONFIG)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleDict()
+    for index, L in enumerate(LAYERS):
+        layer = nn.Module()
+        layer.engram = nn.Module()
+        layer.engram.embed_tokens = _staged(layout, index)
+        model.model.layers[str(L)] = layer
+    table_bytes = min(a["embed.weight"].nbytes for a in plugin["arrays"].values())
+
+    class Recorder(TorchDispatchMode):
+        largest, copies = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    Recorder.largest = max(Recorder.largest, t.untyped_storage().nbytes() if func not in VIEWS
+                                           else 0)
+            if func in COPIES:
+                Recorder.copies.append((func, tuple(args[0].shape)))
+            return out
+
+    VIEWS = {torch.ops.aten.view.default, torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor,
+             torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.ops.aten.view.dtype,
+             torch.ops.aten._reshape_alias.default, torch.ops.aten.as_strided.default}
+    COPIES = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default}
+    files = [str(f) for f in sorted(plugin["ckpt"].glob("*.safetensors"))]
+    # the iterator's tensors lie over the files' mappings (test_vllm_plugin.py); what is recorded is
+    # what loading does with them
+    weights = [(n, t) for n, t in safetensors_weights_iterator(files, use_tqdm_on_load=False) if ".engram.embed." in n]
+    with Recorder():
+        loaded = AutoWeightsLoader(model).load_weights(weights, mapper=_make_deepseek_v4_weights_mapper("fp8"))
+    assert {f"model.layers.{L}.engram.embed_tokens.{p}" for L in LAYERS for p in ("weight", "weight_scale_inv")} \
+        <= set(loaded)
+    assert 0 < Recorder.largest <= SAMPLE_ROWS * 264 < table_bytes, Recorder.largest  # the sampled rows at most
+    assert not [c for c in Recorder.copies if c[1] and c[1][0] > SAMPLE_ROWS], Recorder.copies
+    for index, L in enumerate(LAYERS):
+        emb = model.model.layers[str(L)].engram.embed_tokens
+        assert emb.weight.shape == (0, 256) and emb.weight_scale_inv.shape == (0, 8)
+        assert emb.weight.untyped_storage().nbytes() == 0
+
+
+@parent
+def test_a_checkpoint_that_differs_from_tierstores_rows_is_refused_at_load(plugin):
+    layout = vllm_engram.layout(CONFIG)
+    emb = _staged(layout, 1)
+    weight, scale = vllm_engram.checkpoint_tensors(plugin["ckpt"], 3)
+    bad = scale.view(torch.uint8).clone()
+    bad[-1, 2] ^= 1  # the last row is always among the sampled ones
+    with pytest.raises(errors.SpecMismatch, match=f"Engram layer 3: checkpoint embed.scale row {len(bad) - 1} "
+                                                  f"differs from tierstore table 'l3'"):
+        emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, bad.view(torch.float8_e8m0fnu))
+    with pytest.raises(errors.SpecMismatch, match="does not fit"):
+        emb.weight.weight_loader(emb.weight, weight[:10])
+
+
+@parent
+def test_what_needs_the_real_parameters_is_refused_naming_the_layer(plugin):
+    layout = vllm_engram.layout(CONFIG)
+    emb = _staged(layout, 0)
+    with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 is staged by tierstore .*embedding_across_dp"):
+        emb._storage()
+    with pytest.raises(errors.InvalidArgument, match="cpu_offload"):
+        vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
+
+
+@parent
+def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path, monkeypatch):
+    """A flipped byte in a cold row a step needs: the lookup raises StagingError naming the layer
+    (DATA_LOSS from the verified read) and `out` is left as it was. A sidecar that is gone
+    fails the step the same way."""
+    from tierstore.store.catalog import Catalog
+
+    arrays = write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    layout = vllm_engram.layout(CONFIG)
+    bad = 1234
+    with Catalog(tmp_path / "data", readonly=True) as cat:
+        tv = cat.current("l1")
+    seg = tmp_path / "data" / tv.segments[bad // tv.segment_rows]
+    with open(seg, "r+b") as f:
+        f.seek((bad % tv.segment_rows) * tv.record_bytes + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    rows = arrays[1]["embed.weight"].shape[0]
+    sc = SidecarProcess(tmp_path / "data", dram_budget=str(rows * 264 // 4)).start()
+    try:
+        vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off"))
+        emb = _staged(layout, 0)
+        ids = torch.tensor([[7] * 9, [bad] + [40] * 8], dtype=torch.int32)
+        out = torch.full((2, 9, 256), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(vllm_stager.StagingError, match=rf"Engram layer 1 .*checksum mismatch in block \d+ "
+                                                          rf"\(row {bad}\)") as e:
+            emb.lookup(ids, out)
+        assert isinstance(e.value.__cause__, errors.DataLoss)
+        assert (out == 7.0).all()  # nothing written
+        sc.stop()
+        with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 .*Unavailable"):
+            emb.lookup(torch.tensor([[bad + 7] * 9, [9] * 9], dtype=torch.int32), out)
+        assert (out == 7.0).all()
+    finally:
+        vllm_plugin.uninstall()
+        sc.cleanup()
+
+
+@parent
+def test_stage_is_set_the_sglang_way():
+    from_env = vllm_plugin.VllmPluginConfig.from_env
+    assert from_env({"TIERSTORE_VLLM_SOCKET": "/s"}).stage == "auto"
+    for given, want in (("1", "on"), ("0", "off"), ("ON", "on"), ("auto", "auto")):
+        assert from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE": given}).stage == want
+    with pytest.raises(errors.InvalidArgument, match="TIERSTORE_VLLM_STAGE='sometimes'; use auto, on"):
+        from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE": "sometimes"})
