@@ -52,22 +52,16 @@ from array import array
 import numpy as np
 
 from tierstore import errors
+from tierstore.client.engines import StagingError
 from tierstore.jit import unique_inverse
 
-__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "StagingError", "process_client",
+__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "process_client",
            "from_model", "dequant_staged", "on_enqueue", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 FP8_BLOCK = 32  # values per ue8m0 scale
 READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
 PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
-
-
-class StagingError(errors.TierstoreError):
-    """tierstore cannot stage sglang's Engram rows: a read failed, the table is now served at
-    another version, or sglang runs in a way the stager does not serve (the message says how)."""
-
-    GRPC_CODE = "FAILED_PRECONDITION"
 
 
 # ---- one layer's table ----------------------------------------------------------------------------

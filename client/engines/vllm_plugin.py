@@ -319,7 +319,7 @@ def _patch(engram) -> None:
         staged = getattr(self, "tierstore_staged", None)
         if staged is None:
             return storage(self)
-        from tierstore.client.engines.vllm_stager import StagingError
+        from tierstore.client.engines import StagingError
 
         raise StagingError(
             f"vLLM's Engram layer {staged.layer_id} is staged by tierstore (table {staged.table}, served in cache "

@@ -52,13 +52,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines.sglang_stager import StagingError
+from tierstore.client.engines import StagingError
 from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StagedEngramTable", "StagedCheck", "StagingError", "dequantize", "FP8_BLOCK", "ROW_FORMAT"]
+__all__ = ["StagedEngramTable", "StagedCheck", "dequantize", "FP8_BLOCK", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 FP8_BLOCK = 32  # values per ue8m0 scale

@@ -198,7 +198,7 @@ def test_an_unstaged_batch_or_a_token_still_on_the_device_is_refused_not_guessed
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from tierstore.client.engines.sglang_stager import StagingError
+    from tierstore.client.engines import StagingError
 
     req = _req("late", [5, 6, 7, 8])
     input_ids, fb = _forward_batches([req], [4], 0)
@@ -252,7 +252,8 @@ def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sg
     from sglang.srt.layers.engram_staging import EngramRowStager
 
     from tierstore.client.engines import sglang as ts_sglang
-    from tierstore.client.engines.sglang_stager import RowStager, StagingError
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines.sglang_stager import RowStager
     from tierstore.store.catalog import Catalog
 
     write_checkpoint(tmp_path / "ckpt")
