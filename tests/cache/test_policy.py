@@ -227,6 +227,9 @@ def test_adapt_settings_are_validated():
         PolicyConfig(adapt_period=0)
     with pytest.raises(InvalidArgument, match="max_hits"):
         PolicyConfig(max_hits=200)
+    with pytest.raises(InvalidArgument, match=r"max_hits in 0\.\.31"):  # a slot's hits share its queue's byte
+        PolicyConfig(max_hits=32)
+    PolicyConfig(max_hits=31)
 
 
 def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):

@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS"]
+__all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS", "MAX_HITS"]
 
 KINDS = ("s3fifo", "lru", "random")  # tierstore/policy/__init__.py registers one class per kind
 MAX_EXPECT_STEPS = 1 << 15  # hint ends are kept mod 2^16 (policy/queues.py): twice the longest hint
+MAX_HITS = 31  # a slot's CLOCK hits live in the top five bits of its queue byte (policy/queues.py)
 
 
 @dataclass(slots=True)
@@ -27,7 +28,8 @@ class PolicyConfig:
         reference at every size; `bench cache`).
     main_freq: sketch count at which a missed id enters main directly (it was
         seen before and evicted); 0 sends every miss to probation.
-    max_hits: CLOCK hit budget of a main-queue row (extra passes it survives).
+    max_hits: CLOCK hit budget of a main-queue row (extra passes it survives), at most
+        MAX_HITS (31: a slot's hits share its queue's byte, policy/queues.py).
     expect_steps: how long an `expect` hint lasts when its caller does not say:
         a hinted row (a queued request will read it) is passed over by
         victims() for this many steps after the hint, resident then or
@@ -104,8 +106,9 @@ class PolicyConfig:
             raise InvalidArgument(f"pending_share must be in (0, 4], pending_client_share in (0, 1] and "
                                   f"hint_clients in 1..255, got {self.pending_share}, {self.pending_client_share}, "
                                   f"{self.hint_clients}")
-        if self.main_freq < 0 or not 0 <= self.max_hits <= 127:
-            raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..127, got {self.main_freq}, {self.max_hits}")
+        if self.main_freq < 0 or not 0 <= self.max_hits <= MAX_HITS:
+            raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..{MAX_HITS}, got {self.main_freq}, "
+                                  f"{self.max_hits}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
             raise InvalidArgument(f"sketch_width must be > 0 and halve_every >= 0, got "
                                   f"{self.sketch_width}, {self.halve_every}")
