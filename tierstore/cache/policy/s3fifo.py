@@ -52,7 +52,7 @@ class S3FIFOPolicy(CachePolicy):
         self._until = prefault.zeros(cap, UNTIL)
         self._sweep = 0  # where the next step's sweep of ended hint ends starts
         self._longest = cfg.max_expect_steps
-        pending = cfg.pending_share * cap
+        pending = max(cfg.pending_share * cap, min(cfg.pending_min, 2 * cap))
         self._pending = PendingHints(pending, pending * cfg.pending_client_share, cfg.hint_clients,
                                      cfg.max_expect_steps, n_ids)
         # at most half the arena protected at once: a deep queue of hints cannot crowd out
