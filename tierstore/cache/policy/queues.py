@@ -6,15 +6,16 @@ size, `nxt[slot]` (the slot behind it, -1 at the tail), with a head and a tail
 per queue: 4 B a slot for both queues, no entry buffers, no tickets, nothing
 to compact. Every operation costs O(entries it touches), never O(arena).
 
-`entry[slot]`, one byte, names a slot's queue (its low bits: PROBATION, MAIN,
-or FREE) and holds its CLOCK hits (its top five bits, HIT a hit: at most MAX_HITS). A
-singly linked list cannot unlink a slot from its middle, so a slot the policy
-forgets while it is linked stays linked as a *ghost* (its queue with the GHOST
-bit): a walk that reaches a ghost drops it (it is then FREE), and a ghost
-admitted again before that is revived where it lies (`admit`). The engine forgets slots that it had
-just admitted (a refused lease, a failed fill), so a revived slot sits where a
-fresh push would, near the tail; the one other forget, of victims chosen by a
-pass over the pins when the queue heads give none (s3fifo.py), is rare.
+`entry[slot]`, one byte, names a slot's queue (its low bits: PROBATION, MAIN or
+FREE) and holds its CLOCK hits (its top five bits, HIT a hit: at most
+MAX_HITS). A singly linked list cannot unlink a slot from its middle, so a slot
+the policy forgets while it is linked stays linked as a *ghost* (its queue with
+the GHOST bit): a walk that reaches a ghost drops it (it is then FREE), and a
+ghost admitted again before that is revived where it lies (`admit`). The
+engine forgets slots that it had just admitted (a refused lease, a failed
+fill), so a revived slot sits where a fresh push would, near the tail; the one
+other forget, of victims chosen by a pass over the pins when the queue heads
+give none (s3fifo.py), is rare.
 `counts` are the live entries of each queue, `linked` the entries its list
 holds (live and ghosts): a walk visits at most that many, so it never meets
 an entry it pushed itself.
@@ -23,7 +24,8 @@ A hint protects a slot until the end step `until[slot]`, kept mod 2^16: it is
 live while 0 < (until - now) mod 2^16 <= the longest hint (PolicyConfig's
 max_expect_steps, at most MAX_EXPECT_STEPS = 2^15). A value whose end passed
 would read live again 2^16 - that many steps later, so s3fifo.py rewrites the
-ended ones of 1/SWEEP_STEPS of the arena every step (each within 2^14 steps).
+ended ones of 1/SWEEP_STEPS of the arena every step (each within 2^14 steps);
+pending.py keeps the ends of ids not resident yet the same way.
 
 The loops (`admit`, `scan`) are written once, for numba (tierstore/jit.py);
 without numba the same Python functions run interpreted (they are the
@@ -37,7 +39,7 @@ from tierstore.cache.policy.config import MAX_HITS
 from tierstore.jit import Kernel, inlined
 
 __all__ = ["FREE", "PROBATION", "MAIN", "GHOST", "ADMIT", "SCAN", "FORGET", "slot_dtype", "hinted", "UNTIL",
-           "SWEEP_STEPS", "MAX_HITS", "HIT", "ENTRY", "live", "hits_of", "with_hits"]
+           "SWEEP_STEPS", "HIT", "ENTRY", "live", "hits_of", "with_hits"]
 
 FREE, PROBATION, MAIN = 0, 1, 2
 _QUEUE = 3  # an entry's queue bits
@@ -62,6 +64,7 @@ def live(entry: np.ndarray) -> np.ndarray:
 
 
 def hits_of(entry: np.ndarray) -> np.ndarray:
+    """The CLOCK hits of entries."""
     return entry // HIT
 
 
