@@ -227,6 +227,9 @@ def test_adapt_settings_are_validated():
         PolicyConfig(adapt_period=0)
     with pytest.raises(InvalidArgument, match="max_hits"):
         PolicyConfig(max_hits=200)
+    with pytest.raises(InvalidArgument, match=r"max_hits in 0\.\.31"):  # a slot's hits share its queue's byte
+        PolicyConfig(max_hits=32)
+    PolicyConfig(max_hits=31)
 
 
 def test_compiled_queue_walks_match_the_numpy_reference(numpy_path):
@@ -282,6 +285,22 @@ def test_a_hint_that_ended_long_ago_never_reads_live_again():
         p.record(np.zeros(0, np.int64))
         assert p._protected >= 0
     assert _protected(p) == 0 and p._protected == 0 and p.protect_room() == 500
+
+
+def test_a_pending_hint_that_ended_long_ago_never_reads_live_again():
+    """Pending ids' ends are 2 B too (pending.py): made just before the step count wraps,
+    they end on time, and the sweep keeps every ended one from coming round 2^16 steps later."""
+    p = make_policy(1000, 50_000, PolicyConfig(max_expect_steps=100))
+    start = 2**16 - 50
+    p._steps, p._until[:] = start, (start - 1) & 0xFFFF  # as if `start` steps had run
+    p.expect(np.zeros(0, np.int64), ids=np.arange(1000, 1500), steps=80)
+    pend = p._pending
+    assert pend.total == int(pend.live(p._steps).sum()) == 500
+    for i in range(2**16 + 200):
+        p.record(np.zeros(0, np.int64))
+        assert pend.total == int(pend.live(p._steps).sum()) == (500 if i < 79 else 0)
+    p.admitted(np.arange(10), np.arange(1000, 1010))  # hinted long ago: not protected now
+    assert _protected(p) == 0
 
 
 def _protected(p) -> int:
@@ -361,7 +380,7 @@ def test_hint_counts_are_exact_and_bounded(data):
         pend = p._pending
         assert pend.total == int(pend._live.sum()) <= pend.limit and int(pend._live.max()) <= pend.per_client
         if pend._id is not None:
-            live = pend._until > p._steps
+            live = pend.live(p._steps)
             assert int(live.sum()) == pend.total
             assert np.array_equal(np.bincount(pend._owner[live], minlength=pend.clients), pend._live)
 

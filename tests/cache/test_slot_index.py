@@ -141,5 +141,5 @@ def test_an_index_of_another_format_version_is_refused_with_the_reason(table):
     st, arena, path = table
     with open(path, "r+b") as f:
         f.write(b"TSINDEX1")
-    with pytest.raises(errors.StaleArena, match="format version 1; this client reads version 2"):
+    with pytest.raises(errors.StaleArena, match="format version 1; this client reads version 3"):
         map_index(path, CAP, ROWS, "inst0")

@@ -221,3 +221,26 @@ def test_rows_a_note_carries_are_placed_verified_without_a_disk_read(engine):
     assert eng.counters.note_rows_placed == ids.size + 50
     with pytest.raises(InvalidArgument, match="uint8"):
         eng.note_access(part, np.array([part.size]), part, data[part][:, :32])  # rows of the wrong width
+
+
+def test_a_row_pinned_as_often_as_a_slot_counts_refuses_the_next_lease(engine):
+    """Pins are one byte a slot (slot_table.PIN_MAX): the step that would pin a row once more
+    is refused as a lease refusal (ResourceExhausted, plan again), nothing pinned, never a
+    count wrapped round to 'unpinned'."""
+    from tierstore.cache.slot_table import PIN_MAX
+
+    eng, data = engine
+    _plan(eng, np.arange(100))
+    eng.leases.release_client(b"c")
+    slot = int(eng.slots.lookup(np.array([7]))[0])
+    eng.slots.pin(np.array([slot]), times=PIN_MAX - 1)  # as if that many other steps leased it
+    res, rows = _plan(eng, np.arange(5, 10))  # the last pin the slot can count
+    assert np.array_equal(rows, data[5:10]) and eng.slots.pins[slot] == PIN_MAX
+    before = (eng.slots.pins.copy(), eng.slots.n_pinned, len(eng.leases), eng.counters.lease_refusals)
+    with pytest.raises(ResourceExhausted, match="plan again"):
+        eng.plan(np.array([3, 7, 5000]), ttl_s=30.0, client=b"c")
+    assert np.array_equal(eng.slots.pins, before[0]) and eng.slots.n_pinned == before[1]
+    assert len(eng.leases) == before[2] and eng.counters.lease_refusals == before[3] + 1
+    eng.leases.release_client(b"c")  # a lease ends: the row is served again
+    res, rows = _plan(eng, np.array([3, 7, 5000]))
+    assert np.array_equal(rows, data[[3, 7, 5000]])

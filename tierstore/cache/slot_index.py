@@ -9,7 +9,7 @@ all O(slots), nothing per row:
                               block found bad), even while it holds a READY row
                               that does not change
     id_of    int32|64 [slots] the row a slot holds (negative: none)
-    map      uint32|64 [~1.5 x slots]  the id -> slot hash table (slot_map.py):
+    map      uint32|64 [~1.25 x slots]  the id -> slot hash table (slot_map.py):
                               slots, keyed by id_of
 
 Writer (the sidecar, engine lock held): a slot's gen goes odd before its
@@ -52,7 +52,7 @@ __all__ = ["SlotIndexFile", "map_index", "supported", "id_dtype", "FORMAT"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"TSINDEX"  # + the format version, one ASCII digit
-FORMAT = 2  # 1: a per-row slot_of array; 2: the slot-sized hash map
+FORMAT = 3  # 1: a per-row slot_of array; 2: the slot-sized hash map at 2/3 load; 3: at 4/5
 _LAYOUT = struct.Struct("<8sII QQ 16s")  # magic+version, id width, map entry width, slots, rows, instance
 _ALIGN = 64
 

@@ -10,7 +10,10 @@ so a slot's bits are never all ones and a full entry never reads as empty.
 Linear probing from h(id) (the top bits of a multiplicative hash, scaled to
 the table's size: no power-of-two rounding), deletion by backward shift (no
 tombstones), at most MAX_LOAD of the entries full, so every probe of a
-consistent table ends at an empty entry.
+consistent table ends at an empty entry. MAX_LOAD is 4/5 (5 B a slot with
+4-byte entries): linear probing then reads 3 entries for a hit and 13 for a
+miss on average (2 and 5 at 2/3, 6 B a slot), 16 entries a cache line, and a
+probe reads `id_of` only on a tag match (docs/benchmarks.md: what it costs).
 
 Writers hold the engine's lock (one writer). Readers (a local client, see
 slot_index.py) read the table with no lock while the writer inserts and
@@ -29,23 +32,25 @@ The writer's own lookups run under the lock on a consistent table: exact.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 from tierstore.jit import Kernel
 
 __all__ = ["SlotMap", "map_size", "entry_dtype", "MAX_LOAD"]
 
-MAX_LOAD = 2 / 3  # full entries at most: 2 probes for a hit, 5 for a miss on average
+MAX_LOAD = Fraction(4, 5)  # full entries at most (exact: the index file's size is computed from it)
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of id * 2^64/phi
 
 
-def map_size(capacity: int) -> int:
-    """Entries of the table of an arena of `capacity` slots (capacity / MAX_LOAD, at least 16)."""
-    return max(16, -(-int(capacity) * 3 // 2))
+def map_size(capacity: int, max_load: Fraction = MAX_LOAD) -> int:
+    """Entries of the table of an arena of `capacity` slots (capacity / max_load rounded up, at least 16)."""
+    return max(16, -(-int(capacity) * max_load.denominator // max_load.numerator))
 
 
 def entry_dtype(capacity: int) -> np.dtype:
-    """uint32 entries below 2^31 slots (every arena a host holds): 6 B a slot at MAX_LOAD."""
+    """uint32 entries below 2^31 slots (every arena a host holds): 5 B a slot at MAX_LOAD."""
     return np.dtype(np.uint32 if capacity < 2**31 else np.uint64)
 
 
@@ -68,8 +73,9 @@ class SlotMap:
                       np.uint64((1 << self.slot_bits) - 1), np.uint64(np.iinfo(table.dtype).max))
 
     @staticmethod
-    def empty_table(capacity: int) -> np.ndarray:
-        return np.full(map_size(capacity), np.iinfo(entry_dtype(capacity)).max, dtype=entry_dtype(capacity))
+    def empty_table(capacity: int, max_load: Fraction = MAX_LOAD) -> np.ndarray:
+        """All-empty entries for `capacity` slots (another max_load: bench scale's comparison)."""
+        return np.full(map_size(capacity, max_load), np.iinfo(entry_dtype(capacity)).max, dtype=entry_dtype(capacity))
 
     def find(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The slot of each id (int64; -1: not resident), into `out` when given."""

@@ -4,16 +4,25 @@ whether its bytes are ready. One table, shared with the cache policy.
 Every operation costs O(slots it is given), never O(arena): at V4.1 scale an
 arena has 10^8 slots, and a pass over them is hundreds of milliseconds.
 
-States: EMPTY (on the free stack), FILLING (reserved for a row being read from
-the cold tier; pinned by its fill, so it cannot be evicted half-written),
-READY. Callers hold the engine's lock.
+States, read from `id_of` and `gen` (nothing stored for them): EMPTY (id_of < 0:
+on the free stack, or taken off it and not assigned yet), FILLING (a row id,
+gen odd: reserved for a row being read from the cold tier; pinned by its fill,
+so it cannot be evicted half-written), READY (a row id, gen even). A READY row of
+a cold block online verification found bad keeps gen odd and so reads as
+FILLING: no fill in flight holds it, so a step that meets it waits for nothing,
+and nothing reads it as READY again (warm start, the verifier). Callers hold
+the engine's lock (a rewrite in place, begin_write..end_write, is bracketed
+inside it, so none sees a rewritten row as FILLING).
 
 Memory is O(slots), nothing per row: the id -> slot map is a hash table of
 slots keyed by `id_of` (slot_map.py), and the free stack is threaded through
 `id_of` itself: a slot on it holds -2 - (the next free slot, -1 at the
 bottom), so every slot not holding a row reads negative (not resident) there.
 A FILLING slot's fill is found by the engine among the fills in flight, not
-stored per slot.
+stored per slot. Pins are one byte a slot: a slot counts at most PIN_MAX pins
+(live leases and its fill), and a step that would pin one more is refused
+(PinsSaturated, a ResourceExhausted: a lease refusal, nothing changed), never
+wrapped round to unpinned.
 
 `gen`, `id_of` and the map may live in a shared slot index (slot_index.py)
 that local clients read without a lock: `gen[s]` is a sequence lock, odd
@@ -31,13 +40,23 @@ import threading
 import numpy as np
 
 from tierstore.cache import prefault
+from tierstore.errors import ResourceExhausted
 from tierstore.jit import Kernel
 from tierstore.cache.slot_index import SlotIndexFile, id_dtype
 from tierstore.cache.slot_map import SlotMap
 
-__all__ = ["SlotTable", "Fill", "EMPTY", "FILLING", "READY"]
+__all__ = ["SlotTable", "Fill", "PinsSaturated", "PINS", "PIN_MAX"]
 
-EMPTY, FILLING, READY = 0, 1, 2
+PINS = np.uint8  # a slot's pin count
+PIN_MAX = int(np.iinfo(PINS).max)
+
+
+class PinsSaturated(ResourceExhausted):
+    """A slot would count more than PIN_MAX pins: the step is refused, nothing pinned."""
+
+    def __init__(self):
+        super().__init__(f"a row this step reads is pinned by {PIN_MAX} live leases, the most a slot counts; "
+                         "release finished steps (their leases) and plan again")
 
 
 class Fill:
@@ -83,8 +102,7 @@ class SlotTable:
             self.gen = np.ones(self.capacity, dtype=np.uint32)
             table = SlotMap.empty_table(self.capacity)
         self.map = SlotMap(table, self.id_of, self.capacity)
-        self.pins = prefault.zeros(self.capacity, np.int32)
-        self.state = prefault.zeros(self.capacity, np.uint8)
+        self.pins = prefault.zeros(self.capacity, PINS)
         # the free stack, threaded through id_of: popped from slot 0 up at first
         self.id_of[:] = -2 - np.arange(1, self.capacity + 1, dtype=self.id_of.dtype)
         self.id_of[-1] = -1
@@ -94,8 +112,8 @@ class SlotTable:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the map, ids, pins and fill state (the shared index's included)."""
-        return sum(a.nbytes for a in (self.map.table, self.id_of, self.gen, self.pins, self.state))
+        """Bytes of the map, ids, gen and pins (the shared index's included)."""
+        return sum(a.nbytes for a in (self.map.table, self.id_of, self.gen, self.pins))
 
     @property
     def resident(self) -> int:
@@ -108,35 +126,52 @@ class SlotTable:
     def lookup_pin(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The slot of each id (-1: not resident), the resident ones pinned once.
 
-        ids: unique. Returns (slots int64, hit slots, how many of them are FILLING)."""
+        ids: unique. Returns (slots int64, hit slots, how many of them may be FILLING: see
+        is_filling). PinsSaturated if a hit slot counts PIN_MAX pins already (none pinned)."""
         slots = self.map.find(ids)
         k = _LOOKUP_PIN.compiled()
         if k is not None:
-            n_hit, newly, filling = k(slots, self.pins, self.state, FILLING)
+            n_hit, newly, filling = k(slots, self.pins, self.gen, PIN_MAX)
+            if n_hit < 0:
+                raise PinsSaturated()
             self.n_pinned += newly
             return slots, slots[slots >= 0] if n_hit < ids.size else slots, filling
         hit = slots[slots >= 0]
         self.pin(hit)
-        return slots, hit, int(np.count_nonzero(self.state[hit] == FILLING))
+        return slots, hit, int(np.count_nonzero(self.gen[hit] & 1))
 
     def pin(self, slots: np.ndarray, times: int = 1) -> None:
-        """slots: unique."""
+        """slots: unique. PinsSaturated if one would count more than PIN_MAX (none pinned)."""
         k = _PIN.compiled()
         if k is not None:
-            self.n_pinned += k(self.pins, slots, times)
+            delta = k(self.pins, slots, times, PIN_MAX)
+            if delta > slots.shape[0]:
+                raise PinsSaturated()
+            self.n_pinned += delta
             return
-        before = self.pins[slots]
+        before = self.pins[slots].astype(np.int64)
+        if before.size and int(before.max()) + times > PIN_MAX:
+            raise PinsSaturated()
         self.n_pinned += int(np.count_nonzero(before == 0))
         self.pins[slots] = before + times
 
     def unpin(self, slots: np.ndarray) -> None:
         k = _PIN.compiled()
         if k is not None:
-            self.n_pinned += k(self.pins, slots, -1)
+            self.n_pinned += k(self.pins, slots, -1, PIN_MAX)
             return
         after = self.pins[slots] - 1
         self.pins[slots] = after
         self.n_pinned -= int(np.count_nonzero(after == 0))
+
+    def is_filling(self, slots) -> np.ndarray:
+        """Which of `slots` (an index or a slice) hold a row that may still be FILLING: a row id,
+        gen odd (a READY row of a bad block too: no fill in flight holds it)."""
+        return (self.id_of[slots] >= 0) & ((self.gen[slots] & 1) == 1)
+
+    def is_ready(self, slots) -> np.ndarray:
+        """Which of `slots` (an index or a slice) hold a READY row: a row id, gen even."""
+        return (self.id_of[slots] >= 0) & ((self.gen[slots] & 1) == 0)
 
     def take_free(self, k: int) -> np.ndarray:
         """Up to k slots off the free stack (EMPTY, id_of -1 once taken), in stack order."""
@@ -161,11 +196,9 @@ class SlotTable:
         mapped = held >= 0
         self.map.delete(held[mapped], slots[mapped])
         self.id_of[slots] = -1
-        self.state[slots] = EMPTY
 
     def ready(self, slots: np.ndarray) -> None:
         """The rows of FILLING `slots` are written and verified: READY, gen even."""
-        self.state[slots] = READY
         self.end_write(slots)
 
     def begin_write(self, slots: np.ndarray) -> None:
@@ -187,23 +220,33 @@ class SlotTable:
         """Map unmapped ids to EMPTY slots taken off the free stack or unmapped: FILLING (gen
         stays odd until ready). id_of first: the map's entries are confirmed by it."""
         self.id_of[slots] = ids
-        self.state[slots] = FILLING
         self.map.insert(ids, slots)
 
 
 # ---- compiled loops (tierstore/jit.py); the numpy code above is their reference ----
-def _pin_loop(pins, slots, times):
-    """pins[slots] += times; returns the change in slots with a nonzero count."""
+def _pin_loop(pins, slots, times, most):
+    """pins[slots] += times; returns the change in slots with a nonzero count, or, changing
+    nothing, more than len(slots) if a count would pass `most`."""
+    if times > 0:
+        for i in range(slots.shape[0]):
+            if np.int64(pins[slots[i]]) + times > most:
+                return slots.shape[0] + 1
     delta = 0
     for i in range(slots.shape[0]):
         s = slots[i]
-        before = pins[s]
+        before = np.int64(pins[s])
         pins[s] = before + times
         delta += (before + times != 0) - (before != 0)
     return delta
 
 
-def _lookup_pin_loop(slots, pins, state, filling):
+def _lookup_pin_loop(slots, pins, gen, most):
+    """Pin the found slots (>= 0) once: (hits, newly pinned, hits with gen odd), or (-1, 0, 0),
+    nothing pinned, if one counts `most` pins already."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s >= 0 and pins[s] >= most:
+            return -1, 0, 0
     n_hit = newly = n_filling = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -211,7 +254,7 @@ def _lookup_pin_loop(slots, pins, state, filling):
             n_hit += 1
             newly += pins[s] == 0
             pins[s] += 1
-            n_filling += state[s] == filling
+            n_filling += gen[s] & 1
     return n_hit, newly, n_filling
 
 

@@ -27,7 +27,7 @@ from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted, 
 from tierstore.jit import distinct, strictly_increasing
 from tierstore.cache.policy import make_policy
 from tierstore.cache.slot_index import SlotIndexFile
-from tierstore.cache.slot_table import FILLING, READY, Fill, SlotTable
+from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.jit import unique_inverse
 from tierstore.tiers.nvme.verified_copy import warm
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -310,7 +310,7 @@ class CacheEngine(TableEngine):
         for a in range(0, self.capacity, HOT_SET_CHUNK_SLOTS):
             with cpu_token.hold(), self._lock:
                 b = min(self.capacity, a + HOT_SET_CHUNK_SLOTS)
-                got = st.id_of[a:b][st.state[a:b] == READY].astype(np.int64)
+                got = st.id_of[a:b][st.is_ready(slice(a, b))].astype(np.int64)
                 ids.append(got)
                 counts.append(np.minimum(self.policy.sketch.estimate(got), 255).astype(np.uint8))
         ids, counts = np.concatenate(ids), np.concatenate(counts)
@@ -390,7 +390,11 @@ class CacheEngine(TableEngine):
         st = self.slots
         with self._lock:
             # hits pinned at once: also keeps this step's hits through its own evictions
-            slots, hit_slots, n_filling = st.lookup_pin(uniq)
+            try:
+                slots, hit_slots, n_filling = st.lookup_pin(uniq)
+            except PinsSaturated:
+                self.counters.lease_refusals += 1
+                raise
             n_miss = uniq.size - hit_slots.size
             if not admit_only:
                 self.counters.plans += 1
@@ -407,7 +411,7 @@ class CacheEngine(TableEngine):
                     f"raise --dram-budget or plan smaller steps")
             waits = ()
             if n_filling:
-                filling = hit_slots[st.state[hit_slots] == FILLING]
+                filling = hit_slots[st.is_filling(hit_slots)]
                 waits = self._fills_of(filling)
             fill = None
             if n_miss:
@@ -576,7 +580,7 @@ class CacheEngine(TableEngine):
             ids, slots, disk = ids[ok], slots[ok], disk[ok]
         with self._lock:
             st = self.slots
-            still = (st.id_of[slots] == ids) & (st.state[slots] == READY)  # a slot may hold another row by now
+            still = (st.id_of[slots] == ids) & st.is_ready(slots)  # a slot may hold another row by now
             s, d = slots[still], disk[still]
             bad = np.any(self.arena.rows[s] != d, axis=1)
             vc.checked["dram"] += int(s.size)

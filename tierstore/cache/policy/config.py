@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS"]
+__all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS", "MAX_HITS"]
 
 KINDS = ("s3fifo", "lru", "random")  # tierstore/policy/__init__.py registers one class per kind
 MAX_EXPECT_STEPS = 1 << 15  # hint ends are kept mod 2^16 (policy/queues.py): twice the longest hint
+MAX_HITS = 31  # a slot's CLOCK hits live in the top five bits of its queue byte (policy/queues.py)
 
 
 @dataclass(slots=True)
@@ -27,7 +28,8 @@ class PolicyConfig:
         reference at every size; `bench cache`).
     main_freq: sketch count at which a missed id enters main directly (it was
         seen before and evicted); 0 sends every miss to probation.
-    max_hits: CLOCK hit budget of a main-queue row (extra passes it survives).
+    max_hits: CLOCK hit budget of a main-queue row (extra passes it survives), at most
+        MAX_HITS (31: a slot's hits share its queue's byte, policy/queues.py).
     expect_steps: how long an `expect` hint lasts when its caller does not say:
         a hinted row (a queued request will read it) is passed over by
         victims() for this many steps after the hint, resident then or
@@ -36,12 +38,23 @@ class PolicyConfig:
     max_expect_steps: the longest a hint may last; `expect` (and the sidecar's
         Prefetch) refuses more with InvalidArgument, so a hint cannot keep rows
         after its request is long gone. At most MAX_EXPECT_STEPS.
-    pending_share: hinted ids not resident yet (kept until admitted or their hint
-        runs out) remembered in all, as a share of the capacity; a hint past it
-        keeps the ids that fit.
+    pending_share, pending_min: hinted ids not resident yet (kept until admitted
+        or their hint runs out) remembered in all: pending_share of the capacity,
+        but at least pending_min (or twice the capacity, if less); a hint past it
+        keeps the ids that fit. Its table costs 10.5 B an id of the bound (7 B an
+        entry, 1.5 x the bound: pending.py), so the share costs 10.5 x
+        pending_share B a slot from the first hint with ids: 0.66 at 1/16. Why
+        these: what a queue of hints needs is its depth times its steps' missing
+        ids, not a share of the arena. A bound below about twice the capacity
+        costs hit ratio only in small arenas, where a queue's misses are a large
+        share of the slots (a read-ahead id whose entry found no room is not
+        protected, and is evicted before its request runs); pending_min keeps
+        twice the capacity up to 64 Ki slots, and in large arenas the share
+        leaves room for deeper queues (508 k ids at 8.1 M slots). Measured with
+        `bench cache`'s queued replays: docs/benchmarks.md, cache-mode memory.
     pending_client_share: the share of those one client (its owner id) may hold,
         so one client's deep queue leaves room for the others' hints (by default
-        as many as the arena has slots: room for one client's deep queue).
+        half: as many ids as the arena has slots in arenas up to 64 Ki slots).
     hint_clients: clients with ids pending at once; a hint from one more is
         dropped until another's hints run out.
     read_admit_freq: a miss a local client read itself (TableEngine.note_access:
@@ -76,7 +89,8 @@ class PolicyConfig:
     max_hits: int = 3
     expect_steps: int = 16
     max_expect_steps: int = 4096
-    pending_share: float = 2.0
+    pending_share: float = 1 / 16
+    pending_min: int = 1 << 17
     pending_client_share: float = 0.5
     hint_clients: int = 64
     read_admit_freq: int = 2
@@ -100,12 +114,14 @@ class PolicyConfig:
         if not (1 <= self.max_expect_steps <= MAX_EXPECT_STEPS and 0 <= self.expect_steps <= self.max_expect_steps):
             raise InvalidArgument(f"expect_steps must be in 0..max_expect_steps and max_expect_steps in "
                                   f"1..{MAX_EXPECT_STEPS}, got {self.expect_steps}, {self.max_expect_steps}")
-        if not (0 < self.pending_share <= 4 and 0 < self.pending_client_share <= 1 and 1 <= self.hint_clients <= 255):
-            raise InvalidArgument(f"pending_share must be in (0, 4], pending_client_share in (0, 1] and "
-                                  f"hint_clients in 1..255, got {self.pending_share}, {self.pending_client_share}, "
-                                  f"{self.hint_clients}")
-        if self.main_freq < 0 or not 0 <= self.max_hits <= 127:
-            raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..127, got {self.main_freq}, {self.max_hits}")
+        if not (0 < self.pending_share <= 4 and self.pending_min >= 1 and 0 < self.pending_client_share <= 1
+                and 1 <= self.hint_clients <= 255):
+            raise InvalidArgument(f"pending_share must be in (0, 4], pending_min >= 1, pending_client_share in (0, 1] "
+                                  f"and hint_clients in 1..255, got {self.pending_share}, {self.pending_min}, "
+                                  f"{self.pending_client_share}, {self.hint_clients}")
+        if self.main_freq < 0 or not 0 <= self.max_hits <= MAX_HITS:
+            raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..{MAX_HITS}, got {self.main_freq}, "
+                                  f"{self.max_hits}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
             raise InvalidArgument(f"sketch_width must be > 0 and halve_every >= 0, got "
                                   f"{self.sketch_width}, {self.halve_every}")

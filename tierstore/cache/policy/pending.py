@@ -7,8 +7,12 @@ is a request anyone may send.
 
 - The ids live in a hash table of 4-way buckets, 1.5x `limit` entries (a
   bucket overflows rarely; a hint is soft, so an id that finds no way is
-  dropped). An entry is live while its end step is ahead (`until > now`): one
-  whose hint ran out is free for the next id, nothing sweeps the table.
+  dropped): id 4 B, end step 2 B, owner 1 B, 7 B an entry. An entry is live
+  while its end step is ahead; one whose hint ran out is free for the next id.
+  Ends are kept mod 2^16 like the slots' (queues.py: live while 0 < (until -
+  now) mod 2^16 <= max_steps), so expire() also rewrites the ended ends of
+  1/SWEEP_STEPS of the table each step to "ended a step ago": none comes
+  round to read live again.
 - Each client (the owner id it sends) holds one row of counts: how many of its
   entries end at each step, in a ring of max_steps + 1 rows (every live end
   lies in (now, now + max_steps], so the ring never wraps onto a live end).
@@ -17,6 +21,8 @@ is a request anyone may send.
 from __future__ import annotations
 
 import numpy as np
+
+from tierstore.cache.policy.queues import SWEEP_STEPS, UNTIL, hinted
 
 __all__ = ["PendingHints"]
 
@@ -30,15 +36,17 @@ class PendingHints:
 
     Invariants (kept by every call): an id has at most one live entry; `_live[c]` is
     the number of client c's live entries and equals `_ends[:, c].sum()`, an entry's
-    count sitting in `_ends[until % R, owner]` exactly while `until > now`; and
-    `_live.sum() <= limit`, `_live[c] <= per_client`.
+    count sitting in `_ends[end % R, owner]` exactly while it is live (its end, `end`,
+    ahead of now); and `_live.sum() <= limit`, `_live[c] <= per_client`.
     """
 
     def __init__(self, limit: int, per_client: int, clients: int, max_steps: int, n_ids: int = 2**63 - 1):
         """n_ids: the table's rows (ids are kept in 4 B below 2^31)."""
         self._id_dtype = np.int32 if n_ids <= 2**31 else np.int64
         self.limit, self.per_client, self.clients = max(1, int(limit)), max(1, int(per_client)), int(clients)
-        self._ring = int(max_steps) + 1
+        self.longest = int(max_steps)
+        self._ring = self.longest + 1
+        self._sweep = 0  # where the next step's sweep of ended ends starts
         self._buckets_n = np.uint64(max(4, -(-3 * self.limit // (2 * WAYS))))  # 1.5x the limit in entries
         self._id = self._until = self._owner = self._ends = None  # allocated by the first add()
         self._live = np.zeros(self.clients, np.int64)
@@ -56,14 +64,23 @@ class PendingHints:
         b = (((ids.astype(np.uint64) * _HASH) >> np.uint64(32)) * self._buckets_n) >> np.uint64(32)
         return b.astype(np.int64)[:, None] * WAYS + np.arange(WAYS)
 
+    def live(self, now: int) -> np.ndarray:
+        """Which entries of the table are live at step `now` (tests; O(table))."""
+        return hinted(self._until, now, self.longest) if self._until is not None else np.zeros(0, bool)
+
+    def _ends_of(self, pos: np.ndarray, now: int) -> np.ndarray:
+        """The end step of the entries at `pos` (int64; 0 where not live)."""
+        d = (self._until[pos].astype(np.int64) - now) & 0xFFFF
+        return np.where((d != 0) & (d <= self.longest), now + d, 0)
+
     def take(self, ids: np.ndarray, now: int) -> np.ndarray:
         """The step each of distinct `ids` was pending until (0: not pending), no longer
         pending: they were admitted, and their protection carries the end (O(len(ids)))."""
         if not self.total:
             return np.zeros(ids.size, np.int64)
         pos = self._buckets(ids)
-        until = self._until[pos]
-        hit = (self._id[pos] == ids[:, None]) & (until > now)
+        until = self._ends_of(pos, now)
+        hit = (self._id[pos] == ids[:, None]) & (until > 0)
         found = hit.any(axis=1)
         out = np.where(hit, until, 0).max(axis=1)
         if found.any():
@@ -72,16 +89,24 @@ class PendingHints:
             np.subtract.at(self._ends, (out[found] % self._ring, owner), 1)
             np.subtract.at(self._live, owner, 1)
             self.total -= at.size
-            self._until[at] = 0
+            self._until[at] = (now - 1) & 0xFFFF
         return out
 
     def expire(self, now: int) -> None:
-        """Step `now` began: the entries that end at it no longer count (O(clients))."""
+        """Step `now` began: the entries that end at it no longer count (O(clients)), and
+        the next 1/SWEEP_STEPS of the table's ended ends read "ended a step ago"."""
         if self.total:
             row = self._ends[now % self._ring]
             self._live -= row
             self.total -= int(row.sum())
             row[:] = 0
+        if self._until is not None:
+            n = self._until.size
+            a = self._sweep
+            b = min(n, a + -(-n // SWEEP_STEPS))
+            part = self._until[a:b]
+            part[~hinted(part, now, self.longest)] = (now - 1) & 0xFFFF
+            self._sweep = 0 if b == n else b
 
     def add(self, ids: np.ndarray, until: int, client: bytes, now: int) -> int:
         """Keep distinct `ids` pending until step `until` (now < until <= now + max_steps) for
@@ -94,21 +119,21 @@ class PendingHints:
             return 0
         if self._id is None:
             n = int(self._buckets_n) * WAYS
-            self._id, self._until = np.zeros(n, self._id_dtype), np.zeros(n, np.int64)
-            self._owner = np.zeros(n, np.uint8)
+            self._id, self._owner = np.zeros(n, self._id_dtype), np.zeros(n, np.uint8)
+            self._until = np.full(n, (now - 1) & 0xFFFF, UNTIL)  # every entry ended a step ago
             self._ends = np.zeros((self._ring, self.clients), np.int32)
         pos = self._buckets(ids)
-        cur = self._until[pos]
-        match = (self._id[pos] == ids[:, None]) & (cur > now)
+        cur = self._ends_of(pos, now)
+        match = (self._id[pos] == ids[:, None]) & (cur > 0)
         found = match.any(axis=1)
         at = pos[found, match[found].argmax(axis=1)]  # the live entry of an id already pending
-        old, owner = self._until[at], self._owner[at].astype(np.int64)
+        old, owner = self._ends_of(at, now), self._owner[at].astype(np.int64)
         mine = owner == c
         # this client's own entries only move their end; another's, ending sooner, become this one's
         grow = mine & (old < until)
         np.subtract.at(self._ends[:, c], old[grow] % self._ring, 1)
         self._ends[until % self._ring, c] += int(grow.sum())
-        self._until[at[grow]] = until
+        self._until[at[grow]] = until & 0xFFFF
         take = ~mine & (old < until)
         room = self.per_client - int(self._live[c])
         take &= np.cumsum(take) <= room
@@ -128,7 +153,7 @@ class PendingHints:
         np.subtract.at(self._live, owner, 1)
         self._ends[until % self._ring, c] += at.size
         self._live[c] += at.size
-        self._until[at], self._owner[at] = until, c
+        self._until[at], self._owner[at] = until & 0xFFFF, c
 
     def _place(self, ids: np.ndarray, pos: np.ndarray, until: int, c: int, now: int) -> int:
         """New entries: each id takes a free way of its bucket, one id a way (a round per way)."""
@@ -136,12 +161,12 @@ class PendingHints:
         for _ in range(WAYS):
             if ids.size == 0:
                 break
-            free = self._until[pos] <= now
+            free = ~hinted(self._until[pos], now, self.longest)
             has = free.any(axis=1)
             ids, pos, free = ids[has], pos[has], free[has]
             at = pos[np.arange(ids.size), free.argmax(axis=1)]
             at, first = np.unique(at, return_index=True)  # ids that picked the same way: the first wins
-            self._id[at], self._until[at], self._owner[at] = ids[first], until, c
+            self._id[at], self._until[at], self._owner[at] = ids[first], until & 0xFFFF, c
             placed += at.size
             lost = np.ones(ids.size, bool)
             lost[first] = False

@@ -10,7 +10,7 @@ A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
 (frequency). `victims` touches O(k + leased rows met) queue entries, never the
 whole arena. The queues are lists linked through the slots and their walks
-compiled loops (queues.py), 8 B a slot in all (link, queue, hits, hint end).
+compiled loops (queues.py), 7 B a slot in all (link 4, queue and hits 1, hint end 2).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from tierstore.cache import prefault
 from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
 from tierstore.cache.policy.pending import PendingHints
-from tierstore.cache.policy.queues import (ADMIT, FORGET, FREE, MAIN, PROBATION, SCAN, SWEEP_STEPS, UNTIL,
-                                           _admit_loop, _forget_loop, _scan_loop, hinted, slot_dtype)
+from tierstore.cache.policy.queues import (ADMIT, ENTRY, FORGET, HIT, MAIN, PROBATION, SCAN, SWEEP_STEPS,
+                                           UNTIL, _admit_loop, _forget_loop, _scan_loop, hinted, hits_of, live,
+                                           slot_dtype, with_hits)
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -32,8 +33,7 @@ class S3FIFOPolicy(CachePolicy):
     def __init__(self, capacity, n_ids, config=None, slot_id=None):
         super().__init__(capacity, n_ids, config, slot_id)
         cfg, cap = self.config, self.capacity
-        self._where = prefault.zeros(cap, np.int8)  # FREE, PROBATION, MAIN; minus a queue: a ghost in it
-        self._hits = prefault.zeros(cap, np.uint8)
+        self._entry = prefault.zeros(cap, ENTRY)  # queue (FREE, PROBATION, MAIN; GHOST bit) and hits
         self._nxt = prefault.resident(np.full(cap, -1, dtype=slot_dtype(cap)))  # both queues' links
         self._count = np.zeros(3, dtype=np.int64)   # live entries per queue (index FREE unused)
         self._linked = np.zeros(3, dtype=np.int64)  # entries per queue's list, ghosts included
@@ -52,7 +52,7 @@ class S3FIFOPolicy(CachePolicy):
         self._until = prefault.zeros(cap, UNTIL)
         self._sweep = 0  # where the next step's sweep of ended hint ends starts
         self._longest = cfg.max_expect_steps
-        pending = cfg.pending_share * cap
+        pending = max(cfg.pending_share * cap, min(cfg.pending_min, 2 * cap))
         self._pending = PendingHints(pending, pending * cfg.pending_client_share, cfg.hint_clients,
                                      cfg.max_expect_steps, n_ids)
         # at most half the arena protected at once: a deep queue of hints cannot crowd out
@@ -68,7 +68,7 @@ class S3FIFOPolicy(CachePolicy):
         return self._share
 
     def _held(self):
-        return [self._where, self._hits, self._nxt, self._until, self._ends, *self._pending.arrays()]
+        return [self._entry, self._nxt, self._until, self._ends, *self._pending.arrays()]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
@@ -99,9 +99,10 @@ class S3FIFOPolicy(CachePolicy):
     def _touch(self, slots):
         k = _TOUCH.compiled()
         if k is not None:
-            k(self._hits, slots, self._cap)
+            k(self._entry, slots, self._cap)
         else:
-            self._hits[slots] = np.minimum(self._hits[slots] + np.uint8(1), self._cap)  # uint8: no int64 copy
+            e = self._entry[slots]
+            self._entry[slots] = with_hits(e, np.minimum(hits_of(e) + ENTRY(1), self._cap))  # uint8: no int64 copy
         self._hit += slots.size
 
     def _lists(self) -> tuple:
@@ -111,7 +112,7 @@ class S3FIFOPolicy(CachePolicy):
         to_main = np.zeros(slots.size, dtype=bool)
         if self.config.main_freq > 0:
             to_main = self._estimate_recorded(ids) >= self.config.main_freq
-        (ADMIT.compiled() or _admit_loop)(slots, to_main, self._where, self._hits, *self._lists())
+        (ADMIT.compiled() or _admit_loop)(slots, to_main, self._entry, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
             until = self._pending.take(ids, self._steps)
@@ -120,17 +121,17 @@ class S3FIFOPolicy(CachePolicy):
                 self._protect(slots[hinted_], until[hinted_])
 
     def _forget(self, slots):
-        (FORGET.compiled() or _forget_loop)(slots, self._where, self._count)
+        (FORGET.compiled() or _forget_loop)(slots, self._entry, self._count)
         self._unprotect(slots)
 
     def _expect(self, slots, steps):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
         (a longer credit for hinted rows measured no better)."""
-        slots = slots[self._where[slots] > 0]
+        slots = slots[live(self._entry[slots])]
         if steps:
             self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))
         else:
-            self._hits[slots] = max(1, self.config.max_hits)
+            self._entry[slots] = with_hits(self._entry[slots], max(1, self.config.max_hits))
 
     def protect_room(self) -> int:
         return max(0, self._protect_cap - self._protected)
@@ -145,7 +146,7 @@ class S3FIFOPolicy(CachePolicy):
 
         A slot protected already keeps its place and may only end later; new
         protections past the cap's room get CLOCK credit only (O(len(slots)))."""
-        self._hits[slots] = max(1, self.config.max_hits)
+        self._entry[slots] = with_hits(self._entry[slots], max(1, self.config.max_hits))
         cur = self._end_of(slots)
         new = cur <= self._steps
         room = max(0, self._protect_cap - self._protected)
@@ -187,15 +188,14 @@ class S3FIFOPolicy(CachePolicy):
                 # the queues' heads are all leased or still have CLOCK credit: take the rest
                 # from one pass over the pins (O(capacity), rare) rather than refuse a step that fits
                 taken = np.concatenate(out) if out else np.zeros(0, np.int64)
-                mask = (pins == 0) & (self._where > 0)
+                mask = (pins == 0) & live(self._entry)
                 mask[taken] = False
                 extra = np.flatnonzero(mask & ~self._hinted(slice(None)))[:need]  # unhinted first
                 if extra.size < need:
                     mask[extra] = False
                     extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
-                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, bool), self._where, self._hits,
-                                                      *self._lists())
+                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, bool), self._entry, *self._lists())
                     self._not_enough(k, pins)
                 self._forget(extra)
                 out.append(extra)
@@ -211,7 +211,7 @@ class S3FIFOPolicy(CachePolicy):
     def _scan(self, q: int, need: int, pins: np.ndarray) -> tuple[np.ndarray, int]:
         """Walk queue q from its head: (its victims, entries walked)."""
         out = np.empty(need, dtype=np.int64)
-        n, walked = (SCAN.compiled() or _scan_loop)(q, need, max(2 * need, 256), out, self._where, self._hits, pins,
+        n, walked = (SCAN.compiled() or _scan_loop)(q, need, max(2 * need, 256), out, self._entry, pins,
                                                    self._until, self._steps, self._longest, *self._lists())
         return out[:n], walked
 
@@ -242,12 +242,12 @@ class S3FIFOPolicy(CachePolicy):
         self._acc = self._hit = 0
 
 
-def _touch_loop(hits, slots, cap):
-    """hits[slots] += 1, saturating at cap."""
+def _touch_loop(entry, slots, cap):
+    """The hits of entry[slots] += 1, saturating at cap."""
     for i in range(slots.shape[0]):
-        h = hits[slots[i]]
-        if h < cap:
-            hits[slots[i]] = h + 1
+        e = entry[slots[i]]
+        if e // HIT < cap:
+            entry[slots[i]] = e + HIT
 
 
 def _subset_loop(rec, est, ids, out):
