@@ -107,13 +107,16 @@ class LocalReads:
         if self._cold is None and self.handle.cold_dir:
             with self._cold_lock:
                 if self._cold is None and self.handle.cold_dir:
-                    from tierstore.store.catalog import Catalog
+                    from tierstore.store.catalog import BlockChecksums, Catalog
                     from tierstore.tiers.nvme.reader import SegmentReader
 
                     try:
                         with Catalog(self.handle.cold_dir, readonly=True) as cat:
                             v = cat.get(self.table, self.version)
-                            checksums = cat.checksums(self.table, self.version)
+                            # format 2: a miss checks the sum in its record, the block sums are
+                            # read from the catalog only if a block is read whole
+                            checksums = BlockChecksums(self.handle.cold_dir, v) if v.segment_format >= 2 \
+                                else cat.checksums(self.table, self.version)
                         # format 2: each record carries its row sum (nothing per row held here);
                         # format 1: the row-sum file is mapped, one page-cache copy for the host
                         self._cold = SegmentReader(self.handle.cold_dir, v, checksums,

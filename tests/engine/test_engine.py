@@ -224,7 +224,7 @@ def test_rows_a_note_carries_are_placed_verified_without_a_disk_read(engine):
 
 
 def test_a_row_pinned_as_often_as_a_slot_counts_refuses_the_next_lease(engine):
-    """Pins are one byte a slot (slot_table.PIN_MAX): the step that would pin a row once more
+    """Pins are two bytes a slot (slot_table.PIN_MAX): the step that would pin a row once more
     is refused as a lease refusal (ResourceExhausted, plan again), nothing pinned, never a
     count wrapped round to 'unpinned'."""
     from tierstore.cache.slot_table import PIN_MAX

@@ -8,13 +8,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tierstore.store import catalog as catalog_mod
-from tierstore.store.catalog import Catalog, validate_table_name
+from tierstore.store.catalog import BlockChecksums, Catalog, validate_table_name
 from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
 from tierstore.tiers.nvme.reader import SegmentReader
 
 
 def test_public_api():
-    assert set(catalog_mod.__all__) == {"Catalog", "TableVersion", "has_tables", "validate_table_name"}
+    assert set(catalog_mod.__all__) == {"Catalog", "BlockChecksums", "TableVersion", "has_tables",
+                                        "validate_table_name"}
 
 
 @pytest.mark.parametrize("name", ["l1", "l15", "A", "x" * 64, "t_1.v-2", "0abc"])
@@ -219,3 +220,31 @@ def test_serve_refuses_an_inconsistent_record_with_data_loss(data_dir, make_tabl
                          timeout=120, cwd="/")
     assert out.returncode == 1 and "row_bytes = 32 but fp32 x 16 is 64 bytes" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "s.sock").exists()
+
+
+def test_block_checksums_read_from_the_catalog_are_its_array_and_verify_like_it(data_dir, make_table):
+    """BlockChecksums holds nothing (nbytes 0) and indexes like Catalog.checksums' array; a reader
+    given it verifies whole blocks (the block path) as with the array, and finds a damaged one."""
+    tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=16)
+    with Catalog(data_dir, readonly=True) as cat:
+        want = cat.checksums("t", tv.version)
+    sums = BlockChecksums(data_dir, tv)
+    try:
+        assert sums.nbytes == 0 and sums.shape == want.shape and len(sums) == tv.n_blocks
+        blocks = np.array([0, 7, tv.n_blocks - 1, 7])
+        assert np.array_equal(sums[blocks], want[blocks]) and sums[blocks].dtype == np.uint64
+        assert np.array_equal(sums[3:40], want[3:40]) and int(sums[5]) == int(want[5])
+    finally:
+        sums.close()
+    with pytest.raises(ValueError, match="closed"):
+        sums[0]
+    with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
+        assert np.array_equal(r.read_range(100, 900), data[100:1000]) and r.verify() == []
+    seg = data_dir / tv.segments[0]
+    with open(seg, "r+b") as f:  # one flipped byte in block 2's first row
+        f.seek(2 * 16 * tv.record_bytes + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
+        assert r.verify() == [2]

@@ -19,10 +19,14 @@ slots keyed by `id_of` (slot_map.py), and the free stack is threaded through
 `id_of` itself: a slot on it holds -2 - (the next free slot, -1 at the
 bottom), so every slot not holding a row reads negative (not resident) there.
 A FILLING slot's fill is found by the engine among the fills in flight, not
-stored per slot. Pins are one byte a slot: a slot counts at most PIN_MAX pins
+stored per slot. Pins are two bytes a slot: a slot counts at most PIN_MAX pins
 (live leases and its fill), and a step that would pin one more is refused
 (PinsSaturated, a ResourceExhausted: a lease refusal, nothing changed), never
-wrapped round to unpinned.
+wrapped round to unpinned. Not one byte: one client within its lease quota
+(max_leases_per_client, 1024) could then hold 255 leases on a hot row and have
+every other client's steps over it refused. At two bytes a slot saturates only
+once the sidecar's every live lease (max_leases, 65536) holds it, where the
+lease table refuses everyone first.
 
 `gen`, `id_of` and the map may live in a shared slot index (slot_index.py)
 that local clients read without a lock: `gen[s]` is a sequence lock, odd
@@ -47,7 +51,7 @@ from tierstore.cache.slot_map import SlotMap
 
 __all__ = ["SlotTable", "Fill", "PinsSaturated", "PINS", "PIN_MAX"]
 
-PINS = np.uint8  # a slot's pin count
+PINS = np.uint16  # a slot's pin count
 PIN_MAX = int(np.iinfo(PINS).max)
 
 

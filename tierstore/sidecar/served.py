@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from tierstore.cache import slot_index
-from tierstore.store.catalog import Catalog
+from tierstore.store.catalog import BlockChecksums, Catalog
 from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import TableEngine, make_engine
 from tierstore.errors import InvalidArgument, ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
@@ -173,7 +173,7 @@ class ServedTables:
         """An engine for version v, its arena loaded and published (verified throughout)."""
         full, slots = self._layout(v, versions)
         split = self._split(v, full)
-        checksums = self.catalog.checksums(v.table, v.version)
+        checksums = self._checksums(v, full)
         reader = self._reader(v, checksums)
         path = reuse if (reuse is not None and full) else self._new_name(f"{v.table}.v{v.version}")
         try:
@@ -222,6 +222,16 @@ class ServedTables:
                  f"{arena.backing.page >> 20} MiB" if arena.backing.huge else "huge", engine.metadata_bytes() / 2**20,
                  time.monotonic() - t0)
         return engine
+
+    def _checksums(self, v, full: bool):
+        """Version v's block checksums for its reader: the array (8 B a block) where blocks are
+        read whole (full mode loads and checks every block; the remote tier fetches blocks), else,
+        for a cache-mode table of segment format 2 on this host's disk, read from the catalog
+        when the block path asks (BlockChecksums): its misses check the sums in the records."""
+        local = all((self.config.data_dir / s).is_file() for s in v.segments)
+        if full or v.segment_format < 2 or not local:
+            return self.catalog.checksums(v.table, v.version)
+        return BlockChecksums(self.config.data_dir, v)
 
     def _reader(self, v, checksums):
         """Local segments when this host has them; else, with --remote, the published copy."""

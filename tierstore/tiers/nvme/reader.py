@@ -50,7 +50,7 @@ import numpy as np
 import xxhash
 
 from tierstore import cpu_token
-from tierstore.store.catalog import TableVersion
+from tierstore.store.catalog import BlockChecksums, TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
@@ -177,7 +177,7 @@ class SegmentReader(Tier):
 
     data_dir: the data directory the manifest's segment paths are relative to.
     version: the manifest (Catalog.get / Catalog.current).
-    checksums: uint64 [n_blocks] from Catalog.checksums.
+    checksums: uint64 [n_blocks] from Catalog.checksums, or a BlockChecksums (closed with the reader).
     direct_io: read rows with O_DIRECT (no page cache); InvalidArgument when
         the filesystem refuses it (tmpfs). Block reads stay buffered and drop
         what they read from the page cache.
@@ -208,7 +208,8 @@ class SegmentReader(Tier):
         self.block_rows = version.block_rows
         self.inline = version.segment_format == 2  # each record carries its row sum
         self.record_bytes = version.record_bytes
-        self.checksums = np.asarray(checksums, dtype=np.uint64)
+        # an array, or read from the catalog per call (BlockChecksums: only the block path reads them)
+        self.checksums = checksums if isinstance(checksums, BlockChecksums) else np.asarray(checksums, np.uint64)
         if self.checksums.shape != (version.n_blocks,):
             raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
@@ -536,6 +537,8 @@ class SegmentReader(Tier):
                 os.close(fd)
         if self.direct is not None:
             self.direct.close()
+        if isinstance(self.checksums, BlockChecksums):
+            self.checksums.close()
 
     def __del__(self):
         try:
