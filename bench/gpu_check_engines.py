@@ -57,6 +57,16 @@ def _ids(rng, sizes: tuple[int, ...], tokens: int) -> np.ndarray:
     return (offsets + rng.integers(0, np.array(sizes), (tokens, HEADS))).astype(np.int32)
 
 
+def _lookup_rate(emb, dev_ids: torch.Tensor, out: torch.Tensor, rows: int, rounds: int) -> float:
+    """Rows a second of `rounds` of emb.lookup(dev_ids, out), the device synchronised around them."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        emb.lookup(dev_ids, out)
+    torch.cuda.synchronize()
+    return rows * rounds / (time.perf_counter() - t0)
+
+
 def _reference(packed: np.ndarray) -> torch.Tensor:
     """The CPU path: tierstore's decode of interleaved 264-byte rows, to bf16."""
     from tierstore.table.formats import decode_rows
@@ -86,12 +96,7 @@ def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.
         packed = torch.empty(ids.shape[0], HEADS, DIM + DIM // 32, dtype=torch.uint8, device="cuda")
         emb.lookup(dev_ids, packed)
         res["lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            emb.lookup(dev_ids, out)
-        torch.cuda.synchronize()
-        res["lookup rows/s over the arena"] = ids.size * 20 / (time.perf_counter() - t0)
+        res["lookup rows/s over the arena"] = _lookup_rate(emb, dev_ids, out, ids.size, 20)
         return res
     except Exception as e:  # noqa: BLE001 - fall back to the bare kernel, say why
         res["module route"] = f"not built: {type(e).__name__}: {e}"
@@ -161,12 +166,7 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     torch.cuda.current_stream().wait_event(done)
     res["staged lookup bf16 == CPU path"] = _same_bits(out.cpu(), want_bad)
     res["staged lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed_bad))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        emb.lookup(dev_ids, out)
-    torch.cuda.synchronize()
-    res["staged lookup rows/s (cache mode, ids synced to the host)"] = ids.size * 5 / (time.perf_counter() - t0)
+    res["staged lookup rows/s (cache mode, ids synced to the host)"] = _lookup_rate(emb, dev_ids, out, ids.size, 5)
     # every e4m3 byte under every ue8m0 byte: vLLM's kernel on the GPU against dequantize
     weight = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
     scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,18 +18,15 @@ from tierstore.store.catalog import Catalog
 from tierstore.client.client import Client
 from tierstore.tiers.nvme.reader import SegmentReader
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from segment_damage import flip_row_byte  # noqa: E402
+
 FORMATS = ["fp32", "bf16", "fp16", "fp8-e4m3-ue8m0"]
 ROWS = 6000
 
 
 def _flip(data_dir, tv, row, byte=3):
-    seg = data_dir / tv.segments[row // tv.segment_rows]
-    off = (row % tv.segment_rows) * tv.record_bytes + byte
-    with open(seg, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_row_byte(data_dir, tv, row, byte)
 
 
 @pytest.fixture(scope="module")

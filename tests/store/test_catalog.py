@@ -2,6 +2,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,9 @@ from tierstore.store import catalog as catalog_mod
 from tierstore.store.catalog import BlockChecksums, Catalog, validate_table_name
 from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
 from tierstore.tiers.nvme.reader import SegmentReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from segment_damage import flip_row_byte  # noqa: E402
 
 
 def test_public_api():
@@ -240,11 +244,6 @@ def test_block_checksums_read_from_the_catalog_are_its_array_and_verify_like_it(
         sums[0]
     with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
         assert np.array_equal(r.read_range(100, 900), data[100:1000]) and r.verify() == []
-    seg = data_dir / tv.segments[0]
-    with open(seg, "r+b") as f:  # one flipped byte in block 2's first row
-        f.seek(2 * 16 * tv.record_bytes + 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_row_byte(data_dir, tv, 2 * 16)  # block 2's first row
     with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
         assert r.verify() == [2]

@@ -4,6 +4,8 @@ segment format 2 (each record carries its row sum) and format 1 (a row-sum file)
 import dataclasses
 import os
 import threading
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,9 @@ from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.table.formats import RowFormat
 from tierstore.ingest.writer import write_version
 from tierstore.tiers.nvme.reader import SegmentReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from segment_damage import flip_row_byte  # noqa: E402
 
 
 @pytest.fixture(params=["page-cache", "direct", "direct-pread"])
@@ -103,12 +108,7 @@ def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode, seg)
 
 
 def _flip(data_dir, tv, row, byte):
-    seg = data_dir / tv.segments[row // tv.segment_rows]
-    with open(seg, "r+b") as f:
-        f.seek((row % tv.segment_rows) * tv.record_bytes + byte)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_row_byte(data_dir, tv, row, byte, mask=0x10)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sglang_engram import build_engram, shard_tensors, word_tokenizer  # noqa: E402
+from segment_damage import flip_row_byte  # noqa: E402
 from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore import errors
@@ -263,13 +264,7 @@ def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sg
     tokens, positions = staged["stager"]._windows([(req, 0, 5)], "extend")
     bad = int(staged["stager"]._hash(tokens, positions)[2, 0, 4])  # layer 1, token 2, hash column 4
     with Catalog(tmp_path / "data", readonly=True) as cat:
-        tv = cat.current("l1")
-    seg = tmp_path / "data" / tv.segments[bad // tv.segment_rows]
-    with open(seg, "r+b") as f:
-        f.seek((bad % tv.segment_rows) * tv.record_bytes + 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x40]))
+        flip_row_byte(tmp_path / "data", cat.current("l1"), bad)
     with SidecarProcess(tmp_path / "data", dram_budget="256KiB") as sc:
         monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
         monkeypatch.setenv("TIERSTORE_SGLANG_VERIFY", "off")

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_engram  # noqa: E402
+from segment_damage import flip_row_byte  # noqa: E402
 from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
@@ -302,13 +303,7 @@ def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path,
     layout = vllm_engram.layout(CONFIG)
     bad = 1234
     with Catalog(tmp_path / "data", readonly=True) as cat:
-        tv = cat.current("l1")
-    seg = tmp_path / "data" / tv.segments[bad // tv.segment_rows]
-    with open(seg, "r+b") as f:
-        f.seek((bad % tv.segment_rows) * tv.record_bytes + 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x40]))
+        flip_row_byte(tmp_path / "data", cat.current("l1"), bad)
     rows = arrays[1]["embed.weight"].shape[0]
     sc = SidecarProcess(tmp_path / "data", dram_budget=str(rows * 264 // 4)).start()
     try:
