@@ -23,6 +23,12 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    vllm_stager.dequantize must equal `_engram_lookup_kernel` on the GPU for every e4m3 x
    ue8m0 byte pair (NaN equal to NaN: what the CPU test could not check under Triton's
    interpreter); a lookup inside a CUDA graph capture must raise StagingError.
+5. sglang's row stager (NOT YET RUN): the same cache-mode sidecar's rows gathered by
+   StagedTable (local reads, verified misses) into pinned split buffers and uploaded on a
+   side stream (sglang_stager.upload, what RowStager does per layer) while a stand-in
+   forward (bf16 matmuls) runs on the main stream: the device rows must equal the split
+   arena's bytes, and the copies must overlap the forward (the time both take together
+   against each alone, reported as the share of the shorter one hidden).
 Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
 so and exits 2 (nothing was checked). Sized to finish well under five minutes.
 """
@@ -193,6 +199,44 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     return res
 
 
+def check_sglang_stager(socket: str, table: str, ids: np.ndarray, want_packed: np.ndarray) -> dict:
+    """Part 5 (not yet run on a GPU): the stager's side-stream upload overlapping a forward."""
+    from tierstore.client.client import Client
+    from tierstore.client.engines.sglang_stager import StagedTable, upload
+
+    flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+    weight = torch.empty((flat.size, DIM), dtype=torch.uint8, pin_memory=True)
+    scale = torch.empty((flat.size, DIM // 32), dtype=torch.uint8, pin_memory=True)
+    with Client(socket) as c:
+        StagedTable(c, table).gather(flat, weight.numpy(), scale.numpy())
+    side, dev = torch.cuda.Stream(), torch.device("cuda")
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def forward():
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def timed(fn) -> tuple:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    forward()  # warm the matmul and the copy path
+    upload(weight, scale, dev, side)
+    t_fwd, _ = timed(forward)
+    t_copy, _ = timed(lambda: upload(weight, scale, dev, side))
+    t_both, (rows, scales, copied) = timed(lambda: (upload(weight, scale, dev, side), forward())[0])
+    torch.cuda.current_stream().wait_event(copied)
+    got = torch.cat([rows, scales], dim=1).cpu().numpy().reshape(want_packed.shape)
+    hidden = (t_fwd + t_copy - t_both) / max(1e-9, min(t_fwd, t_copy))
+    return {"staged rows on the device == tierstore rows": bool(np.array_equal(got, want_packed)),
+            "forward s": t_fwd, "upload s": t_copy, "both s": t_both,
+            "share of the shorter hidden (1 = full overlap)": hidden,
+            "the upload overlaps the forward": hidden > 0.5}
+
+
 def check_sglang(ids: np.ndarray, want: torch.Tensor, split) -> dict:
     try:
         from sglang.kernels.ops.embeddings.engram_gather import engram_gather
@@ -252,6 +296,10 @@ def main(argv=None) -> int:
                 parts["vllm staged"] = check_vllm_staged(str(sc.socket), "l1", args.rows, ids, want, want_packed)
             except Exception as e:  # noqa: BLE001
                 parts["vllm staged"] = {"error": f"{type(e).__name__}: {e}"}
+            try:
+                parts["sglang stager"] = check_sglang_stager(str(sc.socket), "l1", ids, want_packed)
+            except Exception as e:  # noqa: BLE001
+                parts["sglang stager"] = {"error": f"{type(e).__name__}: {e}"}
         for name, part in parts.items():
             report[name] = part
             failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]

@@ -55,7 +55,7 @@ from tierstore import errors
 from tierstore.client.engines import StagingError
 from tierstore.jit import unique_inverse
 
-__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "process_client",
+__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "upload", "process_client",
            "from_model", "dequant_staged", "on_enqueue", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
@@ -268,14 +268,7 @@ class RowStager:
         source.gather(ids, weight.numpy(), scale.numpy())
         if not self.cuda:
             return weight, scale, None
-        with torch.cuda.stream(self.copy_stream):
-            rows = weight.to(self.device, non_blocking=True)
-            scales = scale.to(self.device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-        # the pinned buffers go back to torch's host allocator, which reuses them only once
-        # the copies that read them are done; the device rows are the forward's (record_stream)
-        return rows, scales, copied
+        return upload(weight, scale, self.device, self.copy_stream)
 
     def _hash(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """sglang's own hash of predecessor windows (EngramHasher.hash_windows, on the host):
@@ -362,6 +355,21 @@ class RowStager:
                 continue
             sent += uniq.size
         return sent
+
+
+def upload(weight, scale, device, stream):
+    """(rows, scales, copied): pinned host buffers copied to `device` on `stream` (a side
+    stream, so the copies overlap the forward running on the main one), `copied` the event
+    the layer waits on before it reads them. The pinned buffers go back to torch's host
+    allocator, which reuses them only once the copies that read them are done."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        rows = weight.to(device, non_blocking=True)
+        scales = scale.to(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return rows, scales, copied
 
 
 def _fill_len(req) -> int:
