@@ -39,8 +39,28 @@ def test_a_second_plan_computes_only_while_the_first_waits():
     assert order == ["a computes", "b computes", "b done", "a computes again"]
 
 
-def test_waiting_without_the_token_is_a_no_op():
+def test_waiting_without_the_token_releases_nothing():
+    # a thread that does not hold the token passes through waiting() and leaves the
+    # holder's token held: no other thread may compute meanwhile
+    held, done = threading.Event(), threading.Event()
+
+    def holder():
+        with cpu_token.hold():
+            held.set()
+            done.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(5)
     with cpu_token.waiting():
         pass
-    with cpu_token.hold():  # still free
-        pass
+    third = []
+    u = threading.Thread(target=lambda: third.append(cpu_token._TOKEN.acquire(timeout=0.2)))
+    u.start()
+    u.join(5)
+    assert third == [False]  # still the holder's
+    done.set()
+    t.join(5)
+    with cpu_token.hold():  # free once the holder is done
+        assert cpu_token._TOKEN.locked()
+    assert not cpu_token._TOKEN.locked()

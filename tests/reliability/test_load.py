@@ -105,17 +105,19 @@ def test_live_leases_never_exceed_max_leases(table, sidecars):
 
 
 def test_a_step_that_fits_the_evictable_slots_is_served(table, sidecars):
-    data, _, _ = table
+    data, _, expected = table
     sc = sidecars(data, "1MiB", "--lease-ttl", 1)
     with Client(sc.socket, timeout=10) as c:
         cap = c.tables()[0]["arena_slots"]
         rng = np.random.default_rng(0)
         for _ in range(6):
-            with c.plan("t", rng.integers(0, 60_000, cap // 2)) as s:
-                s.slots()
+            ids = rng.integers(0, 60_000, cap // 2)
+            with c.plan("t", ids) as s:
+                assert np.array_equal(s.rows(), expected[ids])
         for _ in range(3):
             a, b = c.plan("t", np.arange(0, 4096)), c.plan("t", np.arange(4096, 8192))
-            a.slots(), b.slots()
+            assert np.array_equal(a.rows(), expected[:4096]) and np.array_equal(b.rows(), expected[4096:8192])
             time.sleep(1.5)  # both leases expire: the whole arena is evictable again
-            with c.plan("t", rng.choice(60_000, cap - 16, replace=False)) as s:
-                s.slots()
+            ids = rng.choice(60_000, cap - 16, replace=False)
+            with c.plan("t", ids) as s:  # the step that fills all but 16 slots is served, right rows
+                assert np.array_equal(s.rows(), expected[ids])
