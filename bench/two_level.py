@@ -23,13 +23,6 @@ from tierstore.errors import InvalidArgument
 from tierstore.cache.policy import make_policy
 
 
-def worker_traces(workers: int = 4, seed: int = 0, **kw) -> list[Trace]:
-    """One CPython-docs text trace per worker: the same corpus, each its own document order."""
-    from tierstore.bench.traces import deepseek_text_trace
-    streams = max(1, 32 // workers)
-    return [deepseek_text_trace(seed=seed + w, name=f"worker{w}", streams=streams, **kw) for w in range(workers)]
-
-
 class _Dram:
     """The shared arena: slot map and CachePolicy, driven as the engine drives them."""
 

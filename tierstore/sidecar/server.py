@@ -225,7 +225,6 @@ class Server:
             else:
                 self._bind(tcp.add_insecure_port, config.listen, "--listen")
                 self.addresses.append(config.listen)
-        self.grpc = self.servers[0]
 
     def _grpc_server(self, config: ServeConfig, service, name: str, interceptors=(), options=()):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=name),

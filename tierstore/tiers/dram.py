@@ -208,9 +208,6 @@ class ArenaHeader:
     def retire(self) -> None:
         self._buf[8] = 1
 
-    def set_instance(self, instance: str) -> None:
-        self._buf[16:32] = np.frombuffer(instance.encode()[:16].ljust(16, b"\0"), dtype=np.uint8)
-
 
 class SplitRows:
     """The rows of a split arena (see the module docstring): `weight` uint8 [slots, split]
