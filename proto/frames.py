@@ -1,20 +1,24 @@
 """Wire format of the step socket (tierstore/sidecar/step_server.py serves it,
 client/step_connection.py speaks it). One frame per request and per reply:
 
-    frame    = u32 body_len, u8 op, 3 pad | body          (little-endian; 8-aligned)
-    HELLO    > magic "TSFP", u16 version, 2 pad, owner[16]
-             < magic, u16 version, 2 pad, u64 max_request_bytes, instance (utf-8)
-    PLAN     > u32 n_items, u32 n_release, u64 release[n_release],
-               n_items x (u64 version, u64 request_id, u32 n_ids, u32 ttl_ms,
-                          u16 name_len, 6 pad, name padded to 8, i64 ids[n_ids])
-             < u32 n_items, 4 pad, n_items x (OK: u8 0, 3 pad, u32 n_slots, u64 lease_id,
-               u64 version, u64 expires_unix_ms, u32 hits, u32 misses, u32 unique, 4 pad,
-               i64 slots[n_slots]  |  ERR: u8 1, 3 pad, u32 name_len, u32 msg_len, 4 pad,
-               name + message padded to 8)
-    RELEASE  > u32 n, 4 pad, u64 lease_ids[n]    < u64 released
-    ACCESS   > u32 n_items, 4 pad, n_items x (u64 version, u32 n_ids, u32 n_steps,
-               u32 n_rows, u32 row_bytes, u16 name_len, 6 pad, name padded to 8,
-               i64 ids[n_ids], i64 ends[n_steps], i64 row_ids[n_rows],
+    frame    = [HDR] u32 body_len, u8 op, 3 pad; body      (little-endian; 8-aligned)
+    HELLO    > [HELLO_REQ] magic[4] "TSFP", u16 version, 2 pad, owner[16];
+             < [HELLO_RESP] magic[4], u16 version, 2 pad, u64 max_request_bytes; instance (utf-8)
+    PLAN     > [PLAN_REQ] u32 n_items, u32 n_release; u64 release[n_release],
+               n_items x ([ITEM] u64 version, u64 request_id, u32 n_ids, u32 ttl_ms,
+                          u16 name_len, 6 pad; name padded to 8, i64 ids[n_ids])
+             < [COUNT] u32 n_items, 4 pad; n_items x
+               (OK: [RES_OK] u8 0, 3 pad, u32 n_slots, u64 lease_id, u64 version,
+                    u64 expires_unix_ms, u32 hits, u32 misses, u32 unique, u32 arena_len,
+                    u64 arena_slots; i64 slots[n_slots], arena name padded to 8
+               | ERR: [RES_ERR] u8 1, 3 pad, u32 name_len, u32 msg_len, 4 pad;
+                    name + message padded to 8)
+               arena: the arena file the slots index, arena_slots its slot count (the
+               client maps it, and maps a new one after a version swap).
+    RELEASE  > [COUNT] u32 n, 4 pad; u64 lease_ids[n]    < [U64] u64 released;
+    ACCESS   > [COUNT] u32 n_items, 4 pad; n_items x ([ACCESS_ITEM] u64 version, u32 n_ids,
+               u32 n_steps, u32 n_rows, u32 row_bytes, u16 name_len, 6 pad; name padded
+               to 8, i64 ids[n_ids], i64 ends[n_steps], i64 row_ids[n_rows],
                u8 rows[n_rows * row_bytes] padded to 8)
              (no reply) steps a client read itself (client/local_reads.py): step k is
                ids[ends[k-1]:ends[k]]; the sidecar's policy learns them and promotes
@@ -28,6 +32,10 @@ client/step_connection.py speaks it). One frame per request and per reply:
                answered.
     ERROR    < (whole request failed) as an ERR item; after a framing error the
                server closes the connection, otherwise it keeps serving it.
+
+Each bracketed name above, with the fields after it up to the semicolon, is that
+Struct of this module field for field (tests/test_frames_spec.py holds the two
+together).
 
 Why a stream socket: SOCK_SEQPACKET caps a message at the socket buffer
 (~208 KiB by default), below one 32k-id step. Ids and slots are 8-aligned in
@@ -60,7 +68,7 @@ PLAN_REQ = struct.Struct("<II")
 ITEM = struct.Struct("<QQIIH6x")
 ACCESS_ITEM = struct.Struct("<QIIIIH6x")
 COUNT = struct.Struct("<I4x")
-RES_OK = struct.Struct("<BxxxIQQQIIIIQ")  # ..., arena name length, arena slots
+RES_OK = struct.Struct("<BxxxIQQQIIIIQ")
 RES_ERR = struct.Struct("<BxxxII4x")
 U64 = struct.Struct("<Q")
 MAX_ITEMS = 4096            # tables in one step; far above any model's Engram layer count
