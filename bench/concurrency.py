@@ -103,12 +103,13 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
     parts = []
     for read in reads:
         one, many = float(np.median(runs[(read, 1)])), float(np.median(runs[(read, clients)]))
-        res[read] = {"rows_per_s_1": round(one), f"rows_per_s_{clients}": round(many), "ratio": round(many / one, 3)}
+        ratio = round(many / one, 3) if one else float("nan")  # a worker that started late read nothing
+        res[read] = {"rows_per_s_1": round(one), f"rows_per_s_{clients}": round(many), "ratio": ratio}
         for n in (1, clients):  # the sidecar's view: hit ratio, and local steps learned or dropped (lookup)
             h, m, steps, dropped = learned[(read, n)].tolist()
             res[read][f"sidecar_{n}"] = {"hit_ratio": round(h / (h + m), 4) if h + m else None,
                                          "local_steps_learned": steps, "local_steps_dropped": dropped}
-        parts.append(f"{read} {many / 1e6:.2f} M rows/s vs one {one / 1e6:.2f} ({many / one:.2f}x)")
+        parts.append(f"{read} {many / 1e6:.2f} M rows/s vs one {one / 1e6:.2f} ({ratio:.2f}x)")
     res.update(res[reads[0]], read=reads[0])
     res["summary"] = f"concurrency: {clients} clients on one cache-mode table: " + "; ".join(parts)
     return res

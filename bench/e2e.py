@@ -200,12 +200,12 @@ def summary(res: dict) -> str:
     return "e2e: " + ", ".join(parts) + f"; outputs {exact}" + tiers
 
 
-def run_e2e_bench(data_dir, out_dir, *, quick: bool = False, seed: int = 0) -> dict:
-    """`tierstore bench e2e`: run_e2e sized for the bench, plus its PNG."""
+def run_e2e_bench(data_dir, out_dir, *, quick: bool = False, seed: int = 0, rounds: int | None = None) -> dict:
+    """`tierstore bench e2e`: run_e2e sized for the bench (rounds: default 5, quick 2), plus its PNG."""
     from tierstore.bench.plots import plot_e2e
 
     res = run_e2e(data_dir, batch=2 if quick else 4, seq=64 if quick else 256, decode_tokens=4 if quick else 16,
-                  rounds=2 if quick else 5, seed=seed)
+                  rounds=rounds or (2 if quick else 5), seed=seed)
     res["plot"] = str(plot_e2e(res, Path(out_dir) / "e2e.png"))
     res["units"] = {"tokens_per_s": "tokens/s", "penalty_pct": "% time vs in-process", "table_bytes": "B",
                     "*_bytes_per_token": "B/token"}

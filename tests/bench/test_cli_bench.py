@@ -44,3 +44,58 @@ def test_bench_cold_adds_to_the_same_results(cli, tmp_path):
 def test_bench_report_without_results_says_how(cli, tmp_path):
     code, _, err = cli("bench", "report", tmp_path)
     assert code == 2 and "tierstore bench lookup" in err
+
+
+# every scenario of `bench all` cut to a tiny table: the suite runs in well under a minute
+TINY_SUITE = ("--quick", "--no-progress", "--lookup-batches", "128", "--lookup-rounds", "1",
+              "--lookup-dists", "zipf1.0", "--lookup-competitors", "arena", "--cold-table-mib", "4",
+              "--cold-batch", "1024", "--cache-traces", "zipf1.0", "--cache-sizes", "0.01", "--cache-jobs", "1",
+              "--cache-no-hbm-drift", "--hash-preset", "engram-paper-demo", "--e2e-rounds", "1",
+              "--scale-large", "20000", "--scale-small", "5000", "--scale-rounds", "2",
+              "--concurrency-clients", "2", "--concurrency-batch", "256", "--concurrency-seconds", "0.5",
+              "--concurrency-rounds", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    from tierstore.ingest.demo_table import make_demo_tables
+
+    d = tmp_path_factory.mktemp("bench-all") / "data"
+    make_demo_tables(d, "engram-paper-demo", 512)
+    return d
+
+
+def test_bench_all_quick_runs_every_scenario(cli, tiny_demo, tmp_path):
+    from tierstore.cli.bench import SCENARIOS
+
+    out = tmp_path / "out"
+    code, stdout, err = cli("bench", "all", "--data", tiny_demo, "--out", out, *TINY_SUITE)
+    assert code == 0, err[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["scenarios"]) == set(SCENARIOS)
+    assert "skipped:" not in stdout
+    cold = doc["scenarios"]["cold"]  # the cold parser's default budget, reached through `all`
+    assert cold["dram_budget_bytes"] == int(cold["table_bytes"] * 0.25)
+    assert doc["scenarios"]["concurrency"]["batch"] == 256
+    assert [line.split(" ")[0].rstrip(":") for line in stdout.splitlines()] == [
+        "lookup", "cold", "zipf1", "hash", "e2e", "scale", "concurrency"]
+
+
+def test_bench_all_gives_each_scenario_what_its_own_parser_would(tmp_path):
+    from tierstore.cli import build_parser
+    from tierstore.cli.bench import SCENARIOS, scenario_args
+
+    common = ["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--seed", "7", "--quick"]
+    given = {"cold": ["--table-mib", "4", "--budget-fraction", "0.5"], "scale": ["--large", "9000"],
+             "lookup": ["--batches", "128,256"], "cache": ["--sizes", "0.01", "--no-hbm-drift"]}
+    flags = [f"--{name}-{opt.lstrip('-')}" if opt.startswith("--") else opt
+             for name, opts in given.items() for opt in opts]
+    suite = build_parser("bench").parse_args(["bench", "all", *common, *flags])
+    for name in SCENARIOS:
+        own = build_parser("bench").parse_args(
+            ["bench", name, *(common if name not in ("cache", "hash", "scale") else common[2:]), *given.get(name, [])])
+        want = {k: v for k, v in vars(own).items() if not k.startswith("_") and k != "command"}
+        got = vars(scenario_args(name, suite, suite._scenario_parsers))
+        if name in ("cache", "hash", "scale"):
+            assert got.pop("data") == str(tmp_path)
+        assert got == want, name

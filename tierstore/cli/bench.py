@@ -14,7 +14,7 @@
     tierstore bench remote --out OUT [--quick]          (misses from NVMe vs Mooncake vs EngramStore; warm-up)
     tierstore bench engines --out OUT [--quick]         (sglang's Engram: own host table vs tierstore's arena
                            vs tierstore cache mode at 25% of rows, the row stager, real-text ids)
-    tierstore bench all    --data DIR --out OUT [--quick]
+    tierstore bench all    --data DIR --out OUT [--quick] [--<scenario>-<option> ...]
     tierstore bench report OUT
 
 Every scenario adds its figures (with units, machine, commit, seed, command
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "ensure_data", "SCENARIOS"]
+__all__ = ["add_arguments", "run", "ensure_data", "scenario_args", "SCENARIOS"]
 
 SCENARIOS = ("lookup", "cold", "cache", "hash", "e2e", "scale", "concurrency")
 DEMO_PRESET, DEMO_SCALE = "engram-paper-demo", 64
@@ -63,93 +63,161 @@ def _common(p, data=True):
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
+def _lookup(add):
+    add("--table", help="table of --data to read (default: the first; with --quick and no --table-mib)")
+    add("--table-mib", type=int, help="read a random table of this many MiB of 264-B rows instead, "
+        "written once into OUT/baselines/lookup-data (default 8192, past TLB reach; --quick, "
+        "--table and `bench all` read a table of --data)")
+    add("--batches", type=_csv(int), help="ids per call, e.g. 256,4096,32768,65536")
+    add("--dists", type=_csv(str), help="id distributions, e.g. zipf0.8,zipf1.0,zipf1.2,uniform")
+    add("--rounds", type=int, help="timed interleaved rounds per cell (default 5, quick 3)")
+    add("--competitors", type=_csv(str), help="run only these, e.g. arena,arena-huge (the ceiling always)")
+    add("--huge-shm-dir", help="also run arena-huge: a full-resident sidecar whose arenas live in DIR "
+        "(a tmpfs mounted huge=within_size, or hugetlbfs): huge pages vs arena's")
+
+
+def _cold(add):
+    add("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
+    add("--batch", type=int, default=4096, help="ids per call (default 4096)")
+    add("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
+    add("--budget-fraction", type=float, default=0.25, help="DRAM budget as a fraction of the table (default 0.25)")
+    add("--warmup-arenas", type=float, default=2.0, help="warm-up ids per competitor, in arena sizes (default 2)")
+
+
+def _large(add):
+    add("--table-gib", type=float, help="table size in GiB, both layers (default 8, quick 1/16; "
+        "34 is the 1/6-scale V4.1 layout); written once into --data with demo-table, then reused")
+    add("--row-format", choices=["fp32", "bf16", "fp16", "fp8-e4m3-ue8m0"],
+        help="row format (default fp8-e4m3-ue8m0: 264-B rows, V4.1's)")
+    add("--dram-budget", type=_size, help="the sidecar's DRAM budget for both tables, e.g. 4GiB "
+        "(default 1/8 of the table)")
+    add("--prefill-steps", type=int, help="prefill steps of 4,096 tokens per measured phase (default 30, quick 2)")
+    add("--decode-steps", type=int, help="decode steps of 128 streams per measured phase (default 300, quick 8)")
+    add("--warmup-steps", type=int, help="untimed prefill steps of other text before the steady "
+        "state (default 100, quick 2)")
+    add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
+
+
+def _warm(add):
+    add("--table-mib", type=int, help="size of the table (default 256, quick 64)")
+    add("--batch", type=int, default=4096, help="ids per step (default 4096)")
+    add("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
+    add("--steady-steps", type=int, help="steps before the restart (default 300, quick 150)")
+    add("--after-steps", type=int, help="steps after each restart (default 150, quick 80)")
+
+
+def _cache(add):
+    add("--trace", action="append", metavar="FILE",
+        help="replay your own access log: .npy of int64 row ids in access order (repeatable)")
+    add("--traces", type=_csv(str), metavar="KIND,...", help="built-in traces to replay when no --trace "
+        "(default zipf1.0,documents,text,aws-docs)")
+    add("--step-ids", type=int, metavar="N",
+        help="cut --trace into steps of N accesses (default: FILE.steps.npy of step lengths)")
+    add("--sizes", type=_csv(float), metavar="S,...",
+        help="cache sizes: fractions of the table's rows (< 1) or row counts (default 0.001,0.01,0.1)")
+    add("--rows", type=int, help="rows in the traced table (default FILE.json n_ids, else max id + 1)")
+    add("--jobs", type=int, help="processes for the reference policies (default: CPU count)")
+    add("--no-hbm-drift", dest="hbm_drift", action="store_false",
+        help="leave out the HBM-tier cell (it runs with the built-in traces)")
+
+
+def _hash(add):
+    add("--preset", default="deepseek-v4.1-flash")
+
+
+def _e2e(add):
+    add("--rounds", type=int, help="timed rounds per source, after one warm-up (default 5, quick 2)")
+
+
+def _scale(add):
+    add("--large", type=int, help="slots of the large arena (default 16,000,000; quick 4,000,000)")
+    add("--small", type=int, help="slots of the small arena (default 500,000)")
+    add("--rounds", type=int, help="timed rounds per arena (default 30, quick 15)")
+
+
+def _concurrency(add):
+    add("--clients", type=int, default=4, help="worker processes (default 4)")
+    add("--seconds", type=float, help="seconds per timed run (default 4, quick 2)")
+    add("--batch", type=int, default=4096, help="ids per step (default 4096)")
+    add("--rounds", type=int, help="rounds, alternating 1 and N clients (default 3, quick 2)")
+
+
+def _remote(add):
+    add("--rows", type=int, help="rows of the fp32 x 64 test table (default 200,000; quick 20,000)")
+    add("--batch", type=int, default=4096, help="unique ids per call (default 4096)")
+    add("--rounds", type=int, help="timed interleaved rounds (default 30; quick 5)")
+
+
+def _engines(add):
+    add("--vocab", type=int, help="engram vocab size: rows are ~24x it (default 200000, quick 20000)")
+    add("--tokens", type=int, default=512, help="tokens per extend batch (default 512; in cache mode "
+        "over 4 requests, each extend followed by 8 decode steps, quick 3)")
+
+
+# scenario: (help, whether it reads --data, its options); the one definition of every
+# scenario's arguments, for its own parser and for `bench all`'s --<scenario>-<option>
+_SCENARIOS = {
+    "lookup": ("rows/s and latency: tierstore paths vs numpy, mmap, LMDB, Redis", True, _lookup),
+    "cold": ("table 4x the DRAM budget: NVMe tier vs all-DRAM vs a cold mmap", True, _cold),
+    "large": ("a V4.1-layout table at the size users run: real-text prefill and decode steps, cold start "
+              "and steady state, tierstore vs memmap (capped at tierstore's memory), against the disk's "
+              "own random-read IOPS", True, _large),
+    "warm": ("hit ratio per step after a restart, warm start vs cold, against the steady state before it",
+             False, _warm),
+    "cache": ("cache-policy hit ratios on synthetic and real-text traces", False, _cache),
+    "hash": ("n-gram hashing throughput vs a plain numpy implementation", False, _hash),
+    "e2e": ("model forward pass fed by the sidecar vs an in-process table", True, _e2e),
+    "scale": ("Plan time against a full cache-mode arena of 0.5 M vs 16 M slots", False, _scale),
+    "concurrency": ("aggregate rows/s of N client processes on one cache-mode table vs one", True, _concurrency),
+    "remote": ("cache-mode misses from local NVMe vs Mooncake Store (TCP) vs Mooncake's EngramStore.lookup, "
+               "and a new host's write-back warm-up", False, _remote),
+    "engines": ("sglang's Engram on CPU: its own host table vs tierstore's split arena vs tierstore cache "
+                "mode at 25%% of rows through the row stager (step time, bit-exactness, hit ratio, start-up)",
+                False, _engines),
+}
+
+
+def _prefixed(group, scenario: str):
+    """`add` for `bench all`: --<scenario>-<option>, stored as '<scenario>.<dest>' only when given."""
+    def add(flag, **kw):
+        dest = kw.pop("dest", flag[2:].replace("-", "_"))
+        kw.pop("default", None)
+        if kw.get("action", "append") == "append":
+            kw.setdefault("metavar", flag[2:].upper().replace("-", "_"))
+        group.add_argument(f"--{scenario}-{flag[2:]}", dest=f"{scenario}.{dest}", default=argparse.SUPPRESS, **kw)
+    return add
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="scenario", metavar="SCENARIO")
-    lk = sub.add_parser("lookup", help="rows/s and latency: tierstore paths vs numpy, mmap, LMDB, Redis")
-    _common(lk)
-    lk.add_argument("--table", help="table of --data to read (default: the first; with --quick and no --table-mib)")
-    lk.add_argument("--table-mib", type=int, help="read a random table of this many MiB of 264-B rows instead, "
-                    "written once into OUT/baselines/lookup-data (default 8192, past TLB reach; --quick, "
-                    "--table and `bench all` read a table of --data)")
-    lk.add_argument("--batches", type=_csv(int), help="ids per call, e.g. 256,4096,32768,65536")
-    lk.add_argument("--dists", type=_csv(str), help="id distributions, e.g. zipf0.8,zipf1.0,zipf1.2,uniform")
-    lk.add_argument("--rounds", type=int, help="timed interleaved rounds per cell (default 5, quick 3)")
-    lk.add_argument("--competitors", type=_csv(str), help="run only these, e.g. arena,arena-huge (the ceiling always)")
-    lk.add_argument("--huge-shm-dir", help="also run arena-huge: a full-resident sidecar whose arenas live in DIR "
-                                          "(a tmpfs mounted huge=within_size, or hugetlbfs): huge pages vs arena's")
-    cold = sub.add_parser("cold", help="table 4x the DRAM budget: NVMe tier vs all-DRAM vs a cold mmap")
-    _common(cold)
-    cold.add_argument("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
-    cold.add_argument("--batch", type=int, default=4096, help="ids per call (default 4096)")
-    cold.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
-    cold.add_argument("--budget-fraction", type=float, default=0.25,
-                      help="DRAM budget as a fraction of the table (default 0.25)")
-    cold.add_argument("--warmup-arenas", type=float, default=2.0,
-                      help="warm-up ids per competitor, in arena sizes (default 2)")
-    lg = sub.add_parser("large", help="a V4.1-layout table at the size users run: real-text prefill and decode "
-                        "steps, cold start and steady state, tierstore vs memmap (capped at tierstore's memory), "
-                        "against the disk's own random-read IOPS")
-    _common(lg)
-    lg.add_argument("--table-gib", type=float, help="table size in GiB, both layers (default 8, quick 1/16; "
-                    "34 is the 1/6-scale V4.1 layout); written once into --data with demo-table, then reused")
-    lg.add_argument("--row-format", choices=["fp32", "bf16", "fp16", "fp8-e4m3-ue8m0"],
-                    help="row format (default fp8-e4m3-ue8m0: 264-B rows, V4.1's)")
-    lg.add_argument("--dram-budget", type=_size, help="the sidecar's DRAM budget for both tables, e.g. 4GiB "
-                    "(default 1/8 of the table)")
-    lg.add_argument("--prefill-steps", type=int, help="prefill steps of 4,096 tokens per measured phase "
-                    "(default 30, quick 2)")
-    lg.add_argument("--decode-steps", type=int, help="decode steps of 128 streams per measured phase "
-                    "(default 300, quick 8)")
-    lg.add_argument("--warmup-steps", type=int, help="untimed prefill steps of other text before the steady "
-                    "state (default 100, quick 2)")
-    lg.add_argument("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
-    wm = sub.add_parser("warm", help="hit ratio per step after a restart, warm start vs cold, against the "
-                        "steady state before it")
-    _common(wm, data=False)
-    wm.add_argument("--table-mib", type=int, help="size of the table (default 256, quick 64)")
-    wm.add_argument("--batch", type=int, default=4096, help="ids per step (default 4096)")
-    wm.add_argument("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
-    wm.add_argument("--steady-steps", type=int, help="steps before the restart (default 300, quick 150)")
-    wm.add_argument("--after-steps", type=int, help="steps after each restart (default 150, quick 80)")
-    cache = sub.add_parser("cache", help="cache-policy hit ratios on synthetic and real-text traces")
-    _common(cache, data=False)
-    cache.add_argument("--trace", action="append", metavar="FILE",
-                       help="replay your own access log: .npy of int64 row ids in access order (repeatable)")
-    cache.add_argument("--step-ids", type=int, metavar="N",
-                       help="cut --trace into steps of N accesses (default: FILE.steps.npy of step lengths)")
-    cache.add_argument("--sizes", type=_csv(float), metavar="S,...",
-                       help="cache sizes: fractions of the table's rows (< 1) or row counts (default 0.001,0.01,0.1)")
-    cache.add_argument("--rows", type=int, help="rows in the traced table (default FILE.json n_ids, else max id + 1)")
-    cache.add_argument("--jobs", type=int, help="processes for the reference policies (default: CPU count)")
-    hsh = sub.add_parser("hash", help="n-gram hashing throughput vs a plain numpy implementation")
-    _common(hsh, data=False)
-    hsh.add_argument("--preset", default="deepseek-v4.1-flash")
-    e2e = sub.add_parser("e2e", help="model forward pass fed by the sidecar vs an in-process table")
-    _common(e2e)
-    sc = sub.add_parser("scale", help="Plan time against a full cache-mode arena of 0.5 M vs 16 M slots")
-    _common(sc, data=False)
-    sc.add_argument("--large", type=int, help="slots of the large arena (default 16,000,000; quick 4,000,000)")
-    cc = sub.add_parser("concurrency", help="aggregate rows/s of N client processes on one cache-mode table vs one")
-    _common(cc)
-    cc.add_argument("--clients", type=int, default=4, help="worker processes (default 4)")
-    rm = sub.add_parser("remote", help="cache-mode misses from local NVMe vs Mooncake Store (TCP) vs "
-                        "Mooncake's EngramStore.lookup, and a new host's write-back warm-up")
-    _common(rm, data=False)
-    rm.add_argument("--rows", type=int, help="rows of the fp32 x 64 test table (default 200,000; quick 20,000)")
-    rm.add_argument("--batch", type=int, default=4096, help="unique ids per call (default 4096)")
-    rm.add_argument("--rounds", type=int, help="timed interleaved rounds (default 30; quick 5)")
-    al = sub.add_parser("all", help="every scenario (make bench: < 10 minutes on 2 cores)")
+    parsers = {}
+    for name, (help_text, data, options) in _SCENARIOS.items():
+        parsers[name] = sp = sub.add_parser(name, help=help_text)
+        _common(sp, data)
+        options(sp.add_argument)
+    al = sub.add_parser("all", help="every scenario of SCENARIOS (make bench: < 10 minutes on 2 cores); "
+                        "a scenario's options are --<scenario>-<option>, e.g. --cold-table-mib 4")
     _common(al)
-    en = sub.add_parser("engines", help="sglang's Engram on CPU: its own host table vs tierstore's split arena "
-                        "vs tierstore cache mode at 25%% of rows through the row stager (step time, bit-exactness, "
-                        "hit ratio, start-up)")
-    _common(en, data=False)
-    en.add_argument("--vocab", type=int, help="engram vocab size: rows are ~24x it (default 200000, quick 20000)")
-    en.add_argument("--tokens", type=int, default=512, help="tokens per extend batch (default 512; in cache mode "
-                    "over 4 requests, each extend followed by 8 decode steps, quick 3)")
+    for name in SCENARIOS:
+        _SCENARIOS[name][2](_prefixed(al.add_argument_group(f"{name} options"), name))
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
     rep.add_argument("out", help="output directory of an earlier run")
-    p.set_defaults(_parser=p)
+    p.set_defaults(_parser=p, _scenario_parsers=parsers)
+
+
+def scenario_args(name: str, args, parsers) -> argparse.Namespace:
+    """The namespace `tierstore bench <name>` would parse for one scenario of `bench all`:
+    its parser's defaults, the common options of `args` and its --<name>-<option>s."""
+    argv = ["--out", str(args.out), "--seed", str(args.seed)]
+    argv += ["--data", str(args.data)] if _SCENARIOS[name][1] else []
+    argv += ["--quick"] if args.quick else []
+    argv += [] if args.progress else ["--no-progress"]
+    ns = parsers[name].parse_args(argv)
+    for key, value in vars(args).items():
+        if key.startswith(name + "."):
+            setattr(ns, key[len(name) + 1:], value)
+    ns.scenario, ns.data = name, args.data
+    return ns
 
 
 def run(args) -> int:
@@ -162,11 +230,11 @@ def run(args) -> int:
 
         print(format_report(load_results(args.out)))
         return 0
-    names = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    if args.scenario != "all":
+        return _run_one(args.scenario, args, suite=False)
     failed = 0
-    for name in names:
-        code = _run_one(name, args)
-        failed += code != 0
+    for name in SCENARIOS:
+        failed += _run_one(name, scenario_args(name, args, args._scenario_parsers), suite=True) != 0
     return 1 if failed else 0
 
 
@@ -196,7 +264,8 @@ def _optional(module: str, attr: str, owner: str):
     return getattr(mod, attr, None)
 
 
-def _run_one(name: str, args) -> int:
+def _run_one(name: str, args, suite: bool) -> int:
+    """Run scenario `name` on its own parsed arguments; suite: one of `bench all`."""
     from tierstore.bench.results import write_scenario
 
     out = Path(args.out)
@@ -205,8 +274,7 @@ def _run_one(name: str, args) -> int:
     quick, seed, progress = args.quick, args.seed, args.progress
     lookup_mib = None
     if name == "lookup":  # a table past TLB reach unless a quick run, a --data table or `bench all` asks otherwise
-        lookup_mib = getattr(args, "table_mib", None) or (
-            None if quick or args.scenario == "all" or getattr(args, "table", None) else 8192)
+        lookup_mib = args.table_mib or (None if quick or suite or args.table else 8192)
     if name in ("e2e", "concurrency") or (name == "lookup" and lookup_mib is None):
         ensure_data(args.data)  # cold, large and lookup --table-mib write their own tables of a chosen size
     if name == "lookup":
@@ -214,20 +282,20 @@ def _run_one(name: str, args) -> int:
         from tierstore.bench.plots import headline, plot_lookup
 
         kw = {}
-        if getattr(args, "batches", None):
+        if args.batches:
             kw["batches"] = args.batches
         elif quick:
             kw["batches"] = (4096, 32768)
-        if getattr(args, "competitors", None):
+        if args.competitors:
             kw["competitors"] = tuple(args.competitors)
-        if getattr(args, "huge_shm_dir", None):
+        if args.huge_shm_dir:
             kw["huge_shm_dir"] = args.huge_shm_dir
-        if getattr(args, "dists", None):
+        if args.dists:
             kw["dists"] = args.dists
         elif quick:
             kw["dists"] = ("zipf1.0", "uniform")
-        res = run_lookup_bench(args.data, out, table=getattr(args, "table", None), quick=quick, seed=seed,
-                               rounds=getattr(args, "rounds", None), progress=progress, log=_log,
+        res = run_lookup_bench(args.data, out, table=args.table, quick=quick, seed=seed,
+                               rounds=args.rounds, progress=progress, log=_log,
                                table_bytes=lookup_mib << 20 if lookup_mib else None, **kw)
         res["summary"] = line_for(headline(res["cells"]))
         plot_lookup(res, out / "lookup.png")
@@ -235,9 +303,9 @@ def _run_one(name: str, args) -> int:
         from tierstore.bench.cold import cold_line, run_cold_bench
         from tierstore.bench.plots import plot_cold
 
-        mib = getattr(args, "table_mib", None)
+        mib = args.table_mib
         res = run_cold_bench(args.data, out, table_bytes=(mib << 20) if mib else None,
-                             batch=getattr(args, "batch", 4096), dist=getattr(args, "dist", "zipf1.0"),
+                             batch=args.batch, dist=args.dist,
                              budget_fraction=args.budget_fraction, warmup_arenas=args.warmup_arenas,
                              quick=quick, seed=seed, progress=progress, log=_log)
         res["summary"] = cold_line(res)
@@ -253,7 +321,7 @@ def _run_one(name: str, args) -> int:
     elif name == "warm":
         from tierstore.bench.warm import run_warm_bench
 
-        mib = getattr(args, "table_mib", None)
+        mib = args.table_mib
         res = run_warm_bench(out, table_bytes=(mib << 20) if mib else None, batch=args.batch, dist=args.dist,
                              steady_steps=args.steady_steps, after_steps=args.after_steps, quick=quick,
                              seed=seed, progress=progress, log=_log)
@@ -263,19 +331,21 @@ def _run_one(name: str, args) -> int:
             return _missing(name, "tierstore.bench.cache.run_cache_bench", out, seed, started)
         from tierstore.bench import cache as cache_mod
 
-        kw = {"sizes": args.sizes} if getattr(args, "sizes", None) else {}
-        kw["hbm_drift"] = not getattr(args, "trace", None)  # the HBM-tier cell runs with the built-in traces
-        if getattr(args, "trace", None):
+        kw = {"sizes": args.sizes} if args.sizes else {}
+        kw["hbm_drift"] = args.hbm_drift and not args.trace  # the HBM-tier cell runs with the built-in traces
+        if args.traces and not args.trace:
+            kw["trace_paths_or_kinds"] = args.traces
+        if args.trace:
             from tierstore.bench.traces import access_trace
 
             kw["trace_paths_or_kinds"] = [access_trace(t, args.step_ids, args.rows) for t in args.trace]
-        res = fn(out_dir=out, seed=seed, quick=quick, jobs=getattr(args, "jobs", None), log=_log, **kw)
+        res = fn(out_dir=out, seed=seed, quick=quick, jobs=args.jobs, log=_log, **kw)
         res["summary"] = cache_mod.summary(res).replace("\n", " | ")
     elif name == "hash":
         fn = _optional("tierstore.bench.hash", "run_hash_bench", "hash")
         if fn is None:
             return _missing(name, "tierstore.bench.hash.run_hash_bench", out, seed, started)
-        res = fn(seed=seed, preset=getattr(args, "preset", "deepseek-v4.1-flash"),
+        res = fn(seed=seed, preset=args.preset,
                  **({"batch": 8, "seq": 4096, "repeats": 3} if quick else {}))
         res["summary"] = (f"hash {res['preset']} [{res['batch']}x{res['seq']}]: tierstore "
                           f"{res['speedup']:.2f}x plain numpy ({res['tierstore_tokens_per_s'] / 1e6:.2f} M tokens/s), "
@@ -284,8 +354,9 @@ def _run_one(name: str, args) -> int:
     elif name == "concurrency":
         from tierstore.bench.concurrency import run_concurrency_bench
 
-        res = run_concurrency_bench(args.data, clients=getattr(args, "clients", 4), seed=seed,
-                                    seconds=2.0 if quick else 4.0, rounds=2 if quick else 3, log=_log)
+        res = run_concurrency_bench(args.data, clients=args.clients, seed=seed, batch=args.batch,
+                                    seconds=args.seconds or (2.0 if quick else 4.0),
+                                    rounds=args.rounds or (2 if quick else 3), log=_log)
     elif name == "remote":
         from tierstore.bench.remote import format_remote, run_bench
         from tierstore.tiers.remote.mooncake import missing_reason
@@ -306,12 +377,13 @@ def _run_one(name: str, args) -> int:
     elif name == "scale":
         from tierstore.bench.scale import run_scale_bench
 
-        res = run_scale_bench(out, quick=quick, seed=seed, large=getattr(args, "large", None), log=_log)
+        res = run_scale_bench(out, quick=quick, seed=seed, large=args.large,
+                              small=args.small or 500_000, rounds=args.rounds, log=_log)
     else:  # e2e
         fn = _optional("tierstore.bench.e2e", "run_e2e_bench", "e2e")
         if fn is None:
             return _missing(name, "tierstore.bench.e2e.run_e2e_bench", out, seed, started)
-        res = fn(data_dir=args.data, out_dir=out, quick=quick, seed=seed)
+        res = fn(data_dir=args.data, out_dir=out, quick=quick, seed=seed, rounds=args.rounds)
     write_scenario(out, name, res, seed=seed, started=started)
     print(res.get("summary") or f"{name}: done, see {out / 'results.json'}", flush=True)
     return 0
