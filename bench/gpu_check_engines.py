@@ -29,8 +29,17 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    forward (bf16 matmuls) runs on the main stream: the device rows must equal the split
    arena's bytes, and the copies must overlap the forward (the time both take together
    against each alone, reported as the share of the shorter one hidden).
+6. sglang graph staging (NOT YET RUN): the persistent staging buffers a captured decode
+   graph reads (client/engines/staging_buffers.py, GRAPH_BATCH requests x 24 columns):
+   a CUDA graph captured over the staged layer's read of them (sglang_stager.dequant_rows,
+   sglang's engram_gather), then for batches of several sizes the rows gathered from the
+   cache-mode sidecar into the host buffers, published (one side-stream copy per buffer,
+   rows past the batch zeroed) and the graph replayed: each replay's rows must equal the
+   CPU path's (dequant_rows over the same bytes on the host) bit for bit, its padded
+   slots be zero, and the buffers keep their addresses.
 Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
-so and exits 2 (nothing was checked). Sized to finish well under five minutes.
+so and exits 2 (nothing was checked). Sized to finish well under five minutes (the
+device budget of one run is eight).
 """
 from __future__ import annotations
 
@@ -237,6 +246,55 @@ def check_sglang_stager(socket: str, table: str, ids: np.ndarray, want_packed: n
             "the upload overlaps the forward": hidden > 0.5}
 
 
+GRAPH_BATCH = 64  # requests of the largest captured decode graph in part 6
+
+
+def check_sglang_graph_staging(socket: str, table: str, ids: np.ndarray) -> dict:
+    """Part 6 (not yet run on a GPU): a CUDA graph over the persistent staging buffers,
+    replayed after each batch is staged into them, against the CPU path bit for bit."""
+    from types import SimpleNamespace
+
+    from tierstore.client.client import Client
+    from tierstore.client.engines.sglang_stager import StagedTable, dequant_rows
+    from tierstore.client.engines.staging_buffers import StagingBuffers
+
+    embed = SimpleNamespace(dim=DIM)
+    cap = GRAPH_BATCH * HEADS
+    buffers = StagingBuffers(1, cap, DIM, 32, "cuda")
+    base = (buffers.weight.data_ptr(), buffers.scale.data_ptr())
+    side = torch.cuda.Stream()
+    out = {}
+    with Client(socket) as c:
+        staged = StagedTable(c, table)
+
+        def stage(bs: int):
+            flat = np.ascontiguousarray(ids[:bs].reshape(-1), dtype=np.int64)
+            weight, scale = buffers.host_rows(0, flat.size)
+            staged.gather(flat, weight, scale)
+            buffers.publish(flat.size, side)
+            return weight.copy(), scale.copy()
+
+        stage(GRAPH_BATCH)
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):  # torch's advice: run once off the capture stream first
+            dequant_rows(embed, buffers.weight[0], buffers.scale[0], (GRAPH_BATCH, HEADS))
+        torch.cuda.current_stream().wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = dequant_rows(embed, buffers.weight[0], buffers.scale[0], (GRAPH_BATCH, HEADS))
+        for bs in (GRAPH_BATCH, 1, 7, 33, 2, GRAPH_BATCH - 1):
+            weight, scale = stage(bs)
+            graph.replay()
+            torch.cuda.synchronize()
+            got = replayed.cpu()
+            want = dequant_rows(embed, torch.from_numpy(weight), torch.from_numpy(scale), (bs, HEADS))
+            out[f"replay of {bs} requests == CPU path"] = _same_bits(got[:bs], want)
+            out[f"replay of {bs} requests: padded slots zero"] = not got[bs:].view(torch.int16).any().item()
+    out["buffers kept their addresses"] = (buffers.weight.data_ptr(), buffers.scale.data_ptr()) == base
+    return out
+
+
 def check_sglang(ids: np.ndarray, want: torch.Tensor, split) -> dict:
     try:
         from sglang.kernels.ops.embeddings.engram_gather import engram_gather
@@ -300,6 +358,10 @@ def main(argv=None) -> int:
                 parts["sglang stager"] = check_sglang_stager(str(sc.socket), "l1", ids, want_packed)
             except Exception as e:  # noqa: BLE001
                 parts["sglang stager"] = {"error": f"{type(e).__name__}: {e}"}
+            try:
+                parts["sglang graph staging"] = check_sglang_graph_staging(str(sc.socket), "l1", ids)
+            except Exception as e:  # noqa: BLE001
+                parts["sglang graph staging"] = {"error": f"{type(e).__name__}: {e}"}
         for name, part in parts.items():
             report[name] = part
             failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]

@@ -32,16 +32,26 @@ process without a staged layer):
   queue gets its prompt's rows prefetched (`Client.prefetch`) with its
   expected wait in steps (RowStager.prefetch).
 
+Decode under CUDA graphs (sglang's default decode backend, FULL or breakable):
+a captured graph replays the reads it recorded, so a decode batch that fits the
+largest captured batch is staged into persistent buffers
+(client/engines/staging_buffers.py: sized at start from sglang's resolved
+CudaGraphConfig, the same storage every step), which the graph reads: at capture
+the staged layer's forward reads them (`UnstagedForward`), and before each
+replay `stage` refills them (rows past the batch's zero, so padded slots read
+zero rows). Larger decode batches, and extend batches, are staged per batch.
+
 A step never uses rows it could not verify: a lookup that fails (DATA_LOSS, a
 sidecar that cannot plan a miss, ...) raises StagingError from `stage`, in the
 scheduler, before the forward; a table the sidecar now serves at another
 version raises too (restart sglang; the model never mixes versions).
 
 Not staged, and so refused with the fix where a staged layer would need it:
-decode under CUDA graphs (a captured graph replays the capture's reads:
-`--cuda-graph-backend-decode=disabled`), batches whose newest token is still on
-the device (the overlap scheduler: `--disable-overlap-schedule`), speculative
-decoding, beam search rows and prefill context parallelism.
+batches whose newest token is still on the device (the overlap scheduler, on
+by default: it builds decode batch N+1 before batch N's sampled tokens reach
+the host, so no row of N+1 can be read before N's forward ends; refused at start,
+`decode_graph_batch`, fix `--disable-overlap-schedule`), speculative decoding,
+beam search rows and prefill context parallelism.
 """
 from __future__ import annotations
 
@@ -53,10 +63,11 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.client.engines import StagingError
+from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.jit import unique_inverse
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "upload", "process_client",
-           "from_model", "dequant_staged", "on_enqueue", "close"]
+           "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 FP8_BLOCK = 32  # values per ue8m0 scale
@@ -152,8 +163,10 @@ class StagedHostTable:
 
 class UnstagedForward:
     """A staged layer's EngramEmbedding.forward, which sglang calls only for a batch without
-    staged rows: empty batches (and the capture of a piecewise prefill graph, whose replays
-    read the rows staged for them) get empty rows; any other batch raises."""
+    staged rows: empty batches get empty rows; the capture of a decode graph reads the
+    stager's persistent buffers (what every replay reads, refilled by `stage` before it); the
+    capture of a piecewise prefill graph gets zero rows (its replays' eager segment reads the
+    rows staged for them); any other batch raises."""
 
     def __init__(self, embed, table: str):
         self.embed, self.table = embed, table
@@ -165,9 +178,13 @@ class UnstagedForward:
         if _capturing():
             if mode is not None and mode.is_extend_without_speculative():
                 return self.embed.new_rows(indices).zero_()  # the replay's eager segment reads its staged rows
-            raise StagingError(f"sglang's Engram table {self.table} is staged per batch by tierstore, and a captured "
-                               f"decode graph would replay this capture's rows: start sglang with "
-                               f"--cuda-graph-backend-decode=disabled (prefill graphs are fine)")
+            stager = RowStager.current
+            if mode is not None and mode.is_decode() and stager is not None and stager.buffers is not None:
+                return stager.graph_rows(self.embed, indices)
+            raise StagingError(f"sglang's Engram table {self.table} is staged by tierstore, which stages a captured "
+                               f"graph's rows for decode batches only, into buffers sized from sglang's decode "
+                               f"graph batch sizes; this {getattr(mode, 'name', 'unknown')} capture has none: run "
+                               f"sglang without speculative decoding")
         raise StagingError(f"sglang's Engram table {self.table} is staged per batch by tierstore, and this "
                            f"{getattr(mode, 'name', 'unknown')} batch's rows were not staged: tierstore stages "
                            f"extend and decode batches whose tokens are on the host (run sglang with "
@@ -190,21 +207,30 @@ class RowStager:
     for a batch with nothing to stage (idle, empty, a mode the forward stages itself).
 
     Every Engram layer of the model is staged (from_model refuses a mix). Raises
-    StagingError when rows cannot be had or the batch's tokens are not all on the host."""
+    StagingError when rows cannot be had or the batch's tokens are not all on the host.
+
+    graph_batch: the largest decode batch (requests) a captured decode graph runs, 0 when
+    decode runs eagerly (decode_graph_batch). With it, decode batches of up to that many
+    requests are staged into `buffers` (StagingBuffers, graph_batch x hash columns rows a
+    layer), whose entries `stage` returns and `graph_rows` reads at capture."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
-    def __init__(self, hasher, engrams: list, device):
+    def __init__(self, hasher, engrams: list, device, graph_batch: int = 0):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
         self.n = hasher.max_ngram_size
         self.n_layers = int(hasher.primes.shape[0])
+        self.cols = int(np.prod(hasher.primes.shape[1:]))  # hash columns a layer: (n - 1) x heads
         self.layers = [(m.layer_hash_index, m.embed.tierstore_table) for m in engrams]
         self.dim = int(engrams[0].embed.dim)
         self.cuda = self.device.type == "cuda"
         # the schedule stream waits on the running forward; a side stream's copies overlap it
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.buffers = (StagingBuffers(len(self.layers), graph_batch * self.cols, self.dim, FP8_BLOCK, self.device)
+                        if graph_batch > 0 else None)
+        self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
 
     @classmethod
     def from_model(cls, model, hasher, device) -> "RowStager | None":
@@ -225,18 +251,15 @@ class RowStager:
         except ValueError:  # no parallel config published: a module built outside a server (tests, bench)
             cp = 1
         try:
-            overlap = not get_schedule().disable_overlap_schedule
-        except ValueError:
-            overlap = False
-        if overlap:  # each decode step's token would still be on the device when the step is staged
-            raise StagingError("tierstore stages sglang's Engram rows from the tokens on the host, which the "
-                               "overlap scheduler has not got yet at a decode step: start sglang with "
-                               "--disable-overlap-schedule (or serve the tables split-layout with RAM for them)")
+            disable_overlap = get_schedule().disable_overlap_schedule
+        except ValueError:  # no schedule published: a module built outside a server (tests, bench)
+            disable_overlap = True
+        graph_batch = decode_graph_batch(disable_overlap, _published_graph_config())
         if cp > 1:
             raise StagingError("tierstore's row stager does not serve prefill context parallelism (each rank "
                                "hashes the whole prompt): run sglang without it, or serve the tables "
                                "split-layout (tierstore serve --split-layout all) with RAM for them")
-        stager = cls(hasher, engrams, device)
+        stager = cls(hasher, engrams, device, graph_batch)
         RowStager.current = stager
         return stager
 
@@ -255,9 +278,35 @@ class RowStager:
             return None
         ids = self._hash(tokens, positions)
         staged = [None] * self.n_layers
+        if mode.is_decode() and self.buffers is not None and self.buffers.fits(ids.shape[0] * self.cols):
+            return self._stage_graph(ids, staged)
         for k, source in self.layers:
             staged[k] = self._stage_layer(source, np.ascontiguousarray(ids[:, k].reshape(-1)))
         return staged
+
+    def _stage_graph(self, ids: np.ndarray, staged: list) -> list:
+        """A decode batch a captured graph may run: every layer's rows into the persistent
+        buffers (rows past them zeroed), copied once on the side stream."""
+        n = ids.shape[0] * self.cols
+        for i, (k, source) in enumerate(self.layers):
+            weight, scale = self.buffers.host_rows(i, n)
+            source.gather(np.ascontiguousarray(ids[:, k].reshape(-1)), weight, scale)
+        weights, scales, copied = self.buffers.publish(n, self.copy_stream)
+        for i, (k, _) in enumerate(self.layers):
+            staged[k] = (weights[i], scales[i], copied)
+        return staged
+
+    def graph_rows(self, embed, indices):
+        """What a captured decode graph's staged layer `embed` reads for hash ids `indices`
+        [bs, hash columns] (their values unread: the rows are the ones `stage` put in the
+        buffers before the replay): bf16 [bs, hash columns, dim], zero past the batch."""
+        n = indices.numel()
+        if not self.buffers.fits(n):
+            raise StagingError(f"a captured decode graph of {indices.shape[0]} requests is larger than the "
+                               f"{self.buffers.capacity // self.cols}-request staging buffers sized from sglang's "
+                               f"decode graph batch sizes (tierstore read them at start): restart sglang")
+        i = self._slot[id(embed.tierstore_table)]
+        return dequant_rows(embed, self.buffers.weight[i, :n], self.buffers.scale[i, :n], indices.shape)
 
     def _stage_layer(self, source, ids: np.ndarray):
         import torch
@@ -357,6 +406,67 @@ class RowStager:
         return sent
 
 
+def decode_graph_batch(disable_overlap_schedule: bool, cuda_graph_config) -> int:
+    """The largest decode batch (requests) sglang replays in a captured decode graph under its
+    `disable_overlap_schedule` (ServerArgs) and resolved `cuda_graph_config` (CudaGraphConfig;
+    None: no graphs), 0 when decode runs eagerly: what the persistent staging buffers hold.
+
+    StagingError, with the fix, under the overlap scheduler (sglang's default): it builds decode
+    batch N+1 before batch N's sampled tokens reach the host, so N+1's rows cannot be read
+    until N's forward is over, and its overlap would hide nothing."""
+    if not disable_overlap_schedule:
+        raise StagingError("tierstore stages sglang's Engram rows from each batch's tokens on the host, and sglang's "
+                           "overlap scheduler (on by default) builds a decode batch before the last step's tokens "
+                           "reach the host: start sglang with --disable-overlap-schedule (decode CUDA graphs stay on), "
+                           "or serve the tables split-layout with RAM for them")
+    decode = None if cuda_graph_config is None else cuda_graph_config.decode
+    if decode is None or decode.backend == "disabled":
+        return 0
+    sizes = [*(decode.bs or ()), *([decode.max_bs] if decode.max_bs else [])]
+    if not sizes:
+        raise StagingError("sglang's decode CUDA graph batch sizes are not resolved (cuda_graph_config.decode has "
+                           "neither bs nor max_bs): tierstore sizes its staging buffers from them; set "
+                           "--cuda-graph-max-bs-decode")
+    return int(max(sizes))
+
+
+def _published_graph_config():
+    """sglang's resolved CudaGraphConfig, None when none is published (a module built outside
+    a server: tests, bench)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().graph.cuda_graph_config
+    except (ImportError, ValueError):
+        return None
+
+
+def dequant_rows(embed, rows, scales, hash_shape):
+    """bf16 [*hash_shape, embed.dim] of staged rows (fp8 uint8 [n, dim], ue8m0 uint8 [n, dim / 32],
+    n <= the rows of hash_shape), zero past them. On CUDA sglang's engram_gather, as its
+    dequant_staged runs it (without the wait: the caller's stream is ordered after the copy);
+    on the host sglang's CPU lookup's arithmetic (_owned_rows): fp32(e4m3) x fp32(e8m0),
+    rounded once to bf16, which is also engram_gather's."""
+    import torch
+
+    if rows.is_cuda:
+        from sglang.srt.layers import engram
+
+        out = torch.empty(*hash_shape, embed.dim, dtype=torch.bfloat16, device=rows.device)
+        flat = out.view(-1, embed.dim)
+        engram.engram_gather(rows.data_ptr(), scales.data_ptr(),
+                             torch.arange(flat.shape[0], dtype=torch.int32, device=rows.device), flat, embed.dim,
+                             FP8_BLOCK, row_hi=rows.shape[0])
+        return out
+    out = torch.zeros(*hash_shape, embed.dim, dtype=torch.bfloat16)
+    flat = out.view(-1, embed.dim)
+    n = rows.shape[0]
+    w = rows.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, FP8_BLOCK))
+    s = scales.view(torch.float8_e8m0fnu).float()
+    flat[:n] = (w * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    return out
+
+
 def upload(weight, scale, device, stream):
     """(rows, scales, copied): pinned host buffers copied to `device` on `stream` (a side
     stream, so the copies overlap the forward running on the main one), `copied` the event
@@ -405,19 +515,11 @@ def from_model(original, cls, model, hasher, device):
 
 def dequant_staged(original, embed, rows, scales, copied, hash_shape):
     """AROUND EngramEmbedding.dequant_staged: sglang's own on CUDA; rows staged on the host are
-    dequantised as sglang's CPU lookup does (_owned_rows): fp32(e4m3) x fp32(e8m0), rounded
-    once to bf16, which is also engram_gather's arithmetic. Rows past the staged ones are 0."""
+    dequantised by `dequant_rows` (sglang's CPU lookup's arithmetic). Rows past the staged
+    ones are 0."""
     if rows.is_cuda:
         return original(embed, rows, scales, copied, hash_shape)
-    import torch
-
-    out = torch.zeros(*hash_shape, embed.dim, dtype=torch.bfloat16)
-    flat = out.view(-1, embed.dim)
-    n = rows.shape[0]
-    w = rows.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, FP8_BLOCK))
-    s = scales.view(torch.float8_e8m0fnu).float()
-    flat[:n] = (w * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
-    return out
+    return dequant_rows(embed, rows, scales, hash_shape)
 
 
 def on_enqueue(result, scheduler, req, is_retracted: bool = False):

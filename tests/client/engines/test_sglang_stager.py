@@ -181,6 +181,149 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
         assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
 
 
+GRAPH_SIZES = [1, 2, 4]  # the decode graph batch sizes here, set in sglang's own CudaGraphConfig
+
+
+def _graph_config(**decode):
+    """sglang's default CudaGraphConfig (its own default_cuda_graph_config), decode batch sizes
+    resolved to GRAPH_SIZES as a launch resolves them, and `decode` changes."""
+    from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config, with_phase
+
+    return with_phase(default_cuda_graph_config(), "decode", **{"bs": GRAPH_SIZES, **decode})
+
+
+def test_staged_decode_under_cuda_graphs_reads_the_persistent_buffers_bit_identical(cache_model, staged):
+    """Decode under sglang's default decode graphs: the rows a captured graph reads are the
+    persistent buffers' (the same storage every step), refilled by stage() before each replay.
+    Batch sizes 4, 3, 3, 2, 1 against graphs captured at 1, 2, 4 (3 runs padded to 4): the
+    layer the graph captured (its forward under sglang's capture mode, the code a replay
+    re-executes on the same addresses) gives sglang's own module's bits for the batch's
+    tokens and zero rows for the padded slots."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    from tierstore.client.engines.sglang_stager import RowStager, decode_graph_batch
+
+    hasher, modules = staged["hasher"], staged["modules"]
+    fed_layers = [modules[L][1] for L in LAYERS]
+    stager = RowStager(hasher, fed_layers, "cpu", graph_batch=decode_graph_batch(True, _graph_config()))
+    buffers, cols = stager.buffers, stager.cols
+    assert buffers is not None and buffers.capacity == max(GRAPH_SIZES) * cols
+    base = (buffers.weight.data_ptr(), buffers.scale.data_ptr())
+    text = cache_model["text"]
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 9, 14, 6)]
+    reqs = [_req(f"g{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    previous, RowStager.current = RowStager.current, stager
+    try:
+        extend = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * 4, extend_lens=lens)
+        rows = stager.stage(extend)  # staged per batch: extend batches do not replay decode graphs
+        input_ids, fb = _forward_batches(reqs, lens, 0)
+        hasher(input_ids, fb)
+        assert all(r[0].data_ptr() != buffers.weight.data_ptr() for r in rows if r is not None)
+        for step, b in enumerate((4, 3, 3, 2, 1), start=1):
+            live = reqs[:b]
+            for r in live:
+                r.output_ids.append(int(rng.integers(0, 512)))
+            batch = ScheduleBatch(reqs=live, forward_mode=ForwardMode.DECODE,
+                                  seq_lens_cpu=torch.tensor([n + step for n in lens[:b]]))
+            rows = stager.stage(batch)  # before the replay, as prepare_for_forward runs it
+            assert (buffers.weight.data_ptr(), buffers.scale.data_ptr()) == base
+            for i, L in enumerate(LAYERS):
+                k = fed_layers[i].layer_hash_index
+                assert rows[k][0].data_ptr() == buffers.weight[i].data_ptr()
+                assert rows[k][1].data_ptr() == buffers.scale[i].data_ptr()
+                assert rows[k][0].shape[0] == b * cols
+            assert not buffers.weight[:, b * cols:].any() and not buffers.scale[:, b * cols:].any()
+            input_ids, fb = _forward_batches(live, lens[:b], step)
+            hash_ids = hasher(input_ids, fb)
+            padded = min(s for s in GRAPH_SIZES if s >= b)
+            pad = padded - b
+            ids_pad = torch.cat([input_ids, torch.zeros(pad, dtype=input_ids.dtype)])
+            hash_pad = torch.cat([hash_ids, torch.zeros((pad, *hash_ids.shape[1:]), dtype=hash_ids.dtype)])
+            x = torch.randn(padded, text["hc_mult"], text["hidden_size"],
+                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            _, graph_fb = _forward_batches(live, lens[:b], step)  # the capture's batch: no staged rows
+            for i, L in enumerate(LAYERS):
+                own, fed = modules[L]
+                with torch.no_grad():
+                    want_rows = own.embed(hash_ids[:, i])
+                    want = own(x[:b], hash_ids[:, i], fb, input_ids=input_ids)
+                    with model_capture_mode():
+                        got_rows = fed.embed(hash_pad[:, i], graph_fb)
+                        got = fed(x, hash_pad[:, i], graph_fb, input_ids=ids_pad)
+                assert got_rows.shape == (padded, cols, fed.embed.dim)
+                assert torch.equal(got_rows[:b].view(torch.int16), want_rows.view(torch.int16)), (step, L)
+                assert not got_rows[b:].view(torch.int16).any(), (step, L)  # padded slots: zero rows
+                assert torch.equal(got[:b].view(torch.int16), want.view(torch.int16)), (step, L)
+    finally:
+        RowStager.current = previous
+
+
+def test_sglangs_default_schedule_and_graphs_are_checked_through_its_own_config():
+    """sglang's defaults as its own config code makes them (ServerArgs, CudaGraphConfig):
+    decode graphs on (staged into buffers for the largest captured batch), the overlap
+    scheduler on (refused, naming the one flag that turns it off); graphs off or unpublished
+    stage decode per batch."""
+    from sglang.srt.server_args import ServerArgs
+
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines.sglang_stager import decode_graph_batch
+
+    defaults = ServerArgs(model_path="dummy")
+    with pytest.raises(StagingError, match=r"--disable-overlap-schedule \(decode CUDA graphs stay on\)"):
+        decode_graph_batch(defaults.disable_overlap_schedule, _graph_config())
+    assert decode_graph_batch(True, _graph_config()) == max(GRAPH_SIZES)  # the default decode backend captures
+    assert decode_graph_batch(True, _graph_config(backend="breakable")) == max(GRAPH_SIZES)
+    assert decode_graph_batch(True, _graph_config(backend="disabled")) == 0
+    assert decode_graph_batch(True, None) == 0
+    with pytest.raises(StagingError, match="--cuda-graph-max-bs-decode"):
+        decode_graph_batch(True, _graph_config(bs=None))
+
+
+def _readme_staged_commands() -> dict:
+    """{"serve": argv, "sglang": argv} of the README's staged sglang block (continuations joined)."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = text.split("Tables larger than RAM (cache mode, no `--split-layout`) are staged instead", 1)[1]
+    block = block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    lines = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    return {argv[1]: argv for argv in lines}
+
+
+def test_the_readmes_staged_sglang_commands_serve_and_pass_the_stagers_check(cache_model, tmp_path):
+    """The README's two staged commands: its `tierstore serve` line run (the checkpoint's data, a
+    socket and a budget that makes this small table cache mode here), serving every table in
+    cache mode, none split-layout (so the plugin stages them); its sglang
+    arguments parsed by sglang's own CLI parser (ServerArgs) and fed, with sglang's default
+    graph config, to the stager's start-up check: accepted, decode graphs on."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from tierstore.client.engines.sglang_stager import decode_graph_batch
+
+    cmds = _readme_staged_commands()
+    serve = cmds["serve"]
+    assert serve[:2] == ["tierstore", "serve"] and "--split-layout" not in serve
+    assert serve[serve.index("--dram-budget") + 1].endswith("GiB")  # scaled here to a quarter of the small table
+    rows = sum(a["embed.weight"].shape[0] for a in cache_model["arrays"].values())
+    with SidecarProcess(cache_model["root"] / "data", tmp_path / "ts.sock", dram_budget=str(rows * 264 // 4)) as sc:
+        with Client(sc.socket) as c:
+            assert c.tables() and not any(c.handle(t["table"]).split for t in c.tables())
+            assert all(t["mode"] == "cache" for t in c.stats()["tables"])
+    sglang = cmds["sglang"]
+    engine_args = [a.replace("$CKPT", str(cache_model["root"] / "ckpt")) for a in sglang[sglang.index("--") + 1:]]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(engine_args))
+    assert args.cuda_graph_backend_decode is None  # sglang's default decode graphs: nothing else turned off
+    assert decode_graph_batch(args.disable_overlap_schedule, _graph_config()) == max(GRAPH_SIZES)
+
+
 def test_a_queued_requests_rows_are_prefetched_by_the_sidecar(cache_model, staged):
     stager = staged["stager"]
     before = {t: s["prefetched"] for t, s in _stats(cache_model["socket"]).items()}

@@ -1,0 +1,92 @@
+"""Persistent staging buffers: the Engram rows a captured CUDA graph reads, refilled before each replay.
+
+A captured graph replays the reads it recorded, at the addresses it recorded:
+rows staged into fresh tensors each step are invisible to it. So the rows of
+batches a graph may run are staged into buffers allocated once, sized to the
+largest captured batch: per staged layer, fp8 rows uint8 [capacity, dim] and
+ue8m0 scales uint8 [capacity, dim / 32] on the device (what the graph reads)
+and their pinned host twins (what the stager fills).
+
+Invariants:
+- The buffers are one allocation for the process's life: every fill writes the
+  same storage (data_ptr never changes), so a graph captured at any size reads
+  the current batch.
+- After `fill(n)` of every layer, device rows [0, n) are the batch's and rows
+  [n, capacity) are zero: a graph captured at a padded size reads the batch,
+  then zero rows for its padding (what the kernels write for them is 0).
+- The copies (two a layer, of the rows that changed) run on the stager's side
+  stream, one event records them, and the
+  stream the forward is ordered after waits on it (`publish`). The buffers are
+  refilled only for a batch whose tokens are all on the host, i.e. once the
+  forward that read the last rows has sampled its tokens and finished (the
+  stagers refuse a batch whose newest token is still on the device); the side
+  stream also waits on the current stream, and the host buffers are rewritten
+  only once the copies that read them are done.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["StagingBuffers"]
+
+
+class StagingBuffers:
+    """Per-layer persistent fp8 row and ue8m0 scale buffers of `capacity` rows of `dim`
+    values (dim / block scales), on `device` with pinned host twins (on a CPU device the
+    host buffers are the buffers). Filled layer by layer (`host_rows`, then `publish`)."""
+
+    def __init__(self, layers: int, capacity: int, dim: int, block: int, device):
+        import torch
+
+        if capacity <= 0 or layers <= 0:
+            raise ValueError(f"staging buffers of {layers} layers x {capacity} rows: both must be positive")
+        self.layers, self.capacity, self.dim, self.block = layers, capacity, dim, block
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.host_weight = torch.zeros((layers, capacity, dim), dtype=torch.uint8, pin_memory=self.cuda)
+        self.host_scale = torch.zeros((layers, capacity, dim // block), dtype=torch.uint8, pin_memory=self.cuda)
+        if self.cuda:
+            self.weight = torch.zeros_like(self.host_weight, device=self.device)
+            self.scale = torch.zeros_like(self.host_scale, device=self.device)
+        else:
+            self.weight, self.scale = self.host_weight, self.host_scale
+        self.filled = 0  # rows [filled, capacity) of every layer are zero, on the host and the device
+        self.copied = None  # the event of the last copies (CUDA)
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self.capacity
+
+    def host_rows(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """numpy views (weights [n, dim], scales [n, dim / block]) of layer `layer`'s pinned
+        host rows [0, n), to be written with the batch's rows before `publish(n)`. Waits for
+        the previous copies (they read these buffers) first."""
+        if not self.fits(n):
+            raise ValueError(f"{n} staged rows do not fit the {self.capacity}-row staging buffers")
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self.host_weight[layer, :n].numpy(), self.host_scale[layer, :n].numpy()
+
+    def publish(self, n: int, stream=None):
+        """Every layer's host rows [0, n) are the batch's: zero the rows past them that the last
+        batch left, copy the changed prefix to the device on `stream` (the side stream), and
+        make the current stream wait for the copies. Returns (weights, scales, event): views
+        [layers, n, ...] of the device buffers and the copies' event (None on CPU)."""
+        import torch
+
+        stale = max(self.filled, n)
+        if self.filled > n:
+            self.host_weight[:, n:self.filled] = 0
+            self.host_scale[:, n:self.filled] = 0
+        self.filled = n
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            stream.wait_stream(current)  # the forwards enqueued so far read the rows overwritten here
+            with torch.cuda.stream(stream):
+                for k in range(self.layers):  # each layer's prefix is contiguous: one DMA each
+                    self.weight[k, :stale].copy_(self.host_weight[k, :stale], non_blocking=True)
+                    self.scale[k, :stale].copy_(self.host_scale[k, :stale], non_blocking=True)
+                self.copied = torch.cuda.Event()
+                self.copied.record(stream)
+            current.wait_event(self.copied)
+        return self.weight[:, :n], self.scale[:, :n], self.copied
