@@ -1,5 +1,8 @@
 """tierstore serve: run the sidecar until SIGTERM/SIGINT.
 
+A signal while it starts ends the start-up: exit 128 + signum, no traceback, and no file
+left in the shm directory (tierstore/sidecar/startup.py), however many signals follow.
+
 On a clean stop the socket is removed and the arenas are unlinked, unless
 --persist-arena leaves them in /dev/shm for the next sidecar to re-attach
 (after verifying every block). Clients that still map an arena keep a valid
@@ -68,11 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    startup = _StartUpSignals()  # first: a signal from here on ends start-up cleanly
     import logging
-    import signal
 
     from tierstore.sidecar.config import ServeConfig
     from tierstore.sidecar.server import Server
+    from tierstore.sidecar.startup import StartUpFiles, pause
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _return_big_buffers_to_the_os()
@@ -91,18 +95,23 @@ def run(args) -> int:
         hot_set_interval_s=args.hot_set_interval_s, split_layout=args.split_layout)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
-    # until serving starts, a signal unwinds the start-up, which removes every arena made so far
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_now)
-    server = Server(cfg)
+    # Server and ServedTables remove what they made when they fail; this catches what a signal
+    # leaves between one returning and the next line (startup.py)
+    made = StartUpFiles(cfg)
+    server = None
     stop = _StopPipe()
     try:
+        server = Server(cfg)
         server.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # serving: a signal now asks for a clean stop
-            signal.signal(sig, stop.signal)
-    except BaseException:  # e.g. --metrics-port in use, or a signal as serving began
-        _ignore_stop_signals()
-        server.stop(grace=0)  # leave no socket or arena behind
+        pause("started")
+        startup.serve(stop)  # serving: a signal now asks for a clean stop
+    except BaseException:  # e.g. --metrics-port in use, a bad table, or a signal
+        if server is not None:
+            server.stop(grace=0)  # leave no socket or arena behind
+        made.remove()
+        if startup.signum:  # a signal ended start-up, whatever else was unwinding it: exit as for it
+            _ignore_stop_signals()  # kept through the interpreter's exit (it resets Python handlers)
+            raise SystemExit(128 + startup.signum) from None
         raise
     if cfg.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(cfg.parent_pid, stop), name="parent-watch", daemon=True).start()
@@ -207,5 +216,37 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _exit_now(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+class _StartUpSignals:
+    """SIGTERM and SIGINT while the sidecar starts. The first one ends start-up: SystemExit
+    (128 + signum) raised in the main thread unwinds it, and each layer removes what it made
+    (CacheEngine its index, ServedTables its arenas and board, run every shm file made since
+    it began). Nothing may cut that cleanup short, so every later signal is ignored, and a
+    first one that lands while an exception is being handled (start-up already unwinding
+    from an error, or code recovering from one) only is remembered: raising there would
+    interrupt the handling. start-up then ends at serve(), or run exits 128 + signum once
+    the unwinding is done. The handler takes no lock (see _StopPipe)."""
+
+    def __init__(self):
+        import signal
+
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import sys
+
+        if self.signum:
+            return
+        self.signum = signum
+        if sys.exc_info()[1] is None:
+            raise SystemExit(128 + signum)
+
+    def serve(self, stop: "_StopPipe") -> None:
+        """Start-up is over: signals go to `stop` from now on, unless one already came."""
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop.signal)
+        if self.signum:
+            raise SystemExit(128 + self.signum)

@@ -58,15 +58,23 @@ class CacheEngine(TableEngine):
     def __init__(self, version, reader, arena, *, leases, policy_config=None,
                  profile=None, recorder=None, index_path=None, instance: str = ""):
         """index_path: where to keep the slot index in shared memory (slot_index.py), so local
-        clients read resident rows without a round trip; None keeps it private."""
+        clients read resident rows without a round trip; None keeps it private. A constructor
+        that raises (a signal included) leaves no index file: whatever fails after the file
+        is made removes it."""
         super().__init__(version, reader, arena, leases=leases, recorder=recorder)
         index = SlotIndexFile(index_path, self.capacity, self.rows, instance) if index_path is not None else None
-        self.slots = SlotTable(self.capacity, self.rows, index)
+        try:
+            self.slots = SlotTable(self.capacity, self.rows, index)
+        except BaseException:
+            if index is not None:
+                index.close()
+            raise
         try:
             # one id map for engine and policy: the policy reads the slot table's
             self.policy = make_policy(self.capacity, self.rows, policy_config, slot_id=self.slots.id_of)
             if profile is not None:
                 self.policy.load_profile(*profile)
+            warm()  # compile the miss path's kernels now (or load them), not on the first Plan
         except BaseException:
             self.slots.close()
             raise
@@ -77,7 +85,6 @@ class CacheEngine(TableEngine):
         self._fills: dict[int, Fill] = {}
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
-        warm()  # compile the miss path's kernels now (or load them), not on the first Plan
 
     # ---- requests -----------------------------------------------------------
     def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:

@@ -34,9 +34,10 @@ from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import TableEngine, make_engine
 from tierstore.errors import InvalidArgument, ResourceExhausted, TableNotFound, TierstoreError, VersionNotFound
 from tierstore.cache.leases import LeaseTable
-from tierstore.tiers.dram import Arena, arena_tag, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
+from tierstore.tiers.dram import Arena, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
 from tierstore.engine.verifier import Verifier
+from tierstore.sidecar.startup import StartUpFiles, pause, shm_tag
 from tierstore.sidecar.warm_start import WarmStart
 
 __all__ = ["ServedTables"]
@@ -60,7 +61,7 @@ class ServedTables:
         self.config = config
         self.started = time.monotonic()
         self.instance = os.urandom(8).hex()  # clients remap arenas when this changes
-        self.tag = arena_tag(config.data_dir, str(config.socket.resolve() if config.socket else config.listen))
+        self.tag = shm_tag(config)
         self.engines: dict[str, TableEngine] = {}
         self._retired: list[TableEngine] = []
         self._swap_lock = threading.Lock()
@@ -82,12 +83,16 @@ class ServedTables:
         self._learner: threading.Thread | None = None
         self._mooncake = None  # one Mooncake client for every remote table (--remote)
         self.warm = WarmStart(config.data_dir, config.hot_set_interval_s, config.warm_start)
+        # until start(), close() removes every shm file made since here (startup.py)
+        self._made: StartUpFiles | None = StartUpFiles(config)
         try:
             stale = self._take_stale_files()
             self.leases = LeaseTable(config.max_leases, max_per_client=config.max_leases_per_client,
                                      board_path=self._new_name("leases"))
+            pause("leases")
             self.catalog = Catalog(config.data_dir, readonly=True)
             self._open_tables(stale)
+            pause("tables")
         except BaseException:
             self.close()
             raise
@@ -184,6 +189,7 @@ class ServedTables:
             raise
         engine = None
         try:
+            pause("arena")
             profile = None
             if not full and self._profile is not None and v.table in self._profile.ids:
                 profile = (self._profile.ids[v.table], self._profile.counts[v.table])
@@ -204,10 +210,12 @@ class ServedTables:
                     engine.load_full()
             elif full:
                 engine.load_full()
+            pause("loaded")
             arena.header.write(instance=self.instance, version=v.version, slots=slots, row_bytes=v.row_bytes,
                                full=full, table=v.table, split=split)
             arena.publish()
             self._hold_version(engine)
+            pause("published")
         except BaseException:
             if engine is not None:
                 engine.close()
@@ -329,6 +337,9 @@ class ServedTables:
 
     # ---- running -------------------------------------------------------------
     def start(self) -> None:
+        """Serve: the reaper, verifier and warm start begin. Start-up is over: from here a
+        stop keeps persisted arenas (--persist-arena) and close() removes only what it frees."""
+        self._made = None
         self._reaper.start()
         for eng in self.engines.values():
             eng.verifier = self.verifier if self.verifier.enabled else None
@@ -448,6 +459,16 @@ class ServedTables:
         return eng
 
     def close(self) -> None:
+        """Stop every thread and free every engine. Before start() (a start-up that failed or
+        was signalled) also remove every shm file made since the constructor began, persisted
+        or not, half-built ones included (StartUpFiles), even when freeing raised."""
+        try:
+            self._close()
+        finally:
+            if self._made is not None:
+                self._made.remove()
+
+    def _close(self) -> None:
         self._stop.set()
         with self._notes_cv:
             self._notes_cv.notify_all()

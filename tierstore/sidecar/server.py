@@ -25,6 +25,7 @@ from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar.served_steps import ServedSteps
 from tierstore.sidecar.served import ServedTables
+from tierstore.sidecar.startup import pause
 from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["Server", "TierstoreService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
@@ -189,8 +190,10 @@ class Server:
         self.served = ServedTables(config)
         try:
             self._build(config, Metrics, pem)
-        except BaseException:
-            self.served.close()  # its arenas must not outlive a failed start
+            pause("bound")
+        except BaseException:  # neither its shm files nor its socket may outlive a failed start
+            self._remove_socket()
+            self.served.close()
             raise
 
     def _build(self, config: ServeConfig, Metrics, pem) -> None:
@@ -288,7 +291,11 @@ class Server:
             self.guard.close()
         self.served.close()
         self.metrics.close()
-        if self.config.socket is not None and self._socket_id is not None:
+        self._remove_socket()
+
+    def _remove_socket(self) -> None:
+        """Remove the socket this server bound (and no other: another sidecar's, bound since)."""
+        if self.config.socket is not None and getattr(self, "_socket_id", None) is not None:
             try:
                 st = os.lstat(self.config.socket)
                 if (st.st_dev, st.st_ino) == self._socket_id:
