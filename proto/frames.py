@@ -145,7 +145,7 @@ def pad8(n: int) -> int:
 
 
 def encode_error(e: BaseException) -> list:
-    name = type(e).__name__.encode() if isinstance(e, errors.TierstoreError) else b"TierstoreError"
+    name = errors.wire_name(e).encode()
     msg = str(e).encode("utf-8", "replace")
     return [RES_ERR.pack(1, len(name), len(msg)), name, msg, bytes(pad8(len(name) + len(msg)))]
 

@@ -40,3 +40,21 @@ def test_messages_round_trip():
         back = type(m).FromString(m.SerializeToString())
         assert back == m
     assert np.array_equal(np.frombuffer(msgs[0].ids, "<i8"), ids)
+
+
+def test_errors_defined_outside_tierstore_errors_cross_the_step_socket_as_their_public_class():
+    """A refusal raised as a subclass kept beside its cause (PinsSaturated, NotEnoughEvictable)
+    reaches the client as the tierstore.errors class it derives from, message intact: a client
+    that retries on ResourceExhausted retries on these too."""
+    from tierstore import errors
+    from tierstore.cache.policy.base import NotEnoughEvictable
+    from tierstore.cache.slot_table import PinsSaturated
+    from tierstore.proto.frames import decode_error, encode_error
+
+    for raised in (PinsSaturated(), NotEnoughEvictable("no victims"), errors.IdOutOfRange("id 9 of 3")):
+        got, _ = decode_error(b"".join(encode_error(raised)), 0)
+        assert type(got) is next(c for c in type(raised).__mro__ if c.__module__ == errors.__name__)
+        assert str(got) == str(raised)
+    assert type(decode_error(b"".join(encode_error(PinsSaturated())), 0)[0]) is errors.ResourceExhausted
+    assert errors.wire_name(PinsSaturated()) == "ResourceExhausted"  # the gRPC trailing metadata's name
+    assert errors.wire_name(KeyError("x")) == "TierstoreError"

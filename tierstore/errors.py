@@ -3,13 +3,16 @@
 The server maps each class to one gRPC status code (GRPC_CODE), so a client
 sees the same class name and message on the other side of the socket: the
 class travels in the trailing metadata (ERROR_METADATA_KEY) and, for clients
-older than that, as the status text "ClassName: message".
+older than that, as the status text "ClassName: message". A class defined
+elsewhere (PinsSaturated in tierstore/cache/slot_table.py, say) travels as the
+nearest class of its own defined here (wire_name), so the client rebuilds the
+type it can catch and retry on.
 """
 from __future__ import annotations
 
 __all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "IdOutOfRange", "SpecMismatch", "NotFound",
            "TableNotFound", "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable",
-           "StaleRows", "StaleArena", "Unauthenticated"]
+           "StaleRows", "StaleArena", "Unauthenticated", "wire_name"]
 
 # gRPC trailing-metadata key whose value is the error's class name
 ERROR_METADATA_KEY = "tierstore-error"
@@ -85,3 +88,12 @@ class StaleArena(StaleRows):
 
 class Unauthenticated(TierstoreError):
     GRPC_CODE = "UNAUTHENTICATED"
+
+
+def wire_name(e: BaseException) -> str:
+    """The name `e` crosses the wire under: its class's, or that of its nearest base defined in
+    this module (a client resolves names only here); "TierstoreError" for anything else."""
+    for cls in type(e).__mro__:
+        if cls.__module__ == __name__:
+            return cls.__name__
+    return TierstoreError.__name__

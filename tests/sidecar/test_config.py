@@ -22,6 +22,10 @@ def test_bad_lease_ttl_is_refused(base, ttl):
 @pytest.mark.parametrize("field,value,flag", [
     ("workers", 0, "--workers"), ("workers", -3, "--workers"), ("workers", 10**6, "--workers"),
     ("max_leases", 0, "--max-leases"), ("max_leases", 10**12, "--max-leases"),
+    ("max_leases", 65536, "--max-leases"),  # a row's pin count (slot_table.PIN_MAX) could then saturate
+    ("max_leases_per_client", 0, "--max-leases-per-client"), ("max_leases_per_client", -1, "--max-leases-per-client"),
+    ("max_client_share", 0.0, "--max-client-share"), ("max_client_share", 1.5, "--max-client-share"),
+    ("max_client_share", float("nan"), "--max-client-share"),
     ("metrics_port", -1, "--metrics-port"), ("metrics_port", 0, "--metrics-port"),
     ("metrics_port", 70000, "--metrics-port"),
     ("verify_sample", float("nan"), "--verify-sample"), ("verify_sample", 1.5, "--verify-sample"),
@@ -41,6 +45,14 @@ def test_sane_values_pass(base):
 def test_cli_serve_refuses_a_nan_lease_ttl_with_exit_2(cli, tmp_path):
     code, _, err = cli("serve", "--data", tmp_path, "--socket", tmp_path / "s.sock", "--lease-ttl", "nan")
     assert code == 2 and "--lease-ttl" in err and "Traceback" not in err
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_cli_serve_refuses_a_per_client_lease_bound_below_one_with_exit_2(cli, tmp_path, value):
+    """0 used to mean no bound at all and -1 a sidecar that started and refused every plan."""
+    code, _, err = cli("serve", "--data", tmp_path, "--socket", tmp_path / "s.sock", "--max-leases-per-client", value)
+    assert code == 2 and "--max-leases-per-client must be 1..61440" in err and "Traceback" not in err
     assert not (tmp_path / "s.sock").exists()
 
 

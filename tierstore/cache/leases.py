@@ -13,6 +13,20 @@ gets a clear error or a re-plan, never another step's rows.
 
 Lease ids are unguessable (40 random bits above the board index) and belong to
 the owner that took them: Release by anyone else is ignored.
+
+Fairness: no client (a step-socket connection) can refuse another's steps from
+within its own bounds. A client holds at most max_per_client leases, and its
+leases of one table at most client_share of that table's arena slots; a lease
+pins each of its slots once, so a client counts at most max_per_client pins on
+any row. All leases together stay under MAX_LEASES, PIN_HEADROOM below what a
+slot's pin count holds (slot_table.PIN_MAX): no set of leases can saturate a
+row, however many clients share it. Where clients are bounded (max_per_client
+below max_leases; client_share below 1), the last 1/RESERVE of the sidecar's
+leases, and of each table's slots, go only to clients holding less than their
+fair share (what is left before the reserve, over the clients holding some; of
+leases, at most max_per_client / RESERVE): a client that took more is refused
+there (ResourceExhausted, saying so), and a client below its share is refused
+only when the reserve too is spent.
 """
 from __future__ import annotations
 
@@ -26,12 +40,18 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.cache.slot_table import PIN_MAX
 from tierstore.errors import InvalidArgument, ResourceExhausted
 
-__all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "requested_ttl"]
+__all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE", "requested_ttl"]
 
 INDEX_BITS = 24
 INDEX_MASK = (1 << INDEX_BITS) - 1
+# pins a slot may count beyond its leases: its fill's and those of inline lookups in flight
+# (one per gRPC worker of the unix and TCP servers: 2 x sidecar.config.MAX_WORKERS at most)
+PIN_HEADROOM = 4095
+MAX_LEASES = PIN_MAX - PIN_HEADROOM  # live leases in all, at most: a row's pins never saturate
+RESERVE = 8  # the last 1/RESERVE of the leases, and of a table's slots, is kept for clients under their fair share
 _RANDOM_BATCH = 512  # lease ids' random bits drawn at once: one getrandom call per 512 leases, not per lease
 
 
@@ -74,21 +94,31 @@ class LeaseBoard:
 class LeaseTable:
     """All live leases of one sidecar (thread-safe).
 
-    max_leases: live leases in all. max_per_client: live leases of one client.
-    max_slots: slot entries held by all leases together (bounds their memory).
-    board_path: where the lease board lives (None: no board, tests only).
+    max_leases: live leases in all (1..MAX_LEASES). max_per_client: live leases of one
+    client (None: max_leases). max_slots: slot entries held by all leases together
+    (bounds their memory). client_share: the fraction of a table's arena slots
+    (owner.capacity) one client's live leases of it may hold, in (0, 1]; a slot in two
+    of its leases counts twice. board_path: where the lease board lives (None: no
+    board, tests only).
     """
 
     def __init__(self, max_leases: int, *, max_per_client: int | None = None, max_slots: int = 1 << 26,
-                 board_path: Path | None = None):
-        if not 1 <= max_leases <= INDEX_MASK:
-            raise InvalidArgument(f"max_leases must be in 1..{INDEX_MASK}, got {max_leases}")
+                 client_share: float = 1.0, board_path: Path | None = None):
+        if isinstance(max_leases, bool) or not 1 <= max_leases <= MAX_LEASES:
+            raise InvalidArgument(f"max_leases must be in 1..{MAX_LEASES}, got {max_leases}")
+        max_per_client = max_leases if max_per_client is None else max_per_client
+        if isinstance(max_per_client, bool) or not 1 <= max_per_client <= MAX_LEASES:
+            raise InvalidArgument(f"max_per_client must be in 1..{MAX_LEASES}, got {max_per_client}")
+        if not 0.0 < client_share <= 1.0:  # also refuses nan
+            raise InvalidArgument(f"client_share must be a fraction in (0, 1], got {client_share}")
         self.max_leases = max_leases
-        self.max_per_client = max_per_client or max_leases
+        self.max_per_client = max_per_client
         self.max_slots = max_slots
+        self.client_share = client_share
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
         self._per_client: dict[bytes, int] = {}
+        self._table_slots: dict[object, dict[bytes, int]] = {}  # owner -> client -> slot entries its leases hold
         self._by_request: dict[tuple[bytes, int], int] = {}
         self._slots_held = 0
         self._free_index = list(range(max_leases, 0, -1))  # index 0 is never used: lease id 0 means "none"
@@ -110,24 +140,13 @@ class LeaseTable:
         arena = getattr(getattr(owner, "arena", None), "slots", None)  # slots index it: a bound without a max()
         if slots.size and ((arena is not None and arena <= 2**31) or int(slots.max()) < 2**31):
             slots = slots.astype(np.int32)
-        retried = None
         with self._lock:
-            if request_id:
-                retried = self._leases.get(self._by_request.get((client, request_id), 0))
-            freed = retried is not None  # what ending the first attempt would give back
-            n_leases = len(self._leases) - freed
+            retried = self._leases.get(self._by_request.get((client, request_id), 0)) if request_id else None
+            refused = self._refusal(owner, client, slots.size, retried)
+            if refused is not None:
+                raise refused
+            freed = retried is not None
             n_client = self._per_client.get(client, 0) - freed
-            held = self._slots_held - (retried.slots.size if freed else 0)
-            if n_leases >= self.max_leases:
-                raise ResourceExhausted(
-                    f"{n_leases} leases are live (limit {self.max_leases}); release steps when they end")
-            if n_client >= self.max_per_client:
-                raise ResourceExhausted(
-                    f"this client holds {n_client} live leases (limit {self.max_per_client} per client); "
-                    "release finished steps")
-            if held + slots.size > self.max_slots:
-                raise ResourceExhausted(
-                    f"live leases hold {held} slots (limit {self.max_slots}); release finished steps")
             if not self._random:  # os.urandom, as secrets uses: unguessable, only drawn in batches
                 self._random = (np.frombuffer(os.urandom(8 * _RANDOM_BATCH), "<u8") >> (INDEX_BITS + 1)).tolist()
             # nothing below raises: the first attempt ends and the new lease starts together
@@ -139,6 +158,8 @@ class LeaseTable:
             self._leases[lease_id] = lease
             self._per_client[client] = n_client + 1
             self._slots_held += slots.size
+            of_table = self._table_slots.setdefault(owner, {})
+            of_table[client] = of_table.get(client, 0) + slots.size
             if request_id:
                 self._by_request[(client, request_id)] = lease_id
             heapq.heappush(self._expiry, (lease.expires, lease_id))
@@ -147,6 +168,72 @@ class LeaseTable:
         if retried is not None:
             retried.owner.unpin(retried.slots)
         return lease
+
+    def admit(self, owner, client: bytes, n_slots: int, pinned: int, request_id: int = 0) -> None:
+        """Before a plan of `n_slots` unique slots reserves any (no row is read or evicted for a
+        lease add would refuse): the refusal add would give, or, once `pinned` (the table's
+        pinned slots) and the step fill all but the table's reserve (1/RESERVE of
+        owner.capacity), the fair-share refusal for a client holding its share of the rest."""
+        with self._lock:
+            retried = self._leases.get(self._by_request.get((client, request_id), 0)) if request_id else None
+            refused = self._refusal(owner, client, n_slots, retried)
+            if refused is not None:
+                raise refused
+            capacity = getattr(owner, "capacity", 0)
+            calm = capacity - capacity // RESERVE
+            if not capacity or self.client_share >= 1.0 or pinned + n_slots <= calm:
+                return
+            of_table = self._table_slots.get(owner, {})
+            mine = of_table.get(client, 0) - (retried.slots.size if retried is not None and retried.owner is owner
+                                              else 0)
+            fair = calm // (len(of_table) + (client not in of_table))
+            if mine + n_slots > fair:
+                raise ResourceExhausted(
+                    f"table {getattr(owner, 'table', '?')!r}: {pinned} of the arena's {capacity} slots are leased; "
+                    f"its last {capacity // RESERVE} go to clients under their fair share ({fair} slots each), "
+                    f"and this client's leases would hold {mine + n_slots}: release finished steps, or plan "
+                    "smaller ones")
+
+    def _refusal(self, owner, client: bytes, n_slots: int, retried: Lease | None) -> ResourceExhausted | None:
+        """(lock held) Why a lease of `n_slots` slots for `client` is refused, or None; the lease a
+        retried Plan ends (`retried`) counts as ended."""
+        freed = retried is not None  # what ending the first attempt would give back
+        n_leases = len(self._leases) - freed
+        n_client = self._per_client.get(client, 0) - freed
+        held = self._slots_held - (retried.slots.size if freed else 0)
+        if n_leases >= self.max_leases:
+            return ResourceExhausted(
+                f"{n_leases} leases are live (limit {self.max_leases}); release steps when they end")
+        if n_client >= self.max_per_client:
+            return ResourceExhausted(
+                f"this client holds {n_client} live leases (limit {self.max_per_client} per client); "
+                "release finished steps")
+        calm = self.max_leases - self.max_leases // RESERVE
+        if n_leases >= calm and self.max_per_client < self.max_leases:
+            # a latecomer of a greedy group is under the average: the reserve's share is small too
+            fair = min(calm // (len(self._per_client) + (client not in self._per_client)),
+                       max(1, self.max_per_client // RESERVE))
+            if n_client >= fair:
+                return ResourceExhausted(
+                    f"{n_leases} leases are live (limit {self.max_leases}); the last {self.max_leases - calm} go "
+                    f"to clients under their fair share ({fair} each) and this client holds {n_client}: "
+                    "release finished steps")
+        if held + n_slots > self.max_slots:
+            return ResourceExhausted(
+                f"live leases hold {held} slots (limit {self.max_slots}); release finished steps")
+        capacity = getattr(owner, "capacity", 0)
+        if capacity:
+            share = max(1, int(capacity * self.client_share))
+            mine = self._table_slots.get(owner, {}).get(client, 0)
+            if freed and retried.owner is owner:
+                mine -= retried.slots.size
+            if mine + n_slots > share:
+                return ResourceExhausted(
+                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {mine + n_slots} of "
+                    f"the arena's {capacity} slots, over one client's share ({share}: --max-client-share "
+                    f"{self.client_share:g}); plan smaller steps, release finished ones, or raise "
+                    "--max-client-share")
+        return None
 
     def _end(self, lease: Lease) -> None:
         """Forget a lease (lock held); the caller unpins its slots afterwards."""
@@ -160,6 +247,14 @@ class LeaseTable:
         else:
             del self._per_client[lease.client]
         self._slots_held -= lease.slots.size
+        of_table = self._table_slots[lease.owner]
+        left = of_table[lease.client] - lease.slots.size
+        if left:
+            of_table[lease.client] = left
+        else:
+            del of_table[lease.client]
+            if not of_table:
+                del self._table_slots[lease.owner]
         if lease.request_id:
             self._by_request.pop((lease.client, lease.request_id), None)
 

@@ -24,9 +24,10 @@ stored per slot. Pins are two bytes a slot: a slot counts at most PIN_MAX pins
 (PinsSaturated, a ResourceExhausted: a lease refusal, nothing changed), never
 wrapped round to unpinned. Not one byte: one client within its lease quota
 (max_leases_per_client, 1024) could then hold 255 leases on a hot row and have
-every other client's steps over it refused. At two bytes a slot saturates only
-once the sidecar's every live lease (max_leases, 65536) holds it, where the
-lease table refuses everyone first.
+every other client's steps over it refused. At two bytes leases never saturate a
+slot: all live leases together stay under leases.MAX_LEASES, PIN_HEADROOM below
+PIN_MAX (the headroom covers a fill's pin and inline lookups'), and the lease
+table refuses the client over its fair share first (tierstore/cache/leases.py).
 
 `gen`, `id_of` and the map may live in a shared slot index (slot_index.py)
 that local clients read without a lock: `gen[s]` is a sequence lock, odd

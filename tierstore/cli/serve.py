@@ -29,8 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="PEM private key for the TCP listener")
     p.add_argument("--metrics-port", type=int, help="Prometheus text endpoint on 127.0.0.1:PORT")
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds a lease lives without Release")
-    p.add_argument("--max-leases", type=int, help="live leases in all (default 65536)")
+    p.add_argument("--max-leases", type=int, help="live leases in all (default and most 61440)")
     p.add_argument("--max-leases-per-client", type=int, help="live leases of one client (default 1024)")
+    p.add_argument("--max-client-share", type=float,
+                   help="fraction of a cached table's arena slots one client's leases may hold (default 0.5)")
     p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
     p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
                    help="seconds a TCP caller has to send its request message (default 30)")
@@ -87,7 +89,8 @@ def run(args) -> int:
         allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
         lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
-        max_leases_per_client=args.max_leases_per_client, workers=args.workers,
+        max_leases_per_client=args.max_leases_per_client, max_client_share=args.max_client_share,
+        workers=args.workers,
         receive_timeout_s=args.receive_timeout_s,
         shm_dir=args.shm_dir, persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
         profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,

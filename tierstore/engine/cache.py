@@ -109,6 +109,11 @@ class CacheEngine(TableEngine):
             self.leave()
 
     def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> Placement:
+        try:  # a client over its share is refused before its step reads or evicts a row
+            self.leases.admit(self, client, uniq.size, self.slots.n_pinned, request_id)
+        except ResourceExhausted:
+            self.counters.lease_refusals += 1
+            raise
         for attempt in range(PLAN_ATTEMPTS):
             slots, fill, waits, misses = self._reserve(uniq, lease=True)
             try:

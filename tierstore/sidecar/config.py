@@ -12,15 +12,15 @@ import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from tierstore.cache.leases import MAX_LEASES
 from tierstore.errors import InvalidArgument
 from tierstore.proto import MAX_REQUEST_IDS
 
-__all__ = ["ServeConfig", "parse_size", "MAX_LEASE_TTL_S", "MAX_WORKERS", "MAX_LEASES"]
+__all__ = ["ServeConfig", "parse_size", "MAX_LEASE_TTL_S", "MAX_WORKERS"]
 
 # A lease outliving a day is a leak, not a step; a huge TTL overflows expiry maths.
 MAX_LEASE_TTL_S = 86400.0
 MAX_WORKERS = 1024
-MAX_LEASES = (1 << 24) - 1  # lease ids carry a 24-bit board index
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1 << 10, "kib": 1 << 10, "m": 1e6, "mb": 1e6,
@@ -51,8 +51,9 @@ class ServeConfig:
     tls_key: Path | None = None
     metrics_port: int | None = None     # Prometheus text endpoint on 127.0.0.1
     lease_ttl_s: float = 30.0           # a dead client's leases end after this
-    max_leases: int = 65536
-    max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step)
+    max_leases: int = MAX_LEASES        # live leases in all (at most MAX_LEASES: a row's pins never saturate)
+    max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step), so its pins of a row
+    max_client_share: float = 0.5       # of a cache-mode table's arena slots, one client's live leases hold at most
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
     receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
@@ -109,6 +110,12 @@ class ServeConfig:
             raise ValueError(f"--workers must be 1..{MAX_WORKERS} threads, got {self.workers}")
         if isinstance(self.max_leases, bool) or not 1 <= self.max_leases <= MAX_LEASES:
             raise ValueError(f"--max-leases must be 1..{MAX_LEASES}, got {self.max_leases}")
+        if isinstance(self.max_leases_per_client, bool) or not 1 <= self.max_leases_per_client <= MAX_LEASES:
+            raise ValueError(f"--max-leases-per-client must be 1..{MAX_LEASES} live leases, got "
+                             f"{self.max_leases_per_client} (there is no 'unlimited': --max-leases bounds them all)")
+        if not 0.0 < self.max_client_share <= 1.0:  # also refuses nan
+            raise ValueError(f"--max-client-share is a fraction of an arena's slots in (0, 1], got "
+                             f"{self.max_client_share} (1: one client may lease a whole arena)")
         from tierstore.cache.policy import PolicyConfig
 
         PolicyConfig(kind=self.policy)  # an unknown --policy fails here, not at the first cache-mode table

@@ -19,7 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstore.sidecar.auth import PRE_AUTH_OPTIONS, TOKEN_HEADER, TokenInterceptor
 from tierstore.proto import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from tierstore.sidecar.config import ServeConfig
-from tierstore.errors import ERROR_METADATA_KEY, InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated
+from tierstore.errors import (ERROR_METADATA_KEY, InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated,
+                             wire_name)
 from tierstore.sidecar import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
@@ -86,8 +87,9 @@ def _rpc(method):
                 raise InvalidArgument(f"{request.detail}; send a tierstore.v1 protobuf message")
             return method(self, request, context)
         except TierstoreError as e:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))  # the class, not parsed text
-            context.abort(getattr(grpc.StatusCode, e.GRPC_CODE), f"{type(e).__name__}: {e}")
+            name = wire_name(e)  # the class, not parsed text: the nearest one a client can rebuild
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, name),))
+            context.abort(getattr(grpc.StatusCode, e.GRPC_CODE), f"{name}: {e}")
         except Exception as e:  # noqa: BLE001 - keep serving, say what happened
             log.exception("internal error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")

@@ -1,0 +1,127 @@
+"""Fairness: one client (or a few connections) within its bounds cannot refuse another
+client's steps. Attacks of a real sidecar over the step socket: a Plan of the whole arena
+renewed under one request id, and a hot row leased by as many one-id leases as the
+connections allow. The honest client plans 20 steps of 256 ids meanwhile; every one is
+served, and the greedy client's refusals are ResourceExhausted saying what to do."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tierstore import errors
+from tierstore.client.client import Client
+from tierstore.client.step_connection import StepConnection
+from tierstore.proto.frames import PlanItem, step_socket_path
+
+pytestmark = pytest.mark.reliability
+
+ROWS, STEPS, STEP_IDS = 20_000, 20, 256
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory, rel):
+    data = tmp_path_factory.mktemp("fair") / "data"
+    rel.write_table(data, "t", ROWS, dim=32)  # 128 B rows: a 512 KiB arena holds about 4,000 of them
+    return data
+
+
+def _honest_steps(path, steps: list) -> list:
+    """Plan each step (leased over the step socket) and release it: the errors they met (None: served)."""
+    seen = []
+    with StepConnection(path) as c:
+        for ids in steps:
+            [res] = c.plan([PlanItem("t", np.asarray(ids, dtype=np.int64))])
+            if isinstance(res, errors.TierstoreError):
+                seen.append(res)
+            else:
+                c.release([res.lease_id])
+                seen.append(None)
+    return seen
+
+
+def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_client(table, sidecars):
+    sc = sidecars(table, "512KiB", "--lease-ttl", 30)
+    with Client(sc.socket) as honest:
+        capacity = honest.tables()[0]["arena_slots"]
+        greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(4)]
+        try:
+            refused = []
+            for k in range(3):  # a whole arena, the longest TTL, renewed by replanning the same request id
+                for j, g in enumerate(greedy):  # and four connections of half an arena each, other rows each
+                    for n in (capacity // 2, capacity):
+                        ids = (np.arange(n, dtype=np.int64) + j * capacity // 2) % ROWS
+                        [res] = g.plan([PlanItem("t", ids, ttl_ms=300_000, request_id=1)])
+                        if isinstance(res, errors.TierstoreError):
+                            refused.append(res)
+            rng = np.random.default_rng(1)
+            seen = _honest_steps(step_socket_path(sc.socket),
+                                 [np.sort(rng.choice(ROWS, STEP_IDS, replace=False)) for _ in range(STEPS)])
+        finally:
+            for g in greedy:
+                g.close()
+    failed = [e for e in seen if e is not None]
+    assert not failed, f"{len(failed)}/{STEPS} honest steps refused: {failed[0]!r}"
+    assert refused and all(type(e) is errors.ResourceExhausted for e in refused)
+    assert "over one client's share" in str(refused[0]) and "--max-client-share" in str(refused[0])
+
+
+def test_connections_pinning_a_hot_row_by_one_id_leases_refuse_only_themselves(table, sidecars):
+    """64 connections x 1,024 one-id leases of row 7 (each connection's whole lease quota):
+    the lease table refuses them before the row's pins saturate, and before it runs out for
+    the honest client, whose steps over row 7 are all served."""
+    sc = sidecars(table, "512KiB", "--lease-ttl", 60)
+    t0 = time.monotonic()
+    greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(64)]
+    try:
+        refused = []
+        hot = np.array([7], dtype=np.int64)
+        for g in greedy:
+            for _ in range(8):  # 128 items a request: the scatter list stays under the kernel's iovec limit
+                for res in g.plan([PlanItem("t", hot, ttl_ms=600_000) for _ in range(128)]):
+                    if isinstance(res, errors.TierstoreError):
+                        refused.append(res)
+        took = time.monotonic() - t0
+        seen = _honest_steps(step_socket_path(sc.socket),
+                             [np.concatenate([hot, np.arange(1000 + i * 300, 1255 + i * 300)]) for i in range(STEPS)])
+        with Client(sc.socket) as c:
+            leases = int(c.stats()["leases_active"])
+    finally:
+        for g in greedy:
+            g.close()
+    failed = [e for e in seen if e is not None]
+    print(f"64 x 1024 one-id leases: {took:.1f} s, {len(refused)} refused, {leases} live after")
+    assert not failed, f"{len(failed)}/{STEPS} honest steps refused after {took:.1f} s: {failed[0]!r}"
+    assert refused and all(type(e) is errors.ResourceExhausted for e in refused)
+    assert "fair share" in str(refused[0])
+
+
+def test_a_killed_clients_leases_end_at_once_not_at_their_ttl(table, sidecars):
+    import subprocess
+    import sys
+
+    sc = sidecars(table, "512KiB", "--lease-ttl", 60)
+    code = ("import sys, time, numpy as np\n"
+            "from tierstore.client.step_connection import StepConnection\n"
+            "from tierstore.proto.frames import PlanItem\n"
+            "c = StepConnection(sys.argv[1])\n"
+            "c.plan([PlanItem('t', np.arange(i * 10, i * 10 + 10, dtype=np.int64), ttl_ms=600_000) for i in range(100)])\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(step_socket_path(sc.socket))], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"held"
+        with Client(sc.socket) as c:
+            assert int(c.stats()["leases_active"]) == 100
+            p.kill()
+            p.wait()
+            deadline = time.monotonic() + 5
+            while int(c.stats()["leases_active"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert int(c.stats()["leases_active"]) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        p.stdout.close()
