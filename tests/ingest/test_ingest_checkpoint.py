@@ -346,7 +346,7 @@ def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
             "from tierstore.ingest.checkpoint import ingest_checkpoint\n"
             "import tierstore.ingest.writer, tqdm, numpy as np\n"
             "from tierstore.tiers.nvme import rowsum\n"
-            "rowsum.row_sums(np.zeros((1 << 13, 264), np.uint8), np.arange(1 << 13))\n"
+            "rowsum.row_sums(np.zeros((1 << 13, 264), np.uint8), np.arange(1 << 13), rowsum.RowKey.of(0))\n"
             "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
             "before = hwm()\n"
             "ingest_checkpoint(sys.argv[1], sys.argv[2], progress=False)\n"

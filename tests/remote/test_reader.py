@@ -40,7 +40,7 @@ def test_rows_are_bit_exact_in_every_read(published):
 def test_corrupt_object_is_data_loss_never_a_row(published):
     store, reader, data = published
     tv = reader.version
-    bad = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows))  # objects are on-disk blocks
+    bad = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows), rowsum.RowKey.of(tv.row_salt))
     bad[3, 7] ^= 1
     store.upsert(block_keys("emb", tv.version, [0])[0], bad.tobytes())
     with pytest.raises(ChecksumError, match=r"'emb' version 1: checksum mismatch in block 0"):

@@ -98,8 +98,8 @@ def test_a_block_whose_local_bytes_are_bad_is_fetched_again(new_host):
         assert local.present[0]
     finally:
         reader.close()
-    assert bytes(seg.read_bytes()[:tv.block_bytes]) == rowsum.records(data[:tv.block_rows],
-                                                                      np.arange(tv.block_rows)).tobytes()
+    assert bytes(seg.read_bytes()[:tv.block_bytes]) == rowsum.records(
+        data[:tv.block_rows], np.arange(tv.block_rows), rowsum.RowKey.of(tv.row_salt)).tobytes()
 
 
 def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):
@@ -113,7 +113,8 @@ def test_bits_are_set_only_after_the_bytes_are_written(new_host, monkeypatch):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(os, "fdatasync", no_sync)
         with pytest.raises(OSError):
-            block = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows))  # as on disk
+            block = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows),
+                                   rowsum.RowKey.of(tv.row_salt))  # as on disk
             local.write_blocks(np.array([0]), block.reshape(1, -1))
         assert not local.present[0]
     finally:

@@ -341,6 +341,18 @@ def _segments(d, table: str = "t") -> list:
         return [d / rel for rel in cat.current(table).segments]
 
 
+def _carried(d, table: str, version: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The records (row, padding, row sum) a client reading `table` at `version` carries
+    for `rows` stored as `ids` (SegmentReader.carried_records): genuine ones."""
+    from tierstore.store.catalog import Catalog
+    from tierstore.tiers.nvme.reader import SegmentReader
+
+    with Catalog(d, readonly=True) as cat:
+        tv, sums = cat.get(table, version), cat.checksums(table, version)
+    with SegmentReader(d, tv, sums) as r:
+        return r.carried_records(ids, rows)
+
+
 def test_with_direct_io_the_arena_fills_from_the_clients_records_and_the_next_steps_hit(tmp_path):
     """Issue 24.1 under --direct-io: the misses a local client read are promoted as the
     steps arrive (the arena holds every distinct row asked while it has room) from the
@@ -420,11 +432,9 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     """The sidecar never places a row that fails its sum: an access note carrying a
     corrupted row (with --direct-io, a record: the row and its sum) gets that note's rows
     read from disk (counted), and every client then reads the rows as stored."""
-    from tierstore.tiers.nvme.rowsum import records
-
     sc, c, data, mode = served_either
     ids = np.arange(30_000, 30_064, dtype=np.int64)
-    rows = data[ids].copy() if mode == "page-cache" else records(data[ids], ids)
+    rows = data[ids].copy() if mode == "page-cache" else _carried(sc.data_dir, "t", 1, data[ids], ids)
     rows[10, 40] ^= 0x01  # one flipped bit
     fp = StepConnection(step_socket_path(sc.socket))
     try:
@@ -442,14 +452,50 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
         assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size
 
 
+def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp_path):
+    """A client of the sidecar's own uid that mixes up layer names or holds a stale version
+    sends genuine records (rows and sums as that table's reader carries them) of table u,
+    or of table t v1, in a note labelled t v2 for the same ids. Each record's sum is keyed
+    by its own version's salt, so none is placed: the note's rows are read from disk
+    (counted as refused), and local reads, Plan and `tierstore verify` all see t v2's rows."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "data"
+    stale = _write(d, seed=1)  # t v1
+    other = _write(d, seed=2, table="u")  # u v1: the same ids, other rows
+    data = _write(d, seed=3)  # t v2, current
+    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    try:
+        fp = StepConnection(step_socket_path(sc.socket))
+        with Client(sc.socket) as c:
+            sent = 0
+            for lo, (table, version, rows) in zip((20_000, 30_000), (("u", 1, other), ("t", 1, stale))):
+                ids = np.arange(lo, lo + 64, dtype=np.int64)
+                mislabelled = _carried(d, table, version, rows[ids], ids)
+                assert fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 2, ids, mislabelled)])
+                sent += ids.size
+                s = _wait(c, "promotions", sent)
+                assert s["promotions"] >= sent and s["note_rows_placed"] == 0, s
+                assert s["note_rows_refused"] == sent, s
+                assert np.array_equal(c.lookup("t", ids), data[ids]), "a local read served another table's rows"
+                with c.plan("t", ids) as step:
+                    assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size
+                assert np.array_equal(c.lookup("u", ids), other[ids])
+        fp.close()
+    finally:
+        sc.cleanup()
+    verify = subprocess.run([sys.executable, "-m", "tierstore", "verify", "--data", str(d)], capture_output=True,
+                            text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
     """Records carry their own sums, so the sidecar takes them only from a peer of its own
     uid (who can write the segments anyway). A client of another uid (the step socket
     widened by an operator) that sends forged records with consistent sums gets its misses
     read from disk: every client reads the rows as stored."""
     import os
-
-    from tierstore.tiers.nvme.rowsum import records
 
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another uid")
@@ -468,7 +514,7 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
         ids = np.arange(20_000, 20_064, dtype=np.int64)
         forged = np.full((ids.size, WIDTH), 0xAB, dtype=np.uint8)
         forged[:, :8] = data[ids, :8]  # the id bytes kept: only the rest is forged
-        frame_records = records(forged, ids)  # sums that match the forged bytes
+        frame_records = _carried(d, "t", 1, forged, ids)  # sums that match the forged bytes
         pid = os.fork()
         if pid == 0:  # the other uid's client
             code = 1

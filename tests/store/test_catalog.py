@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from tierstore.store import catalog as catalog_mod
 from tierstore.store.catalog import BlockChecksums, Catalog, validate_table_name
-from tierstore.errors import InvalidArgument, NotFound, TableNotFound, VersionNotFound
+from tierstore.errors import DataLoss, InvalidArgument, NotFound, TableNotFound, VersionNotFound
 from tierstore.tiers.nvme.reader import SegmentReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -247,3 +247,19 @@ def test_block_checksums_read_from_the_catalog_are_its_array_and_verify_like_it(
     flip_row_byte(data_dir, tv, 2 * 16)  # block 2's first row
     with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
         assert r.verify() == [2]
+
+
+def test_block_checksums_cut_to_half_length_are_data_loss_never_an_index_error(data_dir, make_table):
+    """A checksum record cut short behind the catalog's back (a cache-mode table reads it in
+    place, BlockChecksums): every block read is refused with DataLoss naming the catalog,
+    as Catalog.checksums refuses it, never an IndexError or a block checked against nothing."""
+    tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=16)
+    with Catalog(data_dir, readonly=True) as cat:
+        want = cat.checksums("t", tv.version)
+    _tamper(data_dir, "t", 1, {"checksums": want[:tv.n_blocks // 2].astype("<u8").tobytes()})
+    with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
+        for first in (0, (tv.n_blocks - 1) * 16):  # a block the short record still holds, one it lost
+            with pytest.raises(DataLoss, match=r"checksums hold 94 entries for 188 blocks; the catalog is corrupt"):
+                r.read_range(first, 1)
+        with pytest.raises(DataLoss, match="the catalog is corrupt"):
+            r.verify()

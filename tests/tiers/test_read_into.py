@@ -66,7 +66,7 @@ def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode,
     data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)
     tv = _write(data_dir, "w", data, fmt=fmt, dim=dim, segment_format=seg)
     assert len(tv.segments) > 2 and tv.segment_format == seg
-    assert (tv.row_sums is None) if seg == 2 else tv.row_sums["algo"] == "fmix64-v1"
+    assert (tv.row_sums is None) if seg == 2 else tv.row_sums["algo"] == "fmix64-v2"
     rng = np.random.default_rng(0)
     with _reader(data_dir, tv, direct_io=mode) as r:
         for n in (1, 2, 50, 3001):

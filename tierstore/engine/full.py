@@ -64,7 +64,7 @@ class FullEngine(TableEngine):
         rows = self.arena.range(lo, hi) if rows is None else rows
         if self.version.segment_format == 1:
             return np.ascontiguousarray(rows)
-        return rowsum.records(rows, np.arange(lo, hi, dtype=np.int64))
+        return rowsum.records(rows, np.arange(lo, hi, dtype=np.int64), rowsum.RowKey.of(self.version.row_salt))
 
     # ---- requests -----------------------------------------------------------
     def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:

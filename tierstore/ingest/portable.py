@@ -10,7 +10,8 @@ Layout of the decompressed stream (all integers little-endian)::
 
 The zstd frame carries its own content checksum; on import every block is also
 checked against the header's checksums (rebuilt in the exported version's segment
-format) before the version is committed, written in the current format, so a
+format, its row sums keyed by the exported version's row_salt) before the version
+is committed, written in the current format under a row_salt of its own, so a
 corrupt or truncated file imports nothing. Export and import both stream: memory
 use is a few MB whatever the table size.
 """
@@ -140,7 +141,8 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
             data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=m["row_dim"],
             spec=m["spec"], layer_id=m["layer_id"], block_rows=m["block_rows"],
             source=f"import {src.name} ({m['table']} v{m['version']}: {m['source']})",
-            expected_checksums=sums, expected_format=m.get("segment_format", 1), progress=progress)
+            expected_checksums=sums, expected_format=m.get("segment_format", 1), expected_salt=m.get("row_salt"),
+            progress=progress)
 
 
 def _parse_header(raw: bytes, src: Path) -> tuple[dict, dict]:

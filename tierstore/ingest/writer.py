@@ -111,11 +111,13 @@ class _Staging:
     their block checksums, from the source's bytes), `put` (pwrite them, start
     writeback), `check` (read back what is now on file, block by block,
     against the checksums `hash` made), then `finish` (fsync everything).
-    `source_checksums` (when asked for, format 1 blocks of the source rows): what
-    an import compares with the checksums of a version exported from format 1."""
+    `key`: the new version's row-sum key (rowsum.RowKey of its row_salt).
+    `source_layout` (an import of a version laid out otherwise: its (segment format,
+    RowKey)): `source_checksums` are then the blocks of the source rows laid out that
+    way, what an import compares with the exported version's checksums."""
 
     def __init__(self, data_dir: Path, table: str, rows: int, row_bytes: int, block_rows: int,
-                 segment_format: int, source_checksums: bool = False):
+                 segment_format: int, key: rowsum.RowKey, source_layout: tuple | None = None):
         tmp = private_dirs(data_dir, "tmp")
         with staging_guard(data_dir, exclusive=False):  # cleanup never sees the dir before its lock
             self.dir = Path(tempfile.mkdtemp(prefix=f"{table}.", dir=tmp))
@@ -123,7 +125,7 @@ class _Staging:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # "alive": cleanup skips held dirs
         self.data_dir, self.table = data_dir, table
         self.rows, self.row_bytes, self.block_rows = rows, row_bytes, block_rows
-        self.segment_format = segment_format
+        self.segment_format, self.key = segment_format, key
         self.record_bytes = rec = record_bytes(row_bytes, segment_format)
         self.block_bytes = block_rows * rec
         self.total = rows * rec  # bytes on disk
@@ -132,7 +134,11 @@ class _Staging:
         self.n_blocks = -(-rows // block_rows)
         self._blocks = _BlockHashes(self.total, self.block_bytes)
         self.checksums = self._blocks.sums
-        self._source = _BlockHashes(rows * row_bytes, block_rows * row_bytes) if source_checksums else None
+        self._source_layout = source_layout
+        self._source = None
+        if source_layout is not None:
+            src_rec = record_bytes(row_bytes, source_layout[0])
+            self._source = _BlockHashes(rows * src_rec, block_rows * src_rec)
         self.pos = 0  # bytes on disk the source's rows so far take
         self.written = 0  # bytes on file
         self.checked = 0  # blocks read back and found as hashed
@@ -169,11 +175,12 @@ class _Staging:
         first = pos // self.record_bytes
         ids = np.arange(first, first + chunk.shape[0], dtype=np.int64)
         if self._source is not None:
-            self._source.update(memoryview(chunk).cast("B"))
+            fmt, key = self._source_layout
+            self._source.update(memoryview(chunk if fmt == 1 else rowsum.records(chunk, ids, key)).cast("B"))
         if self.segment_format == 2:
-            disk, sums = rowsum.records(chunk, ids), None
+            disk, sums = rowsum.records(chunk, ids, self.key), None
         else:
-            disk, sums = chunk, rowsum.row_sums(chunk, ids).astype("<u8", copy=False)
+            disk, sums = chunk, rowsum.row_sums(chunk, ids, self.key).astype("<u8", copy=False)
         self._blocks.update(memoryview(disk).cast("B"))
         return pos, disk, sums
 
@@ -228,7 +235,7 @@ class _Staging:
         """The manifest's `row_sums`: format 1's file, None for format 2 (sums inline)."""
         if self.segment_format == 2:
             return None
-        return {"file": ROW_SUMS_FILE, "algo": rowsum.ALGO, "xxh3": self._sums_hash.intdigest()}
+        return {"file": ROW_SUMS_FILE, "algo": self.key.algo, "xxh3": self._sums_hash.intdigest()}
 
     def finish(self) -> None:
         if self.pos != self.total:
@@ -303,7 +310,8 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
                   row_dim: int, spec: dict | None = None, layer_id: int | None = None, source: str = "",
                   block_rows: int | None = None, progress: bool = False,
                   expected_checksums: np.ndarray | None = None, expected_format: int | None = None,
-                  verify: bool = True, segment_format: int = LATEST_FORMAT) -> TableVersion:
+                  expected_salt: int | None = None, verify: bool = True,
+                  segment_format: int = LATEST_FORMAT) -> TableVersion:
     """Write a new version of `table` from row chunks and make it current.
 
     chunks: uint8 arrays [n, row_bytes] in row order (any n), `rows` in total,
@@ -315,7 +323,10 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     block_rows: rows per checksum block (default: about 4 KiB of records on disk).
     expected_checksums: when given (import), the block checksums of the incoming
         rows laid out in `expected_format` (the exported version's segment format,
-        default `segment_format`) must match them or nothing is committed (DataLoss).
+        default `segment_format`) with row sums keyed by `expected_salt` (the exported
+        version's row_salt; None: fmix64-v1) must match them or nothing is committed
+        (DataLoss). The new version's rows are summed under a salt of its own all the
+        same (every version written draws one: TableVersion.row_salt).
     segment_format: 2 (default: each row's checksum inside its record) or 1 (a
         separate row-sum file; older versions, kept readable and writable so they
         stay tested); tierstore.store.version.TableVersion says what each holds.
@@ -340,9 +351,9 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     if segment_format not in FORMATS:
         raise InvalidArgument(f"segment format {segment_format!r}: this build writes {list(FORMATS)}")
     expected_format = segment_format if expected_format is None else expected_format
-    if expected_checksums is not None and expected_format not in (1, segment_format):
-        raise InvalidArgument(f"checksums of segment format {expected_format} can only be checked while "
-                              f"writing that format")
+    if expected_checksums is not None and expected_format not in FORMATS:
+        raise InvalidArgument(f"checksums of segment format {expected_format!r}: this build reads {list(FORMATS)}")
+    salt = rowsum.new_salt()
     rec = record_bytes(row_bytes, segment_format)
     block_rows = int(block_rows or default_block_rows(rec))
     if block_rows < 1:
@@ -353,9 +364,12 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
         raise InvalidArgument(f"--block-rows {block_rows} x {rec} B records makes {block_rows * rec} B "
                               f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
                               f"(--block-rows <= {MAX_BLOCK_BYTES // rec})")
-    by_source = expected_checksums is not None and expected_format != segment_format
+    # blocks of format 1 are the rows alone, whatever the salt; format 2's carry sums keyed by another salt
+    by_source = expected_checksums is not None and not (expected_format == segment_format == 1)
+    layout = (expected_format, rowsum.RowKey.of(expected_salt)) if by_source else None
     with Catalog(data_dir) as cat:  # opening for writing cleans a killed writer's leftovers
-        stage = _Staging(data_dir, table, rows, row_bytes, block_rows, segment_format, source_checksums=by_source)
+        stage = _Staging(data_dir, table, rows, row_bytes, block_rows, segment_format, rowsum.RowKey.of(salt),
+                         source_layout=layout)
         try:
             bar = tqdm(total=stage.total, unit="B", unit_scale=True, unit_divisor=1024,
                        desc=f"ingest {table}", file=sys.stderr, disable=not progress, mininterval=0.25)
@@ -381,7 +395,7 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
             fields = dict(rows=rows, row_format=fmt.value, row_dim=int(row_dim), row_bytes=row_bytes,
                           block_rows=block_rows, n_blocks=stage.n_blocks, segment_rows=stage.segment_rows,
                           spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta,
-                          segment_format=segment_format)
+                          segment_format=segment_format, row_salt=salt)
             if verify:
                 _spot_check(data_dir, stage, table, fields)
             tv = cat.commit_version(table, stage.dir, fields, stage.checksums)

@@ -124,13 +124,18 @@ class Catalog:
                                f"hold {len(raw) / 8:g} entries for {tv.n_blocks} blocks; the catalog is corrupt")
             return np.frombuffer(raw, dtype="<u8").copy()
 
-    def block_checksums(self, table: str, version: int, index) -> np.ndarray:
+    def block_checksums(self, table: str, version: int, index, n_blocks: int) -> np.ndarray:
         """checksums(table, version)[index] (an int, slice or int array), read in place from
-        the catalog's map: only the entries asked are copied out (BlockChecksums)."""
+        the catalog's map: only the entries asked are copied out (BlockChecksums). n_blocks:
+        the version's block count (its manifest's); a record of another length is DataLoss,
+        as in checksums()."""
         with self._env.begin(buffers=True) as txn:
             raw = txn.get(_vkey(_SUM, table, version))
             if raw is None:
                 raise VersionNotFound(f"table {table!r} version {version} has no checksums in the catalog any more")
+            if len(raw) != 8 * n_blocks:
+                raise DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums "
+                               f"hold {len(raw) / 8:g} entries for {n_blocks} blocks; the catalog is corrupt")
             out = np.frombuffer(raw, dtype="<u8")[index]
             return out.copy() if isinstance(out, np.ndarray) else out  # the buffer dies with the txn
 
@@ -327,7 +332,7 @@ class BlockChecksums:
     def __getitem__(self, index) -> np.ndarray:
         if self._catalog is None:
             raise ValueError(f"the block checksums of table {self.table!r} v{self.version} are closed")
-        return self._catalog.block_checksums(self.table, self.version, index)
+        return self._catalog.block_checksums(self.table, self.version, index, self.shape[0])
 
     def close(self) -> None:
         if self._catalog is not None:

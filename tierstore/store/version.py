@@ -47,14 +47,21 @@ class TableVersion:
     ``(i % segment_rows) * record_bytes``. ``segment_format`` says what a record is:
 
     - 2 (written by default): the row, zero padding to a multiple of 8 bytes,
-      then its fmix64-v1 row sum (tierstore.tiers.nvme.rowsum) as one
-      little-endian uint64, so the sector a miss reads carries the row's
-      checksum and nothing per row is held in memory; ``row_sums`` is None.
+      then its row sum (tierstore.tiers.nvme.rowsum) as one little-endian
+      uint64, so the sector a miss reads carries the row's checksum and
+      nothing per row is held in memory; ``row_sums`` is None.
     - 1 (older versions): the row alone (record_bytes == row_bytes);
       ``row_sums`` is ``{"file": name in the version directory,
-      "algo": tierstore.tiers.nvme.rowsum.ALGO, "xxh3": xxh3-64 of that file}``
+      "algo": the algorithm of rowsum.ALGOS, "xxh3": xxh3-64 of that file}``
       (the file holds one little-endian uint64 per row), or None for versions
       written before per-row checksums (rows then verify by block).
+
+    ``row_salt``: 64 random bits drawn when the version is written; its row sums
+    are fmix64-v2 keyed by it (rowsum.RowKey.of), so a row's sum holds at its
+    id in this version only: a row of another table or version, or at another
+    id, fails its check wherever it is put. None in versions written before it
+    (fmix64-v1, the id alone): their sums are checked only where they are
+    stored, never taken from a client (SegmentReader.carried_form).
 
     Block checksums (xxh3-64) cover the on-disk bytes of ``block_rows``
     records (the last block may be short), in either format.
@@ -76,6 +83,7 @@ class TableVersion:
     source: str
     row_sums: dict | None = None
     segment_format: int = 1  # records written before the field existed are format 1
+    row_salt: int | None = None  # records written before the field existed: fmix64-v1 row sums
 
     @property
     def nbytes(self) -> int:
@@ -154,6 +162,9 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
                 f"(a newer tierstore wrote it: upgrade, or re-ingest the table)")
     if fmt == 2 and d.get("row_sums") is not None:
         return "segment_format 2 carries its row sums inline, yet row_sums names a file"
+    salt = d.get("row_salt")
+    if salt is not None and (not isinstance(salt, int) or isinstance(salt, bool) or not 0 <= salt < 1 << 64):
+        return f"row_salt = {salt!r} is not a 64-bit unsigned integer"
     segs = d["segments"]
     if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
         return "segments is not a list of paths"

@@ -207,6 +207,7 @@ class SegmentReader(Tier):
         self.row_bytes = version.row_bytes
         self.block_rows = version.block_rows
         self.inline = version.segment_format == 2  # each record carries its row sum
+        self.row_key = rowsum.RowKey.of(version.row_salt)  # what this version's row sums are keyed by
         self.record_bytes = version.record_bytes
         # an array, or read from the catalog per call (BlockChecksums: only the block path reads them)
         self.checksums = checksums if isinstance(checksums, BlockChecksums) else np.asarray(checksums, np.uint64)
@@ -244,8 +245,10 @@ class SegmentReader(Tier):
         if not meta:
             return None, None
         where = f"table {self.table!r} version {self.version.version}"
-        if meta.get("algo") != rowsum.ALGO:
-            return None, f"{where}: row checksums use {meta.get('algo')!r}, this build knows {rowsum.ALGO!r}"
+        if meta.get("algo") != self.row_key.algo:
+            known = "" if meta.get("algo") in rowsum.ALGOS else f"; this build knows {list(rowsum.ALGOS)}"
+            return None, (f"{where}: row checksums use {meta.get('algo')!r}, yet its row_salt makes them "
+                          f"{self.row_key.algo!r}{known}")
         path = self.data_dir / Path(self.version.segments[0]).parent / meta["file"]
         fd, why = _open_segment(path)
         if fd is None:
@@ -344,30 +347,38 @@ class SegmentReader(Tier):
         just filled (format 2 without O_DIRECT: place_rows); "records", each row with its
         row sum, for format 2 under O_DIRECT, where the sum on disk would cost a read of
         its own (place_records; the sidecar takes records only from a peer with its own
-        uid, who can write the segments anyway: served.note); "" for a version without
-        row sums (nothing the sidecar did not verify is ever placed)."""
+        uid, who can write the segments anyway: served.note), and only where the sums
+        are keyed by the version's salt (fmix64-v2), so a record of another table or
+        version fails; "" for a version without row sums, or a format 2 version under
+        O_DIRECT written before row_salt (its misses are read from disk: nothing the
+        sidecar did not verify for this place is ever placed)."""
         if not self.verifies_rows:
             return ""
-        return "records" if self.inline and self.direct is not None else "rows"
+        if not (self.inline and self.direct is not None):
+            return "rows"
+        return "records" if self.row_key.binds_version else ""
 
     def carried_records(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The format 2 records (row, padding, row sum) of verified rows uint8 [n, row_bytes]
         stored as `ids` (int64 [n]), as a client carries them (carried_form "records")."""
-        return rowsum.records(rows, ids)
+        return rowsum.records(rows, ids, self.row_key)
 
     def place_records(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
                       slots: np.ndarray) -> int:
         """Write the row of record src[local[i]] into dest[slots[i]], each checked against
-        the sum its record carries for row ids[i] (a damaged or mislabelled record fails).
-        The sum comes with the record: the caller vouches for whoever sent it (the sidecar
-        only for a peer of its own uid). src: uint8 [*, record_bytes]; ids, local, slots:
-        int64 [n]. Returns the index of the first record that fails, or -1; every record
-        fails for a table without inline row sums."""
+        the sum its record carries for row ids[i] of this version: a damaged record fails,
+        and so does a genuine record of another id, table or version (its sum is keyed by
+        another salt, rowsum.RowKey). The sum comes with the record: the caller vouches
+        for whoever sent it (the sidecar only for a peer of its own uid). src: uint8 [*,
+        record_bytes]; ids, local, slots: int64 [n]. Returns the index of the first record
+        that fails, or -1; every record fails for a table without inline row sums keyed
+        by its salt (fmix64-v1 binds the id alone: a record would pass at any version)."""
         if ids.size == 0:
             return -1
-        if not (self.verifies_rows and self.inline) or src.ndim != 2 or src.shape[1] != self.record_bytes:
+        if not (self.verifies_rows and self.inline and self.row_key.binds_version) or src.ndim != 2 \
+                or src.shape[1] != self.record_bytes:
             return 0
-        return place_records(src, local, ids, dest, slots)
+        return place_records(src, local, ids, dest, slots, self.row_key)
 
     def place_rows(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
                    slots: np.ndarray) -> int:
@@ -393,9 +404,9 @@ class SegmentReader(Tier):
             order = np.argsort(ids, kind="stable")
             sums = np.empty(ids.size, dtype=np.uint64)
             sums[order] = self._stored_sums(ids[order])
-            return place_verified(src, local, ids, dest, slots, sums, np.arange(ids.size))
+            return place_verified(src, local, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
         self._check_sums(ids)
-        return place_verified(src, local, ids, dest, slots, self.row_sums)
+        return place_verified(src, local, ids, dest, slots, self.row_sums, self.row_key)
 
     def _stored_sums(self, ids: np.ndarray) -> np.ndarray:
         """Format 2: the row sums the records of sorted `ids` carry, gathered from the
@@ -415,8 +426,8 @@ class SegmentReader(Tier):
         """Place records src[local] (as read from a segment) into dest[slots], each row
         verified: against the sum its record carries (format 2) or the row-sum file's."""
         if self.inline:
-            return place_records(src, local, ids, dest, slots)
-        return place_verified(src, local, ids, dest, slots, self.row_sums)
+            return place_records(src, local, ids, dest, slots, self.row_key)
+        return place_verified(src, local, ids, dest, slots, self.row_sums, self.row_key)
 
     def _check_sums(self, ids: np.ndarray) -> None:
         """ChecksumError (naming ids[0]) when the mapped row-sum file shrank: touching the
@@ -768,6 +779,6 @@ class SegmentReader(Tier):
                 ids = np.arange(r0, r1, dtype=np.int64)
                 recs = buf[:(r1 - r0) * self.record_bytes].reshape(-1, self.record_bytes)
                 want = recs.view("<u8")[:, -1] if self.inline else self.row_sums[r0:r1]
-                wrong = rowsum.row_sums(recs[:, :self.row_bytes], ids) != want
+                wrong = rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key) != want
                 bad += np.unique(ids[wrong] // br).tolist()
         return bad

@@ -1,20 +1,37 @@
 """Per-row checksums: one uint64 per row, computed for a whole batch of rows in
 a few numpy passes (no Python loop over rows).
 
-Algorithm "fmix64-v1" (fixed; a stored row sum is only ever checked with the
-algorithm named beside it in the manifest). A row of B bytes is zero-padded to
-W = ceil(B / 8) little-endian uint64 words w_j, and
+A stored row sum is only ever checked with the algorithm its version's
+manifest names (`RowKey.of(version.row_salt)`). A row of B bytes is
+zero-padded to W = ceil(B / 8) little-endian uint64 words w_j, and
 
-    sum(row, id) = f(id ^ SEED, SEED, M2) + sum_j f(w_j, S_j, K_j)   (mod 2**64)
+    sum(row, id) = t(id) + sum_j f(w_j, S_j, K_j)             (mod 2**64)
     f(x, s, k)   = g(g((x ^ s) * M1, 29) * k, 32),   g(x, r) = x ^ (x >> r)
 
-where S_j = splitmix64(2j), K_j = splitmix64(2j + 1) | 1, so each f is a bijection of
-uint64 (xor, multiply by an odd constant, xor-shift). So:
+where S_j = splitmix64(2j), K_j = splitmix64(2j + 1) | 1, so each f is a
+bijection of uint64 (xor, multiply by an odd constant, xor-shift). The id
+term t is what binds a sum to the place it is stored:
+
+- "fmix64-v2" (written by every ingest since versions carry `row_salt`, 64
+  random bits drawn when the version is written): t(id) = f(f(id, 0, GOLD),
+  KEY, M2) with KEY = splitmix64(salt ^ SEED). The sum holds for this row at
+  this id of this version only: the same row at the same id of another table
+  or version (another salt, so another KEY) always fails, since t is then a
+  bijection of KEY; at another id it fails with probability about 1 - 2**-64
+  (the id is mixed before KEY is applied, so no offset between ids lines two
+  keys up).
+- "fmix64-v1" (versions written before `row_salt`): t(id) = f(id, SEED, M2),
+  the id alone: a row of another table or version at the same id passes.
+  Readers check such versions' sums where they are stored (the segments, the
+  row-sum file), never a sum someone else carries (SegmentReader.carried_form).
+
+So, in either algorithm:
 - any change confined to one 8-byte word (a single bit flip, a changed word)
   changes exactly one term by a nonzero amount: always detected;
 - a torn, zeroed or misplaced row (the id is mixed in) changes several terms:
   missed with probability about 2**-64 (the terms are non-linear in the bits).
-It is an integrity check against faults, not a MAC.
+It is an integrity check against faults and mix-ups, not a MAC: the salt is in
+the manifest, readable by whoever reads the rows.
 
 Where the sums live is the segment format's business (tierstore.store.version):
 format 2 stores each row's sum in its record (`records` builds them), format 1
@@ -27,13 +44,17 @@ the numpy passes below, the reference the compiled loop is tested against.
 """
 from __future__ import annotations
 
+import secrets
+from typing import NamedTuple
+
 import numpy as np
 
 from tierstore.jit import Kernel
 
-__all__ = ["ALGO", "records", "row_sums"]
+__all__ = ["ALGO", "ALGOS", "RowKey", "new_salt", "records", "row_sums"]
 
-ALGO = "fmix64-v1"
+ALGO = "fmix64-v2"  # what writers write
+ALGOS = ("fmix64-v1", "fmix64-v2")  # what readers check
 _U = np.uint64
 _M1, _M2, _GOLD = _U(0xFF51AFD7ED558CCD), _U(0xC4CEB9FE1A85EC53), _U(0x9E3779B97F4A7C15)
 _SEED = _U(0x7469657273746F72)  # "tierstor"
@@ -49,6 +70,34 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> _U(30))) * _U(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> _U(27))) * _U(0x94D049BB133111EB)
         return z ^ (z >> _U(31))
+
+
+class RowKey(NamedTuple):
+    """What one version's row sums are keyed by (module docstring): `algo`, the
+    uint64 `seed` xored into the id term (KEY, or SEED for v1), and `mix_id`
+    (v2: the id is mixed before the seed is applied)."""
+
+    algo: str
+    seed: np.uint64
+    mix_id: bool
+
+    @classmethod
+    def of(cls, salt: int | None) -> "RowKey":
+        """The key of a version whose manifest holds `row_salt` = salt (None: fmix64-v1)."""
+        if salt is None:
+            return cls("fmix64-v1", _SEED, False)
+        return cls("fmix64-v2", _splitmix(np.array([salt], dtype=np.uint64) ^ _SEED)[0], True)
+
+    @property
+    def binds_version(self) -> bool:
+        """A sum under this key holds for one version only (fmix64-v2), so a sum carried
+        from elsewhere can be checked against the place it is put."""
+        return self.mix_id
+
+
+def new_salt() -> int:
+    """A fresh version's `row_salt`: 64 random bits."""
+    return secrets.randbits(64)
 
 
 _KEYS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -73,9 +122,9 @@ def _mix(x: np.ndarray, s, k, tmp: np.ndarray) -> np.ndarray:
     return x
 
 
-def _sums_loop(words, ids, skeys, kkeys, out):
-    """out[i] = fmix64-v1 sum of uint64 row words[i] stored as row ids[i]."""
-    m1, m2, seed = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x7469657273746F72)
+def _sums_loop(words, ids, skeys, kkeys, seed, mix_id, out):
+    """out[i] = sum of uint64 row words[i] stored as row ids[i] under the key (seed, mix_id)."""
+    m1, m2, gold = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x9E3779B97F4A7C15)
     s29, s32 = np.uint64(29), np.uint64(32)
     for i in range(words.shape[0]):
         acc = np.uint64(0)
@@ -83,7 +132,12 @@ def _sums_loop(words, ids, skeys, kkeys, out):
             x = (words[i, j] ^ skeys[j]) * m1
             x = (x ^ (x >> s29)) * kkeys[j]
             acc += x ^ (x >> s32)
-        x = (np.uint64(ids[i]) ^ seed) * m1
+        x = np.uint64(ids[i])
+        if mix_id:
+            x = x * m1
+            x = (x ^ (x >> s29)) * gold
+            x = x ^ (x >> s32)
+        x = (x ^ seed) * m1
         x = (x ^ (x >> s29)) * m2
         out[i] = acc + (x ^ (x >> s32))
 
@@ -91,10 +145,10 @@ def _sums_loop(words, ids, skeys, kkeys, out):
 _SUMS = Kernel(_sums_loop, nogil=True)
 
 
-def row_sums(rows: np.ndarray, ids: np.ndarray, *, compiled: bool = True) -> np.ndarray:
-    """uint64 [n]: the fmix64-v1 sum of each row of uint8 [n, B] `rows`
-    (any strides) stored as row `ids[i]` (int64 [n]).
-    compiled=False always runs the numpy reference."""
+def row_sums(rows: np.ndarray, ids: np.ndarray, key: RowKey, *, compiled: bool = True) -> np.ndarray:
+    """uint64 [n]: the sum of each row of uint8 [n, B] `rows` (any strides) stored as
+    row `ids[i]` (int64 [n]) of the version whose row sums are keyed by `key`
+    (RowKey.of(version.row_salt)). compiled=False always runs the numpy reference."""
     n, b = rows.shape
     words = -(-b // 8)
     s, k = _keys(words)
@@ -106,7 +160,7 @@ def row_sums(rows: np.ndarray, ids: np.ndarray, *, compiled: bool = True) -> np.
         kern = _SUMS.compiled()
         if kern is not None:
             w = rows.view(np.uint64)  # whole words where they lie, no copy
-            kern(w, np.asarray(ids, dtype=np.int64), s, k, out)
+            kern(w, np.asarray(ids, dtype=np.int64), s, k, np.uint64(key.seed), bool(key.mix_id), out)
             return out
     step = max(1, CHUNK_BYTES // (words * 8))
     m0 = min(step, n)
@@ -123,15 +177,19 @@ def row_sums(rows: np.ndarray, ids: np.ndarray, *, compiled: bool = True) -> np.
                 src = pad[:m].view(np.uint64)
             np.bitwise_xor(src, s, out=x[:m])
             _mix(x[:m], s, k, tmp[:m]).sum(axis=1, dtype=np.uint64, out=out[a:a + m])
-        idm = np.asarray(ids, dtype=np.int64).view(np.uint64) ^ _SEED
-        out += _mix(idm, _SEED, _M2, np.empty_like(idm))
+        idm = np.asarray(ids, dtype=np.int64).astype(np.uint64)  # a copy: mixed in place
+        tmp = np.empty_like(idm)
+        if key.mix_id:
+            _mix(idm, None, _GOLD, tmp)
+        idm ^= np.uint64(key.seed)
+        out += _mix(idm, None, _M2, tmp)
     return out
 
 
-def records(rows: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Segment format 2 records of uint8 [n, B] `rows` stored as rows `ids`: uint8
-    [n, R] (R = tierstore.store.version.record_bytes(B, 2)), each the row, zero
-    padding to whole 8-byte words, then its sum as one little-endian uint64.
+def records(rows: np.ndarray, ids: np.ndarray, key: RowKey, out: np.ndarray | None = None) -> np.ndarray:
+    """Segment format 2 records of uint8 [n, B] `rows` stored as rows `ids` of the version
+    keyed by `key`: uint8 [n, R] (R = tierstore.store.version.record_bytes(B, 2)), each
+    the row, zero padding to whole 8-byte words, then its sum as one little-endian uint64.
     out: optional uint8 [n, R] to fill."""
     n, b = rows.shape
     r = -(-b // 8) * 8 + 8
@@ -139,5 +197,5 @@ def records(rows: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
         out = np.empty((n, r), dtype=np.uint8)
     out[:, :b] = rows
     out[:, b:r - 8] = 0
-    out[:, r - 8:] = row_sums(rows, ids).astype("<u8", copy=False).view(np.uint8).reshape(n, 8)
+    out[:, r - 8:] = row_sums(rows, ids, key).astype("<u8", copy=False).view(np.uint8).reshape(n, 8)
     return out

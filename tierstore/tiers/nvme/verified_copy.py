@@ -1,7 +1,7 @@
 """A miss's rows placed in their arena slots and verified against their row sums, in one pass.
 
 A cache-mode fill copies each missing row into its arena slot and checks its
-fmix64-v1 sum (tiers/nvme/rowsum.py): against the sum stored in the record
+row sum under its version's key (tiers/nvme/rowsum.py: RowKey): against the sum stored in the record
 beside the row (segment format 2, `place_records`: the record a miss reads
 carries it), or against a separate row-sum array (format 1, `place_verified`). In numpy that is a gather into scratch, six
 passes of hashing over it and a scatter into the arena, each a few µs of call
@@ -25,7 +25,7 @@ from tierstore.tiers.nvme import rowsum
 
 __all__ = ["kernels", "place_records", "place_verified", "warm"]
 
-_M1, _M2, _SEED = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._SEED)
+_M1, _M2, _GOLD = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._GOLD)
 _S29, _S32 = np.uint64(29), np.uint64(32)
 
 
@@ -36,8 +36,9 @@ def kernels():
 
 # ---- compiled loops (tierstore/jit.py); module constants are compile-time constants ----
 @inlined
-def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys):
-    """dest[d, :words] = src[r, :words]; their row sum with row_id mixed in (rowsum.py)."""
+def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys, seed, mix_id):
+    """dest[d, :words] = src[r, :words]; their row sum as row row_id under the key
+    (seed, mix_id) (rowsum.py)."""
     acc = np.uint64(0)
     for j in range(words):
         w = src[r, j]
@@ -45,28 +46,34 @@ def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys):
         x = (w ^ skeys[j]) * _M1
         x = (x ^ (x >> _S29)) * kkeys[j]
         acc += x ^ (x >> _S32)
-    x = (np.uint64(row_id) ^ _SEED) * _M1
+    x = np.uint64(row_id)
+    if mix_id:
+        x = x * _M1
+        x = (x ^ (x >> _S29)) * _GOLD
+        x = x ^ (x >> _S32)
+    x = (x ^ seed) * _M1
     x = (x ^ (x >> _S29)) * _M2
     return acc + (x ^ (x >> _S32))
 
 
-def _place_loop(src, local, ids, dest, slots, sums, at, skeys, kkeys):
+def _place_loop(src, local, ids, dest, slots, sums, at, skeys, kkeys, seed, mix_id):
     """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
     sums[at[i]]; the index of the first row whose sum differs, or -1."""
     words = src.shape[1]
     for i in range(local.shape[0]):
-        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys) != sums[at[i]]:
+        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) != sums[at[i]]:
             return i
     return -1
 
 
-def _records_loop(src, local, ids, dest, slots, skeys, kkeys):
+def _records_loop(src, local, ids, dest, slots, skeys, kkeys, seed, mix_id):
     """dest[slots[i]] = the row words of record src[local[i]] (uint64 words; the record's
     last word is the row's sum) for every i, verified against that sum; the index of
     the first row whose sum differs, or -1."""
     words, last = dest.shape[1], src.shape[1] - 1
     for i in range(local.shape[0]):
-        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys) != src[local[i], last]:
+        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) \
+                != src[local[i], last]:
             return i
     return -1
 
@@ -76,9 +83,10 @@ _RECORDS = Kernel(_records_loop)
 
 
 def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
-                   sums: np.ndarray, at: np.ndarray | None = None) -> int:
-    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[at[i]]
-    (at: default ids, a version's whole row-sum array; or positions in a gathered one).
+                   sums: np.ndarray, key: rowsum.RowKey, at: np.ndarray | None = None) -> int:
+    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[at[i]], the
+    sums of the version keyed by `key` (at: default ids, a version's whole row-sum
+    array; or positions in a gathered one).
 
     src, dest: uint8 [*, B], rows contiguous; local, ids, slots, at: int64 [n].
     Returns the index of the first row that fails verification, or -1 (rows
@@ -89,18 +97,20 @@ def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np
     b = src.shape[1]
     if k is not None and b % 8 == 0 and _aligned(src) and _aligned(dest):
         s, kk = rowsum._keys(b // 8)
-        return int(k(_words(src), local, ids, _words(dest), slots, sums, at, s, kk))
+        return int(k(_words(src), local, ids, _words(dest), slots, sums, at, s, kk, np.uint64(key.seed),
+                     bool(key.mix_id)))
     rows = src[local]
-    ok = rowsum.row_sums(rows, ids) == sums[at]
+    ok = rowsum.row_sums(rows, ids, key) == sums[at]
     dest[slots] = rows
     return -1 if ok.all() else int(np.argmin(ok))
 
 
 def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray,
-                  slots: np.ndarray) -> int:
+                  slots: np.ndarray, key: rowsum.RowKey) -> int:
     """Copy the rows of records src[local[i]] (segment format 2: row, zero padding to
     whole words, its uint64 row sum) to dest[slots[i]], each checked against the sum
-    its record carries for row ids[i] (the miss path: no block checksum is read).
+    its record carries for row ids[i] of the version keyed by `key` (the miss path: no
+    block checksum is read).
 
     src: uint8 [*, R] records (R = TableVersion.record_bytes); dest: uint8 [*, B]
     rows, B <= R - 8; local, ids, slots: int64 [n]. Returns the index of the first
@@ -111,9 +121,9 @@ def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.
     k = _RECORDS.compiled()
     if k is not None and b % 8 == 0 and r % 8 == 0 and _aligned(src) and _aligned(dest):
         s, kk = rowsum._keys(b // 8)
-        return int(k(_words(src), local, ids, _words(dest), slots, s, kk))
+        return int(k(_words(src), local, ids, _words(dest), slots, s, kk, np.uint64(key.seed), bool(key.mix_id)))
     recs = src[local]
-    ok = rowsum.row_sums(recs[:, :b], ids) == recs[:, r - 8:].copy().view("<u8").reshape(-1)
+    ok = rowsum.row_sums(recs[:, :b], ids, key) == recs[:, r - 8:].copy().view("<u8").reshape(-1)
     dest[slots] = recs[:, :b]
     return -1 if ok.all() else int(np.argmin(ok))
 
@@ -142,15 +152,16 @@ def warm() -> None:
     """Compile (or load from the disk cache) the kernels now, not on a Plan."""
     if not enabled():
         return
+    key = rowsum.RowKey.of(0)  # the loops' types are the same under either algorithm's key
     src = np.zeros((2, 8), dtype=np.uint8)
-    sums = rowsum.row_sums(src, np.arange(2))
+    sums = rowsum.row_sums(src, np.arange(2), key)
     mapped = src.copy()
     mapped.flags.writeable = False  # a segment's memory map is read-only: its own specialisation
-    recs = rowsum.records(src, np.arange(2))
+    recs = rowsum.records(src, np.arange(2), key)
     mapped_recs = recs.copy()
     mapped_recs.flags.writeable = False
     for rows in (src, mapped):
-        place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums)
+        place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums, key)
     for rows in (recs, mapped_recs):
-        place_records(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2))
+        place_records(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), key)
     unique_inverse(np.arange(2))

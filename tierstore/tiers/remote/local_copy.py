@@ -167,7 +167,7 @@ class LocalCopy:
             return 0
         if self._sums_fd is not None and blocks.size:  # format 1 (record_bytes == row_bytes)
             ids = (blocks[:, None] * v.block_rows + np.arange(v.block_rows)).reshape(-1)
-            sums = rowsum.row_sums(data[good].reshape(-1, v.row_bytes), ids).astype("<u8")
+            sums = rowsum.row_sums(data[good].reshape(-1, v.row_bytes), ids, rowsum.RowKey.of(v.row_salt)).astype("<u8")
             sums = sums.reshape(blocks.size, v.block_rows)
             for b, s in zip(blocks.tolist(), sums):
                 n = min(v.block_rows, v.rows - b * v.block_rows)
