@@ -7,7 +7,7 @@ older than that, as the status text "ClassName: message".
 """
 from __future__ import annotations
 
-__all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "IdOutOfRange", "SpecMismatch", "NotFound",
+__all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "BadJSON", "IdOutOfRange", "SpecMismatch", "NotFound",
            "TableNotFound", "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable",
            "StaleRows", "StaleArena", "Unauthenticated"]
 
@@ -23,6 +23,10 @@ class TierstoreError(Exception):
 
 class InvalidArgument(TierstoreError, ValueError):
     GRPC_CODE = "INVALID_ARGUMENT"
+
+
+class BadJSON(InvalidArgument):
+    """A JSON document refused by tierstore.bounded_json: over its size or nesting limit, or not JSON."""
 
 
 class IdOutOfRange(InvalidArgument):
