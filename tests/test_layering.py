@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"tierstore": "tierstore", "tierstore.client": "client", "tierstore.kernels": "kernels",
            "tierstore.bench": "bench", "tierstore.proto": "proto"}
-BASE = {"errors", "jit", "cpu_token", "tierstore"}  # utilities every layer may use
+BASE = {"errors", "jit", "cpu_token", "bounded_json", "tierstore"}  # utilities every layer may use
 ALLOWED = {
     **{b: set() for b in BASE},
     "table": set(),

@@ -10,7 +10,7 @@ type it can catch and retry on.
 """
 from __future__ import annotations
 
-__all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "IdOutOfRange", "SpecMismatch", "NotFound",
+__all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "BadJSON", "IdOutOfRange", "SpecMismatch", "NotFound",
            "TableNotFound", "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable",
            "StaleRows", "StaleArena", "Unauthenticated", "wire_name"]
 
@@ -26,6 +26,10 @@ class TierstoreError(Exception):
 
 class InvalidArgument(TierstoreError, ValueError):
     GRPC_CODE = "INVALID_ARGUMENT"
+
+
+class BadJSON(InvalidArgument):
+    """A JSON document refused by tierstore.bounded_json: over its size or nesting limit, or not JSON."""
 
 
 class IdOutOfRange(InvalidArgument):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -281,6 +282,47 @@ def _bytes_after_the_tensors(d):
         f.write(b"\0" * 64)
 
 
+def _nested_header(d):
+    raw = b'{"layers.3.engram.q_weight": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    (d / "model-00003-of-00003.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def _nested_index(d):
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 200_000 + "]" * 200_000 + "}")
+
+
+def _nested_config(d):
+    (d / "config.json").write_text('{"text_config": ' + "{\"a\": " * 100_000 + "1" + "}" * 100_001)
+
+
+def _huge_config(d):
+    (d / "config.json").write_text(json.dumps({"pad": " " * (5 << 20)}))
+
+
+def _weight_map_as(value):
+    def edit(d):
+        p = d / "model.safetensors.index.json"
+        p.write_text(json.dumps({**json.loads(p.read_text()), "weight_map": value}))
+    return edit
+
+
+@pytest.mark.parametrize("breaks, names", [
+    (_nested_header, r"model-00003-of-00003\.safetensors: not a safetensors file \(JSON nested 200001 levels deep, "
+                     r"over the limit of 64\)"),
+    (_nested_index, r"model\.safetensors\.index\.json: .*JSON nested 200001 levels deep, over the limit of 64"),
+    (_nested_config, r"config\.json: .*JSON nested 100001 levels deep, over the limit of 64"),
+    (_huge_config, r"config\.json: .*over the 4 MiB limit"),
+    (_weight_map_as([1, 2]), r"model\.safetensors\.index\.json: weight_map is a JSON array, not an object"),
+    (_weight_map_as("x"), r"model\.safetensors\.index\.json: weight_map is a JSON string, not an object"),
+    (_weight_map_as({"layers.1.engram.embed.weight": 7}), r"weight_map\['layers\.1\.engram\.embed\.weight'\] is "
+                                                          r"a JSON number, not a shard file name"),
+], ids=["nested-header", "nested-index", "nested-config", "huge-config", "weight-map-list", "weight-map-string",
+        "weight-map-number"])
+def test_nested_huge_or_mistyped_json_is_refused_naming_file_and_limit(ckpt, ingested, tmp_path, capsys, breaks,
+                                                                      names):
+    test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp_path, capsys, breaks, names)
+
+
 @pytest.mark.parametrize("breaks, names", [
     (_no_scale, r"model-00003-of-00003\.safetensors.*layers\.3\.engram\.embed\.scale"),
     (_no_scale_in_index, r"model\.safetensors\.index\.json.*layers\.3\.engram\.embed\.scale"),
@@ -330,6 +372,22 @@ def test_a_fifo_as_a_shard_is_refused_not_waited_on(ckpt, ingested, tmp_path):
     assert "Traceback" not in done.stderr
     assert re.search(r"model-00003-of-00003\.safetensors: not a regular file \(a FIFO\)", done.stderr), done.stderr
     assert _snapshot(data) == before
+
+
+def test_a_hugging_face_cache_snapshot_linking_into_its_blobs_is_read(ckpt, tmp_path):
+    """The hub cache keeps files in `<repo>/blobs/` and links `<repo>/snapshots/<rev>/<name>` to
+    them: that layout is the one place a checkpoint's files may resolve outside its directory."""
+    repo = tmp_path / "models--deepseek-ai--tiny"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in ckpt.iterdir():
+        shutil.copy(f, blobs / f"sha-{f.name}")
+        os.symlink(f"../../blobs/sha-{f.name}", snap / f.name)
+    data = tmp_path / "data"
+    assert main(["ingest-checkpoint", str(snap), "--data", str(data), "--quiet"]) == 0
+    with Catalog(data, readonly=True) as cat:
+        assert sorted(cat.tables()) == ["l1", "l3"]
 
 
 @pytest.mark.slow

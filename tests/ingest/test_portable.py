@@ -118,8 +118,13 @@ def _good_manifest(tmp_path, make_table):
     ("bad_format", "row_format"),
     ("sums_str", "checksums_xxh3"),
     ("spec_list", "spec is not an object"),
+    ("nested", "JSON nested 200001 levels deep, over the limit of 64"),
+    ("nested_spec", "JSON nested 100002 levels deep, over the limit of 64"),
+    ("nan_sums", "NaN is not a JSON number"),
 ])
 def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, case, message):
+    import json
+
     good = _good_manifest(tmp_path, make_table)
     m = good["manifest"]
     f = tmp_path / "h.tst"
@@ -135,6 +140,13 @@ def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, c
     elif case == "claims_2_26_blocks":  # consistent, but the file ends long before 512 MiB of checksums
         m.update(rows=2**26, block_rows=1, n_blocks=2**26, segment_rows=2**26)
         _hostile(f, good, b"\0" * 1000)
+    elif case == "nested":
+        _hostile(f, b'{"manifest": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    elif case == "nested_spec":
+        _hostile(f, json.dumps(good).replace('"spec": null', '"spec": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000)
+                 .encode())
+    elif case == "nan_sums":
+        _hostile(f, json.dumps({**good, "checksums_xxh3": float("nan")}).encode())
     elif case == "sums_str":
         good["checksums_xxh3"] = "x"
         _hostile(f, good)

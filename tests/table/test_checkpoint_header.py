@@ -98,3 +98,24 @@ def test_the_header_refusals_name_the_file_and_the_tensors(tmp_path):
         read_header(path)
     _write(path, [("w", "U8", [4, 8], [0, 32])], bytes(32))
     assert read_header(path)["w"].nbytes == 32
+
+
+@pytest.mark.parametrize("header, why", [
+    (b'{"w": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", r"JSON nested 200001 levels deep, over the limit of 64"),
+    (b'{"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]' + b"", r"not JSON"),
+    (b'{"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, NaN]}}', r"NaN is not a JSON number"),
+    (b"\xff" * 16, r"not JSON"),
+], ids=["nested", "cut", "nan", "not-utf8"])
+def test_a_nested_or_malformed_header_is_refused_naming_the_file_and_the_limit(tmp_path, header, why):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(SpecMismatch, match=r"x\.safetensors: not a safetensors file \((not JSON \()?" + why):
+        read_header(path)
+
+
+def test_a_header_length_over_the_limit_is_refused_before_reading(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", (100 << 20) + 1) + b"{}")
+    with pytest.raises(SpecMismatch, match=r"x\.safetensors: not a safetensors file \(header length 104857601 is "
+                                           r"over safetensors' 100 MiB limit\)"):
+        read_header(path)

@@ -123,3 +123,46 @@ def test_from_config_refuses_what_would_rehash_the_table():
     gone = {**V41_CONFIG, "text_config": {k: v for k, v in V41_CONFIG["text_config"].items() if k != "engram_n_heads"}}
     with pytest.raises(SpecMismatch, match="no engram_n_heads"):
         spec_from_config(gone)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("n_heads", 10 ** 7, r"n_heads = 10000000 is outside 1\.\.256"),
+    ("engram_vocab_size", int("9" * 4000), r"engram_vocab_size = a 4000-digit number is outside 2\.\.1099511627776"),
+    ("max_ngram", 10 ** 6, r"max_ngram = 1000000 is outside 2\.\.16"),
+    ("compressed_vocab_size", -5, r"compressed_vocab_size = -5 is outside"),
+    ("layer_ids", tuple(range(200)), r"200 layers x 3 n-gram orders x 8 heads is 4800 hash buckets, over the limit"),
+    ("n_heads", 8.0, r"n_heads must be an integer, got 8\.0"),
+    ("hc_mult", True, r"hc_mult must be an integer, got True"),
+    ("rms_norm_eps", float("nan"), r"rms_norm_eps must be a finite number"),
+], ids=["heads", "vocab-digits", "ngram", "negative-C", "buckets", "float", "bool", "nan-eps"])
+def test_every_field_is_bounded_before_the_prime_search(field, value, why):
+    """A hostile config must not start a prime search of hours: each field is refused at
+    construction, in well under a second."""
+    import time
+
+    base = PRESETS["deepseek-v4.1-flash"].to_dict()
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=why):
+        EngramSpec.from_dict({**base, field: value})
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_the_largest_spec_within_the_limits_derives_in_seconds():
+    """The prime search is bounded by LIMITS and MAX_BUCKETS: its worst case (every bucket
+    from the same start, the largest vocabulary) finishes, and matches a plain search."""
+    import time
+
+    from tierstore.table.spec import LIMITS, MAX_BUCKETS, is_prime
+
+    t0 = time.perf_counter()
+    big = EngramSpec(name="big", layer_ids=tuple(range(64)), max_ngram=2, n_heads=MAX_BUCKETS // 64,
+                     engram_vocab_size=LIMITS["engram_vocab_size"][1], compressed_vocab_size=1 << 20,
+                     row_dim=256, row_format="fp8-e4m3-ue8m0")
+    primes = np.concatenate([big.primes(L) for L in big.layer_ids])
+    assert time.perf_counter() - t0 < 60
+    n, plain = LIMITS["engram_vocab_size"][1] - 1, []
+    while len(plain) < MAX_BUCKETS:  # the definition: each bucket the next prime no earlier bucket took
+        n += 1
+        if is_prime(n):
+            plain.append(n)
+    assert primes.tolist() == plain

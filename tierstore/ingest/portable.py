@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from tierstore import bounded_json
 from tierstore.store.catalog import Catalog
 from tierstore.store.version import TableVersion, _record_problem, validate_table_name
 from tierstore.errors import DataLoss
@@ -151,9 +152,9 @@ def _parse_header(raw: bytes, src: Path) -> tuple[dict, dict]:
         return DataLoss(f"{src} has a corrupt header ({why}); export the table again")
 
     try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise corrupt("not JSON") from None
+        header = bounded_json.loads(raw, max_bytes=MAX_HEADER_BYTES)
+    except ValueError as e:
+        raise corrupt(str(e)) from None
     if not isinstance(header, dict) or not isinstance(header.get("manifest"), dict):
         raise corrupt("not an object with a 'manifest' object")
     sums = header.get("checksums_xxh3")

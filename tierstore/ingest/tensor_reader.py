@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore import bounded_json
 from tierstore.errors import InvalidArgument, SpecMismatch
 
 __all__ = ["Tensor", "open_tensors", "pick", "dtype_name"]
@@ -45,7 +46,6 @@ def _pread_rows(path: Path, offset: int, shape, dtype):
 
 
 def open_tensors(src: Path) -> dict[str, Tensor]:
-    import json
     import struct
 
     import torch
@@ -93,9 +93,9 @@ def open_tensors(src: Path) -> dict[str, Tensor]:
                         else f.get_tensor(k).dtype) for k in f.keys()}
     except Exception as e:
         raise InvalidArgument(f"{src} is not a safetensors file, a .npy file or a torch state dict ({e})") from None
-    with open(src, "rb") as f:
+    with open(src, "rb") as f:  # safe_open has checked the header; parsed within the same limits
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        header = bounded_json.loads(f.read(n), max_bytes=n)
     return {k: Tensor(k, shape, dtype, _pread_rows(src, 8 + n + header[k]["data_offsets"][0], shape, dtype))
             for k, (shape, dtype) in meta.items()}
 

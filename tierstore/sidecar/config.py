@@ -16,11 +16,12 @@ from tierstore.cache.leases import MAX_LEASES
 from tierstore.errors import InvalidArgument
 from tierstore.proto import MAX_REQUEST_IDS
 
-__all__ = ["ServeConfig", "parse_size", "MAX_LEASE_TTL_S", "MAX_WORKERS"]
+__all__ = ["ServeConfig", "parse_size", "MAX_SIZE", "MAX_LEASE_TTL_S", "MAX_WORKERS"]
 
 # A lease outliving a day is a leak, not a step; a huge TTL overflows expiry maths.
 MAX_LEASE_TTL_S = 86400.0
 MAX_WORKERS = 1024
+MAX_SIZE = 1 << 50  # 1 PiB: far above any host's /dev/shm, far below float and int64 overflow
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1 << 10, "kib": 1 << 10, "m": 1e6, "mb": 1e6,
@@ -29,13 +30,20 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1 << 10, "kib": 1 << 10, "m"
 
 
 def parse_size(text: "str | int") -> int:
-    """'4GiB', '512M', '1.5g', 1000 -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}; write e.g. 512MiB, 4GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'4GiB', '512M', '1.5g', 1000 -> bytes, 1..MAX_SIZE; else InvalidArgument naming the range
+    (0, a negative, a 400-digit number or 1e999GiB are refused here, before any arithmetic)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidArgument(f"cannot read size {str(text)[:40]!r}; write e.g. 512MiB, 4GiB or a byte count")
+        v = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        n = int(v) if math.isfinite(v) and v <= MAX_SIZE else MAX_SIZE + 1
+    if not 1 <= n <= MAX_SIZE:
+        shown = str(text) if len(str(text)) <= 40 else f"a {len(str(text))}-character number"
+        raise InvalidArgument(f"size {shown} is outside 1 byte..{MAX_SIZE >> 50} PiB; write e.g. 512MiB or 4GiB")
+    return n
 
 
 @dataclass(slots=True)
@@ -78,7 +86,10 @@ class ServeConfig:
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
         self.shm_dir = Path(self.shm_dir)
-        self.dram_budget = parse_size(self.dram_budget)
+        try:
+            self.dram_budget = parse_size(self.dram_budget)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"--dram-budget (TIERSTORE_DRAM_BUDGET): {e}") from None
         if self.socket is not None:
             self.socket = Path(self.socket)
         self.profile = Path(self.profile) if self.profile else None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore import bounded_json
 from tierstore.store.data_dir import LOCK_NAME, _held, fsync_dir, private_dirs, staging_guard
 from tierstore.errors import DataLoss, InvalidArgument, NotFound, TableNotFound, VersionNotFound
 from tierstore.store.lmdb_env import MAP_SIZE, acquire_env, release_env  # noqa: F401 (MAP_SIZE: tests, tools)
@@ -300,11 +301,14 @@ def has_tables(data_dir) -> bool:
         return False
 
 
+MAX_RECORD_BYTES = 16 << 20  # a manifest is a few KB (its segment list and spec)
+
+
 def _parse(raw: bytes, table: str, version: int) -> TableVersion:
     try:
-        d = json.loads(raw)
-    except ValueError:
-        raise DataLoss(f"catalog record of table {table!r} version {version} is not JSON; the catalog is "
+        d = bounded_json.loads(raw, max_bytes=MAX_RECORD_BYTES)
+    except ValueError as e:
+        raise DataLoss(f"catalog record of table {table!r} version {version} is refused ({e}); the catalog is "
                        f"corrupt") from None
     return TableVersion.from_dict(d, table, version)
 

@@ -18,10 +18,17 @@ begin <= end, each tensor's size its shape times its dtype, and the tensors
 tiling the data section exactly (no overlap, no gap, nothing past the end).
 A shard is opened only once it is known to be a regular file. Every check
 names the file and the tensor.
+
+Every file read (config.json, the index, each shard) must lie inside the
+checkpoint directory once `..` and symlinks are resolved: a shard's bytes
+become served rows, so an index entry `../other/x.safetensors` (or a symlink
+to it) would publish a file from elsewhere. The one exception is the Hugging
+Face hub cache's own layout, `snapshots/<rev>/` whose files link into the
+sibling `blobs/`. JSON (headers, index, config) is parsed with
+tierstore.bounded_json's size and depth limits.
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 import struct
@@ -30,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore import bounded_json
 from tierstore.errors import SpecMismatch
 
 __all__ = ["Checkpoint", "TensorRef", "INDEX_NAME", "open_shard", "read_header"]
@@ -39,7 +47,8 @@ INDEX_NAME = "model.safetensors.index.json"
 _BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
          "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
          "F6_E2M3": 6, "F6_E3M2": 6}
-_MAX_HEADER = 100 << 20
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+MAX_INDEX_BYTES = 64 << 20  # a 1T-parameter model's index is a few MB
 
 
 def open_shard(path: Path) -> int:
@@ -127,21 +136,48 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise SpecMismatch(f"{self.dir}: not a directory; give the checkpoint directory (config.json, "
                                f"{INDEX_NAME}, shards)")
-        self.spec = spec_from_config(self.dir, name)
-        self.weight_map = self._weight_map()
+        self._roots = _roots(self.dir)
+        self.spec = spec_from_config(self._file("config.json", "the checkpoint"), name)
         self._headers: dict[str, dict[str, TensorRef]] = {}
+        self.weight_map = self._weight_map()
+
+    def _file(self, name, named_by: str) -> Path:
+        """Path of the checkpoint's file `name`, refused (SpecMismatch) unless it is a relative
+        path that stays inside the checkpoint directory, symlinks resolved (module docstring)."""
+        where = f"{self.dir / INDEX_NAME}: shard {name!r}" if named_by == INDEX_NAME else f"{self.dir}: {name!r}"
+        if not isinstance(name, str) or not name or "\0" in name or Path(name).is_absolute():
+            raise SpecMismatch(f"{where} is not a relative file name; an index names its shards relative to "
+                               f"the checkpoint directory")
+        path = self.dir / name
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(r) for r in self._roots):
+            raise SpecMismatch(f"{where} resolves to {real}, outside the checkpoint directory {self._roots[0]}; "
+                               f"tierstore reads only files inside it: copy the shard into the directory (a "
+                               f"checkpoint from an untrusted source may be trying to publish another file)")
+        return path
 
     def _weight_map(self) -> dict[str, str]:
         index = self.dir / INDEX_NAME
         if index.is_file():
+            index = self._file(INDEX_NAME, "the checkpoint")
             try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise SpecMismatch(f"{index}: not a safetensors index with a weight_map ({e})") from None
-            return {str(k): str(v) for k, v in wm.items()}
-        single = self.dir / "model.safetensors"
-        if single.is_file():
-            return {k: single.name for k in self._header(single.name)}
+                wm = bounded_json.loads(index.read_bytes(), max_bytes=MAX_INDEX_BYTES)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise SpecMismatch(f"{index}: not a safetensors index with a weight_map ({e}); "
+                                   f"re-fetch the checkpoint's {INDEX_NAME}") from None
+            if not isinstance(wm, dict):
+                raise SpecMismatch(f"{index}: weight_map is a JSON {_json_type(wm)}, not an object of tensor name "
+                                   f"-> shard file; re-fetch the checkpoint's {INDEX_NAME}")
+            for k, v in wm.items():
+                if not isinstance(v, str):
+                    raise SpecMismatch(f"{index}: weight_map[{k!r}] is a JSON {_json_type(v)}, not a shard file "
+                                       f"name; re-fetch the checkpoint's {INDEX_NAME}")
+            for shard in set(wm.values()):
+                self._file(shard, INDEX_NAME)
+            return wm
+        if (self.dir / "model.safetensors").is_file():
+            single = self._file("model.safetensors", "the checkpoint").name
+            return {k: single for k in self._header(single)}
         raise SpecMismatch(f"{self.dir}: no {INDEX_NAME} and no model.safetensors")
 
     def _header(self, shard: str) -> dict[str, TensorRef]:
@@ -205,11 +241,12 @@ def read_header(path: Path) -> dict[str, TensorRef]:
         with os.fdopen(fd, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > _MAX_HEADER:
-                raise ValueError(f"header length {n} is implausible")
-            head = json.loads(f.read(n))
+                raise ValueError(f"header length {n} is over safetensors' {_MAX_HEADER >> 20} MiB limit")
+            head = bounded_json.loads(f.read(n), max_bytes=_MAX_HEADER)
             size = os.fstat(f.fileno()).st_size
     except (OSError, ValueError, struct.error) as e:
-        raise SpecMismatch(f"{path}: not a safetensors file ({e})") from None
+        raise SpecMismatch(f"{path}: not a safetensors file ({e}); re-fetch it or re-export it with "
+                           f"safetensors") from None
     return _tensor_refs(path, head, 8 + n, size)
 
 
@@ -259,6 +296,19 @@ def _tensor_refs(path: Path, head, data_start: int, file_size: int) -> dict[str,
         raise SpecMismatch(f"{path}: {file_size - data_start - end} bytes after the last tensor belong to no "
                            f"tensor; the shard is malformed (or not the file its header describes); re-fetch it")
     return {r.name: r for r in refs}
+
+
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """The directories a checkpoint's files may resolve into: its own, and for a
+    Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>`) the repo's `blobs/`."""
+    real = Path(os.path.realpath(directory))
+    blobs = real.parent.parent / "blobs"
+    return (real, blobs) if real.parent.name == "snapshots" and blobs.is_dir() else (real,)
+
+
+def _json_type(v) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
 
 
 def _is_count(v) -> bool:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.table.hasher import NgramHasher
-from tierstore.table.spec import EngramSpec
+from tierstore import bounded_json
+from tierstore.table.spec import MAX_SPEC_JSON_BYTES, EngramSpec
 from tierstore.errors import InvalidArgument
 
 __all__ = ["Profile", "build_profile"]
@@ -48,7 +49,7 @@ class Profile:
     def load(cls, path) -> "Profile":
         try:
             z = np.load(path, allow_pickle=False)
-            meta = json.loads(bytes(z["meta"]).decode())
+            meta = bounded_json.loads(bytes(z["meta"]), max_bytes=MAX_SPEC_JSON_BYTES)
         except (OSError, KeyError, ValueError) as e:
             raise InvalidArgument(f"{path} is not a tierstore profile ({e}); make one with `tierstore profile`") from None
         prof = cls(EngramSpec.from_dict(meta["spec"]), tokens=int(meta["tokens"]))

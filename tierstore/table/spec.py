@@ -7,17 +7,35 @@ DeepSeek-V4.1 values in tests/client/test_spec.py.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import numpy as np
 
+from tierstore import bounded_json
 from tierstore.table.formats import RowFormat
 
-__all__ = ["EngramSpec", "PRESETS", "preset", "is_prime", "next_unused_prime", "INT64_MAX", "LAYER_SEED_PRIME"]
+__all__ = ["EngramSpec", "PRESETS", "preset", "is_prime", "next_unused_prime", "INT64_MAX", "LAYER_SEED_PRIME",
+           "LIMITS", "MAX_BUCKETS", "MAX_SPEC_JSON_BYTES"]
 
 INT64_MAX = np.iinfo(np.int64).max
 LAYER_SEED_PRIME = 10007
+# Inclusive bounds of every integer field, checked before anything is derived: the prime
+# search runs once per (layer, order, head) from engram_vocab_size, so an unbounded
+# n_heads or vocabulary would search for hours. Each bound is far above any Engram
+# model (DeepSeek-V4.1: 2 layers, N=4, K=8, vocab 16M, C 99,092, D 256) and below
+# what the derived maths holds: row ids and multiplier products stay int64, the
+# Miller-Rabin bases stay deterministic, a table's bytes stay countable.
+LIMITS: dict[str, tuple[int, int]] = {
+    "max_ngram": (2, 16), "n_heads": (1, 256), "engram_vocab_size": (2, 1 << 40),
+    "compressed_vocab_size": (2, 1 << 40), "row_dim": (1, 1 << 16), "pad_id": (0, 1 << 40),
+    "seed": (0, 1 << 32), "scale": (1, 1 << 40), "hidden_size": (0, 1 << 20), "hc_mult": (1, 256),
+    "kernel_size": (1, 256), "image_token_id": (0, 1 << 40), "layer_id": (0, 1 << 16),
+}
+MAX_LAYERS = 1024
+MAX_BUCKETS = 1 << 12  # layers x (max_ngram - 1) x n_heads: the primes searched for
+MAX_SPEC_JSON_BYTES = 1 << 20
 
 
 def is_prime(n: int) -> bool:
@@ -45,12 +63,24 @@ def is_prime(n: int) -> bool:
     return True
 
 
-def next_unused_prime(start: int, seen: set[int]) -> int:
-    """Smallest prime > start that is not in `seen`."""
-    n = start + 1
-    while not (n not in seen and is_prime(n)):
-        n += 1
-    return n
+def next_unused_prime(start: int, seen: set[int], after: dict[int, int] | None = None) -> int:
+    """Smallest prime > start that is not in `seen`.
+
+    after: a memo of n -> the smallest prime > n, shared across calls, so that the
+    walk of a later layer past the primes earlier layers took costs a lookup each,
+    not a primality test of every number between them."""
+    after = {} if after is None else after
+    n = start
+    while True:
+        p = after.get(n)
+        if p is None:
+            p = n + 1
+            while not is_prime(p):
+                p += 1
+            after[n] = p
+        if p not in seen:
+            return p
+        n = p
 
 
 @dataclass(frozen=True)
@@ -88,23 +118,41 @@ class EngramSpec:
     image_token_id: int | None = None
 
     def __post_init__(self):
+        """Every field checked against LIMITS (ValueError naming field, bound and value)
+        before anything is derived from it; integer fields must be ints, not floats or bools."""
+        for f in ("max_ngram", "n_heads", "compressed_vocab_size", "row_dim", "pad_id", "seed", "scale",
+                  "hidden_size", "hc_mult", "kernel_size") + (("image_token_id",) if self.image_token_id is not None
+                                                              else ()):
+            _check_int(f, getattr(self, f))
         evs = self.engram_vocab_size
-        if isinstance(evs, int):
+        if _is_int(evs):
             evs = (evs,) * (self.max_ngram - 1)
+        if not isinstance(evs, (tuple, list)):
+            raise ValueError(f"engram_vocab_size must be an integer or a list of integers, got {evs!r}")
+        for v in evs:
+            _check_int("engram_vocab_size", v)
         object.__setattr__(self, "engram_vocab_size", tuple(int(v) for v in evs))
+        if not isinstance(self.layer_ids, (tuple, list)) or len(self.layer_ids) > MAX_LAYERS:
+            raise ValueError(f"layer_ids must be a list of at most {MAX_LAYERS} layer ids, got "
+                             f"{self.layer_ids!r:.80}")
+        for v in self.layer_ids:
+            _check_int("layer_id", v)
         object.__setattr__(self, "layer_ids", tuple(int(v) for v in self.layer_ids))
+        if len(self.layer_ids) * (self.max_ngram - 1) * self.n_heads > MAX_BUCKETS:
+            raise ValueError(f"{len(self.layer_ids)} layers x {self.max_ngram - 1} n-gram orders x {self.n_heads} "
+                             f"heads is {len(self.layer_ids) * (self.max_ngram - 1) * self.n_heads} hash buckets, "
+                             f"over the limit of {MAX_BUCKETS}; no Engram model has that many: check the spec")
+        if self.rms_norm_eps is not None and not (isinstance(self.rms_norm_eps, (int, float))
+                                                  and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
+        if not isinstance(self.row_format, str):
+            raise ValueError(f"row_format must be a format name, got {self.row_format!r}")
         RowFormat.parse(self.row_format).row_bytes(self.row_dim)
-        if self.max_ngram < 2:
-            raise ValueError(f"max_ngram must be >= 2, got {self.max_ngram}")
-        if self.n_heads < 1:
-            raise ValueError(f"n_heads must be >= 1, got {self.n_heads}")
         if len(self.engram_vocab_size) != self.max_ngram - 1:
             raise ValueError(
                 f"engram_vocab_size needs one value per order 2..{self.max_ngram}, got {self.engram_vocab_size}")
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"layer_ids must be distinct and non-empty, got {self.layer_ids}")
-        if self.compressed_vocab_size < 2:
-            raise ValueError(f"compressed_vocab_size must be >= 2, got {self.compressed_vocab_size}")
         if self.scale < 1 or min(self.engram_vocab_size) // self.scale < 2:
             raise ValueError(f"scale {self.scale} leaves no rows per bucket")
 
@@ -128,13 +176,14 @@ class EngramSpec:
     @cached_property
     def _primes(self) -> dict[int, np.ndarray]:
         seen: set[int] = set()
+        after: dict[int, int] = {}
         out = {}
         for layer in self.layer_ids:
             per_layer = []
             for order in range(2, self.max_ngram + 1):
                 start = self.engram_vocab_size[order - 2] // self.scale - 1
                 for _ in range(self.n_heads):
-                    start = next_unused_prime(start, seen)
+                    start = next_unused_prime(start, seen, after)
                     seen.add(start)
                     per_layer.append(start)
             out[layer] = np.asarray(per_layer, dtype=np.int64)
@@ -179,13 +228,19 @@ class EngramSpec:
         if unknown:
             raise ValueError(f"unknown spec fields: {sorted(unknown)}")
         d = dict(d)
-        d["layer_ids"] = tuple(d["layer_ids"])
-        d["engram_vocab_size"] = tuple(d["engram_vocab_size"]) if not isinstance(d["engram_vocab_size"], int) else d["engram_vocab_size"]
+        for f in ("layer_ids", "engram_vocab_size"):
+            if isinstance(d.get(f), list):
+                d[f] = tuple(d[f])
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> "EngramSpec":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> "EngramSpec":
+        """A spec from JSON (a tokenizer map's, a profile's): parsed within bounded_json's limits;
+        ValueError (BadJSON among them) for a document that is not a valid spec."""
+        d = bounded_json.loads(text, max_bytes=MAX_SPEC_JSON_BYTES)
+        if not isinstance(d, dict):
+            raise ValueError("a spec is a JSON object")
+        return cls.from_dict(d)
 
     def scaled(self, scale: int) -> "EngramSpec":
         """The same layout with every bucket count divided by `scale` (demo tables)."""
@@ -194,6 +249,20 @@ class EngramSpec:
         base = self.name.split("/")[0]  # scale replaces, never compounds
         d["name"] = f"{base}/{scale}" if scale > 1 else base
         return EngramSpec.from_dict(d)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _check_int(field: str, v) -> None:
+    lo, hi = LIMITS[field]
+    if not _is_int(v):
+        raise ValueError(f"{field} must be an integer, got {v!r:.80}")
+    if not lo <= v <= hi:
+        shown = f"{v}" if abs(v) < 10 ** 30 else f"a {len(str(abs(v)))}-digit number"
+        raise ValueError(f"{field} = {shown} is outside {lo}..{hi}, the range tierstore serves; no Engram model "
+                         f"needs more: check the config")
 
 
 # DeepSeek-V4.1-Flash and the public paper demo (engram_demo_v1). The demo uses
