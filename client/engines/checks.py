@@ -31,7 +31,7 @@ SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "samp
 CHUNK_ROWS = 65536  # rows compared at a time under verify "all" (bounded memory at any table size)
 VERIFY_MODES = ("sample", "all", "off")
 
-WORKS = "works"
+WORKS = "works (CPU tests)"
 REFUSED = "refused"
 NO_GPU = "not tested on GPU"
 MODES = ("mapped", "staged")

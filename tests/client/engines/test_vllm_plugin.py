@@ -182,6 +182,18 @@ def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     assert "tierstore serve" in down.stderr
 
 
+def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
+    """vLLM's load_general_plugins() lets a plugin's error through: the check stops the start."""
+    sc, arrays, ckpt = served
+    script = ("from tierstore.client.engines import checks\n"
+              "checks.SUPPORTED['vllm'] = ('vllm', ('0.33.0',))\n" + _CHILD)
+    env = {**os.environ, "TIERSTORE_VLLM_SOCKET": str(sc.socket)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and run.stdout == ""
+    assert "EngineRefused: tierstore's vllm plugin supports vllm 0.33.0, found 0.32.0" in run.stderr
+    assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
+
+
 def test_stage_on_stages_a_split_layout_table_too(served):
     """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
     lookup the stored rows (read with Client.lookup, interleaved whatever the arena's layout)."""
