@@ -13,9 +13,9 @@ buffer byte for byte, so this module hands sglang the arena instead:
   Nothing of sglang is forked or copied. The hook maps table
   `{TIERSTORE_SGLANG_PREFIX}l{layer}` (Client.split_table), makes sglang's
   `weight` / `scale` parameters views of it, and replaces the loader of those
-  two parameters only: the checkpoint's Engram rows are checked against the
-  arena (a spread of rows; every row with TIERSTORE_SGLANG_VERIFY=all), never
-  copied (the mapping is read-only).
+  two parameters only (checks.CheckpointCheck): the checkpoint's Engram rows
+  are checked against the arena (a spread of rows; every row with
+  TIERSTORE_SGLANG_VERIFY=all), never copied (the mapping is read-only).
 - on CUDA (the layer built under a CUDA default device, as sglang's loader
   builds it) the mapping is registered once per process (SplitTable.register_cuda)
   and sglang's own kernels read it over UVA as they read their host table
@@ -66,17 +66,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierstore import errors
+from tierstore.client.engines import checks
 
-__all__ = ["SglangConfig", "EngineAttachError", "import_engram", "plugin", "install", "HOOK_TARGET", "launch"]
+__all__ = ["SglangConfig", "EngineAttachError", "StartRefused", "import_engram", "plugin", "install", "HOOK_TARGET", "launch"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 HOOK_TARGET = "sglang.srt.layers.engram.EngramEmbedding._init_host_table"
 STAGER_TARGET = "sglang.srt.layers.engram_staging.EngramRowStager.from_model"
 DEQUANT_TARGET = "sglang.srt.layers.engram.EngramEmbedding.dequant_staged"
 ENQUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
-SGLANG_VERSION = "0.5.23"
-CHECK_ROWS = 4096  # rows of each checkpoint tensor compared with the arena (TIERSTORE_SGLANG_VERIFY=sample)
-CHECK_CHUNK_ROWS = 1 << 20  # rows compared at a time (TIERSTORE_SGLANG_VERIFY=all)
+ARGS_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
+REQUIRED = (HOOK_TARGET, ARGS_TARGET, STAGER_TARGET, DEQUANT_TARGET)  # the start is refused without any of them
+# checks.FEATURES rows this module refuses
+SPECULATIVE = "speculative decoding (--speculative-algorithm)"
+DUMMY = "--load-format dummy"
+PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
+PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
 
 
 class EngineAttachError(errors.TierstoreError):
@@ -90,7 +95,7 @@ class SglangConfig:
     """The integration's settings; `from_env()` maps the TIERSTORE_SGLANG_* variables onto it.
 
     socket: the sidecar's unix socket. prefix: table name prefix (`ingest-checkpoint
-    --prefix`); layer L is table `{prefix}l{L}`. verify: "sample" (CHECK_ROWS rows of each
+    --prefix`); layer L is table `{prefix}l{L}`. verify: "sample" (checks.SAMPLE_ROWS rows of each
     checkpoint tensor compared with the arena), "all" (every row: reads the checkpoint's
     Engram tensors in full) or "off" (skipped). timeout: seconds a sidecar call may take.
     stage: which layers tierstore's row stager serves instead of a mapped host table
@@ -134,14 +139,9 @@ def import_engram() -> tuple[types.ModuleType, types.ModuleType]:
     they allow (module docstring). Raises ImportError naming the install command."""
     if "sglang.srt.layers.engram" not in sys.modules:
         try:
-            from importlib.metadata import version
-
-            have = version("sglang")
-        except Exception:  # noqa: BLE001 - PackageNotFoundError and broken metadata alike
-            have = None
-        if have != SGLANG_VERSION:
-            raise ImportError(f"sglang {SGLANG_VERSION} is needed, found {have or 'none'}: `make engine-deps-sglang` "
-                              f"(CPU) or `pip install tierstore[sglang]` (GPU)")
+            checks.check_version("sglang")
+        except checks.EngineRefused as e:
+            raise ImportError(f"{e} (CPU: `make engine-deps-sglang`)") from None
         if "sglang" not in sys.modules:
             _bare_package("sglang")
         with _torchvision_stand_in():
@@ -195,34 +195,94 @@ class _torchvision_stand_in:
 
 
 # ---- the plugin ---------------------------------------------------------------------------------
+class StartRefused(SystemExit):
+    """tierstore's refusal of this sglang process's start, raised out of `plugin()`.
+
+    sglang's load_plugins() logs and drops any Exception a plugin raises, and HookRegistry
+    any failure to apply a hook; sglang would then start without tierstore (with the
+    host-table flags set: its own full host table). A SystemExit is not an Exception, so it
+    leaves load_plugins() and the process exits with this message (status 1)."""
+
+    def __init__(self, error: errors.TierstoreError):
+        self.error = error
+        super().__init__(f"tierstore: {type(error).__name__}: {error}")
+
+
 def plugin() -> None:
     """sglang general plugin (entry point `tierstore` in group `sglang.srt.plugins`), run by
-    sglang's load_plugins() in every process: with TIERSTORE_SGLANG_SOCKET set, turn on
-    sglang's host-table path (shared layout) and register the hooks; else do nothing.
+    sglang's load_plugins() in every process: with TIERSTORE_SGLANG_SOCKET set, check sglang's
+    version and Engram settings, register the hooks, check each target is there to be hooked,
+    and only then turn on sglang's host-table path (shared layout); else do nothing. Any
+    refusal raises StartRefused (module checks.FEATURES lists them with the fix).
 
-    Hooks: _init_host_table (AROUND: the mapped arena, or a staged layer); the three seams of
-    staged layers (sglang_stager.py), each a no-op where no layer is staged:
-    EngramRowStager.from_model (AROUND: tierstore's RowStager), EngramEmbedding.dequant_staged
-    (AROUND: its CPU twin where the staged rows are on the host) and
-    Scheduler._add_request_to_queue (AFTER: prefetch a queued request's rows)."""
+    Hooks (REQUIRED: without one of them the process refuses to start): _init_host_table
+    (AROUND: the mapped arena, or a staged layer); ServerArgs.check_server_args (BEFORE: the
+    settings refused at start, and that every hook was applied); the seams of staged layers
+    (sglang_stager.py), each a no-op where no layer is staged: EngramRowStager.from_model
+    (AROUND: tierstore's RowStager), EngramEmbedding.dequant_staged (AROUND: its CPU twin where
+    the staged rows are on the host). Optional, a warning where sglang's scheduler does not
+    import: Scheduler._add_request_to_queue (AFTER: prefetch a queued request's rows)."""
     config = SglangConfig.from_env()
     if config is None:
         return
+    try:
+        _start()
+    except errors.TierstoreError as e:
+        raise StartRefused(e) from e
+    log.info("tierstore: sglang's Engram host tables come from the sidecar at %s", config.socket)
+
+
+def _start() -> None:
+    from sglang.srt.environ import envs
     from sglang.srt.plugins.hook_registry import HookType
 
     from tierstore.client.engines import sglang_stager
 
+    version = checks.check_version("sglang")
+    if envs.SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS.get():
+        raise checks.EngineRefused.of("sglang", PEER_SHARDS, "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS is set")
+    layout = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "shared")
+    if layout != "shared":
+        raise checks.EngineRefused.of("sglang", PER_RANK, f"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT={layout}")
+    try:
+        import_engram()
+    except ImportError as e:
+        raise checks.EngineRefused(f"sglang's Engram modules do not import ({e}): tierstore's plugin cannot hook "
+                                   f"them; fix the sglang install, or unset TIERSTORE_SGLANG_SOCKET") from None
+    hooks = {HOOK_TARGET: (init_host_table, HookType.AROUND), ARGS_TARGET: (check_server_args, HookType.BEFORE),
+             STAGER_TARGET: (sglang_stager.from_model, HookType.AROUND),
+             DEQUANT_TARGET: (sglang_stager.dequant_staged, HookType.AROUND),
+             ENQUEUE_TARGET: (sglang_stager.on_enqueue, HookType.AFTER)}
+    for target, (hook, kind) in hooks.items():
+        missing = _unresolved(target)
+        if missing is None:
+            _register(target, hook, kind)
+        elif target in REQUIRED:
+            raise checks.EngineRefused(
+                f"sglang {version} has no {target} ({missing}) for tierstore's plugin to hook, so sglang would "
+                f"allocate and load its own full Engram host table: run sglang "
+                f"{', '.join(checks.SUPPORTED['sglang'][1])}, or unset TIERSTORE_SGLANG_SOCKET")
+        else:
+            log.warning("tierstore: no %s here (%s): queued requests' rows are not prefetched", target, missing)
     os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
     os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = "shared"
-    _register(HOOK_TARGET, init_host_table, HookType.AROUND)
-    _register(STAGER_TARGET, sglang_stager.from_model, HookType.AROUND)
-    _register(DEQUANT_TARGET, sglang_stager.dequant_staged, HookType.AROUND)
-    _register(ENQUEUE_TARGET, sglang_stager.on_enqueue, HookType.AFTER)
-    log.info("tierstore: sglang's Engram host tables come from the sidecar at %s", config.socket)
+
+
+def _unresolved(target: str) -> str | None:
+    """None if `target` resolves as HookRegistry resolves it (module or class, then the
+    attribute), else why not."""
+    import pkgutil
+
+    owner, _, attr = target.rpartition(".")
+    try:
+        obj = pkgutil.resolve_name(owner)
+    except Exception as e:  # noqa: BLE001 - whatever the import raised is the reason
+        return f"{type(e).__name__}: {e}"
+    return None if hasattr(obj, attr) else f"{owner} has no {attr}"
 
 
 def _register(target: str, hook, kind) -> None:
-    """HookRegistry.register, once per process however often the plugin runs (install())."""
+    """HookRegistry.register, once per process however often the plugin runs."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
@@ -230,13 +290,34 @@ def _register(target: str, hook, kind) -> None:
 
 
 def install() -> None:
-    """plugin() and apply its hooks now, in this process: for code that builds sglang's modules
-    itself (tests, bench) rather than through sglang's server start-up. The scheduler's hook
-    applies only where sglang's scheduler imports (HookRegistry logs the others it cannot)."""
+    """plugin() and HookRegistry.apply_hooks() now, in this process, as sglang's load_plugins()
+    runs them: for the bench, which builds sglang's modules itself and twice in one process
+    (load_plugins runs once a process)."""
     plugin()
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     HookRegistry.apply_hooks()
+
+
+def check_server_args(server_args) -> None:
+    """BEFORE hook of ServerArgs.check_server_args (sglang's start, before any process is spawned,
+    and before sglang's own checks): every REQUIRED hook was applied, and no setting
+    checks.FEATURES refuses is on. Raised here, a refusal stops sglang's start."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if SglangConfig.from_env() is None:
+        return
+    unapplied = [t for t in REQUIRED if t not in HookRegistry._patched]
+    if unapplied:
+        raise checks.EngineRefused(
+            f"sglang's HookRegistry did not apply tierstore's hooks on {', '.join(unapplied)} (its log says why), so "
+            f"sglang would load its own full Engram host tables: run sglang "
+            f"{', '.join(checks.SUPPORTED['sglang'][1])}, or unset TIERSTORE_SGLANG_SOCKET")
+    if server_args.speculative_algorithm is not None:
+        raise checks.EngineRefused.of("sglang", SPECULATIVE,
+                                      f"--speculative-algorithm {server_args.speculative_algorithm}")
+    if str(server_args.load_format) == "dummy":
+        raise checks.EngineRefused.of("sglang", DUMMY, "--load-format dummy")
 
 
 _TABLES: dict[tuple[str, str], object] = {}  # (socket, table) -> SplitTable, one per process
@@ -302,13 +383,14 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     embed.scale = nn.Parameter(scale, requires_grad=False)
     # the loader __init__ gives both parameters is `self._load_rows`, looked up after this
     # hook returns: this instance's checks the checkpoint's rows instead of copying them
-    embed._load_rows = CheckpointCheck(embed, SplitRows(t), table, config.verify)
+    embed._load_rows = checks.CheckpointCheck("sglang", layer_id, table, t.version, t.rows, dim,
+                                              SplitRows(t).read, config.verify)
     if torch.cuda.is_available() and torch.get_default_device().type == "cuda":  # sglang builds under its device
         from sglang.srt.layers import engram as sg
 
         t.register_cuda()
-        embed.host_table = MappedHostTable(t)
-        ptr = t.weight.ctypes.data  # UVA: the host address is the device address on CUDA
+        ptr = sg._registered_device_ptr(t.weight.ctypes.data)  # the host address on CUDA (UVA), HIP's own on ROCm
+        embed.host_table = MappedHostTable(t, ptr)
         embed._host_table_ptrs = (ptr, ptr + t.weight.nbytes)
         embed._sort_host_reads = sg._sorted_host_reads(torch.cuda.current_device())
     else:
@@ -341,7 +423,8 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
     scale_dtype = getattr(torch, "float8_e8m0fnu", torch.uint8)
     embed.weight = nn.Parameter(torch.empty((0, dim), dtype=torch.float8_e4m3fn), requires_grad=False)
     embed.scale = nn.Parameter(torch.empty((0, dim // FP8_BLOCK), dtype=scale_dtype), requires_grad=False)
-    embed._load_rows = CheckpointCheck(embed, t, table, config.verify)
+    embed._load_rows = checks.CheckpointCheck("sglang", layer_id, table, t.version, t.rows, dim, t.read,
+                                              config.verify)
     embed.host_table = StagedHostTable(t)
     embed.staged_by_scheduler = True  # what sglang's enable_scheduler_staging sets
     embed.tierstore_table = t
@@ -349,16 +432,17 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
 
 
 class MappedHostTable:
-    """What sglang's forward reads of its `_HostTable` (layout, dirty, finish_load), over a
-    split arena: "shared" (every row mapped in every rank), loaded already."""
+    """What sglang's forward reads of its `_HostTable` (layout, dirty, finish_load, device_ptr:
+    the registered mapping's device address, `_registered_device_ptr`'s), over a split arena:
+    "shared" (every row mapped in every rank), loaded already."""
 
     layout = "shared"
 
-    def __init__(self, split):
+    def __init__(self, split, device_ptr: int):
         self.split = split
         self.dirty = False
         self.nbytes = split.weight.nbytes + split.scale.nbytes
-        self.device_ptr = split.weight.ctypes.data
+        self.device_ptr = device_ptr
 
     def finish_load(self, label: str) -> None:
         log.info("engram host table %s: tierstore table %s v%d, mapped (%.2f GiB, no load)", label,
@@ -366,62 +450,29 @@ class MappedHostTable:
 
 
 class SplitRows:
-    """A mapped split table's bytes as CheckpointCheck reads them: `shape(which)`, `read(which,
-    rows)` (uint8 [len(rows), width]) of "weight" or "scale", and `version`."""
+    """A mapped split table's bytes as checks.CheckpointCheck reads them: `read(which, rows)`
+    (uint8 [len(rows), width]) of "weight" or "scale"."""
 
     def __init__(self, split):
-        self.split, self.version = split, split.version
-
-    def shape(self, which: str) -> tuple[int, int]:
-        return (self.split.weight if which == "weight" else self.split.scale).shape
+        self.split = split
 
     def read(self, which: str, rows: np.ndarray) -> np.ndarray:
         return (self.split.weight if which == "weight" else self.split.scale)[rows]
 
 
-class CheckpointCheck:
-    """The weight loader of a tierstore-fed EngramEmbedding's weight and scale: compares the
-    checkpoint's tensor with tierstore's rows (CHECK_ROWS rows spread over the table, or all),
-    and raises EngineAttachError on a difference; writes nothing.
-
-    source: SplitRows (a mapped split arena) or a StagedTable (sglang_stager.py: rows read
-    from the sidecar, verified as any lookup)."""
-
-    def __init__(self, embed, source, table: str, verify: str):
-        self.embed, self.source, self.table, self.verify = embed, source, table, verify
-        self.checked: list[str] = []
-
-    def __call__(self, param, loaded_weight) -> None:
-        import torch
-
-        which = "weight" if param is self.embed.weight else "scale"
-        shape = tuple(self.source.shape(which))
-        if tuple(loaded_weight.shape) != shape:
-            raise EngineAttachError(f"checkpoint tensor embed.{which} is {tuple(loaded_weight.shape)}, tierstore "
-                                    f"table {self.table} holds {shape}: ingest this checkpoint")
-        self.checked.append(which)
-        if self.verify == "off":
-            return
-        rows = (np.arange(shape[0]) if self.verify == "all" or shape[0] <= CHECK_ROWS
-                else np.unique(np.linspace(0, shape[0] - 1, CHECK_ROWS).astype(np.int64)))
-        raw = loaded_weight.detach().view(torch.uint8)
-        for a in range(0, rows.size, CHECK_CHUNK_ROWS):  # bounded memory, whatever the table's size
-            part = rows[a:a + CHECK_CHUNK_ROWS]
-            theirs = raw[torch.from_numpy(part).to(raw.device)].cpu().numpy()
-            differ = np.flatnonzero(np.any(theirs != self.source.read(which, part), axis=1))
-            if differ.size:
-                raise EngineAttachError(f"checkpoint tensor embed.{which} differs from tierstore table {self.table} "
-                                        f"v{self.source.version} at row {int(part[differ[0]])}: the sidecar serves "
-                                        f"another ingest; re-ingest this checkpoint (tierstore ingest-checkpoint) "
-                                        f"or start sglang on the one that was ingested")
-
-
 class ArenaGuard:
     """Forward pre-hook: the arena is still the one the sidecar serves for this table, or a
-    retired copy of the same version (same verified bytes); another version raises."""
+    retired copy of the same version (same verified bytes); another version raises.
+
+    While the mapped arena is current a forward reads one header byte. Once it is retired the
+    guard asks the sidecar what it serves through one Client it keeps: the Client's handle of
+    the table is described again only when the arena it names is retired too, so a sidecar
+    restart costs one describe, not one per forward. A sidecar that does not answer is asked
+    again at the next forward."""
 
     def __init__(self, config: SglangConfig, table: str, split):
         self.config, self.table, self.split = config, table, split
+        self.client = None
         self.warned = False
 
     def __call__(self, module, args) -> None:
@@ -430,8 +481,11 @@ class ArenaGuard:
         from tierstore.client.client import Client
 
         try:
-            with Client(self.config.socket, timeout=self.config.timeout) as c:
-                served = c.table_info(self.table)["version"]
+            if self.client is None:
+                self.client = Client(self.config.socket, timeout=self.config.timeout)
+            handle = self.client.handle(self.table)
+            handle.mapped  # mapped (once per arena), so the handle turns stale when this arena retires too
+            served = handle.version
         except errors.TierstoreError:
             served = None  # sidecar away: the mapped rows are the verified bytes of our version
         if served is not None and served != self.split.version:

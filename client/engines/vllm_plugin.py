@@ -40,7 +40,7 @@ Invariants (mapped layers):
 - Nothing writes the arena: it is mapped PROT_READ. The loader never copies;
   it checks the checkpoint tensor's shape and, per TIERSTORE_VLLM_VERIFY, a few
   rows ("sample", the default), all of them ("all") or none ("off"); a
-  mismatch is a SpecMismatch naming the layer. `--load-format dummy` (which
+  mismatch is a checks.CheckpointMismatch naming the layer. `--load-format dummy` (which
   fills the parameters) is refused.
 - Host tables only (EngramConfig.cpu_offload, vLLM's default): with the table
   in HBM vLLM would own it, so the plugin refuses instead of copying.
@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierstore import errors
+from tierstore.client.engines import checks
 
 if TYPE_CHECKING:
     import torch
@@ -76,9 +77,10 @@ __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
-VERIFY_MODES = ("sample", "all", "off")
 STAGE_MODES = ("auto", "on", "off")
-_SAMPLE_ROWS = 4096
+# checks.FEATURES rows this module refuses
+HBM_TABLES = "tables in HBM (engram cpu_offload off)"
+DUMMY = "--load-format dummy"
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class VllmPluginConfig:
         empty: each table the sidecar serves with a layer id (split-layout ones only under
         stage "off"), by the layer id ingest recorded.
     verify: how much of the checkpoint's Engram tensors the loader compares with the
-        arena (TIERSTORE_VLLM_VERIFY): "sample" (4096 rows spread over the tensor), "all", or "off".
+        arena (TIERSTORE_VLLM_VERIFY): "sample" (checks.SAMPLE_ROWS rows spread over this rank's
+        rows), "all", or "off".
     stage: which layers are staged (client/engines/vllm_stager.py: no rows held, each lookup
         read through tierstore) instead of mapped (TIERSTORE_VLLM_STAGE): "auto" (those whose
         table is not served split-layout, e.g. a cache-mode table larger than --dram-budget),
@@ -105,8 +108,9 @@ class VllmPluginConfig:
     def validate(self) -> "VllmPluginConfig":
         if not self.socket:
             raise errors.InvalidArgument("TIERSTORE_VLLM_SOCKET is empty; set it to the sidecar's --socket path")
-        if self.verify not in VERIFY_MODES:
-            raise errors.InvalidArgument(f"TIERSTORE_VLLM_VERIFY={self.verify!r}; use one of {', '.join(VERIFY_MODES)}")
+        if self.verify not in checks.VERIFY_MODES:
+            raise errors.InvalidArgument(
+                f"TIERSTORE_VLLM_VERIFY={self.verify!r}; use one of {', '.join(checks.VERIFY_MODES)}")
         if self.stage not in STAGE_MODES:
             raise errors.InvalidArgument(f"TIERSTORE_VLLM_STAGE={self.stage!r}; use auto, on (1) or off (0)")
         return self
@@ -202,34 +206,16 @@ class TierstoreEngramTables:
         weight, scale = t.tensors()
         return weight[start:end], scale.view(torch.uint8)[start:end]
 
-    def loader(self, layer_id: int):
-        """A weight loader for vLLM's Engram parameters: checks, never copies (see `verify`)."""
-        verify = self.config.verify
+    def loader(self, layer_id: int, start: int, end: int) -> checks.CheckpointCheck:
+        """The weight loader of a mapped layer's two parameters (rank rows [start, end)): checks
+        the checkpoint's tensor against the arena (config.verify), never copies."""
+        t = self.split_table(layer_id)
 
-        def load(param: "torch.nn.Parameter", loaded: "torch.Tensor") -> None:
-            import torch
+        def read(which: str, ids: np.ndarray) -> np.ndarray:
+            return (t.weight if which == "weight" else t.scale)[ids]
 
-            start = param.engram_vocab_start
-            if loaded.dim() != 2 or loaded.shape[0] < start + param.shape[0] or loaded.shape[1:] != param.shape[1:]:
-                raise errors.SpecMismatch(
-                    f"checkpoint Engram tensor {tuple(loaded.shape)} of layer {layer_id} does not fit the "
-                    f"tierstore arena rows {tuple(param.shape)}: serve the table ingested from this checkpoint")
-            if verify == "off":
-                return
-            shard = loaded.narrow(0, start, param.shape[0])
-            rows = (np.arange(shard.shape[0]) if verify == "all" else
-                    np.unique(np.linspace(0, shard.shape[0] - 1, min(_SAMPLE_ROWS, shard.shape[0])).astype(np.int64)))
-            idx = torch.from_numpy(rows)
-            got = param.data.view(torch.uint8).index_select(0, idx)
-            want = shard.view(torch.uint8).index_select(0, idx)
-            if not torch.equal(got, want):
-                bad = int(rows[(got != want).any(dim=1).numpy()][0])
-                raise errors.SpecMismatch(
-                    f"Engram layer {layer_id}: checkpoint row {start + bad} differs from tierstore's table "
-                    f"{self.split_table(layer_id).table!r}; the sidecar serves another checkpoint's table: "
-                    f"ingest this one (`tierstore ingest-checkpoint`) and restart the sidecar")
-
-        return load
+        return checks.CheckpointCheck("vllm", layer_id, t.table, t.version, t.rows, t.row_dim, read,
+                                      self.config.verify, start, end)
 
     def close(self) -> None:
         with self._lock:
@@ -286,17 +272,12 @@ def _patch(engram) -> None:
                 "tierstore's vLLM plugin met a ParallelEngramEmbedding built outside Engram._create_embedding, "
                 "so it cannot tell the layer; unset TIERSTORE_VLLM_SOCKET to let vLLM allocate it")
         if not self.cpu_offload:
-            raise errors.InvalidArgument(
-                f"Engram layer {layer_id}: tierstore serves host tables (vLLM's engram cpu_offload, its "
-                f"default); with cpu_offload off vLLM keeps the table in HBM itself: turn cpu_offload on "
-                f"or unset TIERSTORE_VLLM_SOCKET")
+            raise checks.EngineRefused.of("vllm", HBM_TABLES, f"Engram layer {layer_id}")
         from vllm.config.vllm import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()  # set wherever vLLM builds a model
         if vllm_config is not None and "dummy" in str(vllm_config.load_config.load_format):
-            raise errors.InvalidArgument(
-                "--load-format dummy fills the Engram parameters, and tierstore's arena is read-only: "
-                "unset TIERSTORE_VLLM_SOCKET for dummy-weight runs")
+            raise checks.EngineRefused.of("vllm", DUMMY, f"load format {vllm_config.load_config.load_format}")
         tables = _tables()
         if tables.staged(layer_id):
             return _stage(self, tables, layer_id)
@@ -304,7 +285,7 @@ def _patch(engram) -> None:
                                         self.vocab_start_idx, self.vocab_end_idx)
         if engram.current_platform.is_cuda_alike():
             tables.split_table(layer_id).register_cuda()
-        self._weight_loader = tables.loader(layer_id)
+        self._weight_loader = tables.loader(layer_id, self.vocab_start_idx, self.vocab_end_idx)
         return weight, scales
 
     def _lookup(self, indices, out, background=False):
@@ -340,12 +321,10 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int):
     table on the instance for the patched lookup."""
     import torch
 
-    from tierstore.client.engines.vllm_stager import StagedCheck
-
     staged = tables.staged_table(layer_id)
     staged.check_shape(emb.num_embeddings, emb.dim, emb.block_size)
     emb.tierstore_staged = staged
-    emb._weight_loader = StagedCheck(staged, emb.vocab_start_idx, emb.vocab_end_idx, tables.config.verify)
+    emb._weight_loader = staged.check(emb.vocab_start_idx, emb.vocab_end_idx, tables.config.verify)
     log.info("Engram layer %d: tierstore table %s v%d staged per lookup (%s), rows [%d, %d) of this rank; no "
              "table allocated", layer_id, staged.table, staged.version,
              "full-resident" if staged.full_resident else "cache mode", emb.vocab_start_idx, emb.vocab_end_idx)
@@ -405,11 +384,14 @@ def uninstall() -> None:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point. Off without TIERSTORE_VLLM_SOCKET; with it, the
-    sidecar must answer now (a clear error at vLLM's start, not at the first layer)."""
+    """The `vllm.general_plugins` entry point (vLLM's load_general_plugins() lets its errors
+    through: they stop vLLM's start). Off without TIERSTORE_VLLM_SOCKET; with it, vLLM must be a
+    version checks.SUPPORTED lists (EngineRefused) and the sidecar must answer now (a clear error
+    at vLLM's start, not at the first layer)."""
     config = VllmPluginConfig.from_env()
     if config is None:
         return
+    checks.check_version("vllm")
     from tierstore.client.client import Client
 
     try:

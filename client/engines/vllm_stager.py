@@ -52,13 +52,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines import StagingError
+from tierstore.client.engines import StagingError, checks
 from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StagedEngramTable", "StagedCheck", "dequantize", "FP8_BLOCK", "ROW_FORMAT"]
+__all__ = ["StagedEngramTable", "dequantize", "FP8_BLOCK", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 FP8_BLOCK = 32  # values per ue8m0 scale
@@ -103,6 +103,16 @@ class StagedEngramTable:
                 f"tierstore table {self.table!r} holds {self.rows} rows x {self.dim} (+ {self.dim // FP8_BLOCK} "
                 f"ue8m0 scales, blocks of 32); vLLM's Engram layer {self.layer_id} wants {num_embeddings} x {dim} "
                 f"(blocks of {block_size}): ingest the checkpoint vLLM serves (`tierstore ingest-checkpoint`)")
+
+    def check(self, start: int, end: int, verify: str) -> checks.CheckpointCheck:
+        """The weight loader of this layer's two placeholders: the checkpoint's rows [start, end)
+        checked against the rows read through tierstore (`verify`), never copied."""
+        def read(which: str, ids: np.ndarray) -> np.ndarray:
+            got = self.read(ids)
+            return got[:, :self.dim] if which == "weight" else got[:, self.dim:]
+
+        return checks.CheckpointCheck("vllm", self.layer_id, self.table, self.version, self.rows, self.dim, read,
+                                      verify, start, end)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows uint8 [len(ids), dim + dim / 32] (weights then scales, the stored bytes) of
@@ -162,48 +172,3 @@ class StagedEngramTable:
             out.copy_(rows.index_select(0, where_t).view(tokens, part, width))
         else:  # distinct rows dequantised, then gathered: the fp32 intermediates are per distinct row
             out.copy_(dequantize(rows, self.dim).index_select(0, where_t).view(tokens, part, self.dim))
-
-
-class StagedCheck:
-    """The weight loader of a staged layer's two placeholders: the checkpoint's tensor is
-    checked against tierstore's rows (rows read with Client.lookup, `verify`: "sample" -- up
-    to SAMPLE_ROWS spread over this rank's rows --, "all", or "off") and never copied;
-    SpecMismatch names the layer and the first row that differs."""
-
-    SAMPLE_ROWS = 4096
-    CHUNK_ROWS = 65536  # "all" reads the table in pieces of this many rows
-
-    def __init__(self, table: StagedEngramTable, start: int, end: int, verify: str):
-        self.table, self.start, self.end, self.verify = table, start, end, verify
-
-    def __call__(self, param: "torch.nn.Parameter", loaded: "torch.Tensor") -> None:
-        import torch
-
-        dim = self.table.dim
-        weight = param.dtype == torch.float8_e4m3fn
-        width = dim if weight else dim // FP8_BLOCK
-        what = "embed.weight" if weight else "embed.scale"
-        if loaded.dim() != 2 or loaded.shape[0] < self.end or loaded.shape[1] != width:
-            raise errors.SpecMismatch(
-                f"checkpoint Engram tensor {what} {tuple(loaded.shape)} of layer {self.table.layer_id} does not fit "
-                f"tierstore table {self.table.table!r} ({self.table.rows} rows x {width}): serve the table "
-                f"ingested from this checkpoint")
-        if self.verify == "off":
-            return
-        raw = loaded.view(torch.uint8)
-        n = self.end - self.start
-        if self.verify == "all":
-            chunks = [np.arange(lo, min(lo + self.CHUNK_ROWS, n)) for lo in range(0, n, self.CHUNK_ROWS)]
-        else:
-            chunks = [np.unique(np.linspace(0, n - 1, min(self.SAMPLE_ROWS, n)).astype(np.int64))]
-        for rows in chunks:
-            ids = rows + self.start
-            stored = self.table.read(ids)
-            got = stored[:, :dim] if weight else stored[:, dim:]
-            want = raw.index_select(0, torch.from_numpy(ids)).numpy()
-            bad = np.flatnonzero((got != want).any(axis=1))
-            if bad.size:
-                raise errors.SpecMismatch(
-                    f"Engram layer {self.table.layer_id}: checkpoint {what} row {int(ids[bad[0]])} differs from "
-                    f"tierstore table {self.table.table!r} v{self.table.version}; the sidecar serves another "
-                    f"checkpoint's table: ingest this one (`tierstore ingest-checkpoint`) and restart the sidecar")

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_plugins  # noqa: E402
 from sglang_engram import build_engram, shard_tensors, word_tokenizer  # noqa: E402
 from v41_checkpoint import write_checkpoint  # noqa: E402
 
@@ -45,18 +47,10 @@ def model(tmp_path_factory, sglang_engram):
 @pytest.fixture(scope="module")
 def engines(model, sglang_engram):
     """{layer: (sglang loading its own table, sglang fed by tierstore)}, and the layout."""
-    from tierstore.client.engines import sglang as ts_sglang
-
-    mp = pytest.MonkeyPatch()
     own = {L: build_engram(sglang_engram, model, L) for L in LAYERS}
-    mp.setenv("TIERSTORE_SGLANG_SOCKET", model["socket"])
-    ts_sglang.install()  # sglang's HookRegistry applies the hook; the plugin sets the host-table flags
-    try:
+    # sglang's load_plugins runs tierstore's entry point; its HookRegistry applies the hooks
+    with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=model["socket"]):
         fed = {L: build_engram(sglang_engram, model, L) for L in LAYERS}
-    finally:
-        mp.undo()
-        for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
-            __import__("os").environ.pop(var, None)
     return {L: (own[L][0], fed[L][0]) for L in LAYERS}, own[1][1]
 
 
@@ -142,36 +136,29 @@ def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang
     t = shard_tensors(model["root"], 1)
     bad = t["embed.weight"].view(torch.uint8).clone()
     bad[-1, 0] ^= 1
-    from tierstore.client.engines.sglang import EngineAttachError
+    from tierstore.client.engines.checks import CheckpointCheck, CheckpointMismatch
 
-    with pytest.raises(EngineAttachError, match="differs from tierstore table l1"):
+    with pytest.raises(CheckpointMismatch, match="sglang's Engram layer 1: .* differs from tierstore table l1"):
         fed.weight.weight_loader(fed.weight, bad.view(torch.float8_e4m3fn))
-    from tierstore.client.engines.sglang import CheckpointCheck
 
     sampled = fed.weight.weight_loader
     unsampled = next(r for r in range(len(bad)) if r not in set(np.linspace(0, len(bad) - 1, 4096).astype(int)))
     bad = t["embed.weight"].view(torch.uint8).clone()
     bad[unsampled, 5] ^= 1
     sampled(fed.weight, bad.view(torch.float8_e4m3fn))  # the default sample does not see that row
-    every = CheckpointCheck(fed, sampled.source, "l1", "all")
-    with pytest.raises(EngineAttachError, match=f"at row {unsampled}:"):
+    every = CheckpointCheck("sglang", 1, "l1", sampled.version, sampled.rows, sampled.dim, sampled.read, "all")
+    with pytest.raises(CheckpointMismatch, match=f"at row {unsampled}:"):
         every(fed.weight, bad.view(torch.float8_e4m3fn))
     every(fed.weight, t["embed.weight"])  # the checkpoint's own bytes pass, and nothing is written
     assert np.array_equal(fed.weight.view(torch.uint8).numpy(), model["arrays"][1]["embed.weight"])
 
 
-def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path, monkeypatch):
+def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path):
     from tierstore.client.engines import sglang as ts_sglang
 
-    monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(tmp_path / "nobody.sock"))
-    monkeypatch.setenv("TIERSTORE_SGLANG_TIMEOUT", "2")
-    ts_sglang.install()
-    try:
+    with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=tmp_path / "nobody.sock", TIERSTORE_SGLANG_TIMEOUT=2):
         with pytest.raises(ts_sglang.EngineAttachError, match="does not answer.*tierstore serve"):
             build_engram(sglang_engram, model, 1)
-    finally:
-        for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
-            __import__("os").environ.pop(var, None)
 
 
 def _v41_vs_sglang(model, sglang_engram, dtype):
@@ -229,7 +216,7 @@ def test_the_launcher_refuses_a_sidecar_without_split_tables(cli, tmp_path):
     assert code == 1 and "serves no split-layout table" in err
 
 
-def test_a_reload_to_another_version_stops_the_forward_not_mixes_versions(tmp_path, sglang_engram, monkeypatch):
+def test_a_reload_to_another_version_stops_the_forward_not_mixes_versions(tmp_path, sglang_engram):
     """After `tierstore reload` serves v2, a module mapping v1 refuses its next forward (restart
     sglang to map v2); the rows it had mapped were never changed under it."""
     from tierstore.client.engines import sglang as ts_sglang
@@ -240,13 +227,8 @@ def test_a_reload_to_another_version_stops_the_forward_not_mixes_versions(tmp_pa
     m = dict(root=tmp_path, text=text)
     with SidecarProcess(tmp_path / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc, \
             Client(sc.socket) as c:
-        monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
-        ts_sglang.install()
-        try:
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=sc.socket):
             fed, _ = build_engram(sglang_engram, m, 1)
-        finally:
-            for var in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
-                __import__("os").environ.pop(var, None)
         before = fed.embed.weight.view(torch.uint8).clone()
         ids = torch.zeros(3, 9, dtype=torch.int64)
         x = torch.ones(3, text["hc_mult"], text["hidden_size"], dtype=torch.bfloat16)

@@ -67,8 +67,8 @@ def staged(cache_model, sglang_engram):
 
     from sglang.srt.layers.engram_staging import EngramRowStager
 
+    from tierstore.client.engines import checks, sglang_stager
     from tierstore.client.engines import sglang as ts_sglang
-    from tierstore.client.engines import sglang_stager
 
     assert all(s["mode"] == "cache" for s in _stats(cache_model["socket"]).values())
     own = {L: build_engram(sglang_engram, cache_model, L)[0] for L in LAYERS}
@@ -76,7 +76,7 @@ def staged(cache_model, sglang_engram):
     mp.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
     # the load checks a spread of 64 rows here: 4096 would be most of this small table, where on
     # V4.1's it is a few in a million, and the cache would start full of them
-    mp.setattr(ts_sglang, "CHECK_ROWS", 64)
+    mp.setattr(checks, "SAMPLE_ROWS", 64)
     ts_sglang.install()
     try:
         fed = {L: build_engram(sglang_engram, cache_model, L) for L in LAYERS}
@@ -357,18 +357,19 @@ def test_an_unstaged_batch_or_a_token_still_on_the_device_is_refused_not_guessed
 
 
 def test_a_checkpoint_that_differs_from_the_sidecars_rows_is_refused_at_load(cache_model, staged):
-    from tierstore.client.engines.sglang import CheckpointCheck, EngineAttachError
+    from tierstore.client.engines.checks import CheckpointCheck, CheckpointMismatch
 
     fed = staged["modules"][1][1].embed
     assert fed.weight.shape[0] == 0  # a staged layer holds no rows
     t = shard_tensors(cache_model["root"], 1)
-    every = CheckpointCheck(fed, fed.tierstore_table, "l1", "all")
+    source = fed.tierstore_table
+    every = CheckpointCheck("sglang", 1, "l1", source.version, source.rows, source.dim, source.read, "all")
     every(fed.weight, t["embed.weight"])
     every(fed.scale, t["embed.scale"])
     bad = t["embed.scale"].view(torch.uint8).clone()
     bad[-3, 2] ^= 1
     row = len(bad) - 3
-    with pytest.raises(EngineAttachError, match=f"embed.scale differs from tierstore table l1 v1 at row {row}"):
+    with pytest.raises(CheckpointMismatch, match=f"embed.scale differs from tierstore table l1 v1 at row {row}"):
         every(fed.scale, bad.view(t["embed.scale"].dtype))
 
 

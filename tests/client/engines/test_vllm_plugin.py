@@ -37,7 +37,7 @@ import vllm_engram  # noqa: E402
 from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
-from tierstore.client.engines import vllm_plugin  # noqa: E402
+from tierstore.client.engines import checks, vllm_plugin  # noqa: E402
 from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
 from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
 
@@ -125,16 +125,16 @@ def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path
     # a checkpoint that is not the table the sidecar serves is refused, naming the fix
     other = weight.view(torch.uint8).clone()
     other[-1] ^= 1
-    with pytest.raises(errors.SpecMismatch, match="ingest this one"):
+    with pytest.raises(checks.CheckpointMismatch, match="ingest this checkpoint"):
         emb.weight.weight_loader(emb.weight, other.view(torch.float8_e4m3fn))
-    with pytest.raises(errors.SpecMismatch, match="does not fit"):
+    with pytest.raises(checks.CheckpointMismatch, match="does not fit"):
         emb.weight.weight_loader(emb.weight, weight[:10])
 
 
 def test_what_the_plugin_refuses_says_what_to_do(plugin):
     sc, arrays, ckpt = plugin
     layout = vllm_engram.layout(CONFIG)
-    with pytest.raises(errors.InvalidArgument, match="cpu_offload"):
+    with pytest.raises(checks.EngineRefused, match="refuses tables in HBM .*turn cpu_offload on"):
         vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
     with pytest.raises(errors.TableNotFound, match="no tierstore table for Engram layer 7"):
         vllm_engram.build(vllm_engram.embedding(layout, 0), 7)
@@ -180,6 +180,18 @@ def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
     assert "tierstore serve" in down.stderr
+
+
+def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
+    """vLLM's load_general_plugins() lets a plugin's error through: the check stops the start."""
+    sc, arrays, ckpt = served
+    script = ("from tierstore.client.engines import checks\n"
+              "checks.SUPPORTED['vllm'] = ('vllm', ('0.33.0',))\n" + _CHILD)
+    env = {**os.environ, "TIERSTORE_VLLM_SOCKET": str(sc.socket)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and run.stdout == ""
+    assert "EngineRefused: tierstore's vllm plugin supports vllm 0.33.0, found 0.32.0" in run.stderr
+    assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
 
 
 def test_stage_on_stages_a_split_layout_table_too(served):

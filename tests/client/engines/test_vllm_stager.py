@@ -58,7 +58,7 @@ from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
 from tierstore.client.client import Client  # noqa: E402
-from tierstore.client.engines import vllm_plugin, vllm_stager  # noqa: E402
+from tierstore.client.engines import checks, vllm_plugin, vllm_stager  # noqa: E402
 from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
 from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
 
@@ -84,7 +84,7 @@ def cache_model(tmp_path_factory):
 
 @pytest.fixture
 def plugin(cache_model, monkeypatch):
-    monkeypatch.setattr(vllm_stager.StagedCheck, "SAMPLE_ROWS", SAMPLE_ROWS)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(cache_model["socket"]))
     yield cache_model
     vllm_plugin.uninstall()
@@ -274,10 +274,10 @@ def test_a_checkpoint_that_differs_from_tierstores_rows_is_refused_at_load(plugi
     weight, scale = vllm_engram.checkpoint_tensors(plugin["ckpt"], 3)
     bad = scale.view(torch.uint8).clone()
     bad[-1, 2] ^= 1  # the last row is always among the sampled ones
-    with pytest.raises(errors.SpecMismatch, match=f"Engram layer 3: checkpoint embed.scale row {len(bad) - 1} "
-                                                  f"differs from tierstore table 'l3'"):
+    with pytest.raises(checks.CheckpointMismatch, match=f"vllm's Engram layer 3: checkpoint tensor embed.scale "
+                                                        f"differs from tierstore table l3 v1 at row {len(bad) - 1}:"):
         emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, bad.view(torch.float8_e8m0fnu))
-    with pytest.raises(errors.SpecMismatch, match="does not fit"):
+    with pytest.raises(checks.CheckpointMismatch, match="does not fit"):
         emb.weight.weight_loader(emb.weight, weight[:10])
 
 
@@ -287,7 +287,7 @@ def test_what_needs_the_real_parameters_is_refused_naming_the_layer(plugin):
     emb = _staged(layout, 0)
     with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 is staged by tierstore .*embedding_across_dp"):
         emb._storage()
-    with pytest.raises(errors.InvalidArgument, match="cpu_offload"):
+    with pytest.raises(checks.EngineRefused, match="refuses tables in HBM .*turn cpu_offload on"):
         vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
 
 

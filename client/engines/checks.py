@@ -1,0 +1,197 @@
+"""What tierstore's engine plugins check: the engine's version and settings at start, and the
+checkpoint's Engram tensors against tierstore's rows at load.
+
+`FEATURES` is the one table of what each plugin serves, refuses (with the fix) or has not run
+on a GPU, per mode ("mapped": a split-layout arena the engine reads in place; "staged": rows
+read through tierstore per batch, a cache-mode table larger than RAM). The plugins raise
+`EngineRefused.of(engine, feature, ...)`, whose fix is the table's, and docs/engines.md's
+compatibility matrix is `matrix()` printed (`python -m tierstore.client.engines.checks`; a
+test holds the page to it).
+
+`CheckpointCheck` is the weight loader both plugins give an Engram layer's fp8 weight and
+ue8m0 scale parameters: it compares the checkpoint tensor with tierstore's rows (a spread of
+SAMPLE_ROWS rows, or all of them, read CHUNK_ROWS at a time) and copies nothing; a difference
+is a CheckpointMismatch naming the layer, the tensor and the row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tierstore import errors
+
+__all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
+           "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES"]
+
+# engine -> (distribution name, versions the plugin was written against and tested with)
+SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.32.0",))}
+SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "sample"
+CHUNK_ROWS = 65536  # rows compared at a time under verify "all" (bounded memory at any table size)
+VERIFY_MODES = ("sample", "all", "off")
+
+WORKS = "works (CPU tests)"
+REFUSED = "refused"
+NO_GPU = "not tested on GPU"
+MODES = ("mapped", "staged")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One row of the compatibility matrix: `engine`'s `name` under each mode, WORKS (run by
+    the CPU tests), NO_GPU (written for CUDA, not run on a GPU yet) or REFUSED at start with
+    `fix` (the message's remedy)."""
+
+    engine: str
+    name: str
+    mapped: str
+    staged: str
+    fix: str = ""
+
+    def status(self, mode: str) -> str:
+        return self.mapped if mode == "mapped" else self.staged
+
+
+_NO_SOCKET = {"sglang": "TIERSTORE_SGLANG_SOCKET", "vllm": "TIERSTORE_VLLM_SOCKET"}
+FEATURES = (
+    Feature("sglang", "CPU forward (sglang's torch path)", WORKS, WORKS),
+    Feature("sglang", "CUDA forward (engram_gather over the registered arena, UVA)", NO_GPU, NO_GPU),
+    Feature("sglang", "ROCm forward (device address from hipHostGetDevicePointer)", NO_GPU, NO_GPU),
+    Feature("sglang", "tensor parallelism, shared host-table layout", WORKS, WORKS),
+    Feature("sglang", "speculative decoding (--speculative-algorithm)", REFUSED, REFUSED,
+            "tierstore's Engram rows serve extend and decode batches only, not target-verify or draft "
+            "batches: start sglang without --speculative-algorithm, or unset TIERSTORE_SGLANG_SOCKET"),
+    Feature("sglang", "--load-format dummy", REFUSED, REFUSED,
+            "the dummy initialiser writes every parameter and tierstore's arena is mapped read-only: "
+            "unset TIERSTORE_SGLANG_SOCKET for dummy-weight runs"),
+    Feature("sglang", "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)", REFUSED, REFUSED,
+            "peer shards keep the rows in device memory and never build a host table for tierstore to "
+            "serve: unset SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS (the arena is already one copy per host), or "
+            "unset TIERSTORE_SGLANG_SOCKET"),
+    Feature("sglang", "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)", REFUSED, REFUSED,
+            "tierstore's arena is sglang's shared layout (every rank maps the whole table): unset "
+            "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or set it to shared"),
+    Feature("vllm", "CPU loading (allocation, weight loader, checkpoint check)", WORKS, WORKS),
+    Feature("vllm", "CUDA lookup (_storage() UVA views / staged lookup on a side stream)", NO_GPU, NO_GPU),
+    Feature("vllm", "host tables (engram cpu_offload on, vLLM's default)", WORKS, WORKS),
+    Feature("vllm", "tables in HBM (engram cpu_offload off)", REFUSED, REFUSED,
+            "tierstore serves host tables; with cpu_offload off vLLM keeps the table in HBM itself: turn "
+            "cpu_offload on or unset TIERSTORE_VLLM_SOCKET"),
+    Feature("vllm", "--load-format dummy", REFUSED, REFUSED,
+            "the dummy initialiser fills the Engram parameters and tierstore's arena is read-only: unset "
+            "TIERSTORE_VLLM_SOCKET for dummy-weight runs"),
+)
+
+
+def feature(engine: str, name: str) -> Feature:
+    for f in FEATURES:
+        if f.engine == engine and f.name == name:
+            return f
+    raise KeyError((engine, name))
+
+
+class EngineRefused(errors.TierstoreError):
+    """An engine, or an engine setting, that tierstore's plugin does not serve; the message names
+    what was found and the fix. Raised at the engine's start, before any table is built."""
+
+    GRPC_CODE = "FAILED_PRECONDITION"
+
+    @classmethod
+    def of(cls, engine: str, name: str, found: str) -> "EngineRefused":
+        f = feature(engine, name)
+        assert REFUSED in (f.mapped, f.staged), f
+        return cls(f"tierstore's {engine} plugin refuses {name} ({found}): {f.fix}")
+
+
+def check_version(engine: str) -> str:
+    """The installed version of `engine` ("sglang" / "vllm"); EngineRefused unless SUPPORTED lists it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    dist, versions = SUPPORTED[engine]
+    try:
+        have = version(dist)
+    except PackageNotFoundError:
+        have = None
+    if have not in versions:
+        raise EngineRefused(f"tierstore's {engine} plugin supports {engine} {', '.join(versions)}, found "
+                            f"{have or 'none'}: install {engine} {versions[-1]} (`pip install tierstore[{engine}]`), "
+                            f"or unset {_NO_SOCKET[engine]} to run {engine} without tierstore")
+    return have
+
+
+def matrix() -> str:
+    """docs/engines.md's compatibility matrix, a markdown table made from SUPPORTED and FEATURES."""
+    lines = ["| engine | mode | feature | status |", "|---|---|---|---|"]
+    for engine, (_, versions) in SUPPORTED.items():
+        for mode in MODES:
+            for f in (f for f in FEATURES if f.engine == engine):
+                status = f.status(mode)
+                cell = f"refused at start: {f.fix}" if status == REFUSED else status
+                lines.append(f"| {engine} {', '.join(versions)} | {mode} | {f.name} | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
+class CheckpointMismatch(errors.SpecMismatch):
+    """A checkpoint's Engram tensor is not the table tierstore serves (its shape, or a row's bytes)."""
+
+
+class CheckpointCheck:
+    """The check-not-copy weight loader of one Engram layer's two parameters.
+
+    engine: "sglang" / "vllm" (the messages' subject). table, version: the tierstore table and
+    the version served. rows: the table's row count (the checkpoint tensor must have exactly
+    these rows); start, end: the rows this rank holds, the only ones compared. read(which, ids)
+    -> uint8 [len(ids), width]: tierstore's stored bytes of "weight" (width dim) or "scale"
+    (dim / 32) for table rows `ids` (a mapped arena's, or read through the client, verified).
+    verify: "sample" (SAMPLE_ROWS rows spread over [start, end)), "all", or "off" (the shape only).
+
+    `__call__(param, loaded)` (the engines' weight-loader call; `param` is the weight when it is
+    float8_e4m3fn, else the scale) writes nothing, and raises CheckpointMismatch on a tensor of
+    another shape or on the first row whose bytes differ."""
+
+    def __init__(self, engine: str, layer_id: int, table: str, version: int, rows: int, dim: int,
+                 read: Callable[[str, np.ndarray], np.ndarray], verify: str, start: int = 0, end: int | None = None):
+        if verify not in VERIFY_MODES:
+            raise errors.InvalidArgument(f"verify is one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+        self.engine, self.layer_id, self.table, self.version = engine, layer_id, table, version
+        self.rows, self.dim, self.read, self.verify = rows, dim, read, verify
+        self.start, self.end = start, rows if end is None else end
+        self.checked: list[str] = []
+
+    def width(self, which: str) -> int:
+        return self.dim if which == "weight" else self.dim // 32
+
+    def __call__(self, param, loaded) -> None:
+        import torch
+
+        which = "weight" if param.dtype == torch.float8_e4m3fn else "scale"
+        want = (self.rows, self.width(which))
+        if tuple(loaded.shape) != want:
+            raise CheckpointMismatch(
+                f"{self.engine}'s Engram layer {self.layer_id}: checkpoint tensor embed.{which} is "
+                f"{tuple(loaded.shape)}, tierstore table {self.table} holds {want}: it does not fit; serve the "
+                f"table ingested from this checkpoint (`tierstore ingest-checkpoint`)")
+        self.checked.append(which)
+        if self.verify == "off":
+            return
+        n = self.end - self.start
+        if self.verify == "all" or n <= SAMPLE_ROWS:
+            chunks = (np.arange(lo, min(lo + CHUNK_ROWS, n)) for lo in range(0, n, CHUNK_ROWS))
+        else:
+            chunks = (np.unique(np.linspace(0, n - 1, SAMPLE_ROWS).astype(np.int64)),)
+        raw = loaded.detach().view(torch.uint8)
+        for part in chunks:
+            ids = part + self.start
+            theirs = raw[torch.from_numpy(ids).to(raw.device)].cpu().numpy()
+            differ = np.flatnonzero(np.any(theirs != self.read(which, ids), axis=1))
+            if differ.size:
+                raise CheckpointMismatch(
+                    f"{self.engine}'s Engram layer {self.layer_id}: checkpoint tensor embed.{which} differs from "
+                    f"tierstore table {self.table} v{self.version} at row {int(ids[differ[0]])}: the sidecar serves "
+                    f"another checkpoint's table; ingest this checkpoint (`tierstore ingest-checkpoint`) and "
+                    f"restart the sidecar, or start {self.engine} on the checkpoint that was ingested")
+
+
+if __name__ == "__main__":
+    print(matrix(), end="")

@@ -1,0 +1,33 @@
+"""client/engines/checks.py: the refusal table the plugins raise from is the one docs/engines.md shows."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tierstore.client.engines import checks, sglang, vllm_plugin
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "engines.md"
+
+
+def test_the_docs_matrix_is_what_the_generator_prints():
+    page = DOC.read_text()
+    shown = re.search(r"<!-- matrix: python -m tierstore.client.engines.checks -->\n(.*?)<!-- /matrix -->",
+                      page, re.S)
+    assert shown, "docs/engines.md has no generated matrix"
+    printed = subprocess.run([sys.executable, "-m", "tierstore.client.engines.checks"], capture_output=True,
+                             text=True, check=True).stdout
+    assert shown.group(1) == printed == checks.matrix()
+
+
+def test_every_refused_feature_is_one_a_plugin_raises():
+    """Each REFUSED row is named by the plugin that refuses it (the constant it raises with),
+    and each name a plugin raises with is a REFUSED row: the matrix cannot list a refusal no
+    code makes, nor miss one."""
+    raised = {("sglang", n) for n in (sglang.SPECULATIVE, sglang.DUMMY, sglang.PEER_SHARDS, sglang.PER_RANK)}
+    raised |= {("vllm", n) for n in (vllm_plugin.HBM_TABLES, vllm_plugin.DUMMY)}
+    listed = {(f.engine, f.name) for f in checks.FEATURES if checks.REFUSED in (f.mapped, f.staged)}
+    assert raised == listed
+    for engine, name in raised:
+        assert checks.EngineRefused.of(engine, name, "x").args[0].endswith(checks.feature(engine, name).fix)

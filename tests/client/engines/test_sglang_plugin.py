@@ -1,0 +1,104 @@
+"""tierstore's sglang plugin as sglang loads it (its own load_plugins(): the entry point, then
+HookRegistry.apply_hooks): what it refuses at start, with the fix, instead of letting sglang fall
+back to its own full host table, and what a mapped layer costs after a sidecar restart."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_plugins  # noqa: E402
+from sglang_engram import build_engram  # noqa: E402
+from v41_checkpoint import write_checkpoint  # noqa: E402
+
+from tierstore.client.client import Client
+from tierstore.client.engines import checks
+from tierstore.ingest.checkpoint import ingest_checkpoint
+from tierstore.sidecar.launcher import SidecarProcess
+
+HOST_TABLE = "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"
+
+
+def _refused(socket, **env) -> str:
+    """sglang's load_plugins() with the plugin on: the message it exits with (SystemExit, which
+    load_plugins does not swallow); the host-table flag must not have been set."""
+    with pytest.raises(SystemExit) as e:
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket, **env):
+            pass
+    assert HOST_TABLE not in os.environ
+    return str(e.value)
+
+
+def test_another_sglang_version_stops_the_start_naming_the_supported_ones(sglang_engram, tmp_path, monkeypatch):
+    monkeypatch.setitem(checks.SUPPORTED, "sglang", ("sglang", ("0.5.24",)))
+    msg = _refused(tmp_path / "ts.sock")
+    assert msg.startswith("tierstore: EngineRefused:")
+    assert "supports sglang 0.5.24, found 0.5.23" in msg and "unset TIERSTORE_SGLANG_SOCKET" in msg
+
+
+def test_a_seam_sglang_renamed_stops_the_start_instead_of_a_full_host_table(sglang_engram, tmp_path, monkeypatch):
+    """sglang logs and drops a plugin's exceptions and its failed hooks: with _init_host_table
+    gone the plugin must stop the process itself, before it turns the host table on."""
+    monkeypatch.delattr(sglang_engram[0].EngramEmbedding, "_init_host_table")
+    msg = _refused(tmp_path / "ts.sock")
+    assert "no sglang.srt.layers.engram.EngramEmbedding._init_host_table" in msg
+    assert "its own full Engram host table" in msg and "unset TIERSTORE_SGLANG_SOCKET" in msg
+
+
+@pytest.mark.parametrize("env, feature", [
+    ({"SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "1"}, "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"),
+    ({"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"},
+     "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"),
+])
+def test_engram_settings_that_would_bypass_tierstore_stop_the_start(sglang_engram, tmp_path, env, feature):
+    msg = _refused(tmp_path / "ts.sock", **env)
+    assert f"refuses {feature}" in msg and checks.feature("sglang", feature).fix in msg
+
+
+@pytest.mark.parametrize("args, feature", [
+    ({"speculative_algorithm": "DSPARK"}, "speculative decoding (--speculative-algorithm)"),
+    ({"load_format": "dummy"}, "--load-format dummy"),
+])
+def test_server_settings_tierstore_does_not_serve_are_refused_at_start(sglang_engram, tmp_path, args, feature):
+    """sglang's start checks its ServerArgs before it spawns a process: the plugin refuses there
+    (before sglang's own checks), so neither a verify batch nor the dummy initialiser ever runs."""
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=str(tmp_path), **args)
+    with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=tmp_path / "ts.sock"):
+        with pytest.raises(checks.EngineRefused, match="refuses " + feature.replace("(", r"\(").replace(")", r"\)")):
+            server_args.check_server_args()
+
+
+def test_a_sidecar_restart_costs_one_describe_not_one_per_forward(tmp_path, sglang_engram, monkeypatch):
+    """After the sidecar restarts (same version), the mapped layer's retired arena is checked
+    against what the new one serves once; the forwards after it read one header byte."""
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    text = json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"]
+    socket = tmp_path / "ts.sock"
+    split = ("--split-layout", "all")
+    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB", extra_args=split):
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
+            fed, _ = build_engram(sglang_engram, dict(root=tmp_path, text=text), 1)
+    describes = []
+    call = Client._call
+
+    def counted(self, method, request, retry=True):
+        describes.append(method) if method == "DescribeTable" else None
+        return call(self, method, request, retry)
+
+    monkeypatch.setattr(Client, "_call", counted)
+    ids = torch.zeros(3, 9, dtype=torch.int64)
+    x = torch.ones(3, text["hc_mult"], text["hidden_size"], dtype=torch.bfloat16)
+    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB", extra_args=split):
+        with torch.no_grad():
+            outs = [fed(x, ids, None, input_ids=ids[:, 0]) for _ in range(5)]
+    assert describes == ["DescribeTable"]
+    assert all(torch.equal(o, outs[0]) for o in outs)
