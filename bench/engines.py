@@ -50,10 +50,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_engines_bench", "engines_line"]
+__all__ = ["run_engines_bench", "engines_line", "tp_cell"]
 
 REQUESTS = 4  # requests of a cache-mode round: the extend's tokens split among them
 CACHE_SHARE = 4  # the cache-mode sidecar's DRAM budget: 1 / CACHE_SHARE of the table's bytes
+TP_RANKS = 8  # client processes of the TP cell, as the ranks of one TP8 engine on a host
 HOST_TABLE_VARS = ("TIERSTORE_SGLANG_SOCKET", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
                    "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
 
@@ -202,6 +203,7 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     res["bit_exact"] = bool(exact)
     res["cache"] = _cache_cell(engram, spec, shard, work, own, tokens=tokens, rounds=rounds,
                                decode_steps=decode_steps, seed=seed, log=log)
+    res["tp"] = tp_cell(work / "data", "l1", rows, batch=tokens * spec.columns, batches=rounds, seed=seed, log=log)
     (work / "result.json").write_text(json.dumps(res, indent=1))
     import shutil
 
@@ -377,6 +379,111 @@ def _settled_stats(socket, client, timeout: float = 10.0) -> dict:
         time.sleep(0.02)
 
 
+# ---- the TP cell ---------------------------------------------------------------------------------
+# one TP rank: StagedTable.gather (the sglang stager's read, Client.lookup) of each batch, after a warm-up
+# on an id of its own; every batch starts together (a start file per batch, as a collective would)
+_RANK = r"""
+import json, os, sys, time
+import numpy as np
+from tierstore.client.client import Client
+from tierstore.client.engines.sglang_stager import StagedTable
+
+sock, table, batches, warm, go = sys.argv[1:6]
+ids = np.load(batches)
+def read_bytes():
+    with open("/proc/self/io") as f:
+        return int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
+with Client(sock) as c:
+    st = StagedTable(c, table)
+    c.lookup(table, np.array([int(warm)]))
+    local = c.handle(table).local
+    weight = np.empty((ids.shape[1], st.dim), np.uint8)
+    scale = np.empty((ids.shape[1], st.dim // 32), np.uint8)
+    b0, d0, c0 = read_bytes(), local.distinct_device, local.distinct_cold
+    print("ready", flush=True)
+    took = 0.0
+    for k in range(ids.shape[0]):
+        while not os.path.exists(f"{go}.{k}"):
+            time.sleep(0.0002)
+        t = time.perf_counter()
+        st.gather(ids[k], weight, scale)
+        took += time.perf_counter() - t
+        print("done", flush=True)
+    print(json.dumps(dict(read_bytes=read_bytes() - b0, device=local.distinct_device - d0,
+                          cold=local.distinct_cold - c0, seconds=took)), flush=True)
+"""
+
+
+def tp_cell(data_dir: Path, table: str, rows: int, *, batch: int, batches: int, seed: int = 0, log=print) -> dict:
+    """TP_RANKS client processes staging the same batches of `table` from a --direct-io sidecar
+    (1 / CACHE_SHARE of its rows in DRAM), as the ranks of one TP engine do, against one
+    process alone and against the same processes each reading its own misses
+    (TIERSTORE_MISS_FLIGHTS=0, what every client did before miss flights). Each run on a
+    sidecar of its own, started empty, over batches of its own (uniform ids: mostly misses).
+    Device reads are counted by the kernel (/proc/<pid>/io read_bytes of every rank over its
+    batches): reads per distinct miss = a run's bytes per distinct miss over the lone
+    process's. rows/s: rows each rank staged per second of the slowest rank's staging."""
+    import subprocess
+    import sys
+
+    from tierstore.sidecar.launcher import SidecarProcess
+
+    rng = np.random.default_rng(seed + 7)
+    budget = f"{max(1, rows * 264 // CACHE_SHARE // 2**20)}MiB"
+    out: dict = {"ranks": TP_RANKS, "batch": batch, "batches": batches}
+    work = Path(tempfile.mkdtemp(prefix="tp-", dir=data_dir.parent))
+    for name, n, env in (("alone", 1, {}), ("ranks_each", TP_RANKS, {"TIERSTORE_MISS_FLIGHTS": "0"}),
+                         ("ranks_shared", TP_RANKS, {})):
+        ids = rng.integers(0, rows - TP_RANKS, (batches, batch), dtype=np.int64)
+        np.save(work / f"{name}.npy", ids)
+        sc = SidecarProcess(data_dir, dram_budget=budget, extra_args=["--direct-io", "--no-warm-start",
+                                                                       "--verify-sample", "0"])
+        try:
+            sc.start()
+        except Exception as e:  # noqa: BLE001
+            sc.cleanup()
+            return {"skipped": f"--direct-io refused here: {str(e).splitlines()[0]}"}
+        with sc:
+            go = work / f"go-{name}"
+            procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(sc.socket), table, str(work / f"{name}.npy"),
+                                       str(rows - 1 - k), str(go)], stdout=subprocess.PIPE, text=True, cwd="/",
+                                      env={**os.environ, **env}) for k in range(n)]
+            try:
+                for p in procs:
+                    if p.stdout.readline().strip() != "ready":
+                        raise RuntimeError(f"a TP rank of the {name} run did not start")
+                t0 = time.perf_counter()
+                for k in range(batches):
+                    Path(f"{go}.{k}").touch()
+                    for p in procs:
+                        p.stdout.readline()
+                wall = time.perf_counter() - t0
+                got = [json.loads(p.stdout.readline()) for p in procs]
+                for p in procs:
+                    p.wait(timeout=60)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+        distinct = max(g["cold"] for g in got)  # every rank misses the same rows, bar a few found resident
+        out[name] = {"read_bytes": sum(g["read_bytes"] for g in got), "distinct_misses": distinct,
+                     "device_rows": sum(g["device"] for g in got), "rows_per_s": batches * batch / wall,
+                     "wall_s": wall}
+        log(f"bench engines: TP cell, {name}: {n} process(es), {out[name]['read_bytes'] / 2**20:.1f} MiB read "
+            f"for {distinct} distinct misses, {out[name]['rows_per_s']:.0f} rows/s a rank")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    per_miss = out["alone"]["read_bytes"] / max(1, out["alone"]["distinct_misses"])
+    for name in ("alone", "ranks_each", "ranks_shared"):
+        r = out[name]
+        r["device_reads_per_miss"] = r["read_bytes"] / max(1, r["distinct_misses"]) / per_miss
+    out["shared_vs_each_rows_per_s"] = out["ranks_shared"]["rows_per_s"] / out["ranks_each"]["rows_per_s"]
+    out["shared_vs_alone_rows_per_s"] = out["ranks_shared"]["rows_per_s"] / out["alone"]["rows_per_s"]
+    return out
+
+
 def engines_line(res: dict) -> str:
     line = (f"engines: sglang Engram on CPU, {res['rows']} rows ({res['table_mib']:.0f} MiB): step "
             f"{res['tierstore_step_ms']:.2f} ms fed by tierstore vs {res['own_step_ms']:.2f} ms own table "
@@ -392,4 +499,13 @@ def engines_line(res: dict) -> str:
                  f"({c['extend_ratio']:.2f}x), decode {c['cache_decode_ms']:.2f} ms (stage {c['stage_decode_ms']:.2f}) "
                  f"vs {c['own_decode_ms']:.2f} ms ({c['decode_ratio']:.2f}x), hit ratio {c['hit_ratio']:.3f}, "
                  f"bit-exact {c['bit_exact']}, start-up {c['start_s']:.3f} s")
+    tp = res.get("tp") or {}
+    if "skipped" in tp:
+        line += f"; TP cell skipped: {tp['skipped']}"
+    elif tp:
+        line += (f"; TP{tp['ranks']} (--direct-io, same batches): "
+                 f"{tp['ranks_shared']['device_reads_per_miss']:.2f} device reads per distinct miss "
+                 f"({tp['ranks_each']['device_reads_per_miss']:.2f} each rank reading its own), "
+                 f"{tp['ranks_shared']['rows_per_s']:.0f} rows/s a rank vs {tp['ranks_each']['rows_per_s']:.0f} "
+                 f"({tp['alone']['rows_per_s']:.0f} one process alone)")
     return line

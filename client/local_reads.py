@@ -10,7 +10,9 @@ index (tierstore/cache/slot_index.py):
 2. misses are read from the table's segment files and verified by their row
    checksums (inside each record, or format 1's mapped row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
    sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
-   that (`cold_dir`); otherwise (Mooncake, versions without row checksums) a
+   that (`cold_dir`); under O_DIRECT a row another local client is reading at
+   the same time is copied from it instead (tierstore/cache/miss_flights.py:
+   TP ranks staging one batch read each miss once between them); otherwise (Mooncake, versions without row checksums) a
    step with misses is planned through the sidecar as before;
 3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
    and one-way (client/step_link.py): its policy learns the step as if it had
@@ -34,7 +36,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tierstore.errors import TierstoreError
+from tierstore.cache import miss_flights
+from tierstore.cache.miss_flights import MissFlights
+from tierstore.errors import StaleArena, TierstoreError
 from tierstore.jit import Kernel, distinct
 from tierstore.cache.slot_index import map_index
 from tierstore.jit import unique_inverse
@@ -61,6 +65,8 @@ class LocalReads:
         self._cold_lock = threading.Lock()
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
         self.distinct_asked = self.distinct_cold = 0  # the same in distinct ids per step (as the sidecar counts)
+        self.distinct_device = 0  # of distinct_cold, those this process read from the segment files itself
+        self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
 
     def read(self, ids: np.ndarray) -> np.ndarray | None:
         """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
@@ -81,7 +87,13 @@ class LocalReads:
             where = np.flatnonzero(gens & 1)
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
-            cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+            if self._flights is not None:  # a row another client is reading now is not read again
+                shared = self._flights.rows_shared
+                self._flights.read(uniq, got, cold)  # verified; ChecksumError is DATA_LOSS
+                self.distinct_device += uniq.size - (self._flights.rows_shared - shared)
+            else:
+                cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+                self.distinct_device += uniq.size
             out[where] = got[inv]
             self.distinct_cold += uniq.size
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
@@ -119,8 +131,9 @@ class LocalReads:
                                 else cat.checksums(self.table, self.version)
                         # format 2: each record carries its row sum (nothing per row held here);
                         # format 1: the row-sum file is mapped, one page-cache copy for the host
-                        self._cold = SegmentReader(self.handle.cold_dir, v, checksums,
-                                                   direct_io=self.handle.cold_direct)
+                        cold = SegmentReader(self.handle.cold_dir, v, checksums, direct_io=self.handle.cold_direct)
+                        self._flights = _flights(self.handle, cold)
+                        self._cold = cold
                     except (OSError, TierstoreError) as e:
                         log.warning("table %s: cannot read misses from %s here (%s); planning them instead",
                                     self.table, self.handle.cold_dir, e)
@@ -128,9 +141,24 @@ class LocalReads:
         return self._cold
 
     def close(self) -> None:
+        if self._flights is not None:
+            self._flights.close()
+            self._flights = None
         if self._cold is not None:
             self._cold.close()
             self._cold = None
+
+
+def _flights(handle: "TableHandle", cold) -> MissFlights | None:
+    """The table's miss flights, where the sidecar keeps them (O_DIRECT and rows verified by their
+    sums: cache/miss_flights.py) and this process may share misses; None otherwise (each miss read here)."""
+    if cold.direct is None or not cold.carried_form or not miss_flights.usable():
+        return None
+    width = cold.record_bytes if cold.carried_form == "records" else cold.row_bytes
+    try:
+        return MissFlights(miss_flights.flights_path(handle.index_path), handle.rows, width, handle.instance)
+    except (OSError, StaleArena):
+        return None  # a sidecar that keeps none (an older release): misses are read here, as before
 
 
 # ---- the reader's three passes (compiled; numpy below is the reference) ----

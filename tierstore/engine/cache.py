@@ -26,6 +26,7 @@ from tierstore.engine.base import Placement, TableEngine
 from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted, VersionNotFound
 from tierstore.jit import distinct, strictly_increasing
 from tierstore.cache.policy import make_policy
+from tierstore.cache.miss_flights import MissFlightsFile, flights_path
 from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.jit import unique_inverse
@@ -82,6 +83,16 @@ class CacheEngine(TableEngine):
         # what a client's note may carry for its misses (SegmentReader.carried_form): rows checked
         # against sums held or cached, records (format 2 under O_DIRECT) or nothing
         self._carried_form = getattr(reader, "carried_form", "")
+        # under O_DIRECT the clients' own misses share nothing (no page cache between them): the
+        # flights file lets a row several clients miss at once be read once (miss_flights.py)
+        self.flights = None
+        if index_path is not None and self._carried_form and getattr(reader, "direct", None) is not None:
+            width = self.version.record_bytes if self._carried_form == "records" else self.version.row_bytes
+            try:
+                self.flights = MissFlightsFile(flights_path(index_path), self.rows, width, instance)
+            except BaseException:
+                self.slots.close()
+                raise
         self._fills: dict[int, Fill] = {}
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
@@ -391,8 +402,10 @@ class CacheEngine(TableEngine):
         return miss[passed]
 
     def close(self) -> None:
-        """Remove the shared slot index (the arena is the sidecar's to close)."""
+        """Remove the shared slot index and miss flights (the arena is the sidecar's to close)."""
         self.slots.close()
+        if self.flights is not None:
+            self.flights.close()
 
     def _reserve(self, uniq: np.ndarray, lease: bool, admit_only: bool = False):
         """Stage 1 (lock held inside): pin hits, reserve and map slots for misses.
@@ -630,7 +643,8 @@ class CacheEngine(TableEngine):
         return self.slots.resident, self.slots.n_pinned
 
     def metadata_bytes(self) -> int:
-        return super().metadata_bytes() + self.slots.held_bytes + self.policy.held_bytes()
+        flights = self.flights.nbytes if self.flights is not None else 0
+        return super().metadata_bytes() + self.slots.held_bytes + self.policy.held_bytes() + flights
 
 
 def _unique_max(ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
