@@ -59,7 +59,10 @@ PHASES = ("cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_dec
 UNITS = {"rows_per_s": "rows/s (distinct ids per layer per step, summed)", "p50_ms": "ms per step",
          "p99_ms": "ms per step", "iops": "reads/s", "hit_ratio": "fraction of distinct ids per step and layer "
          "found in the DRAM arena", "misses_per_s": "rows read from disk per second", "bytes": "bytes",
-         "arena_fill": "resident rows / arena slots at the end of the phase"}
+         "arena_fill": "resident rows / arena slots at the end of the phase",
+         "distinct_rows_asked": "rows: distinct ids the run asked of the table, every phase (the most the arena "
+         "can hold is the smaller of this and its slots)", "distinct_asked_so_far": "rows: the same, by the end "
+         "of the phase", "fill_of_reachable": "resident rows / min(arena slots, distinct rows asked)"}
 
 
 # ---- the table ------------------------------------------------------------------
@@ -416,11 +419,18 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         s = last[t]
         cap = int(s.get("capacity", 0))
         steps = [st_[j] for p in PHASES for st_ in phases[p]]
+        seen = np.zeros(v.rows, dtype=bool)  # the distinct rows asked by the end of each phase
+        for k, p in enumerate(PHASES):
+            for st_ in phases[p]:
+                seen[st_[j]] = True
+            r["phases"][p].setdefault("distinct_asked_so_far", {})[t] = int(np.count_nonzero(seen))
         if (t, cap) not in lru:
             lru[t, cap] = (_lru(steps[:n_cold], v.rows, cap, 0), _lru(steps, v.rows, cap, n_warm))
         r["tables"][t] = {
             "rows": v.rows, "arena_slots": cap, "resident": int(s.get("resident", 0)),
             "arena_fill": int(s.get("resident", 0)) / max(1, cap),
+            "distinct_rows_asked": int(np.count_nonzero(seen)),
+            "fill_of_reachable": int(s.get("resident", 0)) / max(1, min(cap, int(np.count_nonzero(seen)))),
             "metadata_bytes": int(s.get("metadata_bytes", 0)),
             "metadata_bytes_per_slot": int(s.get("metadata_bytes", 0)) / max(1, cap),
             "metadata_bytes_per_row": int(s.get("metadata_bytes", 0)) / max(1, v.rows),
@@ -584,8 +594,10 @@ def large_line(r: dict) -> str:
             s += f", misses {d['steady_misses_per_s'] / 1e3:.0f}k/s = {d['misses_per_s_of_disk_best']:.2f} of disk"
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
+            asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())
             lru = [t["lru_hit_ratio_steady"] for t in d["tables"].values() if isinstance(t["lru_hit_ratio_steady"], float)]
-            s += (f", arena {fill:.0%} full, steady hit {d['hit_ratio_steady'] or 0:.3f}"
+            s += (f", arena {fill:.0%} full (distinct rows asked {asked:.2f}x its slots), steady hit "
+                  f"{d['hit_ratio_steady'] or 0:.3f}"
                   + (f" vs LRU {np.mean(lru):.3f}" if lru else ""))
         parts.append(s)
     best = r.get("disk_best_iops")

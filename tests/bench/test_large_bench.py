@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-PHASES = {"cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode"}
+PHASES_IN_ORDER = ("cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode")
+PHASES = set(PHASES_IN_ORDER)
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
     data, out = tmp_path / "data", tmp_path / "out"
     code, stdout, err = cli("bench", "large", "--data", data, "--out", out, "--quick", "--no-progress")
     assert code == 0, err
-    assert stdout.startswith("large 0.06 GiB (fp8-e4m3-ue8m0)")
+    assert stdout.startswith("large 0.06 GiB (fp8-e4m3-ue8m0)") and "distinct rows asked" in stdout
     assert "tierstore demo-table --preset deepseek-v4.1-flash --scale" in err  # the build says what it runs
     r = json.loads((out / "results.json").read_text())["scenarios"]["large"]
     assert r["tables"] == ["l1", "l14"] and r["row_bytes"] == 264
@@ -45,8 +46,15 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         assert d["footprint"] >= d["sidecar_rss"] > 0
         for t in d["tables"].values():
             assert t["arena_slots"] > 0 and 0 < t["arena_fill"] <= 1
+            # the arena holds no more rows than the run asked for
+            assert 0 < t["resident"] <= min(t["arena_slots"], t["distinct_rows_asked"])
+            assert t["fill_of_reachable"] == t["resident"] / min(t["arena_slots"], t["distinct_rows_asked"])
             assert t["metadata_bytes_per_slot"] > 0 and t["metadata_bytes_per_row"] > 0
             assert 0 <= t["lru_hit_ratio_steady"] <= 1
+        so_far = [d["phases"][p]["distinct_asked_so_far"] for p in PHASES_IN_ORDER]
+        for table, t in d["tables"].items():
+            counts = [s[table] for s in so_far]
+            assert counts == sorted(counts) and counts[-1] == t["distinct_rows_asked"]
         assert 0 <= d["phases"]["steady_decode"]["hit_ratio"] <= 1 and 0 <= d["hit_ratio_steady"] <= 1
     if "mmap-capped" in ran:
         assert ran["mmap-capped"]["cgroup"]["limit_bytes"] == int(
