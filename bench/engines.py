@@ -443,7 +443,7 @@ def tp_cell(data_dir: Path, table: str, rows: int, *, batch: int, batches: int, 
         except Exception as e:  # noqa: BLE001
             sc.cleanup()
             return {"skipped": f"--direct-io refused here: {str(e).splitlines()[0]}"}
-        with sc:
+        try:  # started above: not `with sc`, which would start a second one
             go = work / f"go-{name}"
             procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(sc.socket), table, str(work / f"{name}.npy"),
                                        str(rows - 1 - k), str(go)], stdout=subprocess.PIPE, text=True, cwd="/",
@@ -466,6 +466,8 @@ def tp_cell(data_dir: Path, table: str, rows: int, *, batch: int, batches: int, 
                     if p.poll() is None:
                         p.kill()
                         p.wait()
+        finally:
+            sc.cleanup()
         distinct = max(g["cold"] for g in got)  # every rank misses the same rows, bar a few found resident
         out[name] = {"read_bytes": sum(g["read_bytes"] for g in got), "distinct_misses": distinct,
                      "device_rows": sum(g["device"] for g in got), "rows_per_s": batches * batch / wall,

@@ -90,8 +90,10 @@ def direct(tmp_path):
     except Exception as e:  # noqa: BLE001
         sc.cleanup()
         pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
-    with sc:
+    try:  # started above (where O_DIRECT is refused the test is skipped): not `with sc`, which starts another
         yield sc, data
+    finally:
+        sc.cleanup()
 
 
 def _stage(sc, tmp_path, table: str, ids: np.ndarray, n: int, env=None) -> list[dict]:
@@ -174,3 +176,26 @@ def test_a_reader_that_dies_or_stalls_holding_claims_costs_the_others_a_bounded_
         if claimer.poll() is None:
             claimer.kill()
             claimer.wait()
+
+
+def test_the_flights_file_goes_with_the_sidecar(tmp_path):
+    d = tmp_path / "data"
+    _write(d)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sc = SidecarProcess(d, dram_budget="1MiB", extra_args=["--direct-io"], env={"TIERSTORE_SHM_DIR": str(shm)})
+    try:
+        sc.start()
+    except Exception as e:  # noqa: BLE001
+        sc.cleanup()
+        pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
+    try:
+        with Client(sc.socket) as c:
+            path = c.handle("t").index_path + ".flights"
+            assert (shm / path.rsplit("/", 1)[1]).exists()
+            assert np.array_equal(c.lookup("t", np.arange(10, 20))[:, :8].view("<u8").ravel(), np.arange(10, 20))
+            assert c.handle("t").local._flights is not None
+        assert sc.stop() == 0, sc.log()
+        assert not list(shm.iterdir()), "the sidecar left files in its shm dir"
+    finally:
+        sc.cleanup()
