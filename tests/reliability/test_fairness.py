@@ -42,7 +42,7 @@ def _honest_steps(path, steps: list) -> list:
 
 
 def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_client(table, sidecars):
-    sc = sidecars(table, "512KiB", "--lease-ttl", 30)
+    sc = sidecars(table, "512KiB", "--lease-ttl", 30, "--max-client-share", 0.5)
     with Client(sc.socket) as honest:
         capacity = honest.tables()[0]["arena_slots"]
         greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(4)]

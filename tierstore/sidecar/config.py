@@ -61,7 +61,7 @@ class ServeConfig:
     lease_ttl_s: float = 30.0           # a dead client's leases end after this
     max_leases: int = MAX_LEASES        # live leases in all (at most MAX_LEASES: a row's pins never saturate)
     max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step), so its pins of a row
-    max_client_share: float = 0.5       # of a cache-mode table's arena slots, one client's live leases hold at most
+    max_client_share: float = 1.0       # of a cache-mode table's arena slots, one client's live leases hold at most
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
     receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
