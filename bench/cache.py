@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.bench.traces import Trace, aws_docs_corpus, deepseek_text_trace, document_trace, zipf_trace
+from tierstore.bench.traces import (Trace, aws_docs_corpus, deepseek_text_trace, document_trace,
+                                    stdlib_docstrings_corpus, zipf_trace)
 from tierstore.errors import InvalidArgument
 from tierstore.cache.policy import PolicyConfig, make_policy
 
@@ -44,7 +45,8 @@ _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<
 
 def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
     """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text' (CPython
-    docs), 'aws-docs' (botocore's AWS API docs), a saved trace path, or a Trace
+    docs), 'aws-docs' (botocore's AWS API docs), 'docstrings' (the standard library's
+    docstrings), a saved trace path, or a Trace
     (see traces.access_trace for a user's access log)."""
     if isinstance(kind, Trace):
         return kind
@@ -58,9 +60,12 @@ def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
     if kind == "aws-docs":  # a second domain: AWS API reference text from botocore
         return deepseek_text_trace(seed=seed, name="aws-docs", texts=aws_docs_corpus(),
                                    corpus_name="botocore data/*/service-2.json documentation (Apache-2.0)")
+    if kind == "docstrings":  # a third, held-out domain: the standard library's docstrings
+        return deepseek_text_trace(seed=seed, name="docstrings", texts=stdlib_docstrings_corpus(),
+                                   corpus_name="CPython Lib/**/*.py docstrings (PSF licence)")
     if Path(kind).exists():
         return Trace.load(kind)
-    raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, text or a NAME.npy trace path")
+    raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, text, aws-docs, docstrings or a NAME.npy trace path")
 
 
 def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,

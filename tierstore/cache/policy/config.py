@@ -69,9 +69,11 @@ class PolicyConfig:
         3 lost at 256-id steps (0.85). Planned misses are always promoted (the
         step reads them from the arena).
     sketch_width: sketch counters per row per cache slot (rounded up to whole
-        64-byte blocks). With sketch_depth, the sketch's bytes a slot: the default
-        keeps a cached table's state within 32 B a slot (docs/architecture.md); a
-        wider sketch pays only in small arenas (docs/benchmarks.md, the sketch).
+        64-byte blocks). With sketch_depth, the sketch's bytes a slot: the default,
+        8 B (2 x 8 four-bit counters, TinyLFU's sizing of a few counters a slot),
+        keeps a cached table's state within 31 B a slot, 12% of a 264-B row
+        (docs/architecture.md); half of it loses hit ratio on real text in small
+        arenas, more gains little (docs/benchmarks.md, the sketch).
     sketch_depth: hash rows of the sketch.
     counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters, packed two a
         byte; more takes a byte a counter).
@@ -94,7 +96,7 @@ class PolicyConfig:
     pending_client_share: float = 0.5
     hint_clients: int = 64
     read_admit_freq: int = 2
-    sketch_width: float = 4.0
+    sketch_width: float = 8.0
     sketch_depth: int = 2
     counter_max: int = 15
     halve_every: float = 5.0
