@@ -7,7 +7,9 @@ and the sidecar keeps serving."""
 from __future__ import annotations
 
 import struct
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +18,12 @@ from tierstore.client.client import Client
 from tierstore.client.step_connection import StepConnection
 from tierstore.ingest.writer import write_version
 from tierstore.proto.frames import ACCESS, ACCESS_ITEM, COUNT, HDR, AccessItem, step_socket_path
-from tierstore.sidecar.launcher import SidecarProcess
 from tierstore.store.catalog import Catalog
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.nvme.reader import SegmentReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from direct_sidecar import direct_sidecar  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 ROWS, WIDTH = 20_000, 64
@@ -66,12 +70,7 @@ def served(tmp_path_factory):
         tables["old"] = _write(d, "old", 2)
     with Catalog(d, readonly=True) as cat:
         assert cat.current("old").row_salt is None and cat.current("t").row_salt is not None
-    sc = SidecarProcess(d, dram_budget="1MiB", extra_args=["--direct-io", "--verify-sample", "0", "--no-warm-start"])
-    try:
-        sc.start()
-    except Exception as e:  # noqa: BLE001
-        sc.cleanup()
-        pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
+    sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     try:
         with Client(sc.socket) as c:
             yield sc, c, d, tables

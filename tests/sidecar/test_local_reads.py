@@ -4,8 +4,10 @@ validated by the slot index's sequence locks; misses from the segment files;
 the steps told to the sidecar afterwards."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ from tierstore.client.client import Client
 from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame, step_socket_path
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from direct_sidecar import direct_sidecar  # noqa: E402
 
 ROWS, WIDTH = 50_000, 64
 
@@ -324,16 +329,6 @@ def _fill_and_compare(c: Client, data: np.ndarray) -> None:
     assert hit >= lru, f"hit ratio {hit:.3f} below LRU's {lru:.3f} on the same steps"
 
 
-def _direct_sidecar(d, budget: str = "1MiB", extra=()) -> SidecarProcess:
-    """A started --direct-io sidecar over d; the test is skipped where O_DIRECT is refused."""
-    sc = SidecarProcess(d, dram_budget=budget, extra_args=["--direct-io", *extra])
-    try:
-        return sc.start()
-    except Exception as e:  # noqa: BLE001
-        sc.cleanup()
-        pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
-
-
 def _segments(d, table: str = "t") -> list:
     from tierstore.store.catalog import Catalog
 
@@ -366,7 +361,7 @@ def test_with_direct_io_the_arena_fills_from_the_clients_records_and_the_next_st
     data = _write(d)
     segs = _segments(d)
     drop_page_cache(segs)
-    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     try:
         with Client(sc.socket) as c:
             cap = int(c.tables()[0]["arena_slots"])
@@ -397,7 +392,7 @@ def test_with_direct_io_a_format_1_table_still_places_the_rows_a_client_read(tmp
     --direct-io, so the sidecar places them instead of reading them again."""
     d = tmp_path / "data"
     data = _write(d, segment_format=1)
-    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     try:
         with Client(sc.socket) as c:
             cap = int(c.tables()[0]["arena_slots"])
@@ -418,7 +413,7 @@ def served_either(request, tmp_path):
     d = tmp_path / "data"
     data = _write(d)
     if request.param == "direct-io":
-        sc = _direct_sidecar(d)
+        sc = direct_sidecar(d)
     else:
         sc = SidecarProcess(d, dram_budget="1MiB").start()
     try:
@@ -459,13 +454,12 @@ def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp
     by its own version's salt, so none is placed: the note's rows are read from disk
     (counted as refused), and local reads, Plan and `tierstore verify` all see t v2's rows."""
     import subprocess
-    import sys
 
     d = tmp_path / "data"
     stale = _write(d, seed=1)  # t v1
     other = _write(d, seed=2, table="u")  # u v1: the same ids, other rows
     data = _write(d, seed=3)  # t v2, current
-    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     try:
         fp = StepConnection(step_socket_path(sc.socket))
         with Client(sc.socket) as c:
@@ -501,7 +495,7 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
         pytest.skip("needs root to run a client as another uid")
     d = tmp_path / "data"
     data = _write(d)
-    sc = _direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
+    sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     widened = []
     try:
         path = step_socket_path(sc.socket)

@@ -10,13 +10,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tierstore.client.client import Client
 from tierstore.ingest.writer import write_version
-from tierstore.sidecar.launcher import SidecarProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from direct_sidecar import direct_sidecar  # noqa: E402
 
 ROWS, WIDTH = 50_000, 64
 CLIENTS = 4
@@ -84,13 +87,8 @@ def direct(tmp_path):
     d = tmp_path / "data"
     data = _write(d, "t")
     _write(d, "u")
-    sc = SidecarProcess(d, dram_budget="2MiB", extra_args=["--direct-io", "--verify-sample", "0", "--no-warm-start"])
+    sc = direct_sidecar(d, "2MiB", ["--verify-sample", "0", "--no-warm-start"])
     try:
-        sc.start()
-    except Exception as e:  # noqa: BLE001
-        sc.cleanup()
-        pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
-    try:  # started above (where O_DIRECT is refused the test is skipped): not `with sc`, which starts another
         yield sc, data
     finally:
         sc.cleanup()
@@ -183,12 +181,7 @@ def test_the_flights_file_goes_with_the_sidecar(tmp_path):
     _write(d)
     shm = tmp_path / "shm"
     shm.mkdir()
-    sc = SidecarProcess(d, dram_budget="1MiB", extra_args=["--direct-io"], env={"TIERSTORE_SHM_DIR": str(shm)})
-    try:
-        sc.start()
-    except Exception as e:  # noqa: BLE001
-        sc.cleanup()
-        pytest.skip(f"O_DIRECT refused where the test data lives: {e}")
+    sc = direct_sidecar(d, env={"TIERSTORE_SHM_DIR": str(shm)})
     try:
         with Client(sc.socket) as c:
             path = c.handle("t").index_path + ".flights"
