@@ -31,7 +31,6 @@ only when the reserve too is spent.
 from __future__ import annotations
 
 import heapq
-import mmap
 import os
 import threading
 import time
@@ -42,6 +41,7 @@ import numpy as np
 
 from tierstore.cache.slot_table import PIN_MAX
 from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.tiers.shm_file import create_shm_file
 
 __all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE", "requested_ttl"]
 
@@ -70,16 +70,7 @@ class LeaseBoard:
 
     def __init__(self, path: Path, n: int):
         self.path, self.n = Path(path), int(n)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, 8 * self.n)
-            self._mmap = mmap.mmap(fd, 8 * self.n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        self._mmap = create_shm_file(self.path, 8 * self.n, "the lease board")
         self.ids = np.frombuffer(self._mmap, dtype="<u8")
 
     def close(self) -> None:

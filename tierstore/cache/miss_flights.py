@@ -56,9 +56,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.errors import ResourceExhausted, StaleArena
+from tierstore.errors import StaleArena
 from tierstore.jit import Kernel, enabled
 from tierstore.tiers.dram import map_file_readonly
+from tierstore.tiers.shm_file import create_shm_file
 
 __all__ = ["MissFlightsFile", "MissFlights", "flights_path", "flight_entries", "usable", "WAYS"]
 
@@ -111,21 +112,9 @@ class MissFlightsFile:
         self.path = Path(path)
         self.entries = flight_entries(rows)
         size = _layout(self.entries, width)[3]
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, size)  # zeros: every entry empty
-            os.pwrite(fd, _LAYOUT.pack(_MAGIC, self.entries, width, rows, instance.encode()[:16]), 0)
-        except OSError as e:
-            self.path.unlink(missing_ok=True)
-            raise ResourceExhausted(f"cannot reserve {size / 2**20:.1f} MiB for the miss flights {self.path.name} "
-                                    f"in {self.path.parent} ({e.strerror}); lower --dram-budget or enlarge "
-                                    f"{self.path.parent}") from None
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        with create_shm_file(self.path, size, "the miss flights") as m:  # zeros: every entry empty
+            header = _LAYOUT.pack(_MAGIC, self.entries, width, rows, instance.encode()[:16])
+            m[:len(header)] = header
         self.nbytes = size
 
     def close(self) -> None:

@@ -36,17 +36,16 @@ A client built for another format version refuses the file (StaleArena).
 """
 from __future__ import annotations
 
-import mmap
-import os
 import platform
 import struct
 from pathlib import Path
 
 import numpy as np
 
-from tierstore.errors import ResourceExhausted, StaleArena
+from tierstore.errors import StaleArena
 from tierstore.cache.slot_map import SlotMap, entry_dtype, map_size
 from tierstore.tiers.dram import map_file_readonly
+from tierstore.tiers.shm_file import create_shm_file
 
 __all__ = ["SlotIndexFile", "map_index", "supported", "id_dtype", "FORMAT"]
 
@@ -91,22 +90,7 @@ class SlotIndexFile:
     def __init__(self, path: Path, capacity: int, rows: int, instance: str = ""):
         self.path = Path(path)
         size = _layout(capacity, rows)[3]
-        # O_EXCL on an unpredictable name: never someone else's file, never a link
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, size)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            self.path.unlink(missing_ok=True)
-            raise ResourceExhausted(f"cannot reserve {size / 2**20:.1f} MiB for the slot index {self.path.name} "
-                                    f"in {self.path.parent} ({e.strerror}); lower --dram-budget or enlarge "
-                                    f"{self.path.parent}") from None
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        self._mmap = create_shm_file(self.path, size, "the slot index")
         self.gen, self.id_of, self.table = _views(self._mmap, capacity, rows)
         self.gen[:] = 1
         self.id_of[:] = -1
