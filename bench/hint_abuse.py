@@ -1,4 +1,4 @@
-"""Prefetch-hint abuse (issue 23.2): a victim's Plan latency while another client abuses hints.
+"""Prefetch-hint abuse: a victim's Plan latency while another client abuses hints.
 
 A cache-mode sidecar (1 M rows of 64 B, a 16 MiB arena of 256 Ki slots); the
 victim plans 256-id Zipf steps. Three attacks, each against a fresh sidecar:

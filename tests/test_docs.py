@@ -52,3 +52,15 @@ def test_every_file_a_page_names_exists(doc):
             continue  # an engine's file, that engine not installed here
         missing.append(name)
     assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def test_no_code_points_at_an_issue_number():
+    """History lives in the notes and docs/benchmarks.md: a docstring or comment says what the
+    code does and why, never an issue's number (it means nothing to a reader of the code).
+    Another project's issue, cited as `#N`, is a reference and stays."""
+    cited = []
+    for f in _tracked():
+        if f.endswith(".py") and f.split("/")[0] in ("tierstore", "client", "kernels", "bench", "proto", "tests"):
+            text = (ROOT / f).read_text()
+            cited += [f"{f}: {m.group(0)}" for m in re.finditer(r"\bissues? \d+(?:\.\d+)?", text)]
+    assert not cited, f"code names issue numbers: {cited}"

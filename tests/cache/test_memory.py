@@ -8,7 +8,7 @@ from tierstore.cache.policy import make_policy
 from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import SlotTable
 
-# issue 24.2's scale: a 64 M-row table of 264-B rows with 2 GiB of arena (8.13 M slots); at
+# the scale users run: a 64 M-row table of 264-B rows with 2 GiB of arena (8.13 M slots); at
 # this size the hint table's fixed part (its ring of end counts, ~1 MiB) weighs what it does there
 SLOTS, ROWS = (2 << 30) // 264, 64 << 20
 BOUND = 31  # B a slot (30.8 with a hint): 12% of a 264-B row is 31.7; pins keep two bytes (slot_table.py)

@@ -1,4 +1,4 @@
-"""A closed Client says so in a tierstore error (issue 16 item 15), not grpc's bare ValueError."""
+"""A closed Client says so in a tierstore error, not grpc's bare ValueError."""
 import pytest
 
 from tierstore import errors

@@ -1,5 +1,5 @@
 """TableEngine in cache mode, in process: promotion off the lock, failures that give
-every slot back, and steps that share rows being filled (issues 10 and 11.5)."""
+every slot back, and steps that share rows being filled."""
 from __future__ import annotations
 
 import errno

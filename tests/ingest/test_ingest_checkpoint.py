@@ -353,7 +353,7 @@ def test_malformed_checkpoint_refused_naming_file_and_tensor(ckpt, ingested, tmp
 
 
 def test_a_fifo_as_a_shard_is_refused_not_waited_on(ckpt, ingested, tmp_path):
-    """Opening a FIFO for reading waits for a writer: the shard is checked to be a file first (issue 23.7)."""
+    """Opening a FIFO for reading waits for a writer: the shard is checked to be a file first."""
     import subprocess
 
     bad = tmp_path / "bad"

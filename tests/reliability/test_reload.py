@@ -1,4 +1,4 @@
-"""Live version swap under load (issue 11): client processes on a full-resident and a
+"""Live version swap under load: client processes on a full-resident and a
 cache-mode sidecar run steps while both swap a table between two versions."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A sidecar cleans up what it created on every exit path (issue 16.13)."""
+"""A sidecar cleans up what it created on every exit path."""
 from __future__ import annotations
 
 import signal
@@ -152,7 +152,7 @@ def test_a_step_socket_stopped_before_its_acceptor_ran_stops_cleanly(tmp_path):
 @pytest.mark.parametrize("pid", ["-5", str(2**40), "0", "not-the-parent"])
 def test_a_parent_pid_that_is_not_the_parent_is_refused_before_any_table_loads(tmp_path, pid):
     """--parent-pid names the process that started the sidecar; anything else was a mistake
-    that used to load every table and then stop at once with exit 0 (issue 23.9)."""
+    that used to load every table and then stop at once with exit 0."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""ServeConfig refuses values that would break the sidecar later (issue 16, items 9 and 15)."""
+"""ServeConfig refuses values that would break the sidecar later."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Sidecars never share or borrow each other's arenas (issues 16.1, 16.2)."""
+"""Sidecars never share or borrow each other's arenas."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """Leases as a user meets them: a step never reads rows that are no longer its own,
-and no client can end another's lease (issues 11.1, 11.5, 16.3, 16.10)."""
+and no client can end another's lease."""
 from __future__ import annotations
 
 import time

@@ -1,5 +1,5 @@
 """`tierstore serve` refuses a bad --socket / --listen / --tls-* / --metrics-port with
-one clear line and exit 2, and never deletes what sits at --socket (issue 16 items 4, 15)."""
+one clear line and exit 2, and never deletes what sits at --socket."""
 from __future__ import annotations
 
 import os

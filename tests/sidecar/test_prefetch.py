@@ -1,4 +1,4 @@
-"""Request-level prefetch: rows promoted before the step that reads them (issue 10.5)."""
+"""Request-level prefetch: rows promoted before the step that reads them."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""Live version swap: `tierstore reload` while clients run steps (issue 11)."""
+"""Live version swap: `tierstore reload` while clients run steps."""
 from __future__ import annotations
 
 import time

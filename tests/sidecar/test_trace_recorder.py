@@ -72,7 +72,7 @@ _NAMES = ["trace.l1.npy", "trace.l1.steps.npy", "trace.l1.json",
 
 def test_links_planted_at_the_trace_names_are_replaced_never_written_through(tmp_path):
     """A trace holds every row id served: it is created 0600 under a fresh name and renamed
-    into place, so a link planted at any of its names has its target left alone (issue 23.5)."""
+    into place, so a link planted at any of its names has its target left alone."""
     import os
     import stat
 

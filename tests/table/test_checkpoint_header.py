@@ -1,5 +1,5 @@
 """tierstore.table.checkpoint.read_header accepts exactly the safetensors headers the format allows:
-the safetensors library's own parser (safe_open) is the reference (issue 23.6)."""
+the safetensors library's own parser (safe_open) is the reference."""
 from __future__ import annotations
 
 import json
