@@ -180,26 +180,18 @@ class Client:
             them planned again, or StaleRows, never another step's rows.
         Raises InvalidArgument on a TCP client (plan needs the sidecar's host).
         """
-        self._check_open()
-        self._check_local("plan()")
-        arr = as_ids(ids)
-        h = self.handle(table)
-        if h.full_resident:  # slot == id: no message, no packing
-            return StepPlan(self, h, check_ids(arr, h.rows, table))
-        send, inverse = distinct_ids(arr)
-        pending = self.link.connection().submit([PlanItem(table, send, 0, _ttl_ms(ttl_s), next(self._request_ids))])
-        return StepPlan(self, h, arr, pending, 0, inverse)
+        return self.plan_many({table: ids}, ttl_s)[table]
 
     def plan_many(self, tables: dict, ttl_s: float | None = None) -> dict[str, StepPlan]:
         """plan() for every table of a step ({table: ids}): the cache-mode tables in one
-        PLAN frame, one round trip; returns {table: StepPlan}."""
+        PLAN frame, one round trip; returns {table: StepPlan}. The one route of a plan."""
         self._check_open()
-        self._check_local("plan_many()")
+        self._check_local("plan()")
         out, items, asked = {}, [], []
         for table, ids in tables.items():
             arr = as_ids(ids)
             h = self.handle(table)
-            if h.full_resident:
+            if h.full_resident:  # slot == id: no message, no packing
                 out[table] = StepPlan(self, h, check_ids(arr, h.rows, table))
             else:
                 send, inverse = distinct_ids(arr)
