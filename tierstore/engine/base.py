@@ -18,7 +18,7 @@ import numpy as np
 
 from tierstore.errors import ChecksumError
 from tierstore.cache.leases import LeaseTable
-from tierstore.tiers.base import check_ids
+from tierstore.tiers.base import ColdTier, check_ids
 from tierstore.tiers.dram import Arena
 from tierstore.engine.verifier import VerifyCounters
 
@@ -59,11 +59,11 @@ class TableEngine:
 
     full: bool
 
-    def __init__(self, version, reader, arena: Arena, *, leases: LeaseTable, recorder=None):
+    def __init__(self, version, reader: ColdTier, arena: Arena, *, leases: LeaseTable, recorder=None):
         self.version = version            # catalog.TableVersion
         self.table = version.table
         self.rows = version.rows
-        self.reader = reader              # tiers.nvme.SegmentReader (cold tier, verifies rows)
+        self.reader = reader              # the cold tier (tiers.base.ColdTier: segment files or remote), verifies rows
         self.arena = arena
         self.leases = leases
         self.counters = Counters()
@@ -146,8 +146,7 @@ class TableEngine:
         """DRAM this table holds beyond its arena rows: block checksums, format 1's row
         checksums (format 2 keeps them in the records on disk: nothing per row), and
         (cache mode) the id/slot maps and the policy's state."""
-        held = (getattr(self.reader, "checksums", None), getattr(self.reader, "row_sums", None))
-        return int(sum(a.nbytes for a in held if a is not None))
+        return int(sum(a.nbytes for a in self.reader.held_arrays()))
 
     def stats(self) -> dict:
         c = self.counters
@@ -156,7 +155,7 @@ class TableEngine:
                     capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,
-                    bytes_read=int(getattr(self.reader, "bytes_read", 0)), plans=c.plans,
+                    bytes_read=int(self.reader.bytes_read), plans=c.plans,
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
                     notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
                     note_rows_placed=c.note_rows_placed, note_rows_refused=c.note_rows_refused,

@@ -31,7 +31,6 @@ from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.jit import unique_inverse
 from tierstore.tiers.nvme.verified_copy import warm
-from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["CacheEngine"]
 
@@ -79,14 +78,13 @@ class CacheEngine(TableEngine):
         except BaseException:
             self.slots.close()
             raise
-        self._gathers = isinstance(reader, SegmentReader)  # read_into(cached=True) gathers from the map
         # what a client's note may carry for its misses (SegmentReader.carried_form): rows checked
         # against sums held or cached, records (format 2 under O_DIRECT) or nothing
-        self._carried_form = getattr(reader, "carried_form", "")
+        self._carried_form = reader.carried_form
         # under O_DIRECT the clients' own misses share nothing (no page cache between them): the
         # flights file lets a row several clients miss at once be read once (miss_flights.py)
         self.flights = None
-        if index_path is not None and self._carried_form and getattr(reader, "direct", None) is not None:
+        if index_path is not None and self._carried_form and reader.direct is not None:
             width = self.version.record_bytes if self._carried_form == "records" else self.version.row_bytes
             try:
                 self.flights = MissFlightsFile(flights_path(index_path), self.rows, width, instance)
@@ -517,11 +515,7 @@ class CacheEngine(TableEngine):
                                     int(ids[have][bad]))
             if ids.size == 0:
                 return
-        read_into = getattr(self.reader, "read_into", None)
-        if read_into is not None:
-            read_into(ids, self.arena.rows, slots, **({"cached": True} if cached and self._gathers else {}))
-        else:
-            self.arena.rows[slots] = self.reader.read_rows(ids)
+        self.reader.read_into(ids, self.arena.rows, slots, cached=cached)
 
     def _abandon(self, slots: np.ndarray, fill: Fill | None) -> None:
         """Undo a reservation whose lease was refused (its fill never started)."""

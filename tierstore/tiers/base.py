@@ -1,7 +1,9 @@
 """The small interface every tier shares: fixed-size rows addressed by id.
 
 `read_rows` is the one method a tier must provide; `check_ids`, `check_out`
-and `gather_by_block` are the shared pieces tiers build it from.
+and `gather_by_block` are the shared pieces tiers build it from. `ColdTier` is
+what the engines call on the tier a version's rows are read from (the segment
+files, the remote store): nothing else of a reader is looked up.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 from tierstore.errors import IdOutOfRange, InvalidArgument
 from tierstore.jit import first_outside
 
-__all__ = ["Tier", "check_ids", "check_out", "gather_by_block"]
+__all__ = ["ColdTier", "Tier", "check_ids", "check_out", "gather_by_block"]
 
 
 def check_ids(ids, rows: int, table: str = "") -> np.ndarray:
@@ -91,3 +93,31 @@ class Tier:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ColdTier(Tier):
+    """The tier a served version's rows come from (tiers.nvme.SegmentReader, tiers.remote.
+    RemoteReader): every row it returns is verified against the version's checksums.
+
+    Attributes the engines read: `checksums` (uint64 [n_blocks], the block checksums),
+    `bytes_read` (bytes read from the tier so far), `direct` (None unless misses bypass
+    the page cache, O_DIRECT), `carried_form` (what a local client's note may carry for
+    the misses it read: "rows", "records" or "" for nothing; see SegmentReader)."""
+
+    checksums: np.ndarray
+    bytes_read: int = 0
+    direct = None
+    carried_form: str = ""
+
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
+        """Rows `ids` verified and written to dest[slots]. cached: their pages are known to
+        be in the page cache, so a tier that maps them may gather instead of reading."""
+        dest[slots] = self.read_rows(ids)
+
+    def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, start + n) as uint8 [n, row_bytes], verified; into `out` when given."""
+        raise NotImplementedError
+
+    def held_arrays(self) -> tuple[np.ndarray, ...]:
+        """What the tier holds in DRAM to check rows (block checksums, format 1's row sums)."""
+        return (self.checksums,)

@@ -53,7 +53,7 @@ from tierstore import cpu_token
 from tierstore.store.catalog import BlockChecksums, TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers.nvme import rowsum
-from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
+from tierstore.tiers.base import ColdTier, check_ids, check_out, gather_by_block
 from tierstore.tiers.nvme.verified_copy import kernels, place_records, place_verified
 from tierstore.tiers.nvme.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer
 
@@ -172,7 +172,7 @@ class _Gather:
 _PREAD_SCRATCH = _Scratch()
 
 
-class SegmentReader(Tier):
+class SegmentReader(ColdTier):
     """Verified reads of one table version from its segment files.
 
     data_dir: the data directory the manifest's segment paths are relative to.
@@ -338,6 +338,9 @@ class SegmentReader(Tier):
                                 f"row {row}" + (f": {why}" if why else ""))
             err.row = row
             raise err
+
+    def held_arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.checksums,) if self.row_sums is None else (self.checksums, self.row_sums)
 
     @property
     def carried_form(self) -> str:

@@ -30,7 +30,7 @@ from tierstore import cpu_token
 from tierstore.store.catalog import TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument, Unavailable
 from tierstore.tiers.remote.publish import block_keys
-from tierstore.tiers.base import Tier, check_ids, check_out, gather_by_block
+from tierstore.tiers.base import ColdTier, check_ids, check_out, gather_by_block
 
 __all__ = ["RemoteReader"]
 
@@ -39,7 +39,7 @@ RETRY_S = 15.0             # > Mooncake's default client_ttl (10 s): a dead repl
 RETRY_PAUSE_S = 0.1
 
 
-class RemoteReader(Tier):
+class RemoteReader(ColdTier):
     """Verified reads of one published table version from Mooncake.
 
     store: a connected MooncakeDistributedStore (tierstore.tiers.remote.mooncake.connect).
@@ -182,7 +182,7 @@ class RemoteReader(Tier):
             self._gather(flat, lambda sel, rows: out.__setitem__(sel, rows))
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
         """Rows `ids` straight into dest[slots] (the arena), no intermediate array."""
         flat = check_ids(ids, self.rows, self.table)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
