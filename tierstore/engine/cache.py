@@ -123,31 +123,44 @@ class CacheEngine(TableEngine):
         except ResourceExhausted:
             self.counters.lease_refusals += 1
             raise
-        for attempt in range(PLAN_ATTEMPTS):
-            slots, fill, waits, misses = self._reserve(uniq, lease=True)
-            try:
-                lease = self.leases.add(self, slots, ttl_s, client, request_id)
-            except BaseException as e:  # a refusal, or anything else: the reservation is given back
-                if isinstance(e, ResourceExhausted):
-                    self.counters.lease_refusals += 1
-                self._abandon(slots, fill)
-                raise
-            try:
-                self._complete(fill, waits)
-            except _FillFailed:
-                self.leases.release([lease.lease_id], client)
-                if attempt + 1 < PLAN_ATTEMPTS:
-                    continue
-                raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; "
-                                        "plan the step again") from None
-            except BaseException:
-                self.leases.release([lease.lease_id], client)
-                raise
-            break
+        slots, misses, lease = self._resident(uniq, "plan the step again", (ttl_s, client, request_id))
         if self.verifier is not None:
             self.verifier.sample(self, uniq, slots)
         return Placement(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
                           uniq.size - misses, misses, ttl_s)
+
+    def _resident(self, uniq: np.ndarray, again: str, lease: tuple | None = None):
+        """Stages 1-3 with the one retry of plan and lookup: sorted, unique `uniq` resident and
+        pinned for the caller, this step's misses read and other steps' fills of its rows
+        waited for. Returns (slots int64 [U], misses, the Lease or None).
+
+        lease: (ttl_s, client, request_id) leases the slots to one step, taken after the
+        reservation and before any read (a refusal gives the reservation back, _abandon);
+        None leaves them pinned for the caller to unpin. A fill of another step that fails
+        sends the step round again (its pins dropped first), at most PLAN_ATTEMPTS times;
+        then ResourceExhausted saying `again`."""
+        for _ in range(PLAN_ATTEMPTS):
+            slots, fill, waits, misses = self._reserve(uniq, lease=True)
+            held = None
+            if lease is not None:
+                try:
+                    held = self.leases.add(self, slots, *lease)
+                except BaseException as e:  # a refusal, or anything else: the reservation is given back
+                    if isinstance(e, ResourceExhausted):
+                        self.counters.lease_refusals += 1
+                    self._abandon(slots, fill)
+                    raise
+            try:
+                self._complete(fill, waits)
+                return slots, misses, held
+            except BaseException as e:
+                if held is not None:
+                    self.leases.release([held.lease_id], held.client)
+                else:
+                    self.unpin(slots)
+                if not isinstance(e, _FillFailed):
+                    raise
+        raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; {again}")
 
     def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, client: bytes = b"") -> int:
         """Rows a queued request will read: the scheduler calls this once, at admission.
@@ -470,11 +483,7 @@ class CacheEngine(TableEngine):
                 self._read_into(fill.ids, fill.slots, cached, carried)
             except BaseException as e:
                 with self._lock:
-                    self.slots.unmap(fill.slots)
-                    self.slots.unpin(fill.slots)  # the fill's pin; the step's goes with its lease
-                    self.slots.put_free(fill.slots)
-                    self.policy.forget(fill.slots)
-                    del self._fills[fill.fill_id]
+                    self._drop_fill(fill)  # the fill's pin; the step's goes with its lease
                 fill.finish(e)
                 raise
             with self._lock:
@@ -522,13 +531,19 @@ class CacheEngine(TableEngine):
         with self._lock:
             self.slots.unpin(slots)
             if fill is not None:
-                self.slots.unmap(fill.slots)
-                self.slots.unpin(fill.slots)
-                self.slots.put_free(fill.slots)
-                self.policy.forget(fill.slots)
-                del self._fills[fill.fill_id]
+                self._drop_fill(fill)
         if fill is not None:
             fill.finish(ResourceExhausted("lease refused"))
+
+    def _drop_fill(self, fill: Fill) -> None:
+        """(lock held) The one undo of a fill that will not complete: its slots unmapped, the
+        fill's pin dropped, the slots freed and forgotten by the policy, the fill gone; the
+        caller then finishes it with the error its waiters see."""
+        self.slots.unmap(fill.slots)
+        self.slots.unpin(fill.slots)
+        self.slots.put_free(fill.slots)
+        self.policy.forget(fill.slots)
+        del self._fills[fill.fill_id]
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (the inline gRPC path).
@@ -547,19 +562,13 @@ class CacheEngine(TableEngine):
                 raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
                                       "look the rows up again")
             try:
-                for _ in range(PLAN_ATTEMPTS):
-                    slots, fill, waits, _ = self._reserve(uniq, lease=True)
-                    try:
-                        self._complete(fill, waits)
-                        return self.arena.rows[slots if inverse is None else slots[inverse]]
-                    except _FillFailed:
-                        continue
-                    finally:
-                        self.unpin(slots)
+                slots, _, _ = self._resident(uniq, "look the rows up again")
+                try:
+                    return self.arena.rows[slots if inverse is None else slots[inverse]]
+                finally:
+                    self.unpin(slots)
             finally:
                 self.leave()
-        raise ResourceExhausted(f"table {self.table!r}: rows this lookup needs kept failing to load; "
-                                "look them up again")
 
     def unpin(self, slots: np.ndarray) -> None:
         with self._lock:
