@@ -24,15 +24,15 @@ its reserve (the table's pinned slots and the step over all but 1/RESERVE of
 its slots, refused or not). Otherwise a client's leases may hold all but the
 reserve, kept for the next client: a sole client's large steps are served, and
 a newcomer's first steps find the reserve free. Both bounds are checked once per
-plan, from per-table counts, never per id. All leases together stay under MAX_LEASES, PIN_HEADROOM below what a
-slot's pin count holds (slot_table.PIN_MAX): no set of leases can saturate a
-row, however many clients share it. Where clients are bounded (max_per_client
-below max_leases; client_share below 1), the last 1/RESERVE of the sidecar's
-leases, and of each table's slots, go only to clients holding less than their
-fair share (what is left before the reserve, over the clients holding some; of
-leases, at most max_per_client / RESERVE): a client that took more is refused
-there (ResourceExhausted, saying so), and a client below its share is refused
-only when the reserve too is spent.
+plan, from per-table counts, never per id. All leases together stay under
+MAX_LEASES, PIN_HEADROOM below what a slot's pin count holds (slot_table.PIN_MAX):
+no set of leases can saturate a row, however many clients share it. Where
+clients are bounded (max_per_client below max_leases; client_share below 1),
+the last 1/RESERVE of the sidecar's leases, and of each table's slots, go only
+to clients holding less than their fair share (what is left before the
+reserve, over the clients holding some; of leases, at most max_per_client /
+RESERVE): a client that took more is refused there (ResourceExhausted, saying
+so), and a client below its share is refused only when the reserve too is spent.
 """
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ class LeaseTable:
     if more); 1: no per-client slot bound at all. A slot in two of a client's leases
     counts twice. contention_s: how long a client's plan into a table's reserve makes
     the table contended for the others (the sidecar passes --lease-ttl); a closed
-    client's plans stop counting at once (release_client). board_path: where the lease board lives (None:
-    no board, tests only).
+    client's plans stop counting at once (release_client). board_path: where the lease
+    board lives (None: no board, tests only).
     """
 
     def __init__(self, max_leases: int, *, max_per_client: int | None = None, max_slots: int = 1 << 26,
