@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tierstore.cache.leases import RESERVE, LeaseTable
 from tierstore.engine import make_engine
@@ -91,3 +92,31 @@ def test_a_step_into_the_reserve_contends_the_table_for_contention_s(engine):
         _plan(eng, b"a", 32, first=ALONE - 32)
     time.sleep(0.4)  # b's step no longer counts
     assert _plan(eng, b"a", 32, first=ALONE - 32).unique == 32
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, SLOTS), st.booleans()),
+                min_size=1, max_size=12))
+def test_no_client_holds_more_than_all_but_the_reserve_and_a_refusal_changes_nothing(engine, steps):
+    """Clients plan steps of any size (other rows each), some released at once: a client's
+    leases never hold more than all but the reserve, nor more than its share while another
+    holds leases; a refused plan leaves the pins and leases as they were."""
+    eng = engine()
+    share = int(SLOTS * SHARE)
+    held = {b"a": 0, b"b": 0, b"c": 0}  # slots of each client's live leases
+    for k, (client, n, release) in enumerate(steps):
+        before = (eng.slots.n_pinned, len(eng.leases))
+        others = any(v for c, v in held.items() if c != client)
+        try:
+            got = _plan(eng, client, n, first=(k * SLOTS) % (ROWS - SLOTS))
+        except ResourceExhausted:
+            assert (eng.slots.n_pinned, len(eng.leases)) == before
+            continue
+        assert held[client] + got.unique <= (share if others else ALONE)
+        if release:
+            eng.leases.release([got.lease_id], client)
+        else:
+            held[client] += got.unique
+    for c in (b"a", b"b", b"c"):
+        eng.leases.release_client(c)
+    assert eng.slots.n_pinned == 0
