@@ -1,8 +1,10 @@
 """Fairness: one client (or a few connections) within its bounds cannot refuse another
-client's steps. Attacks of a real sidecar over the step socket: a Plan of the whole arena
-renewed under one request id, and a hot row leased by as many one-id leases as the
-connections allow. The honest client plans 20 steps of 256 ids meanwhile; every one is
-served, and the greedy client's refusals are ResourceExhausted saying what to do."""
+client's steps, with the sidecar's defaults. Attacks of a real sidecar over the step
+socket: a Plan of the whole arena renewed under one request id, all a client alone may
+lease held and renewed while another client plans, and a hot row leased by as many one-id
+leases as the connections allow. The honest client plans 20 steps of 256 ids meanwhile;
+every one is served, and the greedy client's refusals are ResourceExhausted saying what
+to do."""
 from __future__ import annotations
 
 import time
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from tierstore import errors
+from tierstore.cache.leases import RESERVE
 from tierstore.client.client import Client
 from tierstore.client.step_connection import StepConnection
 from tierstore.proto.frames import PlanItem, step_socket_path
@@ -42,7 +45,7 @@ def _honest_steps(path, steps: list) -> list:
 
 
 def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_client(table, sidecars):
-    sc = sidecars(table, "512KiB", "--lease-ttl", 30, "--max-client-share", 0.5)
+    sc = sidecars(table, "512KiB", "--lease-ttl", 30)
     with Client(sc.socket) as honest:
         capacity = honest.tables()[0]["arena_slots"]
         greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(4)]
@@ -62,8 +65,44 @@ def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_clien
             for g in greedy:
                 g.close()
     failed = [e for e in seen if e is not None]
+    print(f"whole arena x 4 connections: honest {len(failed)}/{STEPS} refused, greedy {len(refused)}/24 refused")
     assert not failed, f"{len(failed)}/{STEPS} honest steps refused: {failed[0]!r}"
     assert refused and all(type(e) is errors.ResourceExhausted for e in refused)
+    assert all("release finished" in str(e) or "plan smaller" in str(e) for e in refused)
+    assert any("over one client's share" in str(e) and "--max-client-share" in str(e) for e in refused)
+
+
+def test_a_client_alone_holding_all_it_may_is_bound_to_its_share_once_another_plans(table, sidecars):
+    """The greedy client, alone, leases all it may (a whole arena is refused: the reserve is
+    kept) with the longest TTL, and renews it after each honest step: the honest steps are
+    served from the reserve, and every renewal once the honest client plans is refused."""
+    sc = sidecars(table, "512KiB", "--lease-ttl", 30)
+    with Client(sc.socket) as c:
+        capacity = c.tables()[0]["arena_slots"]
+    path = step_socket_path(sc.socket)
+    with StepConnection(path) as greedy, StepConnection(path) as honest:
+        def grab(n: int):
+            [res] = greedy.plan([PlanItem("t", np.arange(n, dtype=np.int64), ttl_ms=300_000, request_id=1)])
+            return res
+
+        whole = grab(capacity)
+        held = grab(capacity - capacity // RESERVE)
+        rng = np.random.default_rng(2)
+        seen, renewals = [], []
+        for _ in range(STEPS):
+            [res] = honest.plan([PlanItem("t", np.sort(rng.choice(ROWS, STEP_IDS, replace=False)))])
+            seen.append(res if isinstance(res, errors.TierstoreError) else None)
+            if not isinstance(res, errors.TierstoreError):
+                honest.release([res.lease_id])
+            renewals.append(grab(capacity - capacity // RESERVE))
+    failed = [e for e in seen if e is not None]
+    refused = [e for e in renewals if isinstance(e, errors.TierstoreError)]
+    print(f"all but the reserve, renewed: honest {len(failed)}/{STEPS} refused, greedy renewals "
+          f"{len(refused)}/{STEPS} refused")
+    assert type(whole) is errors.ResourceExhausted and "kept for the next client" in str(whole)
+    assert not isinstance(held, errors.TierstoreError), held
+    assert not failed, f"{len(failed)}/{STEPS} honest steps refused: {failed[0]!r}"
+    assert len(refused) == STEPS and all(type(e) is errors.ResourceExhausted for e in refused)
     assert "over one client's share" in str(refused[0]) and "--max-client-share" in str(refused[0])
 
 

@@ -15,18 +15,24 @@ Lease ids are unguessable (40 random bits above the board index) and belong to
 the owner that took them: Release by anyone else is ignored.
 
 Fairness: no client (a step-socket connection) can refuse another's steps from
-within its own bounds. A client holds at most max_per_client leases, and its
-leases of one table at most client_share of that table's arena slots; a lease
+within its own bounds. A client holds at most max_per_client leases; a lease
 pins each of its slots once, so a client counts at most max_per_client pins on
-any row. All leases together stay under MAX_LEASES, PIN_HEADROOM below what a
-slot's pin count holds (slot_table.PIN_MAX): no set of leases can saturate a
-row, however many clients share it. Where clients are bounded (max_per_client
-below max_leases; client_share below 1), the last 1/RESERVE of the sidecar's
-leases, and of each table's slots, go only to clients holding less than their
-fair share (what is left before the reserve, over the clients holding some; of
-leases, at most max_per_client / RESERVE): a client that took more is refused
-there (ResourceExhausted, saying so), and a client below its share is refused
-only when the reserve too is spent.
+any row. A client's leases of one table hold at most client_share of that
+table's arena slots while the table is *contended*: another live client holds
+leases of it, or within the last contention_s planned a step that reached into
+its reserve (the table's pinned slots and the step over all but 1/RESERVE of
+its slots, refused or not). Otherwise a client's leases may hold all but the
+reserve, kept for the next client: a sole client's large steps are served, and
+a newcomer's first steps find the reserve free. Both bounds are checked once per
+plan, from per-table counts, never per id. All leases together stay under
+MAX_LEASES, PIN_HEADROOM below what a slot's pin count holds (slot_table.PIN_MAX):
+no set of leases can saturate a row, however many clients share it. Where
+clients are bounded (max_per_client below max_leases; client_share below 1),
+the last 1/RESERVE of the sidecar's leases, and of each table's slots, go only
+to clients holding less than their fair share (what is left before the
+reserve, over the clients holding some; of leases, at most max_per_client /
+RESERVE): a client that took more is refused there (ResourceExhausted, saying
+so), and a client below its share is refused only when the reserve too is spent.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import heapq
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,13 +95,17 @@ class LeaseTable:
     max_leases: live leases in all (1..MAX_LEASES). max_per_client: live leases of one
     client (None: max_leases). max_slots: slot entries held by all leases together
     (bounds their memory). client_share: the fraction of a table's arena slots
-    (owner.capacity) one client's live leases of it may hold, in (0, 1]; a slot in two
-    of its leases counts twice. board_path: where the lease board lives (None: no
-    board, tests only).
+    (owner.capacity) one client's live leases of it may hold while the table is
+    contended, in (0, 1]; alone, at most all but the table's reserve (or client_share,
+    if more); 1: no per-client slot bound at all. A slot in two of a client's leases
+    counts twice. contention_s: how long a client's plan into a table's reserve makes
+    the table contended for the others (the sidecar passes --lease-ttl); a closed
+    client's plans stop counting at once (release_client). board_path: where the lease
+    board lives (None: no board, tests only).
     """
 
     def __init__(self, max_leases: int, *, max_per_client: int | None = None, max_slots: int = 1 << 26,
-                 client_share: float = 1.0, board_path: Path | None = None):
+                 client_share: float = 1.0, contention_s: float = 30.0, board_path: Path | None = None):
         if isinstance(max_leases, bool) or not 1 <= max_leases <= MAX_LEASES:
             raise InvalidArgument(f"max_leases must be in 1..{MAX_LEASES}, got {max_leases}")
         max_per_client = max_leases if max_per_client is None else max_per_client
@@ -102,15 +113,21 @@ class LeaseTable:
             raise InvalidArgument(f"max_per_client must be in 1..{MAX_LEASES}, got {max_per_client}")
         if not 0.0 < client_share <= 1.0:  # also refuses nan
             raise InvalidArgument(f"client_share must be a fraction in (0, 1], got {client_share}")
+        if not contention_s >= 0.0:  # also refuses nan
+            raise InvalidArgument(f"contention_s must be seconds >= 0, got {contention_s}")
         self.max_leases = max_leases
         self.max_per_client = max_per_client
         self.max_slots = max_slots
         self.client_share = client_share
+        self.contention_s = contention_s
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
         self._per_client: dict[bytes, int] = {}
         self._table_slots: dict[object, dict[bytes, int]] = {}  # owner -> client -> slot entries its leases hold
         self._by_request: dict[tuple[bytes, int], int] = {}
+        # owner -> client -> when it last planned a step into that table's reserve; weak: a retired
+        # engine's entry goes with it
+        self._pressed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._slots_held = 0
         self._free_index = list(range(max_leases, 0, -1))  # index 0 is never used: lease id 0 means "none"
         self.board = LeaseBoard(board_path, max_leases + 1) if board_path is not None else None
@@ -162,17 +179,22 @@ class LeaseTable:
 
     def admit(self, owner, client: bytes, n_slots: int, pinned: int, request_id: int = 0) -> None:
         """Before a plan of `n_slots` unique slots reserves any (no row is read or evicted for a
-        lease add would refuse): the refusal add would give, or, once `pinned` (the table's
-        pinned slots) and the step fill all but the table's reserve (1/RESERVE of
-        owner.capacity), the fair-share refusal for a client holding its share of the rest."""
+        lease add would refuse): once `pinned` (the table's pinned slots) and the step fill all
+        but the table's reserve (1/RESERVE of owner.capacity), records that `client` wants
+        the reserve (the table is contended for the others, whether this plan is refused or
+        not); then raises the refusal add would give, or, past the reserve line, the
+        fair-share refusal for a client holding its share of the rest."""
+        capacity = getattr(owner, "capacity", 0)
+        calm = capacity - capacity // RESERVE
+        pressing = bool(capacity) and self.client_share < 1.0 and pinned + n_slots > calm
         with self._lock:
+            if pressing:
+                self._pressed.setdefault(owner, {})[client] = time.monotonic()
             retried = self._leases.get(self._by_request.get((client, request_id), 0)) if request_id else None
             refused = self._refusal(owner, client, n_slots, retried)
             if refused is not None:
                 raise refused
-            capacity = getattr(owner, "capacity", 0)
-            calm = capacity - capacity // RESERVE
-            if not capacity or self.client_share >= 1.0 or pinned + n_slots <= calm:
+            if not pressing:
                 return
             of_table = self._table_slots.get(owner, {})
             mine = of_table.get(client, 0) - (retried.slots.size if retried is not None and retried.owner is owner
@@ -213,18 +235,36 @@ class LeaseTable:
             return ResourceExhausted(
                 f"live leases hold {held} slots (limit {self.max_slots}); release finished steps")
         capacity = getattr(owner, "capacity", 0)
-        if capacity:
+        if capacity and self.client_share < 1.0:
             share = max(1, int(capacity * self.client_share))
-            mine = self._table_slots.get(owner, {}).get(client, 0)
+            of_table = self._table_slots.get(owner, {})
+            mine = of_table.get(client, 0)
             if freed and retried.owner is owner:
                 mine -= retried.slots.size
-            if mine + n_slots > share:
+            alone = max(share, capacity - capacity // RESERVE)  # the most an uncontended client may hold
+            wanted = mine + n_slots
+            if wanted > share and self._contended(owner, client, of_table):
                 return ResourceExhausted(
-                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {mine + n_slots} of "
-                    f"the arena's {capacity} slots, over one client's share ({share}: --max-client-share "
-                    f"{self.client_share:g}); plan smaller steps, release finished ones, or raise "
-                    "--max-client-share")
+                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {wanted} of the "
+                    f"arena's {capacity} slots, over one client's share ({share}: --max-client-share "
+                    f"{self.client_share:g}) while another client leases this table or wants its reserve; plan "
+                    "smaller steps, release finished ones, or raise --max-client-share")
+            if wanted > alone:
+                return ResourceExhausted(
+                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {wanted} of the "
+                    f"arena's {capacity} slots; a client with the table to itself may lease {alone}, the last "
+                    f"{capacity - alone} are kept for the next client (--max-client-share 1 lifts the bound); "
+                    "plan smaller steps or release finished ones")
         return None
+
+    def _contended(self, owner, client: bytes, of_table: dict) -> bool:
+        """(lock held) Whether another live client holds leases of owner's table or planned a step
+        into its reserve within the last contention_s: a loop over the table's clients, once per
+        plan past the client's share."""
+        if len(of_table) > (client in of_table):
+            return True
+        since = time.monotonic() - self.contention_s
+        return any(when >= since for other, when in self._pressed.get(owner, {}).items() if other != client)
 
     def _end(self, lease: Lease) -> None:
         """Forget a lease (lock held); the caller unpins its slots afterwards."""
@@ -268,9 +308,11 @@ class LeaseTable:
         return len(ended)
 
     def release_client(self, client: bytes) -> int:
-        """End every lease of a client (its connection closed)."""
+        """End every lease of a client (its connection closed); its plans no longer contend any table."""
         with self._lock:
             ids = [i for i, lease in self._leases.items() if lease.client == client]
+            for pressed in list(self._pressed.values()):
+                pressed.pop(client, None)
         return self.release(ids, client)
 
     def reap(self, now: float | None = None) -> int:

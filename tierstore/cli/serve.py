@@ -32,7 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-leases", type=int, help="live leases in all (default and most 61440)")
     p.add_argument("--max-leases-per-client", type=int, help="live leases of one client (default 1024)")
     p.add_argument("--max-client-share", type=float,
-                   help="fraction of a cached table's arena slots one client's leases may hold (default 1: no per-client bound; 0.5 keeps one client from leasing more than half an arena)")
+                   help="fraction of a cached table's arena slots one client's leases may hold while another "
+                        "client holds leases of the table or, within --lease-ttl, planned a step into its last 1/8 "
+                        "(default 0.5); otherwise a client may lease all but that 1/8, kept for the next client; "
+                        "1: no per-client bound")
     p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
     p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
                    help="seconds a TCP caller has to send its request message (default 30)")

@@ -61,7 +61,9 @@ class ServeConfig:
     lease_ttl_s: float = 30.0           # a dead client's leases end after this
     max_leases: int = MAX_LEASES        # live leases in all (at most MAX_LEASES: a row's pins never saturate)
     max_leases_per_client: int = 1024   # one client's live leases (a worker holds a few per step), so its pins of a row
-    max_client_share: float = 1.0       # of a cache-mode table's arena slots, one client's live leases hold at most
+    max_client_share: float = 0.5       # of a cache-mode table's arena slots, one client's live leases hold at most
+                                        # while another client leases the table or wants its last 1/8 (else: all
+                                        # but that 1/8); 1: no per-client bound (cache/leases.py)
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
     receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
@@ -126,7 +128,7 @@ class ServeConfig:
                              f"{self.max_leases_per_client} (there is no 'unlimited': --max-leases bounds them all)")
         if not 0.0 < self.max_client_share <= 1.0:  # also refuses nan
             raise ValueError(f"--max-client-share is a fraction of an arena's slots in (0, 1], got "
-                             f"{self.max_client_share} (1: one client may lease a whole arena)")
+                             f"{self.max_client_share} (1: no per-client bound, one client may lease a whole arena)")
         from tierstore.cache.policy import PolicyConfig
 
         PolicyConfig(kind=self.policy)  # an unknown --policy fails here, not at the first cache-mode table

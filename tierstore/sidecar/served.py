@@ -88,7 +88,7 @@ class ServedTables:
         try:
             stale = self._take_stale_files()
             self.leases = LeaseTable(config.max_leases, max_per_client=config.max_leases_per_client,
-                                     client_share=config.max_client_share,
+                                     client_share=config.max_client_share, contention_s=config.lease_ttl_s,
                                      board_path=self._new_name("leases"))
             pause("leases")
             self.catalog = Catalog(config.data_dir, readonly=True)
