@@ -40,7 +40,7 @@ from tierstore.cache import miss_flights
 from tierstore.cache.miss_flights import MissFlights
 from tierstore.errors import StaleArena, TierstoreError
 from tierstore.cache.slot_index import map_index
-from tierstore.jit import Kernel, compiler_barrier, inlined, unique_inverse
+from tierstore.jit import Kernel, compiler_barrier, unique_inverse
 
 if TYPE_CHECKING:
     from tierstore.client.client import Client
@@ -63,7 +63,7 @@ class LocalReads:
         # rows copied as 8-byte words where their width allows
         self._words = self.row_bytes % 8 == 0 and self.arena.flags.c_contiguous
         self._arena_words = self.arena.view(np.uint64) if self._words else self.arena
-        self._scratch = _Scratch(0)
+        self._seen = _seen_bitmap(self.arena.shape[0])
         self._cold = None  # SegmentReader over cold_dir, opened on the first miss
         self._cold_lock = threading.Lock()
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
@@ -76,13 +76,10 @@ class LocalReads:
         fine); None when a miss has to be planned through the sidecar (no cold_dir)."""
         n = ids.size
         out = np.empty((n, self.row_bytes), dtype=np.uint8)
-        scratch = self._scratch
-        if scratch.keys.size < 2 * n:
-            scratch = self._scratch = _Scratch(n)
         # the probe, then one call that reads each slot's gen, copies and checks it again
         # (a probe racing the sidecar's writes may miss an id, never finds a wrong slot: slot_map.py)
         where, asked = _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,
-                                  out.view(np.uint64) if self._words else out, scratch)
+                                  out.view(np.uint64) if self._words else out, self._seen)
         missing = where.size
         uniq = got = None
         if missing:
@@ -100,6 +97,9 @@ class LocalReads:
                 self.distinct_device += uniq.size
             out[where] = got[inv]
             self.distinct_cold += uniq.size
+            # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused
+            # in one step, a probe racing a shift, is told twice: two accesses, a hint)
+            asked = np.concatenate([asked, uniq])
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
         # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
         # sum is on disk, a read of its own); a version without row sums: nothing to send
@@ -166,21 +166,17 @@ def _flights(handle: "TableHandle", cold) -> MissFlights | None:
 
 
 # ---- the reader's hit path: one compiled call after the map probe (numpy below is the reference) ----
-@inlined
-def _hash_slot(x, mask):
-    return np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
+def _read_loop(ids, slots, gen, id_of, arena, out, miss, kept, seen):
+    """The seqlock read of slot_index.py's reader over a whole batch.
 
-
-def _read_loop(ids, slots, gen, id_of, arena, out, miss, asked, keys, stamps, clock):
-    """The seqlock read of slot_index.py's reader over a whole batch, then the batch's distinct ids.
-
-    Pass 1 reads g1 = gen[s] of every probed slot; a barrier; pass 2 copies row i only
-    if g1 is even and id_of[s] still names ids[i], and keeps it only if gen[s] still
-    equals g1 after the copy (a barrier between the copy and that load): loads stay in
-    program order on x86-64, so a kept row was row ids[i], READY, for its whole copy.
-    Every other position goes into `miss`. Distinct ids go into `asked`, by a hash set in
-    keys/stamps that needs no clearing: an entry counts only if its stamp is this call's
-    (clock[0], advanced here). Returns (misses, distinct ids)."""
+    Pass 1 reads g1 = gen[s] of every probed slot; a barrier; pass 2 copies row i where
+    g1 is even and id_of[s] still names ids[i]; a barrier; pass 3 keeps row i only if
+    gen[s] still equals g1. Loads stay in program order on x86-64, so a kept row was row
+    ids[i], READY, for its whole copy; every other position goes into `miss`. The kept
+    rows' distinct ids go into `kept`, told apart by slot in the bitmap `seen` (one bit a
+    slot, all clear between calls: cleared again here): a slot holds one row for all of
+    a batch's kept positions, whose g1..g2 windows all span the pass between the barriers.
+    Returns (misses, distinct kept ids)."""
     m = ids.shape[0]
     gens = np.empty(m, np.uint32)
     for i in range(m):  # pass 1: every g1 before any copy (the loads overlap)
@@ -188,71 +184,56 @@ def _read_loop(ids, slots, gen, id_of, arena, out, miss, asked, keys, stamps, cl
         gens[i] = gen[s] if s >= 0 else 1
     compiler_barrier()
     width = arena.shape[1]
-    k = 0
-    for i in range(m):  # pass 2: id confirmed, row copied, gen unchanged
+    for i in range(m):  # pass 2: id confirmed, row copied
         s = slots[i]
-        g = gens[i]
-        if (g & 1) == 0 and id_of[s] == ids[i]:
+        if (gens[i] & 1) == 0 and id_of[s] == ids[i]:
             for j in range(width):
                 out[i, j] = arena[s, j]
-            compiler_barrier()
-            if gen[s] == g:
-                continue
-        miss[k] = i
-        k += 1
-    c = clock[0] + np.uint32(1)
-    if c == 0:  # the stamps wrapped: every entry left over is cleared once
-        stamps[:] = 0
-        c = np.uint32(1)
-    clock[0] = c
-    mask = keys.shape[0] - 1
-    n = 0
+        else:
+            gens[i] = 1
+    compiler_barrier()
+    k = n = 0
+    for i in range(m):  # pass 3: gen unchanged; the first position of each slot is noted (no branch)
+        s = slots[i]
+        if (gens[i] & 1) == 1 or gen[s] != gens[i]:
+            miss[k] = i
+            k += 1
+            continue
+        w, bit = s >> 6, np.uint64(1) << np.uint64(s & 63)
+        word = seen[w]
+        kept[n] = ids[i]
+        n += (word & bit) == 0
+        seen[w] = word | bit
     for i in range(m):
-        x = ids[i]
-        j = _hash_slot(x, mask)
-        while True:
-            if stamps[j] != c:
-                stamps[j] = c
-                keys[j] = x
-                asked[n] = x
-                n += 1
-                break
-            if keys[j] == x:
-                break
-            j = (j + 1) & mask
+        if slots[i] >= 0:
+            seen[slots[i] >> 6] = 0
     return k, n
 
 
 _READ = Kernel(_read_loop)
 
 
-class _Scratch:
-    """The distinct-id hash set of one LocalReads, reused by every call (only inside one compiled
-    call, which holds the GIL) and grown to twice the largest batch, a power of two."""
-
-    __slots__ = ("keys", "stamps", "clock")
-
-    def __init__(self, n: int):
-        size = 1 << max(4, int(2 * n - 1).bit_length())
-        self.keys = np.empty(size, np.int64)
-        self.stamps = np.zeros(size, np.uint32)
-        self.clock = np.zeros(1, np.uint32)
+def _seen_bitmap(capacity: int) -> np.ndarray:
+    """The all-clear bitmap _read_hits tells a batch's slots apart with (one bit a slot)."""
+    return np.zeros(-(-capacity // 64), np.uint64)
 
 
-def _read_hits(ids, slots, gen, id_of, arena, out, scratch: _Scratch) -> tuple[np.ndarray, np.ndarray]:
+def _read_hits(ids, slots, gen, id_of, arena, out, seen) -> tuple[np.ndarray, np.ndarray]:
     """Copy into out[i] every row ids[i] that slots[i] (the map's probe, -1: not found) held READY
     for the whole copy (slot_index.py: the reader); returns (the positions of the others, int64:
-    read them like misses; the distinct ids). `arena` and `out` may be viewed as uint64 words
-    (rows a multiple of 8 bytes)."""
+    read them like misses; the distinct ids of the rows kept). `arena` and `out` may be viewed as
+    uint64 words (rows a multiple of 8 bytes); `seen`: _seen_bitmap(arena slots), used within the
+    one compiled call (which holds the GIL) and left clear."""
     n = ids.size
-    miss, asked = np.empty(n, np.int64), np.empty(n, np.int64)
+    miss = np.empty(n, np.int64)
     k = _READ.compiled()
     if k is not None:
-        m, a = k(ids, slots, gen, id_of, arena, out, miss, asked, scratch.keys, scratch.stamps, scratch.clock)
-        return miss[:m], asked[:a]
+        kept = np.empty(n, np.int64)
+        m, a = k(ids, slots, gen, id_of, arena, out, miss, kept, seen)
+        return miss[:m], kept[:a]
     # the reference: the same loads in the same order, one numpy call each
     gens = np.where(slots >= 0, gen[slots], 1).astype(np.uint32)
     ok = ((gens & 1) == 0) & (id_of[slots] == ids)
     np.take(arena, slots, axis=0, out=out)  # a -1 slot reads the last row: unused
     ok &= gen[slots] == gens
-    return np.flatnonzero(~ok), np.unique(ids)
+    return np.flatnonzero(~ok), np.unique(ids[ok])

@@ -42,10 +42,11 @@ def _read(st: SlotTable, arena: np.ndarray, ids, between=None):
     slots = st.map.find(ids)
     if between:
         between()
-    where, asked = local_reads._read_hits(ids, slots, st.gen, st.id_of, arena, out, local_reads._Scratch(ids.size))
-    assert np.array_equal(np.sort(asked), np.unique(ids))
+    seen = local_reads._seen_bitmap(CAP)
+    where, kept = local_reads._read_hits(ids, slots, st.gen, st.id_of, arena, out, seen)
     miss = np.zeros(ids.size, bool)
     miss[where] = True
+    assert np.array_equal(np.sort(kept), np.unique(ids[~miss])) and not seen.any()
     return out, miss, where.size
 
 
@@ -236,30 +237,33 @@ def test_rows_read_while_a_writer_process_rewrites_them_are_whole_and_their_own(
     if path == "numpy":
         numpy_path(local_reads, "_READ")
     rng = np.random.default_rng(2)
-    kept = caught = 0
+    seen = local_reads._seen_bitmap(cap)
+    rows_kept = caught = 0
     deadline = time.monotonic() + 20
-    while (kept < 100_000 or caught < 100) and time.monotonic() < deadline:
+    while (rows_kept < 100_000 or caught < 100) and time.monotonic() < deadline:
         ids = rng.integers(0, rows, 4096).astype(np.int64)
         out = np.zeros((ids.size, words.shape[1]), np.uint64)
         slots = slot_map.find(ids)
-        where, asked = local_reads._read_hits(ids, slots, gen, id_of, words, out, local_reads._Scratch(ids.size))
+        where, kept = local_reads._read_hits(ids, slots, gen, id_of, words, out, seen)
         hit = np.ones(ids.size, bool)
         hit[where] = False
         wrong = hit & (out != ids[:, None]).any(axis=1)
         assert not wrong.any(), f"kept rows that are not their id's: ids {ids[wrong][:5]}, rows {out[wrong][:5, :4]}"
-        assert np.array_equal(np.sort(asked), np.unique(ids))
-        kept += int(hit.sum())
+        assert np.array_equal(np.sort(kept), np.unique(ids[hit])) and not seen.any()
+        rows_kept += int(hit.sum())
         caught += int(np.count_nonzero(slots[where] >= 0))  # found by the probe, then refused
-    assert kept >= 100_000 and caught >= 100, f"the reads did not race the writer ({kept} rows kept, {caught} refused)"
+    assert rows_kept >= 100_000 and caught >= 100, \
+        f"the reads did not race the writer ({rows_kept} rows kept, {caught} refused)"
     halt()
     if path == "numpy" or not jit.enabled():
         return
     ids = rng.integers(0, rows, 4096).astype(np.int64)
     got = [np.zeros((ids.size, words.shape[1]), np.uint64) for _ in range(2)]
-    where = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[0], local_reads._Scratch(ids.size))[0]
+    where, kept = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[0], seen)
     numpy_path(local_reads, "_READ")
-    ref = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[1], local_reads._Scratch(ids.size))[0]
+    ref, ref_kept = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[1], seen)
     hit = np.ones(ids.size, bool)
     hit[where] = False
     assert np.array_equal(where, ref) and 0 < where.size < ids.size
+    assert np.array_equal(np.sort(kept), ref_kept)
     assert np.array_equal(got[0][hit], got[1][hit]) and (got[0][hit] == ids[hit, None]).all()
