@@ -33,6 +33,10 @@ def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
         assert d["rows_per_s"] > 0 and d["ratio_vs_ceiling"] > 0, name
         assert 0 < d["p50_ms"] <= d["p99_ms"], name
     assert 0.0 <= comps["arena-cache"]["hit_ratio"] <= 1.0
+    # the timed rounds' own hit ratio (the warm-up pass filled the arena), and the reading thread's CPU
+    # against the ceiling's, which a loaded host's scheduling does not move
+    assert 0.0 <= comps["arena-cache"]["hit_ratio_timed"] <= 1.0
+    assert all(d["cpu_ratio_vs_ceiling"] > 0 for d in comps.values())
     assert (tmp_path / "out" / "baselines" / f"lmdb-t-v{tv.version}").is_dir()
 
 
