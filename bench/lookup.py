@@ -24,6 +24,9 @@ runs one pass of each (the order rotates every round) and figures are medians
 over rounds; ratios are taken per round against the ceiling's pass in the same
 round, then the median. Every competitor's rows are checked byte for byte
 against the ceiling on the first batch of every cell before anything is timed.
+The timed rounds begin once arena-cache's sidecar has learned the warm-up pass
+(bounded wait): they measure the steady state, and hit_ratio_timed says at
+what hit ratio they ran.
 
 The table: `--table-mib N` reads a random table of N MiB of 264-B rows (the V4.1
 row) written once into OUT/baselines/lookup-data, past the CPU's TLB reach by
@@ -115,15 +118,18 @@ def close_all(closers: list) -> None:
 
 
 def run_rounds(fns: dict[str, Callable], batches: list, rounds: int, progress=None,
-               before_pass: Callable | None = None, round_batches: list | None = None) -> dict[str, dict]:
-    """One untimed warm-up pass of each competitor over `batches`, then `rounds`
-    timed rounds of one pass each, order rotated per round; round r reads
+               before_pass: Callable | None = None, round_batches: list | None = None,
+               after_warmup: Callable | None = None) -> dict[str, dict]:
+    """One untimed warm-up pass of each competitor over `batches` (then `after_warmup()`),
+    then `rounds` timed rounds of one pass each, order rotated per round; round r reads
     `round_batches[r]` when given (fresh ids), else `batches` again.
     Returns {name: {pass_s, lat_s, cpu_s}}: cpu_s is the calling thread's CPU time per pass."""
     names = list(fns)
     for name in names:  # warm-up: page faults, connections, caches, lazy imports
         for b in batches:
             fns[name](b)
+    if after_warmup is not None:
+        after_warmup()
     out = {n: {"pass_s": [], "lat_s": [], "cpu_s": []} for n in names}
     for r in range(rounds):
         k = r % len(names)
@@ -393,7 +399,11 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                     bar.set_description(f"lookup {dist} b={batch}")
                     s0 = _learned_stats(cclient, table) if "arena-cache" in fns else None
                     timed = _TimedHits(cclient.handle(table) if s0 is not None else None)
-                    timings = run_rounds(fns, ids, rounds, progress=bar.update, before_pass=timed.before_pass)
+                    # the timed rounds start once the sidecar has learned the warm-up's local reads (and
+                    # promoted their misses): steady state, not the learner's lag on a busy host
+                    timings = run_rounds(fns, ids, rounds, progress=bar.update, before_pass=timed.before_pass,
+                                         after_warmup=(lambda: _learned_stats(cclient, table)) if s0 is not None
+                                         else None)
                     cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
                             "competitors": summarize(timings, calls * batch)}
                     if s0 is not None:

@@ -43,9 +43,9 @@ def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
 def test_interleaved_rounds_time_every_competitor():
     calls = []
     fns = {"a": lambda b: calls.append("a"), "b": lambda b: calls.append("b")}
-    t = run_rounds(fns, [1, 2], rounds=3)
-    assert calls[:4] == ["a", "a", "b", "b"]  # warm-up pass first
-    assert calls[4:8] == ["a", "a", "b", "b"] and calls[8:10] == ["b", "b"]  # order rotates
+    t = run_rounds(fns, [1, 2], rounds=3, after_warmup=lambda: calls.append("settled"))
+    assert calls[:5] == ["a", "a", "b", "b", "settled"]  # warm-up pass first, then the settling wait
+    assert calls[5:9] == ["a", "a", "b", "b"] and calls[9:11] == ["b", "b"]  # order rotates
     assert all(len(v["pass_s"]) == 3 and len(v["lat_s"]) == 6 for v in t.values())
 
 
