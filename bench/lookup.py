@@ -24,6 +24,9 @@ runs one pass of each (the order rotates every round) and figures are medians
 over rounds; ratios are taken per round against the ceiling's pass in the same
 round, then the median. Every competitor's rows are checked byte for byte
 against the ceiling on the first batch of every cell before anything is timed.
+The timed rounds begin once arena-cache's sidecar has learned the warm-up pass
+(bounded wait): they measure the steady state, and hit_ratio_timed says at
+what hit ratio they ran.
 
 The table: `--table-mib N` reads a random table of N MiB of 264-B rows (the V4.1
 row) written once into OUT/baselines/lookup-data, past the CPU's TLB reach by
@@ -47,7 +50,11 @@ __all__ = ["run_lookup_bench", "run_rounds", "check_same_rows", "summarize", "Wr
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
          "ratio_vs_ceiling": "x (rows/s over the in-process ceiling's rows/s, median of per-round ratios)",
+         "cpu_ratio_vs_ceiling": "x (the ceiling's CPU time per pass over this competitor's, the reading thread's "
+                                 "only, median of per-round ratios: what a loaded host's scheduling does not move; "
+                                 "a competitor waiting on another process spends little of it)",
          "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena",
+         "hit_ratio_timed": "the same over the timed rounds only, counted by the client's local reads",
          "latency_quantiles_ms": "ms per batch at percentiles 0..100", "bytes": "bytes"}
 QUANTILES = np.linspace(0, 100, 101)
 COPY_LIMIT = 1 << 30  # above this, lmdb and redis (a whole second copy of the table) run only when asked
@@ -111,16 +118,19 @@ def close_all(closers: list) -> None:
 
 
 def run_rounds(fns: dict[str, Callable], batches: list, rounds: int, progress=None,
-               before_pass: Callable | None = None, round_batches: list | None = None) -> dict[str, dict]:
-    """One untimed warm-up pass of each competitor over `batches`, then `rounds`
-    timed rounds of one pass each, order rotated per round; round r reads
+               before_pass: Callable | None = None, round_batches: list | None = None,
+               after_warmup: Callable | None = None) -> dict[str, dict]:
+    """One untimed warm-up pass of each competitor over `batches` (then `after_warmup()`),
+    then `rounds` timed rounds of one pass each, order rotated per round; round r reads
     `round_batches[r]` when given (fresh ids), else `batches` again.
-    Returns {name: {pass_s, lat_s}}."""
+    Returns {name: {pass_s, lat_s, cpu_s}}: cpu_s is the calling thread's CPU time per pass."""
     names = list(fns)
     for name in names:  # warm-up: page faults, connections, caches, lazy imports
         for b in batches:
             fns[name](b)
-    out = {n: {"pass_s": [], "lat_s": []} for n in names}
+    if after_warmup is not None:
+        after_warmup()
+    out = {n: {"pass_s": [], "lat_s": [], "cpu_s": []} for n in names}
     for r in range(rounds):
         k = r % len(names)
         order = names[k:] + names[:k]
@@ -128,12 +138,13 @@ def run_rounds(fns: dict[str, Callable], batches: list, rounds: int, progress=No
             if before_pass is not None:
                 before_pass(name)
             fn, lat = fns[name], out[name]["lat_s"]
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             for b in (round_batches[r] if round_batches is not None else batches):
                 t = time.perf_counter()
                 fn(b)
                 lat.append(time.perf_counter() - t)
             out[name]["pass_s"].append(time.perf_counter() - t0)
+            out[name]["cpu_s"].append(time.thread_time() - c0)
         if progress is not None:
             progress(1)
     return out
@@ -148,6 +159,8 @@ def summarize(timings: dict[str, dict], rows_per_pass: int, ref: str = "ceiling"
              "latency_quantiles_ms": np.percentile(lat, QUANTILES).round(5).tolist(), "passes": len(passes)}
         if ref in timings:
             d["ratio_vs_ceiling"] = float(np.median(np.asarray(timings[ref]["pass_s"]) / passes))
+            if t.get("cpu_s") and timings[ref].get("cpu_s") and min(t["cpu_s"]) > 0:
+                d["cpu_ratio_vs_ceiling"] = float(np.median(np.asarray(timings[ref]["cpu_s"]) / np.asarray(t["cpu_s"])))
         res[name] = d
     return res
 
@@ -205,6 +218,29 @@ class _Inline:
             return self.client.lookup(self.table, ids, inline=True)
         return np.concatenate([self.client.lookup(self.table, ids[a:a + self.piece], inline=True)
                                for a in range(0, ids.size, self.piece)])
+
+
+class _TimedHits:
+    """arena-cache's hit ratio over the timed rounds only (the warm-up pass, which fills the
+    arena, left out): distinct ids per step, as the sidecar counts them, from the client's
+    local reads, counted from the first timed pass to the end of the cell."""
+
+    def __init__(self, handle):
+        self.handle, self.start = handle, None
+
+    def _counts(self) -> tuple[int, int] | None:
+        local = self.handle.local if self.handle is not None else None
+        return None if local is None else (local.distinct_asked, local.distinct_cold)
+
+    def before_pass(self, name: str) -> None:
+        if name == "arena-cache" and self.start is None:
+            self.start = self._counts()
+
+    def ratio(self) -> float | None:
+        end = self._counts()
+        if self.start is None or end is None or end[0] == self.start[0]:
+            return None
+        return 1.0 - (end[1] - self.start[1]) / (end[0] - self.start[0])
 
 
 def _table_stats(client, table: str) -> dict:
@@ -362,13 +398,19 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                         check_same_rows(name, fn(ids[0]), want_rows)
                     bar.set_description(f"lookup {dist} b={batch}")
                     s0 = _learned_stats(cclient, table) if "arena-cache" in fns else None
-                    timings = run_rounds(fns, ids, rounds, progress=bar.update)
+                    timed = _TimedHits(cclient.handle(table) if s0 is not None else None)
+                    # the timed rounds start once the sidecar has learned the warm-up's local reads (and
+                    # promoted their misses): steady state, not the learner's lag on a busy host
+                    timings = run_rounds(fns, ids, rounds, progress=bar.update, before_pass=timed.before_pass,
+                                         after_warmup=(lambda: _learned_stats(cclient, table)) if s0 is not None
+                                         else None)
                     cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
                             "competitors": summarize(timings, calls * batch)}
                     if s0 is not None:
                         s1 = _learned_stats(cclient, table)
                         h, m = int(s1.get("hits", 0)) - int(s0.get("hits", 0)), int(s1.get("misses", 0)) - int(s0.get("misses", 0))
                         cell["competitors"]["arena-cache"]["hit_ratio"] = h / (h + m) if h + m else None
+                        cell["competitors"]["arena-cache"]["hit_ratio_timed"] = timed.ratio()
                     cells.append(cell)
                     log(line_for(cell))
     finally:
@@ -384,15 +426,20 @@ def _batches(dist, rows, batch, calls, seed):
 
 
 def line_for(cell: dict) -> str:
-    """`lookup zipf1.0 b=32768: arena 0.91x ceiling, inline 0.07x, ...` (ceiling in rows/s)."""
+    """`lookup zipf1.0 b=32768: arena 0.91x [cpu 0.95x], arena-cache 0.7x [cpu 0.8x] (hit 0.83, timed 0.99),
+    inline 0.07x, ... of ceiling (N M rows/s)`: wall-clock ratios, the reading thread's CPU ratio for the
+    local tierstore paths, arena-cache's hit ratio over the cell and over its timed rounds."""
     comps = cell["competitors"]
     parts = []
     for name, d in comps.items():
         if name == "ceiling":
             continue
         s = f"{name} {d['ratio_vs_ceiling']:.3g}x"
+        if name.startswith("arena") and d.get("cpu_ratio_vs_ceiling") is not None:
+            s += f" [cpu {d['cpu_ratio_vs_ceiling']:.3g}x]"
         if d.get("hit_ratio") is not None:
-            s += f" (hit {d['hit_ratio']:.2f})"
+            s += f" (hit {d['hit_ratio']:.2f}"
+            s += f", timed {d['hit_ratio_timed']:.2f})" if d.get("hit_ratio_timed") is not None else ")"
         parts.append(s)
     ceil = comps["ceiling"]["rows_per_s"]
     return f"lookup {cell['dist']} b={cell['batch']}: " + ", ".join(parts) + f" of ceiling ({ceil / 1e6:.1f} M rows/s)"

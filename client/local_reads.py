@@ -39,9 +39,8 @@ import numpy as np
 from tierstore.cache import miss_flights
 from tierstore.cache.miss_flights import MissFlights
 from tierstore.errors import StaleArena, TierstoreError
-from tierstore.jit import Kernel, distinct
 from tierstore.cache.slot_index import map_index
-from tierstore.jit import unique_inverse
+from tierstore.jit import Kernel, compiler_barrier, unique_inverse
 
 if TYPE_CHECKING:
     from tierstore.client.client import Client
@@ -61,6 +60,10 @@ class LocalReads:
         self.arena = handle.arena_np
         self.gen, self.id_of, self.map = map_index(handle.index_path, self.arena.shape[0], handle.rows,
                                                        handle.instance)
+        # rows copied as 8-byte words where their width allows
+        self._words = self.row_bytes % 8 == 0 and self.arena.flags.c_contiguous
+        self._arena_words = self.arena.view(np.uint64) if self._words else self.arena
+        self._seen = _seen_bitmap(self.arena.shape[0])
         self._cold = None  # SegmentReader over cold_dir, opened on the first miss
         self._cold_lock = threading.Lock()
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
@@ -73,18 +76,16 @@ class LocalReads:
         fine); None when a miss has to be planned through the sidecar (no cold_dir)."""
         n = ids.size
         out = np.empty((n, self.row_bytes), dtype=np.uint8)
-        slots, gens = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.uint32)
-        # three calls, each reading after the previous returned (slot_index.py: the reader)
-        _probe(ids, self.map, self.gen, slots, gens)
-        _copy(ids, slots, gens, self.id_of, self.arena, out)
-        missing = _confirm(slots, gens, self.gen)
-        asked = distinct(ids)
+        # the probe, then one call that reads each slot's gen, copies and checks it again
+        # (a probe racing the sidecar's writes may miss an id, never finds a wrong slot: slot_map.py)
+        where, asked = _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,
+                                  out.view(np.uint64) if self._words else out, self._seen)
+        missing = where.size
         uniq = got = None
         if missing:
             cold = self._reader()
             if cold is None:
                 return None
-            where = np.flatnonzero(gens & 1)
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
             if self._flights is not None:  # a row another client is reading now is not read again
@@ -96,6 +97,9 @@ class LocalReads:
                 self.distinct_device += uniq.size
             out[where] = got[inv]
             self.distinct_cold += uniq.size
+            # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused
+            # in one step, a probe racing a shift, is told twice: two accesses, a hint)
+            asked = np.concatenate([asked, uniq])
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
         # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
         # sum is on disk, a read of its own); a version without row sums: nothing to send
@@ -161,62 +165,75 @@ def _flights(handle: "TableHandle", cold) -> MissFlights | None:
         return None  # a sidecar that keeps none (an older release): misses are read here, as before
 
 
-# ---- the reader's three passes (compiled; numpy below is the reference) ----
-def _probe_loop(slots, gen, gens):
-    for i in range(slots.shape[0]):
+# ---- the reader's hit path: one compiled call after the map probe (numpy below is the reference) ----
+def _read_loop(ids, slots, gen, id_of, arena, out, miss, kept, seen):
+    """The seqlock read of slot_index.py's reader over a whole batch.
+
+    Pass 1 reads g1 = gen[s] of every probed slot; a barrier; pass 2 copies row i where
+    g1 is even and id_of[s] still names ids[i]; a barrier; pass 3 keeps row i only if
+    gen[s] still equals g1. Loads stay in program order on x86-64, so a kept row was row
+    ids[i], READY, for its whole copy; every other position goes into `miss`. The kept
+    rows' distinct ids go into `kept`, told apart by slot in the bitmap `seen` (one bit a
+    slot, all clear between calls: cleared again here): a slot holds one row for all of
+    a batch's kept positions, whose g1..g2 windows all span the pass between the barriers.
+    Returns (misses, distinct kept ids)."""
+    m = ids.shape[0]
+    gens = np.empty(m, np.uint32)
+    for i in range(m):  # pass 1: every g1 before any copy (the loads overlap)
         s = slots[i]
         gens[i] = gen[s] if s >= 0 else 1
-
-
-def _copy_loop(ids, slots, gens, id_of, arena, out):
+    compiler_barrier()
     width = arena.shape[1]
-    for i in range(ids.shape[0]):
+    for i in range(m):  # pass 2: id confirmed, row copied
         s = slots[i]
         if (gens[i] & 1) == 0 and id_of[s] == ids[i]:
             for j in range(width):
                 out[i, j] = arena[s, j]
         else:
             gens[i] = 1
+    compiler_barrier()
+    k = n = 0
+    for i in range(m):  # pass 3: gen unchanged; the first position of each slot is noted (no branch)
+        s = slots[i]
+        if (gens[i] & 1) == 1 or gen[s] != gens[i]:
+            miss[k] = i
+            k += 1
+            continue
+        w, bit = s >> 6, np.uint64(1) << np.uint64(s & 63)
+        word = seen[w]
+        kept[n] = ids[i]
+        n += (word & bit) == 0
+        seen[w] = word | bit
+    for i in range(m):
+        if slots[i] >= 0:
+            seen[slots[i] >> 6] = 0
+    return k, n
 
 
-def _confirm_loop(slots, gens, gen):
-    missing = 0
-    for i in range(slots.shape[0]):
-        if (gens[i] & 1) == 0 and gen[slots[i]] != gens[i]:
-            gens[i] = 1
-        missing += gens[i] & 1
-    return missing
+_READ = Kernel(_read_loop)
 
 
-_PROBE, _COPY, _CONFIRM = Kernel(_probe_loop), Kernel(_copy_loop), Kernel(_confirm_loop)
+def _seen_bitmap(capacity: int) -> np.ndarray:
+    """The all-clear bitmap _read_hits tells a batch's slots apart with (one bit a slot)."""
+    return np.zeros(-(-capacity // 64), np.uint64)
 
 
-def _probe(ids, slot_map, gen, slots, gens) -> None:
-    """slots[i] = the slot the map finds for ids[i] (slot_map.py: a probe racing the sidecar's
-    writes may miss it, never finds a wrong one); gens[i] = its gen (odd: not resident)."""
-    slot_map.find(ids, out=slots)
-    k = _PROBE.compiled()
+def _read_hits(ids, slots, gen, id_of, arena, out, seen) -> tuple[np.ndarray, np.ndarray]:
+    """Copy into out[i] every row ids[i] that slots[i] (the map's probe, -1: not found) held READY
+    for the whole copy (slot_index.py: the reader); returns (the positions of the others, int64:
+    read them like misses; the distinct ids of the rows kept). `arena` and `out` may be viewed as
+    uint64 words (rows a multiple of 8 bytes); `seen`: _seen_bitmap(arena slots), used within the
+    one compiled call (which holds the GIL) and left clear."""
+    n = ids.size
+    miss = np.empty(n, np.int64)
+    k = _READ.compiled()
     if k is not None:
-        k(slots, gen, gens)
-        return
-    gens[:] = np.where(slots >= 0, gen[slots], 1)
-
-
-def _copy(ids, slots, gens, id_of, arena, out) -> None:
-    """Copy the rows whose slot was READY and held that id; mark the others odd."""
-    k = _COPY.compiled()
-    if k is not None:
-        k(ids, slots, gens, id_of, arena, out)
-        return
+        kept = np.empty(n, np.int64)
+        m, a = k(ids, slots, gen, id_of, arena, out, miss, kept, seen)
+        return miss[:m], kept[:a]
+    # the reference: the same loads in the same order, one numpy call each
+    gens = np.where(slots >= 0, gen[slots], 1).astype(np.uint32)
     ok = ((gens & 1) == 0) & (id_of[slots] == ids)
     np.take(arena, slots, axis=0, out=out)  # a -1 slot reads the last row: unused
-    gens[~ok] = 1
-
-
-def _confirm(slots, gens, gen) -> int:
-    """Rows whose slot changed since the probe are marked odd; returns how many are odd (misses)."""
-    k = _CONFIRM.compiled()
-    if k is not None:
-        return int(k(slots, gens, gen))
-    gens[(gens & 1 == 0) & (gen[slots] != gens)] = 1
-    return int(np.count_nonzero(gens & 1))
+    ok &= gen[slots] == gens
+    return np.flatnonzero(~ok), np.unique(ids[ok])

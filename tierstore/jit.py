@@ -22,7 +22,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["Kernel", "inlined", "enabled", "first_outside", "strictly_increasing", "distinct", "unique_inverse"]
+__all__ = ["Kernel", "inlined", "compiler_barrier", "enabled", "first_outside", "strictly_increasing", "distinct",
+           "unique_inverse"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -49,6 +50,40 @@ def inlined(fn):
     return register_jitable(fn)
 
 
+def compiler_barrier() -> None:
+    """In a compiled loop: no load or store is moved across this point by the compiler (an
+    empty asm statement that clobbers memory, `asm volatile("" ::: "memory")`); no
+    instruction is emitted. The hardware's order is the caller's to rely on (x86-64
+    keeps loads in program order: cache/slot_index.py's reader). Interpreted: a no-op,
+    Python runs statements in order."""
+
+
+_BARRIER_REGISTERED = False
+
+
+def _register_barrier() -> None:
+    """compiler_barrier's compiled form, registered before the first kernel compiles (numba
+    is imported only then)."""
+    global _BARRIER_REGISTERED
+    if _BARRIER_REGISTERED:
+        return
+    _BARRIER_REGISTERED = True
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic, overload
+
+    @intrinsic
+    def _barrier(typingctx):
+        def codegen(context, builder, signature, args):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @overload(compiler_barrier)
+    def _compiled():
+        return lambda: _barrier()
+
+
 class Kernel:
     """A numba-compilable function, compiled lazily; `compiled()` is None without numba."""
 
@@ -63,6 +98,7 @@ class Kernel:
                 if self._jit is _UNSET:
                     if enabled():
                         import numba
+                        _register_barrier()
                         self._jit = numba.njit(cache=True, boundscheck=False, nogil=self._nogil)(self.fn)
                     else:
                         self._jit = None

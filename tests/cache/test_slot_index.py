@@ -2,6 +2,10 @@
 (client/local_reads.py): a row is used only if its slot held it, READY, for the whole copy."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -32,18 +36,18 @@ def _fill(st: SlotTable, arena: np.ndarray, ids) -> np.ndarray:
 
 
 def _read(st: SlotTable, arena: np.ndarray, ids, between=None):
-    """The reader's three passes; `between(phase)` runs writer code after pass 1 or 2."""
+    """The reader's probe, then its seqlock read; `between()` runs writer code in between."""
     ids = np.asarray(ids, dtype=np.int64)
     out = np.zeros((ids.size, WIDTH), dtype=np.uint8)
-    slots, gens = np.empty(ids.size, np.int64), np.empty(ids.size, np.uint32)
-    local_reads._probe(ids, st.map, st.gen, slots, gens)
+    slots = st.map.find(ids)
     if between:
-        between(1)
-    local_reads._copy(ids, slots, gens, st.id_of, arena, out)
-    if between:
-        between(2)
-    missing = local_reads._confirm(slots, gens, st.gen)
-    return out, (gens & 1) == 1, missing
+        between()
+    seen = local_reads._seen_bitmap(CAP)
+    where, kept = local_reads._read_hits(ids, slots, st.gen, st.id_of, arena, out, seen)
+    miss = np.zeros(ids.size, bool)
+    miss[where] = True
+    assert np.array_equal(np.sort(kept), np.unique(ids[~miss])) and not seen.any()
+    return out, miss, where.size
 
 
 def test_gen_is_even_only_while_a_slot_holds_a_ready_row(table):
@@ -63,7 +67,7 @@ def test_gen_is_even_only_while_a_slot_holds_a_ready_row(table):
 def test_resident_rows_are_read_and_the_rest_are_misses(table, path, numpy_path):
     st, arena, _ = table
     if path == "numpy":
-        numpy_path(local_reads, "_PROBE", "_COPY", "_CONFIRM")
+        numpy_path(local_reads, "_READ")
     _fill(st, arena, [10, 20, 30])
     out, miss, n = _read(st, arena, [10, 11, 30, 10, 999])
     assert n == 2 and miss.tolist() == [False, True, False, False, True]
@@ -71,20 +75,18 @@ def test_resident_rows_are_read_and_the_rest_are_misses(table, path, numpy_path)
 
 
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
-@pytest.mark.parametrize("phase", [1, 2])
-def test_a_row_evicted_and_refilled_during_the_read_is_a_miss(table, path, phase, numpy_path):
-    """The slot of id 10 is given to id 74 between two of the reader's passes."""
+def test_a_row_evicted_and_refilled_after_the_probe_is_a_miss(table, path, numpy_path):
+    """The slot of id 10 is given to id 74 between the probe and the copy."""
     st, arena, _ = table
     if path == "numpy":
-        numpy_path(local_reads, "_PROBE", "_COPY", "_CONFIRM")
+        numpy_path(local_reads, "_READ")
     slots = _fill(st, arena, [10, 20])
 
-    def evict_and_refill(at):
-        if at == phase:
-            st.unmap(slots[:1])
-            st.assign(slots[:1], np.array([74]))
-            arena[slots[0]] = 74
-            st.ready(slots[:1])
+    def evict_and_refill():
+        st.unmap(slots[:1])
+        st.assign(slots[:1], np.array([74]))
+        arena[slots[0]] = 74
+        st.ready(slots[:1])
 
     out, miss, n = _read(st, arena, [10, 20], between=evict_and_refill)
     assert miss.tolist() == [True, False] and n == 1
@@ -143,3 +145,125 @@ def test_an_index_of_another_format_version_is_refused_with_the_reason(table):
         f.write(b"TSINDEX1")
     with pytest.raises(errors.StaleArena, match="format version 1; this client reads version 3"):
         map_index(path, CAP, ROWS, "inst0")
+
+
+# A writer process (the sidecar's side: SlotTable over a SlotIndexFile, a shared arena file) that
+# evicts and refills slots, and rewrites rows in place, for as long as `stop` does not exist. A
+# row of id x is WIDTH // 8 words equal to x; while a slot is being written it holds another id's
+# words for a while (a refill writes its row in two halves; a rewrite passes through id + ROWS).
+_WRITER = """
+import os, sys, time
+import numpy as np
+from tierstore.cache.slot_index import SlotIndexFile
+from tierstore.cache.slot_table import SlotTable
+
+index, arena_path, stop, cap, rows, width = sys.argv[1:7]
+cap, rows, width = int(cap), int(rows), int(width)
+st = SlotTable(cap, rows, SlotIndexFile(index, cap, rows, "inst0"))
+words = np.memmap(arena_path, dtype=np.uint64, mode="r+", shape=(cap, width // 8))
+rng = np.random.default_rng(1)
+slots = st.take_free(cap)
+held = rng.permutation(rows)[:cap].astype(np.int64)
+st.assign(slots, held)
+words[slots] = held[:, None]
+st.ready(slots)
+print("ready", flush=True)
+half, deadline = width // 16, time.monotonic() + 60
+
+
+def hold():  # a torn row stays in place long enough for a read to copy it
+    t = time.perf_counter() + 50e-6
+    while time.perf_counter() < t:
+        pass
+
+
+while not os.path.exists(stop) and time.monotonic() < deadline:
+    s = rng.choice(cap, int(rng.integers(1, 9)), replace=False)
+    if rng.random() < 0.5:  # evict, refill with rows not resident
+        free = np.setdiff1d(np.arange(rows), st.id_of[st.id_of >= 0])
+        new = rng.choice(free, s.size, replace=False).astype(np.int64)
+        st.unmap(s)
+        st.assign(s, new)
+        words[s, :half] = new[:, None]
+        hold()
+        words[s, half:] = new[:, None]
+        st.ready(s)
+    else:  # rewrite in place, through another id's words
+        ids = st.id_of[s].astype(np.int64)
+        st.begin_write(s)
+        words[s] = (ids + rows)[:, None]
+        hold()
+        words[s] = ids[:, None]
+        st.end_write(s)
+st.close()
+"""
+
+
+@pytest.fixture
+def writer(tmp_path):
+    """(index path, the arena's words mapped read-only, stop()) of a running writer process."""
+    cap, rows, width = 256, 512, 64
+    index, arena_path, stop = tmp_path / "w.index", tmp_path / "w.arena", tmp_path / "stop"
+    np.zeros((cap, width), np.uint8).tofile(arena_path)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, index, arena_path, stop, str(cap), str(rows), str(width)],
+                            stdout=subprocess.PIPE, text=True)
+
+    def halt():
+        stop.touch()
+        proc.wait(timeout=30)
+
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield index, np.memmap(arena_path, dtype=np.uint64, mode="r", shape=(cap, width // 8)), halt
+    finally:
+        stop.touch()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_rows_read_while_a_writer_process_rewrites_them_are_whole_and_their_own(writer, path, numpy_path):
+    """Against a real writer process evicting, refilling and rewriting slots under the reads: every
+    row the reader keeps is exactly its id's (none torn, none another id's), rows caught mid-write
+    go to the miss path, and once the writer stops the compiled read and the numpy reference agree
+    position for position."""
+    index, words, halt = writer
+    cap, rows = words.shape[0], 512
+    gen, id_of, slot_map = map_index(index, cap, rows, "inst0")
+    if path == "numpy":
+        numpy_path(local_reads, "_READ")
+    rng = np.random.default_rng(2)
+    seen = local_reads._seen_bitmap(cap)
+    rows_kept = caught = 0
+    deadline = time.monotonic() + 20
+    while (rows_kept < 100_000 or caught < 100) and time.monotonic() < deadline:
+        ids = rng.integers(0, rows, 4096).astype(np.int64)
+        out = np.zeros((ids.size, words.shape[1]), np.uint64)
+        slots = slot_map.find(ids)
+        where, kept = local_reads._read_hits(ids, slots, gen, id_of, words, out, seen)
+        hit = np.ones(ids.size, bool)
+        hit[where] = False
+        wrong = hit & (out != ids[:, None]).any(axis=1)
+        assert not wrong.any(), f"kept rows that are not their id's: ids {ids[wrong][:5]}, rows {out[wrong][:5, :4]}"
+        assert np.array_equal(np.sort(kept), np.unique(ids[hit])) and not seen.any()
+        rows_kept += int(hit.sum())
+        caught += int(np.count_nonzero(slots[where] >= 0))  # found by the probe, then refused
+    assert rows_kept >= 100_000 and caught >= 100, \
+        f"the reads did not race the writer ({rows_kept} rows kept, {caught} refused)"
+    halt()
+    if path == "numpy" or not jit.enabled():
+        return
+    ids = rng.integers(0, rows, 4096).astype(np.int64)
+    got = [np.zeros((ids.size, words.shape[1]), np.uint64) for _ in range(2)]
+    where, kept = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[0], seen)
+    numpy_path(local_reads, "_READ")
+    ref, ref_kept = local_reads._read_hits(ids, slot_map.find(ids), gen, id_of, words, got[1], seen)
+    hit = np.ones(ids.size, bool)
+    hit[where] = False
+    assert np.array_equal(where, ref) and 0 < where.size < ids.size
+    assert np.array_equal(np.sort(kept), ref_kept)
+    assert np.array_equal(got[0][hit], got[1][hit]) and (got[0][hit] == ids[hit, None]).all()

@@ -20,14 +20,16 @@ stores in program order).
 
 Reader (a client, no lock, no syscall): for each id, s = the map's slot for
 it (a probe that confirms id_of[s] == id, slot_map.py) and g1 = gen[s]; then
-id_of[s] == id again and the row copied; then gen[s] == g1 and g1 even. Three
-separate calls, each reading only after the previous one returned: x86-64
-does not reorder loads with other loads, so a row that passes was whole and
-was row `id` for the entire copy. A row that fails (evicted or rewritten
-meanwhile), or an id the probe did not find (a concurrent insert or backward
-shift hid it: slot_map.py says why that is only ever a miss), is read like a
-miss. Other architectures need load fences here, so `supported()` is False
-there and clients ask the sidecar instead.
+id_of[s] == id again and the row copied; then gen[s] == g1 and g1 even. The
+probe is one call; the rest is one compiled loop (client/local_reads.py) whose
+loads are kept in this order by compiler barriers (jit.compiler_barrier: every
+g1 before any copy, each row's copy before its second gen load). x86-64 does
+not reorder loads with other loads, so a row that passes was whole and was row
+`id` for the entire copy. A row that fails (evicted or rewritten meanwhile), or
+an id the probe did not find (a concurrent insert or backward shift hid it:
+slot_map.py says why that is only ever a miss), is read like a miss. Other
+architectures need load fences here, so `supported()` is False there and
+clients ask the sidecar instead.
 
 The file: one 4 KiB header (magic and format version, element widths, slots,
 rows, the sidecar instance) and the three arrays, each 64-byte aligned.
