@@ -166,9 +166,10 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     from tierstore.client.engines import vllm_plugin, vllm_stager
 
     res: dict = {}
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the staged layer's fix: the V2 runner is refused at build
     emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows)
     res["staged: no rows held"] = emb.weight.shape[0] == 0 and emb.tierstore_staged is not None
-    vllm_plugin.staged_tables().graph_tokens = GRAPH_TOKENS
+    vllm_plugin.staged_tables().graph_tokens = GRAPH_TOKENS  # VllmConfig() without a model resolves no sizes
     stager = vllm_stager.StepStager.process("cuda")
     ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
     dev_ids = torch.from_numpy(ids).cuda()
