@@ -341,6 +341,31 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
 
 
 @parent
+def test_the_windows_hash_as_whole_sequences_do(plugin):
+    """The stager's hash of each scheduled token's window (gathered from the host token table
+    at the runner's positions) is tierstore's NgramHasher over the whole sequence up to that
+    token (which test_hash_agreement_vllm.py holds to vLLM's `_hash_ids_kernel`): pad before
+    the sequence's start, image tokens dead, decode tokens and prefill chunks mid-sequence."""
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=24)
+    h = stager.hasher
+    table, steps = _token_steps(np.random.default_rng(11), [1, 9, 30])
+    table[2, :3] = IMAGE_TOKEN  # dead at the start, and a window reaching before position 0
+    for starts, counts in steps:
+        starts[0] = 0  # a fresh prefill
+        w = vllm_stager.windows(table, starts, counts, 4)
+        got = stager._hash(w)
+        req = np.repeat(np.arange(counts.size), counts)
+        pos = starts[req] + np.arange(req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        assert np.array_equal(w[:, 0], table[req, pos])  # the tokens vLLM's _prepare_inputs gathers
+        for L in LAYERS:
+            want = np.stack([h.hash(h.map_raw(table[r, :p + 1]), L, dead=table[r, :p + 1] == IMAGE_TOKEN)[-1]
+                             for r, p in zip(req, pos)])
+            assert np.array_equal(got[L], want), L
+
+
+@parent
 def test_the_lookup_never_reads_the_device_ids(plugin):
     """The layer's forward takes only the shape of its hash ids (host metadata): no op of the
     lookup reads `indices` (no .cpu() / .to() / .item() / .tolist() of them, each a device sync
