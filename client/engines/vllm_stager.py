@@ -337,7 +337,9 @@ class StepStager:
     def rows(self, table: StagedEngramTable, tokens: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(fp8 bytes [tokens x part, dim], ue8m0 bytes [tokens x part, dim / 32]) of `table`'s
         layer for a lookup of `tokens` tokens: the staged step's rows, zero past them. Under a
-        capture, views of the persistent buffers (what every replay reads)."""
+        capture, views of the persistent buffers (what every replay reads). A forward the
+        runner hook did not stage (vLLM's profile and dummy runs, which bypass
+        `_prepare_inputs` and whose outputs nothing reads) gets zero rows."""
         import torch
 
         i, n = self.slot[id(table)], tokens * self.part
@@ -348,12 +350,10 @@ class StepStager:
                 f"a captured CUDA graph of {tokens} tokens is larger than the {self.capacity}-token staging buffers "
                 f"tierstore sized from vLLM's resolved cudagraph capture sizes at start: restart vLLM")
         if self._own is None or tokens < self.tokens:
-            raise StagingError(
-                f"vLLM's Engram layer {table.layer_id} looks up {tokens} tokens, and tierstore staged {self.tokens} "
-                f"for this step: the step's rows were not staged by the runner hook (tierstore stages the V1 model "
-                f"runner's steps)")
+            return (torch.zeros((n, self.dim), dtype=torch.uint8, device=self.device),
+                    torch.zeros((n, self.dim // FP8_BLOCK), dtype=torch.uint8, device=self.device))
         weight, scale = self._own[0][i], self._own[1][i]
-        if n > weight.shape[0]:  # padding past the step (eager): zero rows
+        if n > weight.shape[0]:  # padding past the step (DP ranks padded alike): zero rows
             weight = torch.cat([weight, weight.new_zeros((n - weight.shape[0], self.dim))])
             scale = torch.cat([scale, scale.new_zeros((n - scale.shape[0], self.dim // FP8_BLOCK))])
         return weight, scale
@@ -395,7 +395,8 @@ def after_prepare_inputs(result, runner, scheduler_output, num_scheduled_tokens)
     layer."""
     from tierstore.client.engines import vllm_plugin
 
-    if vllm_plugin.staged_tables() is None or not vllm_plugin.staged_tables().staged_layers():
+    tables = vllm_plugin.staged_tables()
+    if tables is None or not tables.staged_layers():
         return result
     stager = StepStager.process(runner.device)
     if stager.hasher is None:

@@ -321,6 +321,9 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
     embs = [_staged(layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=24)
     ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
+    profile = torch.full((40, embs[0].part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+    embs[0].lookup(torch.zeros((40, embs[0].n_hash_cols), dtype=torch.int32), profile)
+    assert (profile == 0).all()  # vLLM's profile run, before any step: past the buffers, no step staged
     captured = [1, 2, 4, 8, 16, 24]
     sizes = [*range(1, 25), 7, 1, 30, 2]
     table, steps = _token_steps(np.random.default_rng(7), sizes)
