@@ -147,6 +147,7 @@ def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: in
     vllm_plugin.uninstall()  # a plugin installed for another sidecar keeps its tables otherwise
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}, stage=stage))
     config = VllmConfig()
+    config.scheduler_config.async_scheduling = False  # --no-async-scheduling: a staged layer refuses it at build
     with set_current_vllm_config(config):
         if not ps.model_parallel_is_initialized():
             ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
