@@ -505,6 +505,54 @@ def test_cfg_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(monkeyp
         vllm_stager.check_engine(config, emb, 1)
 
 
+@cfg
+def test_cfg_the_real_constructor_stages_a_layer_as_the_tests_build_it(plugin, monkeypatch):
+    """vLLM's own `ParallelEngramEmbedding.__init__` (a tensor-parallel world of one over gloo,
+    under a real VllmConfig on vLLM's CPU platform) builds a staged layer through the plugin:
+    the engine checks pass (V1 runner, no async scheduling on CPU), the instance holds what
+    vllm_engram.embedding computes for the other tests (heads, row range, sizes), zero-row
+    placeholders whose weight loader is the check, and its lookup reads the staged step."""
+    import socket as socketlib
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    # __init__ reads the device's SM count (the lookup kernel's grid) from torch.cuda, which a
+    # CPU torch cannot answer: that one query answers 4, nothing else of vLLM is replaced
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(multi_processor_count=4))
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    layout = vllm_engram.layout(CONFIG)
+    heads = tuple(size for order in layout.primes[0] for size in order)
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        try:
+            ps.initialize_model_parallel(1, 1)
+            with vllm_plugin.engram_layer(1):
+                emb = engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+    built = vllm_engram.embedding(layout, 0)
+    fields = ("num_embeddings", "dim", "block_size", "n_hash_cols", "part_n_hash_cols", "head_start",
+              "vocab_start_idx", "vocab_end_idx", "part_num_embeddings", "dp_size", "tp_size", "cpu_offload")
+    assert {f: getattr(emb, f) for f in fields} == {f: getattr(built, f) for f in fields}
+    assert emb.weight.shape == (0, 256) and emb.weight_scale_inv.shape == (0, 8)
+    assert isinstance(emb.weight.weight_loader, checks.CheckpointCheck)
+    stager = _stager(plugin, [emb], capacity=0)
+    table, [(starts, counts)] = _token_steps(np.random.default_rng(5), [7])
+    stager.stage(vllm_stager.windows(table, starts, counts, 4))
+    ids = _hash_ids(stager, table, starts, counts, 1)
+    out = torch.empty((7, emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+    emb.lookup(ids, out)
+    assert torch.equal(out.view(torch.int16), _reference(plugin, emb, 1, ids).view(torch.int16))
+
+
 @parent
 def test_stage_is_set_the_sglang_way():
     from_env = vllm_plugin.VllmPluginConfig.from_env
