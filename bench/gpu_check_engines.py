@@ -171,7 +171,7 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows)
     res["staged: no rows held"] = emb.weight.shape[0] == 0 and emb.tierstore_staged is not None
     vllm_plugin.staged_tables().graph_tokens = GRAPH_TOKENS  # VllmConfig() without a model resolves no sizes
-    stager = vllm_stager.StepStager.process("cuda")
+    stager = vllm_plugin.staged_tables().step_stager("cuda")
     ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
     dev_ids = torch.from_numpy(ids).cuda()
     # a graph captured at the largest size over the staged layer's lookup, replayed per step

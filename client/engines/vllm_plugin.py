@@ -70,7 +70,7 @@ from tierstore.client.engines import checks
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.engines.vllm_stager import StagedEngramTable
+    from tierstore.client.engines.vllm_stager import StagedEngramTable, StepStager
     from tierstore.client.split_table import SplitTable
 
 __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "uninstall", "engram_layer"]
@@ -148,6 +148,7 @@ class TierstoreEngramTables:
         self._split: dict[int, "SplitTable"] = {}
         self._staged: dict[int, "StagedEngramTable"] = {}
         self.graph_tokens = 0  # the persistent staging buffers' tokens (vllm_stager.graph_tokens, set at build)
+        self._stager = None  # the StepStager of the staged layers, made at its first use
         if not self._by_layer:
             for info in self._client.tables():
                 handle = self._client.handle(info["table"])
@@ -190,6 +191,20 @@ class TierstoreEngramTables:
         with self._lock:
             return [t for t in self._staged.values() if t.part is not None]
 
+    def step_stager(self, device) -> "StepStager":
+        """The process's StepStager over the staged layers, made at its first use (a graph capture,
+        vLLM's profile run or the first step: all after the model is built) on `device`, its
+        persistent buffers `graph_tokens` tokens."""
+        from tierstore.client.engines.vllm_stager import StepStager
+
+        layers = self.staged_layers()
+        with self._lock:
+            if self._stager is None:
+                if not layers:
+                    raise errors.InvalidArgument("tierstore's vLLM plugin stages no Engram layer in this process")
+                self._stager = StepStager(layers, self.graph_tokens, device)
+            return self._stager
+
     def split_table(self, layer_id: int) -> "SplitTable":
         """The split table of Engram layer `layer_id` (mapped once per process)."""
         with self._lock:
@@ -230,6 +245,7 @@ class TierstoreEngramTables:
                 t.close()
             self._split.clear()
             self._staged.clear()
+            self._stager = None
         self._client.close()
 
 
@@ -308,7 +324,7 @@ def _patch(engram) -> None:
         staged = getattr(self, "tierstore_staged", None)
         if staged is None:
             return lookup(self, indices, out, background)
-        staged.lookup(self, indices, out)
+        staged.lookup(self, indices, out, _tables().step_stager(out.device))
 
     def _storage(self):
         staged = getattr(self, "tierstore_staged", None)
@@ -354,18 +370,21 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int, vllm_config=None):
 
 
 def _patch_runner(runner_module) -> None:
-    """Wrap GPUModelRunner._prepare_inputs so that each step's staged rows are staged (vllm_stager.
-    after_prepare_inputs, a no-op without a staged layer) before execute_model runs the forward."""
+    """Wrap GPUModelRunner._prepare_inputs so that each step's rows are staged (vllm_stager.
+    stage_runner_step; nothing without a staged layer) before execute_model runs the forward."""
     runner_cls = runner_module.GPUModelRunner
     if "runner_original" in _STATE:
         return
     prepare = runner_cls._prepare_inputs
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-        from tierstore.client.engines import vllm_stager
-
         result = prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-        return vllm_stager.after_prepare_inputs(result, self, scheduler_output, num_scheduled_tokens)
+        tables = staged_tables()
+        if tables is not None and tables.staged_layers():
+            from tierstore.client.engines import vllm_stager
+
+            vllm_stager.stage_runner_step(tables.step_stager(self.device), self, num_scheduled_tokens)
+        return result
 
     runner_cls._prepare_inputs = _prepare_inputs
     _STATE["runner_original"] = (runner_module, prepare)
@@ -421,9 +440,6 @@ def uninstall() -> None:
         runner = _STATE.pop("runner_original", None)
     if runner is not None:
         runner[0].GPUModelRunner._prepare_inputs = runner[1]
-    from tierstore.client.engines.vllm_stager import StepStager
-
-    StepStager.forget()
     if originals is not None:
         engram, alloc, create, lookup, storage = originals
         engram.ParallelEngramEmbedding._allocate_weights = alloc

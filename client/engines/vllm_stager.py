@@ -13,7 +13,7 @@ before the forward.
 The step. The plugin (client/engines/vllm_plugin.py) wraps the V1 model runner's
 `_prepare_inputs`, which runs on the host before `execute_model`'s forward, with the
 step's token ids in the runner's host token table (`input_batch.token_ids_cpu`).
-`after_prepare_inputs` gathers each scheduled token's n-gram window from it
+`stage_runner_step` gathers each scheduled token's n-gram window from it
 (`windows`), and `StepStager.stage` hashes them on the host (tierstore's NgramHasher
 over vLLM's own compression map, checked against vLLM's multipliers; it agrees with
 `_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py), reads each
@@ -55,7 +55,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,7 +68,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "after_prepare_inputs", "hasher_of", "FP8_BLOCK", "ROW_FORMAT"]
+           "windows", "stage_runner_step", "hasher_of", "FP8_BLOCK", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 FP8_BLOCK = 32  # values per ue8m0 scale
@@ -175,11 +174,11 @@ class StagedEngramTable:
         np.take(rows[:, :self.dim], where, axis=0, out=weight)
         np.take(rows[:, self.dim:], where, axis=0, out=scale)
 
-    def lookup(self, emb, indices: "torch.Tensor", out: "torch.Tensor") -> None:
+    def lookup(self, emb, indices: "torch.Tensor", out: "torch.Tensor", stager: "StepStager") -> None:
         """`ParallelEngramEmbedding.lookup(indices, out)` of staged layer `emb`: out [tokens,
         part_n_hash_cols, dim] bf16, or uint8 [tokens, part_n_hash_cols, 264] packed (its token
         stride may be wider: EngramBatch.packed_rows[:, layer]), from the rows the process's
-        StepStager staged for this step's tokens before the forward. `indices` is not read (the
+        StepStager `stager` staged for this step's tokens before the forward. `indices` is not read (the
         stager hashed the same tokens on the host): only its shape, host metadata, so the lookup
         never syncs the device and a CUDA graph can capture it (it reads the persistent buffers
         at fixed addresses). Tokens past the step's (a graph's padding) get zero rows."""
@@ -188,7 +187,7 @@ class StagedEngramTable:
         tokens, part = indices.shape[0], emb.part_n_hash_cols
         if not tokens * part:
             return
-        weight, scale = StepStager.process(out.device).rows(self, tokens)
+        weight, scale = stager.rows(self, tokens)
         weight, scale = weight.view(tokens, part, self.dim), scale.view(tokens, part, self.dim // FP8_BLOCK)
         if out.dtype == torch.uint8:
             out[..., :self.dim].copy_(weight)
@@ -257,9 +256,6 @@ class StepStager:
 
     tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer."""
 
-    _current: "StepStager | None" = None
-    _lock = threading.Lock()
-
     def __init__(self, tables: list, capacity: int, device, hasher=None):
         import torch
 
@@ -278,26 +274,6 @@ class StepStager:
         self.hasher = hasher
         self.tokens = 0  # tokens of the staged step
         self._own = None  # (weights, scales) [layers, tokens x part, ...] of a step past capacity
-
-    @classmethod
-    def process(cls, device=None) -> "StepStager":
-        """The process's stager over every layer the plugin staged, made at its first use (a graph
-        capture or the first step, both after the model is built) on `device`."""
-        with cls._lock:
-            if cls._current is None:
-                from tierstore.client.engines import vllm_plugin
-
-                tables = vllm_plugin.staged_tables()
-                if tables is None:
-                    raise StagingError("tierstore's vLLM plugin stages no Engram layer in this process")
-                cls._current = cls(list(tables.staged_layers()), tables.graph_tokens, device or "cpu")
-            return cls._current
-
-    @classmethod
-    def forget(cls) -> None:
-        """Drop the process's stager (the plugin's uninstall)."""
-        with cls._lock:
-            cls._current = None
 
     def stage(self, windows: np.ndarray) -> None:
         """Stage the step whose tokens' n-gram windows are `windows` int64 [tokens, max_ngram]
@@ -388,44 +364,44 @@ def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: in
     return out
 
 
-def after_prepare_inputs(result, runner, scheduler_output, num_scheduled_tokens):
-    """AFTER vLLM's V1 `GPUModelRunner._prepare_inputs`: the step's token ids are in the runner's
-    host token table (`input_batch.token_ids_cpu`, async scheduling refused at start); stage
-    their rows before `execute_model` runs the forward. A no-op in a process without a staged
-    layer."""
-    from tierstore.client.engines import vllm_plugin
-
-    tables = vllm_plugin.staged_tables()
-    if tables is None or not tables.staged_layers():
-        return result
-    stager = StepStager.process(runner.device)
+def stage_runner_step(stager: "StepStager", runner, num_scheduled_tokens) -> None:
+    """Stage the step vLLM's V1 `GPUModelRunner` (`runner`) prepared (the plugin calls it right
+    after `_prepare_inputs`, before `execute_model` runs the forward): its tokens are in the
+    runner's host token table (`input_batch.token_ids_cpu`; async scheduling, which leaves
+    placeholders there, is refused at start), request r's `num_scheduled_tokens[r]` of them
+    from `input_batch.num_computed_tokens_cpu[r]` on. The hasher is made at the first step."""
     if stager.hasher is None:
         stager.hasher = hasher_of(runner.model, runner.vllm_config)
     batch = runner.input_batch
     counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
     stager.stage(windows(batch.token_ids_cpu, batch.num_computed_tokens_cpu[:counts.size].astype(np.int64),
                          counts, stager.hasher.order))
-    return result
 
 
 def hasher_of(model, vllm_config):
-    """tierstore's NgramHasher of vLLM's model: the spec from its config (tierstore's
-    spec_from_config), the compression map vLLM built from the tokenizer (its NgramHashState's
-    token_map, read once), checked against vLLM's own multipliers (SpecMismatch if they differ)."""
+    """tierstore's NgramHasher of vLLM's model: an EngramSpec of its config's Engram fields, the
+    compression map vLLM built from the tokenizer (its NgramHashState's token_map, read once),
+    checked against vLLM's own primes and multipliers (SpecMismatch if they differ)."""
     from vllm.models.deepseek_v41.common.engram import NgramHashState
 
-    from tierstore.table.hasher import NgramHasher
-    from tierstore.table.hf_config import spec_from_config
+    from tierstore.client import EngramSpec, NgramHasher
 
     state = next((m for m in model.modules() if isinstance(m, NgramHashState)), None)
     if state is None:
         raise StagingError("vLLM's model has staged Engram layers and no NgramHashState: tierstore hashes as it "
                            "does, and found nothing to hash like")
-    spec = spec_from_config(vllm_config.model_config.hf_config.to_dict())
+    text, layout = vllm_config.model_config.hf_text_config, state.layout
+    evs = text.engram_vocab_size
+    spec = EngramSpec(name="vllm", layer_ids=tuple(layout.layer_ids), max_ngram=layout.max_ngram_size,
+                      n_heads=layout.n_heads, engram_vocab_size=tuple(evs) if isinstance(evs, list) else evs,
+                      compressed_vocab_size=layout.compressed_vocab_size, row_dim=layout.head_dim,
+                      row_format=ROW_FORMAT, pad_id=layout.pad_token_id, use_conv=False,
+                      image_token_id=getattr(vllm_config.model_config.hf_config, "image_token_id", None))
     hasher = NgramHasher(spec, state.token_map.cpu().numpy().astype(np.int64))
-    theirs = state.multipliers.cpu().numpy()
-    ours = np.stack([hasher.spec.multipliers(L) for L in state.layout.layer_ids])
-    if not np.array_equal(theirs, ours):
-        raise errors.SpecMismatch("tierstore's Engram hash multipliers differ from vLLM's for this model: the "
-                                  "config's engram fields do not describe the tables vLLM hashes into")
+    ours = [(hasher.spec.primes(L).tolist(), hasher.spec.multipliers(L).tolist()) for L in layout.layer_ids]
+    theirs = [([p for order in primes for p in order], m) for primes, m in
+              zip(layout.primes, state.multipliers.cpu().tolist())]
+    if ours != theirs:
+        raise errors.SpecMismatch("tierstore's Engram primes or hash multipliers differ from vLLM's for this model: "
+                                  "the config's engram fields do not describe the tables vLLM hashes into")
     return hasher

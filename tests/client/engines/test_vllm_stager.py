@@ -23,7 +23,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -113,13 +112,13 @@ def test_staged_lookup_is_vllms_own_kernel():
 
 def _stager(plugin, embs, capacity: int):
     """The process's StepStager over staged layers `embs`, made the way the runner hook makes
-    it (StepStager.process) with `capacity` graph tokens, hashing with tierstore's NgramHasher
+    it (TierstoreEngramTables.step_stager) with `capacity` graph tokens, hashing with tierstore's NgramHasher
     of the checkpoint's config (its compressed ids are the raw ids: C = 500)."""
     from tierstore.table.hasher import NgramHasher
     from tierstore.table.hf_config import spec_from_config
 
     vllm_plugin.staged_tables().graph_tokens = capacity
-    stager = vllm_stager.StepStager.process("cpu")
+    stager = vllm_plugin.staged_tables().step_stager("cpu")
     assert {id(t) for t in stager.tables} == {id(e.tierstore_staged) for e in embs}
     stager.hasher = NgramHasher(spec_from_config(plugin["ckpt"]), np.arange(CONFIG["engram_compressed_vocab_size"]))
     return stager
@@ -467,7 +466,8 @@ def test_vllm_config_refusals_and_graph_sizes():
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
 
-cfg = pytest.mark.skipif(not CFG_CHILD, reason="runs in the CPU-platform child of test_vllm_config_refusals_and_graph_sizes")
+cfg = pytest.mark.skipif(not CFG_CHILD,
+                         reason="runs in the CPU-platform child of test_vllm_config_refusals_and_graph_sizes")
 
 
 @cfg
