@@ -553,6 +553,48 @@ def test_cfg_the_real_constructor_stages_a_layer_as_the_tests_build_it(plugin, m
     assert torch.equal(out.view(torch.int16), _reference(plugin, emb, 1, ids).view(torch.int16))
 
 
+@cfg
+def test_cfg_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin):
+    """stage_runner_step over vLLM's real V1 InputBatch (gpu_input_batch.py, built on the CPU
+    platform): requests mid-prefill and decoding, their prompt and output tokens where vLLM's
+    runner keeps them (token_ids_cpu, num_computed_tokens_cpu); each layer's lookup then reads
+    the rows of each scheduled token's n-gram over its whole sequence. The runner itself
+    (GPUModelRunner, CUDA-only) is the object holding that batch."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=16)
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(0, 499, n).tolist() for n in (9, 14, 3)]
+    seqs[1][4] = IMAGE_TOKEN
+    # (prompt length, tokens computed, tokens scheduled): a prefill chunk mid-prompt, a decode
+    # step after three outputs, a fresh prompt
+    plan = [(9, 4, 5), (10, 13, 1), (3, 0, 3)]
+    with set_current_vllm_config(VllmConfig()):
+        batch = InputBatch(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=32, device=torch.device("cpu"),
+                           vocab_size=500, block_sizes=[16], max_num_blocks_per_req=[2])
+        for r, (seq, (prompt, computed, _)) in enumerate(zip(seqs, plan)):
+            batch.add_request(CachedRequestState(
+                req_id=str(r), prompt_token_ids=seq[:prompt], mm_features=[], sampling_params=SamplingParams(),
+                generator=None, block_ids=([0],), num_computed_tokens=computed, output_token_ids=seq[prompt:]))
+    counts = np.array([n for _, _, n in plan])
+    vllm_stager.stage_runner_step(stager, SimpleNamespace(input_batch=batch), counts)
+    h = stager.hasher
+    for emb, L in zip(embs, LAYERS):
+        want = np.stack([h.hash(h.map_raw(np.asarray(seq[:p + 1])), L,
+                                dead=np.asarray(seq[:p + 1]) == IMAGE_TOKEN)[-1]
+                         for seq, (_, computed, n) in zip(seqs, plan) for p in range(computed, computed + n)])
+        ids = torch.from_numpy(want.astype(np.int32))
+        out = torch.empty((len(ids), emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+        emb.lookup(ids, out)
+        assert torch.equal(out.view(torch.int16), _reference(plugin, emb, L, ids).view(torch.int16)), L
+
+
 @parent
 def test_stage_is_set_the_sglang_way():
     from_env = vllm_plugin.VllmPluginConfig.from_env
