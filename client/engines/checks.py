@@ -73,7 +73,23 @@ FEATURES = (
             "tierstore's arena is sglang's shared layout (every rank maps the whole table): unset "
             "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or set it to shared"),
     Feature("vllm", "CPU loading (allocation, weight loader, checkpoint check)", WORKS, WORKS),
-    Feature("vllm", "CUDA lookup (_storage() UVA views / staged lookup on a side stream)", NO_GPU, NO_GPU),
+    Feature("vllm", "CUDA lookup (_storage() UVA views / staged rows copied on a side stream)", NO_GPU, NO_GPU),
+    Feature("vllm", "staged rows hashed on the host before the forward, no device sync (V1 model runner)",
+            "n/a (vLLM hashes)", WORKS),
+    Feature("vllm", "CUDA graphs, cudagraph_mode FULL_AND_PIECEWISE (vLLM's default; staged: persistent buffers "
+            "sized from the resolved capture sizes)", NO_GPU, NO_GPU),
+    Feature("vllm", "async scheduling (vLLM's default)", NO_GPU, REFUSED,
+            "a staged step's rows are read from its tokens on the host before the forward, and async scheduling "
+            "prepares a step before the last step's sampled tokens reach the host: start vLLM with "
+            "--no-async-scheduling (CUDA graphs stay on), or serve the tables split-layout with RAM for them"),
+    Feature("vllm", "the V2 model runner (vLLM's default where Triton is)", NO_GPU, REFUSED,
+            "the V2 model runner keeps the token history on the device only; tierstore stages from the V1 "
+            "runner's host token table: set VLLM_USE_V2_MODEL_RUNNER=0, or serve the tables split-layout with RAM "
+            "for them"),
+    Feature("vllm", "Engram DP-sharded tables (embedding_across_dp)", NO_GPU, REFUSED,
+            "a DP-sharded lookup reads the other DP ranks' hash ids, whose tokens this rank does not hold: run with "
+            "--engram-config '{\"cpu_offload\": true, \"embedding_across_dp\": false}', or serve the tables "
+            "split-layout with RAM for them"),
     Feature("vllm", "host tables (engram cpu_offload on, vLLM's default)", WORKS, WORKS),
     Feature("vllm", "tables in HBM (engram cpu_offload off)", REFUSED, REFUSED,
             "tierstore serves host tables; with cpu_offload off vLLM keeps the table in HBM itself: turn "

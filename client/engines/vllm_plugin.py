@@ -70,13 +70,14 @@ from tierstore.client.engines import checks
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.engines.vllm_stager import StagedEngramTable
+    from tierstore.client.engines.vllm_stager import StagedEngramTable, StepStager
     from tierstore.client.split_table import SplitTable
 
 __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "uninstall", "engram_layer"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # the V1 runner, whose host token table staged steps read
 STAGE_MODES = ("auto", "on", "off")
 # checks.FEATURES rows this module refuses
 HBM_TABLES = "tables in HBM (engram cpu_offload off)"
@@ -146,6 +147,8 @@ class TierstoreEngramTables:
         self._by_layer = dict(config.tables)
         self._split: dict[int, "SplitTable"] = {}
         self._staged: dict[int, "StagedEngramTable"] = {}
+        self.graph_tokens = 0  # the persistent staging buffers' tokens (vllm_stager.graph_tokens, set at build)
+        self._stager = None  # the StepStager of the staged layers, made at its first use
         if not self._by_layer:
             for info in self._client.tables():
                 handle = self._client.handle(info["table"])
@@ -182,6 +185,25 @@ class TierstoreEngramTables:
             if t is None:
                 t = self._staged[layer_id] = StagedEngramTable(self._client, self._table(layer_id), layer_id)
             return t
+
+    def staged_layers(self) -> list["StagedEngramTable"]:
+        """The staged layers built so far in this process (each bound to its embedding)."""
+        with self._lock:
+            return [t for t in self._staged.values() if t.part is not None]
+
+    def step_stager(self, device) -> "StepStager":
+        """The process's StepStager over the staged layers, made at its first use (a graph capture,
+        vLLM's profile run or the first step: all after the model is built) on `device`, its
+        persistent buffers `graph_tokens` tokens."""
+        from tierstore.client.engines.vllm_stager import StepStager
+
+        layers = self.staged_layers()
+        with self._lock:
+            if self._stager is None:
+                if not layers:
+                    raise errors.InvalidArgument("tierstore's vLLM plugin stages no Engram layer in this process")
+                self._stager = StepStager(layers, self.graph_tokens, device)
+            return self._stager
 
     def split_table(self, layer_id: int) -> "SplitTable":
         """The split table of Engram layer `layer_id` (mapped once per process)."""
@@ -223,6 +245,7 @@ class TierstoreEngramTables:
                 t.close()
             self._split.clear()
             self._staged.clear()
+            self._stager = None
         self._client.close()
 
 
@@ -230,6 +253,13 @@ class TierstoreEngramTables:
 _LAYER = contextvars.ContextVar("tierstore_vllm_engram_layer", default=None)
 _STATE: dict = {}  # "tables": TierstoreEngramTables of this process, "originals": what install replaced
 _STATE_LOCK = threading.Lock()
+
+
+def staged_tables() -> "TierstoreEngramTables | None":
+    """This process's tables when the plugin is installed and has built them, else None."""
+    with _STATE_LOCK:
+        tables = _STATE.get("tables")
+        return tables if tables is not None and tables.pid == os.getpid() else None
 
 
 def _tables() -> TierstoreEngramTables:
@@ -280,7 +310,7 @@ def _patch(engram) -> None:
             raise checks.EngineRefused.of("vllm", DUMMY, f"load format {vllm_config.load_config.load_format}")
         tables = _tables()
         if tables.staged(layer_id):
-            return _stage(self, tables, layer_id)
+            return _stage(self, tables, layer_id, vllm_config)
         weight, scales = tables.storage(layer_id, self.num_embeddings, self.dim, self.block_size,
                                         self.vocab_start_idx, self.vocab_end_idx)
         if engram.current_platform.is_cuda_alike():
@@ -289,12 +319,12 @@ def _patch(engram) -> None:
         return weight, scales
 
     def _lookup(self, indices, out, background=False):
-        """vLLM's lookup, or for a staged layer its rows read through tierstore (vllm_stager.py;
-        on CUDA the ids' copy to the host is a device sync)."""
+        """vLLM's lookup, or for a staged layer the rows tierstore staged for the step before the
+        forward (vllm_stager.py: no device sync, capturable in a CUDA graph)."""
         staged = getattr(self, "tierstore_staged", None)
         if staged is None:
             return lookup(self, indices, out, background)
-        staged.lookup(self, indices, out)
+        staged.lookup(self, indices, out, _tables().step_stager(out.device))
 
     def _storage(self):
         staged = getattr(self, "tierstore_staged", None)
@@ -315,14 +345,21 @@ def _patch(engram) -> None:
     _STATE["originals"] = (engram, alloc, create, lookup, storage)
 
 
-def _stage(emb, tables: TierstoreEngramTables, layer_id: int):
-    """_allocate_weights of a staged layer: zero-row placeholders (vLLM's loading accepts them;
-    the loader checks the checkpoint's rows against tierstore's and copies nothing), the layer's
-    table on the instance for the patched lookup."""
+def _stage(emb, tables: TierstoreEngramTables, layer_id: int, vllm_config=None):
+    """_allocate_weights of a staged layer: the engine's settings checked (vllm_stager.check_engine:
+    refused at start with the fix), zero-row placeholders (vLLM's loading accepts them; the loader
+    checks the checkpoint's rows against tierstore's and copies nothing), the layer's table on
+    the instance for the patched lookup, and the persistent staging buffers' size taken from
+    vLLM's resolved CUDA-graph capture sizes."""
     import torch
 
+    from tierstore.client.engines import vllm_stager
+
+    vllm_stager.check_engine(vllm_config, emb, layer_id)
+    tables.graph_tokens = vllm_stager.graph_tokens(vllm_config)
     staged = tables.staged_table(layer_id)
     staged.check_shape(emb.num_embeddings, emb.dim, emb.block_size)
+    staged.bind(emb)
     emb.tierstore_staged = staged
     emb._weight_loader = staged.check(emb.vocab_start_idx, emb.vocab_end_idx, tables.config.verify)
     log.info("Engram layer %d: tierstore table %s v%d staged per lookup (%s), rows [%d, %d) of this rank; no "
@@ -332,11 +369,36 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int):
             torch.empty((0, emb.dim // emb.block_size), dtype=torch.uint8, device="cpu"))
 
 
+def _patch_runner(runner_module) -> None:
+    """Wrap GPUModelRunner._prepare_inputs so that each step's rows are staged (vllm_stager.
+    stage_runner_step; nothing without a staged layer) before execute_model runs the forward."""
+    runner_cls = runner_module.GPUModelRunner
+    if "runner_original" in _STATE:
+        return
+    prepare = runner_cls._prepare_inputs
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        tables = staged_tables()
+        if tables is not None and tables.staged_layers():
+            from tierstore.client.engines import vllm_stager
+
+            vllm_stager.stage_runner_step(tables.step_stager(self.device), self, num_scheduled_tokens)
+        return result
+
+    runner_cls._prepare_inputs = _prepare_inputs
+    _STATE["runner_original"] = (runner_module, prepare)
+
+
+_PATCHES = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patches vLLM's Engram module right after it first executes (plugins load before models)."""
+    """Patches vLLM's Engram module and its V1 model runner right after each first executes
+    (plugins load before models)."""
 
     def find_spec(self, name, path, target=None):
-        if name != ENGRAM_MODULE:
+        if name not in _PATCHES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -350,19 +412,21 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        _patch(module)
+        _PATCHES[module.__name__](module)
 
 
 def install(config: VllmPluginConfig) -> None:
     """Serve vLLM's Engram tables from tierstore in this process (idempotent).
 
-    Patches vllm's Engram module now if it is imported, else when it is."""
+    Patches vLLM's Engram module and its V1 model runner now where they are imported, else
+    when they are."""
     with _STATE_LOCK:
         _STATE["config"] = config.validate()
-    engram = sys.modules.get(ENGRAM_MODULE)
-    if engram is not None:
-        _patch(engram)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not all(name in sys.modules for name in _PATCHES) and not any(isinstance(f, _PatchOnImport)
+                                                                      for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
 
@@ -373,6 +437,9 @@ def uninstall() -> None:
         originals = _STATE.pop("originals", None)
         tables = _STATE.pop("tables", None)
         _STATE.pop("config", None)
+        runner = _STATE.pop("runner_original", None)
+    if runner is not None:
+        runner[0].GPUModelRunner._prepare_inputs = runner[1]
     if originals is not None:
         engram, alloc, create, lookup, storage = originals
         engram.ParallelEngramEmbedding._allocate_weights = alloc

@@ -7,40 +7,48 @@ staged layer holds no rows at all: its `weight` / `weight_scale_inv` are
 zero-row placeholders, and every read of the table -- `ParallelEngramEmbedding.lookup(indices,
 out)`, the one method both of vLLM's callers use (`Engram.prepare_embeddings`:
 bf16 rows into `Engram.staged_rows`; `EngramBatch._stage`: packed 264-byte rows
-into `EngramBatch.packed_rows`) -- is answered by `StagedEngramTable.lookup`
-from tierstore's client (Client.lookup: resident rows copied from the cache
-arena under its seqlock, misses read from the segment files and verified by
-their row sums, the step noted to the sidecar so it promotes them).
+into `EngramBatch.packed_rows`) -- reads rows tierstore staged for the step
+before the forward.
 
-The plugin (client/engines/vllm_plugin.py) patches the class, as it patches
-`_allocate_weights`: `lookup` and `_storage` dispatch on the instance's
-`tierstore_staged` (this module's StagedEngramTable, or None for a mapped or
-vLLM-owned table).
+The step. The plugin (client/engines/vllm_plugin.py) wraps the V1 model runner's
+`_prepare_inputs`, which runs on the host before `execute_model`'s forward, with the
+step's token ids in the runner's host token table (`input_batch.token_ids_cpu`).
+`stage_runner_step` gathers each scheduled token's n-gram window from it
+(`windows`), and `StepStager.stage` hashes them on the host (tierstore's NgramHasher
+over vLLM's own compression map, checked against vLLM's multipliers; it agrees with
+`_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py), reads each
+staged layer's rows through tierstore's client (Client.lookup: resident rows copied
+from the cache arena under its seqlock, misses read from the segment files and
+verified by their row sums) and copies them to the device on a side stream, the
+forward's stream waiting for the copy. The layer's lookup only reads them: no
+`.cpu()`, no device sync, nothing a CUDA graph cannot capture.
+
+CUDA graphs (vLLM's default FULL_AND_PIECEWISE: FULL graphs for uniform decode
+batches, which record the lookup itself). A step of at most `graph_tokens`
+tokens (the largest batch vLLM captures, from its resolved CompilationConfig) is
+staged into persistent StagingBuffers (client/engines/staging_buffers.py): the same
+storage every step, rows past the step's zero, so a graph captured at any size
+reads the step's rows, then zero rows for its padding. Larger steps (prefill
+chunks past the largest graph: eager) get tensors of their own.
+
+Refused at start (check_engine, checks.FEATURES): async scheduling (vLLM's
+default: it prepares step N+1 before step N's sampled tokens reach the host, so
+the newest token is on the device only), the V2 model runner (its token history
+is on the device only) and Engram DP-sharded tables (a rank's lookup reads the
+other ranks' gathered hash ids).
 
 Invariants:
-- `out` is written only once every row it needs was read and verified: a
-  checksum failure (DATA_LOSS), a sidecar that is away or cannot plan a miss,
-  or a table now served at another version raises StagingError naming the
-  layer, and `out` keeps what it held.
+- A step never reads rows that were not verified: a checksum failure
+  (DATA_LOSS), a sidecar that is away or cannot plan a miss, or a table now
+  served at another version raises StagingError naming the layer from `stage`,
+  before the forward, and nothing of the step is staged.
 - The output is what `_engram_lookup_kernel` writes for the same table: ids
   outside [vocab_start_idx, vocab_end_idx) and padded heads (head >=
   n_hash_cols) give zero rows; bf16 rows are fp32(e4m3) x 2^(ue8m0 - 127),
   the scale made as the kernel makes it (the byte shifted into the fp32
   exponent field: byte 0 is 0.0, byte 255 is inf), rounded once to bf16;
   packed rows are the 264 stored bytes. `dequantize` is that arithmetic.
-- Each distinct id of a call is read once.
-
-Costs and limits (docs/engines.md, "Staged rows"):
-- On CUDA the ids are copied to the host inside `lookup` (`indices.cpu()`): a
-  device sync on the stream vLLM runs the lookup on, so the prefetch stream's
-  overlap with the decoder layers is lost for the read's duration. Hashing the
-  scheduled tokens on the host ahead of the step (tierstore's NgramHasher
-  agrees with vLLM's `_hash_ids_kernel`), fed by a scheduler hook, is the
-  known next step; it is not built.
-- The lookup is Python and host I/O: it cannot be captured in a CUDA graph. It
-  runs each step under vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1,
-  where both callers are eager breaks) or without graphs (--enforce-eager); a
-  capture that would record it (cudagraph_mode FULL) raises StagingError.
+- Each distinct id of a layer's step is read once.
 - Nothing reads a staged table in place: `_storage()` raises StagingError
   (vLLM's Engram DP peer exchange reads tables that way).
 """
@@ -53,28 +61,29 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.client.engines import StagingError, checks
+from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StagedEngramTable", "dequantize", "FP8_BLOCK", "ROW_FORMAT"]
+__all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
+           "windows", "stage_runner_step", "hasher_of", "FP8_BLOCK", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 FP8_BLOCK = 32  # values per ue8m0 scale
 ROW_FORMAT = "fp8-e4m3-ue8m0"
+# checks.FEATURES rows this module refuses
+ASYNC_SCHEDULING = "async scheduling (vLLM's default)"
+RUNNER_V2 = "the V2 model runner (vLLM's default where Triton is)"
+ENGRAM_DP = "Engram DP-sharded tables (embedding_across_dp)"
 
 
 def dequantize(packed: "torch.Tensor", dim: int) -> "torch.Tensor":
     """bf16 [..., dim] of packed rows uint8 [..., dim + dim // 32], with `_engram_lookup_kernel`'s
     arithmetic: fp32(e4m3 value) x fp32 whose bits are (ue8m0 byte << 23), rounded once to bf16
     (round to nearest even). The torch reference of the kernel's PACKED=False branch."""
-    import torch
-
-    values = packed[..., :dim].view(torch.float8_e4m3fn).to(torch.float32)
-    scale = (packed[..., dim:].to(torch.int32) << 23).view(torch.float32)
-    out = values.unflatten(-1, (dim // FP8_BLOCK, FP8_BLOCK)) * scale.unsqueeze(-1)
-    return out.flatten(-2).to(torch.bfloat16)
+    return dequantize_split(packed[..., :dim], packed[..., dim:], dim)
 
 
 class StagedEngramTable:
@@ -94,6 +103,7 @@ class StagedEngramTable:
         self.client, self.table, self.layer_id = client, table, layer_id
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
         self.full_resident = h.full_resident
+        self.part = None  # the rank's heads, set by `bind`
 
     def check_shape(self, num_embeddings: int, dim: int, block_size: int) -> None:
         """SpecMismatch unless the table is vLLM's layer: num_embeddings rows of dim fp8 values
@@ -130,45 +140,268 @@ class StagedEngramTable:
                 f"process checked its checkpoint against v{self.version} and never mixes versions: restart vLLM")
         return got
 
-    def lookup(self, emb, indices: "torch.Tensor", out: "torch.Tensor") -> None:
-        """`ParallelEngramEmbedding.lookup(indices, out)` of staged layer `emb`: out [tokens,
-        part_n_hash_cols, dim] bf16, or uint8 [tokens, part_n_hash_cols, 264] packed (its
-        token stride may be wider: EngramBatch.packed_rows[:, layer]), for this rank's heads
-        of indices [tokens, n_hash_cols] (table row ids).
 
-        On CUDA, `indices` is copied to the host here: a sync with the current stream. The
-        distinct rows are read into a pinned buffer, copied to the device on the current
-        stream, and dequantised (bf16) and gathered there. Raises StagingError before `out` is
-        written when a row cannot be read (see `read`) or when a CUDA graph is capturing."""
+    def bind(self, emb) -> None:
+        """Record the rank's share of the table that staged layer `emb` (a ParallelEngramEmbedding)
+        reads: its heads [head_start, head_start + part_n_hash_cols) of n_hash_cols (heads past
+        n_hash_cols are padding) and its rows [vocab_start_idx, vocab_end_idx)."""
+        self.head_start, self.part, self.n_hash_cols = emb.head_start, emb.part_n_hash_cols, emb.n_hash_cols
+        self.vocab = (emb.vocab_start_idx, emb.vocab_end_idx)
+
+    def fetch(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows uint8 [distinct + 1, dim + dim / 32], where int64 [tokens x part]) of hash ids
+        `ids` [tokens, n_hash_cols] (table row ids): the distinct rows of this rank's heads, read
+        once each (`read`), then a zero row, and each (token, head)'s row among them, token-major;
+        a padded head or an id outside the rank's rows reads the zero row (what
+        `_engram_lookup_kernel` writes for them)."""
+        tokens = ids.shape[0]
+        local = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
+        cols = ids[:, self.head_start:min(self.head_start + self.part, self.n_hash_cols)]
+        local[:, :cols.shape[1]] = cols
+        flat = local.reshape(-1)
+        owned = (flat >= self.vocab[0]) & (flat < self.vocab[1])
+        uniq, inv = unique_inverse(np.ascontiguousarray(flat[owned]))
+        rows = np.zeros((uniq.size + 1, self.dim + self.dim // FP8_BLOCK), np.uint8)
+        if uniq.size:
+            rows[:-1] = self.read(uniq)
+        where = np.full(flat.size, uniq.size, dtype=np.int64)
+        where[owned] = inv
+        return rows, where
+
+    def fill(self, fetched: tuple[np.ndarray, np.ndarray], weight: np.ndarray, scale: np.ndarray) -> None:
+        """weight [n, dim] / scale [n, dim / 32] = the fp8 / ue8m0 bytes of `fetch`'s rows in order."""
+        rows, where = fetched
+        np.take(rows[:, :self.dim], where, axis=0, out=weight)
+        np.take(rows[:, self.dim:], where, axis=0, out=scale)
+
+    def lookup(self, emb, indices: "torch.Tensor", out: "torch.Tensor", stager: "StepStager") -> None:
+        """`ParallelEngramEmbedding.lookup(indices, out)` of staged layer `emb`: out [tokens,
+        part_n_hash_cols, dim] bf16, or uint8 [tokens, part_n_hash_cols, 264] packed (its token
+        stride may be wider: EngramBatch.packed_rows[:, layer]), from the rows the process's
+        StepStager `stager` staged for this step's tokens before the forward. `indices` is not read (the
+        stager hashed the same tokens on the host): only its shape, host metadata, so the lookup
+        never syncs the device and a CUDA graph can capture it (it reads the persistent buffers
+        at fixed addresses). Tokens past the step's (a graph's padding) get zero rows."""
         import torch
 
         tokens, part = indices.shape[0], emb.part_n_hash_cols
         if not tokens * part:
             return
-        cuda = out.is_cuda
-        if cuda and torch.cuda.is_current_stream_capturing():
-            raise StagingError(
-                f"vLLM's Engram layer {self.layer_id} is staged by tierstore (table {self.table}): its lookup reads "
-                f"host rows each step and cannot be captured in a CUDA graph. Run vLLM with breakable CUDA graphs "
-                f"(VLLM_USE_BREAKABLE_CUDAGRAPH=1, cudagraph_mode PIECEWISE) or --enforce-eager")
-        ids = np.full((tokens, part), -1, dtype=np.int64)  # padded heads (past n_hash_cols) stay unowned
-        cols = indices[:, emb.head_start:min(emb.head_start + part, emb.n_hash_cols)]
-        ids[:, :cols.shape[1]] = cols.to(device="cpu", dtype=torch.int64).numpy()  # the device sync on CUDA
-        flat = ids.reshape(-1)
-        owned = (flat >= emb.vocab_start_idx) & (flat < emb.vocab_end_idx)
-        uniq, inv = unique_inverse(np.ascontiguousarray(flat[owned]))
-        got = self.read(uniq) if uniq.size else np.zeros((0, self.dim + self.dim // FP8_BLOCK), np.uint8)
-        where = np.full(flat.size, uniq.size, dtype=np.int64)  # unowned rows read the zero row past the others
-        where[owned] = inv
-        width = got.shape[1]
-        rows = torch.empty((uniq.size + 1, width), dtype=torch.uint8, pin_memory=cuda)
-        rows.numpy()[:-1] = got
-        rows[-1] = 0
-        where_t = torch.from_numpy(where)
-        if cuda:
-            rows = rows.to(out.device, non_blocking=True)
-            where_t = where_t.pin_memory().to(out.device, non_blocking=True)
+        weight, scale = stager.rows(self, tokens)
+        weight, scale = weight.view(tokens, part, self.dim), scale.view(tokens, part, self.dim // FP8_BLOCK)
         if out.dtype == torch.uint8:
-            out.copy_(rows.index_select(0, where_t).view(tokens, part, width))
-        else:  # distinct rows dequantised, then gathered: the fp32 intermediates are per distinct row
-            out.copy_(dequantize(rows, self.dim).index_select(0, where_t).view(tokens, part, self.dim))
+            out[..., :self.dim].copy_(weight)
+            out[..., self.dim:].copy_(scale)
+        else:
+            out.copy_(dequantize_split(weight, scale, self.dim))
+
+
+def dequantize_split(weight: "torch.Tensor", scale: "torch.Tensor", dim: int) -> "torch.Tensor":
+    """`dequantize` of rows held as fp8 bytes uint8 [..., dim] and ue8m0 bytes [..., dim / 32]."""
+    import torch
+
+    values = weight.view(torch.float8_e4m3fn).to(torch.float32)
+    factor = (scale.to(torch.int32) << 23).view(torch.float32)
+    out = values.unflatten(-1, (dim // FP8_BLOCK, FP8_BLOCK)) * factor.unsqueeze(-1)
+    return out.flatten(-2).to(torch.bfloat16)
+
+
+# ---- the step's rows ----------------------------------------------------------------------------------
+def graph_tokens(vllm_config) -> int:
+    """The largest batch (tokens) vLLM replays in a captured CUDA graph under its resolved
+    `vllm_config.compilation_config` (`max_cudagraph_capture_size`, set by VllmConfig's own
+    `_set_cudagraph_sizes`), 0 when it captures none (cudagraph_mode NONE, --enforce-eager):
+    what the persistent staging buffers hold. None (no config: a model built outside vLLM's
+    engine, tests, bench) is 0."""
+    if vllm_config is None:
+        return 0
+    from vllm.config import CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    if cc.cudagraph_mode is None or cc.cudagraph_mode == CUDAGraphMode.NONE:
+        return 0
+    sizes = [*(cc.cudagraph_capture_sizes or ()), *([cc.max_cudagraph_capture_size] if cc.max_cudagraph_capture_size
+                                                    else [])]
+    return int(max(sizes, default=0))
+
+
+def check_engine(vllm_config, emb, layer_id: int) -> None:
+    """EngineRefused (at model build, vLLM's start) for the settings under which the stager cannot
+    have a step's rows before its forward: async scheduling (vLLM's default: step N+1 is
+    prepared while step N's sampled tokens are still on the device), the V2 model runner (its
+    token history lives on the device only), and Engram DP-sharded tables (a rank's lookup
+    reads the other ranks' gathered hash ids, whose tokens it does not hold). None: nothing
+    to check (a model built outside vLLM's engine)."""
+    found = f"Engram layer {layer_id}"
+    if emb.dp_size > 1:
+        raise checks.EngineRefused.of("vllm", ENGRAM_DP, f"{found}: Engram DP of {emb.dp_size}")
+    if vllm_config is None:
+        return
+    if vllm_config.scheduler_config.async_scheduling:
+        raise checks.EngineRefused.of("vllm", ASYNC_SCHEDULING, f"{found}: async_scheduling on")
+    if vllm_config.use_v2_model_runner:
+        raise checks.EngineRefused.of("vllm", RUNNER_V2, f"{found}: the V2 model runner")
+
+
+class StepStager:
+    """The rows of every staged Engram layer of this process for the step vLLM runs next.
+
+    `stage(windows)` (the runner's hook, before the forward, on the host): hash the step's
+    tokens with `hasher` (NgramHasher, bit-identical to vLLM's `_hash_ids_kernel`), read each
+    staged layer's rows through tierstore and put them where the layers' lookups read them
+    (`rows`). A step of at most `capacity` tokens (graph_tokens: the largest captured batch)
+    is staged into the persistent StagingBuffers, the storage every captured graph reads;
+    a larger one (eager: no graph runs it) into tensors of its own. On CUDA the rows are
+    copied on a side stream and the current stream (the forward's) waits for the copy.
+
+    tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer."""
+
+    def __init__(self, tables: list, capacity: int, device, hasher=None):
+        import torch
+
+        parts = {t.part for t in tables}
+        if len(parts) != 1 or len({t.dim for t in tables}) != 1:
+            raise StagingError(f"tierstore's staged Engram layers differ in heads or width ({sorted(parts)} heads): "
+                               f"vLLM builds every layer alike; serve the tables one checkpoint was ingested to")
+        self.tables = sorted(tables, key=lambda t: t.layer_id)
+        self.slot = {id(t): i for i, t in enumerate(self.tables)}
+        self.part, self.dim = parts.pop(), self.tables[0].dim
+        self.capacity, self.device = capacity, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.buffers = (StagingBuffers(len(self.tables), capacity * self.part, self.dim, FP8_BLOCK, self.device)
+                        if capacity > 0 else None)
+        self.hasher = hasher
+        self.tokens = 0  # tokens of the staged step
+        self._own = None  # (weights, scales) [layers, tokens x part, ...] of a step past capacity
+
+    def stage(self, windows: np.ndarray) -> None:
+        """Stage the step whose tokens' n-gram windows are `windows` int64 [tokens, max_ngram]
+        (raw token ids in the forward's order; column s the s-th predecessor, -1 before the
+        sequence's start). Raises StagingError (nothing staged) when a row cannot be had."""
+        if self.hasher is None:
+            raise StagingError("tierstore's vLLM stager has no hasher: the runner hook builds it from the model")
+        self.stage_ids(self._hash(windows))
+
+    def stage_ids(self, ids: dict[int, np.ndarray]) -> None:
+        """`stage` of hash ids already made: {layer id: table row ids [tokens, n_hash_cols]} of
+        every staged layer, one token count."""
+        import torch
+
+        tokens = next(iter(ids.values())).shape[0]
+        fetched = [t.fetch(ids[t.layer_id]) for t in self.tables]  # every read before any write
+        n = tokens * self.part
+        if self.buffers is not None and self.buffers.fits(n):
+            for i, t in enumerate(self.tables):
+                weight, scale = self.buffers.host_rows(i, n)
+                t.fill(fetched[i], weight, scale)
+            self.buffers.publish(n, self.copy_stream)
+            self._own = None
+        else:
+            weight = torch.empty((len(self.tables), n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
+            scale = torch.empty((len(self.tables), n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
+            for i, t in enumerate(self.tables):
+                t.fill(fetched[i], weight[i].numpy(), scale[i].numpy())
+            if self.cuda:
+                from tierstore.client.engines.sglang_stager import upload
+
+                weight, scale, copied = upload(weight, scale, self.device, self.copy_stream)
+                torch.cuda.current_stream(self.device).wait_event(copied)
+            self._own = (weight, scale)
+        self.tokens = tokens
+
+    def rows(self, table: StagedEngramTable, tokens: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(fp8 bytes [tokens x part, dim], ue8m0 bytes [tokens x part, dim / 32]) of `table`'s
+        layer for a lookup of `tokens` tokens: the staged step's rows, zero past them. Under a
+        capture, views of the persistent buffers (what every replay reads). A forward the
+        runner hook did not stage (vLLM's profile and dummy runs, which bypass
+        `_prepare_inputs` and whose outputs nothing reads) gets zero rows."""
+        import torch
+
+        i, n = self.slot[id(table)], tokens * self.part
+        if self._own is None and self.buffers is not None and self.buffers.fits(n):
+            return self.buffers.weight[i, :n], self.buffers.scale[i, :n]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise StagingError(
+                f"a captured CUDA graph of {tokens} tokens is larger than the {self.capacity}-token staging buffers "
+                f"tierstore sized from vLLM's resolved cudagraph capture sizes at start: restart vLLM")
+        if self._own is None or tokens < self.tokens:
+            return (torch.zeros((n, self.dim), dtype=torch.uint8, device=self.device),
+                    torch.zeros((n, self.dim // FP8_BLOCK), dtype=torch.uint8, device=self.device))
+        weight, scale = self._own[0][i], self._own[1][i]
+        if n > weight.shape[0]:  # padding past the step (DP ranks padded alike): zero rows
+            weight = torch.cat([weight, weight.new_zeros((n - weight.shape[0], self.dim))])
+            scale = torch.cat([scale, scale.new_zeros((n - scale.shape[0], self.dim // FP8_BLOCK))])
+        return weight, scale
+
+    def _hash(self, windows: np.ndarray) -> dict[int, np.ndarray]:
+        """{layer id: table row ids [tokens, columns]} of the windows' last tokens, as vLLM's
+        `_hash_ids_kernel` computes them: ids before the sequence's start read the pad id, and
+        an image token (dead) and every token before it too."""
+        h = self.hasher
+        seq = windows[:, ::-1]  # oldest first
+        before = seq < 0
+        ids = np.where(before, 0, seq)
+        dead = h.dead_mask(ids)
+        ids = h.map_raw(ids)
+        ids[before] = h.pad
+        if dead is not None:
+            dead &= ~before
+        return {t.layer_id: np.ascontiguousarray(h.hash(ids, t.layer_id, dead=dead)[:, -1]) for t in self.tables}
+
+
+def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
+    """int64 [sum(counts), n]: the n-gram windows of a step's tokens in the forward's order, from
+    the token table `token_ids` [requests, max_len] (the V1 runner's token_ids_cpu): request r's
+    tokens are positions [starts[r], starts[r] + counts[r]); column s is the s-th predecessor,
+    -1 before position 0. One vectorised gather."""
+    req = np.repeat(np.arange(counts.size), counts)
+    first = np.cumsum(counts) - counts
+    pos = starts[req] + (np.arange(req.size) - first[req])
+    back = pos[:, None] - np.arange(n)
+    out = token_ids[req[:, None], np.maximum(back, 0)].astype(np.int64)
+    out[back < 0] = -1
+    return out
+
+
+def stage_runner_step(stager: "StepStager", runner, num_scheduled_tokens) -> None:
+    """Stage the step vLLM's V1 `GPUModelRunner` (`runner`) prepared (the plugin calls it right
+    after `_prepare_inputs`, before `execute_model` runs the forward): its tokens are in the
+    runner's host token table (`input_batch.token_ids_cpu`; async scheduling, which leaves
+    placeholders there, is refused at start), request r's `num_scheduled_tokens[r]` of them
+    from `input_batch.num_computed_tokens_cpu[r]` on. The hasher is made at the first step."""
+    if stager.hasher is None:
+        stager.hasher = hasher_of(runner.model, runner.vllm_config)
+    batch = runner.input_batch
+    counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    stager.stage(windows(batch.token_ids_cpu, batch.num_computed_tokens_cpu[:counts.size].astype(np.int64),
+                         counts, stager.hasher.order))
+
+
+def hasher_of(model, vllm_config):
+    """tierstore's NgramHasher of vLLM's model: an EngramSpec of its config's Engram fields, the
+    compression map vLLM built from the tokenizer (its NgramHashState's token_map, read once),
+    checked against vLLM's own primes and multipliers (SpecMismatch if they differ)."""
+    from vllm.models.deepseek_v41.common.engram import NgramHashState
+
+    from tierstore.client import EngramSpec, NgramHasher
+
+    state = next((m for m in model.modules() if isinstance(m, NgramHashState)), None)
+    if state is None:
+        raise StagingError("vLLM's model has staged Engram layers and no NgramHashState: tierstore hashes as it "
+                           "does, and found nothing to hash like")
+    text, layout = vllm_config.model_config.hf_text_config, state.layout
+    evs = text.engram_vocab_size
+    spec = EngramSpec(name="vllm", layer_ids=tuple(layout.layer_ids), max_ngram=layout.max_ngram_size,
+                      n_heads=layout.n_heads, engram_vocab_size=tuple(evs) if isinstance(evs, list) else evs,
+                      compressed_vocab_size=layout.compressed_vocab_size, row_dim=layout.head_dim,
+                      row_format=ROW_FORMAT, pad_id=layout.pad_token_id, use_conv=False,
+                      image_token_id=getattr(vllm_config.model_config.hf_config, "image_token_id", None))
+    hasher = NgramHasher(spec, state.token_map.cpu().numpy().astype(np.int64))
+    ours = [(hasher.spec.primes(L).tolist(), hasher.spec.multipliers(L).tolist()) for L in layout.layer_ids]
+    theirs = [([p for order in primes for p in order], m) for primes, m in
+              zip(layout.primes, state.multipliers.cpu().tolist())]
+    if ours != theirs:
+        raise errors.SpecMismatch("tierstore's Engram primes or hash multipliers differ from vLLM's for this model: "
+                                  "the config's engram fields do not describe the tables vLLM hashes into")
+    return hasher

@@ -196,7 +196,9 @@ def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
 
 def test_stage_on_stages_a_split_layout_table_too(served):
     """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
-    lookup the stored rows (read with Client.lookup, interleaved whatever the arena's layout)."""
+    lookup the stored rows of the step staged before it (read with Client.lookup, interleaved
+    whatever the arena's layout)."""
+
     sc, arrays, ckpt = served
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", stage="on"))
     try:
@@ -204,6 +206,7 @@ def test_stage_on_stages_a_split_layout_table_too(served):
         assert emb.weight.shape[0] == 0 and emb.tierstore_staged.full_resident
         ids = np.random.default_rng(3).integers(0, emb.num_embeddings, (5, emb.n_hash_cols))
         out = torch.empty(5, emb.n_hash_cols, 264, dtype=torch.uint8)
+        vllm_plugin.staged_tables().step_stager("cpu").stage_ids({1: ids})  # the runner hook, before the forward
         emb.lookup(torch.from_numpy(ids), out)
         rows = np.concatenate([arrays[1]["embed.weight"], arrays[1]["embed.scale"]], axis=1)
         assert np.array_equal(out.numpy(), rows[ids])

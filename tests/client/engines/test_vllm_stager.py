@@ -4,8 +4,10 @@ A real sidecar serves the synthetic V4.1-layout checkpoint's tables in cache
 mode (its --dram-budget a quarter of the rows): they are not split-layout, so
 the plugin stages them (client/engines/vllm_stager.py). A staged
 `ParallelEngramEmbedding` (the real class, built as test_vllm_plugin.py builds
-it: its __init__ needs CUDA) holds zero rows, and its patched `lookup` reads
-each step's rows through tierstore. The reference is vLLM's own `lookup` over
+it: its __init__ needs CUDA) holds zero rows; the process's StepStager stages
+each step's rows from a host token table (as the runner hook does from the V1
+runner's token_ids_cpu) into persistent buffers, and the patched `lookup` reads
+them. The reference is vLLM's own `lookup` over
 the same table held in memory: its real `_engram_lookup_kernel`, run on CPU
 tensors under Triton's interpreter in a child pytest run (TRITON_INTERPRET=1
 must be set before Triton is first imported; CUDA_VISIBLE_DEVICES="" keeps
@@ -21,7 +23,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_engram  # noqa: E402
 from segment_damage import flip_row_byte  # noqa: E402
-from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
+from v41_checkpoint import CONFIG, IMAGE_TOKEN, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
 from tierstore.client.client import Client  # noqa: E402
@@ -97,35 +98,6 @@ def _staged(layout, index: int, shards: int = 1, rank: int = 0):
     return emb
 
 
-def _steps(emb, primes, rng, steps: int = 4, tokens: int = 12) -> list[torch.Tensor]:
-    """Hash ids [tokens, n_hash_cols] of a few steps: mostly each head's own rows (later steps
-    reuse earlier steps' ids, so they hit rows the sidecar promoted), some other heads' rows
-    (outside this rank's range when it holds a shard), ids past the table, and -1."""
-    heads = np.cumsum([0, *[p for order in primes for p in order]])  # each head's first row
-    seen, out = [], []
-    for s in range(steps):
-        ids = np.stack([rng.integers(heads[h], heads[h + 1], tokens) for h in range(emb.n_hash_cols)], axis=1)
-        if seen:
-            old = np.concatenate(seen)
-            ids[: tokens // 2] = old[rng.integers(0, len(old), tokens // 2)]
-        seen.append(ids.copy())
-        ids[1, 0] = -1
-        ids[2, emb.n_hash_cols - 1] = emb.num_embeddings + 5
-        ids[3, :] = rng.integers(0, emb.num_embeddings, emb.n_hash_cols)  # any head's rows in any column
-        out.append(torch.from_numpy(ids).to(torch.int32))
-    return out
-
-
-def _promoted(socket, table: str, steps: int, timeout: float = 10.0) -> None:
-    """Wait until the sidecar has learned `steps` local steps of `table` (notes are one-way)."""
-    deadline = time.monotonic() + timeout
-    with Client(socket) as c:
-        while time.monotonic() < deadline:
-            if any(t["table"] == table and int(t["local_steps"]) >= steps for t in c.stats()["tables"]):
-                return
-            time.sleep(0.02)
-
-
 # ---- against vLLM's own kernel (the interpreter child) -------------------------------------------
 @parent
 def test_staged_lookup_is_vllms_own_kernel():
@@ -138,42 +110,73 @@ def test_staged_lookup_is_vllms_own_kernel():
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
 
+def _stager(plugin, embs, capacity: int):
+    """The process's StepStager over staged layers `embs`, made the way the runner hook makes
+    it (TierstoreEngramTables.step_stager) with `capacity` graph tokens, hashing with tierstore's NgramHasher
+    of the checkpoint's config (its compressed ids are the raw ids: C = 500)."""
+    from tierstore.table.hasher import NgramHasher
+    from tierstore.table.hf_config import spec_from_config
+
+    vllm_plugin.staged_tables().graph_tokens = capacity
+    stager = vllm_plugin.staged_tables().step_stager("cpu")
+    assert {id(t) for t in stager.tables} == {id(e.tierstore_staged) for e in embs}
+    stager.hasher = NgramHasher(spec_from_config(plugin["ckpt"]), np.arange(CONFIG["engram_compressed_vocab_size"]))
+    return stager
+
+
+def _token_steps(rng, sizes, max_len: int = 64):
+    """A host token table [requests, max_len] (raw ids < 500, some image tokens) and, per step
+    size, (starts, counts) of a batch of that many tokens: decode tokens and prefill chunks."""
+    table = rng.integers(0, 499, (8, max_len))
+    table[rng.random(table.shape) < 0.03] = IMAGE_TOKEN
+    steps = []
+    for size in sizes:
+        counts = np.ones(min(size, 8), np.int64)
+        counts[0] += size - counts.sum()
+        starts = rng.integers(0, max_len - counts)
+        steps.append((starts.astype(np.int64), counts))
+    return table, steps
+
+
+def _hash_ids(stager, table, starts, counts, L) -> torch.Tensor:
+    """vLLM's hash ids of the step's tokens for layer L (int32 [tokens, n_hash_cols]): what its
+    `_hash_ids_kernel` computes (tierstore's hasher agrees with it, test_hash_agreement_vllm.py)."""
+    w = vllm_stager.windows(table, starts, counts, stager.hasher.order)
+    return torch.from_numpy(stager._hash(w)[L].astype(np.int32))
+
+
 @interp
 @pytest.mark.parametrize("shards,rank", [(1, 0), (2, 1)])
 def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(plugin, shards, rank):
-    """Every step, both layers: the staged lookup's bf16 rows and packed rows are bit for bit
-    what vLLM's lookup (`_engram_lookup_kernel`) writes over the table in memory, for the
-    whole table (one rank) and for the second of two head shards (a padded head, and ids of
-    the first shard's heads outside its range). Later steps hit rows the earlier ones promoted."""
+    """Steps of 1..30 tokens, both layers, staged before the "forward" from the host token
+    table: each layer's lookup (bf16, and packed rows into one layer's slot of a [tokens,
+    layers, heads, 264] buffer as EngramBatch does) is bit for bit what vLLM's lookup
+    (`_engram_lookup_kernel`) writes over the table in memory for the same tokens' hash ids,
+    for the whole table and for the second of two head shards (a padded head). Steps up to
+    the 24 graph tokens go through the persistent buffers, larger ones through their own."""
     layout = vllm_engram.layout(CONFIG)
-    rng = np.random.default_rng(shards)
-    for index, L in enumerate(LAYERS):
-        emb = _staged(layout, index, shards, rank)
-        a = plugin["arrays"][L]
-        own = vllm_engram.holding(vllm_engram.embedding(layout, index, shards, rank, cpu_offload=False),
-                                  a["embed.weight"], a["embed.scale"])
-        assert emb.weight.shape[0] == 0 and own.weight.shape[0] == emb.part_num_embeddings > 0
-        part = emb.part_n_hash_cols
-        for step, ids in enumerate(_steps(emb, layout.primes[index], rng)):
+    embs = [_staged(layout, index, shards, rank) for index in range(len(LAYERS))]
+    owns = [vllm_engram.holding(vllm_engram.embedding(layout, index, shards, rank, cpu_offload=False),
+                                plugin["arrays"][L]["embed.weight"], plugin["arrays"][L]["embed.scale"])
+            for index, L in enumerate(LAYERS)]
+    stager = _stager(plugin, embs, capacity=24)
+    table, steps = _token_steps(np.random.default_rng(shards), [1, 5, 24, 30, 3])
+    for step, (starts, counts) in enumerate(steps):
+        stager.stage(vllm_stager.windows(table, starts, counts, 4))
+        for emb, own, L in zip(embs, owns, LAYERS):
+            ids = _hash_ids(stager, table, starts, counts, L)
+            part = emb.part_n_hash_cols
             want = torch.full((len(ids), part, 256), 7.0, dtype=torch.bfloat16)
             got = want.clone()
             own.lookup(ids, want)  # vLLM's lookup: the kernel under the interpreter
-            emb.lookup(ids, got)  # tierstore's: the class's patched method
+            emb.lookup(ids, got)  # tierstore's: the class's patched method, from the staged rows
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {L} step {step} bf16"
             assert (want != 0).any() and (want[:, part - 1] == 0).all() == (shards == 2)  # padded head: zeros
-            # packed rows into one layer's slot of a [tokens, layers, heads, 264] buffer, as EngramBatch does
             want_p = torch.full((len(ids), 2, part, 264), 9, dtype=torch.uint8)
             got_p = want_p.clone()
             own.lookup(ids, want_p[:, 1])
             emb.lookup(ids, got_p[:, 1])
             assert torch.equal(got_p, want_p), f"layer {L} step {step} packed"
-            assert (want_p[:, 1] != 0).any() and (want_p[:, 0] == 9).all()
-            if step == 0:
-                emb.tierstore_staged.client.flush()
-                _promoted(plugin["socket"], f"l{L}", 1)
-    for L in LAYERS:  # misses read from the segment files, hits from the cache arena
-        local = emb.tierstore_staged.client.handle(f"l{L}").local
-        assert local.rows_cold > 0 and local.rows_resident > 0, L
 
 
 @interp
@@ -291,38 +294,305 @@ def test_what_needs_the_real_parameters_is_refused_naming_the_layer(plugin):
         vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
 
 
+def _reference(plugin, emb, L, ids: torch.Tensor) -> torch.Tensor:
+    """bf16 [tokens, part, 256]: the rank's heads of hash ids `ids` over layer L's table in memory
+    (the checkpoint's rows), dequantised by vllm_stager.dequantize, zero where the rank owns no
+    row (the interpreter child holds this to vLLM's kernel)."""
+    a = plugin["arrays"][L]
+    packed = torch.from_numpy(np.concatenate([a["embed.weight"], a["embed.scale"]], axis=1))
+    part = emb.part_n_hash_cols
+    local = torch.full((ids.shape[0], part), -1, dtype=torch.int64)
+    cols = ids[:, emb.head_start:min(emb.head_start + part, emb.n_hash_cols)].long()
+    local[:, :cols.shape[1]] = cols
+    owned = (local >= emb.vocab_start_idx) & (local < emb.vocab_end_idx)
+    rows = vllm_stager.dequantize(packed[local.clamp(min=0)], 256)
+    return torch.where(owned[..., None], rows, torch.zeros((), dtype=torch.bfloat16))
+
+
+@parent
+def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(plugin):
+    """Graph-sized steps (1..24 tokens, then smaller again) are staged into the same persistent
+    storage (data_ptr never changes), and a lookup at each captured size at or above the step
+    (what a graph replayed for it reads) gets the step's rows at their token offsets and zero
+    rows for the padding; a step past the 24 graph tokens is staged into its own tensors and
+    the buffers keep their storage."""
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=24)
+    ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
+    profile = torch.full((40, embs[0].part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+    embs[0].lookup(torch.zeros((40, embs[0].n_hash_cols), dtype=torch.int32), profile)
+    assert (profile == 0).all()  # vLLM's profile run, before any step: past the buffers, no step staged
+    captured = [1, 2, 4, 8, 16, 24]
+    sizes = [*range(1, 25), 7, 1, 30, 2]
+    table, steps = _token_steps(np.random.default_rng(7), sizes)
+    for size, (starts, counts) in zip(sizes, steps):
+        stager.stage(vllm_stager.windows(table, starts, counts, 4))
+        assert (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr()) == ptrs
+        for emb, L in zip(embs, LAYERS):
+            ids = _hash_ids(stager, table, starts, counts, L)
+            want = _reference(plugin, emb, L, ids)
+            for padded in [p for p in captured if p >= size] or [size]:
+                got = torch.full((padded, emb.part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+                emb.lookup(torch.zeros((padded, emb.n_hash_cols), dtype=torch.int32), got)
+                assert torch.equal(got[:size].view(torch.int16), want.view(torch.int16)), (L, size, padded)
+                assert (got[size:] == 0).all(), (L, size, padded)
+        if size <= 24:
+            assert stager._own is None and stager.buffers.filled == size * embs[0].part_n_hash_cols
+            assert not stager.buffers.host_weight[:, stager.buffers.filled:].any()
+
+
+@parent
+def test_the_windows_hash_as_whole_sequences_do(plugin):
+    """The stager's hash of each scheduled token's window (gathered from the host token table
+    at the runner's positions) is tierstore's NgramHasher over the whole sequence up to that
+    token (which test_hash_agreement_vllm.py holds to vLLM's `_hash_ids_kernel`): pad before
+    the sequence's start, image tokens dead, decode tokens and prefill chunks mid-sequence."""
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=24)
+    h = stager.hasher
+    table, steps = _token_steps(np.random.default_rng(11), [1, 9, 30])
+    table[2, :3] = IMAGE_TOKEN  # dead at the start, and a window reaching before position 0
+    for starts, counts in steps:
+        starts[0] = 0  # a fresh prefill
+        w = vllm_stager.windows(table, starts, counts, 4)
+        got = stager._hash(w)
+        req = np.repeat(np.arange(counts.size), counts)
+        pos = starts[req] + np.arange(req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        assert np.array_equal(w[:, 0], table[req, pos])  # the tokens vLLM's _prepare_inputs gathers
+        for L in LAYERS:
+            want = np.stack([h.hash(h.map_raw(table[r, :p + 1]), L, dead=table[r, :p + 1] == IMAGE_TOKEN)[-1]
+                             for r, p in zip(req, pos)])
+            assert np.array_equal(got[L], want), L
+
+
+@parent
+def test_the_lookup_never_reads_the_device_ids(plugin):
+    """The layer's forward takes only the shape of its hash ids (host metadata): no op of the
+    lookup reads `indices` (no .cpu() / .to() / .item() / .tolist() of them, each a device sync
+    on CUDA), and none makes a Python scalar of a tensor; vLLM's main called `.cpu()` on them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=24)
+    table, [(starts, counts)] = _token_steps(np.random.default_rng(3), [6])
+    stager.stage(vllm_stager.windows(table, starts, counts, 4))
+    ids = _hash_ids(stager, table, starts, counts, LAYERS[0])
+    ptr = ids.untyped_storage().data_ptr()
+
+    class Recorder(TorchDispatchMode):
+        touched, scalars = [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [*args, *(kwargs or {}).values()]
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in flat):
+                Recorder.touched.append(func)
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Recorder.scalars.append(func)
+            return func(*args, **(kwargs or {}))
+
+    out = torch.empty((8, embs[0].part_n_hash_cols, 256), dtype=torch.bfloat16)
+    with Recorder():
+        embs[0].lookup(ids, out[:6])
+    assert not Recorder.touched and not Recorder.scalars, (Recorder.touched, Recorder.scalars)
+    assert torch.equal(out[:6].view(torch.int16), _reference(plugin, embs[0], LAYERS[0], ids).view(torch.int16))
+
+
+@parent
+def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin):
+    """Engram DP-sharded tables stop the layer's build with the fix (the other refusals read
+    vLLM's config: test_vllm_config_refusals_and_graph_sizes)."""
+    layout = vllm_engram.layout(CONFIG)
+    emb = vllm_engram.embedding(layout, 0, shards=2)
+    emb.dp_size = 2
+    with pytest.raises(checks.EngineRefused, match="refuses Engram DP-sharded tables .*embedding_across_dp\\\": "
+                                                   "false"):
+        vllm_engram.build(emb, 1)
+
+
 @parent
 def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path, monkeypatch):
-    """A flipped byte in a cold row a step needs: the lookup raises StagingError naming the layer
-    (DATA_LOSS from the verified read) and `out` is left as it was. A sidecar that is gone
-    fails the step the same way."""
+    """A flipped byte in a cold row a step needs: staging the step raises StagingError naming the
+    layer (DATA_LOSS from the verified read), before the forward, and the buffers keep the last
+    step's rows. A sidecar that is gone fails the step the same way."""
     from tierstore.store.catalog import Catalog
 
     arrays = write_checkpoint(tmp_path / "ckpt")
     ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
     layout = vllm_engram.layout(CONFIG)
-    bad = 1234
-    with Catalog(tmp_path / "data", readonly=True) as cat:
-        flip_row_byte(tmp_path / "data", cat.current("l1"), bad)
     rows = arrays[1]["embed.weight"].shape[0]
     sc = SidecarProcess(tmp_path / "data", dram_budget=str(rows * 264 // 4)).start()
     try:
-        vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off"))
+        vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", tables={1: "l1"}))
         emb = _staged(layout, 0)
-        ids = torch.tensor([[7] * 9, [bad] + [40] * 8], dtype=torch.int32)
-        out = torch.full((2, 9, 256), 7.0, dtype=torch.bfloat16)
+        stager = _stager(dict(ckpt=tmp_path / "ckpt"), [emb], capacity=8)
+        table = np.array([[5, 6, 7, 8, 9, 10, 11, 12]])
+        stager.stage(vllm_stager.windows(table, np.array([0]), np.array([4]), 4))
+        before = stager.buffers.weight.clone()
+        bad_ids = stager._hash(vllm_stager.windows(table, np.array([4]), np.array([1]), 4))[1]
+        bad = int(bad_ids[0, 0])
+        with Catalog(tmp_path / "data", readonly=True) as cat:
+            flip_row_byte(tmp_path / "data", cat.current("l1"), bad)
         with pytest.raises(vllm_stager.StagingError, match=rf"Engram layer 1 .*checksum mismatch in block \d+ "
                                                           rf"\(row {bad}\)") as e:
-            emb.lookup(ids, out)
+            stager.stage(vllm_stager.windows(table, np.array([4]), np.array([1]), 4))
         assert isinstance(e.value.__cause__, errors.DataLoss)
-        assert (out == 7.0).all()  # nothing written
+        assert torch.equal(stager.buffers.weight, before)  # nothing of the step staged
         sc.stop()
         with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 .*Unavailable"):
-            emb.lookup(torch.tensor([[bad + 7] * 9, [9] * 9], dtype=torch.int32), out)
-        assert (out == 7.0).all()
+            stager.stage(vllm_stager.windows(table, np.array([5]), np.array([3]), 4))
+        assert torch.equal(stager.buffers.weight, before)
     finally:
         vllm_plugin.uninstall()
         sc.cleanup()
+
+
+CFG_CHILD = os.environ.get("TIERSTORE_VLLM_CFG_CHILD") == "1"
+
+
+@parent
+@pytest.mark.skipif(CFG_CHILD, reason="the parent of the cfg_ tests")
+def test_vllm_config_refusals_and_graph_sizes():
+    """Parent: run the cfg_ tests below in a child on vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu,
+    what vLLM's own CPU runs set), where a real VllmConfig can be built; this process's
+    platform was resolved at import (none: no GPU)."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", TIERSTORE_VLLM_CFG_CHILD="1")
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cfg_",
+                        __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+cfg = pytest.mark.skipif(not CFG_CHILD,
+                         reason="runs in the CPU-platform child of test_vllm_config_refusals_and_graph_sizes")
+
+
+@cfg
+def test_cfg_graph_tokens_are_vllms_resolved_largest_capture(monkeypatch):
+    """The buffers hold vLLM's largest captured batch as its VllmConfig resolved it: none where
+    its platform captures no graphs (CPU: cudagraph_mode NONE), else max_cudagraph_capture_size
+    (here the sizes a CUDA resolution leaves, set on the resolved config)."""
+    from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
+
+    config = VllmConfig(compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"))
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert vllm_stager.graph_tokens(config) == 0
+    cc = config.compilation_config
+    cc.cudagraph_mode, cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = (
+        CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8, 16, 24, 32], 32)
+    assert vllm_stager.graph_tokens(config) == 32
+
+
+@cfg
+def test_cfg_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(monkeypatch):
+    """A staged layer built under vLLM's config with async scheduling on, or the V2 model runner,
+    stops the build (vLLM's start) with the fix; the V1 runner without async scheduling builds."""
+    from vllm.config import VllmConfig
+
+    emb = vllm_engram.embedding(vllm_engram.layout(CONFIG), 0)
+    config = VllmConfig()
+    assert not config.use_v2_model_runner and not config.scheduler_config.async_scheduling  # the CPU platform's
+    vllm_stager.check_engine(config, emb, 1)
+    config.scheduler_config.async_scheduling = True  # what vLLM resolves on a GPU host by default
+    with pytest.raises(checks.EngineRefused, match="refuses async scheduling .*--no-async-scheduling"):
+        vllm_stager.check_engine(config, emb, 1)
+    config.scheduler_config.async_scheduling = False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(checks.EngineRefused, match="refuses the V2 model runner .*VLLM_USE_V2_MODEL_RUNNER=0"):
+        vllm_stager.check_engine(config, emb, 1)
+
+
+@cfg
+def test_cfg_the_real_constructor_stages_a_layer_as_the_tests_build_it(plugin, monkeypatch):
+    """vLLM's own `ParallelEngramEmbedding.__init__` (a tensor-parallel world of one over gloo,
+    under a real VllmConfig on vLLM's CPU platform) builds a staged layer through the plugin:
+    the engine checks pass (V1 runner, no async scheduling on CPU), the instance holds what
+    vllm_engram.embedding computes for the other tests (heads, row range, sizes), zero-row
+    placeholders whose weight loader is the check, and its lookup reads the staged step."""
+    import socket as socketlib
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    # __init__ reads the device's SM count (the lookup kernel's grid) from torch.cuda, which a
+    # CPU torch cannot answer: that one query answers 4, nothing else of vLLM is replaced
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(multi_processor_count=4))
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    layout = vllm_engram.layout(CONFIG)
+    heads = tuple(size for order in layout.primes[0] for size in order)
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        try:
+            ps.initialize_model_parallel(1, 1)
+            with vllm_plugin.engram_layer(1):
+                emb = engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+    built = vllm_engram.embedding(layout, 0)
+    fields = ("num_embeddings", "dim", "block_size", "n_hash_cols", "part_n_hash_cols", "head_start",
+              "vocab_start_idx", "vocab_end_idx", "part_num_embeddings", "dp_size", "tp_size", "cpu_offload")
+    assert {f: getattr(emb, f) for f in fields} == {f: getattr(built, f) for f in fields}
+    assert emb.weight.shape == (0, 256) and emb.weight_scale_inv.shape == (0, 8)
+    assert isinstance(emb.weight.weight_loader, checks.CheckpointCheck)
+    stager = _stager(plugin, [emb], capacity=0)
+    table, [(starts, counts)] = _token_steps(np.random.default_rng(5), [7])
+    stager.stage(vllm_stager.windows(table, starts, counts, 4))
+    ids = _hash_ids(stager, table, starts, counts, 1)
+    out = torch.empty((7, emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+    emb.lookup(ids, out)
+    assert torch.equal(out.view(torch.int16), _reference(plugin, emb, 1, ids).view(torch.int16))
+
+
+@cfg
+def test_cfg_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin):
+    """stage_runner_step over vLLM's real V1 InputBatch (gpu_input_batch.py, built on the CPU
+    platform): requests mid-prefill and decoding, their prompt and output tokens where vLLM's
+    runner keeps them (token_ids_cpu, num_computed_tokens_cpu); each layer's lookup then reads
+    the rows of each scheduled token's n-gram over its whole sequence. The runner itself
+    (GPUModelRunner, CUDA-only) is the object holding that batch."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=16)
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(0, 499, n).tolist() for n in (9, 14, 3)]
+    seqs[1][4] = IMAGE_TOKEN
+    # (prompt length, tokens computed, tokens scheduled): a prefill chunk mid-prompt, a decode
+    # step after three outputs, a fresh prompt
+    plan = [(9, 4, 5), (10, 13, 1), (3, 0, 3)]
+    with set_current_vllm_config(VllmConfig()):
+        batch = InputBatch(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=32, device=torch.device("cpu"),
+                           vocab_size=500, block_sizes=[16], max_num_blocks_per_req=[2])
+        for r, (seq, (prompt, computed, _)) in enumerate(zip(seqs, plan)):
+            batch.add_request(CachedRequestState(
+                req_id=str(r), prompt_token_ids=seq[:prompt], mm_features=[], sampling_params=SamplingParams(),
+                generator=None, block_ids=([0],), num_computed_tokens=computed, output_token_ids=seq[prompt:]))
+    counts = np.array([n for _, _, n in plan])
+    vllm_stager.stage_runner_step(stager, SimpleNamespace(input_batch=batch), counts)
+    h = stager.hasher
+    for emb, L in zip(embs, LAYERS):
+        want = np.stack([h.hash(h.map_raw(np.asarray(seq[:p + 1])), L,
+                                dead=np.asarray(seq[:p + 1]) == IMAGE_TOKEN)[-1]
+                         for seq, (_, computed, n) in zip(seqs, plan) for p in range(computed, computed + n)])
+        ids = torch.from_numpy(want.astype(np.int32))
+        out = torch.empty((len(ids), emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+        emb.lookup(ids, out)
+        assert torch.equal(out.view(torch.int16), _reference(plugin, emb, L, ids).view(torch.int16)), L
 
 
 @parent
