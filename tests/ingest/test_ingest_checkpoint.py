@@ -413,3 +413,23 @@ def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     before, after = int(out[0]), int(out[1])
     assert (after - before) * 1024 < 160 << 20, (before, after)
+
+
+def test_compare_read_times_a_plain_read_and_a_plain_copy_in_the_same_run(ckpt, tmp_path, capsys):
+    """--compare-read reports ingest against a plain read and against a plain copy (read,
+    write, fsync) of the same bytes; the copy's file is gone afterwards, and --drop-cache
+    (evicting the shards before each timed pass) is taken."""
+    data = tmp_path / "d"
+    args = ["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--compare-read", "--drop-cache"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for what in ("read", "copy"):
+        secs = out[f"plain_{what}_seconds"]
+        assert secs > 0
+        assert out[f"speed_vs_plain_{what}"] == pytest.approx(secs / out["seconds"], rel=0.05, abs=0.002)
+    assert [p.name for p in (data / "tmp").iterdir()] == []
+    assert main(args + ["--force"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"plain read of the same bytes [\d.]+ s -> [\d.]+x, plain copy \(read, write, fsync\) "
+                     r"[\d.]+ s -> [\d.]+x", err), err
+    assert [p.name for p in (data / "tmp").iterdir()] == []

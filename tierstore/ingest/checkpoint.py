@@ -18,6 +18,7 @@ against the prime layout, truncation) before the data directory is touched.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from tierstore.table.checkpoint import Checkpoint, TensorRef, open_shard
 
-__all__ = ["ingest_checkpoint", "plain_read_seconds", "evict_from_page_cache"]
+__all__ = ["ingest_checkpoint", "plain_read_seconds", "plain_copy_seconds", "evict_from_page_cache"]
 
 
 def _source_note(w: TensorRef, s: TensorRef) -> str:
@@ -126,23 +127,51 @@ def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", prog
     return out
 
 
-def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
-    """Seconds to read the bytes of `refs` sequentially with plain pread into one
-    reused buffer: the floor an ingest of the same bytes is compared against."""
-    buf = np.empty(chunk_bytes, np.uint8)
-    t0 = time.perf_counter()
+def _plain_pass(refs, chunk_bytes: int, out_fd: int | None) -> None:
+    """Read the bytes of `refs` in order with pread into one reused buffer and,
+    when `out_fd` is given, write each piece read to it."""
+    buf = memoryview(np.empty(chunk_bytes, np.uint8))
     for r in refs:
         fd = open_shard(r.path)
         try:
             pos, end = r.offset, r.offset + r.nbytes
             while pos < end:
-                n = os.preadv(fd, [memoryview(buf)[: min(chunk_bytes, end - pos)]], pos)
+                n = os.preadv(fd, [buf[: min(chunk_bytes, end - pos)]], pos)
                 if n == 0:
                     break
                 pos += n
+                done = 0
+                while out_fd is not None and done < n:
+                    done += os.write(out_fd, buf[done:n])
         finally:
             os.close(fd)
+
+
+def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to read the bytes of `refs` sequentially with plain pread into one
+    reused buffer: what the disk reads, the floor an ingest is compared against."""
+    t0 = time.perf_counter()
+    _plain_pass(refs, chunk_bytes, None)
     return time.perf_counter() - t0
+
+
+def plain_copy_seconds(refs, data_dir, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to copy the bytes of `refs` into one new file under `data_dir`'s tmp/
+    (the filesystem an ingest writes to): sequential pread, write, one fsync at the
+    end, as `cp` then `sync` would; no checksums, no read-back. What the disk allows
+    an ingest, which has to read, write and make durable the same bytes. The file is
+    removed before returning, whatever happens."""
+    from tierstore.store.data_dir import private_dirs
+
+    fd, path = tempfile.mkstemp(prefix="plain-copy.", dir=private_dirs(Path(data_dir), "tmp"))
+    try:
+        t0 = time.perf_counter()
+        _plain_pass(refs, chunk_bytes, fd)
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def evict_from_page_cache(refs) -> None:
