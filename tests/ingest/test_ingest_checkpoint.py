@@ -415,6 +415,35 @@ def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
     assert (after - before) * 1024 < 160 << 20, (before, after)
 
 
+def test_segments_sums_and_checksums_equal_a_golden_of_the_reference_path(ckpt, tmp_path, monkeypatch):
+    """What an ingest writes, byte for byte, is what the reference path makes of the shard's
+    rows: the packed rows (weight || scale, read with the safetensors library), each followed
+    by its numpy-reference sum under the version's salt; the catalog's block checksums are
+    xxh3 of those bytes' blocks. Chunks of ~4.5k rows (the compiled pass) and their
+    remainders (numpy) split checksum blocks and segments."""
+    import xxhash
+
+    from tierstore.ingest import writer
+    from tierstore.ingest.checkpoint import ingest_checkpoint
+    from tierstore.tiers.nvme import rowsum
+
+    monkeypatch.setattr(writer, "SEGMENT_BYTES", 256 << 10)
+    done = ingest_checkpoint(ckpt, tmp_path / "d", progress=False, chunk_bytes=1_200_000)
+    for tv, skipped in done:
+        rows = shard_rows(ckpt, tv.layer_id)
+        ids = np.arange(len(rows), dtype=np.int64)
+        sums = rowsum.row_sums(rows, ids, rowsum.RowKey.of(tv.row_salt), compiled=False)
+        golden = np.concatenate([rows, sums.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1).tobytes()
+        assert not skipped and tv.segment_format == 2 and len(tv.segments) > 3
+        assert (tv.rows, tv.row_bytes, tv.block_rows) == (len(rows), 264, 4096 // 272)
+        on_disk = b"".join((tmp_path / "d" / seg).read_bytes() for seg in tv.segments)
+        assert on_disk == golden
+        bb = tv.block_rows * 272
+        with Catalog(tmp_path / "d", readonly=True) as cat:
+            got = cat.checksums(tv.table, tv.version)
+        assert got.tolist() == [xxhash.xxh3_64_intdigest(golden[i:i + bb]) for i in range(0, len(golden), bb)]
+
+
 def test_compare_read_times_a_plain_read_and_a_plain_copy_in_the_same_run(ckpt, tmp_path, capsys):
     """--compare-read reports ingest against a plain read and against a plain copy (read,
     write, fsync) of the same bytes; the copy's file is gone afterwards, and --drop-cache

@@ -6,9 +6,9 @@ interleaved into packed rows (weight || scale, 264 bytes: tierstore's
 fp8-e4m3-ue8m0 format), written as a new version of table `l{L}` (spec.table_name) with
 the spec (every hashing constant, from config.json) in its manifest.
 
-Memory: two raw and CHUNKS_IN_FLIGHT packed chunk buffers (write_version
-reads, checksums, writes and reads back chunks in a pipeline), about 8 x
-chunk_bytes (16 MiB) whatever the shard size.
+Memory: CHUNKS_IN_FLIGHT chunks of the shard's bytes and as many of records
+(write_version reads, checksums, writes and reads back chunks in a pipeline),
+about 12 x chunk_bytes (8 MiB) whatever the shard size.
 Atomicity is write_version's: a killed ingest leaves the old current version
 serving; a rerun skips layers whose current version already came from the same
 shard bytes (same path, size and mtime) and restarts the others.
@@ -46,43 +46,29 @@ def _current(data_dir: Path, table: str):
         return None
 
 
-def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 16 << 20):
-    """uint8 [n, w.row_bytes + s.row_bytes] chunks of packed rows, in row order.
+def row_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 8 << 20):
+    """(weight, scale) chunks, uint8 [n, w.row_bytes] and [n, s.row_bytes], in row order:
+    the column blocks of the packed rows, which write_version builds records of
+    without packing them first.
 
-    A thread preads the next raw chunks (the disk never waits for the
-    interleave) while this one interleaves; packed buffers come from a ring of
-    CHUNKS_IN_FLIGHT (write_version holds a chunk until it is written and read
-    back, at most that many at once)."""
-    from tierstore.ingest.pipeline import Pipeline
+    Read with pread straight into a ring of CHUNKS_IN_FLIGHT buffer pairs (write_version
+    holds a chunk until it is written and read back, at most that many at once); the
+    writer pulls this from a thread of its own, so the reads overlap the other stages."""
     from tierstore.ingest.writer import CHUNKS_IN_FLIGHT
 
     rows, wb, sb = w.shape[0], w.row_bytes, s.row_bytes
     step = max(1, chunk_bytes // (wb + sb))
     n_chunks = -(-rows // step)
-    raw = [(np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)) for _ in range(min(2, n_chunks))]
-    ring = [np.empty((step, wb + sb), np.uint8) for _ in range(min(CHUNKS_IN_FLIGHT, n_chunks))]
-    # rows as single items (void) make the interleave two flat copies, not two per-row loops
-    packed = np.dtype([("w", f"V{wb}"), ("s", f"V{sb}")])
-
-    def reads():
-        for i, a in enumerate(range(0, rows, step)):
-            n = min(step, rows - a)
-            wbuf, sbuf = raw[i % len(raw)]
-            w.pread(wbuf[:n], a)
-            s.pread(sbuf[:n], a)
-            yield i, n, wbuf, sbuf
-
-    with Pipeline(reads(), [], in_flight=len(raw), name="tierstore-pread") as pipe:
-        for i, n, wbuf, sbuf in pipe:
-            out = ring[i % len(ring)][:n]
-            items = out.view(packed)[:, 0]
-            items["w"] = wbuf.view(f"V{wb}")[:n, 0]
-            items["s"] = sbuf.view(f"V{sb}")[:n, 0]
-            yield out
+    ring = [(np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8))
+            for _ in range(min(CHUNKS_IN_FLIGHT, n_chunks))]
+    for i, a in enumerate(range(0, rows, step)):
+        n = min(step, rows - a)
+        wbuf, sbuf = ring[i % len(ring)]
+        yield w.pread(wbuf[:n], a), s.pread(sbuf[:n], a)
 
 
 def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", progress: bool = True,
-                      chunk_bytes: int = 16 << 20, block_rows: int | None = None, force: bool = False,
+                      chunk_bytes: int = 8 << 20, block_rows: int | None = None, force: bool = False,
                       name: str | None = None) -> list:
     """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
 
@@ -120,7 +106,7 @@ def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", prog
         if cur is not None and cur.source == note and cur.spec == spec.to_dict():
             out.append((cur, True))
             continue
-        tv = write_version(data_dir, table, packed_chunks(w, s, chunk_bytes), rows=w.shape[0],
+        tv = write_version(data_dir, table, row_chunks(w, s, chunk_bytes), rows=w.shape[0],
                            row_format=spec.row_format, row_dim=spec.row_dim, spec=spec.to_dict(), layer_id=L,
                            source=note, block_rows=block_rows, progress=progress)
         out.append((tv, False))
