@@ -157,20 +157,20 @@ def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
 
 
 def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monkeypatch):
-    from tierstore.table import checkpoint
+    from tierstore.ingest import checkpoint
 
     data = tmp_path / "d"
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "1"]) == 0
     before = _snapshot(data)
     calls = {"n": 0}
-    real = checkpoint.TensorRef.pread
+    real = checkpoint.TensorRows.read
 
-    def dying(self, out, first_row=0):
+    def dying(self, first_row, n):
         calls["n"] += 1
         if calls["n"] > 2:
             raise KeyboardInterrupt  # killed mid-table
-        return real(self, out, first_row)
-    monkeypatch.setattr(checkpoint.TensorRef, "pread", dying)
+        return real(self, first_row, n)
+    monkeypatch.setattr(checkpoint.TensorRows, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         from tierstore.ingest.checkpoint import ingest_checkpoint
         ingest_checkpoint(ckpt, data, force=True, progress=False, chunk_bytes=64 << 10)
@@ -415,20 +415,46 @@ def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
     assert (after - before) * 1024 < 160 << 20, (before, after)
 
 
-def test_segments_sums_and_checksums_equal_a_golden_of_the_reference_path(ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_segments_sums_and_checksums_equal_a_golden_of_the_reference_path(ckpt, tmp_path, monkeypatch, cache):
     """What an ingest writes, byte for byte, is what the reference path makes of the shard's
     rows: the packed rows (weight || scale, read with the safetensors library), each followed
     by its numpy-reference sum under the version's salt; the catalog's block checksums are
     xxh3 of those bytes' blocks. Chunks of ~4.5k rows (the compiled pass) and their
-    remainders (numpy) split checksum blocks and segments."""
+    remainders (numpy) split checksum blocks and segments. A shard out of the page cache
+    is read with O_DIRECT (where the filesystem has it), one in it with pread: same bytes."""
     import xxhash
 
-    from tierstore.ingest import writer
-    from tierstore.ingest.checkpoint import ingest_checkpoint
+    from tierstore.ingest import checkpoint, writer
+    from tierstore.ingest.checkpoint import evict_from_page_cache, ingest_checkpoint
+    from tierstore.table.checkpoint import Checkpoint
     from tierstore.tiers.nvme import rowsum
 
+    ck = shutil.copytree(ckpt, tmp_path / "ck")
+    refs = [r for L in (1, 3) for r in Checkpoint(ck).engram_tensors(L).values()]
+    for r in refs:
+        with open(r.path, "rb") as f:
+            os.fsync(f.fileno())  # written back, so that eviction takes
+    if cache == "cold":
+        evict_from_page_cache(refs)
+    else:
+        for r in refs:
+            r.path.read_bytes()
+    direct = []
+    real = checkpoint.TensorRows.__init__
+
+    def spy(self, *a):
+        real(self, *a)
+        direct.append(self.direct)
+    monkeypatch.setattr(checkpoint.TensorRows, "__init__", spy)
     monkeypatch.setattr(writer, "SEGMENT_BYTES", 256 << 10)
-    done = ingest_checkpoint(ckpt, tmp_path / "d", progress=False, chunk_bytes=1_200_000)
+    done = ingest_checkpoint(ck, tmp_path / "d", progress=False, chunk_bytes=1_200_000)
+    try:
+        os.close(os.open(refs[0].path, os.O_RDONLY | os.O_DIRECT))
+        has_direct = True
+    except OSError:
+        has_direct = False
+    assert direct == [cache == "cold" and has_direct] * 4
     for tv, skipped in done:
         rows = shard_rows(ckpt, tv.layer_id)
         ids = np.arange(len(rows), dtype=np.int64)
