@@ -250,12 +250,22 @@ def plain_copy_seconds(refs, data_dir, chunk_bytes: int = 64 << 20) -> float:
     removed before returning, whatever happens."""
     from tierstore.store.data_dir import private_dirs
 
+    import errno
+
+    from tierstore.errors import ResourceExhausted
+
     fd, path = tempfile.mkstemp(prefix="plain-copy.", dir=private_dirs(Path(data_dir), "tmp"))
     try:
         t0 = time.perf_counter()
         _plain_pass(refs, chunk_bytes, fd)
         os.fsync(fd)
         return time.perf_counter() - t0
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise ResourceExhausted(f"disk full while timing a plain copy of the shards into {data_dir} "
+                                    f"({e.strerror}); --compare-read needs room for one copy of them "
+                                    f"beside the ingest: free space or leave --compare-read out") from e
+        raise
     finally:
         os.close(fd)
         os.unlink(path)
