@@ -247,14 +247,14 @@ def plain_copy_seconds(refs, data_dir, chunk_bytes: int = 64 << 20) -> float:
     (the filesystem an ingest writes to): sequential pread, write, one fsync at the
     end, as `cp` then `sync` would; no checksums, no read-back. What the disk allows
     an ingest, which has to read, write and make durable the same bytes. The file is
-    removed before returning, whatever happens."""
-    from tierstore.store.data_dir import private_dirs
-
+    removed before returning, whatever happens, and its removal made durable (untimed)."""
     import errno
 
     from tierstore.errors import ResourceExhausted
+    from tierstore.store.data_dir import fsync_dir, private_dirs
 
-    fd, path = tempfile.mkstemp(prefix="plain-copy.", dir=private_dirs(Path(data_dir), "tmp"))
+    tmp = private_dirs(Path(data_dir), "tmp")
+    fd, path = tempfile.mkstemp(prefix="plain-copy.", dir=tmp)
     try:
         t0 = time.perf_counter()
         _plain_pass(refs, chunk_bytes, fd)
@@ -269,6 +269,9 @@ def plain_copy_seconds(refs, data_dir, chunk_bytes: int = 64 << 20) -> float:
     finally:
         os.close(fd)
         os.unlink(path)
+        # commit the removal now: on a filesystem mounted with `discard` the freed blocks are
+        # trimmed at that commit, which would otherwise land in the next timed pass
+        fsync_dir(tmp)
 
 
 def evict_from_page_cache(refs) -> None:
