@@ -316,7 +316,7 @@ def test_a_catalog_this_user_cannot_write_is_read_and_refused_for_ingest(tmp_pat
 @pytest.mark.parametrize("chunk", [1, 7, 333, 4096])
 def test_pipelined_write_is_bit_exact_across_blocks_and_segments(data_dir, monkeypatch, chunk):
     """Chunks that split checksum blocks and segments, from a source that reuses a
-    ring of CHUNKS_IN_FLIGHT buffers (as packed_chunks does): every row reads
+    ring of CHUNKS_IN_FLIGHT buffers (as row_chunks does): every row reads
     back as given, every block and row verifies."""
     from tierstore.ingest import writer
 

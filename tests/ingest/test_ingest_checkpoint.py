@@ -157,20 +157,20 @@ def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
 
 
 def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monkeypatch):
-    from tierstore.table import checkpoint
+    from tierstore.ingest import checkpoint
 
     data = tmp_path / "d"
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "1"]) == 0
     before = _snapshot(data)
     calls = {"n": 0}
-    real = checkpoint.TensorRef.pread
+    real = checkpoint.TensorRows.read
 
-    def dying(self, out, first_row=0):
+    def dying(self, first_row, n):
         calls["n"] += 1
         if calls["n"] > 2:
             raise KeyboardInterrupt  # killed mid-table
-        return real(self, out, first_row)
-    monkeypatch.setattr(checkpoint.TensorRef, "pread", dying)
+        return real(self, first_row, n)
+    monkeypatch.setattr(checkpoint.TensorRows, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         from tierstore.ingest.checkpoint import ingest_checkpoint
         ingest_checkpoint(ckpt, data, force=True, progress=False, chunk_bytes=64 << 10)
@@ -413,3 +413,99 @@ def test_memory_stays_bounded_whatever_the_shard_size(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     before, after = int(out[0]), int(out[1])
     assert (after - before) * 1024 < 160 << 20, (before, after)
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_segments_sums_and_checksums_equal_a_golden_of_the_reference_path(ckpt, tmp_path, monkeypatch, cache):
+    """What an ingest writes, byte for byte, is what the reference path makes of the shard's
+    rows: the packed rows (weight || scale, read with the safetensors library), each followed
+    by its numpy-reference sum under the version's salt; the catalog's block checksums are
+    xxh3 of those bytes' blocks. Chunks of ~4.5k rows (the compiled pass) and their
+    remainders (numpy) split checksum blocks and segments. A shard out of the page cache
+    is read with O_DIRECT (where the filesystem has it), one in it with pread: same bytes."""
+    import xxhash
+
+    from tierstore.ingest import checkpoint, writer
+    from tierstore.ingest.checkpoint import evict_from_page_cache, ingest_checkpoint
+    from tierstore.table.checkpoint import Checkpoint
+    from tierstore.tiers.nvme import rowsum
+
+    ck = shutil.copytree(ckpt, tmp_path / "ck")
+    refs = [r for L in (1, 3) for r in Checkpoint(ck).engram_tensors(L).values()]
+    for r in refs:
+        with open(r.path, "rb") as f:
+            os.fsync(f.fileno())  # written back, so that eviction takes
+    if cache == "cold":
+        evict_from_page_cache(refs)
+    else:
+        for r in refs:
+            r.path.read_bytes()
+    direct = []
+    real = checkpoint.TensorRows.__init__
+
+    def spy(self, *a):
+        real(self, *a)
+        direct.append(self.direct)
+    monkeypatch.setattr(checkpoint.TensorRows, "__init__", spy)
+    monkeypatch.setattr(writer, "SEGMENT_BYTES", 256 << 10)
+    done = ingest_checkpoint(ck, tmp_path / "d", progress=False, chunk_bytes=1_200_000)
+    try:
+        os.close(os.open(refs[0].path, os.O_RDONLY | os.O_DIRECT))
+        has_direct = True
+    except OSError:
+        has_direct = False
+    assert direct == [cache == "cold" and has_direct] * 4
+    for tv, skipped in done:
+        rows = shard_rows(ckpt, tv.layer_id)
+        ids = np.arange(len(rows), dtype=np.int64)
+        sums = rowsum.row_sums(rows, ids, rowsum.RowKey.of(tv.row_salt), compiled=False)
+        golden = np.concatenate([rows, sums.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1).tobytes()
+        assert not skipped and tv.segment_format == 2 and len(tv.segments) > 3
+        assert (tv.rows, tv.row_bytes, tv.block_rows) == (len(rows), 264, 4096 // 272)
+        on_disk = b"".join((tmp_path / "d" / seg).read_bytes() for seg in tv.segments)
+        assert on_disk == golden
+        bb = tv.block_rows * 272
+        with Catalog(tmp_path / "d", readonly=True) as cat:
+            got = cat.checksums(tv.table, tv.version)
+        assert got.tolist() == [xxhash.xxh3_64_intdigest(golden[i:i + bb]) for i in range(0, len(golden), bb)]
+
+
+def test_compare_read_times_a_plain_read_and_a_plain_copy_in_the_same_run(ckpt, tmp_path, capsys):
+    """--compare-read reports ingest against a plain read and against a plain copy (read,
+    write, fsync) of the same bytes; the copy's file is gone afterwards, and --drop-cache
+    (evicting the shards before each timed pass) is taken."""
+    data = tmp_path / "d"
+    args = ["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--compare-read", "--drop-cache"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for what in ("read", "copy"):
+        secs = out[f"plain_{what}_seconds"]
+        assert secs > 0
+        assert out[f"speed_vs_plain_{what}"] == pytest.approx(secs / out["seconds"], rel=0.05, abs=0.002)
+    assert [p.name for p in (data / "tmp").iterdir()] == []
+    assert main(args + ["--force"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"plain read of the same bytes [\d.]+ s -> [\d.]+x, plain copy \(read, write, fsync\) "
+                     r"[\d.]+ s -> [\d.]+x", err), err
+    assert [p.name for p in (data / "tmp").iterdir()] == []
+
+
+def _small_file_limit():
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+
+def test_compare_read_on_a_full_disk_is_a_clear_error_that_leaves_nothing(ckpt, tmp_path):
+    import subprocess
+
+    data = tmp_path / "d"
+    out = subprocess.run([sys.executable, "-m", "tierstore", "ingest-checkpoint", str(ckpt), "--data", str(data),
+                          "--quiet", "--compare-read"], capture_output=True, text=True, timeout=120,
+                         preexec_fn=_small_file_limit)
+    assert out.returncode == 1, out.stderr
+    assert "disk full while timing a plain copy" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert [p.name for p in (data / "tmp").iterdir()] == []
+    assert not (data / "tables").exists()

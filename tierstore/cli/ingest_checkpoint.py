@@ -15,10 +15,12 @@ def add_arguments(p) -> None:
                    "model side and `tierstore hash` use; with a prefix pass table= to the layers)")
     p.add_argument("--force", action="store_true",
                    help="re-ingest layers whose current version came from the same shard bytes")
-    p.add_argument("--block-rows", type=int, help="rows per checksum block (default: ~16 KiB)")
+    p.add_argument("--block-rows", type=int, help="rows per checksum block (default: ~4 KiB)")
     p.add_argument("--compare-read", action="store_true",
-                   help="also time a plain sequential read of the same bytes and print the speed ratio")
-    p.add_argument("--cold", action="store_true",
+                   help="also time, in the same run, a plain sequential read of the same bytes and a plain "
+                   "copy of them (read, write to the data directory's filesystem, fsync; then removed) and "
+                   "print ingest's speed against each")
+    p.add_argument("--drop-cache", action="store_true",
                    help="with --compare-read: evict the shards from the page cache before each timed pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -29,21 +31,26 @@ def run(args) -> int:
 
     from tierstore.table.checkpoint import Checkpoint
     from tierstore.errors import InvalidArgument
-    from tierstore.ingest.checkpoint import evict_from_page_cache, ingest_checkpoint, plain_read_seconds
+    from tierstore.ingest.checkpoint import (evict_from_page_cache, ingest_checkpoint, plain_copy_seconds,
+                                             plain_read_seconds)
 
     try:
         layers = None if not args.layers else [int(v) for v in args.layers.split(",") if v.strip()]
     except ValueError:
         raise InvalidArgument(f"--layers must be comma-separated integers, got {args.layers!r}") from None
-    plain = None
+    plain = copy = None
     if args.compare_read:  # timed first, on the same bytes, in the same run
         ck = Checkpoint(args.checkpoint)
         refs = [r for L in (layers or ck.spec.layer_ids)
                 for k, r in ck.engram_tensors(L).items() if k in ("weight", "scale")]
-        if args.cold:
-            evict_from_page_cache(refs)
-        plain = plain_read_seconds(refs)
-        if args.cold:
+
+        def timed(fn, *a):
+            if args.drop_cache:
+                evict_from_page_cache(refs)
+            return fn(refs, *a)
+        plain = timed(plain_read_seconds)
+        copy = timed(plain_copy_seconds, args.data)
+        if args.drop_cache:
             evict_from_page_cache(refs)
     t0 = time.perf_counter()
     done = ingest_checkpoint(args.checkpoint, args.data, layers=layers, prefix=args.prefix,
@@ -56,6 +63,8 @@ def run(args) -> int:
     if plain is not None and nbytes:
         out["plain_read_seconds"] = round(plain, 3)
         out["speed_vs_plain_read"] = round(plain / secs, 3)
+        out["plain_copy_seconds"] = round(copy, 3)
+        out["speed_vs_plain_copy"] = round(copy / secs, 3)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -65,6 +74,7 @@ def run(args) -> int:
     if nbytes:
         line = f"{nbytes / 1e6:.1f} MB in {secs:.2f} s ({out['MBps']} MB/s)"
         if "speed_vs_plain_read" in out:
-            line += f"; plain read of the same bytes {plain:.2f} s -> {out['speed_vs_plain_read']:.2f}x"
+            line += (f"; plain read of the same bytes {plain:.2f} s -> {out['speed_vs_plain_read']:.2f}x, "
+                     f"plain copy (read, write, fsync) {copy:.2f} s -> {out['speed_vs_plain_copy']:.2f}x")
         print(line, file=sys.stderr)
     return 0

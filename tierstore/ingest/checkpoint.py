@@ -1,14 +1,16 @@
 """A whole Hugging Face checkpoint directory -> one table per Engram layer.
 
 For each Engram layer of config.json, `embed.weight` (F8_E4M3 [rows, 256]) and
-`embed.scale` (F8_E8M0 [rows, 8]) are streamed from their shard with pread and
-interleaved into packed rows (weight || scale, 264 bytes: tierstore's
-fp8-e4m3-ue8m0 format), written as a new version of table `l{L}` (spec.table_name) with
-the spec (every hashing constant, from config.json) in its manifest.
+`embed.scale` (F8_E8M0 [rows, 8]) are streamed from their shard (TensorRows:
+O_DIRECT from the disk, pread from the page cache) and written as packed rows
+(weight || scale, 264 bytes: tierstore's fp8-e4m3-ue8m0 format; write_version
+builds each record from the two in one pass) as a new version of table `l{L}`
+(spec.table_name) with the spec (every hashing constant, from config.json) in
+its manifest.
 
-Memory: two raw and CHUNKS_IN_FLIGHT packed chunk buffers (write_version
-reads, checksums, writes and reads back chunks in a pipeline), about 8 x
-chunk_bytes (16 MiB) whatever the shard size.
+Memory: CHUNKS_IN_FLIGHT chunks of the shard's bytes and as many of records
+(write_version reads, checksums, writes and reads back chunks in a pipeline),
+about 12 x chunk_bytes (8 MiB) whatever the shard size.
 Atomicity is write_version's: a killed ingest leaves the old current version
 serving; a rerun skips layers whose current version already came from the same
 shard bytes (same path, size and mtime) and restarts the others.
@@ -17,15 +19,18 @@ against the prime layout, truncation) before the data directory is touched.
 """
 from __future__ import annotations
 
+import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from tierstore.errors import SpecMismatch
 from tierstore.table.checkpoint import Checkpoint, TensorRef, open_shard
 
-__all__ = ["ingest_checkpoint", "plain_read_seconds", "evict_from_page_cache"]
+__all__ = ["ingest_checkpoint", "plain_read_seconds", "plain_copy_seconds", "evict_from_page_cache"]
 
 
 def _source_note(w: TensorRef, s: TensorRef) -> str:
@@ -45,43 +50,126 @@ def _current(data_dir: Path, table: str):
         return None
 
 
-def packed_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 16 << 20):
-    """uint8 [n, w.row_bytes + s.row_bytes] chunks of packed rows, in row order.
+# O_DIRECT reads start and end on this boundary (the largest logical block size in use)
+ALIGN = 4096
 
-    A thread preads the next raw chunks (the disk never waits for the
-    interleave) while this one interleaves; packed buffers come from a ring of
-    CHUNKS_IN_FLIGHT (write_version holds a chunk until it is written and read
-    back, at most that many at once)."""
-    from tierstore.ingest.pipeline import Pipeline
+
+class TensorRows:
+    """Rows of one checkpoint tensor read in order into a ring of `slots` buffers of
+    `step` rows each (a buffer is reused `slots` reads later).
+
+    A shard that is mostly on the disk (not in the page cache) is read with O_DIRECT:
+    the disk writes into this process's buffers, with none of the kernel's page-cache
+    fill and copy, which on a shared box cost as much CPU as everything else an ingest
+    does; a read then covers whole ALIGN blocks around the rows, which are a view into
+    it. A shard in the page cache (just downloaded, read before), or on a filesystem
+    without O_DIRECT (tmpfs), is read with plain pread. Either way `read` gives the
+    same bytes, and a short shard is SpecMismatch, as TensorRef.pread says it."""
+
+    def __init__(self, ref: TensorRef, step: int, slots: int):
+        self.ref, self.step = ref, step
+        self.fd = open_shard(ref.path)
+        self.direct = False
+        if not _mostly_cached(self.fd, ref.offset, ref.nbytes):
+            try:
+                fd = os.open(ref.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:  # EINVAL: this filesystem does not do O_DIRECT
+                pass
+            else:
+                os.close(self.fd)
+                self.fd, self.direct = fd, True
+        size = step * ref.row_bytes + (2 * ALIGN if self.direct else 0)
+        # anonymous maps are page-aligned, as O_DIRECT buffers must be; each is unmapped
+        # once the last view of it is gone (the writer may hold one after `close`)
+        self._bufs = [np.frombuffer(mmap.mmap(-1, max(size, 1)), np.uint8) for _ in range(slots)]
+        self._next = 0
+
+    def read(self, first_row: int, n: int) -> np.ndarray:
+        """uint8 [n, row_bytes]: rows first_row.. of the tensor, in the next buffer of the ring."""
+        buf = self._bufs[self._next]
+        self._next = (self._next + 1) % len(self._bufs)
+        rb = self.ref.row_bytes
+        start = self.ref.offset + first_row * rb
+        lo = start - start % ALIGN if self.direct else start
+        hi = -(-(start + n * rb) // ALIGN) * ALIGN if self.direct else start + n * rb
+        need, got = start + n * rb - lo, 0
+        view = memoryview(buf)[:hi - lo]
+        while got < need:
+            k = os.preadv(self.fd, [view[got:]], lo + got)
+            got += k
+            if k == 0 or (self.direct and got % ALIGN and got < need):  # O_DIRECT reads end short at EOF only
+                raise SpecMismatch(f"{self.ref.where()}: the shard ends {need - got} bytes early "
+                                   "(truncated download?); re-fetch the file")
+        return buf[start - lo:start - lo + n * rb].reshape(n, rb)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self._bufs = []
+
+
+def _mostly_cached(fd: int, offset: int, nbytes: int, samples: int = 64) -> bool:
+    """Whether most of `samples` pages spread over bytes offset..offset+nbytes of `fd`
+    are in the page cache (mincore of a map that is never touched); False where
+    that cannot be told."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    except (OSError, AttributeError):
+        return False
+    page = mmap.PAGESIZE
+    lo = offset - offset % page
+    length = offset + nbytes - lo
+    if nbytes <= 0:
+        return False
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return False
+    try:
+        vec = ctypes.create_string_buffer(1)
+        hits = 0
+        for k in range(samples):
+            at = (length - 1) * k // max(1, samples - 1) // page * page
+            if libc.mincore(addr + at, 1, vec) == 0 and vec.raw[0] & 1:
+                hits += 1
+        return hits * 2 > samples
+    finally:
+        libc.munmap(addr, length)
+
+
+def row_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 8 << 20):
+    """(weight, scale) chunks, uint8 [n, w.row_bytes] and [n, s.row_bytes], in row order:
+    the column blocks of the packed rows, which write_version builds records of
+    without packing them first.
+
+    Read (TensorRows) straight into a ring of CHUNKS_IN_FLIGHT buffer pairs
+    (write_version holds a chunk until it is written and read back, at most that many
+    at once); the writer pulls this from a thread of its own, so the reads overlap
+    the other stages."""
     from tierstore.ingest.writer import CHUNKS_IN_FLIGHT
 
     rows, wb, sb = w.shape[0], w.row_bytes, s.row_bytes
     step = max(1, chunk_bytes // (wb + sb))
-    n_chunks = -(-rows // step)
-    raw = [(np.empty((step, wb), np.uint8), np.empty((step, sb), np.uint8)) for _ in range(min(2, n_chunks))]
-    ring = [np.empty((step, wb + sb), np.uint8) for _ in range(min(CHUNKS_IN_FLIGHT, n_chunks))]
-    # rows as single items (void) make the interleave two flat copies, not two per-row loops
-    packed = np.dtype([("w", f"V{wb}"), ("s", f"V{sb}")])
-
-    def reads():
-        for i, a in enumerate(range(0, rows, step)):
-            n = min(step, rows - a)
-            wbuf, sbuf = raw[i % len(raw)]
-            w.pread(wbuf[:n], a)
-            s.pread(sbuf[:n], a)
-            yield i, n, wbuf, sbuf
-
-    with Pipeline(reads(), [], in_flight=len(raw), name="tierstore-pread") as pipe:
-        for i, n, wbuf, sbuf in pipe:
-            out = ring[i % len(ring)][:n]
-            items = out.view(packed)[:, 0]
-            items["w"] = wbuf.view(f"V{wb}")[:n, 0]
-            items["s"] = sbuf.view(f"V{sb}")[:n, 0]
-            yield out
+    slots = min(CHUNKS_IN_FLIGHT, -(-rows // step))
+    wr = TensorRows(w, step, slots)
+    try:
+        sr = TensorRows(s, step, slots)
+        try:
+            for a in range(0, rows, step):
+                n = min(step, rows - a)
+                yield wr.read(a, n), sr.read(a, n)
+        finally:
+            sr.close()
+    finally:
+        wr.close()
 
 
 def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", progress: bool = True,
-                      chunk_bytes: int = 16 << 20, block_rows: int | None = None, force: bool = False,
+                      chunk_bytes: int = 8 << 20, block_rows: int | None = None, force: bool = False,
                       name: str | None = None) -> list:
     """Ingest every Engram layer of a checkpoint directory; returns the TableVersions.
 
@@ -119,30 +207,71 @@ def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", prog
         if cur is not None and cur.source == note and cur.spec == spec.to_dict():
             out.append((cur, True))
             continue
-        tv = write_version(data_dir, table, packed_chunks(w, s, chunk_bytes), rows=w.shape[0],
+        tv = write_version(data_dir, table, row_chunks(w, s, chunk_bytes), rows=w.shape[0],
                            row_format=spec.row_format, row_dim=spec.row_dim, spec=spec.to_dict(), layer_id=L,
                            source=note, block_rows=block_rows, progress=progress)
         out.append((tv, False))
     return out
 
 
-def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
-    """Seconds to read the bytes of `refs` sequentially with plain pread into one
-    reused buffer: the floor an ingest of the same bytes is compared against."""
-    buf = np.empty(chunk_bytes, np.uint8)
-    t0 = time.perf_counter()
+def _plain_pass(refs, chunk_bytes: int, out_fd: int | None) -> None:
+    """Read the bytes of `refs` in order with pread into one reused buffer and,
+    when `out_fd` is given, write each piece read to it."""
+    buf = memoryview(np.empty(chunk_bytes, np.uint8))
     for r in refs:
         fd = open_shard(r.path)
         try:
             pos, end = r.offset, r.offset + r.nbytes
             while pos < end:
-                n = os.preadv(fd, [memoryview(buf)[: min(chunk_bytes, end - pos)]], pos)
+                n = os.preadv(fd, [buf[: min(chunk_bytes, end - pos)]], pos)
                 if n == 0:
                     break
                 pos += n
+                done = 0
+                while out_fd is not None and done < n:
+                    done += os.write(out_fd, buf[done:n])
         finally:
             os.close(fd)
+
+
+def plain_read_seconds(refs, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to read the bytes of `refs` sequentially with plain pread into one
+    reused buffer: what the disk reads, the floor an ingest is compared against."""
+    t0 = time.perf_counter()
+    _plain_pass(refs, chunk_bytes, None)
     return time.perf_counter() - t0
+
+
+def plain_copy_seconds(refs, data_dir, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to copy the bytes of `refs` into one new file under `data_dir`'s tmp/
+    (the filesystem an ingest writes to): sequential pread, write, one fsync at the
+    end, as `cp` then `sync` would; no checksums, no read-back. What the disk allows
+    an ingest, which has to read, write and make durable the same bytes. The file is
+    removed before returning, whatever happens, and its removal made durable (untimed)."""
+    import errno
+
+    from tierstore.errors import ResourceExhausted
+    from tierstore.store.data_dir import fsync_dir, private_dirs
+
+    tmp = private_dirs(Path(data_dir), "tmp")
+    fd, path = tempfile.mkstemp(prefix="plain-copy.", dir=tmp)
+    try:
+        t0 = time.perf_counter()
+        _plain_pass(refs, chunk_bytes, fd)
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise ResourceExhausted(f"disk full while timing a plain copy of the shards into {data_dir} "
+                                    f"({e.strerror}); --compare-read needs room for one copy of them "
+                                    f"beside the ingest: free space or leave --compare-read out") from e
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        # commit the removal now: on a filesystem mounted with `discard` the freed blocks are
+        # trimmed at that commit, which would otherwise land in the next timed pass
+        fsync_dir(tmp)
 
 
 def evict_from_page_cache(refs) -> None:

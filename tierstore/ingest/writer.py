@@ -108,9 +108,10 @@ class _Staging:
 
     Written by write_version's pipeline, one method per stage, each called
     from one thread in row order: `hash` (row sums of a chunk, its records and
-    their block checksums, from the source's bytes), `put` (pwrite them, start
-    writeback), `check` (read back what is now on file, block by block,
-    against the checksums `hash` made), then `finish` (fsync everything).
+    their block checksums, from the source's bytes), `put` (pwrite them into
+    the page cache; the kernel writes them back as a copy's would), `check`
+    (read back what is now on file, block by block, against the checksums
+    `hash` made), then `finish` (one fsync a file).
     `key`: the new version's row-sum key (rowsum.RowKey of its row_salt).
     `source_layout` (an import of a version laid out otherwise: its (segment format,
     RowKey)): `source_checksums` are then the blocks of the source rows laid out that
@@ -149,38 +150,53 @@ class _Staging:
             self._sums_fd = os.open(self.dir / ROW_SUMS_FILE, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
         self._sums_hash = xxhash.xxh3_64()
         self._scratch: np.ndarray | None = None
+        self._taken = 0  # chunks taken from the source
+        self._ring: list[np.ndarray | None] = [None] * CHUNKS_IN_FLIGHT  # format 2's records, by chunk number
 
     @property
     def source_checksums(self) -> np.ndarray | None:
         return None if self._source is None else self._source.sums
 
-    def take(self, chunk) -> tuple[int, np.ndarray]:
-        """Source stage: check a chunk's shape and place; returns (byte offset on disk, rows)."""
-        if not isinstance(chunk, np.ndarray) or chunk.dtype != np.uint8 or chunk.ndim != 2 \
-                or chunk.shape[1] != self.row_bytes:
-            raise InvalidArgument(f"row chunks must be uint8 [n, {self.row_bytes}], got "
-                                  f"{getattr(chunk, 'dtype', type(chunk))} {getattr(chunk, 'shape', '')}")
-        chunk = np.ascontiguousarray(chunk)
-        if self.pos + chunk.shape[0] * self.record_bytes > self.total:
+    def take(self, chunk) -> tuple[int, int, tuple[np.ndarray, ...]]:
+        """Source stage: check a chunk's shape and place; returns (chunk number, byte
+        offset on disk, its column blocks: the packed rows, or weight and scale)."""
+        parts = chunk if isinstance(chunk, tuple) else (chunk,)
+        ok = 1 <= len(parts) <= 2 and all(isinstance(c, np.ndarray) and c.dtype == np.uint8 and c.ndim == 2
+                                          and c.shape[0] == parts[0].shape[0] for c in parts)
+        if not ok or sum(c.shape[1] for c in parts) != self.row_bytes:
+            raise InvalidArgument(f"row chunks must be uint8 [n, {self.row_bytes}] (or two uint8 [n, *] column "
+                                  f"blocks as wide together), got "
+                                  f"{[(getattr(c, 'dtype', type(c)), getattr(c, 'shape', '')) for c in parts]}")
+        if len(parts) > 1 and (self.segment_format == 1 or self._source is not None):
+            parts = (np.concatenate(parts, axis=1),)  # those layouts hash and write the packed rows
+        parts = tuple(np.ascontiguousarray(c) for c in parts)
+        n = parts[0].shape[0]
+        if self.pos + n * self.record_bytes > self.total:
             raise SpecMismatch(f"the source yields more than the declared {self.rows} rows")
         pos = self.pos
-        self.pos += chunk.shape[0] * self.record_bytes
-        return pos, chunk
+        self.pos += n * self.record_bytes
+        self._taken += 1
+        return self._taken - 1, pos, parts
 
-    def hash(self, item: tuple[int, np.ndarray]) -> tuple[int, np.ndarray, np.ndarray | None]:
+    def hash(self, item: tuple[int, int, tuple[np.ndarray, ...]]) -> tuple[int, np.ndarray, np.ndarray | None]:
         """Hash stage: the chunk's row sums, its bytes on disk (format 2: records
-        carrying them) and their block checksums. Returns (offset, bytes to write,
-        format 1's row sums or None)."""
-        pos, chunk = item
+        carrying them, built in one pass into a ring of CHUNKS_IN_FLIGHT buffers: a
+        chunk is out of the pipeline before its buffer is reused) and their block
+        checksums. Returns (offset, bytes to write, format 1's row sums or None)."""
+        seq, pos, parts = item
+        n = parts[0].shape[0]
         first = pos // self.record_bytes
-        ids = np.arange(first, first + chunk.shape[0], dtype=np.int64)
+        ids = np.arange(first, first + n, dtype=np.int64)
         if self._source is not None:
             fmt, key = self._source_layout
-            self._source.update(memoryview(chunk if fmt == 1 else rowsum.records(chunk, ids, key)).cast("B"))
+            self._source.update(memoryview(parts[0] if fmt == 1 else rowsum.records(parts[0], ids, key)).cast("B"))
         if self.segment_format == 2:
-            disk, sums = rowsum.records(chunk, ids, self.key), None
+            slot = seq % CHUNKS_IN_FLIGHT
+            if self._ring[slot] is None or self._ring[slot].shape[0] < n:
+                self._ring[slot] = np.empty((n, self.record_bytes), np.uint8)
+            disk, sums = rowsum.records(parts, ids, self.key, out=self._ring[slot][:n]), None
         else:
-            disk, sums = chunk, rowsum.row_sums(chunk, ids, self.key).astype("<u8", copy=False)
+            disk, sums = parts[0], rowsum.row_sums(parts[0], ids, self.key).astype("<u8", copy=False)
         self._blocks.update(memoryview(disk).cast("B"))
         return pos, disk, sums
 
@@ -194,7 +210,6 @@ class _Staging:
                 self._fds.append(os.open(self.dir / f"seg-{seg:05d}.bin", os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600))
             off = pos - seg * self.segment_bytes
             n = _pwrite_all(self._fds[seg], data[:min(len(data), self.segment_bytes - off)], off)
-            _start_writeback(self._fds[seg], off, n)
             pos += n
             data = data[n:]
         if sums is not None:
@@ -281,31 +296,6 @@ def _pread_all(fd: int, buf: memoryview, off: int) -> int:
     return got
 
 
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    return fn
-
-
-_SFR = _sync_file_range()
-_SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the range, do not wait
-
-
-def _start_writeback(fd: int, off: int, n: int) -> None:
-    """Have the disk start writing these pages now, not when the page cache's
-    dirty limit or the commit's fsync comes: the write then overlaps reading
-    the source, and the fsync at commit waits only for the tail."""
-    if _SFR is not None:
-        _SFR(fd, off, n, _SFR_WRITE)  # advisory: a failure here shows at fsync
-
-
 def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: int, row_format: str,
                   row_dim: int, spec: dict | None = None, layer_id: int | None = None, source: str = "",
                   block_rows: int | None = None, progress: bool = False,
@@ -315,9 +305,11 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     """Write a new version of `table` from row chunks and make it current.
 
     chunks: uint8 arrays [n, row_bytes] in row order (any n), `rows` in total,
-        taken from a thread of the writer's. A chunk is used until it is
-        written: a source may reuse an array's memory only CHUNKS_IN_FLIGHT
-        chunks after yielding it (a ring of that many buffers).
+        or pairs (a, b) of uint8 [n, *] column blocks whose concatenation is the
+        rows (weight and scale read apart: no packed copy is made), taken from a
+        thread of the writer's. A chunk is used until it is written: a source
+        may reuse an array's memory only CHUNKS_IN_FLIGHT chunks after yielding
+        it (a ring of that many buffers).
     row_format/row_dim: the rows' format (tierstore.table.formats) and values per row.
     spec/layer_id: the Engram spec dict and layer the table serves (stored as is).
     block_rows: rows per checksum block (default: about 4 KiB of records on disk).
