@@ -52,9 +52,14 @@ def as_ids(ids) -> np.ndarray:
     """Flat little-endian int64 ids (no copy when they already are)."""
     if type(ids) is np.ndarray and ids.dtype == _I8 and ids.ndim == 1:
         return ids  # what a step loop passes: nothing to convert
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError) as e:  # ragged nesting
+        raise errors.InvalidArgument(f"ids must be integers in one flat sequence ({e})") from None
     if arr.dtype.kind not in "iu":
         raise errors.InvalidArgument(f"ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:  # not wrapped to < 0
+        raise errors.IdOutOfRange(f"id {int(arr.max())} is beyond int64; row ids are 0..rows-1")
     return arr.reshape(-1).astype("<i8", copy=False)
 
 

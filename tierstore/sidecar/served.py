@@ -44,7 +44,10 @@ __all__ = ["ServedTables"]
 
 log = logging.getLogger("tierstore.sidecar.served")
 PREFETCH_QUEUE = 64  # prefetch requests waiting at most; more are dropped (they are hints)
-PREFETCH_QUEUE_IDS = 1 << 22  # and their ids waiting at most (one larger request is taken alone)
+PREFETCH_QUEUE_IDS = 1 << 22  # and their ids waiting at most (8 B each)
+# ids in one prefetch hint at most: one queued request's rows (a step is tens of thousands);
+# a longer one is refused, so no hint holds more than 8 MiB of the queue
+MAX_HINT_IDS = 1 << 20
 NOTE_QUEUE_IDS = 1 << 18  # ids of local reads' notes waiting for the learner; more are dropped (hints)
 # bytes of rows those notes carry waiting for the learner; past it a note's rows are dropped (its ids
 # are still learned, and the misses it promotes are read from disk)
@@ -353,23 +356,30 @@ class ServedTables:
             self._free_retired()
 
     def prefetch(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None,
-                 client: bytes = b"") -> None:
-        """Promote ids in the background (a bounded queue: dropped when it is full);
-        read=False only hints them to the policy, for `steps` (TableEngine.prefetch).
-        Checked now (InvalidArgument for bad ids or steps), so the caller hears of it."""
+                 client: bytes = b"") -> int:
+        """Promote ids in the background; read=False only hints them to the policy, for
+        `steps` (TableEngine.prefetch). Returns the ids queued: all of them, or 0 when the
+        queue already holds PREFETCH_QUEUE requests or PREFETCH_QUEUE_IDS ids (the hint is
+        dropped) or the table is held whole (nothing to promote).
+
+        Checked now, before anything is queued, so the caller hears of it: InvalidArgument
+        for bad ids or steps, or a hint of more than MAX_HINT_IDS ids."""
+        if ids.size > MAX_HINT_IDS:
+            raise InvalidArgument(f"a prefetch hint of {ids.size} ids for table {engine.table!r}; at most "
+                                  f"{MAX_HINT_IDS} ids a hint: hint the rows of one queued request")
         ids, steps = engine.check_prefetch(ids, steps)
         if engine.full or ids.size == 0:
-            return
+            return 0
         with self._swap_lock:
-            if self._prefetch_pending >= PREFETCH_QUEUE or (
-                    self._prefetch_ids and self._prefetch_ids + ids.size > PREFETCH_QUEUE_IDS):
-                return
+            if self._prefetch_pending >= PREFETCH_QUEUE or self._prefetch_ids + ids.size > PREFETCH_QUEUE_IDS:
+                return 0
             self._prefetch_pending += 1
             self._prefetch_ids += ids.size
             if self._prefetcher is None:
                 from concurrent.futures import ThreadPoolExecutor
                 self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="prefetch")
         self._prefetcher.submit(self._prefetch_one, engine, ids, read, steps, client)
+        return ids.size
 
     def _prefetch_one(self, engine: TableEngine, ids, read: bool, steps: int, client: bytes) -> None:
         try:

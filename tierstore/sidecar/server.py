@@ -25,7 +25,7 @@ from tierstore.sidecar import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar.served_steps import ServedSteps
-from tierstore.sidecar.served import ServedTables
+from tierstore.sidecar.served import MAX_HINT_IDS, ServedTables
 from tierstore.sidecar.startup import pause
 from tierstore.tiers.nvme.reader import SegmentReader
 
@@ -50,20 +50,31 @@ def decode_ids(raw: bytes, limit: int) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
 
 
-class _Malformed:
-    """A request that did not parse: answered INVALID_ARGUMENT by the handler
-    (gRPC itself would answer INTERNAL for a deserializer that raises)."""
-
-    def __init__(self, detail: str):
-        self.detail = detail
+# The longest message a method takes, when below the server's: a longer one is refused
+# unparsed (a hint's ids, its other fields and their tags), so a flood of huge hints costs
+# the bytes gRPC received and no copy of them
+MAX_MESSAGE_BYTES = {"Prefetch": MAX_HINT_IDS * 8 + (64 << 10)}
 
 
-def _lenient(cls):
+class _Refused:
+    """A request refused before it reached its method: answered with `error` by the
+    handler (gRPC itself would answer INTERNAL for a deserializer that raises)."""
+
+    def __init__(self, error: TierstoreError):
+        self.error = error
+
+
+def _lenient(cls, max_bytes: int | None = None):
     def parse(raw: bytes):
+        if max_bytes is not None and len(raw) > max_bytes:
+            return _Refused(InvalidArgument(
+                f"a {cls.__name__} of {len(raw)} bytes; at most {max_bytes} (a prefetch hint carries at most "
+                f"{MAX_HINT_IDS} ids): hint the rows of one queued request"))
         try:
             return cls.FromString(raw)
         except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field
-            return _Malformed(f"malformed {cls.__name__} ({len(raw)} bytes): {e}")
+            return _Refused(InvalidArgument(f"malformed {cls.__name__} ({len(raw)} bytes): {e}; send a "
+                                            f"tierstore.v1 protobuf message"))
     return parse
 
 
@@ -72,7 +83,8 @@ def add_service(servicer, server) -> None:
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name["Tierstore"].methods:
         handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name), request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name), MAX_MESSAGE_BYTES.get(m.name)),
             response_serializer=getattr(pb, m.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
@@ -83,8 +95,8 @@ def _rpc(method):
         t0 = time.perf_counter()
         try:
             self._authorize(context)
-            if isinstance(request, _Malformed):
-                raise InvalidArgument(f"{request.detail}; send a tierstore.v1 protobuf message")
+            if isinstance(request, _Refused):
+                raise request.error
             return method(self, request, context)
         except TierstoreError as e:
             name = wire_name(e)  # the class, not parsed text: the nearest one a client can rebuild
@@ -147,9 +159,9 @@ class TierstoreService(pb_grpc.TierstoreServicer):
     def Prefetch(self, request, context):
         eng = self.served.engine(request.table)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
-        self.served.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None,
-                             client=bytes(request.owner))
-        return pb.PrefetchResponse(queued=ids.size)
+        queued = self.served.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None,
+                                      client=bytes(request.owner))
+        return pb.PrefetchResponse(queued=queued)
 
     @_rpc
     def Reload(self, request, context):

@@ -24,7 +24,8 @@ import struct
 import numpy as np
 import xxhash
 
-from tierstore.store.catalog import Catalog, TableVersion, validate_table_name
+from tierstore import bounded_json
+from tierstore.store.catalog import MAX_RECORD_BYTES, Catalog, TableVersion, validate_table_name
 from tierstore.errors import DataLoss, InvalidArgument, Unavailable, VersionNotFound
 
 __all__ = ["publish", "fetch_manifest", "import_manifest", "import_published", "parse_remote_table", "block_keys",
@@ -107,12 +108,14 @@ def fetch_manifest(store, table: str, version: int | None = None) -> tuple[Table
     head, raw_sums = store.get_batch([p + "manifest", p + "checksums"])
     if not head:
         raise VersionNotFound(f"table {table!r} version {version} is not published in Mooncake")
-    try:
-        d = json.loads(head)
+    try:  # written by a publish, but read from a store other hosts can write: parsed within bounds
+        d = bounded_json.loads(head, max_bytes=MAX_RECORD_BYTES)
         tv = TableVersion.from_dict(d["manifest"])
-    except (ValueError, KeyError, TypeError):
-        raise DataLoss(f"table {table!r} version {version}: the manifest in Mooncake is corrupt; publish again") from None
-    if xxhash.xxh3_64_intdigest(raw_sums) != d["checksums_xxh3"] or len(raw_sums) != 8 * tv.n_blocks:
+        want = d["checksums_xxh3"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataLoss(f"table {table!r} version {version}: the manifest in Mooncake is refused "
+                       f"({type(e).__name__}: {str(e)[:200]}); publish the version again") from None
+    if xxhash.xxh3_64_intdigest(raw_sums) != want or len(raw_sums) != 8 * tv.n_blocks:
         raise DataLoss(f"table {table!r} version {version}: the checksum list in Mooncake is corrupt or missing")
     return tv, np.frombuffer(raw_sums, dtype="<u8").copy()
 
