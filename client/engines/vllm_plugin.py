@@ -21,7 +21,10 @@ for rows [vocab_start_idx, vocab_end_idx) -- is kept) and sets the instance's
 is wrapped to say which layer (`layout.layer_ids[layer_hash_index]`) is built.
 vLLM's `_storage()` is untouched: on CUDA it makes UVA views of the arena,
 which the plugin has registered (`SplitTable.register_cuda`) so the views read
-the mapping in place instead of a private pinned copy.
+the mapping in place instead of a private pinned copy. The loader's seam is the
+safetensors iterator `DefaultModelLoader` calls (`default_loader.safetensors_weights_iterator`,
+wrapped when that module first executes): through weight_filter.filtered a restart
+reads of the checkpoint's Engram tables only the rows the loader checks.
 
 Staged layers (client/engines/vllm_stager.py). A table the sidecar serves in cache
 mode (larger than its --dram-budget) has no split arena, and is what vLLM could not
@@ -65,7 +68,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines import checks
+from tierstore.client.engines import checks, weight_filter
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +80,7 @@ __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+LOADER_MODULE = "vllm.model_executor.model_loader.default_loader"
 STAGE_MODES = ("auto", "on", "off")
 # checks.FEATURES rows this module refuses
 HBM_TABLES = "tables in HBM (engram cpu_offload off)"
@@ -332,37 +336,67 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int):
             torch.empty((0, emb.dim // emb.block_size), dtype=torch.uint8, device="cpu"))
 
 
+def _patch_loader(loader) -> None:
+    """Wrap the safetensors iterator DefaultModelLoader calls (default_loader's name for it) in
+    weight_filter.filtered: a restart reads of the Engram tables only the rows
+    TIERSTORE_VLLM_VERIFY checks; every tensor is yielded as vLLM's iterator made it."""
+    if "loader" in _STATE:
+        return
+    original = loader.safetensors_weights_iterator
+
+    def safetensors_weights_iterator(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy=None,
+                                     *args, **kwargs):
+        weights = original(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, *args, **kwargs)
+        config = _STATE.get("config")
+        if config is None:
+            return weights
+        whole = (f"--safetensors-load-strategy {safetensors_load_strategy}"
+                 if safetensors_load_strategy in ("eager", "prefetch") else None)
+        return weight_filter.filtered(weights, "vllm", config.verify, whole)
+
+    loader.safetensors_weights_iterator = safetensors_weights_iterator
+    _STATE["loader"] = (loader, original)
+
+
+_ON_IMPORT = {ENGRAM_MODULE: _patch, LOADER_MODULE: _patch_loader}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patches vLLM's Engram module right after it first executes (plugins load before models)."""
+    """Patches vLLM's Engram module and its default model loader right after each first
+    executes (plugins load before models)."""
+
+    def __init__(self):
+        self._inner = {}
 
     def find_spec(self, name, path, target=None):
-        if name != ENGRAM_MODULE:
+        if name not in _ON_IMPORT:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None
-        self._inner = spec.loader
+        self._inner[name] = spec.loader
         spec.loader = self
         return spec
 
     def create_module(self, spec):
-        return self._inner.create_module(spec)
+        return self._inner[spec.name].create_module(spec)
 
     def exec_module(self, module):
-        self._inner.exec_module(module)
-        _patch(module)
+        self._inner[module.__name__].exec_module(module)
+        _ON_IMPORT[module.__name__](module)
 
 
 def install(config: VllmPluginConfig) -> None:
     """Serve vLLM's Engram tables from tierstore in this process (idempotent).
 
-    Patches vllm's Engram module now if it is imported, else when it is."""
+    Patches vllm's Engram module and default model loader now where imported, else when they are."""
     with _STATE_LOCK:
         _STATE["config"] = config.validate()
-    engram = sys.modules.get(ENGRAM_MODULE)
-    if engram is not None:
-        _patch(engram)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    for name, patch in _ON_IMPORT.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not all(n in sys.modules for n in _ON_IMPORT) and not any(isinstance(f, _PatchOnImport)
+                                                                  for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
 
@@ -371,6 +405,7 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     with _STATE_LOCK:
         originals = _STATE.pop("originals", None)
+        loader = _STATE.pop("loader", None)
         tables = _STATE.pop("tables", None)
         _STATE.pop("config", None)
     if originals is not None:
@@ -379,6 +414,9 @@ def uninstall() -> None:
         engram.ParallelEngramEmbedding.lookup = lookup
         engram.ParallelEngramEmbedding._storage = storage
         engram.Engram._create_embedding = create
+    if loader is not None:
+        module, original = loader
+        module.safetensors_weights_iterator = original
     if tables is not None:
         tables.close()
 
