@@ -637,14 +637,17 @@ def _read_bytes() -> int:
 
 class _unfiltered:
     """Within it, sglang's safetensors iterators are its own again (the plugin's loader hooks
-    lifted, its other hooks kept): the plugin as it was before weight_filter.py."""
+    lifted, its other hooks kept) and the check reads its sample without will_need: the
+    plugin as it was before weight_filter.py."""
 
     def __enter__(self):
         import importlib
 
         from tierstore.client.engines import sglang as ts_sglang
+        from tierstore.client.engines import weight_filter
 
-        self.undo = []
+        self.undo = [(weight_filter, "will_need", weight_filter.will_need)]
+        weight_filter.will_need = lambda rows, ids: None
         for target in ts_sglang.LOADER_TARGETS:
             owner, _, name = target.rpartition(".")
             hooked = getattr(importlib.import_module(owner), name)

@@ -183,6 +183,10 @@ class CheckpointCheck:
         raw = loaded.detach().view(torch.uint8)
         for part in chunks:
             ids = part + self.start
+            if self.verify == "sample":
+                from tierstore.client.engines.weight_filter import will_need
+
+                will_need(raw, ids)  # the sample's reads queued at once, not one fault at a time
             theirs = raw[torch.from_numpy(ids).to(raw.device)].cpu().numpy()
             differ = np.flatnonzero(np.any(theirs != self.read(which, ids), axis=1))
             if differ.size:

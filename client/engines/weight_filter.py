@@ -15,11 +15,13 @@ of the tensor (docs/benchmarks.md, "Engine restart", has the figures).
 `filtered(weights, ...)` is that iterator with the Engram tables taken out of the read
 path: every tensor is yielded unchanged, in the engine's order (a non-Engram tensor is the
 object the engine made, never touched here). An Engram table tensor's pages are advised
-MADV_RANDOM before it is handed on, so a fault reads the faulting page only: under verify
-"sample" a restart reads at most `sample_read_bound(...)` bytes of each such tensor (the
-check's SAMPLE_ROWS rows, a row within at most ceil(row bytes / page) + 1 pages), whatever
-the table's size. Under "all" the tensors are left as they are (the check reads every row
-in order, and readahead is what makes that fast); under "off" nothing reads them.
+MADV_RANDOM before it is handed on, so a fault reads the faulting page only; and the check
+queues the reads of its sampled rows' pages at once (`will_need`, MADV_WILLNEED) before it
+touches them, so they are read in parallel, not one synchronous fault at a time. Under
+verify "sample" a restart reads at most `sample_read_bound(...)` bytes of each such tensor
+(the check's SAMPLE_ROWS rows, a row within at most ceil(row bytes / page) + 1 pages),
+whatever the table's size. Under "all" the tensors are left as they are (the check reads
+every row in order, and readahead is what makes that fast); under "off" nothing reads them.
 
 The rows are still compared: a checkpoint whose sampled rows differ from the served table
 is refused by CheckpointCheck (CheckpointMismatch) as before; only the bytes around them are
@@ -36,13 +38,15 @@ import mmap
 import re
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+import numpy as np
+
 from tierstore import errors
 from tierstore.client.engines import checks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENGRAM_TABLE", "is_engram_table", "filtered", "random_access", "sample_read_bound"]
+__all__ = ["ENGRAM_TABLE", "is_engram_table", "filtered", "random_access", "will_need", "sample_read_bound"]
 
 log = logging.getLogger("tierstore.client.engines.weight_filter")
 # the checkpoint names of an Engram layer's table tensors, with whatever prefix the engine adds
@@ -91,6 +95,24 @@ def random_access(tensor: "torch.Tensor") -> None:
     if _libc.madvise(start, length, mmap.MADV_RANDOM) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_RANDOM) of a checkpoint tensor's {nbytes} bytes")
+
+
+def will_need(rows: "torch.Tensor", ids: np.ndarray) -> None:
+    """Start reading the pages under rows `ids` of uint8 [n, row_bytes] `rows` (MADV_WILLNEED:
+    the kernel queues the reads and returns), so that the sampled check's faults, one page
+    each under random_access(), wait on reads already in flight instead of issuing one at a
+    time. Adjacent pages are one range; the kernel takes one range a call, so at most one
+    call per sampled row (a bounded sample, once per tensor at load). A refused advice is
+    ignored: the faults still read the rows."""
+    if rows.device.type != "cpu" or len(ids) == 0:
+        return
+    row_bytes = rows.shape[1] * rows.element_size()
+    first = (rows.data_ptr() + ids.astype(np.int64) * row_bytes) // PAGE
+    last = (rows.data_ptr() + (ids.astype(np.int64) + 1) * row_bytes - 1) // PAGE
+    new = np.flatnonzero(first[1:] > last[:-1] + 1) + 1  # ids are ascending: a gap starts a range
+    starts, ends = first[np.r_[0, new]], last[np.r_[new - 1, len(ids) - 1]]
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        _libc.madvise(a * PAGE, (b - a + 1) * PAGE, mmap.MADV_WILLNEED)
 
 
 def sample_read_bound(rows: int, row_bytes: int) -> int:
