@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from tierstore import errors
+from tierstore.client.engines import weight_filter
 
 __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
            "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES"]
@@ -184,9 +185,7 @@ class CheckpointCheck:
         for part in chunks:
             ids = part + self.start
             if self.verify == "sample":
-                from tierstore.client.engines.weight_filter import will_need
-
-                will_need(raw, ids)  # the sample's reads queued at once, not one fault at a time
+                weight_filter.will_need(raw, ids)  # the sample's reads queued at once, not one fault at a time
             theirs = raw[torch.from_numpy(ids).to(raw.device)].cpu().numpy()
             differ = np.flatnonzero(np.any(theirs != self.read(which, ids), axis=1))
             if differ.size:

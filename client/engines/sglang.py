@@ -382,7 +382,7 @@ def weights_iterator(original, hf_weights_files, *args, **kwargs):
         return weights
     whole = ("--weight-loader-disable-mmap" if kwargs.get("disable_mmap") else
              "--weight-loader-prefetch-checkpoints" if kwargs.get("prefetch") else None)
-    return weight_filter.filtered(weights, "sglang", config.verify, whole)
+    return weight_filter.filtered(weights, "sglang", config.verify == "sample", whole)
 
 
 def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: int):

@@ -352,7 +352,7 @@ def _patch_loader(loader) -> None:
             return weights
         whole = (f"--safetensors-load-strategy {safetensors_load_strategy}"
                  if safetensors_load_strategy in ("eager", "prefetch") else None)
-        return weight_filter.filtered(weights, "vllm", config.verify, whole)
+        return weight_filter.filtered(weights, "vllm", config.verify == "sample", whole)
 
     loader.safetensors_weights_iterator = safetensors_weights_iterator
     _STATE["loader"] = (loader, original)

@@ -40,9 +40,6 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
-from tierstore import errors
-from tierstore.client.engines import checks
-
 if TYPE_CHECKING:
     import torch
 
@@ -61,19 +58,17 @@ def is_engram_table(name: str) -> bool:
     return ENGRAM_TABLE.search(name) is not None
 
 
-def filtered(weights: Iterable[tuple[str, "torch.Tensor"]], engine: str, verify: str,
+def filtered(weights: Iterable[tuple[str, "torch.Tensor"]], engine: str, sampled: bool,
              whole_shards: str | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
     """`weights` (an engine's safetensors iterator) with every tensor yielded as it came, in
-    order; under verify "sample" each Engram table tensor is random_access() first.
-    whole_shards: the engine setting that reads every shard in full before yielding (None:
-    none is on), named in a warning: with it the restart reads the tables anyway.
-    Raises InvalidArgument for a verify mode checks.VERIFY_MODES does not list."""
-    if verify not in checks.VERIFY_MODES:
-        raise errors.InvalidArgument(f"verify is one of {', '.join(checks.VERIFY_MODES)}, not {verify!r}")
+    order; where the check samples rows (`sampled`: verify "sample") each Engram table tensor
+    is random_access() first. whole_shards: the engine setting that reads every shard in full
+    before yielding (None: none is on), named in a warning: with it the restart reads the
+    tables anyway."""
     if whole_shards is not None:
         log.warning("tierstore: %s reads every checkpoint shard in full (%s), the Engram tables too: drop that "
                     "setting for a restart that reads only the checked rows of the tables", engine, whole_shards)
-    return _advised(weights) if verify == "sample" else iter(weights)
+    return _advised(weights) if sampled else iter(weights)
 
 
 def _advised(weights):
@@ -115,9 +110,9 @@ def will_need(rows: "torch.Tensor", ids: np.ndarray) -> None:
         _libc.madvise(a * PAGE, (b - a + 1) * PAGE, mmap.MADV_WILLNEED)
 
 
-def sample_read_bound(rows: int, row_bytes: int) -> int:
-    """The most bytes a verify "sample" check reads of a [rows, row_bytes] Engram tensor
-    handed on by filtered(): SAMPLE_ROWS rows, each within ceil(row_bytes / PAGE) + 1 pages,
-    and never more than the tensor's pages."""
-    sampled = min(rows, checks.SAMPLE_ROWS) * (-(-row_bytes // PAGE) + 1) * PAGE
+def sample_read_bound(rows: int, row_bytes: int, sample_rows: int) -> int:
+    """The most bytes a check of `sample_rows` rows (checks.SAMPLE_ROWS under verify "sample")
+    reads of a [rows, row_bytes] Engram tensor handed on by filtered(): each row within
+    ceil(row_bytes / PAGE) + 1 pages, and never more than the tensor's pages."""
+    sampled = min(rows, sample_rows) * (-(-row_bytes // PAGE) + 1) * PAGE
     return min(sampled, (-(-rows * row_bytes // PAGE) + 1) * PAGE)

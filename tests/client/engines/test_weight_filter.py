@@ -76,7 +76,8 @@ def engram_bound(ckpt: Path, rows: int) -> int:
     ra = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
     window = int(ra.read_text()) << 10 if ra.exists() else max(
         int(p.read_text()) for p in Path("/sys/class/bdi").glob("*/read_ahead_kb")) << 10
-    return weight_filter.sample_read_bound(rows, 256) + weight_filter.sample_read_bound(rows, 8) + window
+    n = checks.SAMPLE_ROWS
+    return weight_filter.sample_read_bound(rows, 256, n) + weight_filter.sample_read_bound(rows, 8, n) + window
 
 
 def load(weights, embed) -> tuple[list[tuple[str, bytes]], int]:
