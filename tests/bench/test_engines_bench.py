@@ -35,6 +35,8 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
     tp = res["tp"]
     if "skipped" not in tp:  # 8 ranks staging the same batches under --direct-io
         assert tp["ranks_shared"]["device_reads_per_miss"] <= 1.05 and "TP8" in out
+    restart = res["restart"]  # V4.1-layout restarts through sglang's loader: no Engram, filtered, unfiltered
+    assert all(restart[k]["s"] > 0 for k in ("dense", "filtered", "unfiltered")) and "restart (" in out
     assert not list(tmp_path.glob("bench-engines-*"))  # its scratch table is removed
 
 
