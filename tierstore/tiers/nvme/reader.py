@@ -11,10 +11,8 @@ a separate row-sum file (format 1, older versions). Two read paths:
   carries (format 2: nothing per row is held in memory) or the mapped row-sum
   file (format 1), and written straight into the caller's arena slots.
   Page-cache mode gathers from a read-only memory map of each segment; big
-  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode
-  (`direct_io=True`) reads the aligned sectors of each row (direct_io.py), so
-  the cold tier is not cached twice: every row of a call, over all segments,
-  through the calling thread's io_uring at its queue depth (uring.py), no pool.
+  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode (`direct_io=True`) preads the aligned
+  sectors of each row (direct_io.py), so the cold tier is not cached twice.
 - Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
   written before row checksums existed): one pread per run of neighbouring
   blocks, each checked against its xxh3-64 in the catalog over the on-disk
@@ -63,17 +61,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SegmentReader", "default_block_rows", "read_pool", "BLOCK_TARGET_BYTES"]
 
-# Row reads in page-cache mode: a call's misses are cut into chunks of about CHUNK_BYTES,
-# dealt to at most ROW_TASKS pool tasks (one hand-off each: a cold step has that many page
-# faults in flight); rows mostly on cold pages wait on the device, so more tasks.
+# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES, dealt to
+# at most ROW_TASKS pool tasks (one hand-off each: a cold step has that many page
+# faults in flight); O_DIRECT waits on the device for every row, so more tasks.
 CHUNK_BYTES = 256 << 10
 ROW_TASKS, ROWS_PER_TASK = 16, 512
 # compiled (tiers/nvme/verified_copy.py), a row takes ~60 ns: a pool hand-off (~50 µs) pays only for big tasks
 COMPILED_ROWS_PER_TASK = 16384
-# page-cache mode, mostly cold pages: small chunks over many tasks, so the device sees a queue
-DEEP_TASKS, DEEP_ROWS_PER_TASK, DEEP_CHUNK_ROWS = 32, 64, 128
-# O_DIRECT: rows one ring call reads (its scratch: up to two sectors a row, and the records)
-DIRECT_CALL_ROWS = 8192
+DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 
 
 def _open_segment(path: Path) -> tuple[int | None, str | None]:
@@ -327,11 +322,9 @@ class SegmentReader(Tier):
         self._check_sums(ids)
         sr = self.version.segment_rows
         first = int(ids[0]) // sr
-        if self.direct is not None:
-            results = self._fill_direct(ids, dest, slots)
-        elif cached:
+        if cached and self.direct is None:
             results = self._fill_cached(ids, dest, slots)
-        elif n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
+        elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
             results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
         else:
             results = self._fill_many(ids, dest, slots)
@@ -468,59 +461,31 @@ class SegmentReader(Tier):
                 out.append((local.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
         return out
 
-    def _fill_direct(self, ids, dest, slots) -> list[tuple[int, int, str]]:
-        """O_DIRECT: the rows of every segment read together through this thread's ring, at
-        its queue depth (direct_io.py), then placed and verified in one pass; pieces of
-        DIRECT_CALL_ROWS bound the scratch. No pool: the ring keeps the device's queue full
-        from this thread, and a hand-off per chunk would cost the CPU the reads need. Where
-        there is no ring (io_uring refused), pieces of DEEP_CHUNK_ROWS are pread by the pool."""
-        sr = self.version.segment_rows
-        seg = ids // sr
-        cut = np.flatnonzero(seg[1:] != seg[:-1]) + 1
-        for lo in np.concatenate([[0], cut]).tolist():
-            self._source(int(seg[lo]), None, ids[lo])  # ChecksumError for a segment that is not there
-        ring = self.direct.queued()
-        step = DIRECT_CALL_ROWS if ring else DEEP_CHUNK_ROWS
-        pieces = [(a, min(ids.size, a + step)) for a in range(0, ids.size, step)]
-
-        def piece(ab) -> tuple[int, int, str]:
-            a, b = ab
-            tmp = row_buffer(b - a, self.record_bytes)
-            nbytes, short = self.direct.read_rows(seg[a:b], ids[a:b] - seg[a:b] * sr, tmp)
-            if short >= 0:
-                return nbytes, a + short, f"segment {self.version.segments[int(seg[a + short])]} is truncated"
-            bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
-            return nbytes, (a + bad if bad >= 0 else -1), ""
-
-        with cpu_token.waiting():  # the device's wait: other plans compute meanwhile
-            if ring or len(pieces) == 1:
-                return [piece(p) for p in pieces]
-            return list(read_pool().map(piece, pieces))
-
     def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
-        """Page-cache mode: rows over segments and chunks, read by the pool when there are many."""
+        """Rows over segments and chunks, read by the pool when there are many."""
         n, sr = int(ids.size), self.version.segment_rows
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
         cut = np.searchsorted(ids, segs * sr)
         cut = np.append(cut, n)
         groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
                   for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
-        results, cold = [], 0
-        s, src, lo, hi = groups[0]
-        if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
-                                               >> PAGE_SHIFT].all():
-            # pages taken to be cached: a few rows first, timed, before the rest goes inline
-            results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
-            groups[0] = (s, src, lo + PROBE_ROWS, hi)
-        for s, src, lo, hi in groups:
-            pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
-            cold += int(pages.size - np.count_nonzero(src[1][pages]))
+        results, cold = [], n if self.direct is not None else 0
+        if self.direct is None:
+            s, src, lo, hi = groups[0]
+            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
+                                                   >> PAGE_SHIFT].all():
+                # pages taken to be cached: a few rows first, timed, before the rest goes inline
+                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
+                groups[0] = (s, src, lo + PROBE_ROWS, hi)
+            for s, src, lo, hi in groups:
+                pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
+                cold += int(pages.size - np.count_nonzero(src[1][pages]))
         # mostly reads that wait on the device: small chunks over many tasks (queue depth);
         # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
         deep = cold * 4 > n
-        chunk = DEEP_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
         chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
-        per, most = (DEEP_ROWS_PER_TASK, DEEP_TASKS) if deep else \
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
             (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
         k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
@@ -561,11 +526,18 @@ class SegmentReader(Tier):
         return view
 
     def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
-        """Page-cache mode: read, verify and place ids[a:b] (all in segment s); returns
-        (bytes read, index of the first bad row or -1, why)."""
+        """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
+        index of the first bad row or -1, why)."""
         s, src, a, b = task
         local = ids[a:b] - s * self.version.segment_rows
-        return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
+        if self.direct is None:
+            return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
+        tmp = row_buffer(b - a, self.record_bytes)
+        nbytes, short = self.direct.read_rows(s, local, tmp)
+        if short >= 0:
+            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
+        bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
+        return nbytes, (a + bad if bad >= 0 else -1), ""
 
     def close(self) -> None:
         fds, self._fds = self._fds, []

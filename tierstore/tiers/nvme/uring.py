@@ -4,8 +4,8 @@ A decode step's misses are a few dozen scattered 512-B reads. One `pread` at a
 time, each waits out the device's latency; a thread pool puts them in flight
 together, but on a host with few cores the hand-offs cost about what they save.
 An io_uring takes the reads of a call in few `io_uring_enter`s, every read
-with its own descriptor, so a call's misses over all of a table's segments go
-out together.
+with its own descriptor if the caller likes (the disk probe reads over all of
+a table's segments in one call).
 
 A call's reads are kept at a queue depth (`Ring.read`'s `depth`, at most the
 ring's entries): as completions come back, the next reads take their places,
