@@ -21,6 +21,11 @@ Each is set beside LRU's on the same steps at the same capacity (`lru_hit_ratio`
 every step the competitors ran, replayed through PolicyConfig(kind="lru"), counted
 over the timed rounds). Arena fill: after every warm-up step, the rows resident
 against the distinct ids asked so far (`arena_fill`).
+Misses against the disk: before the competitors run, the disk is probed
+(bench/disk.py, as `bench large` does: 512-B O_DIRECT random reads at queue
+depths 32 to 256); tierstore-direct's misses (read by its sidecar to promote
+them) and tierstore-local's (read by its client) per second of the timed rounds
+are reported against the best depth's IOPS (`misses_per_s_of_disk_best`).
 Memory each cache-mode sidecar causes, measured after a pass from a dropped
 page cache: its RSS (heap + arena + mapped files) and the segment files' pages
 in the page cache (mincore), against --dram-budget.
@@ -59,6 +64,7 @@ from tierstore.bench.memory import (
     proc_memory,
     resident_bytes,
 )
+from tierstore.bench.disk import DEPTHS, best_iops, disk_limit
 from tierstore.bench.mmap_child import MmapChild
 from tierstore.bench.random_table import random_table
 
@@ -74,10 +80,11 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
                    batch: int = 4096, dist: str = "zipf1.0", quick: bool = False, seed: int = 0,
                    rounds: int | None = None, rows_per_pass: int | None = None, slack_bytes: int = 32 << 20,
                    heap_bytes: int = 32 << 20, warmup_calls: int | None = None, warmup_arenas: float = 2.0,
-                   progress: bool = True,
+                   disk_seconds: float | None = None, progress: bool = True,
                    log=print) -> dict:
     """Run the cold-tier scenario on a random table of `table_bytes` (default
-    768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once).
+    768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once);
+    `disk_seconds` per disk probe (default 3, quick 0.3).
 
     data_dir is unused (the scenario needs a table of a chosen size) and kept
     for a uniform signature. Returns the scenario dict for results.json.
@@ -109,6 +116,10 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
     passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
     closers, memory, footprints = [], {}, {}
     no_direct = direct_io_refusal(seg_paths, version.row_bytes)
+    disk_seconds = disk_seconds or (0.3 if quick else 3.0)
+    log(f"cold: disk probe (io_uring O_DIRECT random 512-B reads, queue depths {DEPTHS}, {disk_seconds:g} s each)")
+    disk = disk_limit(seg_paths, blocks=(512,), seconds=disk_seconds, seed=seed)
+    top = best_iops(disk, 512)
     try:
         full = SidecarProcess(cache_dir, dram_budget=int(version.nbytes * 1.02) + (8 << 20)).start()
         closers.append(full.cleanup)
@@ -217,6 +228,7 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             s0, s1 = stats[n]
             h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
             comps[n]["hit_ratio"] = h / (h + m) if h + m else None
+            comps[n]["misses_per_s"] = m / sum(timings[n]["pass_s"])
             comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
             comps[n]["metadata_bytes"] = int(s1.get("metadata_bytes", 0))  # resident from start, beyond the arena
             comps[n]["arena_fill"] = fills[n]
@@ -226,6 +238,10 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
             loc["sidecar_hit_ratio"], loc["hit_ratio"] = loc["hit_ratio"], (
                 1 - seen_local["distinct_cold"] / max(1, seen_local["distinct_asked"]))
             loc["bytes_read_by_clients"] = seen_local["bytes_read"]
+            loc["misses_per_s"] = seen_local["distinct_cold"] / sum(timings["tierstore-local"]["pass_s"])
+        for n in ("tierstore-direct", "tierstore-local"):  # misses read with O_DIRECT (where allowed)
+            if n in comps and top:
+                comps[n]["misses_per_s_of_disk_best"] = comps[n]["misses_per_s"] / top["iops"]
             loc["notes_dropped"] = int(stats["tierstore-local"][1].get("notes_dropped", 0))
         # LRU on the same steps at the same capacity: every step each competitor ran, in order
         lru = replay_steps(list(ids) + list(warm_ids) + [b for p in passes for b in p], version.rows, cap,
@@ -252,7 +268,8 @@ def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_
               "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
               "warmup_ids": len(warm_ids) * batch, "order": "one competitor at a time, page cache dropped before each",
               "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps,
-              "memory_footprint": footprints, "direct_io": no_direct or "on"}
+              "memory_footprint": footprints, "direct_io": no_direct or "on", "disk": disk,
+              "disk_best_iops": top["iops"] if top else None, "disk_best_qd": top["qd"] if top else None}
     log(cold_line(result))
     return result
 
@@ -373,7 +390,15 @@ def _local_part(r: dict) -> str:
             f"{d['hit_ratio']:.3f} vs LRU {d['lru_hit_ratio']:.3f} on the same steps; arena "
             f"{f['final_fill']:.1%} full, {'never past capacity' if past is None else f'{past:.1%} once past capacity'}"
             f", at least {f['fill_of_asked_min']:.1%} of the distinct rows asked; sidecar read "
-            f"{d['bytes_read_from_segments'] / 2**20:.1f} MiB, clients {d['bytes_read_by_clients'] / 2**20:.1f} MiB)")
+            f"{d['bytes_read_from_segments'] / 2**20:.1f} MiB, clients {d['bytes_read_by_clients'] / 2**20:.1f} MiB"
+            f"{_misses_part(r, d)})")
+
+
+def _misses_part(r: dict, d: dict) -> str:
+    if d.get("misses_per_s_of_disk_best") is None:
+        return ""
+    return (f"; misses {d['misses_per_s'] / 1e3:.1f}k/s = {d['misses_per_s_of_disk_best']:.2f} of the disk's "
+            f"{r['disk_best_iops'] / 1e3:.0f}k IOPS at QD{r['disk_best_qd']}")
 
 
 def _direct_part(r: dict) -> str:
@@ -388,4 +413,4 @@ def _direct_part(r: dict) -> str:
             f"(page cache {fp.get('segment_page_cache', 0) / 2**20:.1f} MiB) vs tierstore-cold "
             f"{r.get('memory_footprint', {}).get('tierstore-cold', {}).get('over_budget', 0) / 2**20:.1f} MiB, "
             f"and from start {d.get('metadata_bytes', 0) / 2**20:.1f} MiB of checksums, maps and policy = "
-            f"{d.get('metadata_bytes', 0) / max(1, r['arena_slots']):.0f} B a slot)")
+            f"{d.get('metadata_bytes', 0) / max(1, r['arena_slots']):.0f} B a slot{_misses_part(r, d)})")

@@ -8,9 +8,11 @@ is there). The DRAM budget (`--dram-budget`, default 1/8 of the table) is the
 sidecar's, for both tables together.
 
 The disk: io_uring O_DIRECT random reads over the table's segment files at a
-sustained queue depth (32 and 128), 512 B and 4 KiB, as fio's `randread` with
-`--direct=1 --ioengine=io_uring` measures it; tierstore's misses/s in steady
-state are reported as a fraction of the best of them.
+sustained queue depth of 32, 64, 128 and 256, 512 B and 4 KiB, as fio's
+`randread` with `--direct=1 --ioengine=io_uring` measures it (bench/disk.py,
+shared with `bench cold`); tierstore's misses/s in steady state are reported as
+a fraction of the best 512-B figure (`misses_per_s_of_disk_best`; a miss reads
+one or two 512-B sectors).
 
 The ids: real text (the CPython reference docs and botocore's AWS API docs,
 `bench/traces.py`), tokenized by DeepSeek-V4's tokenizer and hashed by
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 from tierstore.bench.cold import direct_io_refusal, local_counts, stop_sidecar
+from tierstore.bench.disk import DEPTHS, best_iops, disk_limit
 from tierstore.bench.memory import (
     MemoryCgroup,
     drop_page_cache,
@@ -51,7 +54,7 @@ from tierstore.bench.memory import (
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["run_large_bench", "large_tables", "disk_limit", "text_phases", "large_line", "PRESET"]
+__all__ = ["run_large_bench", "large_tables", "text_phases", "large_line", "PRESET"]
 
 PRESET = "deepseek-v4.1-flash"
 PREFILL_TOKENS, DECODE_STREAMS = 4096, 128
@@ -116,104 +119,6 @@ def _read_rows(data_dir, version, ids: np.ndarray) -> np.ndarray:
         out[sel] = m[ids[sel] - s * version.segment_rows, :version.row_bytes]  # a record's row
         del m
     return out
-
-
-# ---- the disk's own limit ----------------------------------------------------------
-def disk_limit(paths, *, blocks=(512, 4096), depths=(32, 128), seconds: float = 3.0, seed: int = 0) -> dict:
-    """Random-read IOPS of O_DIRECT reads over `paths` through an io_uring held at
-    each queue depth, per (block, depth): {"512B_qd32": {"iops", "reads", "seconds"}, ...}.
-    Where O_DIRECT or io_uring is refused: {"skipped": why}."""
-    from tierstore.tiers.nvme.direct_io import DirectFiles
-    from tierstore.tiers.nvme.uring import Ring
-
-    paths = [Path(p) for p in paths]
-    why = direct_io_refusal(paths, 512)
-    if why is not None:
-        return {"skipped": why}
-    files = DirectFiles(paths, 512)
-    try:
-        out = {}
-        for block in blocks:
-            if block < files.align:
-                out[f"{block}B"] = {"skipped": f"the device's O_DIRECT alignment is {files.align} B"}
-                continue
-            for qd in depths:
-                ring = Ring.open()
-                if ring is None:
-                    return {"skipped": "io_uring is unavailable here (see the log line of tierstore.tiers.nvme.uring)"}
-                try:
-                    out[f"{block}B_qd{qd}"] = _QueueDepthProbe(ring, files.fds, paths, block, qd, seed).run(seconds)
-                finally:
-                    ring.close()
-        return out
-    finally:
-        files.close()
-
-
-class _QueueDepthProbe:
-    """Keeps `qd` random reads in flight on one io_uring: each completion is replaced by a
-    new read into the same buffer slot at once. `Ring.read` waits for a whole batch (what a
-    step needs), so this drives the ring's shared queues itself; the fields it uses are the
-    ring's submission and completion queues, set up by `Ring.__init__`."""
-
-    def __init__(self, ring, fds, paths, block: int, qd: int, seed: int):
-        if qd > ring.entries:
-            raise InvalidArgument(f"queue depth {qd} exceeds the ring's {ring.entries} entries")
-        self.ring, self.block, self.qd = ring, block, qd
-        sizes = np.array([p.stat().st_size // block for p in paths], dtype=np.int64)
-        self.fds = np.array(fds, dtype=np.int32)
-        self.cum = np.cumsum(sizes)
-        self.rng = np.random.default_rng([seed, block, qd])
-        raw = np.empty(qd * block + 4096, dtype=np.uint8)
-        self.buf = raw[-raw.ctypes.data % 4096:][:qd * block]
-
-    def _submit(self, slots: np.ndarray) -> None:
-        r, n = self.ring, slots.size
-        pick = self.rng.integers(0, int(self.cum[-1]), size=n)
-        f = np.searchsorted(self.cum, pick, side="right")
-        blk = pick - np.concatenate([[0], self.cum[:-1]])[f]
-        tail = int(r._sq_tail[0])
-        idx = (tail + np.arange(n, dtype=np.int64)) & r._sq_mask
-        e = r._sqes
-        e["opcode"][idx] = 22  # IORING_OP_READ
-        e["fd"][idx] = self.fds[f]
-        e["off"][idx] = blk.astype(np.uint64) * self.block
-        e["addr"][idx] = self.buf.ctypes.data + slots.astype(np.uint64) * self.block
-        e["len"][idx] = self.block
-        e["user_data"][idx] = slots
-        r._sq_tail[0] = (tail + n) & 0xFFFFFFFF
-
-    def _reap(self) -> np.ndarray:
-        r = self.ring
-        head, tail = int(r._cq_head[0]), int(r._cq_tail[0])
-        k = (tail - head) & 0xFFFFFFFF
-        c = r._cqes[(head + np.arange(k, dtype=np.int64)) & r._cq_mask]
-        slots, res = c["user_data"].astype(np.int64), c["res"].copy()
-        r._cq_head[0] = tail
-        if (res != self.block).any():
-            bad = int(res[res != self.block][0])
-            raise OSError(-bad if bad < 0 else 5, f"O_DIRECT read of {self.block} B returned {bad}")
-        return slots
-
-    def run(self, seconds: float) -> dict:
-        r, wait = self.ring, max(1, self.qd // 4)
-        self._submit(np.arange(self.qd))
-        pending, done, t0 = self.qd, 0, time.perf_counter()
-        while True:
-            r._enter(pending, wait)
-            pending = 0
-            slots = self._reap()
-            done += slots.size
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                break
-            self._submit(slots)
-            pending = slots.size
-        flight = self.qd - slots.size  # drain what is still in flight before the ring closes
-        while flight > 0:
-            r._enter(0, flight)
-            flight -= self._reap().size
-        return {"iops": done / elapsed, "reads": done, "seconds": elapsed, "block": self.block, "qd": self.qd}
 
 
 # ---- the ids ------------------------------------------------------------------------
@@ -506,10 +411,10 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
     meta = phases.pop("_meta")
     checked = ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode")
     reference = {p: [_read_rows(data_dir, v, ids) for v, ids in zip(versions, phases[p][0])] for p in checked}
-    log(f"large: disk probe (io_uring O_DIRECT random reads, {disk_seconds:g} s each)")
+    log(f"large: disk probe (io_uring O_DIRECT random reads, queue depths {DEPTHS}, {disk_seconds:g} s each)")
     disk = disk_limit(seg_paths, seconds=disk_seconds, seed=seed)
-    best_512 = max((d["iops"] for k, d in disk.items() if k.startswith("512B_qd")), default=None)
-    best = max((d["iops"] for d in disk.values() if isinstance(d, dict) and "iops" in d), default=None)
+    top = best_iops(disk, 512)
+    best = top["iops"] if top else None
     no_direct = direct_io_refusal(seg_paths, versions[0].row_bytes)
     comps, closers, lru = {}, [], {}
     try:
@@ -562,7 +467,7 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
     result = {"preset": PRESET, "source": versions[0].source, "tables": tables,
               "table_rows": sum(v.rows for v in versions), "row_bytes": versions[0].row_bytes,
               "row_format": versions[0].row_format, "table_bytes": table_bytes, "dram_budget_bytes": budget,
-              "phases": meta, "disk": disk, "disk_best_iops": best, "disk_best_512B_iops": best_512,
+              "phases": meta, "disk": disk, "disk_best_iops": best, "disk_best_qd": top["qd"] if top else None,
               "direct_io": no_direct or "on", "competitors": comps, "quick": quick, "units": UNITS,
               "order": "one competitor at a time, page cache dropped before each (posix_fadvise DONTNEED)",
               "rows_checked": "the first step of every timed phase, against the segment files read before any run"}
@@ -601,5 +506,6 @@ def large_line(r: dict) -> str:
                   + (f" vs LRU {np.mean(lru):.3f}" if lru else ""))
         parts.append(s)
     best = r.get("disk_best_iops")
+    disk = "n/a" if best is None else f"{best / 1e3:.0f}k IOPS at 512 B, QD{r['disk_best_qd']}"
     return (f"large {r['table_bytes'] / 2**30:.2f} GiB ({r['row_format']}), budget {r['dram_budget_bytes'] / 2**30:.2f}"
-            f" GiB, disk {'n/a' if best is None else f'{best / 1e3:.0f}k IOPS'}: " + "; ".join(parts))
+            f" GiB, disk {disk}: " + "; ".join(parts))

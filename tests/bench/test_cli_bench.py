@@ -76,6 +76,17 @@ def test_bench_all_quick_runs_every_scenario(cli, tiny_demo, tmp_path):
     assert "skipped:" not in stdout
     cold = doc["scenarios"]["cold"]  # the cold parser's default budget, reached through `all`
     assert cold["dram_budget_bytes"] == int(cold["table_bytes"] * 0.25)
+    # cold's misses against the disk's best 512-B queue depth of 32..256 (the probe bench large runs too)
+    if "skipped" not in cold["disk"]:
+        assert set(cold["disk"]) == {"512B_qd32", "512B_qd64", "512B_qd128", "512B_qd256"}
+        assert all(d["seconds"] < 2 for d in cold["disk"].values())  # --quick: a fraction of a second a depth
+        assert cold["disk_best_iops"] == cold["disk"][f"512B_qd{cold['disk_best_qd']}"]["iops"]
+        for name in ("tierstore-local", "tierstore-direct"):
+            d = cold["competitors"].get(name)
+            if d is not None and cold["direct_io"] == "on":
+                assert d["misses_per_s"] > 0
+                assert d["misses_per_s_of_disk_best"] == d["misses_per_s"] / cold["disk_best_iops"]
+        assert f"of the disk's {cold['disk_best_iops'] / 1e3:.0f}k IOPS at QD{cold['disk_best_qd']}" in stdout
     assert doc["scenarios"]["concurrency"]["batch"] == 256
     assert [line.split(" ")[0].rstrip(":") for line in stdout.splitlines()] == [
         "lookup", "cold", "zipf1", "hash", "e2e", "scale", "concurrency"]
@@ -86,7 +97,7 @@ def test_bench_all_gives_each_scenario_what_its_own_parser_would(tmp_path):
     from tierstore.cli.bench import SCENARIOS, scenario_args
 
     common = ["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--seed", "7", "--quick"]
-    given = {"cold": ["--table-mib", "4", "--budget-fraction", "0.5"], "scale": ["--large", "9000"],
+    given = {"cold": ["--table-mib", "4", "--budget-fraction", "0.5", "--disk-seconds", "0.2"], "scale": ["--large", "9000"],
              "lookup": ["--batches", "128,256"], "cache": ["--sizes", "0.01", "--no-hbm-drift"]}
     flags = [f"--{name}-{opt.lstrip('-')}" if opt.startswith("--") else opt
              for name, opts in given.items() for opt in opts]

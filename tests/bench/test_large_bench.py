@@ -65,10 +65,13 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
     if "mmap-capped" in ran:
         assert ran["mmap-capped"]["cgroup"]["limit_bytes"] == int(
             (ran.get("tierstore-direct") or ran["tierstore-cached"])["footprint"])
-    # the disk: every probe, or why there are none
-    assert "skipped" in r["disk"] or {"512B_qd32", "512B_qd128", "4096B_qd32", "4096B_qd128"} <= set(r["disk"])
+    # the disk: every probe, or why there are none; the misses against the best depth's IOPS
+    assert "skipped" in r["disk"] or set(r["disk"]) == {f"{b}B_qd{qd}" for b in (512, 4096) for qd in (32, 64, 128, 256)}
     if "tierstore-direct" in ran and "skipped" not in r["disk"]:
+        assert r["disk_best_iops"] == max(r["disk"][f"512B_qd{qd}"]["iops"] for qd in (32, 64, 128, 256))
+        assert r["disk"][f"512B_qd{r['disk_best_qd']}"]["iops"] == r["disk_best_iops"]
         assert ran["tierstore-direct"]["misses_per_s_of_disk_best"] > 0
+        assert f"k IOPS at 512 B, QD{r['disk_best_qd']}" in stdout
     assert r["phases"]["steady_prefill"]["tokens_per_step"] == 4096
     assert r["phases"]["steady_decode"]["streams"] == 128
 

@@ -78,3 +78,95 @@ def test_pread_rows_through_the_ring_equals_one_pread_at_a_time(ring, file, rb, 
 def test_switched_off_or_refused_means_no_ring(monkeypatch):
     monkeypatch.setenv("TIERSTORE_IO_URING", "0")
     assert uring.Ring.open() is None
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def loop(request, monkeypatch):
+    """Ring.read through its compiled loop, or through the numpy reference it is checked against."""
+    from tierstore.jit import enabled
+
+    if request.param == "compiled" and not enabled():
+        pytest.skip("numba is not available here")
+    if request.param == "reference":
+        monkeypatch.setattr(uring._READ, "_jit", None)
+    return request.param
+
+
+@pytest.mark.parametrize("depth", [1, 3, 64, None])
+def test_reads_over_several_files_in_one_call_at_any_depth_are_the_files_bytes(ring, tmp_path, loop, depth):
+    rng = np.random.default_rng(7)
+    files = [rng.integers(0, 256, (1 << 18) + 77 * k, dtype=np.uint8) for k in range(3)]
+    fds = []
+    for k, data in enumerate(files):
+        (tmp_path / f"seg{k}.bin").write_bytes(data.tobytes())
+        fds.append(os.open(tmp_path / f"seg{k}.bin", os.O_RDONLY))
+    try:
+        n = 700  # more reads than the ring's 256 entries
+        which = rng.integers(0, 3, n)
+        offs = rng.integers(0, (1 << 18) // 512, n).astype(np.int64) * 512
+        offs[-3:] = [files[which[-3]].size - 10, files[which[-2]].size, files[which[-1]].size + 512]  # short, none
+        lens = rng.integers(1, 1025, n).astype(np.int64)
+        pos = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        out = np.zeros(int(lens.sum()), np.uint8)
+        res = ring.read(np.array(fds)[which], offs, lens, out.ctypes.data + pos, depth=depth)
+        sizes = np.array([f.size for f in files])[which]
+        assert np.array_equal(res, np.clip(sizes - offs, 0, lens))
+        for k, o, p, m in zip(which.tolist(), offs.tolist(), pos.tolist(), res.tolist()):
+            assert np.array_equal(out[p:p + m], files[k][o:o + m])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_read_that_waits_does_not_hold_up_the_reads_behind_it(ring, file, loop):
+    """The queue stays full: while one read waits (a pipe no one has written yet), the
+    reads behind it go on through its place-holders' free places, as a device's queue
+    keeps serving while one read is slow; batches would wait for the slow one first."""
+    import threading
+    import time
+
+    if loop == "reference":
+        pytest.skip("the numpy reference waits for each batch whole (a shallower queue, the same results)")
+    fd, data = file
+    r, w = os.pipe()
+    try:
+        n = 600  # the pipe's read first, then more file reads than the ring has entries
+        offs = np.concatenate([[0], np.arange(n - 1) * 512]).astype(np.int64)
+        lens = np.full(n, 512, dtype=np.int64)
+        out = np.zeros(n * 512, np.uint8)
+        last = out[-512:]
+        seen = []
+
+        def write_once_the_last_file_read_is_in():
+            t0 = time.monotonic()
+            while not np.array_equal(last, data[(n - 2) * 512:(n - 1) * 512]) and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            seen.append(np.array_equal(last, data[(n - 2) * 512:(n - 1) * 512]))
+            os.write(w, b"x" * 512)
+
+        t = threading.Thread(target=write_once_the_last_file_read_is_in)
+        t.start()
+        try:
+            res = ring.read(np.array([r] + [fd] * (n - 1)), offs, lens, out.ctypes.data + np.arange(n) * 512,
+                            depth=16)
+        finally:
+            t.join()  # it writes the pipe at the latest after its wait: then nothing is left in flight
+        assert seen == [True]  # the last file read finished while the first still waited
+        assert res.tolist() == [512] * n and bytes(out[:512]) == b"x" * 512
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_depth_out_of_range_or_descriptors_that_do_not_match_are_refused(ring, file):
+    from tierstore.errors import InvalidArgument
+
+    fd, _ = file
+    out = np.zeros(1024, np.uint8)
+    args = (np.array([0, 512]), np.array([512, 512]), out.ctypes.data + np.array([0, 512]))
+    for depth in (0, ring.entries + 1):
+        with pytest.raises(InvalidArgument, match=rf"queue depth {depth} is outside 1\.\.{ring.entries}"):
+            ring.read(fd, *args, depth=depth)
+    with pytest.raises(InvalidArgument, match="3 descriptors for 2 reads"):
+        ring.read(np.array([fd, fd, fd]), *args)
+    assert not out.any()  # nothing was read

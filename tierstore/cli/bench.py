@@ -82,6 +82,7 @@ def _cold(add):
     add("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
     add("--budget-fraction", type=float, default=0.25, help="DRAM budget as a fraction of the table (default 0.25)")
     add("--warmup-arenas", type=float, default=2.0, help="warm-up ids per competitor, in arena sizes (default 2)")
+    add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
 
 
 def _large(add):
@@ -307,7 +308,7 @@ def _run_one(name: str, args, suite: bool) -> int:
         res = run_cold_bench(args.data, out, table_bytes=(mib << 20) if mib else None,
                              batch=args.batch, dist=args.dist,
                              budget_fraction=args.budget_fraction, warmup_arenas=args.warmup_arenas,
-                             quick=quick, seed=seed, progress=progress, log=_log)
+                             disk_seconds=args.disk_seconds, quick=quick, seed=seed, progress=progress, log=_log)
         res["summary"] = cold_line(res)
         plot_cold(res, out / "cold.png")
     elif name == "large":

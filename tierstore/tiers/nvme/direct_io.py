@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from tierstore.errors import InvalidArgument
+from tierstore.tiers.nvme import uring
 from tierstore.tiers.nvme.uring import Ring
 
 __all__ = ["DirectFiles", "pread_rows", "probe_alignment", "row_buffer", "thread_buffer", "thread_ring"]
@@ -171,6 +172,7 @@ class DirectFiles:
             first = next((i for i, fd in enumerate(self.fds) if fd is not None), None)
             if first is not None:
                 self.align = probe_alignment(self.fds[first], paths[first])
+            uring.warm()  # the read loop compiled at open, not on the first miss
         except BaseException:
             self.close()
             raise

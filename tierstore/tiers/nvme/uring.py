@@ -1,12 +1,21 @@
 """Many reads in one system call: a minimal io_uring for O_DIRECT row reads.
 
 A decode step's misses are a few dozen scattered 512-B reads. One `pread` at a
-time, each waits out the device's latency (~50 µs on this project's virtual
-disk, which serves ~3.5x the reads at queue depth 8); a thread pool puts them
-in flight together, but on a host with few cores the hand-offs cost about what
-they save. An io_uring takes every read of a call in one `io_uring_enter`:
-the submission entries are written as one numpy structured array, the
-completions read back the same way, so there is no Python loop per read.
+time, each waits out the device's latency; a thread pool puts them in flight
+together, but on a host with few cores the hand-offs cost about what they save.
+An io_uring takes the reads of a call in few `io_uring_enter`s, every read
+with its own descriptor if the caller likes (the disk probe reads over all of
+a table's segments in one call).
+
+A call's reads are kept at a queue depth (`Ring.read`'s `depth`, at most the
+ring's entries): as completions come back, the next reads take their places,
+so the device sees a steady queue however many reads the call has, never a
+batch that drains to its slowest read before the next batch starts. That loop
+is compiled (numba, tierstore/jit.py) and runs without the GIL: it writes the
+submission entries, calls `io_uring_enter` through libc and reads the
+completions with no Python per read or per batch. Without numba the numpy
+reference runs instead: batches of `depth` entries written as one structured
+array, each waited for whole (the same results, a shallower queue).
 
 Why our own and not a binding: the Python io_uring packages (liburing, pyuring,
 uringio) submit one entry per Python call, the per-read loop this replaces.
@@ -29,7 +38,10 @@ import threading
 
 import numpy as np
 
-__all__ = ["Ring", "supported"]
+from tierstore.errors import InvalidArgument
+from tierstore.jit import Kernel
+
+__all__ = ["Ring", "supported", "warm"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +77,7 @@ _CQE = np.dtype({"names": ["user_data", "res", "flags"], "formats": ["<u8", "<i4
                  "offsets": [0, 8, 12], "itemsize": 16})
 
 _LIBC = None
+_CALL = None  # (syscall with seven long arguments, for the compiled loop; this thread's errno, as an array)
 _REFUSED: list[str] = []  # why io_uring is off in this process (said once)
 _LOCK = threading.Lock()
 
@@ -82,6 +95,29 @@ def _syscall():
         libc.syscall.restype = ctypes.c_long
         _LIBC = libc
     return _LIBC.syscall
+
+
+class _Errno(threading.local):
+    view: np.ndarray | None = None
+
+
+_ERRNO = _Errno()
+
+
+def _compiled_call():
+    """(libc's syscall typed for the compiled loop, this thread's errno as an int32 [1] array):
+    the loop is passed both, so its on-disk cache holds no address of this process."""
+    global _CALL
+    if _CALL is None:
+        libc = ctypes.CDLL(None)  # a handle of its own: the typed `syscall` does not change _syscall()'s
+        fn = libc.syscall
+        fn.argtypes, fn.restype = [ctypes.c_long] * 7, ctypes.c_long
+        where = libc.__errno_location
+        where.argtypes, where.restype = [], ctypes.c_void_p
+        _CALL = (fn, where)
+    if _ERRNO.view is None:
+        _ERRNO.view = np.ctypeslib.as_array((ctypes.c_int * 1).from_address(_CALL[1]()))
+    return _CALL[0], _ERRNO.view
 
 
 class Ring:
@@ -110,6 +146,9 @@ class Ring:
             self._cq_mask = int(u32(cq_map, cq.ring_mask)[0])
             self._cqes = np.frombuffer(cq_map, _CQE, params.cq_entries, cq.cqes)
             self._sqes = np.frombuffer(sqe_map, _SQE, params.sq_entries)
+            # the same entries as int64 words, for the compiled loop
+            self._sq_words = np.frombuffer(sqe_map, np.int64, params.sq_entries * 8).reshape(-1, 8)
+            self._cq_words = np.frombuffer(cq_map, np.int64, params.cq_entries * 2, cq.cqes).reshape(-1, 2)
             self.entries = int(params.sq_entries)
             # the SQ array maps ring position -> entry: identity, set once
             u32(sq_map, sq.array, self.entries)[:] = np.arange(self.entries, dtype=np.uint32)
@@ -124,12 +163,12 @@ class Ring:
         return m
 
     @classmethod
-    def open(cls) -> Ring | None:
+    def open(cls, entries: int = 256) -> Ring | None:
         """A ring, or None where io_uring is not supported or refused (said once per process)."""
         if not supported() or _REFUSED:
             return None
         try:
-            return cls()
+            return cls(entries)
         except OSError as e:
             with _LOCK:
                 if not _REFUSED:
@@ -137,24 +176,47 @@ class Ring:
                     log.info("io_uring unavailable (%s): O_DIRECT rows are read one pread at a time", e)
             return None
 
-    def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> np.ndarray:
-        """Read lengths[i] bytes at offsets[i] of fd into memory at addrs[i], every read in
-        flight together. Returns each read's result: bytes read (short at the end of a file)
-        or -errno. The memory must stay alive and unmoved until this returns."""
+    def read(self, fd, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
+             depth: int | None = None) -> np.ndarray:
+        """Read lengths[i] bytes at offsets[i] of descriptor fd (an int, or an int array
+        giving each read its own) into memory at addrs[i], `depth` reads in flight (default
+        and most: the ring's entries; a completion's place is taken by the next read at
+        once, compiled). Returns each read's result: bytes read (short at the end of a
+        file) or -errno. The memory must stay alive and unmoved until this returns.
+        InvalidArgument for a depth out of range or fds that do not match the reads;
+        OSError when io_uring_enter itself fails (then close the ring)."""
         n = int(offsets.size)
+        depth = self.entries if depth is None else int(depth)
+        if not 1 <= depth <= self.entries:
+            raise InvalidArgument(f"io_uring queue depth {depth} is outside 1..{self.entries} (the ring's entries)")
+        fds = np.ascontiguousarray(np.atleast_1d(fd), dtype=np.int32)
+        if fds.size not in (1, n):
+            raise InvalidArgument(f"{fds.size} descriptors for {n} reads: give one, or one per read")
         res = np.empty(n, dtype=np.int64)
-        for lo in range(0, n, self.entries):
-            hi = min(n, lo + self.entries)
-            self._batch(fd, offsets[lo:hi], lengths[lo:hi], addrs[lo:hi], lo, res)
+        if n == 0:
+            return res
+        offsets, lengths, addrs = (np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, lengths, addrs))
+        loop = _READ.compiled()
+        if loop is not None:
+            call, err = _compiled_call()
+            rc = loop(call, err, self.fd, self._sq_tail, self._sq_mask, self._sq_words, self._cq_head,
+                      self._cq_tail, self._cq_mask, self._cq_words, fds, offsets, lengths, addrs, depth, res)
+            if rc < 0:
+                raise OSError(-rc, f"io_uring_enter: {os.strerror(-rc)}")
+            return res
+        for lo in range(0, n, depth):
+            hi = min(n, lo + depth)
+            self._batch(fds if fds.size == 1 else fds[lo:hi], offsets[lo:hi], lengths[lo:hi], addrs[lo:hi], lo, res)
         return res
 
-    def _batch(self, fd, offsets, lengths, addrs, base: int, res: np.ndarray) -> None:
+    def _batch(self, fds, offsets, lengths, addrs, base: int, res: np.ndarray) -> None:
+        """The reference: reads [base, base + len(offsets)) written at once, waited for whole."""
         n = int(offsets.size)
         tail = int(self._sq_tail[0])
         idx = (tail + np.arange(n, dtype=np.int64)) & self._sq_mask
         e = self._sqes
         e["opcode"][idx] = _OP_READ
-        e["fd"][idx] = fd
+        e["fd"][idx] = fds
         e["off"][idx] = offsets
         e["addr"][idx] = addrs
         e["len"][idx] = lengths
@@ -206,3 +268,78 @@ class Ring:
     def __del__(self):
         if getattr(self, "fd", -1) >= 0:
             self.close()
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the read loop now, not on a miss: one read of
+    /dev/zero through a ring of two entries. Nothing where there is no numba or no ring."""
+    if _READ.compiled() is None:
+        return
+    ring = Ring.open(2)
+    if ring is None:
+        return
+    fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        buf = np.empty(16, dtype=np.uint8)
+        ring.read(fd, np.zeros(2, np.int64), np.full(2, 8, np.int64), buf.ctypes.data + np.array([0, 8]))
+    finally:
+        os.close(fd)
+        ring.close()
+
+
+# ---- the compiled read loop (Ring.read; the numpy batches above are its reference) ----
+_WORD_FD_SHIFT = 32  # word 0 of an entry: opcode (byte 0), flags, ioprio, fd (bytes 4-7)
+
+
+def _read_loop(call, err, ring_fd, sq_tail, sq_mask, sqes, cq_head, cq_tail, cq_mask, cqes, fds, offs, lens,
+               addrs, depth, res):
+    """Reads i = 0..n-1 through the ring, at most `depth` in flight: entries are written as
+    places free up, submitted and waited for in one io_uring_enter per round; res[i] =
+    the read's result. Returns 0, or -errno of an io_uring_enter that failed. The tail
+    is stored after the entries and the head after the completions are read, and both
+    before the system call, which the compiler does not move stores across (x86-64:
+    the CPU keeps them in order too)."""
+    n = offs.shape[0]
+    one_fd = fds.shape[0] == 1
+    tail, head = np.int64(sq_tail[0]), np.int64(cq_head[0])
+    sent = done = waiting = 0  # reads written to the ring; completed; written, not yet taken by the kernel
+    while done < n:
+        while sent < n and sent - done < depth:
+            e = tail & sq_mask
+            fd = np.int64(fds[0] if one_fd else fds[sent])
+            sqes[e, 0] = _OP_READ | (fd << _WORD_FD_SHIFT)
+            sqes[e, 1] = offs[sent]
+            sqes[e, 2] = addrs[sent]
+            sqes[e, 3] = lens[sent]  # rw_flags (the high half) zero
+            sqes[e, 4] = sent  # user_data: the read's index
+            sqes[e, 5] = 0
+            sqes[e, 6] = 0
+            sqes[e, 7] = 0
+            tail = (tail + 1) & _MASK32
+            sent += 1
+            waiting += 1
+        sq_tail[0] = tail
+        flight = sent - done
+        # the last reads: wait for all; otherwise for a quarter of the depth, then refill
+        want = flight if sent == n else min(flight, max(1, depth // 4))
+        r = call(_ENTER, ring_fd, waiting, want, _ENTER_GETEVENTS, 0, 0)
+        if r < 0:
+            if err[0] == errno.EINTR:
+                continue
+            return -np.int64(err[0])
+        waiting -= r
+        t = np.int64(cq_tail[0])
+        reaped = 0
+        while head != t:
+            c = head & cq_mask
+            res[cqes[c, 0]] = (cqes[c, 1] << 32) >> 32  # res: the low, signed half of word 1
+            head = (head + 1) & _MASK32
+            reaped += 1
+        cq_head[0] = head
+        done += reaped
+        if r == 0 and waiting and not reaped:
+            return -errno.EAGAIN
+    return 0
+
+
+_READ = Kernel(_read_loop, nogil=True)  # it waits on the device: other threads run meanwhile
