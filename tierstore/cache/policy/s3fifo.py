@@ -8,7 +8,9 @@
   one more pass.
 A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
-(frequency). `victims` touches O(k + leased rows met) queue entries, never the
+(frequency). A miss whose part of the table is seldom hit (classes.py: a high
+n-gram order's sub-table) needs one more sketch count to enter main directly.
+`victims` touches O(k + leased rows met) queue entries, never the
 whole arena. The queues are lists linked through the slots and their walks
 compiled loops (queues.py), 7 B a slot in all (link 4, queue and hits 1, hint end 2).
 """
@@ -19,6 +21,7 @@ import numpy as np
 from tierstore.cache import prefault
 from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
+from tierstore.cache.policy.classes import ClassHitRates
 from tierstore.cache.policy.pending import PendingHints
 from tierstore.cache.policy.queues import (ADMIT, ENTRY, FORGET, HIT, MAIN, PROBATION, SCAN, SWEEP_STEPS,
                                            UNTIL, _admit_loop, _forget_loop, _scan_loop, hinted, hits_of, live,
@@ -40,6 +43,8 @@ class S3FIFOPolicy(CachePolicy):
         self._heads = np.full(3, -1, dtype=np.int64)
         self._tails = np.full(3, -1, dtype=np.int64)
         self._window = max(1, int(cfg.window * cap))
+        self._classes = ClassHitRates(n_ids, cfg.class_bins, cfg.class_ratio, cfg.class_decay) \
+            if cfg.class_bins else None
         # window hill climbing: accesses and hits of the current sample period
         self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
         self._acc = self._hit = 0
@@ -68,11 +73,14 @@ class S3FIFOPolicy(CachePolicy):
         return self._share
 
     def _held(self):
-        return [self._entry, self._nxt, self._until, self._ends, *self._pending.arrays()]
+        classes = self._classes.arrays() if self._classes else []
+        return [self._entry, self._nxt, self._until, self._ends, *self._pending.arrays(), *classes]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
         self._steps += 1
+        if self._classes:
+            self._classes.accessed(ids)
         end = self._steps % self._ring
         self._protected -= int(self._ends[end])
         self._ends[end] = 0
@@ -104,6 +112,8 @@ class S3FIFOPolicy(CachePolicy):
             e = self._entry[slots]
             self._entry[slots] = with_hits(e, np.minimum(hits_of(e) + ENTRY(1), self._cap))  # uint8: no int64 copy
         self._hit += slots.size
+        if self._classes:
+            self._classes.hit(self.slot_id[slots])
 
     def _lists(self) -> tuple:
         return self._count, self._linked, self._nxt, self._heads, self._tails
@@ -111,7 +121,10 @@ class S3FIFOPolicy(CachePolicy):
     def _admit(self, slots, ids):
         to_main = np.zeros(slots.size, dtype=bool)
         if self.config.main_freq > 0:
-            to_main = self._estimate_recorded(ids) >= self.config.main_freq
+            need = self.config.main_freq
+            if self._classes:
+                need = need + self._classes.weak(ids)
+            to_main = self._estimate_recorded(ids) >= need
         (ADMIT.compiled() or _admit_loop)(slots, to_main, self._entry, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
