@@ -424,6 +424,22 @@ def test_a_seldom_hit_part_of_the_table_needs_more_evidence_to_enter_main():
 
 
 def test_class_settings_are_validated():
-    for bad in ({"class_bins": -1}, {"class_ratio": 0}, {"class_ratio": 1.5}, {"class_decay": 1.0}):
+    for bad in ({"class_bins": -1}, {"class_ratio": 0}, {"class_ratio": 1.5}, {"class_decay": 1.0},
+                {"first_out_ratio": 1.5}):
         with pytest.raises(InvalidArgument, match="class_bins must be >= 0"):
             PolicyConfig(**bad)
+
+
+def test_a_first_sighting_in_a_seldom_hit_part_of_the_table_leaves_first():
+    """A row seen for the first time enters probation at its tail, and has the whole pass
+    for a step to hit it; in a class hit far less than the table it enters at the head
+    instead, and is the next victim (unless hit first), ahead of older probation rows."""
+    n = 64_000
+    arena = Arena(2000, n, class_bins=2)
+    hot = np.arange(200)
+    for i in range(20):
+        arena.step(np.concatenate([hot, n // 2 + 300 * i + np.arange(300)]))
+    new_low, new_high = 1000, 60_000
+    arena.step(np.concatenate([hot, [new_low, new_high]]))
+    arena.step(np.concatenate([hot, [60_001]]))  # one more row: one victim
+    assert arena.slot_of[new_high] < 0 and arena.slot_of[new_low] >= 0

@@ -10,9 +10,10 @@ more bins than sub-tables, and harmless on a table with no such layout, whose
 classes all read alike) and keeps, per class, the accesses and hits of the
 recent steps, each step's counts weighing `decay` times the last's.
 
-`weak(ids)` says which ids belong to a class hit less than `ratio` times the
-whole table's rate: the policy asks such a miss for one more sketch count
-before it enters the main queue directly (s3fifo.py). State: two float arrays
+`weak(ids, ratio)` says which ids belong to a class hit less than `ratio` times
+the whole table's rate: the policy asks such a miss for one more sketch count
+before it enters the main queue directly, and sends one of a class weaker still,
+seen for the first time, out first (s3fifo.py). State: two float arrays
 of `bins`, whatever the table's size; every call is O(its ids), vectorised.
 """
 from __future__ import annotations
@@ -25,9 +26,9 @@ __all__ = ["ClassHitRates"]
 class ClassHitRates:
     """Recent accesses and hits of each of `bins` equal id ranges of a table of `n_ids` rows."""
 
-    def __init__(self, n_ids: int, bins: int, ratio: float, decay: float):
+    def __init__(self, n_ids: int, bins: int, decay: float):
         self.bins = max(1, min(int(bins), int(n_ids)))
-        self.n_ids, self.ratio, self.decay = int(n_ids), float(ratio), float(decay)
+        self.n_ids, self.decay = int(n_ids), float(decay)
         self.accesses = np.zeros(self.bins)
         self.hits = np.zeros(self.bins)
 
@@ -47,14 +48,14 @@ class ClassHitRates:
         if ids.size:
             self.hits += np.bincount(self.classes(ids), minlength=self.bins)
 
-    def weak(self, ids: np.ndarray) -> np.ndarray:
+    def weak(self, ids: np.ndarray, ratio: float) -> np.ndarray:
         """Which ids' classes are hit less than `ratio` times the table's rate (none before
         any hit is seen)."""
         total = self.accesses.sum()
         if not total:
             return np.zeros(ids.size, bool)
         rate = self.hits / np.maximum(self.accesses, 1e-12)
-        return (rate < self.ratio * self.hits.sum() / total)[self.classes(ids)]
+        return (rate < ratio * self.hits.sum() / total)[self.classes(ids)]
 
     def arrays(self) -> list[np.ndarray]:
         return [self.accesses, self.hits]

@@ -32,7 +32,10 @@ class PolicyConfig:
         (classes.py: an Engram table concatenates its (order, head) sub-tables, and low
         orders recur far more); 0 turns the prior off. A miss of a class hit less
         than class_ratio times the table's rate enters main directly only at
-        main_freq + 1 sketch counts. class_decay: each step's counts weigh this
+        main_freq + 1 sketch counts; one of a class hit under first_out_ratio
+        times it, seen for the first time, enters probation at its head (the next
+        victim unless hit first; at 0.8 too it cost 0.015 on aws-docs at 10% of
+        the rows, where probation's pass is long enough to reach them). class_decay: each step's counts weigh this
         much less the next step (a memory of about 1 / (1 - class_decay) steps).
         Chosen on the text and aws-docs traces (docs/benchmarks.md, the policy's
         structure on real text).
@@ -99,6 +102,7 @@ class PolicyConfig:
     class_bins: int = 64
     class_ratio: float = 0.8
     class_decay: float = 0.99
+    first_out_ratio: float = 0.5
     max_hits: int = 3
     expect_steps: int = 16
     max_expect_steps: int = 4096
@@ -135,9 +139,11 @@ class PolicyConfig:
         if self.main_freq < 0 or not 0 <= self.max_hits <= MAX_HITS:
             raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..{MAX_HITS}, got {self.main_freq}, "
                                   f"{self.max_hits}")
-        if self.class_bins < 0 or not 0 < self.class_ratio <= 1 or not 0 < self.class_decay < 1:
-            raise InvalidArgument(f"class_bins must be >= 0, class_ratio in (0, 1] and class_decay in (0, 1), got "
-                                  f"{self.class_bins}, {self.class_ratio}, {self.class_decay}")
+        if (self.class_bins < 0 or not 0 < self.class_ratio <= 1 or not 0 <= self.first_out_ratio <= 1
+                or not 0 < self.class_decay < 1):
+            raise InvalidArgument(f"class_bins must be >= 0, class_ratio in (0, 1], first_out_ratio in [0, 1] and "
+                                  f"class_decay in (0, 1), got {self.class_bins}, {self.class_ratio}, "
+                                  f"{self.first_out_ratio}, {self.class_decay}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
             raise InvalidArgument(f"sketch_width must be > 0 and halve_every >= 0, got "
                                   f"{self.sketch_width}, {self.halve_every}")

@@ -9,7 +9,10 @@
 A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
 (frequency). A miss whose part of the table is seldom hit (classes.py: a high
-n-gram order's sub-table) needs one more sketch count to enter main directly.
+n-gram order's sub-table) needs one more sketch count to enter main directly,
+and one of a class hit less still, seen for the first time, enters probation at
+its head: first out, unless the next steps hit it, while rows of the often-hit
+classes get probation's whole pass.
 `victims` touches O(k + leased rows met) queue entries, never the
 whole arena. The queues are lists linked through the slots and their walks
 compiled loops (queues.py), 7 B a slot in all (link 4, queue and hits 1, hint end 2).
@@ -23,9 +26,9 @@ from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
 from tierstore.cache.policy.classes import ClassHitRates
 from tierstore.cache.policy.pending import PendingHints
-from tierstore.cache.policy.queues import (ADMIT, ENTRY, FORGET, HIT, MAIN, PROBATION, SCAN, SWEEP_STEPS,
-                                           UNTIL, _admit_loop, _forget_loop, _scan_loop, hinted, hits_of, live,
-                                           slot_dtype, with_hits)
+from tierstore.cache.policy.queues import (ADMIT, ENTRY, FIRST_OUT, FORGET, HIT, MAIN, PROBATION, SCAN,
+                                           SWEEP_STEPS, TO_MAIN, UNTIL, _admit_loop, _forget_loop, _scan_loop,
+                                           hinted, hits_of, live, slot_dtype, with_hits)
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -43,7 +46,7 @@ class S3FIFOPolicy(CachePolicy):
         self._heads = np.full(3, -1, dtype=np.int64)
         self._tails = np.full(3, -1, dtype=np.int64)
         self._window = max(1, int(cfg.window * cap))
-        self._classes = ClassHitRates(n_ids, cfg.class_bins, cfg.class_ratio, cfg.class_decay) \
+        self._classes = ClassHitRates(n_ids, cfg.class_bins, cfg.class_decay) \
             if cfg.class_bins else None
         # window hill climbing: accesses and hits of the current sample period
         self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
@@ -119,19 +122,22 @@ class S3FIFOPolicy(CachePolicy):
         return self._count, self._linked, self._nxt, self._heads, self._tails
 
     def _admit(self, slots, ids):
-        to_main = np.zeros(slots.size, dtype=bool)
+        where = np.zeros(slots.size, dtype=np.int8)  # TO_PROBATION
         if self.config.main_freq > 0:
-            need = self.config.main_freq
-            if self._classes:
-                need = need + self._classes.weak(ids)
-            to_main = self._estimate_recorded(ids) >= need
-        (ADMIT.compiled() or _admit_loop)(slots, to_main, self._entry, *self._lists())
+            est = self._estimate_recorded(ids)
+            where[est >= self.config.main_freq + self._weak(ids, self.config.class_ratio)] = TO_MAIN
+            where[self._weak(ids, self.config.first_out_ratio) & (est <= 1)] = FIRST_OUT  # a first sighting
+        (ADMIT.compiled() or _admit_loop)(slots, where, self._entry, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
             until = self._pending.take(ids, self._steps)
             hinted_ = until > 0
             if hinted_.any():
                 self._protect(slots[hinted_], until[hinted_])
+
+    def _weak(self, ids, ratio) -> np.ndarray:
+        """Which ids' classes are hit under `ratio` times the table's rate (none without the prior)."""
+        return self._classes.weak(ids, ratio) if self._classes else np.zeros(ids.size, bool)
 
     def _forget(self, slots):
         (FORGET.compiled() or _forget_loop)(slots, self._entry, self._count)
@@ -208,7 +214,8 @@ class S3FIFOPolicy(CachePolicy):
                     mask[extra] = False
                     extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
-                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, bool), self._entry, *self._lists())
+                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, np.int8), self._entry,
+                                                      *self._lists())
                     self._not_enough(k, pins)
                 self._forget(extra)
                 out.append(extra)
