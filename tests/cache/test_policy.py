@@ -432,10 +432,11 @@ def test_class_settings_are_validated():
 
 def test_a_first_sighting_in_a_seldom_hit_part_of_the_table_leaves_first():
     """A row seen for the first time enters probation at its tail, and has the whole pass
-    for a step to hit it; in a class hit far less than the table it enters at the head
-    instead, and is the next victim (unless hit first), ahead of older probation rows."""
+    for a step to hit it; with first_out_ratio, in a class hit far less than the table it
+    enters at the head instead, and is the next victim (unless hit first), ahead of older
+    probation rows."""
     n = 64_000
-    arena = Arena(2000, n, class_bins=2)
+    arena = Arena(2000, n, class_bins=2, first_out_ratio=0.5)
     hot = np.arange(200)
     for i in range(20):
         arena.step(np.concatenate([hot, n // 2 + 300 * i + np.arange(300)]))

@@ -32,10 +32,12 @@ class PolicyConfig:
         (classes.py: an Engram table concatenates its (order, head) sub-tables, and low
         orders recur far more); 0 turns the prior off. A miss of a class hit less
         than class_ratio times the table's rate enters main directly only at
-        main_freq + 1 sketch counts; one of a class hit under first_out_ratio
-        times it, seen for the first time, enters probation at its head (the next
-        victim unless hit first; at 0.8 too it cost 0.015 on aws-docs at 10% of
-        the rows, where probation's pass is long enough to reach them). class_decay: each step's counts weigh this
+        main_freq + 1 sketch counts; with first_out_ratio > 0, one of a class hit
+        under first_out_ratio times it, seen for the first time, enters probation
+        at its head (the next victim unless hit first). Off by default: it gains
+        on the replays of `bench cache` but cost `bench large --quick`'s sidecar
+        its steady hit ratio's lead over LRU (docs/benchmarks.md, the policy's
+        structure on real text). class_decay: each step's counts weigh this
         much less the next step (a memory of about 1 / (1 - class_decay) steps).
         Chosen on the text and aws-docs traces (docs/benchmarks.md, the policy's
         structure on real text).
@@ -102,7 +104,7 @@ class PolicyConfig:
     class_bins: int = 64
     class_ratio: float = 0.8
     class_decay: float = 0.99
-    first_out_ratio: float = 0.5
+    first_out_ratio: float = 0.0
     max_hits: int = 3
     expect_steps: int = 16
     max_expect_steps: int = 4096

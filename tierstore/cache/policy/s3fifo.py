@@ -10,9 +10,9 @@ A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
 (frequency). A miss whose part of the table is seldom hit (classes.py: a high
 n-gram order's sub-table) needs one more sketch count to enter main directly,
-and one of a class hit less still, seen for the first time, enters probation at
-its head: first out, unless the next steps hit it, while rows of the often-hit
-classes get probation's whole pass.
+and (PolicyConfig.first_out_ratio) one of a class hit less still, seen for the
+first time, may enter probation at its head: first out, unless the next steps
+hit it.
 `victims` touches O(k + leased rows met) queue entries, never the
 whole arena. The queues are lists linked through the slots and their walks
 compiled loops (queues.py), 7 B a slot in all (link 4, queue and hits 1, hint end 2).
@@ -126,7 +126,8 @@ class S3FIFOPolicy(CachePolicy):
         if self.config.main_freq > 0:
             est = self._estimate_recorded(ids)
             where[est >= self.config.main_freq + self._weak(ids, self.config.class_ratio)] = TO_MAIN
-            where[self._weak(ids, self.config.first_out_ratio) & (est <= 1)] = FIRST_OUT  # a first sighting
+            if self.config.first_out_ratio:
+                where[self._weak(ids, self.config.first_out_ratio) & (est <= 1)] = FIRST_OUT  # a first sighting
         (ADMIT.compiled() or _admit_loop)(slots, where, self._entry, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
