@@ -177,8 +177,8 @@ def test_two_levels_report_every_tier():
 # the default policy's hit ratio, no hints, on two real-text traces (the CPython reference
 # topics and the held-out standard library docstrings) at 0.5% and 1% of the rows, as
 # docs/benchmarks.md records them: a loss of 0.005 at any size fails
-TEXT_FLOORS = {("text", 0.005): 0.1977, ("text", 0.01): 0.2599,
-               ("docstrings", 0.005): 0.1742, ("docstrings", 0.01): 0.2293}
+TEXT_FLOORS = {("text", 0.005): 0.2055, ("text", 0.01): 0.2628,
+               ("docstrings", 0.005): 0.1733, ("docstrings", 0.01): 0.2289}
 LOSS = 0.005
 
 

@@ -396,3 +396,51 @@ def test_one_clients_pending_hints_leave_room_for_anothers():
     for i in range(10):
         arena.step(2000 + 100 * i + np.arange(100))
     assert (arena.slot_of[99_000:99_100] >= 0).all()
+
+
+def test_a_seldom_hit_part_of_the_table_needs_more_evidence_to_enter_main():
+    """A row seen before (sketch count 2) enters main directly, unless its part of the id
+    space (its class: an n-gram order's sub-table in an Engram table) is hit far less
+    than the table: then it waits in probation like a new row, and main keeps its room
+    for the rows that part of the table whose rows do come back."""
+    from tierstore.cache.policy.queues import MAIN, PROBATION
+    n = 64_000
+    arena = Arena(2000, n, class_bins=2)
+    hot = np.arange(200)  # the low half's rows come back every step: its class is hit
+    for i in range(20):  # the high half's rows are read once each: never hit
+        arena.step(np.concatenate([hot, n // 2 + 300 * i + np.arange(300)]))
+    low, high = np.array([1000, 1001]), np.array([60_000, 60_001])
+    arena.policy.record(np.concatenate([low, high]))  # seen once before, and evicted (never admitted)
+    arena.step(np.concatenate([hot, low, high]))  # now missed: sketch count 2
+    queue = arena.policy._entry[arena.slot_of[np.concatenate([low, high])]] & 3
+    assert queue.tolist() == [MAIN, MAIN, PROBATION, PROBATION]
+    # without the prior both halves' rows go to main alike
+    flat = Arena(2000, n, class_bins=0)
+    for i in range(20):
+        flat.step(np.concatenate([hot, n // 2 + 300 * i + np.arange(300)]))
+    flat.policy.record(np.concatenate([low, high]))
+    flat.step(np.concatenate([hot, low, high]))
+    assert (flat.policy._entry[flat.slot_of[np.concatenate([low, high])]] & 3 == MAIN).all()
+
+
+def test_class_settings_are_validated():
+    for bad in ({"class_bins": -1}, {"class_ratio": 0}, {"class_ratio": 1.5}, {"class_decay": 1.0},
+                {"first_out_ratio": 1.5}):
+        with pytest.raises(InvalidArgument, match="class_bins must be >= 0"):
+            PolicyConfig(**bad)
+
+
+def test_a_first_sighting_in_a_seldom_hit_part_of_the_table_leaves_first():
+    """A row seen for the first time enters probation at its tail, and has the whole pass
+    for a step to hit it; with first_out_ratio, in a class hit far less than the table it
+    enters at the head instead, and is the next victim (unless hit first), ahead of older
+    probation rows."""
+    n = 64_000
+    arena = Arena(2000, n, class_bins=2, first_out_ratio=0.5)
+    hot = np.arange(200)
+    for i in range(20):
+        arena.step(np.concatenate([hot, n // 2 + 300 * i + np.arange(300)]))
+    new_low, new_high = 1000, 60_000
+    arena.step(np.concatenate([hot, [new_low, new_high]]))
+    arena.step(np.concatenate([hot, [60_001]]))  # one more row: one victim
+    assert arena.slot_of[new_high] < 0 and arena.slot_of[new_low] >= 0

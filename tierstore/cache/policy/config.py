@@ -28,6 +28,19 @@ class PolicyConfig:
         reference at every size; `bench cache`).
     main_freq: sketch count at which a missed id enters main directly (it was
         seen before and evicted); 0 sends every miss to probation.
+    class_bins: equal ranges of the id space whose recent hit rates the policy learns
+        (classes.py: an Engram table concatenates its (order, head) sub-tables, and low
+        orders recur far more); 0 turns the prior off. A miss of a class hit less
+        than class_ratio times the table's rate enters main directly only at
+        main_freq + 1 sketch counts; with first_out_ratio > 0, one of a class hit
+        under first_out_ratio times it, seen for the first time, enters probation
+        at its head (the next victim unless hit first). Off by default: it gains
+        on the replays of `bench cache` but cost `bench large --quick`'s sidecar
+        its steady hit ratio's lead over LRU (docs/benchmarks.md, the policy's
+        structure on real text). class_decay: each step's counts weigh this
+        much less the next step (a memory of about 1 / (1 - class_decay) steps).
+        Chosen on the text and aws-docs traces (docs/benchmarks.md, the policy's
+        structure on real text).
     max_hits: CLOCK hit budget of a main-queue row (extra passes it survives), at most
         MAX_HITS (31: a slot's hits share its queue's byte, policy/queues.py).
     expect_steps: how long an `expect` hint lasts when its caller does not say:
@@ -88,6 +101,10 @@ class PolicyConfig:
     adapt_period: float = 1.0
     adapt_step: float = 0.05
     main_freq: int = 2
+    class_bins: int = 64
+    class_ratio: float = 0.8
+    class_decay: float = 0.99
+    first_out_ratio: float = 0.0
     max_hits: int = 3
     expect_steps: int = 16
     max_expect_steps: int = 4096
@@ -124,6 +141,11 @@ class PolicyConfig:
         if self.main_freq < 0 or not 0 <= self.max_hits <= MAX_HITS:
             raise InvalidArgument(f"main_freq must be >= 0 and max_hits in 0..{MAX_HITS}, got {self.main_freq}, "
                                   f"{self.max_hits}")
+        if (self.class_bins < 0 or not 0 < self.class_ratio <= 1 or not 0 <= self.first_out_ratio <= 1
+                or not 0 < self.class_decay < 1):
+            raise InvalidArgument(f"class_bins must be >= 0, class_ratio in (0, 1], first_out_ratio in [0, 1] and "
+                                  f"class_decay in (0, 1), got {self.class_bins}, {self.class_ratio}, "
+                                  f"{self.first_out_ratio}, {self.class_decay}")
         if self.sketch_width <= 0 or self.halve_every < 0 or self.sketch_max_mib <= 0:
             raise InvalidArgument(f"sketch_width must be > 0 and halve_every >= 0, got "
                                   f"{self.sketch_width}, {self.halve_every}")

@@ -38,7 +38,7 @@ import numpy as np
 from tierstore.cache.policy.config import MAX_HITS
 from tierstore.jit import Kernel, inlined
 
-__all__ = ["FREE", "PROBATION", "MAIN", "GHOST", "ADMIT", "SCAN", "FORGET", "slot_dtype", "hinted", "UNTIL",
+__all__ = ["FREE", "PROBATION", "MAIN", "GHOST", "TO_PROBATION", "TO_MAIN", "FIRST_OUT", "ADMIT", "SCAN", "FORGET", "slot_dtype", "hinted", "UNTIL",
            "SWEEP_STEPS", "HIT", "ENTRY", "live", "hits_of", "with_hits"]
 
 FREE, PROBATION, MAIN = 0, 1, 2
@@ -50,6 +50,9 @@ _HITS = 0xFF ^ _WHERE
 ENTRY = np.uint8
 UNTIL = np.uint16  # hint ends, mod 2^16
 SWEEP_STEPS = 1 << 14  # every until is rewritten (if ended) once per this many steps
+# where `admit` puts a free slot (int8 codes): probation's tail, main's tail, or probation's
+# head, first out at the next walk (a row its class says is unlikely to come back)
+TO_PROBATION, TO_MAIN, FIRST_OUT = 0, 1, 2
 
 
 def slot_dtype(capacity: int):
@@ -91,22 +94,28 @@ def _push(q, s, nxt, heads, tails, linked):
     linked[q] += 1
 
 
-def _admit_loop(slots, to_main, entry, counts, linked, nxt, heads, tails):
-    """Each slot enters main (to_main) or probation with no hits; a linked one (a ghost, or
-    live) stays where it lies, live in that queue, and a main one there is owed promotion
-    (a hit while on probation)."""
+def _admit_loop(slots, where, entry, counts, linked, nxt, heads, tails):
+    """Each slot enters, with no hits, where where[i] says (TO_PROBATION, TO_MAIN: a
+    queue's tail; FIRST_OUT: probation's head); a linked one (a ghost, or live) stays
+    where it lies, live in that queue, and a main one there is owed promotion (a hit
+    while on probation)."""
     for i in range(slots.shape[0]):
         s = slots[i]
         w = entry[s] & _WHERE
         h = 0
         if w == FREE:
-            q = MAIN if to_main[i] else PROBATION
-            _push(q, s, nxt, heads, tails, linked)
+            q = MAIN if where[i] == TO_MAIN else PROBATION
+            if where[i] == FIRST_OUT and heads[q] >= 0:
+                nxt[s] = heads[q]
+                heads[q] = s
+                linked[q] += 1
+            else:
+                _push(q, s, nxt, heads, tails, linked)
         else:
             q = w & _QUEUE
             if w == q:  # live
                 counts[q] -= 1
-            if to_main[i] and q == PROBATION:
+            if where[i] == TO_MAIN and q == PROBATION:
                 h = 1
         entry[s] = q | (h * HIT)
         counts[q] += 1

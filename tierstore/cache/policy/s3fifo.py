@@ -8,7 +8,12 @@
   one more pass.
 A document's burst of repeats hits its rows while they sit in probation, so
 they are kept (recency); the Zipf head returns often enough to live in main
-(frequency). `victims` touches O(k + leased rows met) queue entries, never the
+(frequency). A miss whose part of the table is seldom hit (classes.py: a high
+n-gram order's sub-table) needs one more sketch count to enter main directly,
+and (PolicyConfig.first_out_ratio) one of a class hit less still, seen for the
+first time, may enter probation at its head: first out, unless the next steps
+hit it.
+`victims` touches O(k + leased rows met) queue entries, never the
 whole arena. The queues are lists linked through the slots and their walks
 compiled loops (queues.py), 7 B a slot in all (link 4, queue and hits 1, hint end 2).
 """
@@ -19,10 +24,11 @@ import numpy as np
 from tierstore.cache import prefault
 from tierstore.jit import Kernel
 from tierstore.cache.policy.base import CachePolicy
+from tierstore.cache.policy.classes import ClassHitRates
 from tierstore.cache.policy.pending import PendingHints
-from tierstore.cache.policy.queues import (ADMIT, ENTRY, FORGET, HIT, MAIN, PROBATION, SCAN, SWEEP_STEPS,
-                                           UNTIL, _admit_loop, _forget_loop, _scan_loop, hinted, hits_of, live,
-                                           slot_dtype, with_hits)
+from tierstore.cache.policy.queues import (ADMIT, ENTRY, FIRST_OUT, FORGET, HIT, MAIN, PROBATION, SCAN,
+                                           SWEEP_STEPS, TO_MAIN, UNTIL, _admit_loop, _forget_loop, _scan_loop,
+                                           hinted, hits_of, live, slot_dtype, with_hits)
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -40,6 +46,8 @@ class S3FIFOPolicy(CachePolicy):
         self._heads = np.full(3, -1, dtype=np.int64)
         self._tails = np.full(3, -1, dtype=np.int64)
         self._window = max(1, int(cfg.window * cap))
+        self._classes = ClassHitRates(n_ids, cfg.class_bins, cfg.class_decay) \
+            if cfg.class_bins else None
         # window hill climbing: accesses and hits of the current sample period
         self._share, self._step, self._dir, self._prev_rate = cfg.window, cfg.adapt_step, 1.0, -1.0
         self._acc = self._hit = 0
@@ -68,11 +76,14 @@ class S3FIFOPolicy(CachePolicy):
         return self._share
 
     def _held(self):
-        return [self._entry, self._nxt, self._until, self._ends, *self._pending.arrays()]
+        classes = self._classes.arrays() if self._classes else []
+        return [self._entry, self._nxt, self._until, self._ends, *self._pending.arrays(), *classes]
 
     def _recorded(self, ids, est):
         self._last = (ids, est)  # _admit reads the misses' estimates from here
         self._steps += 1
+        if self._classes:
+            self._classes.accessed(ids)
         end = self._steps % self._ring
         self._protected -= int(self._ends[end])
         self._ends[end] = 0
@@ -104,21 +115,30 @@ class S3FIFOPolicy(CachePolicy):
             e = self._entry[slots]
             self._entry[slots] = with_hits(e, np.minimum(hits_of(e) + ENTRY(1), self._cap))  # uint8: no int64 copy
         self._hit += slots.size
+        if self._classes:
+            self._classes.hit(self.slot_id[slots])
 
     def _lists(self) -> tuple:
         return self._count, self._linked, self._nxt, self._heads, self._tails
 
     def _admit(self, slots, ids):
-        to_main = np.zeros(slots.size, dtype=bool)
+        where = np.zeros(slots.size, dtype=np.int8)  # TO_PROBATION
         if self.config.main_freq > 0:
-            to_main = self._estimate_recorded(ids) >= self.config.main_freq
-        (ADMIT.compiled() or _admit_loop)(slots, to_main, self._entry, *self._lists())
+            est = self._estimate_recorded(ids)
+            where[est >= self.config.main_freq + self._weak(ids, self.config.class_ratio)] = TO_MAIN
+            if self.config.first_out_ratio:
+                where[self._weak(ids, self.config.first_out_ratio) & (est <= 1)] = FIRST_OUT  # a first sighting
+        (ADMIT.compiled() or _admit_loop)(slots, where, self._entry, *self._lists())
         self._unprotect(slots)
         if self._pending.total:  # rows a queued request was promised: protected from now on
             until = self._pending.take(ids, self._steps)
             hinted_ = until > 0
             if hinted_.any():
                 self._protect(slots[hinted_], until[hinted_])
+
+    def _weak(self, ids, ratio) -> np.ndarray:
+        """Which ids' classes are hit under `ratio` times the table's rate (none without the prior)."""
+        return self._classes.weak(ids, ratio) if self._classes else np.zeros(ids.size, bool)
 
     def _forget(self, slots):
         (FORGET.compiled() or _forget_loop)(slots, self._entry, self._count)
@@ -195,7 +215,8 @@ class S3FIFOPolicy(CachePolicy):
                     mask[extra] = False
                     extra = np.concatenate([extra, np.flatnonzero(mask)[:need - extra.size]])
                 if extra.size < need:  # put back what this call took, so a failed call changes nothing
-                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, bool), self._entry, *self._lists())
+                    (ADMIT.compiled() or _admit_loop)(taken, np.zeros(taken.size, np.int8), self._entry,
+                                                      *self._lists())
                     self._not_enough(k, pins)
                 self._forget(extra)
                 out.append(extra)
