@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tierstore.jit import Kernel
+from tierstore.jit import Kernel, inlined
 
 __all__ = ["ALGO", "ALGOS", "RowKey", "new_salt", "records", "row_sums"]
 
@@ -122,24 +122,37 @@ def _mix(x: np.ndarray, s, k, tmp: np.ndarray) -> np.ndarray:
     return x
 
 
-def _sums_loop(words, ids, skeys, kkeys, seed, mix_id, out):
-    """out[i] = sum of uint64 row words[i] stored as row ids[i] under the key (seed, mix_id)."""
+@inlined
+def _word_term(w, skey, kkey):
+    """A row word's term of its row sum (the compiled loops' form of _mix with s, k)."""
+    m1, s29, s32 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(29), np.uint64(32)
+    x = (w ^ skey) * m1
+    x = (x ^ (x >> s29)) * kkey
+    return x ^ (x >> s32)
+
+
+@inlined
+def _with_id(acc, row_id, seed, mix_id):
+    """The words' terms `acc` and the id's term under the key (seed, mix_id): the row sum."""
     m1, m2, gold = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x9E3779B97F4A7C15)
     s29, s32 = np.uint64(29), np.uint64(32)
+    x = np.uint64(row_id)
+    if mix_id:
+        x = x * m1
+        x = (x ^ (x >> s29)) * gold
+        x = x ^ (x >> s32)
+    x = (x ^ seed) * m1
+    x = (x ^ (x >> s29)) * m2
+    return acc + (x ^ (x >> s32))
+
+
+def _sums_loop(words, ids, skeys, kkeys, seed, mix_id, out):
+    """out[i] = sum of uint64 row words[i] stored as row ids[i] under the key (seed, mix_id)."""
     for i in range(words.shape[0]):
         acc = np.uint64(0)
         for j in range(words.shape[1]):
-            x = (words[i, j] ^ skeys[j]) * m1
-            x = (x ^ (x >> s29)) * kkeys[j]
-            acc += x ^ (x >> s32)
-        x = np.uint64(ids[i])
-        if mix_id:
-            x = x * m1
-            x = (x ^ (x >> s29)) * gold
-            x = x ^ (x >> s32)
-        x = (x ^ seed) * m1
-        x = (x ^ (x >> s29)) * m2
-        out[i] = acc + (x ^ (x >> s32))
+            acc += _word_term(words[i, j], skeys[j], kkeys[j])
+        out[i] = _with_id(acc, ids[i], seed, mix_id)
 
 
 _SUMS = Kernel(_sums_loop, nogil=True)
@@ -189,31 +202,18 @@ def row_sums(rows: np.ndarray, ids: np.ndarray, key: RowKey, *, compiled: bool =
 def _records_loop(a, b, ids, skeys, kkeys, seed, mix_id, out):
     """out[i] = a[i] || b[i] || sum (uint64 words): format 2 records of rows given as two
     column blocks of whole words, each row summed as it is copied (one pass over it)."""
-    m1, m2, gold = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x9E3779B97F4A7C15)
-    s29, s32 = np.uint64(29), np.uint64(32)
     wa, wb = a.shape[1], b.shape[1]
     for i in range(a.shape[0]):
         acc = np.uint64(0)
         for j in range(wa):
             w = a[i, j]
             out[i, j] = w
-            x = (w ^ skeys[j]) * m1
-            x = (x ^ (x >> s29)) * kkeys[j]
-            acc += x ^ (x >> s32)
+            acc += _word_term(w, skeys[j], kkeys[j])
         for j in range(wb):
             w = b[i, j]
             out[i, wa + j] = w
-            x = (w ^ skeys[wa + j]) * m1
-            x = (x ^ (x >> s29)) * kkeys[wa + j]
-            acc += x ^ (x >> s32)
-        x = np.uint64(ids[i])
-        if mix_id:
-            x = x * m1
-            x = (x ^ (x >> s29)) * gold
-            x = x ^ (x >> s32)
-        x = (x ^ seed) * m1
-        x = (x ^ (x >> s29)) * m2
-        out[i, wa + wb] = acc + (x ^ (x >> s32))
+            acc += _word_term(w, skeys[wa + j], kkeys[wa + j])
+        out[i, wa + wb] = _with_id(acc, ids[i], seed, mix_id)
 
 
 _RECORDS = Kernel(_records_loop, nogil=True)
