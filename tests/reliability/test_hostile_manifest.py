@@ -5,27 +5,24 @@ again, is fetched as before. Against a real Mooncake cluster on loopback."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from tierstore.store.catalog import MAX_RECORD_BYTES, Catalog
-from tierstore.tiers.remote.mooncake import LocalCluster, missing_reason
 from tierstore.tiers.remote.publish import prefix
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_cluster import local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    why = missing_reason()
-    if why:
-        pytest.skip(why)
-    c = LocalCluster(stores=1, segment_bytes=64 << 20, client_ttl_s=2, log_dir=tmp_path / "mooncake-logs")
-    try:
+    with local_cluster(tmp_path / "mooncake-logs", stores=1) as c:
         yield c
-    finally:
-        c.stop()
-        assert all(p.poll() is not None for p in [c.master, *c.stores])
 
 
 def _hostile(genuine: bytes) -> dict[str, tuple[bytes, str]]:

@@ -2,19 +2,16 @@
 processes (each lending a DRAM segment), stopped at teardown. Never a mock."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from tierstore.tiers.remote.mooncake import LocalCluster, missing_reason
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_cluster import local_cluster  # noqa: E402
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    why = missing_reason()
-    if why:
-        pytest.skip(why)
-    c = LocalCluster(stores=2, segment_bytes=64 << 20, client_ttl_s=2, log_dir=tmp_path / "mooncake-logs")
-    try:
+    with local_cluster(tmp_path / "mooncake-logs", stores=2) as c:
         yield c
-    finally:
-        c.stop()
-        assert all(p.poll() is not None for p in [c.master, *c.stores])  # no process left
