@@ -96,15 +96,17 @@ def test_stale_lease_ids_cannot_release_another_clients_lease(table, sidecars):
     try:
         with Client(sc.socket, timeout=5) as other:
             capacity = other.tables()[0]["arena_slots"]
-            held_ids = np.arange(20_000, 20_000 + capacity // 2)
+            # within one client's share (--max-client-share 0.5) with `old` about: a quarter held,
+            # a quarter a step, six steps that together ask more distinct rows than the arena holds
+            held_ids = np.arange(20_000, 20_000 + capacity // 4)
             held = other.plan("t", held_ids)
             held.slots()
             with old.plan("t", np.arange(100, 110)) as s:  # carries the stale release
                 s.slots()
             # churn the rest of the arena: the held rows must stay put
             rng = np.random.default_rng(0)
-            for _ in range(4):
-                with other.plan("t", rng.choice(np.arange(0, 20_000), capacity // 3, replace=False)) as s:
+            for _ in range(6):
+                with other.plan("t", rng.choice(np.arange(0, 20_000), capacity // 4, replace=False)) as s:
                     s.slots()
             assert np.array_equal(held.rows(), expected[held_ids])
             held.release()

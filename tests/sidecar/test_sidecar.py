@@ -147,14 +147,14 @@ def test_leases_of_a_dead_client_expire(cached, tmp_path):
         "import sys, numpy as np\n"
         "from tierstore.client.client import Client\n"
         f"c = Client({str(sc.socket)!r})\n"
-        "s = c.plan('t32', np.arange(0, 500)); s.slots()\n"
+        "s = c.plan('t32', np.arange(0, 200)); s.slots()\n"  # within its share while c is about
         "print('planned', flush=True); import time; time.sleep(60)\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=tmp_path)
     try:
         assert p.stdout.readline().strip() == b"planned"
         leased = lambda: int({t["table"]: t for t in c.stats()["tables"]}["t32"]["leased_slots"])
-        assert leased() >= 500
+        assert leased() >= 200
         p.kill()
         p.wait()
         deadline = time.monotonic() + 10
