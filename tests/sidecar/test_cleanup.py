@@ -194,3 +194,37 @@ def test_a_burst_of_signals_stops_the_sidecar_cleanly(tmp_path):
             assert not sc.socket.exists() and not any(p.exists() for p in shm)
         finally:
             sc.stop()
+
+
+def test_a_sigterm_taken_by_another_thread_stops_the_sidecar(tmp_path):
+    """A supervisor's SIGTERM may be handed to any thread of the sidecar (gRPC's, the lease
+    reaper's), not the main thread that waits to stop: the sidecar must stop all the same,
+    exit 0, its socket and arenas gone. The signal is sent to each other thread in turn."""
+    import ctypes
+    import os
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+    if sys_tgkill is None:
+        pytest.skip(f"tgkill's syscall number on {platform.machine()} is not known here")
+    d = tmp_path / "data"
+    _table(d, 4096)
+    sc = SidecarProcess(d, dram_budget="64KiB").start()  # cache mode: reaper, verifier, learner threads
+    try:
+        with Client(sc.socket) as c:
+            c.lookup("t", np.arange(10))
+        pid = sc.proc.pid
+        others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert others, "the sidecar runs its gRPC and step-socket threads"
+        shm = sc.shm_files()
+        assert libc.syscall(sys_tgkill, pid, others[-1], int(signal.SIGTERM)) == 0, ctypes.get_errno()
+        try:
+            sc.proc.wait(10)
+        except Exception:
+            pytest.fail(f"a SIGTERM taken by thread {others[-1]} did not stop the sidecar within 10 s")
+        assert sc.proc.returncode == 0, sc.log()
+        assert "tierstore stopped" in sc.log()
+        assert not sc.socket.exists() and not any(p.exists() for p in shm)
+    finally:
+        sc.cleanup()

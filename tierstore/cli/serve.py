@@ -139,11 +139,18 @@ class _StopPipe:
     lock: it runs in the main thread between two bytecodes, possibly while that thread
     holds the very lock it would take (threading.Event.set() from a handler deadlocks
     when the signal lands as Event.wait() begins, and the sidecar then never stops). So
-    a handler only writes a byte to a pipe, and the main thread blocks reading it."""
+    a handler only writes a byte to a pipe, and the main thread blocks reading it.
+
+    The kernel may hand a process's signal to any of its threads (gRPC's, the reaper's):
+    the main thread's read() is then not interrupted, and a Python handler, which runs
+    only in the main thread, would wait for a wake-up that never comes. So the pipe is
+    also the interpreter's wake-up fd (serve()): the C-level handler writes to it from
+    whichever thread took the signal, and the read returns."""
 
     def __init__(self):
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
+        self.wakeup_fd = self._w  # non-blocking, as signal.set_wakeup_fd requires
         self.stopped = threading.Event()  # for threads (the parent watch), set by the main thread
 
     def signal(self, *_) -> None:
@@ -254,5 +261,6 @@ class _StartUpSignals:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, stop.signal)
+        signal.set_wakeup_fd(stop.wakeup_fd, warn_on_full_buffer=False)
         if self.signum:
             raise SystemExit(128 + self.signum)
