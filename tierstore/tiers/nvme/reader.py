@@ -630,7 +630,10 @@ class SegmentReader(ColdTier):
 
     def _read_blocks(self, blocks: np.ndarray, buf: memoryview) -> None:
         """Read sorted unique `blocks` into `buf` (block j at j * block_bytes) and
-        verify each; adjacent blocks in one segment are read with one pread."""
+        verify each; adjacent blocks in one segment are read with one pread. A block
+        that fails its catalog checksum is a ChecksumError, which says the catalog is
+        the damaged part when each of the block's rows passes its own row checksum
+        (_blame)."""
         seg = blocks // self._blocks_per_seg
         brk = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(seg) != 0)) + 1
         starts = np.concatenate([[0], brk])
@@ -664,7 +667,37 @@ class SegmentReader(ColdTier):
         bb = self._block_bytes
         for j, (e, n) in enumerate(zip(expect, lens.tolist())):
             if h(buf[j * bb:j * bb + n]) != e:
-                raise ChecksumError(self.table, self.version.version, int(blocks[j]))
+                raise ChecksumError(self.table, self.version.version, int(blocks[j]),
+                                    self._blame(int(blocks[j]), buf[j * bb:j * bb + n]))
+
+    def _blame(self, block: int, raw: memoryview) -> str:
+        """Why `block` (its bytes as read, `raw`) failed its catalog checksum, for the error:
+        "" when one of its rows fails its own row checksum too (or a format 2 record's zero
+        padding is not zero), or the version has none: the block is corrupt. Else every byte
+        of the block is as written (each row checked by a sum keyed by its id, the padding
+        zero, the sums themselves matching), so the catalog's checksum of it is what is
+        damaged, and the message names the catalog and the fix. Runs only on a failed block."""
+        if not self.verifies_rows:
+            return ""
+        recs = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.record_bytes)
+        r0 = block * self.block_rows
+        ids = np.arange(r0, r0 + recs.shape[0], dtype=np.int64)
+        if self.inline:
+            if recs[:, self.row_bytes:self.record_bytes - 8].any():
+                return ""
+            want = np.ascontiguousarray(recs[:, -8:]).view("<u8")[:, 0]
+        else:
+            try:
+                self._check_sums(ids)
+            except ChecksumError:  # the row-sum file shrank: the rows cannot speak for themselves
+                return ""
+            want = self.row_sums[r0:r0 + ids.size]
+        if not np.array_equal(rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key), want):
+            return ""
+        catalog = self.data_dir / "catalog"
+        return (f"each of its rows {r0}..{r0 + ids.size - 1} passes its own row checksum: the block's checksum "
+                f"in the catalog ({catalog}) is damaged, not the rows; `tierstore verify --data {self.data_dir}` "
+                f"lists every such block; restore {catalog} from a backup, or re-ingest or import the table")
 
     def _pread_runs(self, runs: list, buf: memoryview) -> tuple[int, tuple | None]:
         """pread each (segment, offset, buffer position, bytes) run; returns the bytes
