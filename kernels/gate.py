@@ -70,7 +70,8 @@ def engram_gate_torch(h, k, v, w_h, w_k, eps: float = 1e-6, residual: bool = Tru
     """Reference gate in torch, fp32 math; same formula as the Triton kernel."""
     hf, kf, vf = h.float(), k.float(), v.float()
     D = h.shape[-1]
-    # einsum runs these row dot products as batched matmuls: ~4x faster on CPU than mul+sum
+    # einsum runs these row dot products as batched matmuls (same math as mul+sum, without
+    # the [T, M, D] product in memory; docs/decisions.md, "The gate's reference")
     rh = torch.rsqrt(torch.einsum("tmd,tmd->tm", hf, hf) / D + eps)
     rk = torch.rsqrt(torch.einsum("tmd,tmd->tm", kf, kf) / D + eps)
     dot = torch.einsum("tmd,tmd->tm", hf * w_h.float(), kf * w_k.float())

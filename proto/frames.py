@@ -191,12 +191,12 @@ def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = Non
 
 def spin_seconds() -> float:
     """How long a step-socket reader polls before it blocks (FrameReader._recv):
-    TIERSTORE_SPIN_US, default 0 (never). Polling saves the ~30 µs a side that
-    waking a blocked thread costs, but burns the core meanwhile. On this
-    project's 2-vCPU VMs (one core's throughput) it cut a loop of all-hit
-    256-id steps from ~270 to ~160 µs, yet gained nothing in bench lookup,
-    where the poller slows its peer's plan as much as it saves; it is meant
-    for hosts with a spare core per worker."""
+    TIERSTORE_SPIN_US, default 0 (never). Polling saves the wake-up of a
+    blocked thread on each side of a step, but burns a core meanwhile: it
+    shortens a loop of all-hit steps, yet where client and sidecar share too
+    few cores the poller slows its peer's plan as much as it saves, so it is
+    off unless asked for; it is meant for hosts with a spare core per worker
+    (docs/decisions.md, "Step-socket polling")."""
     try:
         return max(0.0, float(os.environ.get("TIERSTORE_SPIN_US", "0"))) * 1e-6
     except ValueError:

@@ -1,11 +1,12 @@
 """The sidecar's plans compute one at a time, and wait side by side.
 
 Plans arrive on many threads (one per step-socket connection, the gRPC workers,
-the prefetch pool) that share one GIL. A plan is a millisecond of Python and
-numpy dotted with GIL releases (a numpy pass, a stat, a lock); with several
-plans runnable, each release hands the GIL to another plan and the first then
-waits up to a switch interval to get it back. Measured on 2 cores with 4 client
-processes: a 1 ms plan took 5-10 ms and four clients served fewer rows than one.
+the prefetch pool) that share one GIL. A plan is Python and numpy dotted with
+GIL releases (a numpy pass, a stat, a lock); with several plans runnable, each
+release hands the GIL to another plan and the first then waits up to a switch
+interval (sys.getswitchinterval()) to get it back, so a plan that computes for
+less than one interval is stretched over several of them, and more clients serve
+fewer rows in all (docs/decisions.md, "Plans compute one at a time").
 
 So a plan holds this token while it computes and gives it up only where it
 waits for something outside the process (reads in flight on the device, the

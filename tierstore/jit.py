@@ -1,17 +1,18 @@
 """Compiled versions of the Plan path's small loops, with the numpy reference kept.
 
-A Plan of a decode step (a few hundred ids) runs ~40 array operations: slot
-lookup, pins, the sketch's conservative update, the policy's hit marks. Each
-numpy call costs 1-5 µs of overhead before it touches a byte, so a step's
-control path costs more than its data. One compiled loop per operation does
-the same work in well under a µs per hundred ids.
+A Plan of a decode step (a few hundred ids) runs dozens of small array
+operations: slot lookup, pins, the sketch's conservative update, the policy's
+hit marks. Each numpy call pays a fixed dispatch cost before it touches a byte,
+and at a few hundred ids that cost, not the data, is most of a step's control
+path. One compiled loop per operation pays it once (docs/decisions.md,
+"Compiled Plan loops").
 
 `Kernel(fn)` wraps a plain-Python loop written for numba. `.compiled()` is the
 numba function (compiled on first use, cached on disk), or None where numba is
 missing or TIERSTORE_NO_JIT=1: callers then run their numpy path, which is
 also the reference the tests compare with. Kernels keep the GIL (nogil off): a
-call is microseconds, and releasing it would let another thread take it for a
-switch interval (cpu_token.py). Bulk kernels that run for milliseconds over a
+call is far shorter than a switch interval, and releasing it would let another
+thread take it for one (cpu_token.py). Bulk kernels that run for milliseconds over a
 whole chunk (ingest's row sums) ask for `Kernel(fn, nogil=True)` instead, so the
 other stages of a pipeline run meanwhile.
 """

@@ -142,6 +142,48 @@ def test_flipped_bit_is_never_served(table, data_dir):
     assert reader.verify() == [42]
 
 
+
+def test_a_block_that_fails_only_its_catalog_checksum_names_the_catalog(table, data_dir):
+    """Rows as written under a damaged block checksum: the error names the catalog and its fix,
+    not the rows; once a row of the block is damaged too, the block is blamed as before."""
+    reader, tv, data = table
+    sums = np.array(reader.checksums)
+    sums[42] ^= 1
+    with SegmentReader(data_dir, tv, sums) as r:
+        with pytest.raises(ChecksumError, match="checksum mismatch in block 42 ") as e:
+            r.read_range(290, 20)
+        msg = str(e.value)
+        assert e.value.block == 42 and "rows 294..300 passes its own row checksum" in msg, msg
+        assert f"the block's checksum in the catalog ({data_dir}/catalog) is damaged, not the rows" in msg, msg
+        assert f"`tierstore verify --data {data_dir}`" in msg and "re-ingest" in msg, msg
+        assert np.array_equal(r.read_range(0, 294), data[:294])  # the other blocks still load
+    _flip(data_dir, tv, 300)  # a row of that block damaged as well
+    with SegmentReader(data_dir, tv, sums) as r:
+        with pytest.raises(ChecksumError, match="checksum mismatch in block 42$"):
+            r.read_range(290, 20)
+
+
+def test_padded_records_blame_the_catalog_only_when_their_padding_is_as_written(data_dir, make_table):
+    """Format 2 pads a 12-B row to 16 B before its sum. A damaged checksum of an intact block
+    names the catalog; a flipped padding byte passes the row sum, yet the block is not as
+    written, so that block is blamed, not the catalog."""
+    tv, data = make_table("p", rows=50, row_bytes=12, block_rows=8)
+    assert tv.record_bytes == 24
+    with Catalog(data_dir, readonly=True) as cat:
+        sums = cat.checksums("p", tv.version)
+    sums[4] ^= 1 << 40
+    path = data_dir / tv.segments[0]
+    raw = bytearray(path.read_bytes())
+    raw[20 * tv.record_bytes + 13] ^= 0x10  # row 20's padding: block 2
+    path.write_bytes(bytes(raw))
+    with SegmentReader(data_dir, tv, sums) as r:
+        assert np.array_equal(r.read_rows(np.array([20])), data[[20]])  # the row itself is right
+        with pytest.raises(ChecksumError, match="checksum mismatch in block 2$"):
+            r.read_range(0, 50)
+        with pytest.raises(ChecksumError, match=r"block 4 \(each of its rows 32..39 passes .* the catalog \("):
+            r.read_range(24, 26)
+        assert r.verify() == [2, 4]
+
 def test_truncated_and_missing_segments(table, data_dir):
     reader, tv, _ = table
     last = data_dir / tv.segments[-1]  # rows 980..999, blocks 140..142

@@ -2,7 +2,7 @@
 whether its bytes are ready. One table, shared with the cache policy.
 
 Every operation costs O(slots it is given), never O(arena): at V4.1 scale an
-arena has 10^8 slots, and a pass over them is hundreds of milliseconds.
+arena has 10^8 slots, and one pass over them would cost more than many steps.
 
 States, read from `id_of` and `gen` (nothing stored for them): EMPTY (id_of < 0:
 on the free stack, or taken off it and not assigned yet), FILLING (a row id,

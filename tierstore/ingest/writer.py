@@ -49,7 +49,8 @@ __all__ = ["write_version", "SEGMENT_BYTES", "CHUNKS_IN_FLIGHT"]
 SEGMENT_BYTES = 1 << 30
 # segment format 1: one uint64 checksum per row (tierstore.tiers.nvme.rowsum), beside the segments
 ROW_SUMS_FILE = "rowsums.u64"
-# A checksum block is read and hashed whole; the default is ~16 KiB.
+# A checksum block is read and hashed whole; the default is about BLOCK_TARGET_BYTES
+# (tiers/nvme/reader.py: default_block_rows), this is the most a version may ask for.
 MAX_BLOCK_BYTES = 64 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # Chunks between the source and the end of the read-back (write_version's

@@ -121,8 +121,7 @@ class Catalog:
                 raise VersionNotFound(f"table {table!r} version {version} has no checksums")
             tv = self._manifest(txn, table, version)
             if len(raw) != 8 * tv.n_blocks:
-                raise DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums "
-                               f"hold {len(raw) / 8:g} entries for {tv.n_blocks} blocks; the catalog is corrupt")
+                raise self._cut_sums(table, version, len(raw), tv.n_blocks)
             return np.frombuffer(raw, dtype="<u8").copy()
 
     def block_checksums(self, table: str, version: int, index, n_blocks: int) -> np.ndarray:
@@ -135,10 +134,16 @@ class Catalog:
             if raw is None:
                 raise VersionNotFound(f"table {table!r} version {version} has no checksums in the catalog any more")
             if len(raw) != 8 * n_blocks:
-                raise DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums "
-                               f"hold {len(raw) / 8:g} entries for {n_blocks} blocks; the catalog is corrupt")
+                raise self._cut_sums(table, version, len(raw), n_blocks)
             out = np.frombuffer(raw, dtype="<u8")[index]
             return out.copy() if isinstance(out, np.ndarray) else out  # the buffer dies with the txn
+
+    def _cut_sums(self, table: str, version: int, nbytes: int, n_blocks: int) -> DataLoss:
+        """The error for a version's checksum record of `nbytes` that is not 8 B a block."""
+        path = self.data_dir / "catalog"
+        return DataLoss(f"catalog record of table {table!r} version {version} is inconsistent: checksums hold "
+                        f"{nbytes / 8:g} entries for {n_blocks} blocks; the catalog is corrupt: restore {path} "
+                        f"from a backup, or re-ingest or import the table")
 
     def _manifest(self, txn, table: str, version: int) -> TableVersion:
         raw = txn.get(_vkey(_VER, table, version))

@@ -57,7 +57,7 @@ SMALL_PAGE = 4096
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # Linux; mmap exposes the first only from 3.8 on some builds
 _MAGIC = b"TSARENA1"
 # magic, retired, full, instance (16 ascii), version, slots, row_bytes, host (16), table (64),
-# split (bytes of a row's leading part stored for all rows first; 0: interleaved, as in arenas before it)
+# split (bytes of a row's leading part stored for all rows first; 0: interleaved)
 _LAYOUT = struct.Struct("<8sII16sQQI16s64sI")
 
 

@@ -126,8 +126,8 @@ class CachePolicy:
         soft hint: hinted rows are kept over others until then, but unlike a pin
         it never makes victims() fail. TableEngine.prefetch calls it once, when
         a request is admitted. Say when the request will run: a hint that
-        outlives its use keeps rows nobody reads (`bench cache`: +0.057 over the
-        best reference with the exact wait, +0.037 with a 25% longer one).
+        outlives its use keeps rows nobody reads, and gains less the longer it
+        overstays (docs/decisions.md, "How long a hint lasts").
         Costs O(len(slots) + len(ids)), whatever is pending already."""
         steps = self.config.hint_steps(steps)
         slots = np.asarray(slots, dtype=np.int64)

@@ -22,10 +22,9 @@ class PolicyConfig:
         every `adapt_period` accesses per cache slot, move it by `adapt_step`
         of the capacity in the direction that last raised the hit ratio (turn
         back when it fell); the step decays by 2% per move. Off by default: the
-        best window differs by trace and cache size (0.1 to 0.35 on the text
-        traces) but hit-ratio noise between periods misled the climber on them
-        (up to -0.015 against a fixed 0.2, which stays within 0.001 of the best
-        reference at every size; `bench cache`).
+        best window differs by trace and cache size, but hit-ratio noise between
+        periods misleads the climber, and a fixed 0.2 stays close to the best
+        reference at every size (docs/decisions.md, "The probation window").
     main_freq: sketch count at which a missed id enters main directly (it was
         seen before and evicted); 0 sends every miss to probation.
     class_bins: equal ranges of the id space whose recent hit rates the policy learns
@@ -56,15 +55,14 @@ class PolicyConfig:
         but at least pending_min (or twice the capacity, if less); a hint past it
         keeps the ids that fit. Its table costs 10.5 B an id of the bound (7 B an
         entry, 1.5 x the bound: pending.py), so the share costs 10.5 x
-        pending_share B a slot from the first hint with ids: 0.66 at 1/16. Why
-        these: what a queue of hints needs is its depth times its steps' missing
-        ids, not a share of the arena. A bound below about twice the capacity
-        costs hit ratio only in small arenas, where a queue's misses are a large
-        share of the slots (a read-ahead id whose entry found no room is not
-        protected, and is evicted before its request runs); pending_min keeps
-        twice the capacity up to 64 Ki slots, and in large arenas the share
-        leaves room for deeper queues (508 k ids at 8.1 M slots). Measured with
-        `bench cache`'s queued replays: docs/benchmarks.md, cache-mode memory.
+        pending_share B a slot from the first hint with ids. Why these: what a
+        queue of hints needs is its depth times its steps' missing ids, not a
+        share of the arena. A bound below about twice the capacity costs hit
+        ratio only in small arenas, where a queue's misses are a large share of
+        the slots (a read-ahead id whose entry found no room is not protected,
+        and is evicted before its request runs); pending_min keeps twice the
+        capacity up to 64 Ki slots, and in large arenas the share leaves room for
+        deeper queues (docs/benchmarks.md, cache-mode memory).
     pending_client_share: the share of those one client (its owner id) may hold,
         so one client's deep queue leaves room for the others' hints (by default
         half: as many ids as the arena has slots in arenas up to 64 Ki slots).
@@ -75,16 +73,15 @@ class PolicyConfig:
         victim is promoted only once the sketch has counted it this many times,
         this access included: a doorkeeper, one-hit wonders never displace
         resident rows. While the arena has free slots every such miss is
-        promoted (a free slot is always better than a disk read).
-        On the demo table at a 10% budget, 2 against 1 (promote every miss):
-        hit ratio 0.59 -> 0.66 (Zipf 1.0, 4,096-id steps), 0.39 -> 0.46 (Zipf
-        0.8), 0.886 -> 0.890 (Zipf 1.2, 256), and a quarter less sidecar CPU;
-        3 lost at 256-id steps (0.85). Planned misses are always promoted (the
-        step reads them from the arena).
+        promoted (a free slot is always better than a disk read). 2 rather than
+        1 (promote every miss) raises the hit ratio and lowers the sidecar's CPU;
+        3 loses hit ratio at small steps (docs/decisions.md, "The read
+        doorkeeper"). Planned misses are always promoted (the step reads them
+        from the arena).
     sketch_width: sketch counters per row per cache slot (rounded up to whole
         64-byte blocks). With sketch_depth, the sketch's bytes a slot: the default,
         8 B (2 x 8 four-bit counters, TinyLFU's sizing of a few counters a slot),
-        keeps a cached table's state within 31 B a slot, 12% of a 264-B row
+        keeps a cached table's state within its per-slot budget
         (docs/architecture.md); half of it loses hit ratio on real text in small
         arenas, more gains little (docs/benchmarks.md, the sketch).
     sketch_depth: hash rows of the sketch.

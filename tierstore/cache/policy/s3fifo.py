@@ -146,7 +146,8 @@ class S3FIFOPolicy(CachePolicy):
 
     def _expect(self, slots, steps):
         """Full CLOCK credit: max_hits passes in main, promotion from probation
-        (a longer credit for hinted rows measured no better)."""
+        when the hint has no steps (with steps its end protects the row instead);
+        a credit over max_hits for hinted rows kept no more hits on `bench cache`."""
         slots = slots[live(self._entry[slots])]
         if steps:
             self._protect(slots, np.full(slots.size, self._steps + steps, dtype=np.int64))

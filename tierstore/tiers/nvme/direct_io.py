@@ -2,7 +2,7 @@
 
 With `--direct-io` the cold tier is not cached twice (page cache + arena): a
 miss reads the aligned sectors that hold its row (512 B for a 256-B row on a
-512-B-sector disk, against a 4 KiB checksum block before) into an aligned
+512-B-sector disk, where the block path reads its whole checksum block) into an aligned
 scratch buffer; rows whose sectors touch are read with one pread. The reads of
 one call go out from the caller's thread while sibling tasks of the same call
 run on the reader's pool, so the device sees a queue (preadv drops the GIL).

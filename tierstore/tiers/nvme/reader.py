@@ -66,7 +66,8 @@ __all__ = ["SegmentReader", "default_block_rows", "read_pool", "BLOCK_TARGET_BYT
 # faults in flight); O_DIRECT waits on the device for every row, so more tasks.
 CHUNK_BYTES = 256 << 10
 ROW_TASKS, ROWS_PER_TASK = 16, 512
-# compiled (tiers/nvme/verified_copy.py), a row takes ~60 ns: a pool hand-off (~50 µs) pays only for big tasks
+# compiled (tiers/nvme/verified_copy.py), a row costs a small fraction of a pool hand-off: only a task
+# this big pays for one
 COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
 
@@ -102,10 +103,9 @@ def _map_sums(fd: int, rows: int) -> np.ndarray | None:
 # A block is the unit of checksumming and of reading: verifying a row means
 # reading its whole block, so the block size is the read amplification of a
 # cache miss. About 4 KiB, one NVMe page: a random 4 KiB read is the cheapest
-# the device does, and measured on a 1M x 256 B table at a 10% DRAM budget
-# (Zipf 1.0, 32k-id steps) 4 KiB blocks served 1.24M rows/s against 0.95M for
-# 16 KiB (3.9 KB vs 13.4 KB read per miss). The price is the checksum list:
-# 8 B per 4 KiB = 0.2%, 190 MB for a 98 GB V4.1 layer.
+# the device does, so a bigger block only multiplies the bytes a miss reads
+# (docs/decisions.md, "The checksum block"). The price is the checksum list:
+# 8 B a block, 1/512 of the table.
 BLOCK_TARGET_BYTES = 4 * 1024
 # Bound the scratch memory of one call: blocks are read and verified in groups.
 GROUP_BYTES = 8 << 20
@@ -137,7 +137,9 @@ def default_block_rows(row_bytes: int) -> int:
 # ---- page-cache mode ----
 PAGE_SHIFT = 12
 EVICTED_FRACTION = 0.1     # a gather that major-faulted on more of its rows than this
-EVICTED_S_PER_ROW = 10e-6  # without fault counts: a major fault costs ~100 us, a cached page's first touch ~1 us
+# without fault counts: a gather this slow a row waited on the device (major faults), not on a cached
+# page's first touch, which costs orders of magnitude less
+EVICTED_S_PER_ROW = 10e-6
 PROBE_ROWS = 32
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
 
@@ -587,7 +589,7 @@ class SegmentReader(ColdTier):
         """Page-cache mode: rows on pages this reader has read before come from its
         map (a gather: no syscall once mapped); rows on pages it has not are
         pread (a page fault on a cold page would wait for the device one at a
-        time per thread, and a first touch of a cached page costs a few us too),
+        time per thread, and a first touch of a cached page is a fault too),
         after which their pages count as seen. Every row is placed and verified
         in one pass (tiers/nvme/verified_copy.py)."""
         view, seen = src
@@ -628,7 +630,10 @@ class SegmentReader(ColdTier):
 
     def _read_blocks(self, blocks: np.ndarray, buf: memoryview) -> None:
         """Read sorted unique `blocks` into `buf` (block j at j * block_bytes) and
-        verify each; adjacent blocks in one segment are read with one pread."""
+        verify each; adjacent blocks in one segment are read with one pread. A block
+        that fails its catalog checksum is a ChecksumError, which says the catalog is
+        the damaged part when each of the block's rows passes its own row checksum
+        (_blame)."""
         seg = blocks // self._blocks_per_seg
         brk = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(seg) != 0)) + 1
         starts = np.concatenate([[0], brk])
@@ -662,7 +667,37 @@ class SegmentReader(ColdTier):
         bb = self._block_bytes
         for j, (e, n) in enumerate(zip(expect, lens.tolist())):
             if h(buf[j * bb:j * bb + n]) != e:
-                raise ChecksumError(self.table, self.version.version, int(blocks[j]))
+                raise ChecksumError(self.table, self.version.version, int(blocks[j]),
+                                    self._blame(int(blocks[j]), buf[j * bb:j * bb + n]))
+
+    def _blame(self, block: int, raw: memoryview) -> str:
+        """Why `block` (its bytes as read, `raw`) failed its catalog checksum, for the error:
+        "" when one of its rows fails its own row checksum too (or a format 2 record's zero
+        padding is not zero), or the version has none: the block is corrupt. Else every byte
+        of the block is as written (each row checked by a sum keyed by its id, the padding
+        zero, the sums themselves matching), so the catalog's checksum of it is what is
+        damaged, and the message names the catalog and the fix. Runs only on a failed block."""
+        if not self.verifies_rows:
+            return ""
+        recs = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.record_bytes)
+        r0 = block * self.block_rows
+        ids = np.arange(r0, r0 + recs.shape[0], dtype=np.int64)
+        if self.inline:
+            if recs[:, self.row_bytes:self.record_bytes - 8].any():
+                return ""
+            want = np.ascontiguousarray(recs[:, -8:]).view("<u8")[:, 0]
+        else:
+            try:
+                self._check_sums(ids)
+            except ChecksumError:  # the row-sum file shrank: the rows cannot speak for themselves
+                return ""
+            want = self.row_sums[r0:r0 + ids.size]
+        if not np.array_equal(rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key), want):
+            return ""
+        catalog = self.data_dir / "catalog"
+        return (f"each of its rows {r0}..{r0 + ids.size - 1} passes its own row checksum: the block's checksum "
+                f"in the catalog ({catalog}) is damaged, not the rows; `tierstore verify --data {self.data_dir}` "
+                f"lists every such block; restore {catalog} from a backup, or re-ingest or import the table")
 
     def _pread_runs(self, runs: list, buf: memoryview) -> tuple[int, tuple | None]:
         """pread each (segment, offset, buffer position, bytes) run; returns the bytes

@@ -24,7 +24,7 @@ x86-64 Linux only (the rings' index updates rely on its store and load
 ordering, as local reads do), and only for plain reads (IORING_OP_READ, Linux
 5.6+). Anywhere else, or where io_uring is refused (seccomp, a container,
 `kernel.io_uring_disabled`), or with TIERSTORE_IO_URING=0, `Ring.open()` is
-None and the caller preads as before.
+None and the caller preads instead.
 """
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ A cache-mode fill copies each missing row into its arena slot and checks its
 row sum under its version's key (tiers/nvme/rowsum.py: RowKey): against the sum stored in the record
 beside the row (segment format 2, `place_records`: the record a miss reads
 carries it), or against a separate row-sum array (format 1, `place_verified`). In numpy that is a gather into scratch, six
-passes of hashing over it and a scatter into the arena, each a few µs of call
-overhead plus a trip through memory; a step of 100 misses spends most of its
-time there. Compiled (numba), one loop reads each row once, hashes its words as
-it copies them and compares the sum: ~50 ns a row, no temporaries. The GIL is
-kept: a call is microseconds, and giving it up would let another thread take it
-for a switch interval (cpu_token.py).
+passes of hashing over it and a scatter into the arena, each a call's overhead
+plus a trip through memory, which is most of what a decode step's few misses
+cost. Compiled (numba), one loop reads each row once, hashes its words as it
+copies them and compares the sum: no temporaries (docs/decisions.md, "The miss
+path compiled"). The GIL is kept: a call is far shorter than a switch interval,
+and giving it up would let another thread take it for one (cpu_token.py).
 
 numba is a dependency, but a platform without a wheel must still serve:
 `kernels()` is False there and callers keep the numpy path (the reference the
@@ -139,7 +139,7 @@ def _words(a: np.ndarray) -> np.ndarray:
         return np.empty((0, a.shape[1] // 8), dtype=np.uint64)
     if a.flags.c_contiguous:  # arena, segment map, scratch: the common case
         words = a.view(np.uint64)
-        if words.flags.aligned:  # 8-byte aligned (a.ctypes.data costs a µs)
+        if words.flags.aligned:  # 8-byte aligned, checked on the view (a.ctypes builds an object per call)
             return words
     if a.ctypes.data % 8:
         raise ValueError("rows are not 8-byte aligned")

@@ -6,12 +6,11 @@ Object layout (keys under ``tierstore/<table>/v<version>/``):
   ``manifest``      TableVersion JSON + xxh3 of the checksum list; written LAST
 and ``tierstore/<table>/latest`` -> the newest published version number.
 
-One object per checksum block, chosen by measurement on loopback TCP: a
-random cache miss needs one block, and Mooncake's cost is per object (2,000
-4 KiB objects: 97 ms; 125 64 KiB objects holding the same 8 MB: 10 ms), so
-bigger objects would multiply the bytes a random miss moves while a block
-object verifies on its own with the catalog's checksum. Bulk loads pay the
-per-object cost; see the bench.
+One object per checksum block: a random cache miss needs one block, and
+bigger objects would multiply the bytes it moves, while a block object verifies
+on its own with the catalog's checksum. Mooncake's cost is mostly per object,
+so bulk loads (publish, a new host's write-back) pay for the many small ones
+(docs/decisions.md, "One remote object per block"; `tierstore bench remote`).
 
 The manifest goes last, so a reader never sees a half-published version; a
 re-publish of a version whose manifest exists is a no-op.
