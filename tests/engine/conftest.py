@@ -43,7 +43,7 @@ def step():
     """step(engine, ids) -> (its Placement, the rows read at its slots): one planned step,
     its lease released after the copy."""
     def run(eng, ids):
-        res = eng.plan(np.asarray(ids), ttl_s=30.0, client=b"c")
+        res = eng.plan(np.asarray(ids), ttl_s=30.0, conn_id=b"c")
         rows = eng.arena.rows[res.slots].copy()
         eng.leases.release_client(b"c")
         return res, rows

@@ -40,7 +40,7 @@ def engine(cache_engines):
 
 
 def _plan(eng, ids, client=b"c"):
-    res = eng.plan(np.asarray(ids), ttl_s=30.0, client=client)
+    res = eng.plan(np.asarray(ids), ttl_s=30.0, conn_id=client)
     return res, eng.arena.rows[res.slots].copy()
 
 
@@ -101,7 +101,7 @@ def test_a_refused_lease_changes_nothing(engine):
     _plan(eng, np.arange(10))
     state = (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned)
     with pytest.raises(ResourceExhausted, match="per client"):
-        eng.plan(np.arange(3000, 3100), ttl_s=30.0, client=b"c")
+        eng.plan(np.arange(3000, 3100), ttl_s=30.0, conn_id=b"c")
     assert (eng.slots.n_free, eng.slots.resident, eng.slots.n_pinned) == state
 
 
@@ -143,11 +143,11 @@ def test_a_refused_retry_keeps_the_first_attempts_lease_and_leaks_no_pin(engine)
     once every client has released nothing is pinned, so the whole arena plans again."""
     eng, data = engine
     eng.leases.max_slots = 1000
-    first = eng.plan(np.arange(600), ttl_s=30.0, client=b"a", request_id=777)
-    eng.plan(np.arange(5000, 5300), ttl_s=30.0, client=b"b")  # another client holds part of the budget
+    first = eng.plan(np.arange(600), ttl_s=30.0, conn_id=b"a", request_id=777)
+    eng.plan(np.arange(5000, 5300), ttl_s=30.0, conn_id=b"b")  # another client holds part of the budget
     before = (len(eng.leases), eng.slots.pins.copy(), eng.slots.n_pinned)
     with pytest.raises(ResourceExhausted, match="limit 1000"):
-        eng.plan(np.arange(800), ttl_s=30.0, client=b"a", request_id=777)  # 300 + 800 > 1000
+        eng.plan(np.arange(800), ttl_s=30.0, conn_id=b"a", request_id=777)  # 300 + 800 > 1000
     assert len(eng.leases) == before[0] and eng.leases.alive(first.lease_id)
     assert np.array_equal(eng.slots.pins, before[1]) and eng.slots.n_pinned == before[2]
     eng.leases.release_client(b"a")
@@ -180,7 +180,7 @@ def test_every_pin_belongs_to_a_live_lease_whatever_is_refused(engine, ops):
                 ids = (lo + np.arange(n) * 7) % ROWS
                 pins, live = eng.slots.pins.copy(), len(lt)
                 try:
-                    held[client].append(eng.plan(ids, ttl_s=30.0, client=client, request_id=rid).lease_id)
+                    held[client].append(eng.plan(ids, ttl_s=30.0, conn_id=client, request_id=rid).lease_id)
                 except ResourceExhausted:
                     assert np.array_equal(eng.slots.pins, pins) and len(lt) == live, "a refusal changed the table"
             elif op == "release" and held[client]:
@@ -238,7 +238,7 @@ def test_a_row_pinned_as_often_as_a_slot_counts_refuses_the_next_lease(engine):
     assert np.array_equal(rows, data[5:10]) and eng.slots.pins[slot] == PIN_MAX
     before = (eng.slots.pins.copy(), eng.slots.n_pinned, len(eng.leases), eng.counters.lease_refusals)
     with pytest.raises(ResourceExhausted, match="plan again"):
-        eng.plan(np.array([3, 7, 5000]), ttl_s=30.0, client=b"c")
+        eng.plan(np.array([3, 7, 5000]), ttl_s=30.0, conn_id=b"c")
     assert np.array_equal(eng.slots.pins, before[0]) and eng.slots.n_pinned == before[1]
     assert len(eng.leases) == before[2] and eng.counters.lease_refusals == before[3] + 1
     eng.leases.release_client(b"c")  # a lease ends: the row is served again

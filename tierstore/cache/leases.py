@@ -12,7 +12,7 @@ own (x86 keeps stores, and loads, in order). A stalled step whose lease ended
 gets a clear error or a re-plan, never another step's rows.
 
 Lease ids are unguessable (40 random bits above the board index) and belong to
-the owner that took them: Release by anyone else is ignored.
+the client that took them (its conn_id): Release by anyone else is ignored.
 
 Fairness: no client (a step-socket connection) can refuse another's steps from
 within its own bounds. A client holds at most max_per_client leases; a lease
@@ -43,6 +43,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -50,7 +51,8 @@ from tierstore.cache.slot_table import PIN_MAX
 from tierstore.errors import InvalidArgument, ResourceExhausted
 from tierstore.tiers.shm_file import create_shm_file
 
-__all__ = ["Lease", "LeaseBoard", "LeaseTable", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE", "requested_ttl"]
+__all__ = ["Lease", "LeaseBoard", "LeaseTable", "LeasedEngine", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE",
+           "requested_ttl"]
 
 INDEX_BITS = 24
 INDEX_MASK = (1 << INDEX_BITS) - 1
@@ -62,11 +64,22 @@ RESERVE = 8  # the last 1/RESERVE of the leases, and of a table's slots, is kept
 _RANDOM_BATCH = 512  # lease ids' random bits drawn at once: one getrandom call per 512 leases, not per lease
 
 
+class LeasedEngine(Protocol):
+    """What a lease needs of the table engine whose pins hold its slots
+    (CacheEngine, tierstore/engine/cache.py; TableEngine declares table and capacity)."""
+
+    table: str       # the table's name, in refusals
+    capacity: int    # the arena's slots: every slot a lease holds is below it
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Drop one pin of each slot (the lease's end); slots were pinned when it was added."""
+
+
 @dataclass(slots=True)
 class Lease:
     lease_id: int
-    owner: object          # the TableEngine whose pins hold these slots
-    client: bytes          # who took it: only they may release it
+    engine: LeasedEngine   # whose pins hold these slots
+    conn_id: bytes         # the client that took it (its connection's id): only it may release it
     slots: np.ndarray      # unique slots (int32 when the arena allows: half the memory)
     expires: float         # time.monotonic() deadline
     request_id: int = 0
@@ -95,7 +108,7 @@ class LeaseTable:
     max_leases: live leases in all (1..MAX_LEASES). max_per_client: live leases of one
     client (None: max_leases). max_slots: slot entries held by all leases together
     (bounds their memory). client_share: the fraction of a table's arena slots
-    (owner.capacity) one client's live leases of it may hold while the table is
+    (engine.capacity) one client's live leases of it may hold while the table is
     contended, in (0, 1]; alone, at most all but the table's reserve (or client_share,
     if more); 1: no per-client slot bound at all. A slot in two of a client's leases
     counts twice. contention_s: how long a client's plan into a table's reserve makes
@@ -123,9 +136,9 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
         self._per_client: dict[bytes, int] = {}
-        self._table_slots: dict[object, dict[bytes, int]] = {}  # owner -> client -> slot entries its leases hold
+        self._table_slots: dict[LeasedEngine, dict[bytes, int]] = {}  # engine -> conn_id -> slot entries held
         self._by_request: dict[tuple[bytes, int], int] = {}
-        # owner -> client -> when it last planned a step into that table's reserve; weak: a retired
+        # engine -> conn_id -> when it last planned a step into that table's reserve; weak: a retired
         # engine's entry goes with it
         self._pressed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._slots_held = 0
@@ -137,24 +150,24 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, owner, slots: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Lease:
-        """Record a lease whose slots the owner has already pinned.
+    def add(self, engine: LeasedEngine, slots: np.ndarray, ttl_s: float, conn_id: bytes = b"",
+            request_id: int = 0) -> Lease:
+        """Record a lease whose slots the engine has already pinned.
 
         A request id seen before from the same client (a retried Plan) ends the
         lease the first attempt took, so a retry never leaves an extra lease.
         Every limit is checked before anything changes (the retried lease counted
         as ended): a refusal (ResourceExhausted) leaves the table exactly as it was,
         the first attempt's lease live, and the caller unpins the slots it passed."""
-        arena = getattr(getattr(owner, "arena", None), "slots", None)  # slots index it: a bound without a max()
-        if slots.size and ((arena is not None and arena <= 2**31) or int(slots.max()) < 2**31):
+        if slots.size and (engine.capacity <= 2**31 or int(slots.max()) < 2**31):  # slots index the arena
             slots = slots.astype(np.int32)
         with self._lock:
-            retried = self._leases.get(self._by_request.get((client, request_id), 0)) if request_id else None
-            refused = self._refusal(owner, client, slots.size, retried)
+            retried = self._leases.get(self._by_request.get((conn_id, request_id), 0)) if request_id else None
+            refused = self._refusal(engine, conn_id, slots.size, retried)
             if refused is not None:
                 raise refused
             freed = retried is not None
-            n_client = self._per_client.get(client, 0) - freed
+            n_client = self._per_client.get(conn_id, 0) - freed
             if not self._random:  # os.urandom, as secrets uses: unguessable, only drawn in batches
                 self._random = (np.frombuffer(os.urandom(8 * _RANDOM_BATCH), "<u8") >> (INDEX_BITS + 1)).tolist()
             # nothing below raises: the first attempt ends and the new lease starts together
@@ -162,57 +175,58 @@ class LeaseTable:
                 self._end(retried)
             index = self._free_index.pop()
             lease_id = (self._random.pop() or 1) << INDEX_BITS | index
-            lease = Lease(lease_id, owner, client, slots, time.monotonic() + ttl_s, request_id)
+            lease = Lease(lease_id, engine, conn_id, slots, time.monotonic() + ttl_s, request_id)
             self._leases[lease_id] = lease
-            self._per_client[client] = n_client + 1
+            self._per_client[conn_id] = n_client + 1
             self._slots_held += slots.size
-            of_table = self._table_slots.setdefault(owner, {})
-            of_table[client] = of_table.get(client, 0) + slots.size
+            of_table = self._table_slots.setdefault(engine, {})
+            of_table[conn_id] = of_table.get(conn_id, 0) + slots.size
             if request_id:
-                self._by_request[(client, request_id)] = lease_id
+                self._by_request[(conn_id, request_id)] = lease_id
             heapq.heappush(self._expiry, (lease.expires, lease_id))
             if self.board is not None:
                 self.board.ids[index] = lease_id
         if retried is not None:
-            retried.owner.unpin(retried.slots)
+            retried.engine.unpin(retried.slots)
         return lease
 
-    def admit(self, owner, client: bytes, n_slots: int, pinned: int, request_id: int = 0) -> None:
+    def admit(self, engine: LeasedEngine, conn_id: bytes, n_slots: int, pinned: int, request_id: int = 0) -> None:
         """Before a plan of `n_slots` unique slots reserves any (no row is read or evicted for a
         lease add would refuse): once `pinned` (the table's pinned slots) and the step fill all
-        but the table's reserve (1/RESERVE of owner.capacity), records that `client` wants
+        but the table's reserve (1/RESERVE of engine.capacity), records that `conn_id` wants
         the reserve (the table is contended for the others, whether this plan is refused or
         not); then raises the refusal add would give, or, past the reserve line, the
         fair-share refusal for a client holding its share of the rest."""
-        capacity = getattr(owner, "capacity", 0)
+        capacity = engine.capacity
         calm = capacity - capacity // RESERVE
         pressing = bool(capacity) and self.client_share < 1.0 and pinned + n_slots > calm
         with self._lock:
             if pressing:
-                self._pressed.setdefault(owner, {})[client] = time.monotonic()
-            retried = self._leases.get(self._by_request.get((client, request_id), 0)) if request_id else None
-            refused = self._refusal(owner, client, n_slots, retried)
+                self._pressed.setdefault(engine, {})[conn_id] = time.monotonic()
+            retried = self._leases.get(self._by_request.get((conn_id, request_id), 0)) if request_id else None
+            refused = self._refusal(engine, conn_id, n_slots, retried)
             if refused is not None:
                 raise refused
             if not pressing:
                 return
-            of_table = self._table_slots.get(owner, {})
-            mine = of_table.get(client, 0) - (retried.slots.size if retried is not None and retried.owner is owner
+            of_table = self._table_slots.get(engine, {})
+            mine = of_table.get(conn_id, 0) - (retried.slots.size if retried is not None and retried.engine is engine
                                               else 0)
-            fair = calm // (len(of_table) + (client not in of_table))
+            fair = calm // (len(of_table) + (conn_id not in of_table))
             if mine + n_slots > fair:
                 raise ResourceExhausted(
-                    f"table {getattr(owner, 'table', '?')!r}: {pinned} of the arena's {capacity} slots are leased; "
+                    f"table {engine.table!r}: {pinned} of the arena's {capacity} slots are leased; "
                     f"its last {capacity // RESERVE} go to clients under their fair share ({fair} slots each), "
                     f"and this client's leases would hold {mine + n_slots}: release finished steps, or plan "
                     "smaller ones")
 
-    def _refusal(self, owner, client: bytes, n_slots: int, retried: Lease | None) -> ResourceExhausted | None:
-        """(lock held) Why a lease of `n_slots` slots for `client` is refused, or None; the lease a
+    def _refusal(self, engine: LeasedEngine, conn_id: bytes, n_slots: int,
+                 retried: Lease | None) -> ResourceExhausted | None:
+        """(lock held) Why a lease of `n_slots` slots for `conn_id` is refused, or None; the lease a
         retried Plan ends (`retried`) counts as ended."""
         freed = retried is not None  # what ending the first attempt would give back
         n_leases = len(self._leases) - freed
-        n_client = self._per_client.get(client, 0) - freed
+        n_client = self._per_client.get(conn_id, 0) - freed
         held = self._slots_held - (retried.slots.size if freed else 0)
         if n_leases >= self.max_leases:
             return ResourceExhausted(
@@ -224,7 +238,7 @@ class LeaseTable:
         calm = self.max_leases - self.max_leases // RESERVE
         if n_leases >= calm and self.max_per_client < self.max_leases:
             # a latecomer of a greedy group is under the average: the reserve's share is small too
-            fair = min(calm // (len(self._per_client) + (client not in self._per_client)),
+            fair = min(calm // (len(self._per_client) + (conn_id not in self._per_client)),
                        max(1, self.max_per_client // RESERVE))
             if n_client >= fair:
                 return ResourceExhausted(
@@ -234,37 +248,37 @@ class LeaseTable:
         if held + n_slots > self.max_slots:
             return ResourceExhausted(
                 f"live leases hold {held} slots (limit {self.max_slots}); release finished steps")
-        capacity = getattr(owner, "capacity", 0)
+        capacity = engine.capacity
         if capacity and self.client_share < 1.0:
             share = max(1, int(capacity * self.client_share))
-            of_table = self._table_slots.get(owner, {})
-            mine = of_table.get(client, 0)
-            if freed and retried.owner is owner:
+            of_table = self._table_slots.get(engine, {})
+            mine = of_table.get(conn_id, 0)
+            if freed and retried.engine is engine:
                 mine -= retried.slots.size
             alone = max(share, capacity - capacity // RESERVE)  # the most an uncontended client may hold
             wanted = mine + n_slots
-            if wanted > share and self._contended(owner, client, of_table):
+            if wanted > share and self._contended(engine, conn_id, of_table):
                 return ResourceExhausted(
-                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {wanted} of the "
+                    f"table {engine.table!r}: this client's leases would hold {wanted} of the "
                     f"arena's {capacity} slots, over one client's share ({share}: --max-client-share "
                     f"{self.client_share:g}) while another client leases this table or wants its reserve; plan "
                     "smaller steps, release finished ones, or raise --max-client-share")
             if wanted > alone:
                 return ResourceExhausted(
-                    f"table {getattr(owner, 'table', '?')!r}: this client's leases would hold {wanted} of the "
+                    f"table {engine.table!r}: this client's leases would hold {wanted} of the "
                     f"arena's {capacity} slots; a client with the table to itself may lease {alone}, the last "
                     f"{capacity - alone} are kept for the next client (--max-client-share 1 lifts the bound); "
                     "plan smaller steps or release finished ones")
         return None
 
-    def _contended(self, owner, client: bytes, of_table: dict) -> bool:
-        """(lock held) Whether another live client holds leases of owner's table or planned a step
+    def _contended(self, engine: LeasedEngine, conn_id: bytes, of_table: dict) -> bool:
+        """(lock held) Whether another live client holds leases of engine's table or planned a step
         into its reserve within the last contention_s: a loop over the table's clients, once per
         plan past the client's share."""
-        if len(of_table) > (client in of_table):
+        if len(of_table) > (conn_id in of_table):
             return True
         since = time.monotonic() - self.contention_s
-        return any(when >= since for other, when in self._pressed.get(owner, {}).items() if other != client)
+        return any(when >= since for other, when in self._pressed.get(engine, {}).items() if other != conn_id)
 
     def _end(self, lease: Lease) -> None:
         """Forget a lease (lock held); the caller unpins its slots afterwards."""
@@ -272,48 +286,48 @@ class LeaseTable:
         if self.board is not None:
             self.board.ids[lease.lease_id & INDEX_MASK] = 0  # before the unpin: clients see it first
         self._free_index.append(lease.lease_id & INDEX_MASK)
-        left = self._per_client[lease.client] - 1
+        left = self._per_client[lease.conn_id] - 1
         if left:
-            self._per_client[lease.client] = left
+            self._per_client[lease.conn_id] = left
         else:
-            del self._per_client[lease.client]
+            del self._per_client[lease.conn_id]
         self._slots_held -= lease.slots.size
-        of_table = self._table_slots[lease.owner]
-        left = of_table[lease.client] - lease.slots.size
+        of_table = self._table_slots[lease.engine]
+        left = of_table[lease.conn_id] - lease.slots.size
         if left:
-            of_table[lease.client] = left
+            of_table[lease.conn_id] = left
         else:
-            del of_table[lease.client]
+            del of_table[lease.conn_id]
             if not of_table:
-                del self._table_slots[lease.owner]
+                del self._table_slots[lease.engine]
         if lease.request_id:
-            self._by_request.pop((lease.client, lease.request_id), None)
+            self._by_request.pop((lease.conn_id, lease.request_id), None)
 
     def alive(self, lease_id: int) -> bool:
         with self._lock:
             return lease_id in self._leases
 
-    def release(self, lease_ids, client: bytes = b"") -> int:
+    def release(self, lease_ids, conn_id: bytes = b"") -> int:
         """End this client's leases (unknown, ended or foreign ids are ignored); how many ended."""
         lease_ids = [int(i) for i in lease_ids]  # a bad id raises here, before any lease has ended
         ended = []
         with self._lock:
             for i in lease_ids:
                 lease = self._leases.get(i)
-                if lease is not None and lease.client == client:
+                if lease is not None and lease.conn_id == conn_id:
                     self._end(lease)
                     ended.append(lease)
         for lease in ended:
-            lease.owner.unpin(lease.slots)
+            lease.engine.unpin(lease.slots)
         return len(ended)
 
-    def release_client(self, client: bytes) -> int:
+    def release_client(self, conn_id: bytes) -> int:
         """End every lease of a client (its connection closed); its plans no longer contend any table."""
         with self._lock:
-            ids = [i for i, lease in self._leases.items() if lease.client == client]
+            ids = [i for i, lease in self._leases.items() if lease.conn_id == conn_id]
             for pressed in list(self._pressed.values()):
-                pressed.pop(client, None)
-        return self.release(ids, client)
+                pressed.pop(conn_id, None)
+        return self.release(ids, conn_id)
 
     def reap(self, now: float | None = None) -> int:
         """End every lease past its deadline."""
@@ -327,12 +341,12 @@ class LeaseTable:
                     self._end(lease)
                     expired.append(lease)
         for lease in expired:
-            lease.owner.unpin(lease.slots)
+            lease.engine.unpin(lease.slots)
         return len(expired)
 
-    def count_for(self, owner) -> int:
+    def count_for(self, engine: LeasedEngine) -> int:
         with self._lock:
-            return sum(1 for lease in self._leases.values() if lease.owner is owner)
+            return sum(1 for lease in self._leases.values() if lease.engine is engine)
 
     def close(self) -> None:
         if self.board is not None:

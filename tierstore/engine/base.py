@@ -61,14 +61,14 @@ class TableEngine:
 
     def __init__(self, version, reader: ColdTier, arena: Arena, *, leases: LeaseTable, recorder=None):
         self.version = version            # catalog.TableVersion
-        self.table = version.table
+        self.table = version.table        # the table's name (a lease's refusals say it: leases.LeasedEngine)
         self.rows = version.rows
         self.reader = reader              # the cold tier (tiers.base.ColdTier: segment files or remote), verifies rows
         self.arena = arena
         self.leases = leases
         self.counters = Counters()
         self._lock = threading.Lock()
-        self.capacity = arena.slots
+        self.capacity = arena.slots       # the arena's slots: every slot is below it (leases.LeasedEngine)
         self.verifier = None                          # tierstore.engine.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
         self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt

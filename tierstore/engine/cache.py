@@ -96,12 +96,13 @@ class CacheEngine(TableEngine):
         self._fill_ids = itertools.count(1)
 
     # ---- requests -----------------------------------------------------------
-    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:
-        """Make `ids` resident and lease their slots to one step."""
+    def plan(self, ids: np.ndarray, ttl_s: float, conn_id: bytes = b"", request_id: int = 0) -> Placement:
+        """Make `ids` resident and lease their slots to one step, for the client `conn_id` (its
+        connection's id: only it may release the lease; its fair share bounds the lease)."""
         with cpu_token.hold():
-            return self._plan(ids, ttl_s, client, request_id)
+            return self._plan(ids, ttl_s, conn_id, request_id)
 
-    def _plan(self, ids: np.ndarray, ttl_s: float, client: bytes, request_id: int) -> Placement:
+    def _plan(self, ids: np.ndarray, ttl_s: float, conn_id: bytes, request_id: int) -> Placement:
         ids = self._edge(ids)
         if ids.size == 0:
             return self._validated(ids)
@@ -113,17 +114,17 @@ class CacheEngine(TableEngine):
             raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
                                   "plan the step again")
         try:
-            return self._plan_unique(uniq, inverse, ttl_s, client, request_id)
+            return self._plan_unique(uniq, inverse, ttl_s, conn_id, request_id)
         finally:
             self.leave()
 
-    def _plan_unique(self, uniq, inverse, ttl_s: float, client: bytes, request_id: int) -> Placement:
+    def _plan_unique(self, uniq, inverse, ttl_s: float, conn_id: bytes, request_id: int) -> Placement:
         try:  # a client over its share is refused before its step reads or evicts a row
-            self.leases.admit(self, client, uniq.size, self.slots.n_pinned, request_id)
+            self.leases.admit(self, conn_id, uniq.size, self.slots.n_pinned, request_id)
         except ResourceExhausted:
             self.counters.lease_refusals += 1
             raise
-        slots, misses, lease = self._resident(uniq, "plan the step again", (ttl_s, client, request_id))
+        slots, misses, lease = self._resident(uniq, "plan the step again", (ttl_s, conn_id, request_id))
         if self.verifier is not None:
             self.verifier.sample(self, uniq, slots)
         return Placement(slots if inverse is None else slots[inverse], lease.lease_id, uniq.size,
@@ -134,7 +135,7 @@ class CacheEngine(TableEngine):
         pinned for the caller, this step's misses read and other steps' fills of its rows
         waited for. Returns (slots int64 [U], misses, the Lease or None).
 
-        lease: (ttl_s, client, request_id) leases the slots to one step, taken after the
+        lease: (ttl_s, conn_id, request_id) leases the slots to one step, taken after the
         reservation and before any read (a refusal gives the reservation back, _abandon);
         None leaves them pinned for the caller to unpin. A fill of another step that fails
         sends the step round again (its pins dropped first), at most PLAN_ATTEMPTS times;
@@ -155,14 +156,14 @@ class CacheEngine(TableEngine):
                 return slots, misses, held
             except BaseException as e:
                 if held is not None:
-                    self.leases.release([held.lease_id], held.client)
+                    self.leases.release([held.lease_id], held.conn_id)
                 else:
                     self.unpin(slots)
                 if not isinstance(e, _FillFailed):
                     raise
         raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; {again}")
 
-    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, client: bytes = b"") -> int:
+    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, conn_id: bytes = b"") -> int:
         """Rows a queued request will read: the scheduler calls this once, at admission.
 
         All are hinted to the policy for `steps` steps, about the request's wait
@@ -180,7 +181,8 @@ class CacheEngine(TableEngine):
         A hint costs O(its ids), whatever is pending, and at most
         HINT_CHUNK_IDS ids are hinted per hold of the table lock and the CPU
         token, so other steps' plans never wait behind a long hint; its first
-        2 x capacity ids are used (more could not all be kept)."""
+        2 x capacity ids are used (more could not all be kept). conn_id: the hinting client's id;
+        its pending ids are bounded per client (PolicyConfig.pending_client_share)."""
         ids, steps = self.check_prefetch(ids, steps)
         ids = ids[:2 * self.capacity]
         if ids.size == 0 or not self.enter():
@@ -189,7 +191,7 @@ class CacheEngine(TableEngine):
             read_in = 0
             for a in range(0, ids.size, HINT_CHUNK_IDS):
                 with cpu_token.hold():
-                    read_in += self._prefetch_unique(np.unique(ids[a:a + HINT_CHUNK_IDS]), read, steps, client)
+                    read_in += self._prefetch_unique(np.unique(ids[a:a + HINT_CHUNK_IDS]), read, steps, conn_id)
             return read_in
         finally:
             self.leave()
@@ -203,12 +205,12 @@ class CacheEngine(TableEngine):
         """The longest hint check_prefetch accepts (PolicyConfig.max_expect_steps)."""
         return self.policy.config.max_expect_steps
 
-    def _prefetch_unique(self, uniq: np.ndarray, read: bool, steps: int, client: bytes) -> int:
+    def _prefetch_unique(self, uniq: np.ndarray, read: bool, steps: int, conn_id: bytes) -> int:
         with self._lock:
             slots = self.slots.lookup(uniq)
             miss = uniq[slots < 0]
             # kept for the request: resident rows, and missing ones once read in (here, or by another step)
-            self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, client)
+            self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, conn_id)
             # read ahead no more than the policy can keep until then (free slots evict nothing:
             # fill them regardless), and leave room for steps
             ahead = max(self.policy.protect_room(), self.slots.n_free)
@@ -549,7 +551,7 @@ class CacheEngine(TableEngine):
         """Rows [n, row_bytes] copied out of the arena (the inline gRPC path).
 
         The step's slots are pinned while they fill and are copied, then unpinned:
-        no lease (nothing a caller could leave behind, no owner to invent), and the
+        no lease (nothing a caller could leave behind, no client to invent), and the
         pins last only this call, which the inline limit (proto.MAX_INLINE_BYTES)
         bounds. Counted as a plan for hits, misses and the policy."""
         with cpu_token.hold():

@@ -67,12 +67,12 @@ class FullEngine(TableEngine):
         return rowsum.records(rows, np.arange(lo, hi, dtype=np.int64), rowsum.RowKey.of(self.version.row_salt))
 
     # ---- requests -----------------------------------------------------------
-    def plan(self, ids: np.ndarray, ttl_s: float, client: bytes = b"", request_id: int = 0) -> Placement:
+    def plan(self, ids: np.ndarray, ttl_s: float, conn_id: bytes = b"", request_id: int = 0) -> Placement:
         """Validate `ids`: every row is resident at slot == id."""
         with cpu_token.hold():
             return self._validated(self._edge(ids))
 
-    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, client: bytes = b"") -> int:
+    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, conn_id: bytes = b"") -> int:
         """Nothing to read ahead: every row is resident (the arguments are checked as in cache mode)."""
         self.check_prefetch(ids, steps)
         return 0

@@ -384,7 +384,7 @@ class ServedTables:
     def _prefetch_one(self, engine: TableEngine, ids, read: bool, steps: int, client: bytes) -> None:
         try:
             if not engine.retired:
-                engine.prefetch(ids, read=read, steps=steps, client=client)
+                engine.prefetch(ids, read=read, steps=steps, conn_id=client)
         except Exception:  # noqa: BLE001 - a hint; a bad block surfaces when a step reads it
             log.debug("prefetch of %d ids in %s failed", ids.size, engine.table, exc_info=True)
         finally:
