@@ -40,7 +40,7 @@ def test_a_cached_tables_state_is_at_most_31_bytes_a_slot_with_hints_whatever_it
         policy.record(ids)
         policy.admitted(slots, ids)
         policy.expect(slots[:1000], steps=8)
-        policy.expect(np.zeros(0, np.int64), ids=np.setdiff1d(np.arange(10_000), ids), steps=64, client=b"w")
+        policy.expect(np.zeros(0, np.int64), ids=np.setdiff1d(np.arange(10_000), ids), steps=64, conn_id=b"w")
         assert policy._pending.total > 0, "the hint left nothing pending"
         policy.victims(5000, st.pins)
         assert _bytes_a_slot(st, policy) <= BOUND

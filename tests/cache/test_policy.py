@@ -375,14 +375,14 @@ def test_hint_counts_are_exact_and_bounded(data):
         else:
             ids = np.unique(rng.integers(0, n_ids, data.draw(st.integers(1, 80))))
             p.expect(np.zeros(0, np.int64), ids=ids[arena.slot_of[ids] < 0], steps=steps,
-                     client=data.draw(st.sampled_from([b"a", b"b", b"c", b"d"])))
+                     conn_id=data.draw(st.sampled_from([b"a", b"b", b"c", b"d"])))
         assert p._protected == _protected(p) <= cap // 2
         pend = p._pending
         assert pend.total == int(pend._live.sum()) <= pend.limit and int(pend._live.max()) <= pend.per_client
         if pend._id is not None:
             live = pend.live(p._steps)
             assert int(live.sum()) == pend.total
-            assert np.array_equal(np.bincount(pend._owner[live], minlength=pend.clients), pend._live)
+            assert np.array_equal(np.bincount(pend._client_of[live], minlength=pend.clients), pend._live)
 
 
 def test_one_clients_pending_hints_leave_room_for_anothers():
@@ -390,8 +390,8 @@ def test_one_clients_pending_hints_leave_room_for_anothers():
     bound; another client's hint is still kept, and protects its rows once read in."""
     arena = Arena(1000, 100_000)
     arena.step(np.arange(1000))
-    arena.policy.expect(np.zeros(0, np.int64), ids=np.arange(1000, 100_000), steps=4096, client=b"hog")
-    arena.policy.expect(np.zeros(0, np.int64), ids=np.arange(99_000, 99_100), steps=50, client=b"w")
+    arena.policy.expect(np.zeros(0, np.int64), ids=np.arange(1000, 100_000), steps=4096, conn_id=b"hog")
+    arena.policy.expect(np.zeros(0, np.int64), ids=np.arange(99_000, 99_100), steps=50, conn_id=b"w")
     arena.step(np.arange(99_000, 99_100))  # the victim's request reads its rows in
     for i in range(10):
         arena.step(2000 + 100 * i + np.arange(100))

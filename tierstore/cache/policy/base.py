@@ -114,14 +114,14 @@ class CachePolicy:
         self._forget(slots)
 
     def expect(self, slots: np.ndarray, ids: np.ndarray | None = None, steps: int | None = None,
-               client: bytes = b"") -> None:
+               conn_id: bytes = b"") -> None:
         """Queued work will read these rows within `steps` steps (prefill ids are
         known when a request is admitted; default PolicyConfig.expect_steps, at most
         max_expect_steps: more raises InvalidArgument, as does a negative count).
 
         slots: resident rows; ids: rows not resident now, protected if they are
-        admitted before the hint runs out (read ahead, or by another step); client:
-        who hints (its owner id): pending ids are bounded per client and in all
+        admitted before the hint runs out (read ahead, or by another step); conn_id:
+        the hinting client's id: pending ids are bounded per client and in all
         (PolicyConfig.pending_share), the ids past a bound are dropped. A
         soft hint: hinted rows are kept over others until then, but unlike a pin
         it never makes victims() fail. TableEngine.prefetch calls it once, when
@@ -134,7 +134,7 @@ class CachePolicy:
         if slots.size:
             self._expect(slots, steps)
         if ids is not None and np.size(ids):
-            self._expect_ids(self._check_ids(ids), steps, client)
+            self._expect_ids(self._check_ids(ids), steps, conn_id)
 
     def load_profile(self, ids: np.ndarray, counts: np.ndarray) -> None:
         """Seed the sketch from an offline frequency profile (`tierstore profile`)."""
@@ -179,7 +179,7 @@ class CachePolicy:
     def _expect(self, slots: np.ndarray, steps: int) -> None:
         raise NotImplementedError
 
-    def _expect_ids(self, ids: np.ndarray, steps: int, client: bytes) -> None:
+    def _expect_ids(self, ids: np.ndarray, steps: int, conn_id: bytes) -> None:
         """Rows not resident yet (a policy without memory for them ignores the hint)."""
 
     # ---- shared pieces -----------------------------------------------------------

@@ -63,7 +63,7 @@ class PolicyConfig:
         and is evicted before its request runs); pending_min keeps twice the
         capacity up to 64 Ki slots, and in large arenas the share leaves room for
         deeper queues (docs/benchmarks.md, cache-mode memory).
-    pending_client_share: the share of those one client (its owner id) may hold,
+    pending_client_share: the share of those one client (by its conn_id) may hold,
         so one client's deep queue leaves room for the others' hints (by default
         half: as many ids as the arena has slots in arenas up to 64 Ki slots).
     hint_clients: clients with ids pending at once; a hint from one more is

@@ -7,13 +7,13 @@ is a request anyone may send.
 
 - The ids live in a hash table of 4-way buckets, 1.5x `limit` entries (a
   bucket overflows rarely; a hint is soft, so an id that finds no way is
-  dropped): id 4 B, end step 2 B, owner 1 B, 7 B an entry. An entry is live
+  dropped): id 4 B, end step 2 B, client index 1 B, 7 B an entry. An entry is live
   while its end step is ahead; one whose hint ran out is free for the next id.
   Ends are kept mod 2^16 like the slots' (queues.py: live while 0 < (until -
   now) mod 2^16 <= max_steps), so expire() also rewrites the ended ends of
   1/SWEEP_STEPS of the table each step to "ended a step ago": none comes
   round to read live again.
-- Each client (the owner id it sends) holds one row of counts: how many of its
+- Each client (by the conn_id it sends) holds one row of counts: how many of its
   entries end at each step, in a ring of max_steps + 1 rows (every live end
   lies in (now, now + max_steps], so the ring never wraps onto a live end).
   The step `now` begins by taking row `now % R` off the clients' live counts.
@@ -36,7 +36,7 @@ class PendingHints:
 
     Invariants (kept by every call): an id has at most one live entry; `_live[c]` is
     the number of client c's live entries and equals `_ends[:, c].sum()`, an entry's
-    count sitting in `_ends[end % R, owner]` exactly while it is live (its end, `end`,
+    count sitting in `_ends[end % R, _client_of[entry]]` exactly while it is live (its end, `end`,
     ahead of now); and `_live.sum() <= limit`, `_live[c] <= per_client`.
     """
 
@@ -48,16 +48,16 @@ class PendingHints:
         self._ring = self.longest + 1
         self._sweep = 0  # where the next step's sweep of ended ends starts
         self._buckets_n = np.uint64(max(4, -(-3 * self.limit // (2 * WAYS))))  # 1.5x the limit in entries
-        self._id = self._until = self._owner = self._ends = None  # allocated by the first add()
+        self._id = self._until = self._client_of = self._ends = None  # allocated by the first add()
         self._live = np.zeros(self.clients, np.int64)
-        self._keys: list = [None] * self.clients  # client index -> owner id
-        self._index: dict[bytes, int] = {}        # owner id -> client index
+        self._conn_ids: list = [None] * self.clients  # client index -> conn_id
+        self._client_index: dict[bytes, int] = {}     # conn_id -> client index
         self.total = 0       # live entries in all
         self.dropped = 0     # ids hinted that found no room (a bound, a full bucket, no client row)
 
     def arrays(self) -> list[np.ndarray]:
         """The arrays it holds (for CachePolicy.held_bytes): the table only once a hint came."""
-        return [a for a in (self._id, self._until, self._owner, self._ends, self._live) if a is not None]
+        return [a for a in (self._id, self._until, self._client_of, self._ends, self._live) if a is not None]
 
     def _buckets(self, ids: np.ndarray) -> np.ndarray:
         """[n, WAYS] table positions of each id's bucket."""
@@ -85,9 +85,9 @@ class PendingHints:
         out = np.where(hit, until, 0).max(axis=1)
         if found.any():
             at = pos[found, hit[found].argmax(axis=1)]
-            owner = self._owner[at].astype(np.int64)
-            np.subtract.at(self._ends, (out[found] % self._ring, owner), 1)
-            np.subtract.at(self._live, owner, 1)
+            client_of = self._client_of[at].astype(np.int64)
+            np.subtract.at(self._ends, (out[found] % self._ring, client_of), 1)
+            np.subtract.at(self._live, client_of, 1)
             self.total -= at.size
             self._until[at] = (now - 1) & 0xFFFF
         return out
@@ -108,18 +108,18 @@ class PendingHints:
             part[~hinted(part, now, self.longest)] = (now - 1) & 0xFFFF
             self._sweep = 0 if b == n else b
 
-    def add(self, ids: np.ndarray, until: int, client: bytes, now: int) -> int:
+    def add(self, ids: np.ndarray, until: int, conn_id: bytes, now: int) -> int:
         """Keep distinct `ids` pending until step `until` (now < until <= now + max_steps) for
-        `client`; returns how many of them are pending that long now (the rest are dropped)."""
+        the client `conn_id`; returns how many of them are pending that long now (the rest are dropped)."""
         if ids.size == 0:
             return 0
-        c = self._client(client)
+        c = self._index_of(conn_id)
         if c is None:
             self.dropped += ids.size
             return 0
         if self._id is None:
             n = int(self._buckets_n) * WAYS
-            self._id, self._owner = np.zeros(n, self._id_dtype), np.zeros(n, np.uint8)
+            self._id, self._client_of = np.zeros(n, self._id_dtype), np.zeros(n, np.uint8)
             self._until = np.full(n, (now - 1) & 0xFFFF, UNTIL)  # every entry ended a step ago
             self._ends = np.zeros((self._ring, self.clients), np.int32)
         pos = self._buckets(ids)
@@ -127,8 +127,8 @@ class PendingHints:
         match = (self._id[pos] == ids[:, None]) & (cur > 0)
         found = match.any(axis=1)
         at = pos[found, match[found].argmax(axis=1)]  # the live entry of an id already pending
-        old, owner = self._ends_of(at, now), self._owner[at].astype(np.int64)
-        mine = owner == c
+        old, client_of = self._ends_of(at, now), self._client_of[at].astype(np.int64)
+        mine = client_of == c
         # this client's own entries only move their end; another's, ending sooner, become this one's
         grow = mine & (old < until)
         np.subtract.at(self._ends[:, c], old[grow] % self._ring, 1)
@@ -137,7 +137,7 @@ class PendingHints:
         take = ~mine & (old < until)
         room = self.per_client - int(self._live[c])
         take &= np.cumsum(take) <= room
-        self._move(at[take], old[take], owner[take], c, until)
+        self._move(at[take], old[take], client_of[take], c, until)
         room -= int(take.sum())
         kept = int(np.count_nonzero(mine | take | (old >= until)))  # pending at least that long now
         new = np.flatnonzero(~found)[:max(0, min(room, self.limit - self.total))]
@@ -145,15 +145,15 @@ class PendingHints:
         self.dropped += ids.size - kept
         return kept
 
-    def _move(self, at: np.ndarray, old: np.ndarray, owner: np.ndarray, c: int, until: int) -> None:
+    def _move(self, at: np.ndarray, old: np.ndarray, client_of: np.ndarray, c: int, until: int) -> None:
         """Live entries `at` of other clients become client c's, ending at `until`."""
         if at.size == 0:
             return
-        np.subtract.at(self._ends, (old % self._ring, owner), 1)
-        np.subtract.at(self._live, owner, 1)
+        np.subtract.at(self._ends, (old % self._ring, client_of), 1)
+        np.subtract.at(self._live, client_of, 1)
         self._ends[until % self._ring, c] += at.size
         self._live[c] += at.size
-        self._until[at], self._owner[at] = until & 0xFFFF, c
+        self._until[at], self._client_of[at] = until & 0xFFFF, c
 
     def _place(self, ids: np.ndarray, pos: np.ndarray, until: int, c: int, now: int) -> int:
         """New entries: each id takes a free way of its bucket, one id a way (a round per way)."""
@@ -166,7 +166,7 @@ class PendingHints:
             ids, pos, free = ids[has], pos[has], free[has]
             at = pos[np.arange(ids.size), free.argmax(axis=1)]
             at, first = np.unique(at, return_index=True)  # ids that picked the same way: the first wins
-            self._id[at], self._until[at], self._owner[at] = ids[first], until & 0xFFFF, c
+            self._id[at], self._until[at], self._client_of[at] = ids[first], until & 0xFFFF, c
             placed += at.size
             lost = np.ones(ids.size, bool)
             lost[first] = False
@@ -176,16 +176,16 @@ class PendingHints:
         self.total += placed
         return placed
 
-    def _client(self, client: bytes) -> int | None:
-        """This client's row, a free one (no live entries) taken for a new client, or None."""
-        c = self._index.get(client)
+    def _index_of(self, conn_id: bytes) -> int | None:
+        """The index of client `conn_id`, a free one (no live entries) taken for a new client, or None."""
+        c = self._client_index.get(conn_id)
         if c is not None:
             return c
         idle = np.flatnonzero(self._live == 0)
         if idle.size == 0:
             return None
         c = int(idle[0])
-        if self._keys[c] is not None:
-            del self._index[self._keys[c]]
-        self._keys[c], self._index[client] = client, c
+        if self._conn_ids[c] is not None:
+            del self._client_index[self._conn_ids[c]]
+        self._conn_ids[c], self._client_index[conn_id] = conn_id, c
         return c

@@ -194,10 +194,10 @@ class S3FIFOPolicy(CachePolicy):
             self._protected -= int(np.count_nonzero(live))
         self._until[slots] = (self._steps - 1) & 0xFFFF
 
-    def _expect_ids(self, ids, steps, client):
+    def _expect_ids(self, ids, steps, conn_id):
         """Remember hinted ids that are not resident, until their hint runs out (bounded: pending.py)."""
         if steps:
-            self._pending.add(ids, self._steps + steps, client, self._steps)
+            self._pending.add(ids, self._steps + steps, conn_id, self._steps)
 
     def _victims(self, k, pins):
         out, need = [], k
