@@ -25,7 +25,8 @@ from tierstore.sidecar import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar.served_steps import ServedSteps
-from tierstore.sidecar.served import MAX_HINT_IDS, ServedTables
+from tierstore.sidecar.prefetcher import MAX_HINT_IDS
+from tierstore.sidecar.served import ServedTables
 from tierstore.sidecar.startup import pause
 from tierstore.tiers.nvme.reader import SegmentReader
 

@@ -3,7 +3,7 @@ serving leaves no file in its shm directory, whatever ended its start-up (a sign
 error, a bad table).
 
 Every file a sidecar makes there is named tierstore.<uid>.<tag>.<token>.<what>
-(ServedTables: the tag names its data directory and address, the token is random).
+(EngineBuilder.new_name: the tag names its data directory and address, the token is random).
 StartUpFiles notes the directory's files of that tag as start-up begins; remove()
 deletes every file of the tag that was not there then: arenas (published or still
 `.new`), slot indexes and the lease board, a file whose object was never built
