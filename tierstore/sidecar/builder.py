@@ -153,7 +153,7 @@ class EngineBuilder:
             raise
         engine = None
         try:
-            pause("arena")
+            pause(self.config, "arena")
             profile = None
             if not full and self.profile is not None and v.table in self.profile.ids:
                 profile = (self.profile.ids[v.table], self.profile.counts[v.table])
@@ -174,12 +174,12 @@ class EngineBuilder:
                     engine.load_full()
             elif full:
                 engine.load_full()
-            pause("loaded")
+            pause(self.config, "loaded")
             arena.header.write(instance=self.instance, version=v.version, slots=slots, row_bytes=v.row_bytes,
                                full=full, table=v.table, split=split)
             arena.publish()
             self._hold_version(engine)
-            pause("published")
+            pause(self.config, "published")
         except BaseException:
             if engine is not None:
                 engine.close()

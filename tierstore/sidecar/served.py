@@ -70,13 +70,13 @@ class ServedTables:
             self.leases = LeaseTable(config.max_leases, max_per_client=config.max_leases_per_client,
                                      client_share=config.max_client_share, contention_s=config.lease_ttl_s,
                                      board_path=self.builder.new_name("leases"))
-            pause("leases")
+            pause(config, "leases")
             self.catalog = Catalog(config.data_dir, readonly=True)
             self.versions = ServedVersions(self.builder, self.catalog, self.leases, self.verifier, self.warm)
             self.reaper = LeaseReaper(self.leases, self.versions)
             self.versions.open(stale)
             self.warm.profile = self.builder.profile
-            pause("tables")
+            pause(config, "tables")
         except BaseException:
             self.close()
             raise

@@ -205,7 +205,7 @@ class Server:
         self.served = ServedTables(config)
         try:
             self._build(config, Metrics, pem)
-            pause("bound")
+            pause(config, "bound")
         except BaseException:  # neither its shm files nor its socket may outlive a failed start
             self._remove_socket()
             self.served.close()
