@@ -225,7 +225,9 @@ class Server:
         self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
-            listeners.claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
+            # claimed here, at the bind (a stale socket removed, a live one refused): another sidecar
+            # may have bound it while the tables loaded
+            listeners.claim_socket(config.socket)
             old = os.umask(0o177)  # the socket is born 0600
             try:
                 self._bind(unix.add_insecure_port, f"unix:{config.socket}", "--socket")
@@ -256,7 +258,7 @@ class Server:
     @staticmethod
     def _check_transports(config: ServeConfig):
         if config.socket is not None:
-            listeners.claim_socket(config.socket)
+            listeners.check_socket(config.socket)  # refused before anything loads; claimed at the bind
         pem = None
         if config.listen is not None:
             listeners.check_tcp(config.listen)
