@@ -18,7 +18,7 @@ import pytest
 from tierstore.client.client import Client
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.sidecar.auth import TOKEN_HEADER
-from tierstore.sidecar.served import MAX_HINT_IDS, PREFETCH_QUEUE_IDS
+from tierstore.sidecar.prefetcher import MAX_HINT_IDS, PREFETCH_QUEUE_IDS
 
 pytestmark = pytest.mark.reliability
 C = grpc.StatusCode

@@ -80,3 +80,15 @@ def test_warm_start_flags_and_environment_map_onto_the_config(base, monkeypatch)
     cfg = ServeConfig.from_env(**base)
     assert cfg.warm_start is False and cfg.hot_set_interval_s == 12.5
     assert ServeConfig.from_env(**base, hot_set_interval_s=0.0).hot_set_interval_s == 0.0  # a flag wins
+
+
+def test_cli_serve_refuses_an_unknown_startup_pause_point_with_exit_2(cli, tmp_path, monkeypatch):
+    """TIERSTORE_STARTUP_PAUSE is read into the config with the rest, so a misspelt point is
+    refused with the list of points instead of a start-up that never pauses."""
+    monkeypatch.setenv("TIERSTORE_STARTUP_PAUSE", "tabels")
+    code, _, err = cli("serve", "--data", tmp_path, "--socket", tmp_path / "s.sock")
+    assert code == 2 and "TIERSTORE_STARTUP_PAUSE='tabels' names no point of start-up" in err, err
+    assert "leases, arena, loaded, published, tables, bound, started" in err and "Traceback" not in err
+    assert not (tmp_path / "s.sock").exists()
+    monkeypatch.setenv("TIERSTORE_STARTUP_PAUSE", "tables")
+    assert ServeConfig.from_env(data_dir=tmp_path, socket=tmp_path / "s.sock").startup_pause == "tables"

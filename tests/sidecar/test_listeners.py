@@ -70,6 +70,19 @@ def test_a_stale_socket_is_replaced(data, tmp_path):
     assert not path.exists()
 
 
+def test_a_start_refused_before_the_bind_leaves_a_stale_socket_as_it_was(cli, data, tmp_path):
+    """The socket is claimed (a stale one removed) only at the bind: a start-up refused before
+    it, here by a table that cannot be split, changes nothing at --socket."""
+    path = tmp_path / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    ino = os.stat(path).st_ino
+    code, err = serve(cli, data, "--socket", path, "--split-layout", "t")
+    assert code == 2 and "--split-layout t: the table is fp32" in err, err
+    assert os.stat(path).st_ino == ino
+
+
 def _busy_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

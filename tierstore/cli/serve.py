@@ -11,6 +11,7 @@ mapping either way: unlinking a shm file never pulls pages from under a reader.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import threading
 
@@ -18,7 +19,9 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="data directory (catalog + segments)")
+    # each flag's dest is its ServeConfig field (run() maps them by name); --remote-table and
+    # --log-level are this command's own
+    p.add_argument("--data", required=True, dest="data_dir", metavar="DATA", help="data directory (catalog + segments)")
     p.add_argument("--socket", help="unix socket path (created 0600)")
     p.add_argument("--dram-budget", help="bytes of /dev/shm for all arenas, e.g. 4GiB (default 1GiB)")
     p.add_argument("--listen", help="HOST:PORT to also listen on TCP (needs --allow-tcp and a token)")
@@ -85,20 +88,12 @@ def run(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _return_big_buffers_to_the_os()
+    environment = ServeConfig.environment()  # read once: the checks below and the config see the same
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)
+             if getattr(args, f.name, None) is not None}  # flags given, by their fields' names
     if args.remote_table:
-        _prepare_remote_tables(args)
-    cfg = ServeConfig.from_env(
-        data_dir=args.data, socket=args.socket, dram_budget=args.dram_budget, listen=args.listen,
-        allow_tcp=args.allow_tcp, auth_token=args.auth_token, auth_token_file=args.auth_token_file,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=args.metrics_port,
-        lease_ttl_s=args.lease_ttl_s, max_leases=args.max_leases,
-        max_leases_per_client=args.max_leases_per_client, max_client_share=args.max_client_share,
-        workers=args.workers,
-        receive_timeout_s=args.receive_timeout_s,
-        shm_dir=args.shm_dir, persist_arena=args.persist_arena, verify_sample=args.verify_sample, policy=args.policy,
-        profile=args.profile, record_trace=args.record_trace, direct_io=args.direct_io, remote=args.remote, metadata=args.metadata,
-        local_reads=args.local_reads, parent_pid=args.parent_pid, warm_start=args.warm_start,
-        hot_set_interval_s=args.hot_set_interval_s, split_layout=args.split_layout)
+        _prepare_remote_tables(args, {**environment, **given})
+    cfg = ServeConfig.from_env(environment, **given)
     if args.remote_table:
         _import_remote_tables(cfg, args.remote_table)
     # Server and ServedTables remove what they made when they fail; this catches what a signal
@@ -109,7 +104,7 @@ def run(args) -> int:
     try:
         server = Server(cfg)
         server.start()
-        pause("started")
+        pause(cfg, "started")
         startup.serve(stop)  # serving: a signal now asks for a clean stop
     except BaseException:  # e.g. --metrics-port in use, a bad table, or a signal
         if server is not None:
@@ -176,19 +171,17 @@ def _watch_parent(pid: int, stop: _StopPipe) -> None:
             return
 
 
-def _prepare_remote_tables(args) -> None:
-    """Check --remote-table's companions, then make --data (a new host starts empty)."""
-    import os
-
+def _prepare_remote_tables(args, values: dict) -> None:
+    """Check --remote-table's companions (values: the serve config's fields given, by flag or
+    TIERSTORE_* variable), then make --data (a new host starts empty)."""
     from tierstore.store.catalog import private_dirs
     from tierstore.tiers.remote.publish import parse_remote_table
 
-    if not ((args.remote or os.environ.get("TIERSTORE_REMOTE")) and
-            (args.metadata or os.environ.get("TIERSTORE_METADATA"))):
+    if not (values.get("remote") and values.get("metadata")):
         raise ValueError("--remote-table needs --remote mooncake://HOST:PORT and --metadata URL")
     for name in args.remote_table:
         parse_remote_table(name)
-    private_dirs(args.data)
+    private_dirs(args.data_dir)
 
 
 def _import_remote_tables(cfg, names) -> None:

@@ -1,7 +1,9 @@
 """Sidecar configuration: one dataclass, validated where it is built.
 
-Flags (`tierstore serve ...`) and environment variables (TIERSTORE_*) map onto
-ServeConfig here and nowhere else; a flag wins over the environment.
+Every field is set by its TIERSTORE_<FIELD> environment variable, read here
+(ServeConfig.environment) and nowhere else in the sidecar, and most by a
+`tierstore serve` flag whose dest is the field's name (tierstore/cli/serve.py
+passes them by name); a flag wins over the environment.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from tierstore.cache.leases import MAX_LEASES
 from tierstore.errors import InvalidArgument
 from tierstore.proto import MAX_REQUEST_IDS
+from tierstore.sidecar.startup import PAUSE_POINTS
 
 __all__ = ["ServeConfig", "parse_size", "MAX_SIZE", "MAX_LEASE_TTL_S", "MAX_WORKERS"]
 
@@ -84,6 +87,7 @@ class ServeConfig:
     split_layout: tuple = ()            # tables whose arena is split (all weights, then all scales: the host
                                         # table sglang and vLLM map); ("all",): every fp8-e4m3-ue8m0 table.
                                         # Full-resident only: a selected table that would be cached fails at start
+    startup_pause: str | None = None    # a test hook: wait at this point of start-up (startup.PAUSE_POINTS)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -151,18 +155,30 @@ class ServeConfig:
         self.split_layout = tuple(self.split_layout)
         if "all" in self.split_layout and len(self.split_layout) > 1:
             raise ValueError(f"--split-layout is 'all' or a list of tables, not both: {','.join(self.split_layout)}")
+        self.startup_pause = self.startup_pause or None  # set but empty: no pause, as unset
+        if self.startup_pause is not None and self.startup_pause not in PAUSE_POINTS:
+            raise InvalidArgument(f"TIERSTORE_STARTUP_PAUSE={self.startup_pause[:40]!r} names no point of start-up; "
+                                  f"the points: {', '.join(PAUSE_POINTS)} (or unset it)")
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"data directory {self.data_dir} does not exist; create a table first "
                                     f"(tierstore demo-table / tierstore ingest)")
 
-    @classmethod
-    def from_env(cls, **overrides) -> "ServeConfig":
-        """Defaults < TIERSTORE_<FIELD> environment variables < explicit overrides (flags)."""
+    @staticmethod
+    def environment() -> dict:
+        """The TIERSTORE_<FIELD> variables set in this process's environment, as field values:
+        the one place the sidecar reads its environment."""
         values = {}
-        for f in fields(cls):
+        for f in fields(ServeConfig):
             env = os.environ.get(f"TIERSTORE_{f.name.upper()}")
             if env is not None:
                 values[f.name] = _coerce(f.type, env)
+        return values
+
+    @classmethod
+    def from_env(cls, environment: dict | None = None, **overrides) -> "ServeConfig":
+        """Defaults < TIERSTORE_<FIELD> environment variables (`environment`, read now when None)
+        < explicit overrides (flags; None: not given)."""
+        values = dict(cls.environment() if environment is None else environment)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if overrides.get("auth_token_file") is not None and overrides.get("auth_token") is None:
             values.pop("auth_token", None)  # a flag wins over the environment

@@ -13,16 +13,23 @@ from pathlib import Path
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["claim_socket", "socket_answers", "check_tcp", "check_port", "check_tls", "UNIX_PATH_MAX"]
+__all__ = ["claim_socket", "check_socket", "socket_answers", "check_tcp", "check_port", "check_tls", "UNIX_PATH_MAX"]
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
 
 def claim_socket(path: Path) -> None:
-    """Make `path` free for a new unix socket, or refuse.
+    """Make `path` free for a new unix socket, or refuse (check_socket's errors): a stale
+    socket there (nothing accepts on it: its sidecar died) is removed."""
+    if check_socket(path):
+        path.unlink(missing_ok=True)  # a dead sidecar's socket
 
-    A stale socket (nothing accepts on it: its sidecar died) is removed. A live
-    socket means another sidecar serves there; a regular file, directory or
+
+def check_socket(path: Path) -> bool:
+    """Refuse (InvalidArgument) a `path` no new unix socket may take, changing nothing; True
+    when a stale socket is there (claim_socket removes it), False when nothing is.
+
+    A live socket means another sidecar serves there; a regular file, directory or
     anything else is not ours to delete (`--socket DATA/catalog/data.mdb`).
     """
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
@@ -33,7 +40,7 @@ def claim_socket(path: Path) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return False
     if not stat.S_ISSOCK(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) \
             else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
@@ -41,7 +48,7 @@ def claim_socket(path: Path) -> None:
     if socket_answers(path):
         raise InvalidArgument(f"--socket {path}: another sidecar is serving on it (or it is another user's "
                               f"socket); stop that one first or choose another path")
-    path.unlink(missing_ok=True)  # a dead sidecar's socket
+    return True
 
 
 def socket_answers(path: Path) -> bool:

@@ -54,7 +54,7 @@ class ServedSteps:
     def access(self, owner: bytes, items, trusted: bool = False) -> None:
         """Steps a local client read itself: the engine's policy learns them, misses are promoted
         (from the rows the note carries, verified, where it carries them). trusted: the peer has
-        the sidecar's uid (ServedTables.note)."""
+        the sidecar's uid (Learner.note)."""
         for it in items:
             try:
                 eng = self.served.engine(it.table, it.version)

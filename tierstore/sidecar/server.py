@@ -25,7 +25,8 @@ from tierstore.sidecar import listeners
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.sidecar.served_steps import ServedSteps
-from tierstore.sidecar.served import MAX_HINT_IDS, ServedTables
+from tierstore.sidecar.prefetcher import MAX_HINT_IDS
+from tierstore.sidecar.served import ServedTables
 from tierstore.sidecar.startup import pause
 from tierstore.tiers.nvme.reader import SegmentReader
 
@@ -204,7 +205,7 @@ class Server:
         self.served = ServedTables(config)
         try:
             self._build(config, Metrics, pem)
-            pause("bound")
+            pause(config, "bound")
         except BaseException:  # neither its shm files nor its socket may outlive a failed start
             self._remove_socket()
             self.served.close()
@@ -224,7 +225,9 @@ class Server:
         self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
-            listeners.claim_socket(config.socket)  # again: another sidecar may have bound it while tables loaded
+            # claimed here, at the bind (a stale socket removed, a live one refused): another sidecar
+            # may have bound it while the tables loaded
+            listeners.claim_socket(config.socket)
             old = os.umask(0o177)  # the socket is born 0600
             try:
                 self._bind(unix.add_insecure_port, f"unix:{config.socket}", "--socket")
@@ -255,7 +258,7 @@ class Server:
     @staticmethod
     def _check_transports(config: ServeConfig):
         if config.socket is not None:
-            listeners.claim_socket(config.socket)
+            listeners.check_socket(config.socket)  # refused before anything loads; claimed at the bind
         pem = None
         if config.listen is not None:
             listeners.check_tcp(config.listen)

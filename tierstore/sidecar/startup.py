@@ -3,7 +3,7 @@ serving leaves no file in its shm directory, whatever ended its start-up (a sign
 error, a bad table).
 
 Every file a sidecar makes there is named tierstore.<uid>.<tag>.<token>.<what>
-(ServedTables: the tag names its data directory and address, the token is random).
+(EngineBuilder.new_name: the tag names its data directory and address, the token is random).
 StartUpFiles notes the directory's files of that tag as start-up begins; remove()
 deletes every file of the tag that was not there then: arenas (published or still
 `.new`), slot indexes and the lease board, a file whose object was never built
@@ -11,28 +11,28 @@ included (a signal between its open and its constructor's return leaves no objec
 close). The files that were there are start-up's own to judge: stale ones it removes,
 persisted arenas (--persist-arena) it re-attaches or keeps.
 
-pause(point) is a test hook: with TIERSTORE_STARTUP_PAUSE=point in its environment, a
-sidecar says `tierstore: start-up paused at POINT` on stderr when it reaches that named
-point of its start-up and waits there up to PAUSE_S seconds (a signal ends the wait, as
-it would any other step), so a test can signal it at that very point. The points, in
-order: leases (the lease board made), arena (a table's arena reserved, not published),
-loaded (a full table's rows in its arena), published (a table's arena at its name),
-tables (every table served), bound (the socket bound), started (serving, the stop
-signals not yet taken over; tierstore/cli/serve.py); a reload passes arena, loaded and
-published too. Unset, a point costs one dict lookup.
+pause(config, point) is a test hook: with TIERSTORE_STARTUP_PAUSE=point in its environment
+(ServeConfig.startup_pause), a sidecar says `tierstore: start-up paused at POINT` on stderr
+when it reaches that named point of its start-up and waits there up to PAUSE_S seconds (a
+signal ends the wait, as it would any other step), so a test can signal it at that very
+point. The points (PAUSE_POINTS), in order: leases (the lease board made), arena (a table's
+arena reserved, not published), loaded (a full table's rows in its arena), published (a
+table's arena at its name), tables (every table served), bound (the socket bound), started
+(serving, the stop signals not yet taken over; tierstore/cli/serve.py); a reload passes
+arena, loaded and published too. Unset, a point costs one attribute read.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 from tierstore.tiers.dram import arena_tag, own_files, retire_file
 
-__all__ = ["StartUpFiles", "shm_tag", "pause", "PAUSE_ENV", "PAUSE_S"]
+__all__ = ["StartUpFiles", "shm_tag", "pause", "PAUSE_ENV", "PAUSE_POINTS", "PAUSE_S"]
 
-PAUSE_ENV = "TIERSTORE_STARTUP_PAUSE"
+PAUSE_ENV = "TIERSTORE_STARTUP_PAUSE"  # ServeConfig.startup_pause
+PAUSE_POINTS = ("leases", "arena", "loaded", "published", "tables", "bound", "started")
 PAUSE_S = 60.0
 
 
@@ -59,9 +59,10 @@ class StartUpFiles:
         return made
 
 
-def pause(point: str) -> None:
-    """Wait at `point` when TIERSTORE_STARTUP_PAUSE names it (the module docstring)."""
-    if os.environ.get(PAUSE_ENV) != point:
+def pause(config, point: str) -> None:
+    """Wait at `point` when config.startup_pause (TIERSTORE_STARTUP_PAUSE) names it (the module
+    docstring). config: the sidecar's ServeConfig."""
+    if config.startup_pause != point:
         return
     print(f"tierstore: start-up paused at {point}", file=sys.stderr, flush=True)
     time.sleep(PAUSE_S)

@@ -1,9 +1,10 @@
-"""The step socket, server side: one Plan (+ releases) per decode step in tens of µs.
+"""The step socket, server side: one Plan (+ releases) per decode step, off gRPC.
 
-A Plan + Release pair over Python gRPC costs ~1 ms; a decode step of 256 ids
-must cost tens of µs. Local clients therefore also reach the sidecar over a
-plain unix stream socket next to the gRPC one (`<grpc socket>.steps`, 0600) with
-the binary framing of proto/frames.py. One thread per connection: a
+A decode step's Plan must cost a small fraction of the step, and a Python gRPC
+unary call costs far more than a framed exchange over a unix socket
+(docs/benchmarks.md, "Why these constants"). Local clients therefore also reach
+the sidecar over a plain unix stream socket next to the gRPC one (`<grpc
+socket>.steps`, 0600) with the binary framing of proto/frames.py. One thread per connection: a
 blocking recv wakes exactly the thread that serves that client, with no poll
 round in between (bench/step_socket.py measures it); connections are few (one per
 worker process) and bounded by max_clients. gRPC stays the service API.
