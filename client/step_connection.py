@@ -46,7 +46,7 @@ __all__ = ["StepConnection", "PendingReply", "raise_errors"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 RENOTE_S = 0.1           # a lost connection is tried again by notes at most this often
-SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
+SPIN_MAX_REQUEST_BYTES = 32 << 10  # 4k ids: beyond, a blocking read's wake-up is small against the plan's work
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
