@@ -12,8 +12,9 @@ One route per operation and transport (docs/architecture.md):
 - lookup: a local client reads the rows itself (the mapped arena; in cache mode
   the slot index, misses from the segment files); a TCP client, or
   `lookup(..., inline=True)`, gets them inline over gRPC.
-- plan and release: the step socket (`<socket>.steps`), local clients only. A
-  full-resident table needs no message at all: slot == id.
+- plan and release: the step socket (`<socket>.steps`, client/step_channel.py:
+  StepChannel), local clients only. A full-resident table needs no message at
+  all: slot == id.
 - describe, prefetch, reload, stats: gRPC.
 
 Failures raise tierstore.errors types: IdOutOfRange / InvalidArgument (bad ids),
@@ -36,12 +37,12 @@ from tierstore.client.arena_map import ArenaMaps, MappedArena
 from tierstore.client.channel import open_channel, reconnected, to_error
 from tierstore.client.local_reads import LocalReads
 from tierstore.client.split_table import SplitTable
-from tierstore.client.step_link import StepLink
+from tierstore.client.step_channel import StepChannel
 from tierstore.client.step_plan import StepPlan, distinct_ids
 from tierstore.client.table_handle import TableHandle
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
-from tierstore.proto.frames import PlanItem
+from tierstore.proto.frames import PlanItem, step_socket_path
 from tierstore.tiers.base import check_ids
 
 __all__ = ["Client", "as_ids"]
@@ -77,8 +78,8 @@ class Client:
 
     A TCP client never maps an arena (it lives on the sidecar's host): lookup()
     fetches rows inline and plan() is refused. Leases taken by this client belong
-    to its step-socket connection: nobody else can release them, and they end
-    when it closes.
+    to its step channel (`step_channel`, client/step_channel.py; None on TCP):
+    nobody else can release them, and they end when it closes.
     """
 
     def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
@@ -99,7 +100,7 @@ class Client:
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
         self._hint_owner = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner)
         self._closed = False
-        self.link = StepLink(self.socket, timeout) if self.local else None
+        self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.local else None
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request, retry: bool = True):
@@ -126,10 +127,6 @@ class Client:
                 f"{what} leases slots of the sidecar's shared arena, which only a process on its host can "
                 f"read; a client of {self.target} reads rows with lookup()")
 
-    def _release_later(self, lease_id: int) -> None:
-        if not self._closed:  # after close() the connection is gone, and its leases with it
-            self.link.release_later(lease_id)
-
     def handle(self, table: str) -> TableHandle:
         with self._lock:
             h = self._handles.get(table)
@@ -147,7 +144,10 @@ class Client:
                 self._handles[table] = h
         return h
 
-    def _refresh(self, table: str) -> TableHandle:
+    # ---- what a StepPlan asks of the client that planned it (step_plan.Planner) ----
+    def refresh(self, table: str) -> TableHandle:
+        """Describe `table` again now, whatever this client knew of it (a StepPlan whose reply
+        names another sidecar instance: the sidecar restarted). Raises as handle() does."""
         with self._lock:
             self._handles.pop(table, None)
         return self.handle(table)
@@ -160,8 +160,16 @@ class Client:
         split: a split-layout arena's weight bytes per row (0: interleaved)."""
         return self._maps.arena(path, slots, row_bytes, instance, leased, split)
 
-    def _lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+    def lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+        """Whether lease `lease_id` of a step of `handle`'s table still lives, read from the
+        sidecar's shared lease board (True where the sidecar keeps none: its TTL holds)."""
         return self._maps.lease_alive(handle.lease_board, handle.lease_board_entries, lease_id)
+
+    def release_later(self, lease_id: int) -> None:
+        """End a lease this client took on its next step's PLAN frame, or alone soon
+        (StepChannel.release_later); nothing after close(): the leases ended with it."""
+        if self.step_channel is not None:
+            self.step_channel.release_later(lease_id)
 
     # ---- public API ---------------------------------------------------------
     def tables(self) -> list[dict]:
@@ -203,7 +211,7 @@ class Client:
                 items.append(PlanItem(table, send, 0, _ttl_ms(ttl_s), next(self._request_ids)))
                 asked.append((h, arr, inverse))
         if items:
-            pending = self.link.connection().submit(items)
+            pending = self.step_channel.submit(items)
             for k, (it, (h, arr, inverse)) in enumerate(zip(items, asked)):
                 out[it.table] = StepPlan(self, h, arr, pending, k, inverse)
         return out
@@ -257,15 +265,15 @@ class Client:
         call describes the table again)."""
         if h.local is None:
             try:
-                h.local = LocalReads(self, h)
+                h.local = LocalReads(h, self.step_channel.note)
             except errors.StaleArena:
                 return None
         return h.local
 
     def flush(self) -> None:
         """Send the steps local reads noted now, one-way (they go within a few ms by themselves)."""
-        if self.link is not None:
-            self.link.flush_notes()
+        if self.step_channel is not None:
+            self.step_channel.flush_notes()
 
     def prefetch(self, table: str, ids, read: bool = True, steps: int | None = None) -> None:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
@@ -305,7 +313,7 @@ class Client:
         self._check_open()
         if not self.local:
             return 0
-        return self.link.release([int(i) for i in lease_ids])
+        return self.step_channel.release([int(i) for i in lease_ids])
 
     def stats(self) -> dict:
         resp = self._call("Stats", pb.StatsRequest())
@@ -325,8 +333,8 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # a hint: nothing depends on it
         self._closed = True
-        if self.link is not None:
-            self.link.close()  # the sidecar ends this connection's leases
+        if self.step_channel is not None:
+            self.step_channel.close()  # the sidecar ends this connection's leases
         self._channel.close()
         for h in self._handles.values():
             if h.local is not None:
