@@ -9,9 +9,11 @@
             rows = step.rows()                         # gathered straight from the mapped arena
 
 One route per operation and transport (docs/architecture.md):
-- lookup: a local client reads the rows itself (the mapped arena; in cache mode
-  the slot index, misses from the segment files); a TCP client, or
-  `lookup(..., inline=True)`, gets them inline over gRPC.
+- lookup: a TCP client, or `lookup(..., inline=True)`, gets the rows inline over
+  gRPC; a local client reads them by its table handle's one route, chosen when
+  the handle is made (TableHandle.read): the mapped arena (full-resident), the
+  slot index with misses from the segment files (cache mode), or a planned copy
+  (cache mode under `serve --no-local-reads`).
 - plan and release: the step socket (`<socket>.steps`, client/step_channel.py:
   StepChannel), local clients only. A full-resident table needs no message at
   all: slot == id.
@@ -35,7 +37,6 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.arena_map import ArenaMaps, MappedArena
 from tierstore.client.channel import open_channel, reconnected, to_error
-from tierstore.client.local_reads import LocalReads
 from tierstore.client.split_table import SplitTable
 from tierstore.client.step_channel import StepChannel
 from tierstore.client.step_plan import StepPlan, distinct_ids
@@ -131,8 +132,7 @@ class Client:
         with self._lock:
             h = self._handles.get(table)
         if h is not None and h.stale:
-            if h.local is not None:
-                h.local.close()
+            h.close()
             h = None  # its arena was retired: a version swap or a restart
         if h is None:
             h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)), self)
@@ -219,31 +219,21 @@ class Client:
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
 
-        A local client reads them itself, no round trip: a full-resident table
-        straight from the mapped arena; a cache-mode table through the slot
-        index (client/local_reads.py: resident rows checked against their
-        sequence numbers, misses read from the segment files and verified), the
-        sidecar learning the step afterwards. Where the sidecar offers no local
-        reads (--no-local-reads) or this process cannot open the segment files,
-        the step is planned and copied instead. A TCP client, or inline=True,
-        gets the rows inline over gRPC."""
+        A TCP client, or inline=True, gets the rows inline over gRPC. A local
+        client reads them itself, by the route its table's handle chose
+        (TableHandle.read): a full-resident table straight from the mapped arena;
+        a cache-mode table through the slot index (client/local_reads.py), no
+        round trip, the sidecar learning the step afterwards; where the sidecar
+        offers no local reads (--no-local-reads), a planned and copied step.
+        Raises IdOutOfRange / InvalidArgument (bad ids), TableNotFound, and what
+        TableHandle.read raises."""
         if inline or not self.local:
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
-        checked = check_ids(arr, h.rows, table)
-        if h.full_resident:
-            return h.mapped.take(checked)  # interleaved rows, whatever the arena's layout
-        if h.index_path:
-            local = self._local_reads(h)
-            if local is not None:
-                rows = local.read(checked)
-                if rows is not None:
-                    return rows
-        with self.plan(table, arr) as step:  # no local reads here: a leased copy
-            return step.rows()
+        return h.read(check_ids(arr, h.rows, table))
 
     def split_table(self, table: str) -> SplitTable:
         """The split-layout table `table` mapped read-only for an engine (client/split_table.py):
@@ -259,16 +249,6 @@ class Client:
             raise errors.InvalidArgument(f"split_table() maps the sidecar's shared arena, which only a process on "
                                          f"its host can read; a client of {self.target} reads rows with lookup()")
         return SplitTable(self.handle(table))
-
-    def _local_reads(self, h: TableHandle) -> LocalReads | None:
-        """The handle's LocalReads (made once), or None where its index is gone (the next
-        call describes the table again)."""
-        if h.local is None:
-            try:
-                h.local = LocalReads(h, self.step_channel.note)
-            except errors.StaleArena:
-                return None
-        return h.local
 
     def flush(self) -> None:
         """Send the steps local reads noted now, one-way (they go within a few ms by themselves)."""
@@ -337,8 +317,7 @@ class Client:
             self.step_channel.close()  # the sidecar ends this connection's leases
         self._channel.close()
         for h in self._handles.values():
-            if h.local is not None:
-                h.local.close()
+            h.close()
         self._maps.drop()
         self._handles.clear()
 
