@@ -185,7 +185,7 @@ def _handler_us(items: list[PlanItem], n: int = 200) -> float:
 
 
 def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), tables=(1, 4), seed: int = 0) -> list:
-    from tierstore.client.step_connection import StepConnection, raise_errors
+    from tierstore.client.step_channel import StepChannel, raise_errors
     from tierstore.proto.frames import COUNT, RES_OK
 
     rng = np.random.default_rng(seed)
@@ -193,7 +193,7 @@ def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), ta
     with tempfile.TemporaryDirectory(prefix="tsfp-") as d:
         server = ChildServer(Path(d) / "s.steps", Path(d) / "s.grpc")
         channel, grpc_plan = _grpc_caller(Path(d) / "s.grpc")
-        client = StepConnection(Path(d) / "s.steps")
+        client = StepChannel(Path(d) / "s.steps").connect()
         try:
             for n_ids, n_tables in itertools.product(sizes, tables):
                 items = [PlanItem(("l1", "l14")[t % 2], rng.zipf(1.2, n_ids).astype(np.int64) % (1 << 30))
@@ -203,7 +203,7 @@ def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), ta
                 held = {"fastpath": [], "grpc": []}
 
                 def fast_call():
-                    res = raise_errors(client.plan(items, release=held["fastpath"]))
+                    res = raise_errors(client.submit(items, release=held["fastpath"]).result())
                     held["fastpath"] = [r.lease_id for r in res]
                     return [r.slots for r in res]
 
@@ -247,14 +247,14 @@ def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), ta
 
 
 def _client_loop(path: str, n_ids: int, calls: int, go, out) -> None:
-    from tierstore.client.step_connection import StepConnection, raise_errors
+    from tierstore.client.step_channel import StepChannel, raise_errors
 
-    with StepConnection(path) as c:
+    with StepChannel(path).connect() as c:
         items, held, ns = [PlanItem("l1", np.random.default_rng(os.getpid()).integers(0, 1 << 30, n_ids))], [], []
         go.wait()
         for _ in range(calls):
             t0 = time.perf_counter_ns()
-            held = [r.lease_id for r in raise_errors(c.plan(items, release=held))]
+            held = [r.lease_id for r in raise_errors(c.submit(items, release=held).result())]
             ns.append(time.perf_counter_ns() - t0)
     out.put(ns)
 

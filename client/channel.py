@@ -47,7 +47,7 @@ def open_channel(target: str, root_certificates: bytes | None = None) -> grpc.Ch
     options = [
         ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
         ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
-        # a restarted sidecar is found again within ~0.5 s, not gRPC's default 1-120 s backoff
+        # a restarted sidecar is found again within the 500 ms backoff cap set here, not gRPC's default 1-120 s
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 500),

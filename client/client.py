@@ -9,11 +9,14 @@
             rows = step.rows()                         # gathered straight from the mapped arena
 
 One route per operation and transport (docs/architecture.md):
-- lookup: a local client reads the rows itself (the mapped arena; in cache mode
-  the slot index, misses from the segment files); a TCP client, or
-  `lookup(..., inline=True)`, gets them inline over gRPC.
-- plan and release: the step socket (`<socket>.steps`), local clients only. A
-  full-resident table needs no message at all: slot == id.
+- lookup: a TCP client, or `lookup(..., inline=True)`, gets the rows inline over
+  gRPC; a local client reads them by its table handle's one route, chosen when
+  the handle is made (TableHandle.read): the mapped arena (full-resident), the
+  slot index with misses from the segment files (cache mode), or a planned copy
+  (cache mode under `serve --no-local-reads`).
+- plan and release: the step socket (`<socket>.steps`, client/step_channel.py:
+  StepChannel), local clients only. A full-resident table needs no message at
+  all: slot == id.
 - describe, prefetch, reload, stats: gRPC.
 
 Failures raise tierstore.errors types: IdOutOfRange / InvalidArgument (bad ids),
@@ -34,14 +37,13 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.arena_map import ArenaMaps, MappedArena
 from tierstore.client.channel import open_channel, reconnected, to_error
-from tierstore.client.local_reads import LocalReads
 from tierstore.client.split_table import SplitTable
-from tierstore.client.step_link import StepLink
+from tierstore.client.step_channel import StepChannel
 from tierstore.client.step_plan import StepPlan, distinct_ids
 from tierstore.client.table_handle import TableHandle
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
-from tierstore.proto.frames import PlanItem
+from tierstore.proto.frames import PlanItem, step_socket_path
 from tierstore.tiers.base import check_ids
 
 __all__ = ["Client", "as_ids"]
@@ -77,8 +79,8 @@ class Client:
 
     A TCP client never maps an arena (it lives on the sidecar's host): lookup()
     fetches rows inline and plan() is refused. Leases taken by this client belong
-    to its step-socket connection: nobody else can release them, and they end
-    when it closes.
+    to its step channel (`step_channel`, client/step_channel.py; None on TCP):
+    nobody else can release them, and they end when it closes.
     """
 
     def __init__(self, socket: str | Path | None = None, *, target: str | None = None, timeout: float = 30.0,
@@ -99,7 +101,7 @@ class Client:
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
         self._hint_owner = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner)
         self._closed = False
-        self.link = StepLink(self.socket, timeout) if self.local else None
+        self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.local else None
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request, retry: bool = True):
@@ -126,16 +128,11 @@ class Client:
                 f"{what} leases slots of the sidecar's shared arena, which only a process on its host can "
                 f"read; a client of {self.target} reads rows with lookup()")
 
-    def _release_later(self, lease_id: int) -> None:
-        if not self._closed:  # after close() the connection is gone, and its leases with it
-            self.link.release_later(lease_id)
-
     def handle(self, table: str) -> TableHandle:
         with self._lock:
             h = self._handles.get(table)
         if h is not None and h.stale:
-            if h.local is not None:
-                h.local.close()
+            h.close()
             h = None  # its arena was retired: a version swap or a restart
         if h is None:
             h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)), self)
@@ -147,7 +144,10 @@ class Client:
                 self._handles[table] = h
         return h
 
-    def _refresh(self, table: str) -> TableHandle:
+    # ---- what a StepPlan asks of the client that planned it (step_plan.Planner) ----
+    def refresh(self, table: str) -> TableHandle:
+        """Describe `table` again now, whatever this client knew of it (a StepPlan whose reply
+        names another sidecar instance: the sidecar restarted). Raises as handle() does."""
         with self._lock:
             self._handles.pop(table, None)
         return self.handle(table)
@@ -160,8 +160,16 @@ class Client:
         split: a split-layout arena's weight bytes per row (0: interleaved)."""
         return self._maps.arena(path, slots, row_bytes, instance, leased, split)
 
-    def _lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+    def lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+        """Whether lease `lease_id` of a step of `handle`'s table still lives, read from the
+        sidecar's shared lease board (True where the sidecar keeps none: its TTL holds)."""
         return self._maps.lease_alive(handle.lease_board, handle.lease_board_entries, lease_id)
+
+    def release_later(self, lease_id: int) -> None:
+        """End a lease this client took on its next step's PLAN frame, or alone soon
+        (StepChannel.release_later); nothing after close(): the leases ended with it."""
+        if self.step_channel is not None:
+            self.step_channel.release_later(lease_id)
 
     # ---- public API ---------------------------------------------------------
     def tables(self) -> list[dict]:
@@ -203,7 +211,7 @@ class Client:
                 items.append(PlanItem(table, send, 0, _ttl_ms(ttl_s), next(self._request_ids)))
                 asked.append((h, arr, inverse))
         if items:
-            pending = self.link.connection().submit(items)
+            pending = self.step_channel.submit(items)
             for k, (it, (h, arr, inverse)) in enumerate(zip(items, asked)):
                 out[it.table] = StepPlan(self, h, arr, pending, k, inverse)
         return out
@@ -211,31 +219,21 @@ class Client:
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
 
-        A local client reads them itself, no round trip: a full-resident table
-        straight from the mapped arena; a cache-mode table through the slot
-        index (client/local_reads.py: resident rows checked against their
-        sequence numbers, misses read from the segment files and verified), the
-        sidecar learning the step afterwards. Where the sidecar offers no local
-        reads (--no-local-reads) or this process cannot open the segment files,
-        the step is planned and copied instead. A TCP client, or inline=True,
-        gets the rows inline over gRPC."""
+        A TCP client, or inline=True, gets the rows inline over gRPC. A local
+        client reads them itself, by the route its table's handle chose
+        (TableHandle.read): a full-resident table straight from the mapped arena;
+        a cache-mode table through the slot index (client/local_reads.py), no
+        round trip, the sidecar learning the step afterwards; where the sidecar
+        offers no local reads (--no-local-reads), a planned and copied step.
+        Raises IdOutOfRange / InvalidArgument (bad ids), TableNotFound, and what
+        TableHandle.read raises."""
         if inline or not self.local:
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
-        checked = check_ids(arr, h.rows, table)
-        if h.full_resident:
-            return h.mapped.take(checked)  # interleaved rows, whatever the arena's layout
-        if h.index_path:
-            local = self._local_reads(h)
-            if local is not None:
-                rows = local.read(checked)
-                if rows is not None:
-                    return rows
-        with self.plan(table, arr) as step:  # no local reads here: a leased copy
-            return step.rows()
+        return h.read(check_ids(arr, h.rows, table))
 
     def split_table(self, table: str) -> SplitTable:
         """The split-layout table `table` mapped read-only for an engine (client/split_table.py):
@@ -252,20 +250,10 @@ class Client:
                                          f"its host can read; a client of {self.target} reads rows with lookup()")
         return SplitTable(self.handle(table))
 
-    def _local_reads(self, h: TableHandle) -> LocalReads | None:
-        """The handle's LocalReads (made once), or None where its index is gone (the next
-        call describes the table again)."""
-        if h.local is None:
-            try:
-                h.local = LocalReads(self, h)
-            except errors.StaleArena:
-                return None
-        return h.local
-
     def flush(self) -> None:
         """Send the steps local reads noted now, one-way (they go within a few ms by themselves)."""
-        if self.link is not None:
-            self.link.flush_notes()
+        if self.step_channel is not None:
+            self.step_channel.flush_notes()
 
     def prefetch(self, table: str, ids, read: bool = True, steps: int | None = None) -> None:
         """Ask the sidecar to promote rows a queued request will read (no lease, returns
@@ -305,7 +293,7 @@ class Client:
         self._check_open()
         if not self.local:
             return 0
-        return self.link.release([int(i) for i in lease_ids])
+        return self.step_channel.release([int(i) for i in lease_ids])
 
     def stats(self) -> dict:
         resp = self._call("Stats", pb.StatsRequest())
@@ -325,12 +313,11 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # a hint: nothing depends on it
         self._closed = True
-        if self.link is not None:
-            self.link.close()  # the sidecar ends this connection's leases
+        if self.step_channel is not None:
+            self.step_channel.close()  # the sidecar ends this connection's leases
         self._channel.close()
         for h in self._handles.values():
-            if h.local is not None:
-                h.local.close()
+            h.close()
         self._maps.drop()
         self._handles.clear()
 

@@ -15,7 +15,7 @@ index (tierstore/cache/slot_index.py):
    TP ranks staging one batch read each miss once between them); otherwise (Mooncake, versions without row checksums) a
    step with misses is planned through the sidecar as before;
 3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
-   and one-way (client/step_link.py): its policy learns the step as if it had
+   and one-way (client/step_channel.py: StepChannel.note): its policy learns the step as if it had
    been planned and promotes the misses, so the next steps find them resident;
    the note carries the rows this process read for them, so the sidecar does not
    read them from disk again (it verifies each against its row sum first). For
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -43,7 +43,6 @@ from tierstore.cache.slot_index import map_index
 from tierstore.jit import Kernel, compiler_barrier, unique_inverse
 
 if TYPE_CHECKING:
-    from tierstore.client.client import Client
     from tierstore.client.table_handle import TableHandle
 
 __all__ = ["LocalReads"]
@@ -52,10 +51,14 @@ log = logging.getLogger("tierstore.client")
 
 
 class LocalReads:
-    """Reads of one cache-mode table version through its published slot index."""
+    """Reads of one cache-mode table version through its published slot index.
 
-    def __init__(self, client: "Client", handle: "TableHandle"):
-        self.client, self.handle = client, handle
+    note: where each step read goes (StepChannel.note: table, version, distinct ids, the
+    misses' ids and rows or None); called once per read, with arrays it keeps.
+    Raises StaleArena when the index is not the handle's (retired, another instance)."""
+
+    def __init__(self, handle: "TableHandle", note: Callable[..., None]):
+        self.handle, self._note = handle, note
         self.table, self.version, self.row_bytes = handle.table, handle.version, handle.row_bytes
         self.arena = handle.arena_np
         self.gen, self.id_of, self.map = map_index(handle.index_path, self.arena.shape[0], handle.rows,
@@ -109,7 +112,7 @@ class LocalReads:
                 got = self._cold.carried_records(uniq, got)
             elif not form:
                 uniq = got = None
-        self.client.link.note(self.table, self.version, asked, uniq, got)
+        self._note(self.table, self.version, asked, uniq, got)
         self.distinct_asked += asked.size
         self.steps += 1
         self.rows_resident += n - missing

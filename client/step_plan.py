@@ -8,7 +8,7 @@ itself. StepPlan is a tierstore.client.model.source.PlanHandle.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -20,13 +20,32 @@ from tierstore.jit import strictly_increasing, unique_inverse
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.client import Client
-    from tierstore.client.step_connection import PendingReply
+    from tierstore.client.step_channel import PendingReply
 
-__all__ = ["StepPlan", "REPLANS", "distinct_ids"]
+__all__ = ["StepPlan", "Planner", "REPLANS", "distinct_ids"]
 
 # a gather whose lease ended meanwhile is planned again this many times, then StaleRows
 REPLANS = 1
+
+
+class Planner(Protocol):
+    """What a StepPlan asks of the client that planned it (tierstore.client.Client is the one)."""
+
+    def plan(self, table: str, ids) -> "StepPlan":
+        """Plan `ids` of `table` again (a lease that ended before its rows were read)."""
+
+    def refresh(self, table: str) -> TableHandle:
+        """Describe `table` again now (the reply named another sidecar instance)."""
+
+    def arena(self, path: str, slots: int, row_bytes: int, instance: str, leased: bool = False,
+              split: int = 0) -> MappedArena:
+        """The arena a reply names, mapped (`leased`: readable though retired)."""
+
+    def lease_alive(self, handle: TableHandle, lease_id: int) -> bool:
+        """Whether the lease still lives (the shared lease board)."""
+
+    def release_later(self, lease_id: int) -> None:
+        """End the lease on the next request, or alone soon."""
 
 
 class StepPlan:
@@ -39,10 +58,11 @@ class StepPlan:
     gathers with its own kernel calls valid() after the gather.
     """
 
-    def __init__(self, client: "Client", handle: TableHandle, ids: np.ndarray, pending: "PendingReply | None" = None,
+    def __init__(self, client: Planner, handle: TableHandle, ids: np.ndarray, pending: "PendingReply | None" = None,
                  index: int = 0, inverse: np.ndarray | None = None):
-        """pending: the step socket's reply this table is item `index` of (None: full-resident,
-        slot == id); inverse: the sidecar was asked for distinct ids, slot of ids[i] = reply[inverse[i]]."""
+        """client: what planned it (a Planner); pending: the step socket's reply this table is
+        item `index` of (None: full-resident, slot == id); inverse: the sidecar was asked for
+        distinct ids, slot of ids[i] = reply[inverse[i]]."""
         self._client, self._handle, self._ids = client, handle, ids
         self._pending, self._index, self._inverse = pending, index, inverse
         self.table = handle.table
@@ -85,7 +105,7 @@ class StepPlan:
             raise res
         if res.instance != self._handle.instance:
             # the sidecar restarted since we described the table: refresh what we know of it
-            self._handle = self._client._refresh(self.table)
+            self._handle = self._client.refresh(self.table)
         self.lease_id, self.expires_unix_ms = res.lease_id, res.expires_unix_ms
         try:
             self._mapped = self._client.arena(res.arena, res.arena_slots, self._handle.row_bytes, res.instance,
@@ -113,7 +133,7 @@ class StepPlan:
             return False
         if not self.lease_id:
             return True
-        return self._client._lease_alive(self._handle, self.lease_id)
+        return self._client.lease_alive(self._handle, self.lease_id)
 
     def rows(self) -> np.ndarray:
         """uint8 [n, row_bytes] gathered from the mapped arena, request order.
@@ -152,7 +172,7 @@ class StepPlan:
             except errors.TierstoreError:
                 return
         if self.lease_id:
-            self._client._release_later(self.lease_id)
+            self._client.release_later(self.lease_id)
             self.lease_id = 0
 
     def __enter__(self):

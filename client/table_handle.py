@@ -1,4 +1,8 @@
-"""TableHandle: what a sidecar client knows about one served table (from DescribeTable)."""
+"""TableHandle: what a sidecar client knows about one served table (from DescribeTable), and how it reads it.
+
+A local client's lookup reads rows through the handle (TableHandle.read), by
+the one route the handle chose when it was made; see TableHandle.read.
+"""
 from __future__ import annotations
 
 import json
@@ -6,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tierstore import errors
 from tierstore.client.arena_map import MappedArena
+from tierstore.client.local_reads import LocalReads
 from tierstore.proto import tierstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -18,7 +24,11 @@ __all__ = ["TableHandle"]
 
 
 class TableHandle:
-    """What a client knows about one served table; its arena is mapped on first use."""
+    """What a client knows about one served table; its arena is mapped on first use.
+
+    A handle describes one version in one sidecar instance: when its arena is retired
+    (`stale`: a version swap, a restart) the client describes the table again and
+    makes a new handle, closing this one."""
 
     def __init__(self, info: pb.TableInfo, client: "Client | None" = None):
         self.table, self.version, self.rows = info.table, info.version, info.rows
@@ -35,9 +45,55 @@ class TableHandle:
         self.max_prefetch_steps = info.max_prefetch_steps  # 0: the sidecar did not say
         # split-layout arena (all weights, then all scales; client/split_table.py): a row's weight bytes, else 0
         self.split = info.arena.split_bytes if info.arena.layout == "split" else 0
-        self.local = None  # its LocalReads, made on the first lookup
+        self.local: LocalReads | None = None  # the local route's reader, made on its first read
         self._client = client
         self._mapped: MappedArena | None = None
+        # the read route, chosen once (read() says which serves what)
+        self._route = self._take if self.full_resident else self._read_local if self.index_path else self._read_planned
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Rows uint8 [n, row_bytes] of int64 `ids` (in range: the caller checked them; any
+        order, repeats fine), bit-exact as stored, read on this host by the route chosen
+        when the handle was made:
+
+        - full-resident: taken straight from the mapped arena (slot == id);
+        - cache mode with local reads (the sidecar published its slot index): resident
+          rows copied from the arena and checked against their sequence numbers, misses
+          read from the segment files and verified (client/local_reads.py), the step
+          noted to the sidecar afterwards (StepChannel.note);
+        - cache mode without (`serve --no-local-reads`): planned and copied out of the
+          arena under the step's lease (Client.plan, StepPlan.rows).
+
+        The local route falls back to a planned copy for one call, decided in one place
+        (_read_local), in two cases: its reader cannot be made (StaleArena: the index was
+        retired meanwhile, so the next lookup describes the table again), or the step
+        has misses and this process reads none itself (no cold_dir offered: Mooncake, a
+        version without row sums; or the segment files would not open here, warned once).
+        Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows)
+        and DataLoss for a miss that fails its checksum."""
+        return self._route(ids)
+
+    def _take(self, ids: np.ndarray) -> np.ndarray:
+        return self.mapped.take(ids)  # interleaved rows, whatever the arena's layout
+
+    def _read_local(self, ids: np.ndarray) -> np.ndarray:
+        local = self.local
+        if local is None:
+            try:
+                local = self.local = LocalReads(self, self._client.step_channel.note)
+            except errors.StaleArena:
+                pass  # the index is gone with its arena: this call is planned
+        rows = local.read(ids) if local is not None else None
+        return rows if rows is not None else self._read_planned(ids)
+
+    def _read_planned(self, ids: np.ndarray) -> np.ndarray:
+        with self._client.plan(self.table, ids) as step:
+            return step.rows()
+
+    def close(self) -> None:
+        """Let the local route's reader go (its segment files, its miss flights)."""
+        if self.local is not None:
+            self.local.close()
 
     @property
     def mapped(self) -> MappedArena:

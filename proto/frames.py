@@ -1,5 +1,5 @@
 """Wire format of the step socket (tierstore/sidecar/step_server.py serves it,
-client/step_connection.py speaks it). One frame per request and per reply:
+client/step_channel.py speaks it). One frame per request and per reply:
 
     frame    = [HDR] u32 body_len, u8 op, 3 pad; body      (little-endian; 8-aligned)
     HELLO    > [HELLO_REQ] magic[4] "TSFP", u16 version, 2 pad, owner[16];
@@ -345,7 +345,7 @@ class FrameReader:
         return FrameError(errors.Unavailable(
             f"{what} was not whole in time ({have} B of it arrived; a frame must be whole "
             f"{self.frame_timeout_s or 0:g} s after its first byte), so the sidecar closed the connection: send "
-            f"each frame at once (client/step_connection.py does)"))
+            f"each frame at once (client/step_channel.py does)"))
 
     def _recv(self, view) -> int:
         """recv_into, polling first for up to spin_s (see spin_seconds)."""

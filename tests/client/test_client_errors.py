@@ -84,12 +84,12 @@ def test_a_call_after_a_lost_reply_waits_once_for_a_dead_sidecar(data_dir, make_
 
     import numpy as np
 
-    from tierstore.client.step_connection import RECONNECT_WAIT_S, StepConnection
+    from tierstore.client.step_channel import RECONNECT_WAIT_S, StepChannel
     from tierstore.proto.frames import PlanItem, step_socket_path
 
     make_table("t", rows=100, row_bytes=16)
-    with SidecarProcess(data_dir, dram_budget="1MiB") as sc, StepConnection(step_socket_path(sc.socket)) as c:
-        assert c.plan([PlanItem("t", np.arange(4))])[0].slots.size == 4
+    with SidecarProcess(data_dir, dram_budget="1MiB") as sc, StepChannel(step_socket_path(sc.socket)).connect() as c:
+        assert c.submit([PlanItem("t", np.arange(4))]).result()[0].slots.size == 4
         sc.kill()
         first = c.submit([PlanItem("t", np.arange(4))])  # the send fails: its reply is lost
         t0 = time.monotonic()

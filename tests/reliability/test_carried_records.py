@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tierstore.client.client import Client
-from tierstore.client.step_connection import StepConnection
+from tierstore.client.step_channel import StepChannel
 from tierstore.ingest.writer import write_version
 from tierstore.proto.frames import ACCESS, ACCESS_ITEM, COUNT, HDR, AccessItem, step_socket_path
 from tierstore.store.catalog import Catalog
@@ -79,7 +79,7 @@ def served(tmp_path_factory):
 
 
 def _note(sc, table: str, ids: np.ndarray, rows: np.ndarray | None, ends=None) -> None:
-    fp = StepConnection(step_socket_path(sc.socket))
+    fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         ends = np.array([ids.size], dtype=np.int64) if ends is None else ends
         assert fp.access([AccessItem(table, ids, ends, 0, None if rows is None else ids, rows)])
@@ -149,7 +149,7 @@ def test_steps_that_do_not_add_up_and_oversized_rows_change_nothing(served):
     item = ACCESS_ITEM.pack(0, 1, 1, (1 << 32) - 1, (1 << 32) - 1, len(name)) + name + bytes(7) \
         + struct.pack("<qq", 4000, 1)
     body = COUNT.pack(1) + item
-    fp = StepConnection(step_socket_path(sc.socket))
+    fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         assert fp.access([AccessItem("t", ids[:1], np.array([1], dtype=np.int64), 0)])  # the hello done
         fp._sock.sendall(HDR.pack(len(body), ACCESS) + body)

@@ -15,7 +15,7 @@ import pytest
 from tierstore import errors
 from tierstore.cache.leases import RESERVE
 from tierstore.client.client import Client
-from tierstore.client.step_connection import StepConnection
+from tierstore.client.step_channel import StepChannel
 from tierstore.proto.frames import PlanItem, step_socket_path
 
 pytestmark = pytest.mark.reliability
@@ -33,9 +33,9 @@ def table(tmp_path_factory, rel):
 def _honest_steps(path, steps: list) -> list:
     """Plan each step (leased over the step socket) and release it: the errors they met (None: served)."""
     seen = []
-    with StepConnection(path) as c:
+    with StepChannel(path).connect() as c:
         for ids in steps:
-            [res] = c.plan([PlanItem("t", np.asarray(ids, dtype=np.int64))])
+            [res] = c.submit([PlanItem("t", np.asarray(ids, dtype=np.int64))]).result()
             if isinstance(res, errors.TierstoreError):
                 seen.append(res)
             else:
@@ -48,14 +48,14 @@ def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_clien
     sc = sidecars(table, "512KiB", "--lease-ttl", 30)
     with Client(sc.socket) as honest:
         capacity = honest.tables()[0]["arena_slots"]
-        greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(4)]
+        greedy = [StepChannel(step_socket_path(sc.socket)).connect() for _ in range(4)]
         try:
             refused = []
             for k in range(3):  # a whole arena, the longest TTL, renewed by replanning the same request id
                 for j, g in enumerate(greedy):  # and four connections of half an arena each, other rows each
                     for n in (capacity // 2, capacity):
                         ids = (np.arange(n, dtype=np.int64) + j * capacity // 2) % ROWS
-                        [res] = g.plan([PlanItem("t", ids, ttl_ms=300_000, request_id=1)])
+                        [res] = g.submit([PlanItem("t", ids, ttl_ms=300_000, request_id=1)]).result()
                         if isinstance(res, errors.TierstoreError):
                             refused.append(res)
             rng = np.random.default_rng(1)
@@ -80,9 +80,9 @@ def test_a_client_alone_holding_all_it_may_is_bound_to_its_share_once_another_pl
     with Client(sc.socket) as c:
         capacity = c.tables()[0]["arena_slots"]
     path = step_socket_path(sc.socket)
-    with StepConnection(path) as greedy, StepConnection(path) as honest:
+    with StepChannel(path).connect() as greedy, StepChannel(path).connect() as honest:
         def grab(n: int):
-            [res] = greedy.plan([PlanItem("t", np.arange(n, dtype=np.int64), ttl_ms=300_000, request_id=1)])
+            [res] = greedy.submit([PlanItem("t", np.arange(n, dtype=np.int64), ttl_ms=300_000, request_id=1)]).result()
             return res
 
         whole = grab(capacity)
@@ -90,7 +90,7 @@ def test_a_client_alone_holding_all_it_may_is_bound_to_its_share_once_another_pl
         rng = np.random.default_rng(2)
         seen, renewals = [], []
         for _ in range(STEPS):
-            [res] = honest.plan([PlanItem("t", np.sort(rng.choice(ROWS, STEP_IDS, replace=False)))])
+            [res] = honest.submit([PlanItem("t", np.sort(rng.choice(ROWS, STEP_IDS, replace=False)))]).result()
             seen.append(res if isinstance(res, errors.TierstoreError) else None)
             if not isinstance(res, errors.TierstoreError):
                 honest.release([res.lease_id])
@@ -112,13 +112,13 @@ def test_connections_pinning_a_hot_row_by_one_id_leases_refuse_only_themselves(t
     the honest client, whose steps over row 7 are all served."""
     sc = sidecars(table, "512KiB", "--lease-ttl", 60)
     t0 = time.monotonic()
-    greedy = [StepConnection(step_socket_path(sc.socket)) for _ in range(64)]
+    greedy = [StepChannel(step_socket_path(sc.socket)).connect() for _ in range(64)]
     try:
         refused = []
         hot = np.array([7], dtype=np.int64)
         for g in greedy:
             for _ in range(8):  # 128 items a request: the scatter list stays under the kernel's iovec limit
-                for res in g.plan([PlanItem("t", hot, ttl_ms=600_000) for _ in range(128)]):
+                for res in g.submit([PlanItem("t", hot, ttl_ms=600_000) for _ in range(128)]).result():
                     if isinstance(res, errors.TierstoreError):
                         refused.append(res)
         took = time.monotonic() - t0
@@ -142,10 +142,11 @@ def test_a_killed_clients_leases_end_at_once_not_at_their_ttl(table, sidecars):
 
     sc = sidecars(table, "512KiB", "--lease-ttl", 60)
     code = ("import sys, time, numpy as np\n"
-            "from tierstore.client.step_connection import StepConnection\n"
+            "from tierstore.client.step_channel import StepChannel\n"
             "from tierstore.proto.frames import PlanItem\n"
-            "c = StepConnection(sys.argv[1])\n"
-            "c.plan([PlanItem('t', np.arange(i * 10, i * 10 + 10, dtype=np.int64), ttl_ms=600_000) for i in range(100)])\n"
+            "c = StepChannel(sys.argv[1]).connect()\n"
+            "c.submit([PlanItem('t', np.arange(i * 10, i * 10 + 10, dtype=np.int64), ttl_ms=600_000)\n"
+            "          for i in range(100)]).result()\n"
             "print('held', flush=True)\n"
             "time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code, str(step_socket_path(sc.socket))], stdout=subprocess.PIPE)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tierstore import errors
-from tierstore.client.step_connection import StepConnection, raise_errors
+from tierstore.client.step_channel import StepChannel, raise_errors
 from tierstore.proto.frames import (ERROR, HDR, HELLO, HELLO_REQ, MAGIC, PLAN, PROTOCOL_VERSION, SCRATCH, FrameReader,
                                     PlanItem, decode_error, step_socket_path)
 from tierstore.sidecar.step_server import FRAME_TIMEOUT_S
@@ -55,11 +55,11 @@ def test_open_frames_hold_what_arrived_not_what_they_declare(tmp_path, sidecars,
     rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
     sc = sidecars(tmp_path / "data", "64MiB")
     path, pid = step_socket_path(sc.socket), sc.proc.pid
-    good = StepConnection(path, timeout=10)
+    good = StepChannel(path, timeout=10).connect()
     socks = []
     try:
         ids = np.arange(0, ROWS, 5, dtype=np.int64)  # a frame over SCRATCH: a buffer beyond the base, budgeted
-        assert raise_errors(good.plan([PlanItem("t", ids)]))[0].slots.size == ids.size
+        assert raise_errors(good.submit([PlanItem("t", ids)]).result())[0].slots.size == ids.size
         rel.reset_peak_rss(pid)
         before = rel.proc_status(pid)["VmRSS"]
         # authenticated connections that declare 64 MiB and send 1 MiB of it
@@ -77,7 +77,7 @@ def test_open_frames_hold_what_arrived_not_what_they_declare(tmp_path, sidecars,
         assert held < bound, f"{CONNS} open frames of {SENT >> 20} MiB made the sidecar hold {held >> 20} MiB"
         # meanwhile a well-behaved client's steps, small and large, are served
         for n in (256, ids.size):
-            assert raise_errors(good.plan([PlanItem("t", ids[:n])]))[0].slots.size == n
+            assert raise_errors(good.submit([PlanItem("t", ids[:n])]).result())[0].slots.size == n
         # unauthenticated ones declaring as much are refused at the header, before any body is read
         for _ in range(CONNS):
             s = _connect(path, hello=False)
@@ -90,7 +90,7 @@ def test_open_frames_hold_what_arrived_not_what_they_declare(tmp_path, sidecars,
             err = _reply(s)
             assert type(err) is errors.Unavailable and "not whole" in str(err), err
         assert time.monotonic() - t0 < FRAME_TIMEOUT_S + 5
-        assert raise_errors(good.plan([PlanItem("t", ids[:256])]))[0].slots.size == 256
+        assert raise_errors(good.submit([PlanItem("t", ids[:256])]).result())[0].slots.size == 256
     finally:
         for s in socks:
             s.close()

@@ -124,11 +124,11 @@ def test_a_retried_plan_leaves_no_extra_lease(cache):
 
     sc, _ = cache
     with Client(sc.socket) as a:
-        conn = a.link.connection()
+        conn = a.step_channel
         item = PlanItem("t", np.arange(50, dtype="<i8"), 0, 0, 77)
-        (first,) = conn.plan([item])
+        (first,) = conn.submit([item]).result()
         before = a.stats()["leases_active"]
-        (second,) = conn.plan([item])
+        (second,) = conn.submit([item]).result()
         assert a.stats()["leases_active"] == before
         assert first.lease_id != second.lease_id
         assert a.release([first.lease_id, second.lease_id]) == 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tierstore import errors
-from tierstore.client.step_connection import StepConnection
+from tierstore.client.step_channel import StepChannel
 from tierstore.client.client import Client
 from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame, step_socket_path
 from tierstore.ingest.writer import write_version
@@ -178,7 +178,7 @@ def test_without_local_reads_or_with_direct_io_lookups_stay_exact(tmp_path, flag
 def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
     sc, c, data = served
     before = _stats(c)
-    fp = StepConnection(step_socket_path(sc.socket))
+    fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         out_of_range = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
         bad_ends = AccessItem("t", np.array([1, 2, 3], dtype=np.int64), np.array([2], dtype=np.int64))
@@ -205,7 +205,7 @@ def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
 _BAD_NOTE = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
 
 
-def _send_bad_notes(fp: StepConnection) -> int:
+def _send_bad_notes(fp: StepChannel) -> int:
     """Bad notes in a loop over `fp`; returns how many were sent, once the sidecar handled them all."""
     sent = 0
     for _ in range(5):
@@ -229,7 +229,7 @@ def test_refused_access_notes_are_counted_and_logged_once(tmp_path, free_port):
     _write(d)
     port = free_port()
     with SidecarProcess(d, dram_budget="1MiB", extra_args=["--metrics-port", port]) as sc, Client(sc.socket) as c, \
-            StepConnection(step_socket_path(sc.socket)) as fp:
+            StepChannel(step_socket_path(sc.socket)).connect() as fp:
         t0 = time.monotonic()
         sent = _send_bad_notes(fp)
         lines = _note_lines(sc)
@@ -246,7 +246,7 @@ def test_refused_access_notes_are_logged_again_after_the_interval_with_their_cou
 
     d = tmp_path / "data"
     _write(d)
-    with SidecarProcess(d, dram_budget="1MiB") as sc, StepConnection(step_socket_path(sc.socket)) as fp:
+    with SidecarProcess(d, dram_budget="1MiB") as sc, StepChannel(step_socket_path(sc.socket)).connect() as fp:
         sent = _send_bad_notes(fp)
         time.sleep(NOTE_LOG_INTERVAL_S)
         assert fp.access([_BAD_NOTE]) and fp.release([]) == 0
@@ -453,7 +453,7 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     ids = np.arange(30_000, 30_064, dtype=np.int64)
     rows = data[ids].copy() if mode == "page-cache" else _carried(sc.data_dir, "t", 1, data[ids], ids)
     rows[10, 40] ^= 0x01  # one flipped bit
-    fp = StepConnection(step_socket_path(sc.socket))
+    fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         assert fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
         s = _wait(c, "local_steps", 1)
@@ -483,7 +483,7 @@ def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp
     data = _write(d, seed=3)  # t v2, current
     sc = direct_sidecar(d, extra=["--verify-sample", "0", "--no-warm-start"])
     try:
-        fp = StepConnection(step_socket_path(sc.socket))
+        fp = StepChannel(step_socket_path(sc.socket)).connect()
         with Client(sc.socket) as c:
             sent = 0
             for lo, (table, version, rows) in zip((20_000, 30_000), (("u", 1, other), ("t", 1, stale))):
@@ -538,7 +538,7 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
                 import traceback
                 os.setgid(65534)
                 os.setuid(65534)
-                fp = StepConnection(path)
+                fp = StepChannel(path).connect()
                 ok = fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
                 fp.close()
                 code = 0 if ok else 2

@@ -1,4 +1,4 @@
-"""The step socket (tierstore/sidecar/step_server.py + client/step_connection.py) over a real unix socket.
+"""The step socket (tierstore/sidecar/step_server.py + client/step_channel.py) over a real unix socket.
 
 The handler is bench/step_socket.py's ModuloHandler (slot = id & mask, leases in a
 dict): the transport's harness, not a model of the engine."""
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tierstore import errors
 from tierstore.bench.step_socket import ChildServer, ModuloHandler
-from tierstore.client.step_connection import StepConnection, raise_errors
+from tierstore.client.step_channel import StepChannel, raise_errors
 from tierstore.proto.frames import PlanItem, PlanResult, step_socket_path
 from tierstore.sidecar.step_server import StepServer, OwnedLeases
 from tierstore.proto.frames import (ACCESS, ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
@@ -80,30 +80,31 @@ def read_reply(s):
 
 def test_plan_returns_slots_per_item_and_release_rides_along(serve):
     srv, h = serve()
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         assert c.instance == h.instance()
         a, b = ids_of(256, 1), ids_of(1000, 2)
-        res = raise_errors(c.plan([PlanItem("l1", a, ttl_ms=500, request_id=7), PlanItem("l14", b, version=3)]))
+        res = raise_errors(c.submit([PlanItem("l1", a, ttl_ms=500, request_id=7),
+                                     PlanItem("l14", b, version=3)]).result())
         assert [r.slots.tolist() for r in res] == [(a & MASK).tolist(), (b & MASK).tolist()]
         assert res[0].slots.dtype == np.dtype("<i8") and not res[0].slots.flags.writeable
         assert res[1].version == 3 and res[0].instance == h.instance() and res[0].hits == 256
         assert len(h.leases) == 2
-        res2 = raise_errors(c.plan([PlanItem("l1", a[:0])], release=[r.lease_id for r in res]))
+        res2 = raise_errors(c.submit([PlanItem("l1", a[:0])], release=[r.lease_id for r in res]).result())
         assert res2[0].slots.size == 0 and list(h.leases) == [res2[0].lease_id]  # the old two released first
         assert c.release([res2[0].lease_id, 12345]) == 1 and not h.leases
         assert c.release(np.arange(1, 3 * MAX_RELEASE, dtype=np.uint64)) == 0  # sent in pieces the server takes
         with pytest.raises(errors.InvalidArgument, match="at most"):
-            c.plan([PlanItem("l1", a)], release=np.arange(1, 2 * MAX_RELEASE))
+            c.submit([PlanItem("l1", a)], release=np.arange(1, 2 * MAX_RELEASE)).result()
 
 
 def test_release_later_rides_on_the_next_request(serve):
     srv, h = serve()
-    with StepConnection(srv.path) as c:
-        first = raise_errors(c.plan([PlanItem("l1", ids_of(4)), PlanItem("l14", ids_of(4))]))
+    with StepChannel(srv.path).connect() as c:
+        first = raise_errors(c.submit([PlanItem("l1", ids_of(4)), PlanItem("l14", ids_of(4))]).result())
         c.release_later([first[0].lease_id])
         c.release_later(np.array([first[1].lease_id]))
         assert len(h.leases) == 2  # nothing sent yet
-        nxt = raise_errors(c.plan([PlanItem("l1", ids_of(4))]))
+        nxt = raise_errors(c.submit([PlanItem("l1", ids_of(4))]).result())
         assert list(h.leases) == [nxt[0].lease_id]
         c.release_later(nxt[0].lease_id)  # one id, as an int
         assert c.release([]) == 1 and not h.leases
@@ -114,7 +115,7 @@ def test_release_later_rides_on_the_next_request(serve):
 
 def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
     srv, h = serve()
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         a, b = ids_of(300, 1), ids_of(40000, 2)
         first = c.submit([PlanItem("l1", a)])
         second = c.submit([PlanItem("l14", b)], release=[])  # collects first's reply before sending
@@ -129,7 +130,7 @@ def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
 
 def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
     srv, _ = serve()
-    c = StepConnection(srv.path, timeout=5)
+    c = StepChannel(srv.path, timeout=5).connect()
     srv.stop()  # the sidecar dies with our connection open ...
     srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
     pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
@@ -150,15 +151,16 @@ def test_owned_leases_end_only_their_owners_and_forget_the_expired():
 
 def test_errors_come_back_per_item_as_the_same_class(serve):
     srv, _ = serve()
-    with StepConnection(srv.path) as c:
-        res = c.plan([PlanItem("nope", ids_of(3)), PlanItem("l1", ids_of(3)), PlanItem("l1", np.array([-1]))])
+    with StepChannel(srv.path).connect() as c:
+        res = c.submit([PlanItem("nope", ids_of(3)), PlanItem("l1", ids_of(3)),
+                        PlanItem("l1", np.array([-1]))]).result()
         assert type(res[0]) is errors.TableNotFound and "nope" in str(res[0])
         assert res[1].slots.size == 3
         assert type(res[2]) is errors.IdOutOfRange
         with pytest.raises(errors.TableNotFound):
             raise_errors(res)
         with pytest.raises(errors.InvalidArgument, match="integers"):
-            c.plan([PlanItem("l1", np.array([1.5]))])
+            c.submit([PlanItem("l1", np.array([1.5]))]).result()
 
 
 class Broken(ModuloHandler):
@@ -174,12 +176,12 @@ class Broken(ModuloHandler):
 
 def test_a_handler_bug_is_an_error_reply_and_the_connection_survives(serve):
     srv, _ = serve(Broken())
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         with pytest.raises(errors.TierstoreError, match="internal error.*RuntimeError: handler bug"):
-            c.plan([PlanItem("boom", ids_of(2))])
-        assert type(c.plan([PlanItem("odd", ids_of(2))])[0]) is errors.TierstoreError
-        assert "1 slots for 2 ids" in str(c.plan([PlanItem("short", ids_of(2))])[0])
-        assert raise_errors(c.plan([PlanItem("l1", ids_of(4))]))[0].slots.size == 4
+            c.submit([PlanItem("boom", ids_of(2))]).result()
+        assert type(c.submit([PlanItem("odd", ids_of(2))]).result()[0]) is errors.TierstoreError
+        assert "1 slots for 2 ids" in str(c.submit([PlanItem("short", ids_of(2))]).result()[0])
+        assert raise_errors(c.submit([PlanItem("l1", ids_of(4))]).result())[0].slots.size == 4
 
 
 def test_socket_is_0600_and_only_a_stale_one_is_replaced(serve, sock_dir):
@@ -208,8 +210,8 @@ def test_a_connection_that_never_says_hello_gives_its_slot_back(serve, monkeypat
     s = raw_client(srv.path, owner=False)
     assert read_reply(s) is None  # closed by the server, without a word
     s.close()
-    with StepConnection(srv.path) as c:
-        assert raise_errors(c.plan([PlanItem("l1", ids_of(3))]))[0].slots.size == 3
+    with StepChannel(srv.path).connect() as c:
+        assert raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())[0].slots.size == 3
     assert not h.disconnects[:-1]  # no owner was ever announced for the silent one
 
 
@@ -237,26 +239,26 @@ def test_a_client_that_never_reads_its_replies_is_dropped(serve, monkeypatch):
 
 def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
     srv, _ = serve(max_clients=2)
-    a, b = StepConnection(srv.path), StepConnection(srv.path)
+    a, b = StepChannel(srv.path).connect(), StepChannel(srv.path).connect()
     with pytest.raises(errors.ResourceExhausted, match="max_clients=2"):
-        StepConnection(srv.path)
+        StepChannel(srv.path).connect()
     a.close()
     for _ in range(200):  # the server notices the close on its own thread
         if srv.clients < 2:
             break
         time.sleep(0.01)
-    with StepConnection(srv.path) as c:
-        assert raise_errors(c.plan([PlanItem("l1", ids_of(5))]))[0].slots.size == 5
+    with StepChannel(srv.path).connect() as c:
+        assert raise_errors(c.submit([PlanItem("l1", ids_of(5))]).result())[0].slots.size == 5
     b.close()
 
 
 def test_a_closed_connection_ends_its_owners_leases(serve):
     srv, h = serve()
     owner = os.urandom(16)
-    keep = StepConnection(srv.path)
-    keep.plan([PlanItem("l1", ids_of(5))])
-    c = StepConnection(srv.path, owner=owner)
-    c.plan([PlanItem("l1", ids_of(5)), PlanItem("l14", ids_of(5))])
+    keep = StepChannel(srv.path).connect()
+    keep.submit([PlanItem("l1", ids_of(5))]).result()
+    c = StepChannel(srv.path, owner=owner).connect()
+    c.submit([PlanItem("l1", ids_of(5)), PlanItem("l14", ids_of(5))]).result()
     assert len(h.leases) == 3
     c.close()
     for _ in range(200):
@@ -269,28 +271,28 @@ def test_a_closed_connection_ends_its_owners_leases(serve):
 
 def test_no_server_is_unavailable_naming_the_socket(sock_dir):
     with pytest.raises(errors.Unavailable, match=str(sock_dir / "none")):
-        StepConnection(sock_dir / "none", timeout=1)
+        StepChannel(sock_dir / "none", timeout=1).connect()
     mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never answers
     mute.bind(str(sock_dir / "mute"))
     mute.listen()
     t0 = time.monotonic()
     with pytest.raises(errors.Unavailable, match="mute"):
-        StepConnection(sock_dir / "mute", timeout=0.3)
+        StepChannel(sock_dir / "mute", timeout=0.3).connect()
     assert time.monotonic() - t0 < 10  # it gave up instead of hanging
     mute.close()
 
 
 def test_the_client_reconnects_once_after_a_restart_and_reports_the_new_instance(serve):
     srv, h = serve()
-    c = StepConnection(srv.path, timeout=5)
-    raise_errors(c.plan([PlanItem("l1", ids_of(3))]))
+    c = StepChannel(srv.path, timeout=5).connect()
+    raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())
     srv.stop()
     srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
-    res = raise_errors(c.plan([PlanItem("l1", ids_of(3))], release=[1]))
+    res = raise_errors(c.submit([PlanItem("l1", ids_of(3))], release=[1]).result())
     assert res[0].instance == c.instance == "second" != h.instance()
     srv2.stop()
     with pytest.raises(errors.Unavailable, match=str(srv.path)):
-        c.plan([PlanItem("l1", ids_of(3))])
+        c.submit([PlanItem("l1", ids_of(3))]).result()
     c.close()
     with pytest.raises(errors.InvalidArgument, match="closed"):
         c.release([1])
@@ -306,17 +308,17 @@ def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
         assert op == ERROR and type(err) is errors.InvalidArgument and "different tierstore versions" in str(err)
         assert read_reply(s) is None  # and the connection is closed
         s.close()
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         with pytest.raises(errors.InvalidArgument, match="already connected"):
-            StepConnection(srv.path, owner=c.owner)  # one owner, one connection: leases are never shared
+            StepChannel(srv.path, owner=c.owner).connect()  # one owner, one connection: leases are never shared
 
 
 def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
     srv, _ = serve(max_request_bytes=4096)
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         with pytest.raises(errors.ResourceExhausted, match="4096 B limit"):
-            c.plan([PlanItem("l1", ids_of(1000))])  # refused before sending
-        assert raise_errors(c.plan([PlanItem("l1", ids_of(10))]))[0].slots.size == 10
+            c.submit([PlanItem("l1", ids_of(1000))]).result()  # refused before sending
+        assert raise_errors(c.submit([PlanItem("l1", ids_of(10))]).result())[0].slots.size == 10
     s = raw_client(srv.path)
     s.sendall(HDR.pack(1 << 31, PLAN))
     op, body = read_reply(s)
@@ -356,9 +358,9 @@ def test_a_frame_must_be_whole_in_time_and_the_wait_between_frames_is_free(serve
 
     monkeypatch.setattr(fastpath, "FRAME_TIMEOUT_S", 0.5)
     srv, _ = serve()
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         time.sleep(1.0)  # idle between steps, twice the frame deadline
-        assert raise_errors(c.plan([PlanItem("l1", ids_of(3))]))[0].slots.size == 3
+        assert raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())[0].slots.size == 3
     s = raw_client(srv.path)
     frame, t0 = plan_frame(100), time.monotonic()
     for i in range(len(frame)):  # a byte at a time: each recv returns, the frame never completes in time
@@ -393,8 +395,8 @@ def test_receive_buffers_share_one_bound_and_small_steps_never_wait_for_it(serve
         b.sendall(frame[:-100])
         time.sleep(0.2)
         c.sendall(frame)  # whole, but no room for it: it waits
-        with StepConnection(srv.path) as good:
-            assert raise_errors(good.plan([PlanItem("l1", ids_of(256))]))[0].slots.size == 256
+        with StepChannel(srv.path).connect() as good:
+            assert raise_errors(good.submit([PlanItem("l1", ids_of(256))]).result())[0].slots.size == 256
         assert not replied(c, 0.3)
         a.sendall(frame[-100:])  # a's frame is whole and served: its room goes to c
         assert read_reply(a)[0] == PLAN and read_reply(c)[0] == PLAN
@@ -436,21 +438,21 @@ class Keeper(ModuloHandler):
 
 def test_ids_a_handler_keeps_are_not_overwritten_by_the_next_request(serve):
     srv, h = serve(Keeper())
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         first, second = ids_of(100, 1), ids_of(100, 2)
-        c.plan([PlanItem("l1", first)])
-        c.plan([PlanItem("l1", second)])
+        c.submit([PlanItem("l1", first)]).result()
+        c.submit([PlanItem("l1", second)]).result()
     assert np.array_equal(h.kept[0], first) and np.array_equal(h.kept[1], second)
 
 
 def test_threads_share_one_client(serve):
     srv, _ = serve()
     failures = []
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         def worker(seed):
             for i in range(30):
                 ids = ids_of(64 + i, seed * 100 + i)
-                res = raise_errors(c.plan([PlanItem("l1", ids)]))
+                res = raise_errors(c.submit([PlanItem("l1", ids)]).result())
                 if not np.array_equal(res[0].slots, ids & MASK):
                     failures.append(seed)
                 c.release([res[0].lease_id])
@@ -547,7 +549,7 @@ def test_hostile_frames_never_break_the_server(fuzz_target, data, truncate):
     finally:
         s.close()
     ids = ids_of(50)
-    assert np.array_equal(raise_errors(good.plan([PlanItem("l1", ids)]))[0].slots, ids & MASK)
+    assert np.array_equal(raise_errors(good.submit([PlanItem("l1", ids)]).result())[0].slots, ids & MASK)
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +557,7 @@ def fuzz_target():
     d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))
     srv = StepServer(d / "f.steps", ModuloHandler(), max_request_bytes=1 << 16, max_clients=64)
     srv.start()
-    good = StepConnection(srv.path, timeout=10)
+    good = StepChannel(srv.path, timeout=10).connect()
     yield srv, good
     good.close()
     srv.stop()
@@ -566,26 +568,26 @@ def test_a_server_in_another_process(sock_dir):
     path = sock_dir / "child.steps"
     child = ChildServer(path)
     try:
-        c = StepConnection(path, timeout=5)
+        c = StepChannel(path, timeout=5).connect()
         ids = ids_of(32768)
-        res = raise_errors(c.plan([PlanItem("l1", ids), PlanItem("l14", ids[:256])]))
+        res = raise_errors(c.submit([PlanItem("l1", ids), PlanItem("l14", ids[:256])]).result())
         assert np.array_equal(res[0].slots, ids & MASK) and res[0].instance == child.instance
         assert child.leases()["leases"] == 2
         c.release([r.lease_id for r in res])
         assert child.leases()["leases"] == 0
-        quick = StepConnection(path, timeout=0.5)
+        quick = StepChannel(path, timeout=0.5).connect()
         os.kill(child.proc.pid, signal.SIGSTOP)  # a hung sidecar: the call gives up after `timeout`
         while Path(f"/proc/{child.proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
             time.sleep(0.01)
         try:
             with pytest.raises(errors.Unavailable, match="no reply within 0.5 s"):
-                quick.plan([PlanItem("l1", ids[:4])])
+                quick.submit([PlanItem("l1", ids[:4])]).result()
         finally:
             os.kill(child.proc.pid, signal.SIGCONT)
         quick.close()
         child.kill()  # a crashed sidecar: nothing answers, the client says so and names the socket
         with pytest.raises(errors.Unavailable, match="child.steps"):
-            c.plan([PlanItem("l1", ids[:4])])
+            c.submit([PlanItem("l1", ids[:4])]).result()
         c.close()
     finally:
         child.kill()
@@ -603,11 +605,11 @@ def test_polling_readers_serve_the_same_replies(serve, monkeypatch):
             return super().plan(owner, items, release)
 
     srv, h = serve(Slow())
-    with StepConnection(srv.path) as c:
+    with StepChannel(srv.path).connect() as c:
         assert c._spin_s == pytest.approx(300e-6)
         for n in (1, 256, 5000):  # 5000 ids: over SPIN_MAX_REQUEST_BYTES, not polled for
             a = ids_of(n, n)
-            res = raise_errors(c.plan([PlanItem("l1", a)]))
+            res = raise_errors(c.submit([PlanItem("l1", a)]).result())
             assert res[0].slots.tolist() == (a & MASK).tolist()
-        res = raise_errors(c.plan([PlanItem("l1", ids_of(8), request_id=99)]))
+        res = raise_errors(c.submit([PlanItem("l1", ids_of(8), request_id=99)]).result())
         assert res[0].slots.tolist() == (ids_of(8) & MASK).tolist()

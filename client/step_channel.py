@@ -1,17 +1,29 @@
-"""Client of the sidecar's step socket: a step's Plan for all its tables, in one round trip.
+"""StepChannel: one client's step socket (`<socket>.steps`) and everything that rides on it.
 
-    from tierstore.client.step_connection import StepConnection
+    from tierstore.client.step_channel import StepChannel, raise_errors
     from tierstore.proto.frames import PlanItem
-    with StepConnection("/run/tierstore.sock.steps") as fp:
-        l1, l14 = fp.plan([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
+    with StepChannel("/run/tierstore.sock.steps") as ch:
+        step = ch.submit([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
+        ...                                # the round trip overlaps the caller's work
+        l1, l14 = raise_errors(step.result())
         slots = l1.slots                   # int64, one per id, read-only view of the reply (no copy)
+        ch.release_later([l1.lease_id, l14.lease_id])   # ends them on the next request, no round trip
 
-        step = fp.submit(items)            # or: send now, overlap the round trip with other work,
-        results = step.result()            #     collect the reply when the slots are needed
-        fp.release_later([r.lease_id for r in results])   # ends them on the next request, no round trip
+The channel owns the transport state, and nothing else touches it: the socket
+(connected on first use, reconnecting once by itself), the one request in
+flight (a PendingReply), the queue of released leases and the flusher thread.
+A released lease is queued to ride on the next step's PLAN frame; a client that
+stops planning sends it in a RELEASE frame after RELEASE_LINGER_S, from the
+flusher: one release path, carried by the wire either way. Steps a client read
+itself (client/local_reads.py) are noted here and sent in batches, one-way:
+every NOTE_EVERY_S or NOTE_IDS ids while steps run, by the flusher after the
+last. A note carries the rows its steps read from disk, up to NOTE_ROW_BYTES a
+frame, so the sidecar promotes them without reading them again (it verifies each
+first); rows past that bound go without their bytes (the sidecar reads the ones
+it promotes), as do all of them with O_DIRECT (local_reads.py says why).
 
 Each PlanResult carries `instance`: when it differs from the one whose arena you
-mapped, the sidecar restarted (the client reconnects once by itself) and the
+mapped, the sidecar restarted (the channel reconnected as a new owner) and the
 slots index the new arena: remap it. Errors of one table come back as that
 item's entry (a tierstore.errors instance, same class as the server raised);
 use raise_errors(results) to raise the first. Whole-request failures raise.
@@ -19,11 +31,8 @@ use raise_errors(results) to raise the first. Whole-request failures raise.
 Failure modes: Unavailable (no sidecar on the socket, or no reply within
 `timeout` seconds; the message names the socket), ResourceExhausted (request
 over the sidecar's size limit, or max_clients reached), InvalidArgument (bad
-items, protocol mismatch). Thread-safe: calls on one client take turns on its
-connection; use one client per thread for parallel steps.
-
-One cohesive thing (a little over the house's 300 lines): the connection, its one
-request in flight and the reply parser.
+items, protocol mismatch, a closed channel). Thread-safe: calls take turns on
+the one connection; use one channel per thread for parallel steps.
 """
 from __future__ import annotations
 
@@ -40,13 +49,19 @@ from tierstore import errors
 from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
                                 MAX_RELEASE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
                                 FrameReader, PlanItem, PlanResult, decode_error, encode_access, pad8, send_frame,
-                                spin_seconds)
+                                spin_seconds, AccessItem)
 
-__all__ = ["StepConnection", "PendingReply", "raise_errors"]
+__all__ = ["StepChannel", "PendingReply", "raise_errors", "RECONNECT_WAIT_S", "RELEASE_LINGER_S"]
 
 RECONNECT_WAIT_S = 2.0   # how long a call waits for a restarting sidecar before Unavailable
 RENOTE_S = 0.1           # a lost connection is tried again by notes at most this often
-SPIN_MAX_REQUEST_BYTES = 32 << 10  # ~4k ids: beyond, the ~30 us wake is noise against the plan
+SPIN_MAX_REQUEST_BYTES = 32 << 10  # 4k ids: beyond, a blocking read's wake-up is small against the plan's work
+# a release waits this long for the next step's request to carry it
+RELEASE_LINGER_S = 0.02
+# local reads' notes go out at least this often while steps run, or once this many ids wait
+NOTE_EVERY_S, NOTE_IDS = 0.002, 1 << 13
+# bytes of rows one note carries at most (and at most half the sidecar's request limit)
+NOTE_ROW_BYTES = 32 << 20
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
@@ -62,17 +77,22 @@ def raise_errors(results: list) -> list[PlanResult]:
 
 
 class PendingReply:
-    """A request sent by StepConnection.submit; result() returns its reply (or raises)."""
+    """A request sent by StepChannel.submit; result() returns its reply (or raises).
 
-    __slots__ = ("client", "op", "parts", "size", "n_items", "error", "_value", "_error", "_done")
+    Settled once, by the channel that sent it: when its reply is read (the caller's
+    result(), or the channel's next request, which collects it first) or the channel
+    closes."""
 
-    def __init__(self, client: StepConnection, op: int, parts: list, size: int, n_items: int):
-        self.client, self.op, self.parts, self.size, self.n_items = client, op, parts, size, n_items
+    __slots__ = ("channel", "op", "parts", "size", "n_items", "error", "_value", "_error", "_done")
+
+    def __init__(self, channel: "StepChannel", op: int, parts: list, size: int, n_items: int):
+        self.channel, self.op, self.parts, self.size, self.n_items = channel, op, parts, size, n_items
         self.error = None  # a send that failed: resend after reconnecting
         self._value = self._error = None
         self._done = False
 
-    def _settle(self, value=None, error=None) -> None:
+    def settle(self, value=None, error=None) -> None:
+        """The channel's: the reply is `value`, or the request failed with `error`."""
         self._value, self._error, self._done, self.parts = value, error, True, None
 
     def done(self) -> bool:
@@ -82,21 +102,22 @@ class PendingReply:
     def result(self):
         """The reply: a list with one PlanResult or error per item (PLAN), the released count (RELEASE)."""
         if not self._done:
-            with self.client._lock:
-                if not self._done:
-                    self.client._finish(self)
+            self.channel.collect(self)
         if self._error is not None:
             raise self._error
         return self._value
 
 
-class StepConnection:
-    """One connection to the step socket at `path` (the sidecar's `<socket>.steps`).
+class StepChannel:
+    """The step socket at `path` (the sidecar's `<socket>.steps`) of one client.
 
-    owner: 16 bytes naming this connection's leases (random when None); the
+    owner: 16 bytes naming the first connection's leases (random when None); the
            sidecar ends an owner's leases when its connection closes, and a
            reconnect takes a fresh owner.
     timeout: seconds a call may wait for the sidecar before Unavailable.
+
+    Nothing is sent until the first call: connect() makes the connection now
+    (the handshake), a request or a note makes it when none was made yet.
     """
 
     def __init__(self, path, owner: bytes | None = None, timeout: float = 30.0):
@@ -112,16 +133,27 @@ class StepConnection:
         self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
+        self._connected = False  # a handshake has succeeded: later connections take a fresh owner
         self._retry_at = 0.0  # when a note may next try to reconnect (_reconnect)
         self._spin_s = spin_seconds()
-        with self._lock:
-            self._connect(self.owner, wait=0.0)
+        self._flusher, self._flush_event, self._flush_due = None, threading.Event(), 0.0
+        # (table, version) -> (id arrays, sizes, row-id arrays, row arrays)
+        self._notes: dict[tuple[str, int], tuple[list, list, list, list]] = {}
+        self._note_ids, self._note_since, self._note_bytes = 0, 0.0, 0
+        self._notes_lock = threading.Lock()
 
     # -- public calls ----------------------------------------------------------------------
 
-    def plan(self, items: list[PlanItem], release=()) -> list:
-        """Release `release` (lease ids), then plan every item: one PlanResult or error per item."""
-        return self.submit(items, release).result()
+    def connect(self) -> "StepChannel":
+        """Make the connection now if none was made yet (a no-op after: the next request
+        makes a lost one again); returns self. Raises Unavailable (no sidecar answers on
+        the step socket), ResourceExhausted (it serves its maximum of connections, or
+        this owner's already), InvalidArgument (another protocol, a closed channel)."""
+        with self._lock:
+            self._check_open()
+            if not self._connected:
+                self._connect(self.owner, wait=0.0)
+        return self
 
     def submit(self, items: list[PlanItem], release=()) -> PendingReply:
         """Send the step's PLAN now and return at once; `.result()` waits for the reply.
@@ -168,17 +200,23 @@ class StepConnection:
             raise
 
     def release_later(self, lease_ids) -> None:
-        """Queue leases to end on this client's next request (no round trip of their own).
+        """Queue leases to end on this channel's next request (no round trip of their own),
+        or in a RELEASE frame of their own after RELEASE_LINGER_S when none comes.
 
-        For a handle's release() in a step loop: the next step's PLAN carries them.
-        A client that closes needs no flush: the sidecar ends a closed owner's leases.
-        lease_ids: an array or list of ids, or one id (an int)."""
-        if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a handle's one lease, every step
-            with self._queue_lock:
-                self._queued.append(lease_ids)
+        For a StepPlan's release() in a step loop: the next step's PLAN carries them.
+        A channel that closes needs no flush: the sidecar ends a closed owner's leases,
+        so after close() (or before any connection: no lease exists) this does nothing.
+        lease_ids: an array or list of ids, or one id (an int); OverflowError or
+        ValueError for what is not a lease id, nothing queued."""
+        if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a StepPlan's one lease, every step
+            more = [lease_ids]
+        else:
+            more = [int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel()]
+        if self._closed or not self._connected:
             return
         with self._queue_lock:
-            self._queued.extend(int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel())
+            self._queued.extend(more)
+        self._flusher_wake()
 
     @property
     def queued(self) -> bool:
@@ -195,7 +233,11 @@ class StepConnection:
         return (np.concatenate([rel, more]) if rel.size else more), queued
 
     def release(self, lease_ids) -> int:
-        """End these leases (and any queued by release_later) now; returns how many were live."""
+        """End these leases (and any queued by release_later) now; returns how many were live
+        (0 before any connection: no lease of this channel exists)."""
+        if not self._connected:
+            self._check_open()
+            return 0
         ids = np.ascontiguousarray(lease_ids, dtype="<u8").ravel()
         with self._queue_lock:
             ids, self._queued = np.concatenate([ids, np.asarray(self._queued, dtype="<u8")]), []
@@ -205,6 +247,50 @@ class StepConnection:
             released += self._submit(PendingReply(self, RELEASE, [COUNT.pack(part.size), part],
                                                  COUNT.size + part.nbytes, 0)).result()
         return released
+
+    def note(self, table: str, version: int, ids: np.ndarray, row_ids: np.ndarray | None = None,
+             rows: np.ndarray | None = None) -> None:
+        """A step of `table` this client read itself (int64 ids, kept as given: do not
+        change them); sent with others, one-way, soon (see the module docstring).
+        row_ids, rows: the rows of its misses as read from disk (int64 [n], uint8
+        [n, row_bytes], kept as given too), carried while the note has room."""
+        now = time.monotonic()
+        with self._notes_lock:
+            buf = self._notes.get((table, version))
+            if buf is None:
+                buf = self._notes[(table, version)] = ([], [], [], [])
+            buf[0].append(ids)
+            buf[1].append(ids.size)
+            if rows is not None and rows.size and self._note_bytes + rows.nbytes <= NOTE_ROW_BYTES:
+                buf[2].append(row_ids)
+                buf[3].append(rows)
+                self._note_bytes += rows.nbytes
+            if not self._note_ids:
+                self._note_since = now
+            self._note_ids += ids.size
+            due = self._note_ids >= NOTE_IDS or now - self._note_since >= NOTE_EVERY_S
+        if due:
+            self.flush_notes()
+        else:
+            self._flusher_wake()
+
+    def flush_notes(self) -> None:
+        """Send the noted steps now (dropped when no connection can be had: they are hints)."""
+        with self._notes_lock:
+            notes, self._notes, self._note_ids, self._note_bytes = self._notes, {}, 0, 0
+        if not notes or self._closed:
+            return
+        items = [AccessItem(t, _joined(arrs), np.cumsum(sizes, dtype=np.int64), v,
+                            _joined(row_ids) if row_ids else None, _joined(rows) if rows else None)
+                 for (t, v), (arrs, sizes, row_ids, rows) in notes.items()]
+        try:
+            self.connect()
+            if sum(it.rows.nbytes for it in items if it.rows is not None) > self.max_request_bytes // 2:
+                for it in items:  # a sidecar with a small request limit: the ids still go
+                    it.row_ids = it.rows = None
+            self.access(items)
+        except errors.TierstoreError:
+            pass
 
     def access(self, items: list) -> bool:
         """Tell the sidecar about steps this client read itself (proto.frames.AccessItem list):
@@ -240,18 +326,29 @@ class StepConnection:
             return False
         self._retry_at = now + RENOTE_S
         try:
-            self._connect(os.urandom(16), wait=0.0)
+            self._connect(os.urandom(16) if self._connected else self.owner, wait=0.0)
         except errors.TierstoreError:
             return False
         return True
 
+    def collect(self, reply: PendingReply) -> None:
+        """Read `reply` (this channel's request in flight) unless it is settled already:
+        PendingReply.result() waits here."""
+        with self._lock:
+            if not reply.done():
+                self._finish(reply)
+
     def close(self) -> None:
+        """Send what is noted, stop the flusher and close the connection (the sidecar ends its
+        leases); a reply still in flight fails with Unavailable."""
+        self.flush_notes()
         with self._lock:
             if self._inflight is not None:
-                self._inflight._settle(error=errors.Unavailable(f"step-socket client of {self.path} was closed"))
+                self._inflight.settle(error=errors.Unavailable(f"step-socket client of {self.path} was closed"))
                 self._inflight = None
             self._closed = True
             self._drop()
+        self._flush_event.set()
 
     def __enter__(self):
         return self
@@ -259,7 +356,43 @@ class StepConnection:
     def __exit__(self, *exc):
         self.close()
 
+    # -- the flusher: queued releases and notes that no request carries ------------------------
+
+    def _flusher_wake(self) -> None:
+        """Queued releases go out with the next request; a client that stops planning sends
+        them after RELEASE_LINGER_S (a lease left until its TTL would hold its rows, and a
+        retired arena, for nothing)."""
+        self._flush_due = time.monotonic() + RELEASE_LINGER_S
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="tierstore-release", daemon=True)
+            self._flusher.start()
+        if not self._flush_event.is_set():  # a set costs a lock and a notify; once per wait is enough
+            self._flush_event.set()
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._flush_event.wait()
+            # the event stays set while this loop runs, so a step loop's releases skip the set;
+            # it is cleared before the queue is looked at, so a release is never left unseen
+            while not self._closed:
+                while not self._closed and time.monotonic() < self._flush_due:
+                    time.sleep(max(0.0, self._flush_due - time.monotonic()))
+                if self._queued and not self._closed:
+                    try:
+                        self.release([])
+                    except errors.TierstoreError:
+                        pass  # the sidecar is gone: its leases went with it
+                if self._note_ids and not self._closed:
+                    self.flush_notes()
+                self._flush_event.clear()
+                if not self._queued and not self._note_ids:
+                    break
+
     # -- connection --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.InvalidArgument(f"step-socket client of {self.path} is closed")
 
     def _unavailable(self, why) -> errors.Unavailable:
         return errors.Unavailable(f"no tierstore sidecar step socket answers at {self.path} (is `tierstore serve` "
@@ -305,7 +438,7 @@ class StepConnection:
             raise errors.InvalidArgument(f"{self.path} does not speak tierstore step-socket v{PROTOCOL_VERSION} "
                                          f"(got {magic!r} v{version}); client and sidecar versions differ")
         self.instance = body[HELLO_RESP.size:].decode("utf-8", "replace")
-        self.owner, self.max_request_bytes = owner, limit
+        self.owner, self.max_request_bytes, self._connected = owner, limit, True
         reader.limit = 2 * limit + (1 << 20)  # a reply carries one slot per id plus small headers
         self._sock, self._reader = sock, reader
 
@@ -316,14 +449,15 @@ class StepConnection:
 
     def _submit(self, req: PendingReply) -> PendingReply:
         with self._lock:
-            if self._closed:
-                raise errors.InvalidArgument(f"step-socket client of {self.path} is closed")
+            self._check_open()
             # one wait for a restarting sidecar per call, however many reconnects it makes (the
             # reply in flight, then this request): Unavailable within RECONNECT_WAIT_S, not twice that
             deadline = time.monotonic() + min(self.timeout, RECONNECT_WAIT_S)
             if self._inflight is not None:
                 self._finish(self._inflight, deadline)  # one in flight: a reply never waits behind our next send
-            if self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+            if not self._connected:  # the first use
+                self._connect(self.owner, wait=0.0)
+            elif self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
                 self._connect(os.urandom(16), wait=max(0.0, deadline - time.monotonic()))
             if req.size > self.max_request_bytes:
                 raise errors.ResourceExhausted(f"step-socket request of {req.size} B exceeds the sidecar's "
@@ -358,30 +492,30 @@ class StepConnection:
                 break
             except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
                 self._drop()
-                req._settle(error=self._unavailable(f"no reply within {self.timeout:g} s"))
+                req.settle(error=self._unavailable(f"no reply within {self.timeout:g} s"))
                 return
             except errors.TierstoreError as e:  # the reconnect failed
-                req._settle(error=e)
+                req.settle(error=e)
                 return
             except (EOFError, OSError, FrameError) as e:
                 self._drop()
                 req.error = e
                 if attempt:
-                    req._settle(error=self._unavailable(e))
+                    req.settle(error=self._unavailable(e))
                     return
             except BaseException:  # interrupted mid-frame: the stream is out of step, start afresh
                 self._drop()
-                req._settle(error=self._unavailable("the call was interrupted"))
+                req.settle(error=self._unavailable("the call was interrupted"))
                 raise
         if op == ERROR:
-            req._settle(error=decode_error(body, 0)[0])
+            req.settle(error=decode_error(body, 0)[0])
         elif op != req.op:
-            req._settle(error=errors.TierstoreError(f"step socket at {self.path} answered op {op} to op {req.op}"))
+            req.settle(error=errors.TierstoreError(f"step socket at {self.path} answered op {op} to op {req.op}"))
         else:
             try:
-                req._settle(value=self._parse_plan(body, req.n_items) if op == PLAN else U64.unpack_from(body)[0])
+                req.settle(value=self._parse_plan(body, req.n_items) if op == PLAN else U64.unpack_from(body)[0])
             except errors.TierstoreError as e:
-                req._settle(error=e)
+                req.settle(error=e)
 
     def _parse_plan(self, body: bytes, n_items: int) -> list:
         (n,), off, out = COUNT.unpack_from(body), COUNT.size, []
@@ -402,3 +536,7 @@ class StepConnection:
                 err, off = decode_error(body, off)
                 out.append(err)
         return out
+
+
+def _joined(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]

@@ -1,0 +1,79 @@
+"""StepChannel (client/step_channel.py): what one channel owns, seen from its user.
+
+Served by a real StepServer over a real unix socket with bench/step_socket.py's
+ModuloHandler (the transport's harness, as in tests/sidecar/test_step_server.py);
+the wire itself is tested there."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstore import errors
+from tierstore.bench.step_socket import ModuloHandler
+from tierstore.client.step_channel import RELEASE_LINGER_S, StepChannel, raise_errors
+from tierstore.proto.frames import PlanItem
+from tierstore.sidecar.step_server import StepServer
+
+
+@pytest.fixture
+def served():
+    d = Path(tempfile.mkdtemp(prefix="tsch-", dir="/tmp"))  # unix socket paths must stay under 108 bytes
+    handler = ModuloHandler()
+    srv = StepServer(d / "s.sock.steps", handler, max_clients=8)
+    srv.start()
+    yield srv, handler
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_a_channel_connects_on_first_use_and_says_where_nobody_answers(tmp_path):
+    ch = StepChannel(tmp_path / "none.steps", timeout=1)  # nothing sent, nothing refused yet
+    try:
+        assert ch.release([1, 2]) == 0  # no connection made: no lease of this channel exists
+        ch.release_later([3])  # likewise nothing to queue
+        assert not ch.queued
+        with pytest.raises(errors.Unavailable, match="none.steps"):
+            ch.connect()
+        with pytest.raises(errors.Unavailable, match="none.steps"):
+            ch.submit([PlanItem("l1", np.arange(4))])
+    finally:
+        ch.close()
+    with pytest.raises(errors.InvalidArgument, match="closed"):
+        ch.connect()
+
+
+def test_a_released_lease_goes_out_alone_when_no_step_follows(served):
+    srv, h = served
+    with StepChannel(srv.path) as ch:
+        [res] = raise_errors(ch.submit([PlanItem("l1", np.arange(8))]).result())
+        assert list(h.leases) == [res.lease_id]
+        t0 = time.monotonic()
+        ch.release_later(res.lease_id)
+        assert _wait(lambda: not h.leases), "the queued release never went out"
+        assert time.monotonic() - t0 >= RELEASE_LINGER_S  # it waited for a request to carry it first
+        assert not ch.queued
+
+
+def test_a_closed_channel_queues_nothing_and_its_leases_end(served):
+    srv, h = served
+    ch = StepChannel(srv.path).connect()
+    raise_errors(ch.submit([PlanItem("l1", np.arange(8)), PlanItem("l14", np.arange(8))]).result())
+    assert len(h.leases) == 2
+    ch.close()
+    assert _wait(lambda: not h.leases)  # the sidecar ends a closed owner's leases
+    ch.release_later([1, 2])
+    assert not ch.queued
+    with pytest.raises(errors.InvalidArgument, match="closed"):
+        ch.release([1])
