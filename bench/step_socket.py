@@ -38,7 +38,7 @@ GRPC_METHOD = "/tierstore.bench.FastPath/Plan"
 class ModuloHandler:
     """A real, small StepHandler over numpy: tables of `rows` ids, slot = id % slots (a power of two).
 
-    Also the shape of a sidecar's handler: per-item errors, releases first, leases kept per owner."""
+    Also the shape of a sidecar's handler: per-item errors, releases first, leases kept per conn_id."""
 
     def __init__(self, tables: dict[str, int] | None = None, slots: int = 1 << 20, instance: str | None = None):
         from tierstore.sidecar.step_server import OwnedLeases
@@ -53,14 +53,14 @@ class ModuloHandler:
 
     @property
     def leases(self) -> dict[int, bytes]:
-        """lease id -> owner of every live lease."""
+        """lease id -> conn_id of every live lease."""
         return self.owned.holders()
 
     def instance(self) -> str:
         return self._instance
 
-    def plan(self, owner: bytes, items: list[PlanItem], release: list[int]) -> list:
-        self.release(owner, release)
+    def plan(self, conn_id: bytes, items: list[PlanItem], release: list[int]) -> list:
+        self.release(conn_id, release)
         out = []
         for it in items:
             rows = self.tables.get(it.table)
@@ -70,16 +70,16 @@ class ModuloHandler:
                 out.append(errors.IdOutOfRange(f"table {it.table!r} has {rows} rows; an id is out of range"))
             else:
                 lease = next(self._ids)
-                self.owned.add(owner, lease, time.monotonic() + (it.ttl_ms or 30_000) / 1000)
+                self.owned.add(conn_id, lease, time.monotonic() + (it.ttl_ms or 30_000) / 1000)
                 out.append(PlanResult(lease, it.version or 1, it.ids & self.mask, hits=it.ids.size))
         return out
 
-    def release(self, owner: bytes, lease_ids: list[int]) -> int:
-        return len(self.owned.take(owner, lease_ids))
+    def release(self, conn_id: bytes, lease_ids: list[int]) -> int:
+        return len(self.owned.take(conn_id, lease_ids))
 
-    def disconnected(self, owner: bytes) -> None:
-        self.owned.take_all(owner)
-        self.disconnects.append(owner)
+    def disconnected(self, conn_id: bytes) -> None:
+        self.owned.take_all(conn_id)
+        self.disconnects.append(conn_id)
 
 
 def serve_child(path: str, grpc_path: str | None) -> None:

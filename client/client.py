@@ -99,7 +99,7 @@ class Client:
         self._lock = threading.Lock()
         self._maps = ArenaMaps(self._lock)
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
-        self._hint_owner = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner)
+        self._conn_id = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner on the wire)
         self._closed = False
         self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.local else None
 
@@ -276,7 +276,7 @@ class Client:
                 raise errors.InvalidArgument(f"prefetch steps must be a step count in 1..{longest} (this sidecar's "
                                              f"longest hint), got {steps}; hint the request again if it waits longer")
         req = pb.PrefetchRequest(table=table, ids=as_ids(ids).tobytes(), hint_only=not read, steps=int(steps or 0),
-                                 owner=self._hint_owner)
+                                 owner=self._conn_id)
         fut = self._stub.Prefetch.future(req, timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # held until answered: a collected future cancels its call
             self._inflight = [f for f in self._inflight if not f.done()] + [fut]

@@ -23,7 +23,7 @@ first); rows past that bound go without their bytes (the sidecar reads the ones
 it promotes), as do all of them with O_DIRECT (local_reads.py says why).
 
 Each PlanResult carries `instance`: when it differs from the one whose arena you
-mapped, the sidecar restarted (the channel reconnected as a new owner) and the
+mapped, the sidecar restarted (the channel reconnected as a new conn_id) and the
 slots index the new arena: remap it. Errors of one table come back as that
 item's entry (a tierstore.errors instance, same class as the server raised);
 use raise_errors(results) to raise the first. Whole-request failures raise.
@@ -111,29 +111,29 @@ class PendingReply:
 class StepChannel:
     """The step socket at `path` (the sidecar's `<socket>.steps`) of one client.
 
-    owner: 16 bytes naming the first connection's leases (random when None); the
-           sidecar ends an owner's leases when its connection closes, and a
-           reconnect takes a fresh owner.
+    conn_id: 16 bytes naming the first connection's leases (random when None); the
+           sidecar ends a conn_id's leases when its connection closes, and a
+           reconnect takes a fresh conn_id.
     timeout: seconds a call may wait for the sidecar before Unavailable.
 
     Nothing is sent until the first call: connect() makes the connection now
     (the handshake), a request or a note makes it when none was made yet.
     """
 
-    def __init__(self, path, owner: bytes | None = None, timeout: float = 30.0):
-        if owner is not None and (not isinstance(owner, bytes) or len(owner) != 16):
-            raise errors.InvalidArgument(f"step-socket owner must be 16 bytes, got {owner!r}")
+    def __init__(self, path, conn_id: bytes | None = None, timeout: float = 30.0):
+        if conn_id is not None and (not isinstance(conn_id, bytes) or len(conn_id) != 16):
+            raise errors.InvalidArgument(f"step-socket conn_id must be 16 bytes, got {conn_id!r}")
         if not timeout > 0:
             raise errors.InvalidArgument(f"timeout must be positive seconds, got {timeout}")
         self.path, self.timeout = Path(path), float(timeout)
-        self.owner, self.instance, self.max_request_bytes = owner or os.urandom(16), "", 0
+        self.conn_id, self.instance, self.max_request_bytes = conn_id or os.urandom(16), "", 0
         self._sock: socket.socket | None = None
         self._inflight: PendingReply | None = None
         self._queued: list[int] = []  # release_later's lease ids, sent with the next request
         self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
-        self._connected = False  # a handshake has succeeded: later connections take a fresh owner
+        self._connected = False  # a handshake has succeeded: later connections take a fresh conn_id
         self._retry_at = 0.0  # when a note may next try to reconnect (_reconnect)
         self._spin_s = spin_seconds()
         self._flusher, self._flush_event, self._flush_due = None, threading.Event(), 0.0
@@ -148,11 +148,11 @@ class StepChannel:
         """Make the connection now if none was made yet (a no-op after: the next request
         makes a lost one again); returns self. Raises Unavailable (no sidecar answers on
         the step socket), ResourceExhausted (it serves its maximum of connections, or
-        this owner's already), InvalidArgument (another protocol, a closed channel)."""
+        this conn_id's already), InvalidArgument (another protocol, a closed channel)."""
         with self._lock:
             self._check_open()
             if not self._connected:
-                self._connect(self.owner, wait=0.0)
+                self._connect(self.conn_id, wait=0.0)
         return self
 
     def submit(self, items: list[PlanItem], release=()) -> PendingReply:
@@ -204,7 +204,7 @@ class StepChannel:
         or in a RELEASE frame of their own after RELEASE_LINGER_S when none comes.
 
         For a StepPlan's release() in a step loop: the next step's PLAN carries them.
-        A channel that closes needs no flush: the sidecar ends a closed owner's leases,
+        A channel that closes needs no flush: the sidecar ends a closed conn_id's leases,
         so after close() (or before any connection: no lease exists) this does nothing.
         lease_ids: an array or list of ids, or one id (an int); OverflowError or
         ValueError for what is not a lease id, nothing queued."""
@@ -319,14 +319,14 @@ class StepChannel:
         return True
 
     def _reconnect(self) -> bool:
-        """For a client that only sends notes: connect again (a new owner), at most every
+        """For a client that only sends notes: connect again (a new conn_id), at most every
         RENOTE_S, and only with no request in flight (its reply read reconnects and resends)."""
         now = time.monotonic()
         if self._inflight is not None or now < self._retry_at:
             return False
         self._retry_at = now + RENOTE_S
         try:
-            self._connect(os.urandom(16) if self._connected else self.owner, wait=0.0)
+            self._connect(os.urandom(16) if self._connected else self.conn_id, wait=0.0)
         except errors.TierstoreError:
             return False
         return True
@@ -398,7 +398,7 @@ class StepChannel:
         return errors.Unavailable(f"no tierstore sidecar step socket answers at {self.path} (is `tierstore serve` "
                                   f"running there?): {why}")
 
-    def _connect(self, owner: bytes, wait: float) -> None:
+    def _connect(self, conn_id: bytes, wait: float) -> None:
         deadline = time.monotonic() + wait
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -422,7 +422,7 @@ class StepChannel:
         reader = FrameReader(sock, 1 << 20)
         try:
             try:
-                send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner)])
+                send_frame(sock, HELLO, [HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, conn_id)])
             except OSError:
                 pass  # a refusal (max_clients) may already wait to be read
             op, body = reader.read(owned=True)
@@ -438,7 +438,7 @@ class StepChannel:
             raise errors.InvalidArgument(f"{self.path} does not speak tierstore step-socket v{PROTOCOL_VERSION} "
                                          f"(got {magic!r} v{version}); client and sidecar versions differ")
         self.instance = body[HELLO_RESP.size:].decode("utf-8", "replace")
-        self.owner, self.max_request_bytes, self._connected = owner, limit, True
+        self.conn_id, self.max_request_bytes, self._connected = conn_id, limit, True
         reader.limit = 2 * limit + (1 << 20)  # a reply carries one slot per id plus small headers
         self._sock, self._reader = sock, reader
 
@@ -456,8 +456,8 @@ class StepChannel:
             if self._inflight is not None:
                 self._finish(self._inflight, deadline)  # one in flight: a reply never waits behind our next send
             if not self._connected:  # the first use
-                self._connect(self.owner, wait=0.0)
-            elif self._sock is None:  # the last call lost the connection: reconnect once, as a new owner
+                self._connect(self.conn_id, wait=0.0)
+            elif self._sock is None:  # the last call lost the connection: reconnect once, as a new conn_id
                 self._connect(os.urandom(16), wait=max(0.0, deadline - time.monotonic()))
             if req.size > self.max_request_bytes:
                 raise errors.ResourceExhausted(f"step-socket request of {req.size} B exceeds the sidecar's "

@@ -2,7 +2,7 @@
 client/step_channel.py speaks it). One frame per request and per reply:
 
     frame    = [HDR] u32 body_len, u8 op, 3 pad; body      (little-endian; 8-aligned)
-    HELLO    > [HELLO_REQ] magic[4] "TSFP", u16 version, 2 pad, owner[16];
+    HELLO    > [HELLO_REQ] magic[4] "TSFP", u16 version, 2 pad, conn_id[16];
              < [HELLO_RESP] magic[4], u16 version, 2 pad, u64 max_request_bytes; instance (utf-8)
     PLAN     > [PLAN_REQ] u32 n_items, u32 n_release; u64 release[n_release],
                n_items x ([ITEM] u64 version, u64 request_id, u32 n_ids, u32 ttl_ms,

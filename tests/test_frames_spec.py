@@ -23,7 +23,7 @@ def _records() -> dict[str, list[str]]:
 
 
 def _format(fields: str) -> str:
-    """'u32 n_items, 4 pad, magic[4] "TSFP", owner[16]' -> 'I4x4s16s'."""
+    """'u32 n_items, 4 pad, magic[4] "TSFP", conn_id[16]' -> 'I4x4s16s'."""
     codes = []
     for f in (f.strip() for f in fields.split(",")):
         if m := re.fullmatch(r"(\d+) pad", f):

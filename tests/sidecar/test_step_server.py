@@ -59,13 +59,13 @@ def ids_of(n, seed=0):
     return np.random.default_rng(seed).integers(0, 1 << 30, n, dtype=np.int64)
 
 
-def raw_client(path, owner=None):
-    """A socket past HELLO (or before it when owner is False), for speaking bytes by hand."""
+def raw_client(path, conn_id=None):
+    """A socket past HELLO (or before it when conn_id is False), for speaking bytes by hand."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
     s.connect(str(path))
-    if owner is not False:
-        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, owner or os.urandom(16)))
+    if conn_id is not False:
+        s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(MAGIC, PROTOCOL_VERSION, conn_id or os.urandom(16)))
         assert FrameReader(s, 1 << 20).read(owned=True)[0] == HELLO
     return s
 
@@ -164,14 +164,14 @@ def test_errors_come_back_per_item_as_the_same_class(serve):
 
 
 class Broken(ModuloHandler):
-    def plan(self, owner, items, release):
+    def plan(self, conn_id, items, release):
         if items and items[0].table == "boom":
             raise RuntimeError("handler bug")
         if items and items[0].table == "odd":
             return [ValueError("not a tierstore error")]
         if items and items[0].table == "short":
             return [PlanResult(1, 1, np.zeros(1, np.int64))]
-        return super().plan(owner, items, release)
+        return super().plan(conn_id, items, release)
 
 
 def test_a_handler_bug_is_an_error_reply_and_the_connection_survives(serve):
@@ -207,12 +207,12 @@ def test_a_connection_that_never_says_hello_gives_its_slot_back(serve, monkeypat
 
     monkeypatch.setattr(fastpath, "HELLO_TIMEOUT_S", 0.2)
     srv, h = serve(max_clients=1)
-    s = raw_client(srv.path, owner=False)
+    s = raw_client(srv.path, conn_id=False)
     assert read_reply(s) is None  # closed by the server, without a word
     s.close()
     with StepChannel(srv.path).connect() as c:
         assert raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())[0].slots.size == 3
-    assert not h.disconnects[:-1]  # no owner was ever announced for the silent one
+    assert not h.disconnects[:-1]  # no conn_id was ever announced for the silent one
 
 
 def test_a_client_that_never_reads_its_replies_is_dropped(serve, monkeypatch):
@@ -254,18 +254,18 @@ def test_max_clients_is_a_clear_refusal_and_a_freed_slot_is_reusable(serve):
 
 def test_a_closed_connection_ends_its_owners_leases(serve):
     srv, h = serve()
-    owner = os.urandom(16)
+    conn_id = os.urandom(16)
     keep = StepChannel(srv.path).connect()
     keep.submit([PlanItem("l1", ids_of(5))]).result()
-    c = StepChannel(srv.path, owner=owner).connect()
+    c = StepChannel(srv.path, conn_id=conn_id).connect()
     c.submit([PlanItem("l1", ids_of(5)), PlanItem("l14", ids_of(5))]).result()
     assert len(h.leases) == 3
     c.close()
     for _ in range(200):
-        if owner in h.disconnects:
+        if conn_id in h.disconnects:
             break
         time.sleep(0.01)
-    assert h.disconnects == [owner] and list(h.leases.values()) == [keep.owner]
+    assert h.disconnects == [conn_id] and list(h.leases.values()) == [keep.conn_id]
     keep.close()
 
 
@@ -301,7 +301,7 @@ def test_the_client_reconnects_once_after_a_restart_and_reports_the_new_instance
 def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
     srv, _ = serve()
     for magic, version in ((b"HTTP", PROTOCOL_VERSION), (MAGIC, PROTOCOL_VERSION + 1)):
-        s = raw_client(srv.path, owner=False)
+        s = raw_client(srv.path, conn_id=False)
         s.sendall(HDR.pack(HELLO_REQ.size, HELLO) + HELLO_REQ.pack(magic, version, os.urandom(16)))
         op, body = read_reply(s)
         err = decode_error(body, 0)[0]
@@ -310,7 +310,7 @@ def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
         s.close()
     with StepChannel(srv.path).connect() as c:
         with pytest.raises(errors.InvalidArgument, match="already connected"):
-            StepChannel(srv.path, owner=c.owner).connect()  # one owner, one connection: leases are never shared
+            StepChannel(srv.path, conn_id=c.conn_id).connect()  # one conn_id, one connection: leases are never shared
 
 
 def test_a_frame_over_the_limit_is_refused_without_reading_it(serve):
@@ -343,7 +343,7 @@ def replied(s, wait: float) -> bool:
 
 def test_a_first_frame_other_than_hello_is_refused_at_its_header(serve):
     srv, _ = serve()
-    s = raw_client(srv.path, owner=False)
+    s = raw_client(srv.path, conn_id=False)
     s.settimeout(3)
     s.sendall(HDR.pack(1 << 20, PLAN))  # declares 1 MiB; sends none of it
     op, body = read_reply(s)
@@ -375,11 +375,11 @@ def test_a_frame_must_be_whole_in_time_and_the_wait_between_frames_is_free(serve
 
 
 class Slow(ModuloHandler):
-    def plan(self, owner, items, release):
+    def plan(self, conn_id, items, release):
         if items and items[0].table == "slow":
             time.sleep(3)
             items[0].table = "l1"
-        return super().plan(owner, items, release)
+        return super().plan(conn_id, items, release)
 
 
 def test_receive_buffers_share_one_bound_and_small_steps_never_wait_for_it(serve, monkeypatch):
@@ -431,9 +431,9 @@ class Keeper(ModuloHandler):
 
     kept: list = []
 
-    def plan(self, owner, items, release):
+    def plan(self, conn_id, items, release):
         self.kept.append(items[0].ids)
-        return super().plan(owner, items, release)
+        return super().plan(conn_id, items, release)
 
 
 def test_ids_a_handler_keeps_are_not_overwritten_by_the_next_request(serve):
@@ -599,10 +599,10 @@ def test_polling_readers_serve_the_same_replies(serve, monkeypatch):
     monkeypatch.setenv("TIERSTORE_SPIN_US", "300")
 
     class Slow(ModuloHandler):
-        def plan(self, owner, items, release):
+        def plan(self, conn_id, items, release):
             if items and items[0].request_id == 99:
                 time.sleep(0.01)  # longer than the poll: the client blocks, then wakes
-            return super().plan(owner, items, release)
+            return super().plan(conn_id, items, release)
 
     srv, h = serve(Slow())
     with StepChannel(srv.path).connect() as c:

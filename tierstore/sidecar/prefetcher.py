@@ -34,7 +34,7 @@ class Prefetcher:
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None,
-               client: bytes = b"") -> int:
+               conn_id: bytes = b"") -> int:
         """Promote ids in the background; read=False only hints them to the policy, for
         `steps` (TableEngine.prefetch). Returns the ids queued: all of them, or 0 when the
         queue already holds PREFETCH_QUEUE requests or PREFETCH_QUEUE_IDS ids (the hint is
@@ -55,13 +55,13 @@ class Prefetcher:
             self._ids += ids.size
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch")
-        self._pool.submit(self._run, engine, ids, read, steps, client)
+        self._pool.submit(self._run, engine, ids, read, steps, conn_id)
         return ids.size
 
-    def _run(self, engine: TableEngine, ids, read: bool, steps: int, client: bytes) -> None:
+    def _run(self, engine: TableEngine, ids, read: bool, steps: int, conn_id: bytes) -> None:
         try:
             if not engine.retired:
-                engine.prefetch(ids, read=read, steps=steps, conn_id=client)
+                engine.prefetch(ids, read=read, steps=steps, conn_id=conn_id)
         except Exception:  # noqa: BLE001 - a hint; a bad block surfaces when a step reads it
             log.debug("prefetch of %d ids in %s failed", ids.size, engine.table, exc_info=True)
         finally:

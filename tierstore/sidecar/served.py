@@ -103,9 +103,9 @@ class ServedTables:
         return self.versions.reload(table, version)
 
     def prefetch(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None,
-                 client: bytes = b"") -> int:
+                 conn_id: bytes = b"") -> int:
         """Queue a prefetch hint; the ids queued, 0 when dropped (Prefetcher.submit)."""
-        return self.prefetcher.submit(engine, ids, read, steps, client)
+        return self.prefetcher.submit(engine, ids, read, steps, conn_id)
 
     def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
         """Queue a local client's steps for the learner; False when dropped (Learner.note)."""

@@ -20,7 +20,7 @@ NOTE_LOG_INTERVAL_S = 10.0  # refused notes: at most one log line a table this o
 
 class ServedSteps:
     """The sidecar behind the step socket (tierstore/sidecar/step_server.py): every table of a
-    step in one request, releases riding along; leases belong to the connection's owner
+    step in one request, releases riding along; leases belong to the connection's conn_id
     and end when it disconnects."""
 
     def __init__(self, served: ServedTables, cfg: ServeConfig, metrics):
@@ -30,16 +30,16 @@ class ServedSteps:
         self._refusals: dict[str, list] = {}  # table -> [time of its last log line, refusals since]
         self._refusals_lock = threading.Lock()
 
-    def plan(self, owner: bytes, items, release) -> list:
+    def plan(self, conn_id: bytes, items, release) -> list:
         t0 = time.perf_counter()
         if len(release):
-            self.served.leases.release(release, owner)
+            self.served.leases.release(release, conn_id)
         out = []
         for it in items:
             try:
                 eng = self.served.engine(it.table, it.version)
                 ttl = requested_ttl(self.cfg.lease_ttl_s, it.ttl_ms) if it.ttl_ms else self.cfg.lease_ttl_s
-                res = eng.plan(it.ids.copy(), ttl, owner, it.request_id)  # a copy: the buffer is reused
+                res = eng.plan(it.ids.copy(), ttl, conn_id, it.request_id)  # a copy: the buffer is reused
                 served = self._served.get(it.table)
                 if served is None or served[0] is not eng:  # str() of the arena's Path once, not per step
                     served = self._served[it.table] = (eng, eng.version.version, str(eng.arena.path), eng.arena.slots)
@@ -51,7 +51,7 @@ class ServedSteps:
         self._observe(time.perf_counter() - t0)
         return out
 
-    def access(self, owner: bytes, items, trusted: bool = False) -> None:
+    def access(self, conn_id: bytes, items, trusted: bool = False) -> None:
         """Steps a local client read itself: the engine's policy learns them, misses are promoted
         (from the rows the note carries, verified, where it carries them). trusted: the peer has
         the sidecar's uid (Learner.note)."""
@@ -91,11 +91,11 @@ class ServedSteps:
             log.warning("access notes from local clients for table %r: %d refused in the last %.0f s, the latest: "
                         "%s", table, n, since, err)
 
-    def release(self, owner: bytes, lease_ids) -> int:
-        return self.served.leases.release(lease_ids, owner)
+    def release(self, conn_id: bytes, lease_ids) -> int:
+        return self.served.leases.release(lease_ids, conn_id)
 
-    def disconnected(self, owner: bytes) -> None:
-        self.served.leases.release_client(owner)
+    def disconnected(self, conn_id: bytes) -> None:
+        self.served.leases.release_client(conn_id)
 
     def instance(self) -> str:
         return self.served.instance

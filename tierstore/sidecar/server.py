@@ -161,7 +161,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         eng = self.served.engine(request.table)
         ids = decode_ids(request.ids, self.cfg.max_request_ids)
         queued = self.served.prefetch(eng, ids, read=not request.hint_only, steps=request.steps or None,
-                                      client=bytes(request.owner))
+                                      conn_id=bytes(request.owner))
         return pb.PrefetchResponse(queued=queued)
 
     @_rpc

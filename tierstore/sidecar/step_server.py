@@ -13,19 +13,19 @@ Wiring (the sidecar owns the handler; see StepHandler, and bench/step_socket.py'
 ModuloHandler for a complete one):
 
     class SidecarSteps:                      # implements StepHandler
-        def plan(self, owner, items, release):
-            self.release(owner, release)
+        def plan(self, conn_id, items, release):
+            self.release(conn_id, release)
             out = []
             for it in items:
                 try:
                     res = sidecar.engine(it.table, it.version).plan(it.ids, ttl_of(it.ttl_ms))
-                    self.owned.add(owner, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
+                    self.owned.add(conn_id, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
                     out.append(PlanResult(res.lease_id, version, res.slots, res.hits, res.misses, res.unique))
                 except TierstoreError as e:
                     out.append(e)
             return out
-        def release(self, owner, ids): return sidecar.leases.release(self.owned.take(owner, ids))
-        def disconnected(self, owner): sidecar.leases.release(self.owned.take_all(owner))
+        def release(self, conn_id, ids): return sidecar.leases.release(self.owned.take(conn_id, ids))
+        def disconnected(self, conn_id): sidecar.leases.release(self.owned.take_all(conn_id))
         def instance(self): return sidecar.instance
 
     steps = StepServer(step_socket_path(config.socket), SidecarSteps(), max_request_bytes=..., max_clients=...)
@@ -81,38 +81,38 @@ def peer_trusted(sock: socket.socket) -> bool:
 class StepHandler(Protocol):
     """What the sidecar implements. Methods are called from connection threads, concurrently.
 
-    plan: release `release` first (lease ids this owner ended), then plan every item;
+    plan: release `release` first (lease ids this conn_id ended), then plan every item;
           return one PlanResult or TierstoreError per item, in order. Raising a
           TierstoreError fails the whole request. `items[i].ids` is valid during the call.
-    release: end these leases of `owner`; return how many were live.
-    disconnected: the owner's connection closed (any reason): end its leases.
+    release: end these leases of `conn_id`; return how many were live.
+    disconnected: the conn_id's connection closed (any reason): end its leases.
     instance: the sidecar instance id (changes on restart; clients then remap arenas).
     access: (optional) steps the client read itself (proto.frames.AccessItem); never answered,
           so errors are the handler's to log. `items[i].ids` is valid during the call.
           trusted: the peer runs as the sidecar's uid or root (peer_trusted).
     """
 
-    def plan(self, owner: bytes, items: list[PlanItem], release: list[int]) -> list: ...
-    def release(self, owner: bytes, lease_ids: list[int]) -> int: ...
-    def access(self, owner: bytes, items: list, trusted: bool) -> None: ...
-    def disconnected(self, owner: bytes) -> None: ...
+    def plan(self, conn_id: bytes, items: list[PlanItem], release: list[int]) -> list: ...
+    def release(self, conn_id: bytes, lease_ids: list[int]) -> int: ...
+    def access(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
+    def disconnected(self, conn_id: bytes) -> None: ...
     def instance(self) -> str: ...
 
 
 class OwnedLeases:
-    """Which step-socket owner holds which lease, for a handler to keep: a client may end only its
+    """Which step-socket conn_id holds which lease, for a handler to keep: a client may end only its
     own leases, and all of them end when its connection closes. Thread-safe. Entries past their
     expiry are pruned as new ones arrive, so a client that never releases cannot grow it."""
 
     def __init__(self):
-        self._by_owner: dict[bytes, dict[int, float]] = {}
+        self._by_conn: dict[bytes, dict[int, float]] = {}
         self._lock = threading.Lock()
         self._adds = 0
 
-    def add(self, owner: bytes, lease_id: int, expires: float) -> None:
+    def add(self, conn_id: bytes, lease_id: int, expires: float) -> None:
         """`expires`: time.monotonic() deadline after which the sidecar has reaped the lease anyway."""
         with self._lock:
-            mine = self._by_owner.setdefault(owner, {})
+            mine = self._by_conn.setdefault(conn_id, {})
             mine[lease_id] = expires
             self._adds += 1
             if self._adds % 1024 == 0 and len(mine) > 1024:
@@ -120,24 +120,24 @@ class OwnedLeases:
                 for k in [k for k, t in mine.items() if t < now]:
                     del mine[k]
 
-    def take(self, owner: bytes, lease_ids) -> list[int]:
-        """The ones of `lease_ids` that `owner` holds, forgotten here: release those in the sidecar."""
+    def take(self, conn_id: bytes, lease_ids) -> list[int]:
+        """The ones of `lease_ids` that `conn_id` holds, forgotten here: release those in the sidecar."""
         with self._lock:
-            mine = self._by_owner.get(owner)
+            mine = self._by_conn.get(conn_id)
             return [i for i in lease_ids if mine.pop(i, None) is not None] if mine else []
 
-    def take_all(self, owner: bytes) -> list[int]:
+    def take_all(self, conn_id: bytes) -> list[int]:
         with self._lock:
-            return list(self._by_owner.pop(owner, {}))
+            return list(self._by_conn.pop(conn_id, {}))
 
     def holders(self) -> dict[int, bytes]:
-        """lease id -> owner, of every lease held here."""
+        """lease id -> conn_id, of every lease held here."""
         with self._lock:
-            return {i: o for o, mine in self._by_owner.items() for i in mine}
+            return {i: o for o, mine in self._by_conn.items() for i in mine}
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(m) for m in self._by_owner.values())
+            return sum(len(m) for m in self._by_conn.values())
 
 
 class ReceiveBudget:
@@ -214,7 +214,7 @@ class StepServer:
         self.budget = ReceiveBudget(max_buffered_bytes)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
-        self._owners: set[bytes] = set()
+        self._conn_ids: set[bytes] = set()
         self._listener: socket.socket | None = None
         self._ino: int | None = None
         self._acceptor: threading.Thread | None = None
@@ -327,11 +327,11 @@ class StepServer:
     # -- one connection ----------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
-        owner, trusted = None, peer_trusted(sock)
+        conn_id, trusted = None, peer_trusted(sock)
         # HELLO-sized until HELLO: nobody unauthenticated makes the sidecar hold more
         reader = FrameReader(sock, HELLO_REQ.size, budget=self.budget, frame_timeout_s=FRAME_TIMEOUT_S)
         try:
-            owner = self._hello(sock, reader)
+            conn_id = self._hello(sock, reader)
             reader.limit = self.max_request_bytes
             reader.spin_s = spin_seconds()  # a decode loop's next request may come soon
             # a client that stops reading its replies frees its thread after SEND_TIMEOUT_S (kernel timer, no poll)
@@ -339,12 +339,12 @@ class StepServer:
             while True:
                 op, body = reader.read()
                 if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
-                    self._access(owner, body, trusted)
+                    self._access(conn_id, body, trusted)
                     del body
                     reader.recycle()
                     continue
                 try:
-                    op, parts, size = self._dispatch(owner, op, body)
+                    op, parts, size = self._dispatch(conn_id, op, body)
                 except errors.TierstoreError as e:
                     op, parts, size = ERROR, encode_error(e), None
                 except Exception as e:  # a handler bug must not end the connection, let alone the sidecar
@@ -365,22 +365,22 @@ class StepServer:
         except Exception:
             log.exception("step socket connection failed")
         finally:
-            # slot, leases and owner go back before the socket closes: a client that sees the close
+            # slot, leases and conn_id go back before the socket closes: a client that sees the close
             # (and reconnects at once) finds them free
             reader.close()
             with self._lock:
                 self._conns.pop(sock, None)
-            if owner is not None:
+            if conn_id is not None:
                 try:
-                    self.handler.disconnected(owner)
+                    self.handler.disconnected(conn_id)
                 except Exception:
                     log.exception("step socket disconnected() failed")
                 with self._lock:
-                    self._owners.discard(owner)
+                    self._conn_ids.discard(conn_id)
             sock.close()
 
     def _hello(self, sock: socket.socket, reader: FrameReader) -> bytes:
-        """The owner a HELLO names; the whole frame must arrive within HELLO_TIMEOUT_S of the accept,
+        """The conn_id a HELLO names; the whole frame must arrive within HELLO_TIMEOUT_S of the accept,
         and one of another op or size is refused at its header, its body never read."""
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         length, op = reader.header(deadline)
@@ -388,21 +388,21 @@ class StepServer:
             raise FrameError(errors.InvalidArgument(
                 "not a tierstore step-socket client: the first frame must be HELLO; close and reconnect"))
         op, body = reader.read(deadline=deadline)
-        magic, version, owner = HELLO_REQ.unpack_from(body)
+        magic, version, conn_id = HELLO_REQ.unpack_from(body)
         if magic != MAGIC or version != PROTOCOL_VERSION:
             raise FrameError(errors.InvalidArgument(
                 f"step-socket protocol {magic!r} v{version} is not {MAGIC!r} v{PROTOCOL_VERSION}: client and sidecar "
                 f"come from different tierstore versions; upgrade one of them"))
         with self._lock:
-            if owner in self._owners:
+            if conn_id in self._conn_ids:
                 raise FrameError(errors.InvalidArgument(
-                    f"step-socket owner {owner.hex()} is already connected; each connection needs its own owner id"))
-            self._owners.add(owner)
+                    f"step-socket connection id {conn_id.hex()} is already connected; each connection needs its own conn id"))
+            self._conn_ids.add(conn_id)
         instance = self.handler.instance().encode()
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
-        return owner
+        return conn_id
 
-    def _access(self, owner: bytes, body, trusted: bool) -> None:
+    def _access(self, conn_id: bytes, body, trusted: bool) -> None:
         try:
             items = parse_access(body)
         except errors.TierstoreError as e:
@@ -411,14 +411,14 @@ class StepServer:
         if access is None:
             return
         try:
-            access(owner, items, trusted)
+            access(conn_id, items, trusted)
         except Exception:  # a hint: the connection keeps serving
             log.exception("step socket access() failed")
 
-    def _dispatch(self, owner: bytes, op: int, body) -> tuple[int, list, int]:
+    def _dispatch(self, conn_id: bytes, op: int, body) -> tuple[int, list, int]:
         if op == PLAN:
             items, release = parse_plan(body)
-            results = self.handler.plan(owner, items, release)
+            results = self.handler.plan(conn_id, items, release)
             if len(results) != len(items):
                 raise errors.TierstoreError(f"internal error: the sidecar planned {len(results)} of "
                                             f"{len(items)} tables")
@@ -434,7 +434,7 @@ class StepServer:
             if len(body) - COUNT.size > MAX_RELEASE * 8:
                 raise errors.InvalidArgument(f"step-socket RELEASE of more than {MAX_RELEASE} leases; split it")
             ids = np.frombuffer(body, "<u8", offset=COUNT.size).tolist()
-            return RELEASE, [U64.pack(int(self.handler.release(owner, ids)))], U64.size
+            return RELEASE, [U64.pack(int(self.handler.release(conn_id, ids)))], U64.size
         if op == HELLO:
             raise errors.InvalidArgument("step-socket HELLO sent twice on one connection")
         raise errors.InvalidArgument(f"unknown step-socket op {op}; client and sidecar come from different "
