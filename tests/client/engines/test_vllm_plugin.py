@@ -169,20 +169,33 @@ print(engram.Engram._create_embedding.__module__)
 """
 
 
-def _child(env: dict) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    return subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
+def _children(*envs: dict) -> list[subprocess.CompletedProcess]:
+    """_CHILD run in one process per environment (os.environ with `env` over it, None unset),
+    all at once: each spends its time importing vLLM."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+             for env in envs]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
 
 
 def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     sc, arrays, ckpt = served
-    on = _child({"TIERSTORE_VLLM_SOCKET": str(sc.socket)})
+    on, off, down = _children({"TIERSTORE_VLLM_SOCKET": str(sc.socket)}, {"TIERSTORE_VLLM_SOCKET": None},
+                              {"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert on.returncode == 0, on.stderr[-3000:]
     assert on.stdout.split() == ["tierstore.client.engines.vllm_plugin"] * 2
-    off = _child({"TIERSTORE_VLLM_SOCKET": None})
     assert off.returncode == 0, off.stderr[-3000:]
     assert off.stdout.split() == [engram.__name__] * 2  # vLLM's own methods without the variable
-    down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
     assert "tierstore serve" in down.stderr
 
