@@ -69,12 +69,22 @@ engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
 interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter child of test_staged_lookup_is_vllms_own")
 parent = pytest.mark.skipif(CHILD, reason="runs in the parent process (no interpreter needed)")
 LAYERS = (1, 3)
+SERVED_ENV = "TIERSTORE_VLLM_STAGER_SERVED"
 SAMPLE_ROWS = 64  # rows the load checks here: 4096 would be most of this small table and fill its cache
 
 
 @pytest.fixture(scope="module")
 def cache_model(tmp_path_factory):
-    """The checkpoint, its tables served in cache mode (a quarter of the rows fit)."""
+    """The checkpoint, its tables served in cache mode (a quarter of the rows fit). The
+    interpreter child only reads them: it is handed its parent's (SERVED_ENV: the root and
+    the sidecar's socket), its arrays read back from the checkpoint."""
+    if CHILD and SERVED_ENV in os.environ:
+        root, socket = os.environ[SERVED_ENV].split(os.pathsep)
+        tensors = {L: vllm_engram.checkpoint_tensors(Path(root) / "ckpt", L) for L in LAYERS}
+        arrays = {L: {"embed.weight": w.view(torch.uint8).numpy(), "embed.scale": s.view(torch.uint8).numpy()}
+                  for L, (w, s) in tensors.items()}
+        yield dict(root=Path(root), arrays=arrays, ckpt=Path(root) / "ckpt", socket=socket)
+        return
     root = tmp_path_factory.mktemp("vllm_stager")
     arrays = write_checkpoint(root / "ckpt")
     ingest_checkpoint(root / "ckpt", root / "data", progress=False)
@@ -110,12 +120,14 @@ def _staged(world, layout, index: int, shards: int = 1, rank: int = 0):
 
 # ---- against vLLM's own kernel (the interpreter child) -------------------------------------------
 @parent
-def test_staged_lookup_is_vllms_own_kernel():
-    """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1."""
+def test_staged_lookup_is_vllms_own_kernel(cache_model):
+    """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1, over this
+    module's sidecar."""
     # with Triton there vLLM's default runner is the V2 one, which the plugin refuses at the layer's
     # build: the child runs the V1 runner, as the refusal's fix says
+    served = f"{cache_model['root']}{os.pathsep}{cache_model['socket']}"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERSTORE_VLLM_STAGER_CHILD="1",
-               VLLM_USE_V2_MODEL_RUNNER="0")
+               VLLM_USE_V2_MODEL_RUNNER="0", **{SERVED_ENV: served})
     root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
                         __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
