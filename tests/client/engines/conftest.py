@@ -1,7 +1,13 @@
 """Fixtures of the engine tests: the engines' real modules, skipped (with the reason) where not installed."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# vLLM resolves its platform once per process, when first imported: its CPU platform (what vLLM's
+# own CPU runs set) is the one on which a VllmConfig, and so its Engram layer, can be built here.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +24,14 @@ def sglang_engram():
 
     get_parallel().override_permanently(tp_size=1, tp_rank=0)
     return modules
+
+
+@pytest.fixture(scope="module")
+def vllm_world():
+    """vllm_engram.World: vLLM's distributed world of one process and its CPU-platform VllmConfig,
+    in which `vllm_world.embedding(...)` builds ParallelEngramEmbedding by its own __init__."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make engine-deps-vllm installs vllm 0.32.0)")
+    import vllm_engram
+
+    with vllm_engram.world() as world:
+        yield world

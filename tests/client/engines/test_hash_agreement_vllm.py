@@ -86,11 +86,13 @@ def engines():
     return state, hasher, np.asarray(token_map), ours
 
 
-def _texts_ids(n: int) -> list[np.ndarray]:
+@pytest.fixture(scope="module")
+def texts() -> list[np.ndarray]:
+    """The first 400 token ids of each of 36 python-docs texts, tokenized once for the module."""
     from tierstore.bench.traces import deepseek_tokenizer, python_docs_corpus
 
     tok = deepseek_tokenizer()
-    return [tok(t)[:400] for t in python_docs_corpus()[:n]]
+    return [tok(t)[:400] for t in python_docs_corpus()[:36]]
 
 
 @interp
@@ -103,13 +105,13 @@ def test_interp_token_maps_and_sizes_agree(engines):
 
 @interp
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_interp_batches_with_lookback_hash_the_same_rows(engines, seed):
+def test_interp_batches_with_lookback_hash_the_same_rows(engines, texts, seed):
     import torch
 
     state, hasher, _, _ = engines
     image = hasher.spec.image_token_id
     rng = np.random.default_rng(seed)
-    seqs = _texts_ids(40)[seed * 12:(seed + 1) * 12]
+    seqs = texts[seed * 12:(seed + 1) * 12]
     ids, pos, starts, lookback, lb_dead, want = [], [], [0], [], [], []
     for i, seq in enumerate(seqs):
         seq = seq.copy()

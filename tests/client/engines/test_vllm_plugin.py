@@ -1,18 +1,12 @@
 """tierstore's vLLM plugin with vLLM 0.32's real Engram module and a real sidecar serving a
 synthetic V4.1-layout checkpoint split-layout.
 
-What runs on CPU, and why not more: `ParallelEngramEmbedding.__init__` cannot run without
-CUDA. It asks vLLM's tensor-parallel group for its size; that group is made by
-`initialize_model_parallel`, which needs the current `VllmConfig`, and a `VllmConfig`
-cannot be built here ("Failed to infer device type": with no GPU and no compiled
-`vllm._C`, vLLM finds no platform). Past that, `__init__` reads
-`torch.cuda.get_device_properties(...)` for the SM count, before it allocates anything.
-Its `_storage()` turns host tables into CUDA UVA views with vLLM's compiled `_C` op. So these tests run the deepest real parts: vLLM's plugin loader and entry
-point, the patched class methods of the real `ParallelEngramEmbedding` (allocation and the
-weight loader vLLM hands the checkpoint tensors to) on an instance holding the sizes
-`__init__` computes (from vLLM's own `EngramLayout`), and the checkpoint read through
-safetensors as vLLM's loader reads it. bench/gpu_check_engines.py runs `_storage()` and
-`_engram_lookup_kernel` over the arena on a GPU.
+Every `ParallelEngramEmbedding` here is built by its own __init__ in vLLM's distributed
+world of one process on its CPU platform (the `vllm_world` fixture, vllm_engram.py): the
+plugin's allocation, the weight loader vLLM hands the checkpoint tensors to, vLLM's plugin
+loader and entry point, and the checkpoint read through safetensors as vLLM's loader reads
+it. Not on CPU: `_storage()` turns host tables into CUDA UVA views with vLLM's compiled `_C`
+op; bench/gpu_check_engines.py runs it and `_engram_lookup_kernel` over the arena on a GPU.
 """
 from __future__ import annotations
 
@@ -72,19 +66,23 @@ def _mapped_file(ptr: int) -> str:
     return ""
 
 
-def test_vllm_cannot_build_the_embedding_on_cpu_which_is_why_these_tests_go_no_deeper():
+def test_the_embedding_is_built_in_vllms_tensor_parallel_group(vllm_world, monkeypatch):
+    """__init__ reads vLLM's tensor-parallel group, which the vllm_world fixture makes: without
+    it (as before initialize_model_parallel) vLLM's constructor stops."""
+    from vllm.distributed import parallel_state as ps
+
     layout = vllm_engram.layout(CONFIG)
-    heads = tuple(size for order in layout.primes[0] for size in order)
+    monkeypatch.setattr(ps, "_TP", None)
     with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
-        engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
+        engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, vllm_engram.heads(layout, 0), cpu_offload=True)
 
 
 @pytest.mark.parametrize("index", [0, 1])
-def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, index):
+def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, vllm_world, index):
     sc, arrays, ckpt = plugin
     layout = vllm_engram.layout(CONFIG)
     L = layout.layer_ids[index]
-    emb = vllm_engram.build(vllm_engram.embedding(layout, index), L)
+    emb = vllm_world.embedding(layout, index, L)
     w, s = arrays[L]["embed.weight"], arrays[L]["embed.scale"]
     assert emb.weight.dtype == torch.float8_e4m3fn and emb.weight_scale_inv.dtype == torch.uint8
     assert tuple(emb.weight.shape) == w.shape and tuple(emb.weight_scale_inv.shape) == s.shape
@@ -99,23 +97,30 @@ def test_the_embedding_storage_is_the_arena_byte_for_byte_and_in_place(plugin, i
         emb._storage()  # host tables become CUDA UVA views: vLLM's _C op, CUDA only
 
 
-def test_a_head_shard_is_its_row_range_of_the_same_arena(plugin):
+def test_a_head_shard_is_its_row_range_of_the_same_arena(plugin, vllm_world):
+    """Each of two tensor-parallel ranks holds the rows of its ceil(heads / 2) heads (the last
+    rank's last head slot padded where the heads are odd): its row range of the same arena,
+    in place."""
     sc, arrays, ckpt = plugin
     layout = vllm_engram.layout(CONFIG)
-    full = vllm_engram.build(vllm_engram.embedding(layout, 0), 1)
+    heads = vllm_engram.heads(layout, 0)
+    full = vllm_world.embedding(layout, 0, 1)
+    per = -(-len(heads) // 2)
     for rank in (0, 1):
-        part = vllm_engram.build(vllm_engram.embedding(layout, 0, shards=2, rank=rank), 1)
+        part = vllm_world.embedding(layout, 0, 1, shards=2, rank=rank)
         start, end = part.vocab_start_idx, part.vocab_end_idx
+        assert (part.head_start, part.part_n_hash_cols, part.tp_size) == (rank * per, per, 2)
+        assert (start, end) == (sum(heads[:rank * per]), sum(heads[:(rank + 1) * per]))
         assert 0 < end - start < full.num_embeddings
         assert part.weight.data_ptr() == full.weight.data_ptr() + start * 256
         assert np.array_equal(part.weight.data.view(torch.uint8).numpy(), arrays[1]["embed.weight"][start:end])
         assert np.array_equal(part.weight_scale_inv.data.numpy(), arrays[1]["embed.scale"][start:end])
 
 
-def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path):
+def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, vllm_world):
     sc, arrays, ckpt = plugin
     layout = vllm_engram.layout(CONFIG)
-    emb = vllm_engram.build(vllm_engram.embedding(layout, 1), 3)
+    emb = vllm_world.embedding(layout, 1, 3)
     weight, scale = vllm_engram.checkpoint_tensors(ckpt, 3)
     before = emb.weight.data_ptr()
     emb.weight.weight_loader(emb.weight, weight)
@@ -131,17 +136,17 @@ def test_loading_the_checkpoint_checks_its_rows_and_copies_none(plugin, tmp_path
         emb.weight.weight_loader(emb.weight, weight[:10])
 
 
-def test_what_the_plugin_refuses_says_what_to_do(plugin):
+def test_what_the_plugin_refuses_says_what_to_do(plugin, vllm_world):
     sc, arrays, ckpt = plugin
     layout = vllm_engram.layout(CONFIG)
     with pytest.raises(checks.EngineRefused, match="refuses tables in HBM .*turn cpu_offload on"):
-        vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
+        vllm_world.embedding(layout, 0, 1, cpu_offload=False)
     with pytest.raises(errors.TableNotFound, match="no tierstore table for Engram layer 7"):
-        vllm_engram.build(vllm_engram.embedding(layout, 0), 7)
+        vllm_world.embedding(layout, 0, 7)
     with pytest.raises(errors.SpecMismatch, match="ingest the checkpoint vLLM serves"):
-        vllm_engram.build(vllm_engram.embedding(layout, 0), 3)  # layer 1's sizes against layer 3's table
+        vllm_world.embedding(layout, 0, 3)  # layer 1's sizes against layer 3's table
     with pytest.raises(errors.InvalidArgument, match="outside Engram._create_embedding"):
-        vllm_engram.embedding(layout, 0)._allocate_weights()
+        vllm_world.embedding(layout, 0, None)
 
 
 def test_config_from_the_environment():
@@ -164,20 +169,33 @@ print(engram.Engram._create_embedding.__module__)
 """
 
 
-def _child(env: dict) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    return subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
+def _children(*envs: dict) -> list[subprocess.CompletedProcess]:
+    """_CHILD run in one process per environment (os.environ with `env` over it, None unset),
+    all at once: each spends its time importing vLLM."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+             for env in envs]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
 
 
 def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
     sc, arrays, ckpt = served
-    on = _child({"TIERSTORE_VLLM_SOCKET": str(sc.socket)})
+    on, off, down = _children({"TIERSTORE_VLLM_SOCKET": str(sc.socket)}, {"TIERSTORE_VLLM_SOCKET": None},
+                              {"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert on.returncode == 0, on.stderr[-3000:]
     assert on.stdout.split() == ["tierstore.client.engines.vllm_plugin"] * 2
-    off = _child({"TIERSTORE_VLLM_SOCKET": None})
     assert off.returncode == 0, off.stderr[-3000:]
     assert off.stdout.split() == [engram.__name__] * 2  # vLLM's own methods without the variable
-    down = _child({"TIERSTORE_VLLM_SOCKET": str(tmp_path / "nobody.sock")})
     assert down.returncode != 0 and "no tierstore sidecar answers there" in down.stderr
     assert "tierstore serve" in down.stderr
 
@@ -194,7 +212,7 @@ def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
     assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
 
 
-def test_stage_on_stages_a_split_layout_table_too(served):
+def test_stage_on_stages_a_split_layout_table_too(served, vllm_world):
     """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
     lookup the stored rows of the step staged before it (read with Client.lookup, interleaved
     whatever the arena's layout)."""
@@ -202,7 +220,7 @@ def test_stage_on_stages_a_split_layout_table_too(served):
     sc, arrays, ckpt = served
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", stage="on"))
     try:
-        emb = vllm_engram.build(vllm_engram.embedding(vllm_engram.layout(CONFIG), 0), 1)
+        emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, 1)
         assert emb.weight.shape[0] == 0 and emb.tierstore_staged.full_resident
         ids = np.random.default_rng(3).integers(0, emb.num_embeddings, (5, emb.n_hash_cols))
         out = torch.empty(5, emb.n_hash_cols, 264, dtype=torch.uint8)

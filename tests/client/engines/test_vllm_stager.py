@@ -3,8 +3,9 @@
 A real sidecar serves the synthetic V4.1-layout checkpoint's tables in cache
 mode (its --dram-budget a quarter of the rows): they are not split-layout, so
 the plugin stages them (client/engines/vllm_stager.py). A staged
-`ParallelEngramEmbedding` (the real class, built as test_vllm_plugin.py builds
-it: its __init__ needs CUDA) holds zero rows; the process's StepStager stages
+`ParallelEngramEmbedding` (built by its own __init__ in vLLM's distributed world
+of one process on its CPU platform: the `vllm_world` fixture, vllm_engram.py)
+holds zero rows; the process's StepStager stages
 each step's rows from a host token table (as the runner hook does from the V1
 runner's token_ids_cpu) into persistent buffers, and the patched `lookup` reads
 them. The reference is vLLM's own `lookup` over
@@ -19,6 +20,7 @@ conversion bools (`_interpreter_takes_bools`). The kernel itself runs unmodified
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -67,12 +69,22 @@ engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
 interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter child of test_staged_lookup_is_vllms_own")
 parent = pytest.mark.skipif(CHILD, reason="runs in the parent process (no interpreter needed)")
 LAYERS = (1, 3)
+SERVED_ENV = "TIERSTORE_VLLM_STAGER_SERVED"
 SAMPLE_ROWS = 64  # rows the load checks here: 4096 would be most of this small table and fill its cache
 
 
 @pytest.fixture(scope="module")
 def cache_model(tmp_path_factory):
-    """The checkpoint, its tables served in cache mode (a quarter of the rows fit)."""
+    """The checkpoint, its tables served in cache mode (a quarter of the rows fit). The
+    interpreter child only reads them: it is handed its parent's (SERVED_ENV: the root and
+    the sidecar's socket), its arrays read back from the checkpoint."""
+    if CHILD and SERVED_ENV in os.environ:
+        root, socket = os.environ[SERVED_ENV].split(os.pathsep)
+        tensors = {L: vllm_engram.checkpoint_tensors(Path(root) / "ckpt", L) for L in LAYERS}
+        arrays = {L: {"embed.weight": w.view(torch.uint8).numpy(), "embed.scale": s.view(torch.uint8).numpy()}
+                  for L, (w, s) in tensors.items()}
+        yield dict(root=Path(root), arrays=arrays, ckpt=Path(root) / "ckpt", socket=socket)
+        return
     root = tmp_path_factory.mktemp("vllm_stager")
     arrays = write_checkpoint(root / "ckpt")
     ingest_checkpoint(root / "ckpt", root / "data", progress=False)
@@ -83,26 +95,39 @@ def cache_model(tmp_path_factory):
         yield dict(root=root, arrays=arrays, ckpt=root / "ckpt", socket=str(sc.socket))
 
 
-@pytest.fixture
-def plugin(cache_model, monkeypatch):
+@contextlib.contextmanager
+def _installed(cache_model, monkeypatch):
+    """The plugin serving `cache_model`'s sidecar, checking SAMPLE_ROWS rows at load."""
     monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(cache_model["socket"]))
-    yield cache_model
-    vllm_plugin.uninstall()
+    try:
+        yield cache_model
+    finally:
+        vllm_plugin.uninstall()
 
 
-def _staged(layout, index: int, shards: int = 1, rank: int = 0):
-    L = layout.layer_ids[index]
-    emb = vllm_engram.build(vllm_engram.embedding(layout, index, shards, rank), L)
+@pytest.fixture
+def plugin(cache_model, monkeypatch):
+    with _installed(cache_model, monkeypatch) as served:
+        yield served
+
+
+def _staged(world, layout, index: int, shards: int = 1, rank: int = 0):
+    emb = world.embedding(layout, index, layout.layer_ids[index], shards=shards, rank=rank)
     assert isinstance(emb.tierstore_staged, vllm_stager.StagedEngramTable)
     return emb
 
 
 # ---- against vLLM's own kernel (the interpreter child) -------------------------------------------
 @parent
-def test_staged_lookup_is_vllms_own_kernel():
-    """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERSTORE_VLLM_STAGER_CHILD="1")
+def test_staged_lookup_is_vllms_own_kernel(cache_model):
+    """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1, over this
+    module's sidecar."""
+    # with Triton there vLLM's default runner is the V2 one, which the plugin refuses at the layer's
+    # build: the child runs the V1 runner, as the refusal's fix says
+    served = f"{cache_model['root']}{os.pathsep}{cache_model['socket']}"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERSTORE_VLLM_STAGER_CHILD="1",
+               VLLM_USE_V2_MODEL_RUNNER="0", **{SERVED_ENV: served})
     root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
                         __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -147,7 +172,8 @@ def _hash_ids(stager, table, starts, counts, L) -> torch.Tensor:
 
 @interp
 @pytest.mark.parametrize("shards,rank", [(1, 0), (2, 1)])
-def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(plugin, shards, rank):
+def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(cache_model, vllm_world, monkeypatch, shards,
+                                                                  rank):
     """Steps of 1..30 tokens, both layers, staged before the "forward" from the host token
     table: each layer's lookup (bf16, and packed rows into one layer's slot of a [tokens,
     layers, heads, 264] buffer as EngramBatch does) is bit for bit what vLLM's lookup
@@ -155,32 +181,35 @@ def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(plugin, shard
     for the whole table and for the second of two head shards (a padded head). Steps up to
     the 24 graph tokens go through the persistent buffers, larger ones through their own."""
     layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(layout, index, shards, rank) for index in range(len(LAYERS))]
-    owns = [vllm_engram.holding(vllm_engram.embedding(layout, index, shards, rank, cpu_offload=False),
-                                plugin["arrays"][L]["embed.weight"], plugin["arrays"][L]["embed.scale"])
+    arrays = cache_model["arrays"]
+    # vLLM's own layers (its own allocation: built before the plugin is installed)
+    owns = [vllm_engram.holding(vllm_world.embedding(layout, index, L, shards=shards, rank=rank, cpu_offload=False),
+                                arrays[L]["embed.weight"], arrays[L]["embed.scale"])
             for index, L in enumerate(LAYERS)]
-    stager = _stager(plugin, embs, capacity=24)
-    table, steps = _token_steps(np.random.default_rng(shards), [1, 5, 24, 30, 3])
-    for step, (starts, counts) in enumerate(steps):
-        stager.stage(vllm_stager.windows(table, starts, counts, 4))
-        for emb, own, L in zip(embs, owns, LAYERS):
-            ids = _hash_ids(stager, table, starts, counts, L)
-            part = emb.part_n_hash_cols
-            want = torch.full((len(ids), part, 256), 7.0, dtype=torch.bfloat16)
-            got = want.clone()
-            own.lookup(ids, want)  # vLLM's lookup: the kernel under the interpreter
-            emb.lookup(ids, got)  # tierstore's: the class's patched method, from the staged rows
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {L} step {step} bf16"
-            assert (want != 0).any() and (want[:, part - 1] == 0).all() == (shards == 2)  # padded head: zeros
-            want_p = torch.full((len(ids), 2, part, 264), 9, dtype=torch.uint8)
-            got_p = want_p.clone()
-            own.lookup(ids, want_p[:, 1])
-            emb.lookup(ids, got_p[:, 1])
-            assert torch.equal(got_p, want_p), f"layer {L} step {step} packed"
+    with _installed(cache_model, monkeypatch) as plugin:
+        embs = [_staged(vllm_world, layout, index, shards, rank) for index in range(len(LAYERS))]
+        stager = _stager(plugin, embs, capacity=24)
+        table, steps = _token_steps(np.random.default_rng(shards), [1, 5, 24, 30, 3])
+        for step, (starts, counts) in enumerate(steps):
+            stager.stage(vllm_stager.windows(table, starts, counts, 4))
+            for emb, own, L in zip(embs, owns, LAYERS):
+                ids = _hash_ids(stager, table, starts, counts, L)
+                part = emb.part_n_hash_cols
+                want = torch.full((len(ids), part, 256), 7.0, dtype=torch.bfloat16)
+                got = want.clone()
+                own.lookup(ids, want)  # vLLM's lookup: the kernel under the interpreter
+                emb.lookup(ids, got)  # tierstore's: the class's patched method, from the staged rows
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {L} step {step} bf16"
+                assert (want != 0).any() and (want[:, part - 1] == 0).all() == (shards == 2)  # padded head: zeros
+                want_p = torch.full((len(ids), 2, part, 264), 9, dtype=torch.uint8)
+                got_p = want_p.clone()
+                own.lookup(ids, want_p[:, 1])
+                emb.lookup(ids, got_p[:, 1])
+                assert torch.equal(got_p, want_p), f"layer {L} step {step} packed"
 
 
 @interp
-def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair():
+def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair(vllm_world):
     """vllm_stager.dequantize against `_engram_lookup_kernel` (PACKED=False) for all 256 e4m3
     bytes under all 256 ue8m0 bytes: bit for bit, zero and inf scales, overflow and NaNs from
     them included, but for what Triton's interpreter itself gets wrong, which is left out and
@@ -188,9 +217,7 @@ def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair():
     the GPU's cvt read NaN), and it rounds products in bf16's subnormal range (|x| < 2^-126,
     reached only with scale bytes under 10, 2^-118) otherwise than IEEE round-to-nearest-even
     (torch's). bench/gpu_check_engines.py compares every pair on a GPU."""
-    emb = vllm_engram.embedding(vllm_engram.layout(CONFIG), 0, cpu_offload=False)
-    emb.n_hash_cols = emb.part_n_hash_cols = 1
-    emb.head_start, emb.vocab_start_idx, emb.vocab_end_idx = 0, 0, 256
+    emb = vllm_world.construct(256, (256,), None, cpu_offload=False)  # one head of 256 rows, vLLM's own
     weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row s: every e4m3 byte...
     scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)  # ...under scale byte s
     own = vllm_engram.holding(emb, weight, scale)
@@ -216,7 +243,7 @@ def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair():
 
 # ---- in this process -------------------------------------------------------------------------------
 @parent
-def test_weight_loading_allocates_nothing_table_sized_and_copies_nothing(plugin):
+def test_weight_loading_allocates_nothing_table_sized_and_copies_nothing(plugin, vllm_world):
     """vLLM's own loading path (safetensors_weights_iterator, the model's hf_to_vllm_mapper,
     AutoWeightsLoader) into staged layers: every aten op it runs is recorded, and none
     allocates or copies more than the sampled rows; the placeholders stay zero-row."""
@@ -233,7 +260,7 @@ def test_weight_loading_allocates_nothing_table_sized_and_copies_nothing(plugin)
     for index, L in enumerate(LAYERS):
         layer = nn.Module()
         layer.engram = nn.Module()
-        layer.engram.embed_tokens = _staged(layout, index)
+        layer.engram.embed_tokens = _staged(vllm_world, layout, index)
         model.model.layers[str(L)] = layer
     table_bytes = min(a["embed.weight"].nbytes for a in plugin["arrays"].values())
 
@@ -271,9 +298,9 @@ def test_weight_loading_allocates_nothing_table_sized_and_copies_nothing(plugin)
 
 
 @parent
-def test_a_checkpoint_that_differs_from_tierstores_rows_is_refused_at_load(plugin):
+def test_a_checkpoint_that_differs_from_tierstores_rows_is_refused_at_load(plugin, vllm_world):
     layout = vllm_engram.layout(CONFIG)
-    emb = _staged(layout, 1)
+    emb = _staged(vllm_world, layout, 1)
     weight, scale = vllm_engram.checkpoint_tensors(plugin["ckpt"], 3)
     bad = scale.view(torch.uint8).clone()
     bad[-1, 2] ^= 1  # the last row is always among the sampled ones
@@ -285,13 +312,13 @@ def test_a_checkpoint_that_differs_from_tierstores_rows_is_refused_at_load(plugi
 
 
 @parent
-def test_what_needs_the_real_parameters_is_refused_naming_the_layer(plugin):
+def test_what_needs_the_real_parameters_is_refused_naming_the_layer(plugin, vllm_world):
     layout = vllm_engram.layout(CONFIG)
-    emb = _staged(layout, 0)
+    emb = _staged(vllm_world, layout, 0)
     with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 is staged by tierstore .*embedding_across_dp"):
         emb._storage()
     with pytest.raises(checks.EngineRefused, match="refuses tables in HBM .*turn cpu_offload on"):
-        vllm_engram.build(vllm_engram.embedding(layout, 0, cpu_offload=False), 1)
+        vllm_world.embedding(layout, 0, 1, cpu_offload=False)
 
 
 def _reference(plugin, emb, L, ids: torch.Tensor) -> torch.Tensor:
@@ -310,14 +337,14 @@ def _reference(plugin, emb, L, ids: torch.Tensor) -> torch.Tensor:
 
 
 @parent
-def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(plugin):
+def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(plugin, vllm_world):
     """Graph-sized steps (1..24 tokens, then smaller again) are staged into the same persistent
     storage (data_ptr never changes), and a lookup at each captured size at or above the step
     (what a graph replayed for it reads) gets the step's rows at their token offsets and zero
     rows for the padding; a step past the 24 graph tokens is staged into its own tensors and
     the buffers keep their storage."""
     layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=24)
     ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
     profile = torch.full((40, embs[0].part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
@@ -343,13 +370,13 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
 
 
 @parent
-def test_the_windows_hash_as_whole_sequences_do(plugin):
+def test_the_windows_hash_as_whole_sequences_do(plugin, vllm_world):
     """The stager's hash of each scheduled token's window (gathered from the host token table
     at the runner's positions) is tierstore's NgramHasher over the whole sequence up to that
     token (which test_hash_agreement_vllm.py holds to vLLM's `_hash_ids_kernel`): pad before
     the sequence's start, image tokens dead, decode tokens and prefill chunks mid-sequence."""
     layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=24)
     h = stager.hasher
     table, steps = _token_steps(np.random.default_rng(11), [1, 9, 30])
@@ -368,14 +395,14 @@ def test_the_windows_hash_as_whole_sequences_do(plugin):
 
 
 @parent
-def test_the_lookup_never_reads_the_device_ids(plugin):
+def test_the_lookup_never_reads_the_device_ids(plugin, vllm_world):
     """The layer's forward takes only the shape of its hash ids (host metadata): no op of the
     lookup reads `indices` (no .cpu() / .to() / .item() / .tolist() of them, each a device sync
     on CUDA), and none makes a Python scalar of a tensor; vLLM's main called `.cpu()` on them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=24)
     table, [(starts, counts)] = _token_steps(np.random.default_rng(3), [6])
     stager.stage(vllm_stager.windows(table, starts, counts, 4))
@@ -401,19 +428,16 @@ def test_the_lookup_never_reads_the_device_ids(plugin):
 
 
 @parent
-def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin):
-    """Engram DP-sharded tables stop the layer's build with the fix (the other refusals read
-    vLLM's config: test_vllm_config_refusals_and_graph_sizes)."""
-    layout = vllm_engram.layout(CONFIG)
-    emb = vllm_engram.embedding(layout, 0, shards=2)
-    emb.dp_size = 2
+def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_world):
+    """Engram DP-sharded tables (an Engram DP group of 2) stop the layer's build with the fix
+    (the other refusals read vLLM's config: test_async_scheduling_and_the_v2_runner_are_refused_with_the_fix)."""
     with pytest.raises(checks.EngineRefused, match="refuses Engram DP-sharded tables .*embedding_across_dp\\\": "
                                                    "false"):
-        vllm_engram.build(emb, 1)
+        vllm_world.embedding(vllm_engram.layout(CONFIG), 0, 1, engram_dp=2)
 
 
 @parent
-def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path, monkeypatch):
+def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path, vllm_world):
     """A flipped byte in a cold row a step needs: staging the step raises StagingError naming the
     layer (DATA_LOSS from the verified read), before the forward, and the buffers keep the last
     step's rows. A sidecar that is gone fails the step the same way."""
@@ -426,7 +450,7 @@ def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path,
     sc = SidecarProcess(tmp_path / "data", dram_budget=str(rows * 264 // 4)).start()
     try:
         vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", tables={1: "l1"}))
-        emb = _staged(layout, 0)
+        emb = _staged(vllm_world, layout, 0)
         stager = _stager(dict(ckpt=tmp_path / "ckpt"), [emb], capacity=8)
         table = np.array([[5, 6, 7, 8, 9, 10, 11, 12]])
         stager.stage(vllm_stager.windows(table, np.array([0]), np.array([4]), 4))
@@ -449,35 +473,14 @@ def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path,
         sc.cleanup()
 
 
-CFG_CHILD = os.environ.get("TIERSTORE_VLLM_CFG_CHILD") == "1"
-
-
 @parent
-@pytest.mark.skipif(CFG_CHILD, reason="the parent of the cfg_ tests")
-def test_vllm_config_refusals_and_graph_sizes():
-    """Parent: run the cfg_ tests below in a child on vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu,
-    what vLLM's own CPU runs set), where a real VllmConfig can be built; this process's
-    platform was resolved at import (none: no GPU)."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", TIERSTORE_VLLM_CFG_CHILD="1")
-    root = Path(__file__).resolve().parents[3]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cfg_",
-                        __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
-
-
-cfg = pytest.mark.skipif(not CFG_CHILD,
-                         reason="runs in the CPU-platform child of test_vllm_config_refusals_and_graph_sizes")
-
-
-@cfg
-def test_cfg_graph_tokens_are_vllms_resolved_largest_capture(monkeypatch):
+def test_graph_tokens_are_vllms_resolved_largest_capture():
     """The buffers hold vLLM's largest captured batch as its VllmConfig resolved it: none where
     its platform captures no graphs (CPU: cudagraph_mode NONE), else max_cudagraph_capture_size
     (here the sizes a CUDA resolution leaves, set on the resolved config)."""
-    from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
+    from vllm.config import CompilationConfig, CUDAGraphMode
 
-    config = VllmConfig(compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"))
+    config = vllm_engram.vllm_config(compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"))
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert vllm_stager.graph_tokens(config) == 0
     cc = config.compilation_config
@@ -486,14 +489,12 @@ def test_cfg_graph_tokens_are_vllms_resolved_largest_capture(monkeypatch):
     assert vllm_stager.graph_tokens(config) == 32
 
 
-@cfg
-def test_cfg_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(monkeypatch):
+@parent
+def test_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(vllm_world, monkeypatch):
     """A staged layer built under vLLM's config with async scheduling on, or the V2 model runner,
     stops the build (vLLM's start) with the fix; the V1 runner without async scheduling builds."""
-    from vllm.config import VllmConfig
-
-    emb = vllm_engram.embedding(vllm_engram.layout(CONFIG), 0)
-    config = VllmConfig()
+    emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, None, cpu_offload=False)  # vLLM's own
+    config = vllm_engram.vllm_config()
     assert not config.use_v2_model_runner and not config.scheduler_config.async_scheduling  # the CPU platform's
     vllm_stager.check_engine(config, emb, 1)
     config.scheduler_config.async_scheduling = True  # what vLLM resolves on a GPU host by default
@@ -505,43 +506,18 @@ def test_cfg_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(monkeyp
         vllm_stager.check_engine(config, emb, 1)
 
 
-@cfg
-def test_cfg_the_real_constructor_stages_a_layer_as_the_tests_build_it(plugin, monkeypatch):
-    """vLLM's own `ParallelEngramEmbedding.__init__` (a tensor-parallel world of one over gloo,
-    under a real VllmConfig on vLLM's CPU platform) builds a staged layer through the plugin:
-    the engine checks pass (V1 runner, no async scheduling on CPU), the instance holds what
-    vllm_engram.embedding computes for the other tests (heads, row range, sizes), zero-row
-    placeholders whose weight loader is the check, and its lookup reads the staged step."""
-    import socket as socketlib
-    from types import SimpleNamespace
-
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    # __init__ reads the device's SM count (the lookup kernel's grid) from torch.cuda, which a
-    # CPU torch cannot answer: that one query answers 4, nothing else of vLLM is replaced
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(multi_processor_count=4))
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+@parent
+def test_a_layer_built_under_vllms_config_is_staged_and_reads_the_staged_step(plugin, vllm_world):
+    """vLLM's own `ParallelEngramEmbedding.__init__` under a real VllmConfig (vLLM's CPU platform:
+    V1 runner, no async scheduling, so the engine checks pass) builds a staged layer through
+    the plugin: all the table's heads and rows on a world of one, zero-row placeholders whose
+    weight loader is the check, and its lookup reads the staged step."""
     layout = vllm_engram.layout(CONFIG)
-    heads = tuple(size for order in layout.primes[0] for size in order)
-    config = VllmConfig()
-    with set_current_vllm_config(config):
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
-        try:
-            ps.initialize_model_parallel(1, 1)
-            with vllm_plugin.engram_layer(1):
-                emb = engram.ParallelEngramEmbedding(layout.num_embeddings[0], 256, heads, cpu_offload=True)
-        finally:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
-    built = vllm_engram.embedding(layout, 0)
-    fields = ("num_embeddings", "dim", "block_size", "n_hash_cols", "part_n_hash_cols", "head_start",
-              "vocab_start_idx", "vocab_end_idx", "part_num_embeddings", "dp_size", "tp_size", "cpu_offload")
-    assert {f: getattr(emb, f) for f in fields} == {f: getattr(built, f) for f in fields}
+    heads = vllm_engram.heads(layout, 0)
+    emb = _staged(vllm_world, layout, 0)
+    assert (emb.n_hash_cols, emb.part_n_hash_cols, emb.head_start, emb.tp_size, emb.dp_size) == \
+        (len(heads), len(heads), 0, 1, 1)
+    assert (emb.vocab_start_idx, emb.vocab_end_idx, emb.num_embeddings) == (0, sum(heads), layout.num_embeddings[0])
     assert emb.weight.shape == (0, 256) and emb.weight_scale_inv.shape == (0, 8)
     assert isinstance(emb.weight.weight_loader, checks.CheckpointCheck)
     stager = _stager(plugin, [emb], capacity=0)
@@ -553,8 +529,8 @@ def test_cfg_the_real_constructor_stages_a_layer_as_the_tests_build_it(plugin, m
     assert torch.equal(out.view(torch.int16), _reference(plugin, emb, 1, ids).view(torch.int16))
 
 
-@cfg
-def test_cfg_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin):
+@parent
+def test_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin, vllm_world):
     """stage_runner_step over vLLM's real V1 InputBatch (gpu_input_batch.py, built on the CPU
     platform): requests mid-prefill and decoding, their prompt and output tokens where vLLM's
     runner keeps them (token_ids_cpu, num_computed_tokens_cpu); each layer's lookup then reads
@@ -562,12 +538,12 @@ def test_cfg_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin):
     (GPUModelRunner, CUDA-only) is the object holding that batch."""
     from types import SimpleNamespace
 
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
     layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(layout, index) for index in range(len(LAYERS))]
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=16)
     rng = np.random.default_rng(9)
     seqs = [rng.integers(0, 499, n).tolist() for n in (9, 14, 3)]
@@ -575,7 +551,7 @@ def test_cfg_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin):
     # (prompt length, tokens computed, tokens scheduled): a prefill chunk mid-prompt, a decode
     # step after three outputs, a fresh prompt
     plan = [(9, 4, 5), (10, 13, 1), (3, 0, 3)]
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(vllm_world.config):
         batch = InputBatch(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=32, device=torch.device("cpu"),
                            vocab_size=500, block_sizes=[16], max_num_blocks_per_req=[2])
         for r, (seq, (prompt, computed, _)) in enumerate(zip(seqs, plan)):

@@ -186,7 +186,7 @@ vllm_missing = importlib.util.find_spec("vllm") is None
 
 
 @pytest.mark.skipif(vllm_missing, reason="vllm is not installed (make engine-deps-vllm)")
-def test_a_vllm_restart_reads_only_the_checked_rows_of_the_table(big):
+def test_a_vllm_restart_reads_only_the_checked_rows_of_the_table(big, vllm_world):
     import vllm_engram
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import default_loader
@@ -195,7 +195,7 @@ def test_a_vllm_restart_reads_only_the_checked_rows_of_the_table(big):
 
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(big["socket"]))
     try:
-        emb = vllm_engram.build(vllm_engram.embedding(vllm_engram.layout(big["text"]), 0), 1)
+        emb = vllm_world.embedding(vllm_engram.layout(big["text"]), 0, 1)
         embed = SimpleNamespace(weight=emb.weight, scale=emb.weight_scale_inv)  # the names load() routes to
         loader = default_loader.DefaultModelLoader(LoadConfig())
         drop_page_cache(big["ckpt"])
