@@ -15,9 +15,9 @@ flight (a PendingReply), the queue of released leases and the flusher thread.
 A released lease is queued to ride on the next step's PLAN frame; a client that
 stops planning sends it in a RELEASE frame after RELEASE_LINGER_S, from the
 flusher: one release path, carried by the wire either way. Steps a client read
-itself (client/local_reads.py) are noted here and sent in batches, one-way:
-every NOTE_EVERY_S or NOTE_IDS ids while steps run, by the flusher after the
-last. A note carries the rows its steps read from disk, up to NOTE_ROW_BYTES a
+itself (client/local_reads.py) are noted here and sent in batches, one-way, by
+the flusher: every NOTE_EVERY_S or NOTE_IDS ids while steps run, and after the
+last; a step sends them itself only when the flusher is NOTE_BACKLOG_IDS behind. A note carries the rows its steps read from disk, up to NOTE_ROW_BYTES a
 frame, so the sidecar promotes them without reading them again (it verifies each
 first); rows past that bound go without their bytes (the sidecar reads the ones
 it promotes), as do all of them with O_DIRECT (local_reads.py says why).
@@ -62,6 +62,7 @@ RELEASE_LINGER_S = 0.02
 NOTE_EVERY_S, NOTE_IDS = 0.002, 1 << 13
 # bytes of rows one note carries at most (and at most half the sidecar's request limit)
 NOTE_ROW_BYTES = 32 << 20
+NOTE_BACKLOG_IDS = 4 * NOTE_IDS  # noted ids the flusher may fall behind by before a step sends them itself
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
@@ -269,10 +270,11 @@ class StepChannel:
                 self._note_since = now
             self._note_ids += ids.size
             due = self._note_ids >= NOTE_IDS or now - self._note_since >= NOTE_EVERY_S
-        if due:
+            behind = self._note_ids >= NOTE_BACKLOG_IDS
+        if behind:  # the flusher cannot keep up: this step pays for the send itself
             self.flush_notes()
-        else:
-            self._flusher_wake()
+        else:  # the flusher sends them, so the step does not wait on the socket
+            self._flusher_wake(now if due else None)
 
     def flush_notes(self) -> None:
         """Send the noted steps now (dropped when no connection can be had: they are hints)."""
@@ -358,11 +360,12 @@ class StepChannel:
 
     # -- the flusher: queued releases and notes that no request carries ------------------------
 
-    def _flusher_wake(self) -> None:
+    def _flusher_wake(self, due: float | None = None) -> None:
         """Queued releases go out with the next request; a client that stops planning sends
         them after RELEASE_LINGER_S (a lease left until its TTL would hold its rows, and a
-        retired arena, for nothing)."""
-        self._flush_due = time.monotonic() + RELEASE_LINGER_S
+        retired arena, for nothing). due: send what is queued at this time instead (notes
+        that are due: the flusher, not the step that noted them, waits on the socket)."""
+        self._flush_due = time.monotonic() + RELEASE_LINGER_S if due is None else due
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="tierstore-release", daemon=True)
             self._flusher.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from tierstore import errors
 from tierstore.bench.step_socket import ModuloHandler
-from tierstore.client.step_channel import RELEASE_LINGER_S, StepChannel, raise_errors
+from tierstore.client.step_channel import NOTE_IDS, RELEASE_LINGER_S, StepChannel, raise_errors
 from tierstore.proto.frames import PlanItem
 from tierstore.sidecar.step_server import StepServer
 
@@ -77,3 +78,45 @@ def test_a_closed_channel_queues_nothing_and_its_leases_end(served):
     assert not ch.queued
     with pytest.raises(errors.InvalidArgument, match="closed"):
         ch.release([1])
+
+
+class _SlowReader(ModuloHandler):
+    """A sidecar busy elsewhere: it takes one ACCESS frame and then reads nothing until `go`."""
+
+    def __init__(self):
+        super().__init__()
+        self.go, self.ids = threading.Event(), 0
+
+    def access(self, conn_id, items, trusted):
+        self.go.wait(30)
+        self.ids += sum(it.ids.size for it in items)
+
+
+def test_a_step_that_notes_its_reads_does_not_wait_on_a_busy_sidecar(tmp_path):
+    """Local reads note each step (ids, and the rows of its misses); a step loop must not stall
+    while the sidecar is slow to take them: the channel's flusher sends them. Every noted id
+    still arrives once the sidecar reads again."""
+    d = Path(tempfile.mkdtemp(prefix="tsch-", dir="/tmp"))
+    handler = _SlowReader()
+    srv = StepServer(d / "s.sock.steps", handler, max_clients=8)
+    srv.start()
+    ch = StepChannel(srv.path).connect()
+    try:
+        ids = np.arange(NOTE_IDS, dtype=np.int64)  # each note is due at once
+        rows = np.zeros((NOTE_IDS, 512), dtype=np.uint8)  # 4 MiB a note: more than the socket buffers hold
+
+        def three_steps():
+            for _ in range(3):
+                ch.note("l1", 1, ids, ids, rows)
+
+        steps = threading.Thread(target=three_steps, daemon=True)
+        steps.start()
+        steps.join(10)
+        assert not steps.is_alive(), "a step waited on the sidecar to read its note"
+        handler.go.set()
+        assert _wait(lambda: handler.ids == 3 * NOTE_IDS, 10), handler.ids
+    finally:
+        handler.go.set()
+        ch.close()
+        srv.stop()
+        shutil.rmtree(d, ignore_errors=True)
