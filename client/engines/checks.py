@@ -60,6 +60,10 @@ FEATURES = (
     Feature("sglang", "CUDA forward (engram_gather over the registered arena, UVA)", NO_GPU, NO_GPU),
     Feature("sglang", "ROCm forward (device address from hipHostGetDevicePointer)", NO_GPU, NO_GPU),
     Feature("sglang", "tensor parallelism, shared host-table layout", WORKS, WORKS),
+    Feature("sglang", "the overlap scheduler (sglang's default)", NO_GPU, REFUSED,
+            "a staged batch's rows are read from its tokens on the host, and the overlap scheduler builds a decode "
+            "batch before the last step's sampled tokens reach the host: start sglang with --disable-overlap-schedule "
+            "(decode CUDA graphs stay on), or serve the tables split-layout with RAM for them"),
     Feature("sglang", "speculative decoding (--speculative-algorithm)", REFUSED, REFUSED,
             "tierstore's Engram rows serve extend and decode batches only, not target-verify or draft "
             "batches: start sglang without --speculative-algorithm, or unset TIERSTORE_SGLANG_SOCKET"),

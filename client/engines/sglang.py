@@ -87,6 +87,7 @@ SPECULATIVE = "speculative decoding (--speculative-algorithm)"
 DUMMY = "--load-format dummy"
 PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
 PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
+OVERLAP = "the overlap scheduler (sglang's default)"
 # what is lost where an optional hook's target is missing
 OPTIONAL = {ENQUEUE_TARGET: "queued requests' rows are not prefetched",
             **{t: "a restart reads the checkpoint's Engram tables through sglang's iterator" for t in LOADER_TARGETS}}
@@ -329,6 +330,20 @@ def check_server_args(server_args) -> None:
                                       f"--speculative-algorithm {server_args.speculative_algorithm}")
     if str(server_args.load_format) == "dummy":
         raise checks.EngineRefused.of("sglang", DUMMY, "--load-format dummy")
+    if not server_args.disable_overlap_schedule:
+        staged = _staged_tables(SglangConfig.from_env())
+        if staged:
+            raise checks.EngineRefused.of("sglang", OVERLAP, f"tables {', '.join(staged)} are staged, "
+                                          f"--disable-overlap-schedule is not given")
+
+
+def _staged_tables(config: SglangConfig) -> list[str]:
+    """The sidecar's tables named {prefix}l* that the row stager would serve (see `_staged`)."""
+    if config.stage == "off":
+        return []
+    with _sidecar(config, f"{config.prefix}l*") as c:
+        named = sorted(t["table"] for t in c.tables() if t["table"].startswith(f"{config.prefix}l"))
+        return named if config.stage == "on" else [t for t in named if not c.handle(t).split]
 
 
 _TABLES: dict[tuple[str, str], object] = {}  # (socket, table) -> SplitTable, one per process

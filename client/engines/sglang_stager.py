@@ -49,8 +49,8 @@ version raises too (restart sglang; the model never mixes versions).
 Not staged, and so refused with the fix where a staged layer would need it:
 batches whose newest token is still on the device (the overlap scheduler, on
 by default: it builds decode batch N+1 before batch N's sampled tokens reach
-the host, so no row of N+1 can be read before N's forward ends; refused at start,
-`decode_graph_batch`, fix `--disable-overlap-schedule`), speculative decoding,
+the host, so no row of N+1 can be read before N's forward ends; refused at start
+with checks.FEATURES' fix), speculative decoding,
 beam search rows and prefill context parallelism.
 """
 from __future__ import annotations
@@ -62,7 +62,8 @@ from array import array
 import numpy as np
 
 from tierstore import errors
-from tierstore.client.engines import StagingError
+from tierstore.client.engines import StagingError, checks
+from tierstore.client.engines.sglang import OVERLAP
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.jit import unique_inverse
 
@@ -411,14 +412,11 @@ def decode_graph_batch(disable_overlap_schedule: bool, cuda_graph_config) -> int
     `disable_overlap_schedule` (ServerArgs) and resolved `cuda_graph_config` (CudaGraphConfig;
     None: no graphs), 0 when decode runs eagerly: what the persistent staging buffers hold.
 
-    StagingError, with the fix, under the overlap scheduler (sglang's default): it builds decode
-    batch N+1 before batch N's sampled tokens reach the host, so N+1's rows cannot be read
-    until N's forward is over, and its overlap would hide nothing."""
+    EngineRefused under the overlap scheduler (sglang's default; checks.FEATURES has why and the
+    fix): sglang's start refuses it first (sglang.check_server_args), this is the same refusal for
+    a model built without that check (tests, bench)."""
     if not disable_overlap_schedule:
-        raise StagingError("tierstore stages sglang's Engram rows from each batch's tokens on the host, and sglang's "
-                           "overlap scheduler (on by default) builds a decode batch before the last step's tokens "
-                           "reach the host: start sglang with --disable-overlap-schedule (decode CUDA graphs stay on), "
-                           "or serve the tables split-layout with RAM for them")
+        raise checks.EngineRefused.of("sglang", OVERLAP, "a staged table's decode graphs are being sized")
     decode = None if cuda_graph_config is None else cuda_graph_config.decode
     if decode is None or decode.backend == "disabled":
         return 0

@@ -76,6 +76,31 @@ def test_server_settings_tierstore_does_not_serve_are_refused_at_start(sglang_en
             server_args.check_server_args()
 
 
+def test_the_overlap_scheduler_is_refused_at_start_only_where_a_table_is_staged(sglang_engram, tmp_path):
+    """sglang's overlap scheduler (on by default) builds a decode batch before the last step's
+    tokens reach the host, so a staged table's rows cannot be read ahead of it: sglang's start is
+    refused with the one flag that turns it off. Split-layout (mapped) tables run with it."""
+    from sglang.srt.server_args import ServerArgs
+
+    from tierstore.client.engines import sglang as ts_sglang
+
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
+    socket = tmp_path / "ts.sock"
+    fix = checks.feature("sglang", ts_sglang.OVERLAP).fix
+    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB"):
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
+            with pytest.raises(checks.EngineRefused, match="refuses the overlap scheduler") as e:
+                ServerArgs(model_path=str(tmp_path)).check_server_args()
+            assert fix in str(e.value) and "tables l1 are staged" in str(e.value)
+            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path), disable_overlap_schedule=True))
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket, TIERSTORE_SGLANG_STAGE="off"):
+            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path)))
+    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB", extra_args=("--split-layout", "all")):
+        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
+            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path)))
+
+
 def test_a_sidecar_restart_costs_one_describe_not_one_per_forward(tmp_path, sglang_engram, monkeypatch):
     """After the sidecar restarts (same version), the mapped layer's retired arena is checked
     against what the new one serves once; the forwards after it read one header byte."""

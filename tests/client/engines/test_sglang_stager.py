@@ -32,6 +32,7 @@ from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore import errors
 from tierstore.client.client import Client
+from tierstore.client.engines import checks
 from tierstore.ingest.checkpoint import ingest_checkpoint
 from tierstore.sidecar.launcher import SidecarProcess
 
@@ -273,7 +274,7 @@ def test_sglangs_default_schedule_and_graphs_are_checked_through_its_own_config(
     from tierstore.client.engines.sglang_stager import decode_graph_batch
 
     defaults = ServerArgs(model_path="dummy")
-    with pytest.raises(StagingError, match=r"--disable-overlap-schedule \(decode CUDA graphs stay on\)"):
+    with pytest.raises(checks.EngineRefused, match=r"--disable-overlap-schedule \(decode CUDA graphs stay on\)"):
         decode_graph_batch(defaults.disable_overlap_schedule, _graph_config())
     assert decode_graph_batch(True, _graph_config()) == max(GRAPH_SIZES)  # the default decode backend captures
     assert decode_graph_batch(True, _graph_config(backend="breakable")) == max(GRAPH_SIZES)
