@@ -235,7 +235,9 @@ class StepChannel:
 
     def release(self, lease_ids) -> int:
         """End these leases (and any queued by release_later) now; returns how many were live
-        (0 before any connection: no lease of this channel exists)."""
+        (0 before any connection: no lease of this channel exists; 0 once the connection is
+        lost, without waiting for a sidecar: its leases ended with it. So the flusher never
+        holds the channel through a restarting sidecar's wait, which a plan would then queue behind)."""
         if not self._connected:
             self._check_open()
             return 0
@@ -460,6 +462,9 @@ class StepChannel:
                 self._finish(self._inflight, deadline)  # one in flight: a reply never waits behind our next send
             if not self._connected:  # the first use
                 self._connect(self.conn_id, wait=0.0)
+            elif self._sock is None and req.op == RELEASE:
+                req.settle(value=0)  # the leases ended with the connection they belonged to: no wait
+                return req
             elif self._sock is None:  # the last call lost the connection: reconnect once, as a new conn_id
                 self._connect(os.urandom(16), wait=max(0.0, deadline - time.monotonic()))
             if req.size > self.max_request_bytes:
@@ -503,6 +508,9 @@ class StepChannel:
             except (EOFError, OSError, FrameError) as e:
                 self._drop()
                 req.error = e
+                if req.op == RELEASE:  # a new connection could release nothing: the sidecar ended
+                    req.settle(value=0)  # the lost one's leases with it; no reconnect, no wait
+                    return
                 if attempt:
                     req.settle(error=self._unavailable(e))
                     return

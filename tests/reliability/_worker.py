@@ -5,7 +5,7 @@
 steps: plan + read (and inline lookups) until `stop` exists or `seconds` pass;
     every row is compared with the expected bytes (exit 3 on the first wrong
     row); Unavailable is counted with how long the failing call took; status is
-    written to `status` as JSON; the last stdout line is the final report.
+    written to `status` as JSON after every call; the last stdout line is the final report.
 hold: plan `n` ids with a long TTL, map the arena, print "planned", sleep.
 """
 import json
@@ -60,6 +60,7 @@ def steps(a):
             st["unavailable"] += 1
             st["ok_since_unavailable"] = 0
             st["max_unavailable_s"] = max(st["max_unavailable_s"], time.monotonic() - t0)
+            write_status(a["status"], st)
             continue
         except errors.TierstoreError as e:
             st["errors"][type(e).__name__] = st["errors"].get(type(e).__name__, 0) + 1
@@ -71,8 +72,7 @@ def steps(a):
             sys.exit(3)
         st["ok"] += 1
         st["ok_since_unavailable"] += 1
-        if st["ok"] % 5 == 0:
-            write_status(a["status"], st)
+        write_status(a["status"], st)  # every step: a test reads the counts as they are at a kill
     write_status(a["status"], st)
     c.close()
     if a.get("latencies"):

@@ -40,14 +40,20 @@ def _crash_cycles(table, tmp_path, workers, sidecars, *, n_clients, downtimes, b
             held = c.plan("t", np.arange(1000, 1200))
             held.slots()
             old_lease = held.lease_id
-        ok_before = [workers.status(p).get("ok", 0) for p in procs]
+        before = [workers.status(p) for p in procs]
         sc.kill()
         time.sleep(downtime)
         sc = sidecars(data, budget, "--lease-ttl", 5, *extra, socket=sc.socket)
         with Client(sc.socket, timeout=5) as c:
             assert c.release([old_lease]) == 0  # leases did not survive the crash
             assert np.array_equal(c.lookup("t", np.arange(1000, 1200)), expected[1000:1200])
-        workers.wait_for(lambda s, b=max(ok_before): s.get("ok", 0) >= b + 3, what="rows after restart")
+        if downtime > RECONNECT_WAIT_S:  # every client saw Unavailable, then rows again
+            for p, b in zip(procs, before):
+                workers.wait_for(lambda s, gone=b.get("unavailable", 0): s.get("unavailable", 0) > gone
+                                 and s.get("ok_since_unavailable", 0) >= 3, procs=[p], what="rows after Unavailable")
+        else:
+            workers.wait_for(lambda s, b=max(b.get("ok", 0) for b in before): s.get("ok", 0) >= b + 3,
+                             what="rows after restart")
         report.append((downtime, sc.log()))
     stop.touch()
     results = workers.finish()
