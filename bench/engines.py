@@ -488,6 +488,11 @@ def tp_cell(data_dir: Path, table: str, rows: int, *, batch: int, batches: int, 
     for name in ("alone", "ranks_each", "ranks_shared"):
         r = out[name]
         r["device_reads_per_miss"] = r["read_bytes"] / max(1, r["distinct_misses"]) / per_miss
+        # the same counted in rows: rows the ranks read from the device (each its own count) per
+        # distinct miss. The bytes above also move with how reads coalesce: one process reading
+        # all of a batch's misses merges rows that share a sector into one read, ranks that
+        # split a batch's claims between them read such a sector once each
+        r["device_rows_per_miss"] = r["device_rows"] / max(1, r["distinct_misses"])
     out["shared_vs_each_rows_per_s"] = out["ranks_shared"]["rows_per_s"] / out["ranks_each"]["rows_per_s"]
     out["shared_vs_alone_rows_per_s"] = out["ranks_shared"]["rows_per_s"] / out["alone"]["rows_per_s"]
     return out
@@ -521,7 +526,8 @@ def engines_line(res: dict) -> str:
     elif tp:
         line += (f"; TP{tp['ranks']} (--direct-io, same batches): "
                  f"{tp['ranks_shared']['device_reads_per_miss']:.2f} device reads per distinct miss "
-                 f"({tp['ranks_each']['device_reads_per_miss']:.2f} each rank reading its own), "
+                 f"({tp['ranks_each']['device_reads_per_miss']:.2f} each rank reading its own; in rows read "
+                 f"{tp['ranks_shared']['device_rows_per_miss']:.2f} vs {tp['ranks_each']['device_rows_per_miss']:.2f}), "
                  f"{tp['ranks_shared']['rows_per_s']:.0f} rows/s a rank vs {tp['ranks_each']['rows_per_s']:.0f} "
                  f"({tp['alone']['rows_per_s']:.0f} one process alone)")
     return line

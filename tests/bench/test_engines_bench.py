@@ -38,6 +38,7 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
 
         assert tp["alone"]["distinct_misses"] > 0 and tp["alone"]["read_bytes"] > 0
         assert tp["ranks_shared"]["device_reads_per_miss"] <= 1.05 and "TP8" in out  # one read a miss for all
+        assert tp["ranks_shared"]["device_rows_per_miss"] <= 1.05  # the same, in rows the ranks read
         assert tp["ranks_each"]["device_reads_per_miss"] >= 0.9 * TP_RANKS  # each rank its own: every miss 8 times
         assert tp["ranks_shared"]["rows_per_s"] > 0
     restart = res["restart"]  # V4.1-layout restarts through sglang's loader: no Engram, filtered, unfiltered

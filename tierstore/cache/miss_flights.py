@@ -150,6 +150,19 @@ class MissFlights:
         self.rows = whole[o_rows:o_rows + entries * width].reshape(entries, width)
         self.entries, self.width, self.pid = entries, width, os.getpid()
         self.rows_claimed = self.rows_shared = self.rows_taken_over = 0  # what this client did through it
+        self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        """Each compiled loop called once on no ids, with the argument types read() gives it:
+        numba loads them from its disk cache now, at the map, not in the first step that shares
+        a miss (a wait's poll may come steps later, a stall and reads in the middle of serving)."""
+        if not enabled():
+            return
+        none, flags = np.empty(0, np.int64), np.empty(0, np.int8)
+        _CLAIM.compiled()(self.words, self.pids, none, flags, none.copy(), none.copy(), self.pid)
+        _SWAP.compiled()(self.words, none, none, 0)
+        _SAME.compiled()(self.words, none, none, np.empty(0, np.bool_))
+        _POLL.compiled()(self.words, none, none, none, none, flags)
 
     def read(self, ids: np.ndarray, out: np.ndarray, reader) -> None:
         """out[i] = row ids[i] (sorted, distinct, in range int64), verified, each read
