@@ -87,7 +87,6 @@ SPECULATIVE = "speculative decoding (--speculative-algorithm)"
 DUMMY = "--load-format dummy"
 PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
 PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
-OVERLAP = "the overlap scheduler (sglang's default)"
 # what is lost where an optional hook's target is missing
 OPTIONAL = {ENQUEUE_TARGET: "queued requests' rows are not prefetched",
             **{t: "a restart reads the checkpoint's Engram tables through sglang's iterator" for t in LOADER_TARGETS}}
@@ -331,6 +330,8 @@ def check_server_args(server_args) -> None:
     if str(server_args.load_format) == "dummy":
         raise checks.EngineRefused.of("sglang", DUMMY, "--load-format dummy")
     if not server_args.disable_overlap_schedule:
+        from tierstore.client.engines.sglang_stager import OVERLAP
+
         staged = _staged_tables(SglangConfig.from_env())
         if staged:
             raise checks.EngineRefused.of("sglang", OVERLAP, f"tables {', '.join(staged)} are staged, "

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tierstore.client.engines import checks, sglang, vllm_plugin, vllm_stager
+from tierstore.client.engines import checks, sglang, sglang_stager, vllm_plugin, vllm_stager
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "engines.md"
 
@@ -26,7 +26,7 @@ def test_every_refused_feature_is_one_a_plugin_raises():
     and each name a plugin raises with is a REFUSED row: the matrix cannot list a refusal no
     code makes, nor miss one."""
     raised = {("sglang", n) for n in (sglang.SPECULATIVE, sglang.DUMMY, sglang.PEER_SHARDS, sglang.PER_RANK,
-                                       sglang.OVERLAP)}
+                                       sglang_stager.OVERLAP)}
     raised |= {("vllm", n) for n in (vllm_plugin.HBM_TABLES, vllm_plugin.DUMMY, vllm_stager.ASYNC_SCHEDULING,
                                      vllm_stager.RUNNER_V2, vllm_stager.ENGRAM_DP)}
     listed = {(f.engine, f.name) for f in checks.FEATURES if checks.REFUSED in (f.mapped, f.staged)}

@@ -83,11 +83,12 @@ def test_the_overlap_scheduler_is_refused_at_start_only_where_a_table_is_staged(
     from sglang.srt.server_args import ServerArgs
 
     from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.client.engines import sglang_stager
 
     write_checkpoint(tmp_path / "ckpt")
     ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
     socket = tmp_path / "ts.sock"
-    fix = checks.feature("sglang", ts_sglang.OVERLAP).fix
+    fix = checks.feature("sglang", sglang_stager.OVERLAP).fix
     with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB"):
         with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
             with pytest.raises(checks.EngineRefused, match="refuses the overlap scheduler") as e:
