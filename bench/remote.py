@@ -107,7 +107,7 @@ def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, 
         tv = write_version(data, "emb", [emb.view(np.uint8).reshape(rows, -1)], rows=rows, row_format="fp32",
                            row_dim=dim)
         with Catalog(data, readonly=True) as cat:
-            sums = cat.checksums("emb", tv.version)
+            sums = cat.checksums("emb", tv.number)
         store = cluster.connect()
         t0 = time.perf_counter()
         publish(store, data, "emb", replicas=1)

@@ -40,7 +40,7 @@ def _carried(d, table: str, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Genuine records of `table`'s current version, as its client reader carries them."""
     with Catalog(d, readonly=True) as cat:
         tv = cat.current(table)
-        sums = cat.checksums(table, tv.version)
+        sums = cat.checksums(table, tv.number)
     with SegmentReader(d, tv, sums) as r:
         return r.carried_records(ids, rows)
 

@@ -69,7 +69,7 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
         assert np.array_equal(arena[::-1], data[np.sort(ids)]) and reader.bytes_read == fetched
     finally:
         reader.close()
-    vdir = host_b / "tables" / "emb" / f"v{tv.version}"
+    vdir = host_b / "tables" / "emb" / f"v{tv.number}"
     assert not (vdir / BITMAP_NAME).exists() and not list(vdir.glob("*.partial"))
     with Catalog(host_b, readonly=True) as cat, SegmentReader(host_b, cat.current("emb"), sums) as local:
         assert local.verifies_rows and local.version.segment_format == tv.segment_format

@@ -86,7 +86,7 @@ class TableEngine:
         hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
         if hit.any():
             block = int(ids[np.argmax(hit)] // self.version.block_rows)
-            raise ChecksumError(self.table, self.version.version, block,
+            raise ChecksumError(self.table, self.version.number, block,
                                 "found by online verification; re-ingest or import a good copy")
 
     def _edge(self, ids) -> np.ndarray:
@@ -151,7 +151,7 @@ class TableEngine:
     def stats(self) -> dict:
         c = self.counters
         resident, leased = self._occupancy()
-        return dict(table=self.table, version=self.version.version, mode="full" if self.full else "cache",
+        return dict(table=self.table, version=self.version.number, mode="full" if self.full else "cache",
                     capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,

@@ -111,7 +111,7 @@ class CacheEngine(TableEngine):
         else:
             uniq, inverse = unique_inverse(ids)
         if not self.enter():
-            raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+            raise VersionNotFound(f"table {self.table!r} version {self.version.number} is no longer served; "
                                   "plan the step again")
         try:
             return self._plan_unique(uniq, inverse, ttl_s, conn_id, request_id)
@@ -561,7 +561,7 @@ class CacheEngine(TableEngine):
                 return np.empty((0, self.version.row_bytes), dtype=np.uint8)
             uniq, inverse = (ids, None) if strictly_increasing(ids) else unique_inverse(ids)
             if not self.enter():
-                raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+                raise VersionNotFound(f"table {self.table!r} version {self.version.number} is no longer served; "
                                       "look the rows up again")
             try:
                 slots, _, _ = self._resident(uniq, "look the rows up again")

@@ -117,7 +117,7 @@ class Verifier:
             if key not in self._logged:
                 self._logged.add(key)
                 log.error("online verification: %s tier mismatch in table %r version %d block %d slot %s: %s",
-                          tier, engine.table, engine.version.version, block, slot, detail)
+                          tier, engine.table, engine.version.number, block, slot, detail)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -42,7 +42,7 @@ class ServedSteps:
                 res = eng.plan(it.ids.copy(), ttl, conn_id, it.request_id)  # a copy: the buffer is reused
                 served = self._served.get(it.table)
                 if served is None or served[0] is not eng:  # str() of the arena's Path once, not per step
-                    served = self._served[it.table] = (eng, eng.version.version, str(eng.arena.path), eng.arena.slots)
+                    served = self._served[it.table] = (eng, eng.version.number, str(eng.arena.path), eng.arena.slots)
                 expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
                 out.append(PlanResult(res.lease_id, served[1], res.slots, res.hits, res.misses, res.unique, expires,
                                       "", served[2], served[3]))

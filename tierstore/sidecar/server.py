@@ -129,7 +129,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         v, board = eng.version, self.served.leases.board
         import json
         return pb.TableInfo(
-            table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
+            table=v.table, version=v.number, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.max_prefetch_steps,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
@@ -180,7 +180,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                 f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_INLINE_BYTES >> 20} MiB inline "
                 f"lookup limit; split the lookup or use plan() and the shared arena")
         rows = eng.lookup(ids)
-        return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.version)
+        return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.number)
 
     @_rpc
     def Stats(self, request, context):

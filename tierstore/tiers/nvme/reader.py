@@ -214,7 +214,7 @@ class SegmentReader(ColdTier):
         # an array, or read from the catalog per call (BlockChecksums: only the block path reads them)
         self.checksums = checksums if isinstance(checksums, BlockChecksums) else np.asarray(checksums, np.uint64)
         if self.checksums.shape != (version.n_blocks,):
-            raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
+            raise InvalidArgument(f"table {self.table!r} version {version.number}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
         self._block_bytes = self.block_rows * self.record_bytes
         self._blocks_per_seg = version.segment_rows // self.block_rows
@@ -246,7 +246,7 @@ class SegmentReader(ColdTier):
         meta = getattr(self.version, "row_sums", None)
         if not meta:
             return None, None
-        where = f"table {self.table!r} version {self.version.version}"
+        where = f"table {self.table!r} version {self.version.number}"
         if meta.get("algo") != self.row_key.algo:
             known = "" if meta.get("algo") in rowsum.ALGOS else f"; this build knows {list(rowsum.ALGOS)}"
             return None, (f"{where}: row checksums use {meta.get('algo')!r}, yet its row_salt makes them "
@@ -336,7 +336,7 @@ class SegmentReader(ColdTier):
         if bad:
             i, why = min(bad)
             row = int(ids[i])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}" + (f": {why}" if why else ""))
             err.row = row
             raise err
@@ -439,7 +439,7 @@ class SegmentReader(ColdTier):
         map past the file's end would be SIGBUS."""
         if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
             row = int(ids[0])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: the row checksum file shrank after it was opened")
             err.row = row
             raise err
@@ -507,7 +507,7 @@ class SegmentReader(ColdTier):
         its index (O_DIRECT); ChecksumError for a segment that is not there."""
         if self._fds[s] is None:
             row = int(first_id)
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: segment {self.version.segments[s]} is {self._why[s]}")
             err.row = row
             raise err
@@ -524,7 +524,7 @@ class SegmentReader(ColdTier):
         limit = min(view[0].shape[0], size // self.record_bytes)
         if int(local[-1]) >= limit:
             row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: segment {self.version.segments[s]} is truncated")
             err.row = row
             raise err
@@ -658,7 +658,7 @@ class SegmentReader(ColdTier):
             s, first_block, got = min(failed, key=lambda f: f[1])
             bad = first_block + got // self._block_bytes
             what = self._why[s] or "truncated"
-            raise ChecksumError(self.table, self.version.version, bad,
+            raise ChecksumError(self.table, self.version.number, bad,
                                 f"segment {self.version.segments[s]} is {what}")
         with self._lock:
             self.bytes_read += total
@@ -667,7 +667,7 @@ class SegmentReader(ColdTier):
         bb = self._block_bytes
         for j, (e, n) in enumerate(zip(expect, lens.tolist())):
             if h(buf[j * bb:j * bb + n]) != e:
-                raise ChecksumError(self.table, self.version.version, int(blocks[j]),
+                raise ChecksumError(self.table, self.version.number, int(blocks[j]),
                                     self._blame(int(blocks[j]), buf[j * bb:j * bb + n]))
 
     def _blame(self, block: int, raw: memoryview) -> str:

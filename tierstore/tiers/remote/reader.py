@@ -62,7 +62,7 @@ class RemoteReader(ColdTier):
         self.block_rows = version.block_rows
         self.checksums = np.asarray(checksums, dtype=np.uint64)
         if self.checksums.shape != (version.n_blocks,):
-            raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
+            raise InvalidArgument(f"table {self.table!r} version {version.number}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
         self._block_bytes = version.block_bytes
         self._lock = threading.Lock()
@@ -108,7 +108,7 @@ class RemoteReader(ColdTier):
         where = where.tolist()
         lens = self._block_len(blocks).tolist()
         expect = self.checksums[blocks].tolist()
-        keys = block_keys(self.table, self.version.version, blocks)
+        keys = block_keys(self.table, self.version.number, blocks)
         bb, h = self._block_bytes, xxhash.xxh3_64_intdigest
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.retry_s
@@ -122,7 +122,7 @@ class RemoteReader(ColdTier):
                     failed.append(j)
                     continue
                 if h(v) != expect[j]:
-                    raise ChecksumError(self.table, self.version.version, int(blocks[j]), "object in Mooncake")
+                    raise ChecksumError(self.table, self.version.number, int(blocks[j]), "object in Mooncake")
                 buf[where[j] * bb:where[j] * bb + lens[j]] = np.frombuffer(v, dtype=np.uint8)
                 total += lens[j]
             if failed:
@@ -138,11 +138,11 @@ class RemoteReader(ColdTier):
         exist = self.store.batch_is_exist(keys)
         gone = [b for b, e in zip(blocks, exist) if e == 0]
         if gone:
-            raise ChecksumError(self.table, self.version.version, gone[0],
+            raise ChecksumError(self.table, self.version.number, gone[0],
                                 "no replica left in Mooncake; publish the version again")
         if time.monotonic() >= deadline:
             master = all(e < 0 for e in exist)
-            raise Unavailable(f"table {self.table!r} version {self.version.version}: "
+            raise Unavailable(f"table {self.table!r} version {self.version.number}: "
                               f"{'the Mooncake master does not answer' if master else 'no replica answers'} "
                               f"for {len(blocks)} blocks (first {blocks[0]}) after {self.retry_s:.0f}s")
         with self._lock:

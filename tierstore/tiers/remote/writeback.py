@@ -118,7 +118,7 @@ class WriteBack:
                 self._progress()
             except OSError as e:
                 self.error = f"write-back to {local.dir} stopped: {e}; serving goes on from Mooncake"
-                log.warning("table %s v%d: %s", local.version.table, local.version.version, self.error)
+                log.warning("table %s v%d: %s", local.version.table, local.version.number, self.error)
                 return
 
     def _fill_once(self) -> None:
@@ -144,7 +144,7 @@ class WriteBack:
         if tenth > self._logged_tenth:
             self._logged_tenth = tenth
             log.info("table %s v%d: %d%% of blocks local (%d written back, %d fetched by the fill)",
-                     v.table, v.version, tenth * 10, self.written, self.fill_fetched)
+                     v.table, v.number, tenth * 10, self.written, self.fill_fetched)
 
     def stats(self) -> dict:
         return {"present_blocks": self.local.n_present, "blocks": self.local.version.n_blocks,
