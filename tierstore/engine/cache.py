@@ -507,13 +507,13 @@ class CacheEngine(TableEngine):
         one pass (SegmentReader.place_rows, or place_records for records); if any does not
         match, all of them are read from disk like the rest."""
         if carried is not None and ids.size:
-            have_ids, local, rows = carried
+            have_ids, row_at, rows = carried
             pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
             have = have_ids[pos] == ids
             n = int(np.count_nonzero(have))
             if n:
                 place = self.reader.place_records if self._carried_form == "records" else self.reader.place_rows
-                bad = place(ids[have], rows, local[pos[have]], self.arena.rows, slots[have])
+                bad = place(ids[have], rows, row_at[pos[have]], self.arena.rows, slots[have])
                 if bad < 0:
                     self.counters.note_rows_placed += n
                     ids, slots = ids[~have], slots[~have]

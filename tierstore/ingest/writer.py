@@ -248,7 +248,7 @@ class _Staging:
 
     @property
     def row_sums_meta(self) -> dict | None:
-        """The manifest's `row_sums`: format 1's file, None for format 2 (sums inline)."""
+        """The manifest's `row_sums`: format 1's file, None for format 2 (each record carries its sum)."""
         if self.segment_format == 2:
             return None
         return {"file": ROW_SUMS_FILE, "algo": self.key.algo, "xxh3": self._sums_hash.intdigest()}

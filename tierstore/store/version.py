@@ -169,7 +169,7 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
         return (f"segment_format = {fmt!r}; this build reads formats {list(FORMATS)} "
                 f"(a newer tierstore wrote it: upgrade, or re-ingest the table)")
     if fmt == 2 and d.get("row_sums") is not None:
-        return "segment_format 2 carries its row sums inline, yet row_sums names a file"
+        return "segment_format 2 carries its row sums in its records, yet row_sums names a file"
     salt = d.get("row_salt")
     if salt is not None and (not isinstance(salt, int) or isinstance(salt, bool) or not 0 <= salt < 1 << 64):
         return f"row_salt = {salt!r} is not a 64-bit unsigned integer"
