@@ -200,23 +200,26 @@ class EngineBuilder:
         read whole (full mode loads and checks every block; the remote tier fetches blocks), else,
         for a cache-mode table of segment format 2 on this host's disk, read from the catalog
         when the block path asks (BlockChecksums): its misses check the sums in the records."""
-        local = all((self.config.data_dir / s).is_file() for s in v.segments)
-        if full or v.segment_format < 2 or not local:
+        if full or v.segment_format < 2 or not self._segments_on_disk(v):
             return self.catalog.checksums(v.table, v.number)
         return BlockChecksums(self.config.data_dir, v)
 
+    def _segments_on_disk(self, v) -> bool:
+        """True when this host's data directory holds every segment file of version v."""
+        return all((self.config.data_dir / s).is_file() for s in v.segments)
+
     def _reader(self, v, checksums):
         """Local segments when this host has them; else, with --remote, the published copy."""
-        if self.config.remote and not all((self.config.data_dir / s).is_file() for s in v.segments):
+        if self.config.remote and not self._segments_on_disk(v):
             from tierstore.tiers.remote.mooncake import connect
             from tierstore.tiers.remote.reader import RemoteReader
             if self._mooncake is None:
                 self._mooncake = connect(self.config.remote, self.config.metadata)
-            local = self._local_copy(v, checksums)
+            copy = self._local_copy(v, checksums)
             log.info("table %s v%d: no local rows; reading from Mooncake %s%s", v.table, v.number,
-                     self.config.remote, "" if local is None else
-                     f", writing them back to {local.dir} ({local.n_present}/{v.n_blocks} blocks there)")
-            return RemoteReader(self._mooncake, v, checksums, local=local)
+                     self.config.remote, "" if copy is None else
+                     f", writing them back to {copy.dir} ({copy.n_present}/{v.n_blocks} blocks there)")
+            return RemoteReader(self._mooncake, v, checksums, copy=copy)
         return SegmentReader(self.config.data_dir, v, checksums, **self._reader_options())
 
     def _local_copy(self, v, checksums):
