@@ -51,7 +51,7 @@ class ServedSteps:
         self._observe(time.perf_counter() - t0)
         return out
 
-    def access(self, conn_id: bytes, items, trusted: bool = False) -> None:
+    def note(self, conn_id: bytes, items, trusted: bool = False) -> None:
         """Steps a local client read itself: the engine's policy learns them, misses are promoted
         (from the rows the note carries, verified, where it carries them). trusted: the peer has
         the sidecar's uid (Learner.note)."""

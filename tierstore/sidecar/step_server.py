@@ -52,9 +52,9 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.proto import MAX_REQUEST_BYTES
-from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
+from tierstore.proto.frames import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, NOTE, PLAN,
                                 PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
-                                encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
+                                encode_error, encode_plan_results, parse_note, parse_plan, send_frame,
                                 spin_seconds)
 
 __all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
@@ -87,14 +87,15 @@ class StepHandler(Protocol):
     release: end these leases of `conn_id`; return how many were live.
     disconnected: the conn_id's connection closed (any reason): end its leases.
     instance: the sidecar instance id (changes on restart; clients then remap arenas).
-    access: (optional) steps the client read itself (proto.frames.AccessItem); never answered,
-          so errors are the handler's to log. `items[i].ids` is valid during the call.
-          trusted: the peer runs as the sidecar's uid or root (peer_trusted).
+    note: steps the client read itself (proto.frames.NoteItem), a NOTE frame; never
+          answered, so errors are the handler's to log (a handler with no policy ignores
+          them). `items[i].ids` is valid during the call. trusted: the peer runs as the
+          sidecar's uid or root (peer_trusted).
     """
 
     def plan(self, conn_id: bytes, items: list[PlanItem], release: list[int]) -> list: ...
     def release(self, conn_id: bytes, lease_ids: list[int]) -> int: ...
-    def access(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
+    def note(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
     def disconnected(self, conn_id: bytes) -> None: ...
     def instance(self) -> str: ...
 
@@ -338,8 +339,8 @@ class StepServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
             while True:
                 op, body = reader.read()
-                if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
-                    self._access(conn_id, body, trusted)
+                if op == NOTE:  # one-way: no reply; a malformed frame ends the connection (FrameError)
+                    self._note(conn_id, body, trusted)
                     del body
                     reader.recycle()
                     continue
@@ -402,18 +403,15 @@ class StepServer:
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
         return conn_id
 
-    def _access(self, conn_id: bytes, body, trusted: bool) -> None:
+    def _note(self, conn_id: bytes, body, trusted: bool) -> None:
         try:
-            items = parse_access(body)
+            items = parse_note(body)
         except errors.TierstoreError as e:
             raise FrameError(e) from None
-        access = getattr(self.handler, "access", None)
-        if access is None:
-            return
         try:
-            access(conn_id, items, trusted)
+            self.handler.note(conn_id, items, trusted)
         except Exception:  # a hint: the connection keeps serving
-            log.exception("step socket access() failed")
+            log.exception("step socket note() failed")
 
     def _dispatch(self, conn_id: bytes, op: int, body) -> tuple[int, list, int]:
         if op == PLAN:
