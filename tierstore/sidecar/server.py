@@ -1,4 +1,4 @@
-"""gRPC server: the control plane of the sidecar.
+"""The sidecar (Server: the serving process) and its gRPC service (GrpcService), the control plane.
 
 Every handler maps tierstore errors to one status code (errors.GRPC_CODE) and
 keeps serving; an unexpected exception is INTERNAL and logged, never a crash.
@@ -30,7 +30,7 @@ from tierstore.sidecar.served import ServedTables
 from tierstore.sidecar.startup import pause
 from tierstore.tiers.nvme.reader import SegmentReader
 
-__all__ = ["Server", "TierstoreService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
+__all__ = ["Server", "GrpcService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
 
 log = logging.getLogger("tierstore.sidecar.server")
 SERVICE = "tierstore.v1.Tierstore"
@@ -111,7 +111,17 @@ def _rpc(method):
     return wrapper
 
 
-class TierstoreService(pb_grpc.TierstoreServicer):
+class GrpcService(pb_grpc.TierstoreServicer):
+    """The sidecar's gRPC servicer: proto/tierstore.proto's Tierstore service (ListTables,
+    DescribeTable, Lookup with the rows inline, Prefetch, Reload, Stats) over the served tables.
+
+    One job: turn each request into calls on `served` (ServedTables) and the answer into a
+    message. Every method authorizes the caller first (a unix-socket peer by the socket's
+    0600 mode, a TCP peer by the shared token), answers a TierstoreError with its status code
+    (errors.GRPC_CODE) and anything else with INTERNAL, keeps serving either way, and has its
+    latency observed in `metrics`. Server runs one instance on both gRPC servers (unix
+    socket, TCP); the step socket is StepServer's, not this."""
+
     def __init__(self, served: ServedTables, metrics):
         self.served = served
         self.metrics = metrics
@@ -217,7 +227,7 @@ class Server:
         # grpc's servicer says SERVING for "" from the start: not until start() has brought up the
         # step socket and the sidecar (a launcher that stops us on SERVING must not catch us half-started)
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        service = TierstoreService(self.served, self.metrics)
+        service = GrpcService(self.served, self.metrics)
         self.guard = None if config.listen is None else \
             TokenInterceptor(config.auth_token, config.receive_timeout_s)
         self.servers = []
