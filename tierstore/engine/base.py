@@ -107,6 +107,12 @@ class TableEngine:
     def close(self) -> None:
         """Let go of what the engine holds besides its arena and reader (both the sidecar's)."""
 
+    def slot_index(self):
+        """The slot index (cache/slot_index.py SlotIndexFile) through which local clients read
+        this table's resident rows without a Plan, or None: full mode (slot == id needs
+        none), or a sidecar that keeps it private (--no-local-reads)."""
+        return None
+
     @property
     def busy(self) -> bool:
         return self._active > 0

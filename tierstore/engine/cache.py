@@ -95,6 +95,9 @@ class CacheEngine(TableEngine):
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
+    def slot_index(self):
+        return self.slots.index
+
     # ---- requests -----------------------------------------------------------
     def plan(self, ids: np.ndarray, ttl_s: float, conn_id: bytes = b"", request_id: int = 0) -> Placement:
         """Make `ids` resident and lease their slots to one step, for the client `conn_id` (its

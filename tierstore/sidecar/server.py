@@ -28,7 +28,6 @@ from tierstore.sidecar.served_steps import ServedSteps
 from tierstore.sidecar.prefetcher import MAX_HINT_IDS
 from tierstore.sidecar.served import ServedTables
 from tierstore.sidecar.startup import pause
-from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["Server", "GrpcService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
 
@@ -149,14 +148,14 @@ class GrpcService(pb_grpc.TierstoreServicer):
                            split_bytes=eng.arena.split, **self._local_reads(eng)))
 
     def _local_reads(self, eng) -> dict:
-        """What a local client needs to read this table without a Plan (client/local_reads.py)."""
-        index = getattr(getattr(eng, "slots", None), "index", None)
+        """What a local client needs to read this table without a Plan (client/local_reads.py):
+        the slot index, and the segment files its misses may be read from (ColdTier.cold_dir)."""
+        index = eng.slot_index()
         if index is None:
             return {}
-        r = eng.reader
-        own = isinstance(r, SegmentReader) and r.verifies_rows
-        return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "",
-                    cold_direct=own and r.direct is not None)
+        cold = eng.reader.cold_dir
+        return dict(index=str(index.path), cold_dir=str(cold.resolve()) if cold is not None else "",
+                    cold_direct=cold is not None and eng.reader.direct is not None)
 
     @_rpc
     def ListTables(self, request, context):
@@ -211,6 +210,8 @@ class Server:
         from tierstore.sidecar.metrics import Metrics
 
         self.config = config
+        self.steps = None  # the step server, from start() on
+        self._socket_id = None  # (st_dev, st_ino) of the socket this sidecar bound
         pem = self._check_transports(config)  # before anything is loaded or created
         self.served = ServedTables(config)
         try:
@@ -232,7 +233,6 @@ class Server:
             TokenInterceptor(config.auth_token, config.receive_timeout_s)
         self.servers = []
         self.addresses = []
-        self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
             # claimed here, at the bind (a stale socket removed, a live one refused): another sidecar
@@ -308,7 +308,7 @@ class Server:
                                       f"{e.strerror}") from None
 
     def stop(self, grace: float = 2.0) -> None:
-        if getattr(self, "steps", None) is not None:
+        if self.steps is not None:
             self.steps.stop()
             self.steps = None
         self.health.enter_graceful_shutdown()
@@ -322,7 +322,7 @@ class Server:
 
     def _remove_socket(self) -> None:
         """Remove the socket this server bound (and no other: another sidecar's, bound since)."""
-        if self.config.socket is not None and getattr(self, "_socket_id", None) is not None:
+        if self.config.socket is not None and self._socket_id is not None:
             try:
                 st = os.lstat(self.config.socket)
                 if (st.st_dev, st.st_ino) == self._socket_id:

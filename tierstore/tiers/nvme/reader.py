@@ -243,7 +243,7 @@ class SegmentReader(ColdTier):
                 raise
 
     def _load_row_sums(self) -> tuple[np.ndarray | None, str | None]:
-        meta = getattr(self.version, "row_sums", None)
+        meta = self.version.row_sums
         if not meta:
             return None, None
         where = f"table {self.table!r} version {self.version.number}"
@@ -343,6 +343,12 @@ class SegmentReader(ColdTier):
 
     def held_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.checksums,) if self.row_sums is None else (self.checksums, self.row_sums)
+
+    @property
+    def cold_dir(self) -> Path | None:
+        """This reader's data directory when its rows verify one by one (a local client
+        then reads its misses from the same segment files), else None."""
+        return self.data_dir if self.verifies_rows else None
 
     @property
     def carried_form(self) -> str:
@@ -547,7 +553,7 @@ class SegmentReader(ColdTier):
     def close(self) -> None:
         fds, self._fds = self._fds, []
         self._maps = [None] * len(self._maps)  # a map goes with its last view
-        sums_fd, self._sums_fd = getattr(self, "_sums_fd", None), None
+        sums_fd, self._sums_fd = self._sums_fd, None
         for fd in fds + [sums_fd]:
             if fd is not None:
                 os.close(fd)
