@@ -5,7 +5,7 @@ builds the engine of that mode:
 - FullEngine (full.py): the whole table sits in the arena in id order, slot ==
   id; a Plan only validates (nothing is ever evicted, so nothing needs a lease);
 - CacheEngine (cache.py): the arena caches `capacity` rows under a policy
-  (tierstore/policy), promoting misses from the cold tier with leases.
+  (tierstore/cache/policy), promoting misses from the cold tier with leases.
 This base holds what both share: validation at the edge, refusal of blocks
 online verification found corrupt, counters and stats.
 """

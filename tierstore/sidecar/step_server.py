@@ -9,27 +9,38 @@ blocking recv wakes exactly the thread that serves that client, with no poll
 round in between (bench/step_socket.py measures it); connections are few (one per
 worker process) and bounded by max_clients. gRPC stays the service API.
 
-Wiring (the sidecar owns the handler; see StepHandler, and bench/step_socket.py's
-ModuloHandler for a complete one):
+Wiring: the sidecar (Server.start, server.py) serves the step socket with its handler,
+ServedSteps (served_steps.py), over the served tables:
 
-    class SidecarSteps:                      # implements StepHandler
-        def plan(self, conn_id, items, release):
-            self.release(conn_id, release)
+    steps = StepServer(step_socket_path(config.socket), ServedSteps(served, config, metrics),
+                       max_request_bytes=MAX_REQUEST_BYTES, max_clients=STEP_SOCKET_CLIENTS)
+    steps.start()   ...   steps.stop()
+
+A handler (StepHandler) answers each request of a connection, named by its conn_id:
+
+    class ServedSteps:                                  # implements StepHandler
+        def plan(self, conn_id, items, release):        # PLAN: the releases first, then every table
+            self.served.leases.release(release, conn_id)
             out = []
             for it in items:
                 try:
-                    res = sidecar.engine(it.table, it.version).plan(it.ids, ttl_of(it.ttl_ms))
-                    self.owned.add(conn_id, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
-                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, res.misses, res.unique))
+                    eng = self.served.engine(it.table, it.version)
+                    res = eng.plan(it.ids.copy(), ttl, conn_id, it.request_id)  # the lease is conn_id's
+                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, ...))
                 except TierstoreError as e:
-                    out.append(e)
+                    out.append(e)                       # this table's error; the others are served
             return out
-        def release(self, conn_id, ids): return sidecar.leases.release(self.owned.take(conn_id, ids))
-        def disconnected(self, conn_id): sidecar.leases.release(self.owned.take_all(conn_id))
-        def instance(self): return sidecar.instance
+        def release(self, conn_id, lease_ids):          # RELEASE
+            return self.served.leases.release(lease_ids, conn_id)
+        def note(self, conn_id, items, trusted):        # NOTE, one-way: the learner takes the steps
+            ...
+        def disconnected(self, conn_id):                # the connection closed: its leases end
+            self.served.leases.release_client(conn_id)
+        def instance(self):                             # HELLO's answer
+            return self.served.instance
 
-    steps = StepServer(step_socket_path(config.socket), SidecarSteps(), max_request_bytes=..., max_clients=...)
-    steps.start()   ...   steps.stop()
+bench/step_socket.py's ModuloHandler is a complete handler without tables (slot = id & mask),
+its leases kept per conn_id in an OwnedLeases.
 
 One cohesive thing (a little over the house's 300 lines): the listener, its per-
 connection threads and their protocol checks.
