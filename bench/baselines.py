@@ -39,7 +39,7 @@ def load_table(data_dir, version) -> np.ndarray:
     from tierstore.tiers.nvme.reader import SegmentReader
 
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums(version.table, version.version)
+        sums = cat.checksums(version.table, version.number)
     reader = SegmentReader(data_dir, version, sums)
     try:
         return reader.read_range(0, version.rows)
@@ -95,9 +95,9 @@ class LmdbTable:
         import lmdb
 
         self.row_bytes = version.row_bytes
-        path = Path(cache_dir) / f"lmdb-{version.table}-v{version.version}"
+        path = Path(cache_dir) / f"lmdb-{version.table}-v{version.number}"
         stamp = path / "tierstore-bench.json"
-        want = {"table": version.table, "version": version.version, "rows": version.rows,
+        want = {"table": version.table, "version": version.number, "rows": version.rows,
                 "created_at": version.created_at}
         if not (stamp.exists() and json.loads(stamp.read_text()) == want):
             shutil.rmtree(path, ignore_errors=True)

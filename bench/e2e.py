@@ -44,9 +44,9 @@ def local_source(data_dir, spec: EngramSpec):
     with Catalog(data_dir, readonly=True) as cat:
         for layer in spec.layer_ids:
             v = cat.current(spec.table_name(layer))
-            reader = SegmentReader(data_dir, v, cat.checksums(v.table, v.version))
+            reader = SegmentReader(data_dir, v, cat.checksums(v.table, v.number))
             try:
-                src.add(v.table, reader.read_range(0, v.rows), version=v.version)
+                src.add(v.table, reader.read_range(0, v.rows), version=v.number)
             finally:
                 reader.close()
     return src

@@ -320,7 +320,7 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
     meta: dict = {}
     bar_opts = dict(file=None, disable=not progress, leave=False)
     try:
-        log(f"lookup: table {table!r} v{version.version}: {version.rows:,} rows x {version.row_bytes} B "
+        log(f"lookup: table {table!r} v{version.number}: {version.rows:,} rows x {version.row_bytes} B "
             f"({version.nbytes / 2**20:.1f} MiB)")
         table_np = bl.load_table(data_dir, version)
         ceiling = CompiledGather(table_np)
@@ -415,7 +415,7 @@ def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(25
                     log(line_for(cell))
     finally:
         close_all(closers)
-    return {"table": table, "version": version.version, "rows": version.rows, "row_bytes": version.row_bytes,
+    return {"table": table, "version": version.number, "rows": version.rows, "row_bytes": version.row_bytes,
             "table_bytes": version.nbytes, "rounds": rounds, "quick": quick, "units": UNITS,
             "competitors": list(fns), "skipped": skipped, "config": meta, "cells": cells}
 

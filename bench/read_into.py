@@ -41,7 +41,7 @@ def _table(d: Path, rows: int, segment_format: int, row_bytes: int = 256):
         with Catalog(d, readonly=True) as cat:
             v = cat.current(name)
             if v.source == src and v.segment_format == segment_format and (segment_format == 2 or v.row_sums):
-                return v, cat.checksums(name, v.version)
+                return v, cat.checksums(name, v.number)
     except (KeyError, FileNotFoundError):
         pass
     rng = np.random.default_rng(0)
@@ -51,7 +51,7 @@ def _table(d: Path, rows: int, segment_format: int, row_bytes: int = 256):
     v = write_version(d, name, chunks, rows=rows, row_format="fp32", row_dim=row_bytes // 4, source=src,
                       segment_format=segment_format)
     with Catalog(d, readonly=True) as cat:
-        return v, cat.checksums(name, v.version)
+        return v, cat.checksums(name, v.number)
 
 
 def _competitors(d: Path, v, sums, v1, sums1):

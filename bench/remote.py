@@ -41,7 +41,7 @@ def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> di
     from tierstore.tiers.remote.reader import RemoteReader
 
     import_manifest(host, tv, sums)
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host, tv, sums), fill=False)
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host, tv, sums), fill=False)
     try:
         batches = [np.sort(b) for b in np.array_split(rng.permutation(rows).astype(np.int64), -(-rows // batch))]
         arena = np.empty((max(map(len, batches)), tv.row_bytes), dtype=np.uint8)
@@ -77,12 +77,12 @@ def _fill_rate(store, tv, sums, host: Path, timeout: float = 900.0) -> dict:
 
     import_manifest(host, tv, sums)
     t0 = time.perf_counter()
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host, tv, sums), fill=True)
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host, tv, sums), fill=True)
     try:
-        while not reader.local.finished and time.perf_counter() - t0 < timeout:
+        while not reader.copy.finished and time.perf_counter() - t0 < timeout:
             time.sleep(0.01)
         dt = time.perf_counter() - t0
-        return {"seconds": dt, "MB_s": tv.nbytes / 1e6 / dt, "finished": reader.local.finished}
+        return {"seconds": dt, "MB_s": tv.nbytes / 1e6 / dt, "finished": reader.copy.finished}
     finally:
         reader.close()
 
@@ -107,7 +107,7 @@ def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, 
         tv = write_version(data, "emb", [emb.view(np.uint8).reshape(rows, -1)], rows=rows, row_format="fp32",
                            row_dim=dim)
         with Catalog(data, readonly=True) as cat:
-            sums = cat.checksums("emb", tv.version)
+            sums = cat.checksums("emb", tv.number)
         store = cluster.connect()
         t0 = time.perf_counter()
         publish(store, data, "emb", replicas=1)

@@ -43,7 +43,7 @@ def _engine(data_dir: Path, version, slots: int, leases):
     from tierstore.tiers.nvme.reader import SegmentReader
 
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums(version.table, version.version)
+        sums = cat.checksums(version.table, version.number)
     reader = SegmentReader(data_dir, version, sums)
     arena = Arena(Path("/dev/shm") / f"tierstore-bench-scale.{slots}.{time.monotonic_ns()}", slots,
                   version.row_bytes)

@@ -77,6 +77,9 @@ class ModuloHandler:
     def release(self, conn_id: bytes, lease_ids: list[int]) -> int:
         return len(self.owned.take(conn_id, lease_ids))
 
+    def note(self, conn_id: bytes, items: list, trusted: bool) -> None:
+        """No policy here: steps a client read itself teach it nothing."""
+
     def disconnected(self, conn_id: bytes) -> None:
         self.owned.take_all(conn_id)
         self.disconnects.append(conn_id)

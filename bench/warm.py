@@ -54,7 +54,7 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
     segments = [cache_dir / s for s in version.segments]
     stream = make_batches(dist, version.rows, batch, steady_steps + after_steps, seed)
     before, after = stream[:steady_steps], stream[steady_steps:]
-    hot = hot_set_path(cache_dir, version.table, version.version)
+    hot = hot_set_path(cache_dir, version.table, version.number)
     hot.unlink(missing_ok=True)  # an earlier run's: the first sidecar starts cold
     kept = Path(out_dir) / "baselines" / "warm-hot-set"
     # the hot set is recorded at stop only: the figures show what a stop leaves

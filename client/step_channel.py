@@ -46,10 +46,10 @@ from pathlib import Path
 import numpy as np
 
 from tierstore import errors
-from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
-                                MAX_RELEASE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
-                                FrameReader, PlanItem, PlanResult, decode_error, encode_access, pad8, send_frame,
-                                spin_seconds, AccessItem)
+from tierstore.proto.frames import (COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
+                                MAX_RELEASE, NOTE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
+                                FrameReader, NoteItem, PlanItem, PlanResult, decode_error, encode_note, pad8,
+                                send_frame, spin_seconds)
 
 __all__ = ["StepChannel", "PendingReply", "raise_errors", "RECONNECT_WAIT_S", "RELEASE_LINGER_S"]
 
@@ -284,7 +284,7 @@ class StepChannel:
             notes, self._notes, self._note_ids, self._note_bytes = self._notes, {}, 0, 0
         if not notes or self._closed:
             return
-        items = [AccessItem(t, _joined(arrs), np.cumsum(sizes, dtype=np.int64), v,
+        items = [NoteItem(t, _joined(arrs), np.cumsum(sizes, dtype=np.int64), v,
                             _joined(row_ids) if row_ids else None, _joined(rows) if rows else None)
                  for (t, v), (arrs, sizes, row_ids, rows) in notes.items()]
         try:
@@ -297,13 +297,13 @@ class StepChannel:
             pass
 
     def access(self, items: list) -> bool:
-        """Tell the sidecar about steps this client read itself (proto.frames.AccessItem list):
+        """Tell the sidecar about steps this client read itself (proto.frames.NoteItem list):
         one frame, no reply, no round trip. A hint, and lossy: when the sidecar is behind
         (its socket buffer is full) the note is dropped rather than this step made to
         wait, so N clients never run at the pace of the sidecar's bookkeeping. Returns
         whether it was sent; the request in flight, if any, is unaffected."""
-        parts, size = encode_access(items)
-        frame = HDR.pack(size, ACCESS) + b"".join(parts)
+        parts, size = encode_note(items)
+        frame = HDR.pack(size, NOTE) + b"".join(parts)
         with self._lock:
             if self._closed or size > self.max_request_bytes or (self._sock is None and not self._reconnect()):
                 return False

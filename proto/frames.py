@@ -16,7 +16,7 @@ client/step_channel.py speaks it). One frame per request and per reply:
                arena: the arena file the slots index, arena_slots its slot count (the
                client maps it, and maps a new one after a version swap).
     RELEASE  > [COUNT] u32 n, 4 pad; u64 lease_ids[n]    < [U64] u64 released;
-    ACCESS   > [COUNT] u32 n_items, 4 pad; n_items x ([ACCESS_ITEM] u64 version, u32 n_ids,
+    NOTE     > [COUNT] u32 n_items, 4 pad; n_items x ([NOTE_ITEM] u64 version, u32 n_ids,
                u32 n_steps, u32 n_rows, u32 row_bytes, u16 name_len, 6 pad; name padded
                to 8, i64 ids[n_ids], i64 ends[n_steps], i64 row_ids[n_rows],
                u8 rows[n_rows * row_bytes] padded to 8)
@@ -55,18 +55,18 @@ import numpy as np
 
 from tierstore import errors
 
-__all__ = ["step_socket_path", "PlanItem", "PlanResult", "AccessItem", "FrameReader", "FrameError", "send_frame", "parse_plan",
-           "encode_plan_results", "encode_access", "parse_access", "encode_error", "decode_error", "MAGIC",
+__all__ = ["step_socket_path", "PlanItem", "PlanResult", "NoteItem", "FrameReader", "FrameError", "send_frame", "parse_plan",
+           "encode_plan_results", "encode_note", "parse_note", "encode_error", "decode_error", "MAGIC",
            "PROTOCOL_VERSION"]
 
-MAGIC, PROTOCOL_VERSION = b"TSFP", 2  # 2: ACCESS items carry the rows the client read
-HELLO, PLAN, RELEASE, ACCESS, ERROR = 1, 2, 3, 4, 0x7F
+MAGIC, PROTOCOL_VERSION = b"TSFP", 2  # 2: NOTE items carry the rows the client read
+HELLO, PLAN, RELEASE, NOTE, ERROR = 1, 2, 3, 4, 0x7F
 HDR = struct.Struct("<IB3x")
 HELLO_REQ = struct.Struct("<4sH2x16s")
 HELLO_RESP = struct.Struct("<4sH2xQ")
 PLAN_REQ = struct.Struct("<II")
 ITEM = struct.Struct("<QQIIH6x")
-ACCESS_ITEM = struct.Struct("<QIIIIH6x")
+NOTE_ITEM = struct.Struct("<QIIIIH6x")
 COUNT = struct.Struct("<I4x")
 RES_OK = struct.Struct("<BxxxIQQQIIIIQ")
 RES_ERR = struct.Struct("<BxxxII4x")
@@ -103,7 +103,7 @@ class PlanItem:
 
 
 @dataclass(slots=True)
-class AccessItem:
+class NoteItem:
     """Steps of one table a client read itself: step k is ids[ends[k-1]:ends[k]].
     row_ids / rows (optional): rows the client read from disk for its misses, int64
     [n] and uint8 [n, row_bytes], rows[i] being row_ids[i]'s bytes as read (the
@@ -435,16 +435,16 @@ def _name(body, off: int, name_len: int, what: str) -> str:
     return table
 
 
-def encode_access(items: list[AccessItem]) -> tuple[list, int]:
-    """(parts, their total bytes) of an ACCESS frame; ids, ends and row_ids int64, rows
+def encode_note(items: list[NoteItem]) -> tuple[list, int]:
+    """(parts, their total bytes) of a NOTE frame; ids, ends and row_ids int64, rows
     uint8 [n, row_bytes], all contiguous."""
     parts, size = [COUNT.pack(len(items))], COUNT.size
     for it in items:
         name = it.table.encode("utf-8")
         n_rows, row_bytes = (0, 0) if it.rows is None else it.rows.shape
-        parts += [ACCESS_ITEM.pack(it.version, it.ids.size, it.ends.size, n_rows, row_bytes, len(name)), name,
+        parts += [NOTE_ITEM.pack(it.version, it.ids.size, it.ends.size, n_rows, row_bytes, len(name)), name,
                   bytes(pad8(len(name))), it.ids, it.ends]
-        size += ACCESS_ITEM.size + len(name) + pad8(len(name)) + it.ids.nbytes + it.ends.nbytes
+        size += NOTE_ITEM.size + len(name) + pad8(len(name)) + it.ids.nbytes + it.ends.nbytes
         if n_rows:
             tail = bytes(pad8(it.rows.nbytes))
             parts += [it.row_ids, it.rows, tail]
@@ -452,26 +452,26 @@ def encode_access(items: list[AccessItem]) -> tuple[list, int]:
     return parts, size
 
 
-def parse_access(body) -> list[AccessItem]:
-    """ACCESS body -> items; every length is checked against the body before use."""
+def parse_note(body) -> list[NoteItem]:
+    """NOTE body -> items; every length is checked against the body before use."""
     bad = errors.InvalidArgument
     if len(body) < COUNT.size:
-        raise bad(f"step-socket ACCESS body of {len(body)} B is shorter than its header")
+        raise bad(f"step-socket NOTE body of {len(body)} B is shorter than its header")
     (n_items,), off, items = COUNT.unpack_from(body), COUNT.size, []
     if n_items > MAX_ITEMS:
-        raise bad(f"step-socket ACCESS names {n_items} tables; at most {MAX_ITEMS}")
+        raise bad(f"step-socket NOTE names {n_items} tables; at most {MAX_ITEMS}")
     for i in range(n_items):
-        if ACCESS_ITEM.size > len(body) - off:
-            raise bad(f"step-socket ACCESS is truncated in the header of item {i}")
-        version, n_ids, n_steps, n_rows, row_bytes, name_len = ACCESS_ITEM.unpack_from(body, off)
-        off += ACCESS_ITEM.size
+        if NOTE_ITEM.size > len(body) - off:
+            raise bad(f"step-socket NOTE is truncated in the header of item {i}")
+        version, n_ids, n_steps, n_rows, row_bytes, name_len = NOTE_ITEM.unpack_from(body, off)
+        off += NOTE_ITEM.size
         pad, row_part = -name_len % 8, n_rows * (8 + row_bytes) + -(n_rows * row_bytes) % 8
         if name_len > MAX_NAME or name_len + pad + (n_ids + n_steps) * 8 + row_part > len(body) - off:
-            raise bad(f"step-socket ACCESS item {i} declares a {name_len} B name, {n_ids} ids, {n_steps} steps and "
+            raise bad(f"step-socket NOTE item {i} declares a {name_len} B name, {n_ids} ids, {n_steps} steps and "
                       f"{n_rows} rows of {row_bytes} B, more than the frame carries")
         if n_rows and not row_bytes:
-            raise bad(f"step-socket ACCESS item {i} carries {n_rows} rows of 0 B")
-        table = _name(body, off, name_len, f"ACCESS item {i}")
+            raise bad(f"step-socket NOTE item {i} carries {n_rows} rows of 0 B")
+        table = _name(body, off, name_len, f"NOTE item {i}")
         off += name_len + pad
         ids = np.frombuffer(body, _I8, n_ids, off)
         ends = np.frombuffer(body, _I8, n_steps, off + n_ids * 8)
@@ -481,9 +481,9 @@ def parse_access(body) -> list[AccessItem]:
             row_ids = np.frombuffer(body, _I8, n_rows, off)
             rows = np.frombuffer(body, np.uint8, n_rows * row_bytes, off + n_rows * 8).reshape(n_rows, row_bytes)
             off += row_part
-        items.append(AccessItem(table, ids, ends, version, row_ids, rows))
+        items.append(NoteItem(table, ids, ends, version, row_ids, rows))
     if off != len(body):
-        raise bad(f"step-socket ACCESS has {len(body) - off} B after its last item")
+        raise bad(f"step-socket NOTE has {len(body) - off} B after its last item")
     return items
 
 

@@ -82,7 +82,7 @@ from tierstore.store.catalog import Catalog
 from tierstore.tiers.nvme.reader import SegmentReader
 cat = Catalog({str(data)!r})
 v = cat.current("l1")
-with SegmentReader({str(data)!r}, v, cat.checksums("l1", v.version)) as r:
+with SegmentReader({str(data)!r}, v, cat.checksums("l1", v.number)) as r:
     for i, row in zip((0, 5, 77), r.read_rows(np.array([0, 5, 77]))):
         print(i, row.tobytes().hex())
 """], cwd=cwd, env=env).split()

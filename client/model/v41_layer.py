@@ -15,7 +15,7 @@ hyper-connection copy and one value shared by all copies:
 with q/k = `q_weight`/`k_weight` BF16 [M, D] and eps = config.rms_norm_eps
 (1e-20). This is tierstore.kernels.engram_gate with w_h = q_weight and
 w_k = k_weight, so the Triton gate kernel runs it on a GPU. Sources of the
-math are pinned in tests/client/test_v41_layer.py.
+math are pinned in tests/client/model/test_v41_layer.py.
 
 Planning, leases, the HBM cache and the gather are the demo layer's
 (EngramLayer.prepare / forward); this class swaps in the V4.1 parameters and

@@ -81,6 +81,6 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
     from tierstore.store.catalog import Catalog
 
     with Catalog(data, readonly=True) as cat:
-        before = [cat.current(t).version for t in r["tables"]]
+        before = [cat.current(t).number for t in r["tables"]]
     _, versions = large_tables(data, 1 / 16, log=lambda msg: pytest.fail(f"rewrote the table: {msg}"))
-    assert [v.version for v in versions] == before
+    assert [v.number for v in versions] == before

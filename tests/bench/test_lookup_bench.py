@@ -37,7 +37,7 @@ def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
     # against the ceiling's, which a loaded host's scheduling does not move
     assert 0.0 <= comps["arena-cache"]["hit_ratio_timed"] <= 1.0
     assert all(d["cpu_ratio_vs_ceiling"] > 0 for d in comps.values())
-    assert (tmp_path / "out" / "baselines" / f"lmdb-t-v{tv.version}").is_dir()
+    assert (tmp_path / "out" / "baselines" / f"lmdb-t-v{tv.number}").is_dir()
 
 
 def test_interleaved_rounds_time_every_competitor():

@@ -27,7 +27,7 @@ def engine(make_table, data_dir):
     client share SHARE; arenas and readers are closed after the test."""
     tv, _ = make_table("t", rows=ROWS, row_bytes=64)
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("t", tv.version)
+        sums = cat.checksums("t", tv.number)
     made = []
 
     def make(contention_s: float = 30.0):

@@ -81,13 +81,13 @@ def test_a_closed_channel_queues_nothing_and_its_leases_end(served):
 
 
 class _SlowReader(ModuloHandler):
-    """A sidecar busy elsewhere: it takes one ACCESS frame and then reads nothing until `go`."""
+    """A sidecar busy elsewhere: it takes one NOTE frame and then reads nothing until `go`."""
 
     def __init__(self):
         super().__init__()
         self.go, self.ids = threading.Event(), 0
 
-    def access(self, conn_id, items, trusted):
+    def note(self, conn_id, items, trusted):
         self.go.wait(30)
         self.ids += sum(it.ids.size for it in items)
 

@@ -25,7 +25,7 @@ def cache_engines(make_table, data_dir):
         if not table:
             tv, data = make_table("t", rows=rows, row_bytes=64)
             with Catalog(data_dir, readonly=True) as cat:
-                table.update(tv=tv, data=data, sums=cat.checksums("t", tv.version))
+                table.update(tv=tv, data=data, sums=cat.checksums("t", tv.number))
         tv = table["tv"]
         cold = reader(data_dir, tv, table["sums"])
         arena = Arena(Path("/dev/shm") / f"tierstore-test-engine.{time.monotonic_ns()}", slots, tv.row_bytes)

@@ -20,7 +20,7 @@ def test_a_split_full_engine_serves_and_repairs_the_catalogs_rows(data_dir):
     rows = encode_rows(np.random.default_rng(0).standard_normal((3000, 256)).astype(np.float32), "fp8-e4m3-ue8m0")
     tv = write_version(data_dir, "l1", [rows[:1000], rows[1000:]], rows=3000, row_format="fp8-e4m3-ue8m0", row_dim=256)
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("l1", tv.version)
+        sums = cat.checksums("l1", tv.number)
     reader = SegmentReader(data_dir, tv, sums)
     arena = Arena(Path("/dev/shm") / f"tierstore-test-split.{os.getpid()}.{time.monotonic_ns()}", 3000, 264, split=256)
     try:

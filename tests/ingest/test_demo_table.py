@@ -14,7 +14,7 @@ SCALE = 2048  # engram-paper-demo: ~5k rows per layer
 def table_bytes(data_dir, name):
     with Catalog(data_dir, readonly=True) as cat:
         tv = cat.current(name)
-        with SegmentReader(data_dir, tv, cat.checksums(name, tv.version)) as r:
+        with SegmentReader(data_dir, tv, cat.checksums(name, tv.number)) as r:
             return tv, r.read_range(0, tv.rows)
 
 

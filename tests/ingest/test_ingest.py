@@ -23,7 +23,7 @@ from tierstore.tiers.nvme.reader import SegmentReader
 def read_all(data_dir, table):
     with Catalog(data_dir, readonly=True) as cat:
         tv = cat.current(table)
-        with SegmentReader(data_dir, tv, cat.checksums(table, tv.version)) as r:
+        with SegmentReader(data_dir, tv, cat.checksums(table, tv.number)) as r:
             return tv, r.read_range(0, tv.rows)
 
 
@@ -206,7 +206,7 @@ def test_kill_9_mid_ingest_leaves_old_version_current(data_dir, make_table):
     with Catalog(data_dir):  # the next write open cleans up
         pass
     assert list((data_dir / "tmp").iterdir()) == []
-    assert read_all(data_dir, "t")[0].version == 1
+    assert read_all(data_dir, "t")[0].number == 1
 
 
 @pytest.mark.parametrize("fmt", ["fp8-e4m3-ue8m0", "bf16", "fp16"])
@@ -221,7 +221,7 @@ def test_non_finite_values_are_refused_for_lossy_formats(tmp_path, data_dir, cli
     assert not (data_dir / "tables" / "t").exists() or not list((data_dir / "tables" / "t").iterdir())
     w[257, 33] = 1.0  # the same file without the bad value ingests
     save_file({"w": w}, tmp_path / "m.safetensors")
-    assert ingest_file(tmp_path / "m.safetensors", data_dir, "t", row_format=fmt, progress=False).version == 1
+    assert ingest_file(tmp_path / "m.safetensors", data_dir, "t", row_format=fmt, progress=False).number == 1
 
 
 @pytest.mark.parametrize("fmt,big,ok", [("fp16", 65520.0, 65519.0), ("bf16", 3.3961775e38, 3.3961773e38)])

@@ -150,10 +150,10 @@ def test_rerun_skips_same_bytes_and_force_writes_a_new_version(ckpt, tmp_path):
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--layers", "3"]) == 0
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0
     with Catalog(data, readonly=True) as cat:
-        assert [cat.current(t).version for t in ("l1", "l3")] == [1, 1]
+        assert [cat.current(t).number for t in ("l1", "l3")] == [1, 1]
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet", "--force", "--layers", "1"]) == 0
     with Catalog(data, readonly=True) as cat:
-        assert cat.current("l1").version == 2
+        assert cat.current("l1").number == 2
 
 
 def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monkeypatch):
@@ -178,7 +178,7 @@ def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monke
     assert _snapshot(data) == before  # staging removed, v1 of l1 current, no l3
     assert main(["ingest-checkpoint", str(ckpt), "--data", str(data), "--quiet"]) == 0  # resumes
     with Catalog(data, readonly=True) as cat:
-        assert (cat.current("l1").version, cat.current("l3").version) == (1, 1)
+        assert (cat.current("l1").number, cat.current("l3").number) == (1, 1)
 
 
 def _snapshot(data: Path) -> dict:
@@ -188,7 +188,7 @@ def _snapshot(data: Path) -> dict:
             out[str(p.relative_to(data))] = p.stat().st_size
     if (data / "catalog").exists():
         with Catalog(data, readonly=True) as cat:
-            out["current"] = {t: cat.current(t).version for t in cat.tables()}
+            out["current"] = {t: cat.current(t).number for t in cat.tables()}
     return out
 
 
@@ -466,7 +466,7 @@ def test_segments_sums_and_checksums_equal_a_golden_of_the_reference_path(ckpt, 
         assert on_disk == golden
         bb = tv.block_rows * 272
         with Catalog(tmp_path / "d", readonly=True) as cat:
-            got = cat.checksums(tv.table, tv.version)
+            got = cat.checksums(tv.table, tv.number)
         assert got.tolist() == [xxhash.xxh3_64_intdigest(golden[i:i + bb]) for i in range(0, len(golden), bb)]
 
 

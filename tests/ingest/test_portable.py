@@ -10,7 +10,7 @@ from tierstore.tiers.nvme.reader import SegmentReader
 def current_rows(data_dir, table):
     with Catalog(data_dir, readonly=True) as cat:
         tv = cat.current(table)
-        with SegmentReader(data_dir, tv, cat.checksums(table, tv.version)) as r:
+        with SegmentReader(data_dir, tv, cat.checksums(table, tv.number)) as r:
             return tv, r.read_range(0, tv.rows)
 
 
@@ -21,10 +21,10 @@ def test_round_trip_is_bit_exact(tmp_path, data_dir, make_table, exported):
     tv, data = make_table("t", rows=3001, block_rows=10, segment_format=exported)
     make_table("t", rows=5, seed=9)  # a newer version; export the older one
     out = tmp_path / "t.tst"
-    assert export_table(data_dir, "t", out, version=1).version == 1
+    assert export_table(data_dir, "t", out, version=1).number == 1
     other = tmp_path / "other"
     got = import_table(out, other)
-    assert (got.table, got.version, got.rows, got.block_rows, got.row_format) == ("t", 1, 3001, 10, "fp32")
+    assert (got.table, got.number, got.rows, got.block_rows, got.row_format) == ("t", 1, 3001, 10, "fp32")
     assert got.segment_format == 2 and got.row_sums is None
     assert np.array_equal(current_rows(other, "t")[1], data)
     renamed = import_table(out, data_dir, "copy")
@@ -171,7 +171,7 @@ def test_rows_that_miss_a_format_1_exports_checksums_commit_nothing(data_dir, ma
 
     tv, data = make_table("t", rows=300, block_rows=10, segment_format=1)
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("t", tv.version).copy()
+        sums = cat.checksums("t", tv.number).copy()
     kw = dict(rows=300, row_format="fp32", row_dim=16, block_rows=10, expected_format=1)
     assert write_version(data_dir, "ok", [data], expected_checksums=sums, **kw).segment_format == 2
     sums[7] ^= 1

@@ -17,7 +17,7 @@ import pytest
 from tierstore.client.client import Client
 from tierstore.client.step_channel import StepChannel
 from tierstore.ingest.writer import write_version
-from tierstore.proto.frames import ACCESS, ACCESS_ITEM, COUNT, HDR, AccessItem, step_socket_path
+from tierstore.proto.frames import COUNT, HDR, NOTE, NOTE_ITEM, NoteItem, step_socket_path
 from tierstore.store.catalog import Catalog
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -40,7 +40,7 @@ def _carried(d, table: str, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Genuine records of `table`'s current version, as its client reader carries them."""
     with Catalog(d, readonly=True) as cat:
         tv = cat.current(table)
-        sums = cat.checksums(table, tv.version)
+        sums = cat.checksums(table, tv.number)
     with SegmentReader(d, tv, sums) as r:
         return r.carried_records(ids, rows)
 
@@ -82,7 +82,7 @@ def _note(sc, table: str, ids: np.ndarray, rows: np.ndarray | None, ends=None) -
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         ends = np.array([ids.size], dtype=np.int64) if ends is None else ends
-        assert fp.access([AccessItem(table, ids, ends, 0, None if rows is None else ids, rows)])
+        assert fp.access([NoteItem(table, ids, ends, 0, None if rows is None else ids, rows)])
     finally:
         fp.close()
 
@@ -146,13 +146,13 @@ def test_steps_that_do_not_add_up_and_oversized_rows_change_nothing(served):
     assert s["notes_refused"] == before["notes_refused"] + 1 and s["local_steps"] == before["local_steps"], s
     assert s["note_rows_placed"] == before["note_rows_placed"], s
     name = b"t"
-    item = ACCESS_ITEM.pack(0, 1, 1, (1 << 32) - 1, (1 << 32) - 1, len(name)) + name + bytes(7) \
+    item = NOTE_ITEM.pack(0, 1, 1, (1 << 32) - 1, (1 << 32) - 1, len(name)) + name + bytes(7) \
         + struct.pack("<qq", 4000, 1)
     body = COUNT.pack(1) + item
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
-        assert fp.access([AccessItem("t", ids[:1], np.array([1], dtype=np.int64), 0)])  # the hello done
-        fp._sock.sendall(HDR.pack(len(body), ACCESS) + body)
+        assert fp.access([NoteItem("t", ids[:1], np.array([1], dtype=np.int64), 0)])  # the hello done
+        fp._sock.sendall(HDR.pack(len(body), NOTE) + body)
         fp._sock.settimeout(10)
         while fp._sock.recv(1 << 16):  # an error frame, maybe; then the end (a timeout fails the test)
             pass

@@ -53,7 +53,7 @@ def test_a_checksum_changed_in_the_catalog_while_serving_serves_every_row_and_ve
             Client(sc.socket, timeout=10) as c:
         assert c.table_info("t")["full_resident"] == (mode == "full")
         assert np.array_equal(c.lookup("t", [0, 1, 2]), expected[[0, 1, 2]])
-        _damage_checksum(d, "t", tv.version, block)
+        _damage_checksum(d, "t", tv.number, block)
         deadline = time.monotonic() + 3.0  # several verifier passes
         while time.monotonic() < deadline:
             assert np.array_equal(c.lookup("t", rows), expected[rows])
@@ -78,19 +78,19 @@ def test_a_full_mode_start_over_a_damaged_checksum_record_names_the_catalog_and_
     with Catalog(d, readonly=True) as cat:
         tv = cat.current("t")
     block = (ROWS - 7) // tv.block_rows
-    _damage_checksum(d, "t", tv.version, block, cut=damage == "cut")
+    _damage_checksum(d, "t", tv.number, block, cut=damage == "cut")
     sc = SidecarProcess(d, dram_budget="16MiB")  # the whole table fits: full mode, every block checked at start
     try:
         with pytest.raises(RuntimeError, match="sidecar exited with code 1"):
             sc.start()
         log, catalog = sc.log(), sc.data_dir / "catalog"
         if damage == "flipped":
-            assert f"tierstore serve: error: table 't' version {tv.version}: checksum mismatch in block {block} (" \
+            assert f"tierstore serve: error: table 't' version {tv.number}: checksum mismatch in block {block} (" \
                 in log, log
             assert f"the block's checksum in the catalog ({catalog}) is damaged, not the rows" in log, log
             assert f"`tierstore verify --data {sc.data_dir}`" in log, log
         else:
-            assert f"tierstore serve: error: catalog record of table 't' version {tv.version} is inconsistent" \
+            assert f"tierstore serve: error: catalog record of table 't' version {tv.number} is inconsistent" \
                 in log, log
         assert f"restore {catalog} from a backup, or re-ingest or import the table" in log, log
         assert "Traceback" not in log and not sc.arena_files() and not sc.socket.exists(), log

@@ -60,7 +60,7 @@ def test_corrupt_blocks_in_every_format_are_data_loss_and_the_rest_serves(corrup
             assert not c.table_info(name)["full_resident"]
             for r in bad_rows:
                 blk = r // tv.block_rows
-                pat = f"table '{name}' version {tv.version}: checksum mismatch in block {blk}"
+                pat = f"table '{name}' version {tv.number}: checksum mismatch in block {blk}"
                 with pytest.raises(errors.DataLoss, match=pat):
                     c.lookup(name, [r])
                 with pytest.raises(errors.DataLoss, match=pat):
@@ -111,13 +111,13 @@ def _expected(seed, rows):
 def _check_catalog(d, allowed):
     with Catalog(d, readonly=True) as cat:
         tv = cat.current("t")
-        assert tv.version in allowed, (tv.version, allowed)
+        assert tv.number in allowed, (tv.number, allowed)
         seed, rows = (int(kv.split("=")[1]) for kv in tv.source.split())
-        with SegmentReader(d, tv, cat.checksums("t", tv.version)) as r:
+        with SegmentReader(d, tv, cat.checksums("t", tv.number)) as r:
             assert r.verify() == []
             got = r.read_range(0, tv.rows)
     assert tv.rows == rows and np.array_equal(got[:, 0], _expected(seed, rows)) and (got == got[:, :1]).all()
-    return tv.version
+    return tv.number
 
 
 def _torn_ingest_trials(tmp_path, trials):

@@ -44,7 +44,7 @@ def test_a_hostile_manifest_is_refused_and_records_nothing(cluster, make_table, 
     assert code == 0, err
     store = cluster.connect()
     try:
-        key = prefix("emb", tv.version) + "manifest"
+        key = prefix("emb", tv.number) + "manifest"
         genuine = bytes(store.get_batch([key])[0])
         other = tmp_path / "host-b"
         for name, (raw, says) in _hostile(genuine).items():

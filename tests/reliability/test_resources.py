@@ -54,7 +54,7 @@ def test_ingest_into_a_full_filesystem_keeps_the_old_version(tmp_path, small_fs,
     assert "Traceback" not in out.stderr
     with Catalog(data, readonly=True) as cat:
         tv = cat.current("t")
-        assert tv.version == 1
+        assert tv.number == 1
         with SegmentReader(data, tv, cat.checksums("t", 1)) as r:
             assert r.verify() == []
     assert list((data / "tmp").iterdir()) == []

@@ -21,7 +21,7 @@ def test_publish_then_fetch_manifest_on_another_host(cluster, make_table, data_d
     assert code == 0, err
     with Catalog(other, readonly=True) as cat, Catalog(data_dir, readonly=True) as src:
         assert cat.current("emb") == tv
-        assert np.array_equal(cat.checksums("emb", tv.version), src.checksums("emb", tv.version))
+        assert np.array_equal(cat.checksums("emb", tv.number), src.checksums("emb", tv.number))
     assert not (other / "tables").exists()  # no rows copied
 
 
@@ -31,11 +31,11 @@ def test_manifest_goes_last_so_a_half_version_is_invisible(cluster, make_table, 
     try:
         from tierstore.tiers.remote.publish import publish
         publish(store, data_dir, "emb")
-        store.remove(prefix("emb", tv.version) + "manifest", True)  # as if killed before the last put
+        store.remove(prefix("emb", tv.number) + "manifest", True)  # as if killed before the last put
         import pytest
         from tierstore.errors import VersionNotFound
         with pytest.raises(VersionNotFound, match="not published"):
-            fetch_manifest(store, "emb", tv.version)
+            fetch_manifest(store, "emb", tv.number)
         _, done = publish(store, data_dir, "emb")  # a re-run completes it
         assert done and fetch_manifest(store, "emb")[0] == tv
     finally:

@@ -42,7 +42,7 @@ def test_corrupt_object_is_data_loss_never_a_row(published):
     tv = reader.version
     bad = rowsum.records(data[:tv.block_rows], np.arange(tv.block_rows), rowsum.RowKey.of(tv.row_salt))
     bad[3, 7] ^= 1
-    store.upsert(block_keys("emb", tv.version, [0])[0], bad.tobytes())
+    store.upsert(block_keys("emb", tv.number, [0])[0], bad.tobytes())
     with pytest.raises(ChecksumError, match=r"'emb' version 1: checksum mismatch in block 0"):
         reader.read_rows([1])
     assert np.array_equal(reader.read_rows([tv.block_rows]), data[[tv.block_rows]])  # other blocks serve

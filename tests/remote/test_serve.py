@@ -144,7 +144,7 @@ def test_a_sidecar_killed_mid_write_back_restarts_without_a_wrong_block(cluster,
         sc.cleanup()  # the killed sidecar's arena and lease board
     with Catalog(host, readonly=True) as cat:
         tv = cat.current("emb")
-        sums = cat.checksums("emb", tv.version)
+        sums = cat.checksums("emb", tv.number)
     copy = LocalCopy(host, tv, sums)
     try:
         have = np.flatnonzero(copy.present[:tv.n_blocks])

@@ -40,17 +40,17 @@ def _wait(cond, timeout=30.0):
 
 def test_fetched_blocks_are_read_locally_next_time(new_host):
     store, tv, sums, host_b, data = new_host
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums), fill=False)
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host_b, tv, sums), fill=False)
     try:
         ids = np.arange(0, 1000, 7)
         assert np.array_equal(reader.read_rows(ids), data[ids])
         assert reader.writeback.drain()
         blocks = np.unique(ids // tv.block_rows)
-        assert reader.local.present[blocks].all() and reader.local.n_present == blocks.size
+        assert reader.copy.present[blocks].all() and reader.copy.n_present == blocks.size
         fetched = reader.bytes_read
         assert np.array_equal(reader.read_rows(ids), data[ids])
-        assert reader.bytes_read == fetched and reader.local_blocks_read == blocks.size  # all local
-        assert not reader.local.finished  # other blocks never asked for, no fill
+        assert reader.bytes_read == fetched and reader.copy_blocks_read == blocks.size  # all local
+        assert not reader.copy.finished  # other blocks never asked for, no fill
     finally:
         reader.close()
 
@@ -58,9 +58,9 @@ def test_fetched_blocks_are_read_locally_next_time(new_host):
 @pytest.mark.parametrize("new_host", [2, 1], ids=["format2", "format1"], indirect=True)
 def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
     store, tv, sums, host_b, data = new_host
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums))
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host_b, tv, sums))
     try:
-        _wait(lambda: reader.local.finished)
+        _wait(lambda: reader.copy.finished)
         assert np.array_equal(reader.read_range(0, tv.rows), data)
         fetched, ids = reader.bytes_read, np.random.default_rng(5).permutation(tv.rows)[:500]
         assert np.array_equal(reader.read_rows(ids), data[ids])  # now the finished copy's row path
@@ -69,7 +69,7 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
         assert np.array_equal(arena[::-1], data[np.sort(ids)]) and reader.bytes_read == fetched
     finally:
         reader.close()
-    vdir = host_b / "tables" / "emb" / f"v{tv.version}"
+    vdir = host_b / "tables" / "emb" / f"v{tv.number}"
     assert not (vdir / BITMAP_NAME).exists() and not list(vdir.glob("*.partial"))
     with Catalog(host_b, readonly=True) as cat, SegmentReader(host_b, cat.current("emb"), sums) as local:
         assert local.verifies_rows and local.version.segment_format == tv.segment_format
@@ -80,7 +80,7 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
 def test_a_block_whose_local_bytes_are_bad_is_fetched_again(new_host):
     """As if a crash or the disk lost bytes a set bit names: never served, refetched."""
     store, tv, sums, host_b, data = new_host
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums), fill=False)
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host_b, tv, sums), fill=False)
     reader.read_rows(np.arange(tv.block_rows * 2))
     assert reader.writeback.drain()
     reader.close()
@@ -90,10 +90,10 @@ def test_a_block_whose_local_bytes_are_bad_is_fetched_again(new_host):
     seg.write_bytes(bytes(raw))
     local = LocalCopy(host_b, tv, sums)
     assert local.present[:2].all()  # the bitmap survived the restart
-    reader = RemoteReader(store, tv, sums, local=local, fill=False)
+    reader = RemoteReader(store, tv, sums, copy=local, fill=False)
     try:
         assert np.array_equal(reader.read_rows([0, tv.block_rows]), data[[0, tv.block_rows]])
-        assert reader.local_blocks_read == 1 and reader.bytes_read == tv.block_bytes  # block 0 came back
+        assert reader.copy_blocks_read == 1 and reader.bytes_read == tv.block_bytes  # block 0 came back
         assert reader.writeback.drain()
         assert local.present[0]
     finally:
@@ -131,7 +131,7 @@ def test_written_back_blocks_serve_while_the_master_is_down(new_host, cluster):
     from tierstore.errors import Unavailable
 
     store, tv, sums, host_b, data = new_host
-    reader = RemoteReader(store, tv, sums, local=LocalCopy(host_b, tv, sums), fill=False, retry_s=2)
+    reader = RemoteReader(store, tv, sums, copy=LocalCopy(host_b, tv, sums), fill=False, retry_s=2)
     try:
         local = np.arange(tv.block_rows * 3)
         reader.read_rows(local)

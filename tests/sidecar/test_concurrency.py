@@ -22,7 +22,7 @@ WORKER = textwrap.dedent("""
     sock, data, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with Catalog(data, readonly=True) as cat:
         v = cat.current("t")
-        disk = SegmentReader(data, v, cat.checksums("t", v.version)).read_range(0, v.rows)
+        disk = SegmentReader(data, v, cat.checksums("t", v.number)).read_range(0, v.rows)
     rng = np.random.default_rng(seed)
     c = Client(sock, timeout=20)
     ok = refused = 0

@@ -15,7 +15,7 @@ import pytest
 from tierstore import errors
 from tierstore.client.step_channel import StepChannel
 from tierstore.client.client import Client
-from tierstore.proto.frames import ACCESS, AccessItem, encode_access, send_frame, step_socket_path
+from tierstore.proto.frames import NOTE, NoteItem, encode_note, send_frame, step_socket_path
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 
@@ -180,9 +180,9 @@ def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
     before = _stats(c)
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
-        out_of_range = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
-        bad_ends = AccessItem("t", np.array([1, 2, 3], dtype=np.int64), np.array([2], dtype=np.int64))
-        no_table = AccessItem("nope", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))
+        out_of_range = NoteItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
+        bad_ends = NoteItem("t", np.array([1, 2, 3], dtype=np.int64), np.array([2], dtype=np.int64))
+        no_table = NoteItem("nope", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))
         for item in (out_of_range, bad_ends, no_table):
             assert fp.access([item])
         assert fp.release([]) == 0  # a round trip after the notes: they have been handled
@@ -190,19 +190,19 @@ def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
         assert (after["local_steps"], after["hits"], after["misses"]) == \
                (before["local_steps"], before["hits"], before["misses"])
         # a truncated frame ends that connection (the stream is out of step), not the sidecar
-        parts, size = encode_access([AccessItem("t", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))])
-        send_frame(fp._sock, ACCESS, [b"".join(parts)[:-8]], size - 8)
+        parts, size = encode_note([NoteItem("t", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))])
+        send_frame(fp._sock, NOTE, [b"".join(parts)[:-8]], size - 8)
         try:  # the sidecar answers with its error and hangs up; our next send may see either first
             fp.release([])
         except errors.InvalidArgument as e:
-            assert "ACCESS" in str(e)
+            assert "NOTE" in str(e)
         assert fp.release([]) == 0  # reconnected by itself
     finally:
         fp.close()
     assert np.array_equal(c.lookup("t", [3, 4]), data[[3, 4]])
 
 
-_BAD_NOTE = AccessItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
+_BAD_NOTE = NoteItem("t", np.array([1, ROWS + 5], dtype=np.int64), np.array([2], dtype=np.int64))
 
 
 def _send_bad_notes(fp: StepChannel) -> int:
@@ -455,7 +455,7 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     rows[10, 40] ^= 0x01  # one flipped bit
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
-        assert fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
+        assert fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
         s = _wait(c, "local_steps", 1)
     finally:
         fp.close()
@@ -489,7 +489,7 @@ def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp
             for lo, (table, version, rows) in zip((20_000, 30_000), (("u", 1, other), ("t", 1, stale))):
                 ids = np.arange(lo, lo + 64, dtype=np.int64)
                 mislabelled = _carried(d, table, version, rows[ids], ids)
-                assert fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 2, ids, mislabelled)])
+                assert fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 2, ids, mislabelled)])
                 sent += ids.size
                 s = _wait(c, "promotions", sent)
                 assert s["promotions"] >= sent and s["note_rows_placed"] == 0, s
@@ -539,7 +539,7 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
                 os.setgid(65534)
                 os.setuid(65534)
                 fp = StepChannel(path).connect()
-                ok = fp.access([AccessItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
+                ok = fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
                 fp.close()
                 code = 0 if ok else 2
             except BaseException:

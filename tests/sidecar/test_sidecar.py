@@ -233,7 +233,7 @@ def test_corrupt_cold_block_is_data_loss_and_the_rest_keeps_serving(tmp_path):
     bad_block = bad_row // tv.block_rows
     with _sidecar(tmp_path, "64KiB") as sc, Client(sc.socket) as c:
         assert not c.table_info("c")["full_resident"]
-        with pytest.raises(errors.DataLoss, match=f"'c' version {tv.version}.*block {bad_block}"):
+        with pytest.raises(errors.DataLoss, match=f"'c' version {tv.number}.*block {bad_block}"):
             c.lookup("c", [bad_row])
         with pytest.raises(errors.DataLoss):
             c.lookup("c", [bad_row], inline=True)

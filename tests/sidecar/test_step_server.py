@@ -24,9 +24,9 @@ from tierstore.bench.step_socket import ChildServer, ModuloHandler
 from tierstore.client.step_channel import StepChannel, raise_errors
 from tierstore.proto.frames import PlanItem, PlanResult, step_socket_path
 from tierstore.sidecar.step_server import StepServer, OwnedLeases
-from tierstore.proto.frames import (ACCESS, ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, PLAN, PLAN_REQ,
-                                PROTOCOL_VERSION, AccessItem, FrameReader, decode_error, encode_access,
-                                parse_access)
+from tierstore.proto.frames import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, MAX_RELEASE, NOTE, PLAN, PLAN_REQ,
+                                PROTOCOL_VERSION, FrameReader, NoteItem, decode_error, encode_note,
+                                parse_note)
 
 MASK = (1 << 20) - 1
 
@@ -469,31 +469,31 @@ def test_threads_share_one_client(serve):
 @given(n_ids=st.integers(0, 40), n_rows=st.integers(0, 12), row_bytes=st.sampled_from([8, 13, 264]),
        cut=st.integers(1, 64))
 def test_access_frames_carry_rows_and_a_lie_about_them_is_refused(n_ids, n_rows, row_bytes, cut):
-    """An ACCESS item's rows round-trip bit-exact (any width, padded to 8); a frame cut
+    """A NOTE item's rows round-trip bit-exact (any width, padded to 8); a frame cut
     short anywhere in them is InvalidArgument, never a view past the body."""
     rng = np.random.default_rng(n_ids * 100 + n_rows)
     ids = rng.integers(0, 1000, n_ids).astype(np.int64)
     row_ids = rng.integers(0, 1000, n_rows).astype(np.int64)
     rows = rng.integers(0, 256, (n_rows, row_bytes), dtype=np.uint8)
-    items = [AccessItem("b", ids[:1], np.array([min(1, n_ids)], np.int64)),  # the rows' item last: cut into
-             AccessItem("tbl", ids, np.array([n_ids], np.int64), 3, row_ids if n_rows else None,
+    items = [NoteItem("b", ids[:1], np.array([min(1, n_ids)], np.int64)),  # the rows' item last: cut into
+             NoteItem("tbl", ids, np.array([n_ids], np.int64), 3, row_ids if n_rows else None,
                         rows if n_rows else None)]
-    parts, size = encode_access(items)
+    parts, size = encode_note(items)
     body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     assert len(body) == size and size % 8 == 0
-    got = parse_access(body)
+    got = parse_note(body)
     assert np.array_equal(got[1].ids, ids) and got[1].version == 3 and got[0].rows is None
     if n_rows:
         assert np.array_equal(got[1].row_ids, row_ids) and np.array_equal(got[1].rows, rows)
     else:
         assert got[1].rows is None and got[1].row_ids is None
     with pytest.raises(errors.InvalidArgument):
-        parse_access(body[:-min(cut, len(body) - 1)])
+        parse_note(body[:-min(cut, len(body) - 1)])
 
 
 def one_way_ok(body) -> bool:
     try:
-        parse_access(body)
+        parse_note(body)
     except errors.InvalidArgument:
         return False
     return True
@@ -520,8 +520,8 @@ def frames():
         st.tuples(st.just(PLAN), nearly_valid),
         st.tuples(st.integers(0, 255), st.binary(max_size=512)),
         st.tuples(st.just(PLAN), plan_body),
-        st.tuples(st.sampled_from([HELLO, PLAN, 3, ACCESS, 0x7F, 200]), st.binary(max_size=64)),
-        st.tuples(st.just(ACCESS), st.sampled_from([bytes(4), bytes(8), b""])))
+        st.tuples(st.sampled_from([HELLO, PLAN, 3, NOTE, 0x7F, 200]), st.binary(max_size=64)),
+        st.tuples(st.just(NOTE), st.sampled_from([bytes(4), bytes(8), b""])))
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -538,8 +538,8 @@ def test_hostile_frames_never_break_the_server(fuzz_target, data, truncate):
                 break  # the server ended this connection after an earlier frame's ERROR
             if truncate:
                 break
-            if op == ACCESS and one_way_ok(body):
-                continue  # a well-formed ACCESS is one-way: no reply
+            if op == NOTE and one_way_ok(body):
+                continue  # a well-formed NOTE is one-way: no reply
             reply = read_reply(s)
             if reply is None:
                 break

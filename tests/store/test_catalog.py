@@ -48,10 +48,10 @@ def test_versions_and_current_pointer(data_dir, make_table):
     tv2, d2 = make_table("t", rows=120, seed=2)
     with Catalog(data_dir, readonly=True) as cat:
         assert cat.tables() == ["t"]
-        assert (tv1.version, tv2.version) == (1, 2)
+        assert (tv1.number, tv2.number) == (1, 2)
         assert cat.current("t") == tv2
         assert cat.get("t", 1) == tv1
-        assert [v.version for v in cat.versions("t")] == [1, 2]
+        assert [v.number for v in cat.versions("t")] == [1, 2]
         sums = cat.checksums("t", 2)
         assert sums.dtype == np.uint64 and sums.shape == (tv2.n_blocks,)
         with pytest.raises(VersionNotFound, match=r"table 't' has no version 7; versions are \[1, 2\]"):
@@ -62,7 +62,7 @@ def test_versions_and_current_pointer(data_dir, make_table):
             cat.current("../t")
     with Catalog(data_dir) as cat:
         cat.set_current("t", 1)
-        assert cat.current("t").version == 1
+        assert cat.current("t").number == 1
         with SegmentReader(data_dir, cat.current("t"), cat.checksums("t", 1)) as r:
             assert r.rows == 100
 
@@ -156,7 +156,7 @@ def test_an_inconsistent_record_is_data_loss_naming_the_field(data_dir, make_tab
     make_table("t", rows=1000, row_bytes=64, block_rows=100)
     _tamper(data_dir, "t", 1, dict(changes))
     with Catalog(data_dir, readonly=True) as cat, pytest.raises(DataLoss, match="table 't' version 1") as e:
-        cat.checksums("t", cat.get("t").version)
+        cat.checksums("t", cat.get("t").number)
     assert field in str(e.value)
     code, _, err = cli("verify", "--data", data_dir)
     assert code == 1 and field in err and "Traceback" not in err
@@ -231,7 +231,7 @@ def test_block_checksums_read_from_the_catalog_are_its_array_and_verify_like_it(
     given it verifies whole blocks (the block path) as with the array, and finds a damaged one."""
     tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=16)
     with Catalog(data_dir, readonly=True) as cat:
-        want = cat.checksums("t", tv.version)
+        want = cat.checksums("t", tv.number)
     sums = BlockChecksums(data_dir, tv)
     try:
         assert sums.nbytes == 0 and sums.shape == want.shape and len(sums) == tv.n_blocks
@@ -255,7 +255,7 @@ def test_block_checksums_cut_to_half_length_are_data_loss_never_an_index_error(d
     as Catalog.checksums refuses it, never an IndexError or a block checked against nothing."""
     tv, data = make_table("t", rows=3000, row_bytes=64, block_rows=16)
     with Catalog(data_dir, readonly=True) as cat:
-        want = cat.checksums("t", tv.version)
+        want = cat.checksums("t", tv.number)
     _tamper(data_dir, "t", 1, {"checksums": want[:tv.n_blocks // 2].astype("<u8").tobytes()})
     with SegmentReader(data_dir, tv, BlockChecksums(data_dir, tv)) as r:
         for first in (0, (tv.n_blocks - 1) * 16):  # a block the short record still holds, one it lost

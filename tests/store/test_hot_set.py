@@ -22,7 +22,7 @@ def test_a_hot_set_reads_back_exactly_and_only_its_owner_can_read_it(version, da
     ids = np.random.default_rng(0).choice(version.rows, 700, replace=False)
     counts = np.random.default_rng(1).integers(0, 16, 700).astype(np.uint8)
     path = save_hot_set(data_dir, version, ids, counts)
-    assert path == hot_set_path(data_dir, "t", version.version)
+    assert path == hot_set_path(data_dir, "t", version.number)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     hot = load_hot_set(data_dir, version)
@@ -49,10 +49,10 @@ def test_a_torn_or_flipped_file_is_refused(version, data_dir, cut, bit, flip):
         load_hot_set(data_dir, version)
 
 
-@pytest.mark.parametrize("change", [dict(version=2), dict(table="u"), dict(rows=4999), dict(created_at=1.0)])
+@pytest.mark.parametrize("change", [dict(number=2), dict(table="u"), dict(rows=4999), dict(created_at=1.0)])
 def test_a_hot_set_of_another_table_or_version_is_refused(version, data_dir, change):
     other = dataclasses.replace(version, **change)
     save_hot_set(data_dir, other, np.arange(10), np.ones(10, np.uint8))
-    hot_set_path(data_dir, other.table, other.version).rename(hot_set_path(data_dir, "t", version.version))
+    hot_set_path(data_dir, other.table, other.number).rename(hot_set_path(data_dir, "t", version.number))
     with pytest.raises(HotSetMismatch):
         load_hot_set(data_dir, version)

@@ -22,7 +22,7 @@ def table(data_dir, make_table, monkeypatch, request):
     monkeypatch.setattr(ingest, "SEGMENT_BYTES", 20 * BR * rec)
     tv, data = make_table("t", rows=ROWS, row_bytes=RB, block_rows=BR, segment_format=request.param)
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("t", tv.version)
+        sums = cat.checksums("t", tv.number)
     reader = SegmentReader(data_dir, tv, sums)
     yield reader, tv, data
     reader.close()
@@ -170,7 +170,7 @@ def test_padded_records_blame_the_catalog_only_when_their_padding_is_as_written(
     tv, data = make_table("p", rows=50, row_bytes=12, block_rows=8)
     assert tv.record_bytes == 24
     with Catalog(data_dir, readonly=True) as cat:
-        sums = cat.checksums("p", tv.version)
+        sums = cat.checksums("p", tv.number)
     sums[4] ^= 1 << 40
     path = data_dir / tv.segments[0]
     raw = bytearray(path.read_bytes())

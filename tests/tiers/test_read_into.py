@@ -49,7 +49,7 @@ def _write(data_dir, name, data, fmt="fp32", dim=None, **kw):
 
 def _reader(data_dir, tv, **kw):
     with Catalog(data_dir, readonly=True) as cat:
-        return SegmentReader(data_dir, tv, cat.checksums(tv.table, tv.version), **kw)
+        return SegmentReader(data_dir, tv, cat.checksums(tv.table, tv.number), **kw)
 
 
 # fp32 x 64 (256 B), bf16 x 64 (128 B), fp8-e4m3-ue8m0 x 256 (264 B: not a power of two,
@@ -284,7 +284,7 @@ def anon():
     return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssAnon:")).split()[1]) << 10
 with Catalog(sys.argv[1], readonly=True) as cat:
     tv = cat.current("t")
-    sums = cat.checksums("t", tv.version)
+    sums = cat.checksums("t", tv.number)
 warm = SegmentReader(sys.argv[1], tv, sums)
 warm.read_rows(np.arange(0, tv.rows, 997))  # compiled kernels, pools
 warm.close()
@@ -320,7 +320,7 @@ def anon():
     return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssAnon:")).split()[1]) << 10
 with Catalog(sys.argv[1], readonly=True) as cat:
     tv = cat.current("t")
-    sums = cat.checksums("t", tv.version)
+    sums = cat.checksums("t", tv.number)
 warm = SegmentReader(sys.argv[1], tv, sums, map_row_sums=True)
 warm.read_rows(np.arange(0, tv.rows, 997))  # compiled kernels, pools: not the row sums
 warm.close()

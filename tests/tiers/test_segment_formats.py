@@ -99,7 +99,7 @@ def test_a_full_arena_is_checked_against_block_checksums_of_either_format(tmp_pa
     d = tmp_path / "data"
     tv, data = _write(d, seg)
     with Catalog(d, readonly=True) as cat:
-        sums = cat.checksums("t", tv.version)
+        sums = cat.checksums("t", tv.number)
     arena = Arena(Path("/dev/shm") / f"tierstore-test-formats.{time.monotonic_ns()}", ROWS, WIDTH)
     cold = SegmentReader(d, tv, sums)
     try:

@@ -28,6 +28,6 @@ def run(args) -> int:
         print(f"tierstore demo-table: error: {e}", file=sys.stderr)
         return 1
     for tv in made:
-        print(f"{tv.table} v{tv.version}: {tv.rows} rows x {tv.row_dim} {tv.row_format} "
+        print(f"{tv.table} v{tv.number}: {tv.rows} rows x {tv.row_dim} {tv.row_format} "
               f"({tv.nbytes / 1e6:.1f} MB)")
     return 0

@@ -28,5 +28,5 @@ def run(args) -> int:
         print(f"tierstore export: error: {e}", file=sys.stderr)
         return 1
     size = os.path.getsize(args.out)
-    print(f"{tv.table} v{tv.version}: {tv.nbytes / 1e6:.1f} MB -> {args.out} ({size / 1e6:.1f} MB)")
+    print(f"{tv.table} v{tv.number}: {tv.nbytes / 1e6:.1f} MB -> {args.out} ({size / 1e6:.1f} MB)")
     return 0

@@ -24,6 +24,6 @@ def run(args) -> int:
     finally:
         store.close()
     new = import_manifest(args.data, tv, sums)
-    print(f"{tv.table} v{tv.version}: {tv.rows} rows x {tv.row_bytes} B "
+    print(f"{tv.table} v{tv.number}: {tv.rows} rows x {tv.row_bytes} B "
           f"{'recorded' if new else 'already recorded'} in {args.data} (rows stay in Mooncake)")
     return 0

@@ -22,5 +22,5 @@ def run(args) -> int:
     except (DataLoss, ResourceExhausted) as e:
         print(f"tierstore import: error: {e}", file=sys.stderr)
         return 1
-    print(f"{tv.table} v{tv.version}: {tv.rows} rows x {tv.row_dim} {tv.row_format} imported")
+    print(f"{tv.table} v{tv.number}: {tv.rows} rows x {tv.row_dim} {tv.row_format} imported")
     return 0

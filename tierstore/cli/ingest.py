@@ -32,6 +32,6 @@ def run(args) -> int:
     except (DataLoss, ResourceExhausted) as e:
         print(f"tierstore ingest: error: {e}", file=sys.stderr)
         return 1
-    print(f"{tv.table} v{tv.version}: {tv.rows} rows x {tv.row_dim} {tv.row_format} "
+    print(f"{tv.table} v{tv.number}: {tv.rows} rows x {tv.row_dim} {tv.row_format} "
           f"({tv.nbytes / 1e6:.1f} MB) from {tv.source}")
     return 0

@@ -57,7 +57,7 @@ def run(args) -> int:
                              progress=not args.quiet, block_rows=args.block_rows, force=args.force)
     secs = time.perf_counter() - t0
     nbytes = sum(tv.nbytes for tv, skipped in done if not skipped)
-    out = {"tables": [{"table": tv.table, "version": tv.version, "rows": tv.rows, "layer": tv.layer_id,
+    out = {"tables": [{"table": tv.table, "version": tv.number, "rows": tv.rows, "layer": tv.layer_id,
                        "bytes": tv.nbytes, "skipped": skipped} for tv, skipped in done],
            "seconds": round(secs, 3), "bytes": nbytes, "MBps": round(nbytes / secs / 1e6, 1) if secs else None}
     if plain is not None and nbytes:

@@ -28,9 +28,9 @@ def run(args) -> int:
     finally:
         store.close()
     if not done:
-        print(f"{tv.table} v{tv.version}: already published; nothing written")
+        print(f"{tv.table} v{tv.number}: already published; nothing written")
         return 0
     dt = time.monotonic() - t0
-    print(f"{tv.table} v{tv.version}: {tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB x {args.replicas} replicas "
+    print(f"{tv.table} v{tv.number}: {tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB x {args.replicas} replicas "
           f"published in {dt:.2f}s ({tv.nbytes / 1e6 / max(dt, 1e-9):.0f} MB/s)", file=sys.stdout)
     return 0

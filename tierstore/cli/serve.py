@@ -198,7 +198,7 @@ def _import_remote_tables(cfg, names) -> None:
         store.close()
     for tv, new in done:
         logging.getLogger("tierstore.serve").info(
-            "table %s v%d: manifest %s from Mooncake", tv.table, tv.version, "recorded" if new else "already recorded")
+            "table %s v%d: manifest %s from Mooncake", tv.table, tv.number, "recorded" if new else "already recorded")
 
 
 def _return_big_buffers_to_the_os() -> None:

@@ -20,7 +20,7 @@ def run(args) -> int:
         for name in cat.tables():
             cur = cat.current(name)
             listing.append({"table": name, "current": cur.to_dict(),
-                            "versions": [v.version for v in cat.versions(name)]})
+                            "versions": [v.number for v in cat.versions(name)]})
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0

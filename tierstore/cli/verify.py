@@ -35,33 +35,33 @@ def run(args) -> int:
             else:
                 versions = [cat.get(name, args.version)]
             for tv in versions:
-                with SegmentReader(args.data, tv, cat.checksums(name, tv.version)) as r:
+                with SegmentReader(args.data, tv, cat.checksums(name, tv.number)) as r:
                     bad = r.verify()
                 if not bad:
-                    print(f"{name} v{tv.version}: ok ({tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB, "
+                    print(f"{name} v{tv.number}: ok ({tv.n_blocks} blocks, {tv.nbytes / 1e6:.1f} MB, "
                           f"segment format {tv.segment_format})")
                     continue
                 bad_total += len(bad)
-                with SegmentReader(args.data, tv, cat.checksums(name, tv.version)) as r:
+                with SegmentReader(args.data, tv, cat.checksums(name, tv.number)) as r:
                     sums_wrong = [b for b in bad if _rows_pass(r, tv, b)]
                 for b in bad[:20]:
                     seg = b * tv.block_rows // tv.segment_rows
                     off = (b * tv.block_rows - seg * tv.segment_rows) * tv.record_bytes
                     rows = f"rows {b * tv.block_rows}..{min((b + 1) * tv.block_rows, tv.rows) - 1}"
                     if b in sums_wrong:
-                        print(f"{name} v{tv.version}: block {b}'s checksum in the catalog ({args.data}/catalog) "
+                        print(f"{name} v{tv.number}: block {b}'s checksum in the catalog ({args.data}/catalog) "
                               f"does not match {tv.segments[seg]} at byte {off}, whose {rows} each pass their "
                               f"own row checksum: the catalog is damaged, not the rows", file=sys.stderr)
                     else:
-                        print(f"{name} v{tv.version}: block {b} is corrupt ({rows}, {tv.segments[seg]} at byte "
+                        print(f"{name} v{tv.number}: block {b} is corrupt ({rows}, {tv.segments[seg]} at byte "
                               f"{off})", file=sys.stderr)
                 if len(bad) > 20:
-                    print(f"{name} v{tv.version}: ... {len(bad) - 20} more bad blocks", file=sys.stderr)
+                    print(f"{name} v{tv.number}: ... {len(bad) - 20} more bad blocks", file=sys.stderr)
                 if len(sums_wrong) < len(bad):
-                    print(f"{name} v{tv.version}: {len(bad) - len(sums_wrong)} of {tv.n_blocks} blocks corrupt; "
+                    print(f"{name} v{tv.number}: {len(bad) - len(sums_wrong)} of {tv.n_blocks} blocks corrupt; "
                           f"re-ingest or import the table, or make an older version current", file=sys.stderr)
                 if sums_wrong:
-                    print(f"{name} v{tv.version}: {len(sums_wrong)} of {tv.n_blocks} block checksums in the "
+                    print(f"{name} v{tv.number}: {len(sums_wrong)} of {tv.n_blocks} block checksums in the "
                           f"catalog are damaged; restore {args.data}/catalog from a backup, or re-ingest or "
                           f"import the table", file=sys.stderr)
     return 1 if bad_total else 0

@@ -5,7 +5,7 @@ builds the engine of that mode:
 - FullEngine (full.py): the whole table sits in the arena in id order, slot ==
   id; a Plan only validates (nothing is ever evicted, so nothing needs a lease);
 - CacheEngine (cache.py): the arena caches `capacity` rows under a policy
-  (tierstore/policy), promoting misses from the cold tier with leases.
+  (tierstore/cache/policy), promoting misses from the cold tier with leases.
 This base holds what both share: validation at the edge, refusal of blocks
 online verification found corrupt, counters and stats.
 """
@@ -86,7 +86,7 @@ class TableEngine:
         hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
         if hit.any():
             block = int(ids[np.argmax(hit)] // self.version.block_rows)
-            raise ChecksumError(self.table, self.version.version, block,
+            raise ChecksumError(self.table, self.version.number, block,
                                 "found by online verification; re-ingest or import a good copy")
 
     def _edge(self, ids) -> np.ndarray:
@@ -106,6 +106,12 @@ class TableEngine:
 
     def close(self) -> None:
         """Let go of what the engine holds besides its arena and reader (both the sidecar's)."""
+
+    def slot_index(self):
+        """The slot index (cache/slot_index.py SlotIndexFile) through which local clients read
+        this table's resident rows without a Plan, or None: full mode (slot == id needs
+        none), or a sidecar that keeps it private (--no-local-reads)."""
+        return None
 
     @property
     def busy(self) -> bool:
@@ -151,7 +157,7 @@ class TableEngine:
     def stats(self) -> dict:
         c = self.counters
         resident, leased = self._occupancy()
-        return dict(table=self.table, version=self.version.version, mode="full" if self.full else "cache",
+        return dict(table=self.table, version=self.version.number, mode="full" if self.full else "cache",
                     capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,

@@ -95,6 +95,9 @@ class CacheEngine(TableEngine):
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
+    def slot_index(self):
+        return self.slots.index
+
     # ---- requests -----------------------------------------------------------
     def plan(self, ids: np.ndarray, ttl_s: float, conn_id: bytes = b"", request_id: int = 0) -> Placement:
         """Make `ids` resident and lease their slots to one step, for the client `conn_id` (its
@@ -111,7 +114,7 @@ class CacheEngine(TableEngine):
         else:
             uniq, inverse = unique_inverse(ids)
         if not self.enter():
-            raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+            raise VersionNotFound(f"table {self.table!r} version {self.version.number} is no longer served; "
                                   "plan the step again")
         try:
             return self._plan_unique(uniq, inverse, ttl_s, conn_id, request_id)
@@ -507,13 +510,13 @@ class CacheEngine(TableEngine):
         one pass (SegmentReader.place_rows, or place_records for records); if any does not
         match, all of them are read from disk like the rest."""
         if carried is not None and ids.size:
-            have_ids, local, rows = carried
+            have_ids, row_at, rows = carried
             pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
             have = have_ids[pos] == ids
             n = int(np.count_nonzero(have))
             if n:
                 place = self.reader.place_records if self._carried_form == "records" else self.reader.place_rows
-                bad = place(ids[have], rows, local[pos[have]], self.arena.rows, slots[have])
+                bad = place(ids[have], rows, row_at[pos[have]], self.arena.rows, slots[have])
                 if bad < 0:
                     self.counters.note_rows_placed += n
                     ids, slots = ids[~have], slots[~have]
@@ -561,7 +564,7 @@ class CacheEngine(TableEngine):
                 return np.empty((0, self.version.row_bytes), dtype=np.uint8)
             uniq, inverse = (ids, None) if strictly_increasing(ids) else unique_inverse(ids)
             if not self.enter():
-                raise VersionNotFound(f"table {self.table!r} version {self.version.version} is no longer served; "
+                raise VersionNotFound(f"table {self.table!r} version {self.version.number} is no longer served; "
                                       "look the rows up again")
             try:
                 slots, _, _ = self._resident(uniq, "look the rows up again")

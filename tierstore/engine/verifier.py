@@ -39,6 +39,18 @@ class VerifyCounters:
 
 
 class Verifier:
+    """One background thread that re-checks a `fraction` of what the engines serve, off the hot path.
+
+    sample() (an engine's plan or note, any thread) hands it a random share of (id, slot)
+    pairs and never blocks: a full queue drops them (the engine's verify_counters.dropped).
+    Each pass the thread checks them (engine.verify_rows) and scrubs `fraction` of the
+    blocks of every full-resident engine in `engines` (engine.scrub_blocks); the first
+    mismatch per table and tier is logged. `engines` is set by whoever serves them
+    (sidecar/versions.py: ServedVersions._serve, as each engine starts serving); the
+    verifier never builds or frees one. fraction 0 disables it (sample returns at once, no
+    thread). start() once, stop() joins the thread.
+    """
+
     def __init__(self, fraction: float, *, interval_s: float = 0.5, seed: int = 0, max_queue: int = 256):
         self.fraction = float(fraction)
         self.interval_s = interval_s
@@ -58,8 +70,7 @@ class Verifier:
     def enabled(self) -> bool:
         return self.fraction > 0
 
-    def start(self, engines) -> None:
-        self.engines = list(engines)
+    def start(self) -> None:
         if self.enabled:
             self._thread.start()
 
@@ -117,7 +128,7 @@ class Verifier:
             if key not in self._logged:
                 self._logged.add(key)
                 log.error("online verification: %s tier mismatch in table %r version %d block %d slot %s: %s",
-                          tier, engine.table, engine.version.version, block, slot, detail)
+                          tier, engine.table, engine.version.number, block, slot, detail)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -56,7 +56,7 @@ def export_table(data_dir, table: str, out, *, version: int | None = None, level
     out = Path(out)
     with Catalog(data_dir, readonly=True) as cat:
         tv = cat.get(table, version)
-        sums = cat.checksums(table, tv.version)
+        sums = cat.checksums(table, tv.number)
     header = json.dumps({"manifest": tv.to_dict(),
                          "checksums_xxh3": xxhash.xxh3_64_intdigest(sums.astype("<u8").tobytes())}).encode()
     tmp = out.with_name(f".{out.name}.partial")

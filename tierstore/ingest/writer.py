@@ -248,7 +248,7 @@ class _Staging:
 
     @property
     def row_sums_meta(self) -> dict | None:
-        """The manifest's `row_sums`: format 1's file, None for format 2 (sums inline)."""
+        """The manifest's `row_sums`: format 1's file, None for format 2 (each record carries its sum)."""
         if self.segment_format == 2:
             return None
         return {"file": ROW_SUMS_FILE, "algo": self.key.algo, "xxh3": self._sums_hash.intdigest()}
@@ -415,7 +415,7 @@ def _spot_check(data_dir: Path, stage: _Staging, table: str, fields: dict) -> No
     manifest describes the files the way the reader reads them."""
     n_segs = -(-stage.rows // stage.segment_rows)
     rel = stage.dir.relative_to(data_dir)
-    tv = TableVersion(table=table, version=0, created_at=0.0,
+    tv = TableVersion(table=table, number=0, created_at=0.0,
                       segments=tuple(f"{rel}/seg-{i:05d}.bin" for i in range(n_segs)), **fields)
     ends = np.arange(n_segs, dtype=np.int64) * stage.segment_rows
     ids = np.unique(np.concatenate([ends, np.minimum(ends + stage.segment_rows, stage.rows) - 1]))

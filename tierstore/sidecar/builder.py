@@ -144,7 +144,7 @@ class EngineBuilder:
         split = self._split(v, full)
         checksums = self._checksums(v, full)
         reader = self._reader(v, checksums)
-        path = reuse if (reuse is not None and full) else self.new_name(f"{v.table}.v{v.version}")
+        path = reuse if (reuse is not None and full) else self.new_name(f"{v.table}.v{v.number}")
         try:
             arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full, backing=self.backing,
                           split=split)
@@ -160,7 +160,7 @@ class EngineBuilder:
             from tierstore.cache.policy import PolicyConfig
             index = None
             if not full and self.config.local_reads and slot_index.supported():
-                index = self.new_name(f"{v.table}.v{v.version}.index")
+                index = self.new_name(f"{v.table}.v{v.number}.index")
             cache_mode = {} if full else dict(policy_config=PolicyConfig(kind=self.config.policy), profile=profile,
                                               index_path=index, instance=self.instance)
             engine = make_engine(v, reader, arena, leases=self.leases, full=full, recorder=self.recorder,
@@ -168,14 +168,14 @@ class EngineBuilder:
             t0 = time.monotonic()
             if full and arena.reattached:
                 bad = engine.verify_arena(checksums)
-                log.info("table %s v%d: re-attached arena %s, %d bad blocks%s", v.table, v.version, arena.path,
+                log.info("table %s v%d: re-attached arena %s, %d bad blocks%s", v.table, v.number, arena.path,
                          len(bad), "; reloading from disk" if bad else "")
                 if bad:
                     engine.load_full()
             elif full:
                 engine.load_full()
             pause(self.config, "loaded")
-            arena.header.write(instance=self.instance, version=v.version, slots=slots, row_bytes=v.row_bytes,
+            arena.header.write(instance=self.instance, version=v.number, slots=slots, row_bytes=v.row_bytes,
                                full=full, table=v.table, split=split)
             arena.publish()
             self._hold_version(engine)
@@ -188,7 +188,7 @@ class EngineBuilder:
             raise
         huge, mapped = huge_page_bytes(arena.path)
         log.info("table %s v%d: %s mode%s, %d slots x %d B (%.1f MiB, %.0f%% of it on %s pages) + %.1f MiB of "
-                 "checksums, maps and policy, ready in %.2fs", v.table, v.version, "full" if full else "cache",
+                 "checksums, maps and policy, ready in %.2fs", v.table, v.number, "full" if full else "cache",
                  f" (split: {split} B weights, then scales)" if split else "", slots,
                  v.row_bytes, slots * v.row_bytes / 2**20, 100 * huge / max(mapped, 1),
                  f"{arena.backing.page >> 20} MiB" if arena.backing.huge else "huge", engine.metadata_bytes() / 2**20,
@@ -200,23 +200,26 @@ class EngineBuilder:
         read whole (full mode loads and checks every block; the remote tier fetches blocks), else,
         for a cache-mode table of segment format 2 on this host's disk, read from the catalog
         when the block path asks (BlockChecksums): its misses check the sums in the records."""
-        local = all((self.config.data_dir / s).is_file() for s in v.segments)
-        if full or v.segment_format < 2 or not local:
-            return self.catalog.checksums(v.table, v.version)
+        if full or v.segment_format < 2 or not self._segments_on_disk(v):
+            return self.catalog.checksums(v.table, v.number)
         return BlockChecksums(self.config.data_dir, v)
+
+    def _segments_on_disk(self, v) -> bool:
+        """True when this host's data directory holds every segment file of version v."""
+        return all((self.config.data_dir / s).is_file() for s in v.segments)
 
     def _reader(self, v, checksums):
         """Local segments when this host has them; else, with --remote, the published copy."""
-        if self.config.remote and not all((self.config.data_dir / s).is_file() for s in v.segments):
+        if self.config.remote and not self._segments_on_disk(v):
             from tierstore.tiers.remote.mooncake import connect
             from tierstore.tiers.remote.reader import RemoteReader
             if self._mooncake is None:
                 self._mooncake = connect(self.config.remote, self.config.metadata)
-            local = self._local_copy(v, checksums)
-            log.info("table %s v%d: no local rows; reading from Mooncake %s%s", v.table, v.version,
-                     self.config.remote, "" if local is None else
-                     f", writing them back to {local.dir} ({local.n_present}/{v.n_blocks} blocks there)")
-            return RemoteReader(self._mooncake, v, checksums, local=local)
+            copy = self._local_copy(v, checksums)
+            log.info("table %s v%d: no local rows; reading from Mooncake %s%s", v.table, v.number,
+                     self.config.remote, "" if copy is None else
+                     f", writing them back to {copy.dir} ({copy.n_present}/{v.n_blocks} blocks there)")
+            return RemoteReader(self._mooncake, v, checksums, copy=copy)
         return SegmentReader(self.config.data_dir, v, checksums, **self._reader_options())
 
     def _local_copy(self, v, checksums):
@@ -226,7 +229,7 @@ class EngineBuilder:
             return LocalCopy(self.config.data_dir, v, checksums)
         except OSError as e:
             log.warning("table %s v%d: no write-back to %s (%s); every miss goes to Mooncake",
-                        v.table, v.version, self.config.data_dir, e)
+                        v.table, v.number, self.config.data_dir, e)
             return None
 
     def _reader_options(self) -> dict:
@@ -234,7 +237,7 @@ class EngineBuilder:
 
     def _hold_version(self, engine: TableEngine) -> None:
         """A shared flock on the version's directory: `tierstore gc` skips what is served."""
-        vdir = self.config.data_dir / "tables" / engine.table / f"v{engine.version.version}"
+        vdir = self.config.data_dir / "tables" / engine.table / f"v{engine.version.number}"
         try:
             fd = os.open(vdir, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:

@@ -51,6 +51,25 @@ def parse_size(text: "str | int") -> int:
 
 @dataclass(slots=True)
 class ServeConfig:
+    """How one sidecar serves, validated when built (__post_init__). Each field is its
+    TIERSTORE_<FIELD> variable (read by environment() and nowhere else) and most are a
+    `tierstore serve` flag too; a flag wins.
+
+    The other TIERSTORE_* variables are not fields, on purpose: each is a process-wide
+    switch of code the client's processes run as much as the sidecar's, read where it
+    acts, so no sidecar's config could carry it. Every one, and where it is read:
+
+    - TIERSTORE_IO_URING=0: O_DIRECT reads by pread, never io_uring (tiers/nvme/uring.py)
+    - TIERSTORE_NO_JIT=1: the numpy reference of every compiled loop (jit.py)
+    - TIERSTORE_SPIN_US=N: step-socket readers, both ends, poll N µs before they block
+      (proto/frames.py, spin_seconds)
+    - TIERSTORE_MISS_FLIGHTS=0: a local client reads its O_DIRECT misses itself, sharing
+      none with other clients (cache/miss_flights.py)
+    - TIERSTORE_FORCE_TORCH=1: the torch reference of every kernel (kernels/dispatch.py)
+    - TIERSTORE_VLLM_* and TIERSTORE_SGLANG_*: the engine plugins' settings, read in the
+      engine's processes (client/engines/; docs/engines.md)
+    """
+
     data_dir: Path
     socket: Path | None = None          # unix socket (mode 0600); the default transport
     dram_budget: int = 1 << 30          # bytes of /dev/shm for all arenas together

@@ -21,6 +21,17 @@ __all__ = ["SidecarProcess"]
 
 
 class SidecarProcess:
+    """A sidecar (`tierstore serve`) run as a child process, for the tests, the benchmarks
+    and `tierstore demo`: one job, start it, tell when it serves, stop it and clean up.
+
+    start() runs `python -m tierstore serve --data data_dir --socket socket --dram-budget
+    dram_budget *extra_args` (socket: a private temporary one when None) with `env` added to
+    this process's environment, and returns once gRPC health says SERVING; RuntimeError with
+    the log's tail when the child exits first, TimeoutError after start_timeout. The child
+    gets --parent-pid, so it stops when this process dies. stop() sends `sig` and kills
+    after `timeout`; cleanup() (also on leaving the `with` block) stops it and removes its
+    shm files, its log and the temporary socket directory. Its output goes to log_path."""
+
     def __init__(self, data_dir, socket=None, *, dram_budget="1GiB", extra_args=(), env=None,
                  start_timeout: float = 60.0, log_path=None):
         self.data_dir = Path(data_dir).resolve()  # the child runs in /, so paths must be absolute

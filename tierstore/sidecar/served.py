@@ -91,7 +91,7 @@ class ServedTables:
         stop keeps persisted arenas (--persist-arena) and close() removes only what it frees."""
         self._made = None
         self.reaper.start()
-        self.verifier.start(self.engines.values())
+        self.verifier.start()
         self.warm.start(list(self.engines.values()), lambda: list(self.engines.values()))
 
     def engine(self, table: str, version: int = 0) -> TableEngine:

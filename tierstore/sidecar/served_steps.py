@@ -42,7 +42,7 @@ class ServedSteps:
                 res = eng.plan(it.ids.copy(), ttl, conn_id, it.request_id)  # a copy: the buffer is reused
                 served = self._served.get(it.table)
                 if served is None or served[0] is not eng:  # str() of the arena's Path once, not per step
-                    served = self._served[it.table] = (eng, eng.version.version, str(eng.arena.path), eng.arena.slots)
+                    served = self._served[it.table] = (eng, eng.version.number, str(eng.arena.path), eng.arena.slots)
                 expires = int((time.time() + res.expires_s) * 1000) if res.lease_id else 0
                 out.append(PlanResult(res.lease_id, served[1], res.slots, res.hits, res.misses, res.unique, expires,
                                       "", served[2], served[3]))
@@ -51,7 +51,7 @@ class ServedSteps:
         self._observe(time.perf_counter() - t0)
         return out
 
-    def access(self, conn_id: bytes, items, trusted: bool = False) -> None:
+    def note(self, conn_id: bytes, items, trusted: bool = False) -> None:
         """Steps a local client read itself: the engine's policy learns them, misses are promoted
         (from the rows the note carries, verified, where it carries them). trusted: the peer has
         the sidecar's uid (Learner.note)."""

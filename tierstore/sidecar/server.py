@@ -1,4 +1,4 @@
-"""gRPC server: the control plane of the sidecar.
+"""The sidecar (Server: the serving process) and its gRPC service (GrpcService), the control plane.
 
 Every handler maps tierstore errors to one status code (errors.GRPC_CODE) and
 keeps serving; an unexpected exception is INTERNAL and logged, never a crash.
@@ -28,9 +28,8 @@ from tierstore.sidecar.served_steps import ServedSteps
 from tierstore.sidecar.prefetcher import MAX_HINT_IDS
 from tierstore.sidecar.served import ServedTables
 from tierstore.sidecar.startup import pause
-from tierstore.tiers.nvme.reader import SegmentReader
 
-__all__ = ["Server", "TierstoreService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
+__all__ = ["Server", "GrpcService", "add_service", "decode_ids", "SERVICE", "GRPC_OPTIONS"]
 
 log = logging.getLogger("tierstore.sidecar.server")
 SERVICE = "tierstore.v1.Tierstore"
@@ -111,7 +110,17 @@ def _rpc(method):
     return wrapper
 
 
-class TierstoreService(pb_grpc.TierstoreServicer):
+class GrpcService(pb_grpc.TierstoreServicer):
+    """The sidecar's gRPC servicer: proto/tierstore.proto's Tierstore service (ListTables,
+    DescribeTable, Lookup with the rows inline, Prefetch, Reload, Stats) over the served tables.
+
+    One job: turn each request into calls on `served` (ServedTables) and the answer into a
+    message. Every method authorizes the caller first (a unix-socket peer by the socket's
+    0600 mode, a TCP peer by the shared token), answers a TierstoreError with its status code
+    (errors.GRPC_CODE) and anything else with INTERNAL, keeps serving either way, and has its
+    latency observed in `metrics`. Server runs one instance on both gRPC servers (unix
+    socket, TCP); the step socket is StepServer's, not this."""
+
     def __init__(self, served: ServedTables, metrics):
         self.served = served
         self.metrics = metrics
@@ -129,7 +138,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
         v, board = eng.version, self.served.leases.board
         import json
         return pb.TableInfo(
-            table=v.table, version=v.version, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
+            table=v.table, version=v.number, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.max_prefetch_steps,
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
@@ -139,14 +148,14 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                            split_bytes=eng.arena.split, **self._local_reads(eng)))
 
     def _local_reads(self, eng) -> dict:
-        """What a local client needs to read this table without a Plan (client/local_reads.py)."""
-        index = getattr(getattr(eng, "slots", None), "index", None)
+        """What a local client needs to read this table without a Plan (client/local_reads.py):
+        the slot index, and the segment files its misses may be read from (ColdTier.cold_dir)."""
+        index = eng.slot_index()
         if index is None:
             return {}
-        r = eng.reader
-        own = isinstance(r, SegmentReader) and r.verifies_rows
-        return dict(index=str(index.path), cold_dir=str(r.data_dir.resolve()) if own else "",
-                    cold_direct=own and r.direct is not None)
+        cold = eng.reader.cold_dir
+        return dict(index=str(index.path), cold_dir=str(cold.resolve()) if cold is not None else "",
+                    cold_direct=cold is not None and eng.reader.direct is not None)
 
     @_rpc
     def ListTables(self, request, context):
@@ -180,7 +189,7 @@ class TierstoreService(pb_grpc.TierstoreServicer):
                 f"{ids.size} rows of {eng.version.row_bytes} B exceed the {MAX_INLINE_BYTES >> 20} MiB inline "
                 f"lookup limit; split the lookup or use plan() and the shared arena")
         rows = eng.lookup(ids)
-        return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.version)
+        return pb.LookupResponse(rows=rows.tobytes(), row_bytes=eng.version.row_bytes, version=eng.version.number)
 
     @_rpc
     def Stats(self, request, context):
@@ -201,6 +210,8 @@ class Server:
         from tierstore.sidecar.metrics import Metrics
 
         self.config = config
+        self.steps = None  # the step server, from start() on
+        self._socket_id = None  # (st_dev, st_ino) of the socket this sidecar bound
         pem = self._check_transports(config)  # before anything is loaded or created
         self.served = ServedTables(config)
         try:
@@ -217,12 +228,11 @@ class Server:
         # grpc's servicer says SERVING for "" from the start: not until start() has brought up the
         # step socket and the sidecar (a launcher that stops us on SERVING must not catch us half-started)
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        service = TierstoreService(self.served, self.metrics)
+        service = GrpcService(self.served, self.metrics)
         self.guard = None if config.listen is None else \
             TokenInterceptor(config.auth_token, config.receive_timeout_s)
         self.servers = []
         self.addresses = []
-        self._socket_id = None
         if config.socket is not None:
             unix = self._grpc_server(config, service, "rpc")
             # claimed here, at the bind (a stale socket removed, a live one refused): another sidecar
@@ -298,7 +308,7 @@ class Server:
                                       f"{e.strerror}") from None
 
     def stop(self, grace: float = 2.0) -> None:
-        if getattr(self, "steps", None) is not None:
+        if self.steps is not None:
             self.steps.stop()
             self.steps = None
         self.health.enter_graceful_shutdown()
@@ -312,7 +322,7 @@ class Server:
 
     def _remove_socket(self) -> None:
         """Remove the socket this server bound (and no other: another sidecar's, bound since)."""
-        if self.config.socket is not None and getattr(self, "_socket_id", None) is not None:
+        if self.config.socket is not None and self._socket_id is not None:
             try:
                 st = os.lstat(self.config.socket)
                 if (st.st_dev, st.st_ino) == self._socket_id:

@@ -9,27 +9,38 @@ blocking recv wakes exactly the thread that serves that client, with no poll
 round in between (bench/step_socket.py measures it); connections are few (one per
 worker process) and bounded by max_clients. gRPC stays the service API.
 
-Wiring (the sidecar owns the handler; see StepHandler, and bench/step_socket.py's
-ModuloHandler for a complete one):
+Wiring: the sidecar (Server.start, server.py) serves the step socket with its handler,
+ServedSteps (served_steps.py), over the served tables:
 
-    class SidecarSteps:                      # implements StepHandler
-        def plan(self, conn_id, items, release):
-            self.release(conn_id, release)
+    steps = StepServer(step_socket_path(config.socket), ServedSteps(served, config, metrics),
+                       max_request_bytes=MAX_REQUEST_BYTES, max_clients=STEP_SOCKET_CLIENTS)
+    steps.start()   ...   steps.stop()
+
+A handler (StepHandler) answers each request of a connection, named by its conn_id:
+
+    class ServedSteps:                                  # implements StepHandler
+        def plan(self, conn_id, items, release):        # PLAN: the releases first, then every table
+            self.served.leases.release(release, conn_id)
             out = []
             for it in items:
                 try:
-                    res = sidecar.engine(it.table, it.version).plan(it.ids, ttl_of(it.ttl_ms))
-                    self.owned.add(conn_id, res.lease_id, time.monotonic() + ttl)   # an OwnedLeases
-                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, res.misses, res.unique))
+                    eng = self.served.engine(it.table, it.version)
+                    res = eng.plan(it.ids.copy(), ttl, conn_id, it.request_id)  # the lease is conn_id's
+                    out.append(PlanResult(res.lease_id, version, res.slots, res.hits, ...))
                 except TierstoreError as e:
-                    out.append(e)
+                    out.append(e)                       # this table's error; the others are served
             return out
-        def release(self, conn_id, ids): return sidecar.leases.release(self.owned.take(conn_id, ids))
-        def disconnected(self, conn_id): sidecar.leases.release(self.owned.take_all(conn_id))
-        def instance(self): return sidecar.instance
+        def release(self, conn_id, lease_ids):          # RELEASE
+            return self.served.leases.release(lease_ids, conn_id)
+        def note(self, conn_id, items, trusted):        # NOTE, one-way: the learner takes the steps
+            ...
+        def disconnected(self, conn_id):                # the connection closed: its leases end
+            self.served.leases.release_client(conn_id)
+        def instance(self):                             # HELLO's answer
+            return self.served.instance
 
-    steps = StepServer(step_socket_path(config.socket), SidecarSteps(), max_request_bytes=..., max_clients=...)
-    steps.start()   ...   steps.stop()
+bench/step_socket.py's ModuloHandler is a complete handler without tables (slot = id & mask),
+its leases kept per conn_id in an OwnedLeases.
 
 One cohesive thing (a little over the house's 300 lines): the listener, its per-
 connection threads and their protocol checks.
@@ -52,9 +63,9 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.proto import MAX_REQUEST_BYTES
-from tierstore.proto.frames import (ACCESS, COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, PLAN,
+from tierstore.proto.frames import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, MAGIC, MAX_RELEASE, NOTE, PLAN,
                                 PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
-                                encode_error, encode_plan_results, parse_access, parse_plan, send_frame,
+                                encode_error, encode_plan_results, parse_note, parse_plan, send_frame,
                                 spin_seconds)
 
 __all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
@@ -87,14 +98,15 @@ class StepHandler(Protocol):
     release: end these leases of `conn_id`; return how many were live.
     disconnected: the conn_id's connection closed (any reason): end its leases.
     instance: the sidecar instance id (changes on restart; clients then remap arenas).
-    access: (optional) steps the client read itself (proto.frames.AccessItem); never answered,
-          so errors are the handler's to log. `items[i].ids` is valid during the call.
-          trusted: the peer runs as the sidecar's uid or root (peer_trusted).
+    note: steps the client read itself (proto.frames.NoteItem), a NOTE frame; never
+          answered, so errors are the handler's to log (a handler with no policy ignores
+          them). `items[i].ids` is valid during the call. trusted: the peer runs as the
+          sidecar's uid or root (peer_trusted).
     """
 
     def plan(self, conn_id: bytes, items: list[PlanItem], release: list[int]) -> list: ...
     def release(self, conn_id: bytes, lease_ids: list[int]) -> int: ...
-    def access(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
+    def note(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
     def disconnected(self, conn_id: bytes) -> None: ...
     def instance(self) -> str: ...
 
@@ -338,8 +350,8 @@ class StepServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
             while True:
                 op, body = reader.read()
-                if op == ACCESS:  # one-way: no reply; a malformed frame ends the connection (FrameError)
-                    self._access(conn_id, body, trusted)
+                if op == NOTE:  # one-way: no reply; a malformed frame ends the connection (FrameError)
+                    self._note(conn_id, body, trusted)
                     del body
                     reader.recycle()
                     continue
@@ -402,18 +414,15 @@ class StepServer:
         send_frame(sock, HELLO, [HELLO_RESP.pack(MAGIC, PROTOCOL_VERSION, self.max_request_bytes), instance])
         return conn_id
 
-    def _access(self, conn_id: bytes, body, trusted: bool) -> None:
+    def _note(self, conn_id: bytes, body, trusted: bool) -> None:
         try:
-            items = parse_access(body)
+            items = parse_note(body)
         except errors.TierstoreError as e:
             raise FrameError(e) from None
-        access = getattr(self.handler, "access", None)
-        if access is None:
-            return
         try:
-            access(conn_id, items, trusted)
+            self.handler.note(conn_id, items, trusted)
         except Exception:  # a hint: the connection keeps serving
-            log.exception("step socket access() failed")
+            log.exception("step socket note() failed")
 
     def _dispatch(self, conn_id: bytes, op: int, body) -> tuple[int, list, int]:
         if op == PLAN:

@@ -46,7 +46,7 @@ class ServedVersions:
                                 f"`tierstore demo-table` or `tierstore ingest`")
         self.builder.prepare(self.catalog, self.leases)
         for v in versions:
-            self._serve(self.builder.build(v, versions, reuse=stale.pop((v.table, v.version), None)))
+            self._serve(self.builder.build(v, versions, reuse=stale.pop((v.table, v.number), None)))
         for path in stale.values():  # persisted arenas of versions no longer current
             self.builder.remove_stale(path)
 
@@ -74,7 +74,7 @@ class ServedVersions:
             changed = []
             for v in targets:
                 old = self.engines.get(v.table)
-                if old is not None and old.version.version == v.version:
+                if old is not None and old.version.number == v.number:
                     continue
                 served = [e.version for t, e in self.engines.items() if t != v.table] + [v]
                 new = self.builder.build(v, served)
@@ -84,9 +84,9 @@ class ServedVersions:
                     old.retired = True
                     old.arena.retire()
                     self._retired.append(old)
-                changed.append((v.table, old.version.version if old else 0, v.version))
-                log.info("table %s: now serving v%d (was %s)", v.table, v.version,
-                         f"v{old.version.version}" if old else "not served")
+                changed.append((v.table, old.version.number if old else 0, v.number))
+                log.info("table %s: now serving v%d (was %s)", v.table, v.number,
+                         f"v{old.version.number}" if old else "not served")
             return changed
 
     def engine(self, table: str, version: int = 0) -> TableEngine:
@@ -98,11 +98,11 @@ class ServedVersions:
             # a hostile name may be megabytes: echo a bounded prefix (status details travel as a header)
             shown = repr(table) if len(table) <= 80 else f"{table[:64]!r}... ({len(table)} characters)"
             raise TableNotFound(f"no table {shown} is served; tables: {sorted(self.engines)}") from None
-        if version and version != eng.version.version:
+        if version and version != eng.version.number:
             for old in self._retired:  # a step pinned to the version it started on
-                if old.table == table and old.version.version == version:
+                if old.table == table and old.version.number == version:
                     return old
-            raise VersionNotFound(f"table {table!r} is served at version {eng.version.version}, not {version}")
+            raise VersionNotFound(f"table {table!r} is served at version {eng.version.number}, not {version}")
         return eng
 
     def free_retired(self) -> None:
@@ -116,7 +116,7 @@ class ServedVersions:
                     keep.append(eng)
                 else:
                     self.builder.free(eng)
-                    log.info("table %s v%d: retired arena freed", eng.table, eng.version.version)
+                    log.info("table %s v%d: retired arena freed", eng.table, eng.version.number)
             self._retired = keep
 
     def close(self) -> None:

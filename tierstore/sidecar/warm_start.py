@@ -85,7 +85,7 @@ class WarmStart:
                 if id(eng) not in self._unwritable:
                     self._unwritable.add(id(eng))
                     log.warning("table %s v%d: cannot record its hot set in %s (%s); the next start is cold",
-                                eng.table, eng.version.version, self.data_dir, e)
+                                eng.table, eng.version.number, self.data_dir, e)
 
     def _loop(self) -> None:
         try:
@@ -100,7 +100,7 @@ class WarmStart:
                 try:
                     self._warm(eng)
                 except Exception:  # noqa: BLE001 - a hint: the table serves cold instead
-                    log.exception("table %s v%d: warm start failed; serving cold", eng.table, eng.version.version)
+                    log.exception("table %s v%d: warm start failed; serving cold", eng.table, eng.version.number)
                 finally:
                     self._warming.discard(id(eng))
                 continue
@@ -118,10 +118,10 @@ class WarmStart:
         try:
             hot = load_hot_set(self.data_dir, v)
         except HotSetMismatch as e:
-            log.info("table %s v%d: ignoring a hot set: %s", v.table, v.version, e)
+            log.info("table %s v%d: ignoring a hot set: %s", v.table, v.number, e)
             hot = None
         except (HotSetCorrupt, OSError) as e:
-            log.warning("table %s v%d: ignoring a damaged hot set: %s", v.table, v.version, e)
+            log.warning("table %s v%d: ignoring a damaged hot set: %s", v.table, v.number, e)
             hot = None
         if hot is not None:
             ids, counts, source = hot.ids, hot.counts, "its recorded hot set"
@@ -131,5 +131,5 @@ class WarmStart:
             return
         t0 = time.monotonic()
         n = eng.warm(ids[:eng.capacity], None if counts is None else counts[:eng.capacity], self._stop)
-        log.info("table %s v%d: warm start from %s: %d of %d rows promoted in %.2fs", v.table, v.version,
+        log.info("table %s v%d: warm start from %s: %d of %d rows promoted in %.2fs", v.table, v.number,
                  source, n, min(ids.size, eng.capacity), time.monotonic() - t0)

@@ -148,7 +148,7 @@ class Catalog:
     def _manifest(self, txn, table: str, version: int) -> TableVersion:
         raw = txn.get(_vkey(_VER, table, version))
         if raw is None:
-            known = [v.version for v in self.versions(table)]  # TableNotFound when no versions
+            known = [v.number for v in self.versions(table)]  # TableNotFound when no versions
             raise VersionNotFound(f"table {table!r} has no version {version}; versions are {known}")
         return _parse(raw, table, version)
 
@@ -169,7 +169,7 @@ class Catalog:
             (staged / LOCK_NAME).unlink(missing_ok=True)
             os.rename(staged, final)
             fsync_dir(final.parent)
-            tv = TableVersion(table=table, version=version, created_at=time.time(),
+            tv = TableVersion(table=table, number=version, created_at=time.time(),
                               segments=tuple(f"tables/{table}/v{version}/{s}" for s in segs), **fields)
             txn.put(_vkey(_VER, table, version), json.dumps(tv.to_dict(), sort_keys=True).encode())
             txn.put(_vkey(_SUM, table, version), np.ascontiguousarray(checksums, dtype="<u8").tobytes())
@@ -189,19 +189,19 @@ class Catalog:
         validate_table_name(tv.table)
         raw = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
         if len(raw) != 8 * tv.n_blocks:
-            raise InvalidArgument(f"table {tv.table!r} version {tv.version}: {len(raw) // 8} checksums "
+            raise InvalidArgument(f"table {tv.table!r} version {tv.number}: {len(raw) // 8} checksums "
                                   f"for {tv.n_blocks} blocks")
         with self._env.begin(write=True) as txn:
-            old = txn.get(_vkey(_SUM, tv.table, tv.version))
+            old = txn.get(_vkey(_SUM, tv.table, tv.number))
             if old is not None and old != raw:
                 raise InvalidArgument(
-                    f"table {tv.table!r} version {tv.version} in {self.data_dir} holds other rows than the one "
+                    f"table {tv.table!r} version {tv.number} in {self.data_dir} holds other rows than the one "
                     f"offered (checksums differ); serve it from another data directory")
             if old is None:
-                txn.put(_vkey(_VER, tv.table, tv.version), json.dumps(tv.to_dict(), sort_keys=True).encode())
-                txn.put(_vkey(_SUM, tv.table, tv.version), raw)
+                txn.put(_vkey(_VER, tv.table, tv.number), json.dumps(tv.to_dict(), sort_keys=True).encode())
+                txn.put(_vkey(_SUM, tv.table, tv.number), raw)
             if make_current:
-                txn.put(_CUR + tv.table.encode(), struct.pack(">Q", tv.version))
+                txn.put(_CUR + tv.table.encode(), struct.pack(">Q", tv.number))
         return old is None
 
     def set_current(self, table: str, version: int) -> TableVersion:
@@ -209,7 +209,7 @@ class Catalog:
         self._check_writable()
         with self._env.begin(write=True) as txn:
             tv = self._manifest(txn, table, int(version))
-            txn.put(_CUR + table.encode(), struct.pack(">Q", tv.version))
+            txn.put(_CUR + table.encode(), struct.pack(">Q", tv.number))
         return tv
 
     def collect_garbage(self, table: str, keep: int = 2, dry_run: bool = False) -> tuple[list[int], list[int]]:
@@ -217,8 +217,8 @@ class Catalog:
         skipping any a running sidecar serves (it holds a shared flock on the version's
         directory). Returns (removed, skipped because served)."""
         self._check_writable()
-        cur = self.current(table).version
-        versions = [v.version for v in self.versions(table)]
+        cur = self.current(table).number
+        versions = [v.number for v in self.versions(table)]
         newest = set(sorted(versions)[-keep:]) if keep else set()
         removed, served = [], []
         for v in versions:
@@ -331,7 +331,7 @@ class BlockChecksums:
     dtype = np.dtype(np.uint64)
 
     def __init__(self, data_dir, version: TableVersion):
-        self.table, self.version = version.table, version.version
+        self.table, self.version = version.table, version.number
         self.shape = (version.n_blocks,)
         self._catalog: Catalog | None = Catalog(data_dir, readonly=True)
 

@@ -67,11 +67,11 @@ def save_hot_set(data_dir, version, ids: np.ndarray, counts: np.ndarray) -> Path
         raise ValueError(f"a hot set needs one count per id, got {ids.size} ids and {counts.size} counts")
     width = 4 if version.rows < 2**31 else 8
     name = version.table.encode()
-    body = b"".join([HEADER.pack(MAGIC, FORMAT, width, version.version, version.rows, version.created_at,
+    body = b"".join([HEADER.pack(MAGIC, FORMAT, width, version.number, version.rows, version.created_at,
                                  ids.size, len(name)), name,
                      ids.astype(np.int32 if width == 4 else np.int64).astype(f"<i{width}").tobytes(),
                      counts.tobytes()])
-    path = hot_set_path(data_dir, version.table, version.version)
+    path = hot_set_path(data_dir, version.table, version.number)
     private_dirs(data_dir, DIRECTORY)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -94,7 +94,7 @@ def load_hot_set(data_dir, version) -> HotSet | None:
 
     Raises HotSetCorrupt or HotSetMismatch (see the module docstring); OSError
     when the file is there but cannot be read."""
-    path = hot_set_path(data_dir, version.table, version.version)
+    path = hot_set_path(data_dir, version.table, version.number)
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
@@ -110,9 +110,9 @@ def load_hot_set(data_dir, version) -> HotSet | None:
     if len(body) != HEADER.size + name_len + n * (width + 1):
         raise HotSetCorrupt(f"{path} holds {len(body)} bytes, not the {n} ids its header says")
     table = body[HEADER.size:HEADER.size + name_len].decode(errors="replace")
-    if (table, v, rows, created) != (version.table, version.version, version.rows, version.created_at):
+    if (table, v, rows, created) != (version.table, version.number, version.rows, version.created_at):
         raise HotSetMismatch(f"{path} was recorded for table {table!r} v{v} ({rows} rows, created {created:.0f}), "
-                             f"not {version.table!r} v{version.version} ({version.rows} rows, created "
+                             f"not {version.table!r} v{version.number} ({version.rows} rows, created "
                              f"{version.created_at:.0f})")
     at = HEADER.size + name_len
     ids = np.frombuffer(body, dtype=f"<i{width}", count=n, offset=at).astype(np.int64)

@@ -42,6 +42,9 @@ def validate_table_name(name: str) -> str:
 class TableVersion:
     """Manifest of one immutable table version.
 
+    ``number`` is the version's number within its table (1, 2, ...), stored
+    (catalog, portable file, published manifest) and sent as "version".
+
     Rows are ``row_bytes`` bytes each, stored in records of ``record_bytes``
     back to back; row i lives in segment ``i // segment_rows`` at byte
     ``(i % segment_rows) * record_bytes``. ``segment_format`` says what a record is:
@@ -68,7 +71,7 @@ class TableVersion:
     """
 
     table: str
-    version: int
+    number: int  # stored as "version" (to_dict)
     rows: int
     row_format: str
     row_dim: int
@@ -101,7 +104,9 @@ class TableVersion:
         return self.block_rows * self.record_bytes
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """The stored record (catalog, portable file, published manifest): each field
+        under its name, but `number` under its stored name "version"."""
+        d = {_STORED.get(k, k): v for k, v in asdict(self).items()}
         d["segments"] = list(self.segments)
         return d
 
@@ -120,22 +125,25 @@ class TableVersion:
         if bad:
             raise DataLoss(f"catalog record of {where} is inconsistent: {bad}; the catalog is corrupt "
                            f"(restore it or ingest the table again)")
-        d = dict(d)
+        d = {_FIELD.get(k, k): v for k, v in d.items()}
         d["segments"] = tuple(d["segments"])
         return cls(**d)
 
 
+_STORED = {"number": "version"}  # field -> its name in the stored record (unchanged on disk and wire)
+_FIELD = {v: k for k, v in _STORED.items()}
 _INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
 
 
 def _record_problem(d: dict, table: str | None, version: int | None) -> str | None:
-    """What is wrong with a stored manifest record, or None."""
+    """What is wrong with a stored manifest record (to_dict's names), or None."""
     from dataclasses import fields as dc_fields
 
     from tierstore.table.formats import RowFormat
 
-    names = {f.name for f in dc_fields(TableVersion)}
-    required = {f.name for f in dc_fields(TableVersion) if f.default is MISSING and f.default_factory is MISSING}
+    names = {_STORED.get(f.name, f.name) for f in dc_fields(TableVersion)}
+    required = {_STORED.get(f.name, f.name) for f in dc_fields(TableVersion)
+                if f.default is MISSING and f.default_factory is MISSING}
     if not required <= set(d) <= names:
         return f"fields {sorted(required - set(d))} missing, {sorted(set(d) - names)} unknown"
     for k in _INT_FIELDS:
@@ -161,7 +169,7 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
         return (f"segment_format = {fmt!r}; this build reads formats {list(FORMATS)} "
                 f"(a newer tierstore wrote it: upgrade, or re-ingest the table)")
     if fmt == 2 and d.get("row_sums") is not None:
-        return "segment_format 2 carries its row sums inline, yet row_sums names a file"
+        return "segment_format 2 carries its row sums in its records, yet row_sums names a file"
     salt = d.get("row_salt")
     if salt is not None and (not isinstance(salt, int) or isinstance(salt, bool) or not 0 <= salt < 1 << 64):
         return f"row_salt = {salt!r} is not a 64-bit unsigned integer"

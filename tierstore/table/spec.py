@@ -2,7 +2,7 @@
 
 A wrong constant silently rehashes the whole table, so everything derived here
 (multipliers, primes, offsets, row counts) is pinned against the published
-DeepSeek-V4.1 values in tests/client/test_spec.py.
+DeepSeek-V4.1 values in tests/table/test_spec.py.
 """
 from __future__ import annotations
 

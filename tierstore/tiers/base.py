@@ -7,6 +7,8 @@ files, the remote store): nothing else of a reader is looked up.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
@@ -99,15 +101,27 @@ class ColdTier(Tier):
     """The tier a served version's rows come from (tiers.nvme.SegmentReader, tiers.remote.
     RemoteReader): every row it returns is verified against the version's checksums.
 
-    Attributes the engines read: `checksums` (uint64 [n_blocks], the block checksums),
-    `bytes_read` (bytes read from the tier so far), `direct` (None unless misses bypass
-    the page cache, O_DIRECT), `carried_form` (what a local client's note may carry for
-    the misses it read: "rows", "records" or "" for nothing; see SegmentReader)."""
+    Attributes the engines and the sidecar read: `checksums` (uint64 [n_blocks], the block
+    checksums), `bytes_read` (bytes read from the tier so far), `direct` (None unless
+    misses bypass the page cache, O_DIRECT), `verifies_rows` (each row is checked against
+    its own row sum; else rows verify by their block), `carried_form` (what a local
+    client's note may carry for the misses it read: "rows", "records" or "" for nothing;
+    see SegmentReader), `cold_dir` (where a local client may read the misses itself).
+    The defaults are a tier that offers none of it: a note carries nothing, nothing
+    carried is placed."""
 
     checksums: np.ndarray
     bytes_read: int = 0
     direct = None
+    verifies_rows: bool = False
     carried_form: str = ""
+
+    @property
+    def cold_dir(self) -> Path | None:
+        """The data directory whose segment files a local client may read this version's
+        misses from itself, each row checked against its row sum; None where it may not
+        (rows that verify only by block, rows not on this host)."""
+        return None
 
     def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
         """Rows `ids` verified and written to dest[slots]. cached: their pages are known to
@@ -121,3 +135,17 @@ class ColdTier(Tier):
     def held_arrays(self) -> tuple[np.ndarray, ...]:
         """What the tier holds in DRAM to check rows (block checksums, format 1's row sums)."""
         return (self.checksums,)
+
+    def place_rows(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
+                   slots: np.ndarray) -> int:
+        """Write src[row_at[i]], row ids[i] as a client read it, into dest[slots[i]], each
+        verified against its row sum (carried_form "rows"). Returns the index of the first
+        row that fails, or -1 when all pass; a tier that cannot verify rows fails them all
+        (0), so nothing unverified is ever placed."""
+        return 0 if ids.size else -1
+
+    def place_records(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
+                      slots: np.ndarray) -> int:
+        """As place_rows for records (row and row sum, carried_form "records"), each checked
+        against the sum it carries; by default every record fails (0)."""
+        return 0 if ids.size else -1

@@ -7,7 +7,7 @@ from tierstore.errors import InvalidArgument
 
 __all__ = ["PolicyConfig", "KINDS", "MAX_EXPECT_STEPS", "MAX_HITS"]
 
-KINDS = ("s3fifo", "lru", "random")  # tierstore/policy/__init__.py registers one class per kind
+KINDS = ("s3fifo", "lru", "random")  # tierstore/cache/policy/__init__.py registers one class per kind
 MAX_EXPECT_STEPS = 1 << 15  # hint ends are kept mod 2^16 (policy/queues.py): twice the longest hint
 MAX_HITS = 31  # a slot's CLOCK hits live in the top five bits of its queue byte (policy/queues.py)
 

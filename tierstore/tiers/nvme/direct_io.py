@@ -47,23 +47,23 @@ def probe_alignment(fd: int, path) -> int:
         buf.close()
 
 
-def pread_rows(fd: int, local: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
+def pread_rows(fd: int, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
                ring: Ring | None = None) -> tuple[int, int]:
-    """pread rows `local` (sorted row numbers of the file at fd, rows of rb bytes)
-    into out[:len(local)], reading the `a`-aligned spans that hold them (a = 1:
+    """pread rows `offsets` (sorted row numbers of the file at fd, rows of rb bytes)
+    into out[:len(offsets)], reading the `a`-aligned spans that hold them (a = 1:
     exactly the rows); rows whose spans touch share one pread. buffer(n) gives
     an a-aligned scratch of >= n bytes. With a `ring` every span is read in
     flight together (one system call); a span it did not read in full is
     pread again. Returns (bytes read, index of the first row the file did not
     hold in full, or -1)."""
-    off = local * rb
+    off = offsets * rb
     start = off // a * a
     end = -(-(off + rb) // a) * a
     # rows whose spans touch share one read; ends never decrease (ids are sorted)
-    new = np.ones(local.size, dtype=bool)
+    new = np.ones(offsets.size, dtype=bool)
     new[1:] = start[1:] > end[:-1]
     first = np.flatnonzero(new)
-    last = np.append(first[1:], local.size) - 1
+    last = np.append(first[1:], offsets.size) - 1
     r_off, r_len = start[first], end[last] - start[first]
     r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
     run_of = np.cumsum(new) - 1
@@ -180,11 +180,11 @@ class DirectFiles:
     def _buffer(self, nbytes: int) -> np.ndarray:
         return thread_buffer(self._scratch, nbytes)
 
-    def read_rows(self, seg: int, local: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        """Read rows `local` (sorted row numbers within segment `seg`) into uint8
-        [len(local), row_bytes] `out`. Returns (bytes read, index of the first row
+    def read_rows(self, seg: int, offsets: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Read rows `offsets` (sorted row numbers within segment `seg`) into uint8
+        [len(offsets), row_bytes] `out`. Returns (bytes read, index of the first row
         the file did not hold in full, or -1)."""
-        return pread_rows(self.fds[seg], local, self.row_bytes, self.align, out, self._buffer, thread_ring())
+        return pread_rows(self.fds[seg], offsets, self.row_bytes, self.align, out, self._buffer, thread_ring())
 
     def close(self) -> None:
         fds, self.fds = self.fds, []

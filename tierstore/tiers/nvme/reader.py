@@ -208,13 +208,13 @@ class SegmentReader(ColdTier):
         self.rows = version.rows
         self.row_bytes = version.row_bytes
         self.block_rows = version.block_rows
-        self.inline = version.segment_format == 2  # each record carries its row sum
+        self.sums_in_records = version.segment_format == 2  # each record carries its row sum
         self.row_key = rowsum.RowKey.of(version.row_salt)  # what this version's row sums are keyed by
         self.record_bytes = version.record_bytes
         # an array, or read from the catalog per call (BlockChecksums: only the block path reads them)
         self.checksums = checksums if isinstance(checksums, BlockChecksums) else np.asarray(checksums, np.uint64)
         if self.checksums.shape != (version.n_blocks,):
-            raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
+            raise InvalidArgument(f"table {self.table!r} version {version.number}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
         self._block_bytes = self.block_rows * self.record_bytes
         self._blocks_per_seg = version.segment_rows // self.block_rows
@@ -231,7 +231,7 @@ class SegmentReader(ColdTier):
             self._fds.append(fd)
             self._why.append(why)
         self.row_sums, self.row_sums_error = self._load_row_sums()
-        self.verifies_rows = self.inline or self.row_sums is not None
+        self.verifies_rows = self.sums_in_records or self.row_sums is not None
         if direct_io:
             from tierstore.tiers.nvme.direct_io import DirectFiles
 
@@ -243,10 +243,10 @@ class SegmentReader(ColdTier):
                 raise
 
     def _load_row_sums(self) -> tuple[np.ndarray | None, str | None]:
-        meta = getattr(self.version, "row_sums", None)
+        meta = self.version.row_sums
         if not meta:
             return None, None
-        where = f"table {self.table!r} version {self.version.version}"
+        where = f"table {self.table!r} version {self.version.number}"
         if meta.get("algo") != self.row_key.algo:
             known = "" if meta.get("algo") in rowsum.ALGOS else f"; this build knows {list(rowsum.ALGOS)}"
             return None, (f"{where}: row checksums use {meta.get('algo')!r}, yet its row_salt makes them "
@@ -336,13 +336,19 @@ class SegmentReader(ColdTier):
         if bad:
             i, why = min(bad)
             row = int(ids[i])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}" + (f": {why}" if why else ""))
             err.row = row
             raise err
 
     def held_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.checksums,) if self.row_sums is None else (self.checksums, self.row_sums)
+
+    @property
+    def cold_dir(self) -> Path | None:
+        """This reader's data directory when its rows verify one by one (a local client
+        then reads its misses from the same segment files), else None."""
+        return self.data_dir if self.verifies_rows else None
 
     @property
     def carried_form(self) -> str:
@@ -359,7 +365,7 @@ class SegmentReader(ColdTier):
         sidecar did not verify for this place is ever placed)."""
         if not self.verifies_rows:
             return ""
-        if not (self.inline and self.direct is not None):
+        if not (self.sums_in_records and self.direct is not None):
             return "rows"
         return "records" if self.row_key.binds_version else ""
 
@@ -368,31 +374,31 @@ class SegmentReader(ColdTier):
         stored as `ids` (int64 [n]), as a client carries them (carried_form "records")."""
         return rowsum.records(rows, ids, self.row_key)
 
-    def place_records(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
+    def place_records(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
                       slots: np.ndarray) -> int:
-        """Write the row of record src[local[i]] into dest[slots[i]], each checked against
+        """Write the row of record src[row_at[i]] into dest[slots[i]], each checked against
         the sum its record carries for row ids[i] of this version: a damaged record fails,
         and so does a genuine record of another id, table or version (its sum is keyed by
         another salt, rowsum.RowKey). The sum comes with the record: the caller vouches
         for whoever sent it (the sidecar only for a peer of its own uid). src: uint8 [*,
-        record_bytes]; ids, local, slots: int64 [n]. Returns the index of the first record
-        that fails, or -1; every record fails for a table without inline row sums keyed
+        record_bytes]; ids, row_at, slots: int64 [n]. Returns the index of the first record
+        that fails, or -1; every record fails for a table without row sums in its records keyed
         by its salt (fmix64-v1 binds the id alone: a record would pass at any version)."""
         if ids.size == 0:
             return -1
-        if not (self.verifies_rows and self.inline and self.row_key.binds_version) or src.ndim != 2 \
+        if not (self.verifies_rows and self.sums_in_records and self.row_key.binds_version) or src.ndim != 2 \
                 or src.shape[1] != self.record_bytes:
             return 0
-        return place_records(src, local, ids, dest, slots, self.row_key)
+        return place_records(src, row_at, ids, dest, slots, self.row_key)
 
-    def place_rows(self, ids: np.ndarray, src: np.ndarray, local: np.ndarray, dest: np.ndarray,
+    def place_rows(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
                    slots: np.ndarray) -> int:
-        """Write src[local[i]], row ids[i] as someone else read it, into dest[slots[i]], each
+        """Write src[row_at[i]], row ids[i] as someone else read it, into dest[slots[i]], each
         row verified against its row sum in the same pass (verified_copy.place_verified):
         the sidecar promotes the rows a local client read without reading them again.
 
         ids: int64, in range (the engine checked them); src: uint8 [*, row_bytes];
-        local, slots: int64 [len(ids)]. Returns the index of the first row that does
+        row_at, slots: int64 [len(ids)]. Returns the index of the first row that does
         not match its row sum, or -1 when all do; after a mismatch the rows of this
         call in dest may hold anything (the caller reads them from disk instead).
         Every row mismatches for a version without row sums: nothing unverified is
@@ -405,13 +411,13 @@ class SegmentReader(ColdTier):
             return -1
         if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
             return 0
-        if self.inline:
+        if self.sums_in_records:
             order = np.argsort(ids, kind="stable")
             sums = np.empty(ids.size, dtype=np.uint64)
             sums[order] = self._stored_sums(ids[order])
-            return place_verified(src, local, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
+            return place_verified(src, row_at, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
         self._check_sums(ids)
-        return place_verified(src, local, ids, dest, slots, self.row_sums, self.row_key)
+        return place_verified(src, row_at, ids, dest, slots, self.row_sums, self.row_key)
 
     def _stored_sums(self, ids: np.ndarray) -> np.ndarray:
         """Format 2: the row sums the records of sorted `ids` carry, gathered from the
@@ -421,36 +427,36 @@ class SegmentReader(ColdTier):
         cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
         for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
             if lo < hi:
-                local = ids[lo:hi] - s * sr
-                view, _ = self._mapped(s, local, ids[lo])
-                out[lo:hi] = view.view("<u8")[local, -1]
+                offsets = ids[lo:hi] - s * sr
+                view, _ = self._mapped(s, offsets, ids[lo])
+                out[lo:hi] = view.view("<u8")[offsets, -1]
         return out
 
-    def _place(self, src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray,
+    def _place(self, src: np.ndarray, offsets: np.ndarray, ids: np.ndarray, dest: np.ndarray,
                slots: np.ndarray) -> int:
-        """Place records src[local] (as read from a segment) into dest[slots], each row
+        """Place records src[offsets] (as read from a segment) into dest[slots], each row
         verified: against the sum its record carries (format 2) or the row-sum file's."""
-        if self.inline:
-            return place_records(src, local, ids, dest, slots, self.row_key)
-        return place_verified(src, local, ids, dest, slots, self.row_sums, self.row_key)
+        if self.sums_in_records:
+            return place_records(src, offsets, ids, dest, slots, self.row_key)
+        return place_verified(src, offsets, ids, dest, slots, self.row_sums, self.row_key)
 
     def _check_sums(self, ids: np.ndarray) -> None:
         """ChecksumError (naming ids[0]) when the mapped row-sum file shrank: touching the
         map past the file's end would be SIGBUS."""
         if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
             row = int(ids[0])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: the row checksum file shrank after it was opened")
             err.row = row
             raise err
 
     def _fill_small(self, s: int, ids, dest, slots) -> tuple[int, int, str]:
         """A few rows of one segment: inline, no chunking or pool hand-off."""
-        local = ids - s * self.version.segment_rows
-        src = self._source(s, local, ids[0])
-        cold = not src[1][local * self.record_bytes >> PAGE_SHIFT].all()
+        offsets = ids - s * self.version.segment_rows
+        src = self._source(s, offsets, ids[0])
+        cold = not src[1][offsets * self.record_bytes >> PAGE_SHIFT].all()
         with cpu_token.waiting() if cold else contextlib.nullcontext():
-            return self._fill_buffered(s, src, local, ids, dest, slots, 0, ids.size)
+            return self._fill_buffered(s, src, offsets, ids, dest, slots, 0, ids.size)
 
     def _fill_cached(self, ids, dest, slots) -> list[tuple[int, int, str]]:
         """Rows on cached pages, gathered through each segment's map in one compiled pass."""
@@ -459,11 +465,11 @@ class SegmentReader(ColdTier):
         cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
         for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
             if lo < hi:
-                local = ids[lo:hi] - s * sr
-                view, seen = self._source(s, local, ids[lo])
-                bad = self._place(view, local, ids[lo:hi], dest, slots[lo:hi])
-                seen[local * self.record_bytes >> PAGE_SHIFT] = True
-                out.append((local.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
+                offsets = ids[lo:hi] - s * sr
+                view, seen = self._source(s, offsets, ids[lo])
+                bad = self._place(view, offsets, ids[lo:hi], dest, slots[lo:hi])
+                seen[offsets * self.record_bytes >> PAGE_SHIFT] = True
+                out.append((offsets.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
         return out
 
     def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
@@ -502,29 +508,29 @@ class SegmentReader(ColdTier):
                 results += run(chunks)
         return results
 
-    def _source(self, s: int, local: np.ndarray, first_id) -> object:
+    def _source(self, s: int, offsets: np.ndarray, first_id) -> object:
         """Where rows of segment s come from: its row view (page-cache mode) or
         its index (O_DIRECT); ChecksumError for a segment that is not there."""
         if self._fds[s] is None:
             row = int(first_id)
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: segment {self.version.segments[s]} is {self._why[s]}")
             err.row = row
             raise err
         if self.direct is not None:
             return s
-        return self._mapped(s, local, first_id)
+        return self._mapped(s, offsets, first_id)
 
-    def _mapped(self, s: int, local: np.ndarray, first_id) -> tuple[np.ndarray, np.ndarray]:
-        """Segment s's map (see _map), ChecksumError when it no longer holds rows `local`."""
+    def _mapped(self, s: int, offsets: np.ndarray, first_id) -> tuple[np.ndarray, np.ndarray]:
+        """Segment s's map (see _map), ChecksumError when it no longer holds rows `offsets`."""
         if self._fds[s] is None:
-            return self._source(s, local, first_id)  # raises
+            return self._source(s, offsets, first_id)  # raises
         view = self._map(s)
         size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
         limit = min(view[0].shape[0], size // self.record_bytes)
-        if int(local[-1]) >= limit:
-            row = int(first_id) + int(local[np.argmax(local >= limit)] - local[0])
-            err = ChecksumError(self.table, self.version.version, row // self.block_rows,
+        if int(offsets[-1]) >= limit:
+            row = int(first_id) + int(offsets[np.argmax(offsets >= limit)] - offsets[0])
+            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
                                 f"row {row}: segment {self.version.segments[s]} is truncated")
             err.row = row
             raise err
@@ -534,11 +540,11 @@ class SegmentReader(ColdTier):
         """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
         index of the first bad row or -1, why)."""
         s, src, a, b = task
-        local = ids[a:b] - s * self.version.segment_rows
+        offsets = ids[a:b] - s * self.version.segment_rows
         if self.direct is None:
-            return self._fill_buffered(s, src, local, ids, dest, slots, a, b)
+            return self._fill_buffered(s, src, offsets, ids, dest, slots, a, b)
         tmp = row_buffer(b - a, self.record_bytes)
-        nbytes, short = self.direct.read_rows(s, local, tmp)
+        nbytes, short = self.direct.read_rows(s, offsets, tmp)
         if short >= 0:
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
         bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
@@ -547,7 +553,7 @@ class SegmentReader(ColdTier):
     def close(self) -> None:
         fds, self._fds = self._fds, []
         self._maps = [None] * len(self._maps)  # a map goes with its last view
-        sums_fd, self._sums_fd = getattr(self, "_sums_fd", None), None
+        sums_fd, self._sums_fd = self._sums_fd, None
         for fd in fds + [sums_fd]:
             if fd is not None:
                 os.close(fd)
@@ -585,7 +591,7 @@ class SegmentReader(ColdTier):
                     view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
         return view
 
-    def _fill_buffered(self, s: int, src, local: np.ndarray, ids, dest, slots, a: int, b: int) -> tuple[int, int, str]:
+    def _fill_buffered(self, s: int, src, offsets: np.ndarray, ids, dest, slots, a: int, b: int) -> tuple[int, int, str]:
         """Page-cache mode: rows on pages this reader has read before come from its
         map (a gather: no syscall once mapped); rows on pages it has not are
         pread (a page fault on a cold page would wait for the device one at a
@@ -594,25 +600,25 @@ class SegmentReader(ColdTier):
         in one pass (tiers/nvme/verified_copy.py)."""
         view, seen = src
         rb = self.record_bytes
-        pages = local * rb >> PAGE_SHIFT
+        pages = offsets * rb >> PAGE_SHIFT
         warm = seen[pages]
         if warm.all():
-            with _Gather(seen, local.size):
-                bad = self._place(view, local, ids[a:b], dest, slots[a:b])
-            return local.size * rb, (a + bad if bad >= 0 else -1), ""
+            with _Gather(seen, offsets.size):
+                bad = self._place(view, offsets, ids[a:b], dest, slots[a:b])
+            return offsets.size * rb, (a + bad if bad >= 0 else -1), ""
         cold = np.flatnonzero(~warm)
         got = row_buffer(cold.size, rb)
-        nbytes, short = pread_rows(self._fds[s], local[cold], rb, 1, got, self._pread_buffer)
+        nbytes, short = pread_rows(self._fds[s], offsets[cold], rb, 1, got, self._pread_buffer)
         if short >= 0:
             return nbytes, a + int(cold[short]), f"segment {self.version.segments[s]} is truncated"
         bad = self._place(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold])
         if bad >= 0:
             return nbytes, a + int(cold[bad]), ""
         seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
-        if cold.size < local.size:
+        if cold.size < offsets.size:
             hot = np.flatnonzero(warm)
             with _Gather(seen, hot.size):
-                bad = self._place(view, local[hot], ids[a:b][hot], dest, slots[a:b][hot])
+                bad = self._place(view, offsets[hot], ids[a:b][hot], dest, slots[a:b][hot])
             nbytes += hot.size * rb
             if bad >= 0:
                 return nbytes, a + int(hot[bad]), ""
@@ -658,7 +664,7 @@ class SegmentReader(ColdTier):
             s, first_block, got = min(failed, key=lambda f: f[1])
             bad = first_block + got // self._block_bytes
             what = self._why[s] or "truncated"
-            raise ChecksumError(self.table, self.version.version, bad,
+            raise ChecksumError(self.table, self.version.number, bad,
                                 f"segment {self.version.segments[s]} is {what}")
         with self._lock:
             self.bytes_read += total
@@ -667,7 +673,7 @@ class SegmentReader(ColdTier):
         bb = self._block_bytes
         for j, (e, n) in enumerate(zip(expect, lens.tolist())):
             if h(buf[j * bb:j * bb + n]) != e:
-                raise ChecksumError(self.table, self.version.version, int(blocks[j]),
+                raise ChecksumError(self.table, self.version.number, int(blocks[j]),
                                     self._blame(int(blocks[j]), buf[j * bb:j * bb + n]))
 
     def _blame(self, block: int, raw: memoryview) -> str:
@@ -682,7 +688,7 @@ class SegmentReader(ColdTier):
         recs = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.record_bytes)
         r0 = block * self.block_rows
         ids = np.arange(r0, r0 + recs.shape[0], dtype=np.int64)
-        if self.inline:
+        if self.sums_in_records:
             if recs[:, self.row_bytes:self.record_bytes - 8].any():
                 return ""
             want = np.ascontiguousarray(recs[:, -8:]).view("<u8")[:, 0]
@@ -751,7 +757,7 @@ class SegmentReader(ColdTier):
         for a in range(first, last + 1, g):
             blocks = np.arange(a, min(a + g, last + 1), dtype=np.int64)
             r0, r1 = a * br, min((a + len(blocks)) * br, self.rows)
-            if self.inline:
+            if self.sums_in_records:
                 if scratch is None:
                     scratch = np.empty(g * self._block_bytes, dtype=np.uint8)
                 self._read_blocks(blocks, memoryview(scratch))
@@ -816,7 +822,7 @@ class SegmentReader(ColdTier):
                 r0, r1 = int(blocks[0]) * br, min(a * br, self.rows)
                 ids = np.arange(r0, r1, dtype=np.int64)
                 recs = buf[:(r1 - r0) * self.record_bytes].reshape(-1, self.record_bytes)
-                want = recs.view("<u8")[:, -1] if self.inline else self.row_sums[r0:r1]
+                want = recs.view("<u8")[:, -1] if self.sums_in_records else self.row_sums[r0:r1]
                 wrong = rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key) != want
                 bad += np.unique(ids[wrong] // br).tolist()
         return bad

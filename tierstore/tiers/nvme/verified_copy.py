@@ -56,24 +56,24 @@ def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys, seed, mix_id):
     return acc + (x ^ (x >> _S32))
 
 
-def _place_loop(src, local, ids, dest, slots, sums, at, skeys, kkeys, seed, mix_id):
-    """dest[slots[i]] = src[local[i]] (uint64 words) for every i, verified against
+def _place_loop(src, row_at, ids, dest, slots, sums, at, skeys, kkeys, seed, mix_id):
+    """dest[slots[i]] = src[row_at[i]] (uint64 words) for every i, verified against
     sums[at[i]]; the index of the first row whose sum differs, or -1."""
     words = src.shape[1]
-    for i in range(local.shape[0]):
-        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) != sums[at[i]]:
+    for i in range(row_at.shape[0]):
+        if _copy_summed(src, row_at[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) != sums[at[i]]:
             return i
     return -1
 
 
-def _records_loop(src, local, ids, dest, slots, skeys, kkeys, seed, mix_id):
-    """dest[slots[i]] = the row words of record src[local[i]] (uint64 words; the record's
+def _records_loop(src, row_at, ids, dest, slots, skeys, kkeys, seed, mix_id):
+    """dest[slots[i]] = the row words of record src[row_at[i]] (uint64 words; the record's
     last word is the row's sum) for every i, verified against that sum; the index of
     the first row whose sum differs, or -1."""
     words, last = dest.shape[1], src.shape[1] - 1
-    for i in range(local.shape[0]):
-        if _copy_summed(src, local[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) \
-                != src[local[i], last]:
+    for i in range(row_at.shape[0]):
+        if _copy_summed(src, row_at[i], dest, slots[i], words, ids[i], skeys, kkeys, seed, mix_id) \
+                != src[row_at[i], last]:
             return i
     return -1
 
@@ -82,13 +82,13 @@ _PLACE = Kernel(_place_loop)
 _RECORDS = Kernel(_records_loop)
 
 
-def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
+def place_verified(src: np.ndarray, row_at: np.ndarray, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
                    sums: np.ndarray, key: rowsum.RowKey, at: np.ndarray | None = None) -> int:
-    """Copy rows src[local[i]] to dest[slots[i]], each checked against sums[at[i]], the
+    """Copy rows src[row_at[i]] to dest[slots[i]], each checked against sums[at[i]], the
     sums of the version keyed by `key` (at: default ids, a version's whole row-sum
     array; or positions in a gathered one).
 
-    src, dest: uint8 [*, B], rows contiguous; local, ids, slots, at: int64 [n].
+    src, dest: uint8 [*, B], rows contiguous; row_at, ids, slots, at: int64 [n].
     Returns the index of the first row that fails verification, or -1 (rows
     after a failure may not have been copied: the caller discards the call).
     """
@@ -97,23 +97,23 @@ def place_verified(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np
     b = src.shape[1]
     if k is not None and b % 8 == 0 and _aligned(src) and _aligned(dest):
         s, kk = rowsum._keys(b // 8)
-        return int(k(_words(src), local, ids, _words(dest), slots, sums, at, s, kk, np.uint64(key.seed),
+        return int(k(_words(src), row_at, ids, _words(dest), slots, sums, at, s, kk, np.uint64(key.seed),
                      bool(key.mix_id)))
-    rows = src[local]
+    rows = src[row_at]
     ok = rowsum.row_sums(rows, ids, key) == sums[at]
     dest[slots] = rows
     return -1 if ok.all() else int(np.argmin(ok))
 
 
-def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.ndarray,
+def place_records(src: np.ndarray, row_at: np.ndarray, ids: np.ndarray, dest: np.ndarray,
                   slots: np.ndarray, key: rowsum.RowKey) -> int:
-    """Copy the rows of records src[local[i]] (segment format 2: row, zero padding to
+    """Copy the rows of records src[row_at[i]] (segment format 2: row, zero padding to
     whole words, its uint64 row sum) to dest[slots[i]], each checked against the sum
     its record carries for row ids[i] of the version keyed by `key` (the miss path: no
     block checksum is read).
 
     src: uint8 [*, R] records (R = TableVersion.record_bytes); dest: uint8 [*, B]
-    rows, B <= R - 8; local, ids, slots: int64 [n]. Returns the index of the first
+    rows, B <= R - 8; row_at, ids, slots: int64 [n]. Returns the index of the first
     row that fails verification, or -1 (rows after a failure may not have been
     copied: the caller discards the call).
     """
@@ -121,8 +121,8 @@ def place_records(src: np.ndarray, local: np.ndarray, ids: np.ndarray, dest: np.
     k = _RECORDS.compiled()
     if k is not None and b % 8 == 0 and r % 8 == 0 and _aligned(src) and _aligned(dest):
         s, kk = rowsum._keys(b // 8)
-        return int(k(_words(src), local, ids, _words(dest), slots, s, kk, np.uint64(key.seed), bool(key.mix_id)))
-    recs = src[local]
+        return int(k(_words(src), row_at, ids, _words(dest), slots, s, kk, np.uint64(key.seed), bool(key.mix_id)))
+    recs = src[row_at]
     ok = rowsum.row_sums(recs[:, :b], ids, key) == recs[:, r - 8:].copy().view("<u8").reshape(-1)
     dest[slots] = recs[:, :b]
     return -1 if ok.all() else int(np.argmin(ok))

@@ -118,7 +118,7 @@ class LocalCopy:
         if not ok.all():
             bad = blocks[~ok]
             log.warning("table %s v%d: %d local blocks (first %d) failed verification; fetching them again",
-                        self.version.table, self.version.version, bad.size, int(bad[0]))
+                        self.version.table, self.version.number, bad.size, int(bad[0]))
             with self._lock:
                 self.present[bad] = False
                 self.n_present = int(self.present.sum())
@@ -157,7 +157,7 @@ class LocalCopy:
                          for j, (b, (_, _, n)) in enumerate(zip(blocks.tolist(), spans))], dtype=bool)
         if not good.all():
             log.warning("table %s v%d: %d fetched blocks (first %d) did not match their checksum; not written",
-                        v.table, v.version, int((~good).sum()), int(blocks[~good][0]))
+                        v.table, v.number, int((~good).sum()), int(blocks[~good][0]))
         touched = set()
         for (fd, off, n), row in zip([s for s, g in zip(spans, good) if g], data[good]):
             os.pwrite(fd, row[:n], off)
@@ -194,7 +194,7 @@ class LocalCopy:
             raw = os.pread(self._sums_fd, 8 * v.rows, 0)
             if xxhash.xxh3_64_intdigest(raw) != int(v.row_sums["xxh3"]):
                 log.error("table %s v%d: the row checksums rebuilt here do not match the manifest; "
-                          "keeping the copy partial", v.table, v.version)
+                          "keeping the copy partial", v.table, v.number)
                 return False
             self._rename(self._sums_path)
         for p in v.segments:
@@ -204,7 +204,7 @@ class LocalCopy:
         fsync_dir(self.dir)
         self.finished = True
         log.info("table %s v%d: every block is local now; a restart serves it from %s without Mooncake",
-                 v.table, v.version, self.dir)
+                 v.table, v.number, self.dir)
         return True
 
     @staticmethod

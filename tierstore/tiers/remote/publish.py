@@ -65,8 +65,8 @@ def publish(store, data_dir, table: str, version: int | None = None, *, replicas
 
     with Catalog(data_dir, readonly=True) as cat:
         tv = cat.get(table, version)
-        sums = cat.checksums(table, tv.version)
-    p = prefix(tv.table, tv.version)
+        sums = cat.checksums(table, tv.number)
+    p = prefix(tv.table, tv.number)
     if store.is_exist(p + "manifest") == 1:
         return tv, False
     cfg = _replicate(replicas)
@@ -77,14 +77,14 @@ def publish(store, data_dir, table: str, version: int | None = None, *, replicas
             tail = (tv.rows - (tv.n_blocks - 1) * tv.block_rows) * tv.record_bytes  # the last block may be short
             values = [grid[i] if b0 + i < tv.n_blocks - 1 else grid[i, :tail] for i in range(n)]
             # upsert: a publish killed half way leaves blocks behind; re-running overwrites them
-            _check(store.upsert_batch(block_keys(tv.table, tv.version, range(b0, b0 + n)), values, cfg),
+            _check(store.upsert_batch(block_keys(tv.table, tv.number, range(b0, b0 + n)), values, cfg),
                    f"blocks {b0}..{b0 + n - 1}")
     raw = np.ascontiguousarray(sums, dtype="<u8").tobytes()
     _check(store.upsert(p + "checksums", raw, cfg), "checksums")
     manifest = json.dumps({"manifest": tv.to_dict(), "checksums_xxh3": xxhash.xxh3_64_intdigest(raw)},
                           sort_keys=True).encode()
     _check(store.upsert(p + "manifest", manifest, cfg), "manifest")
-    _check(store.upsert(f"tierstore/{tv.table}/latest", struct.pack("<Q", tv.version), cfg), "latest pointer")
+    _check(store.upsert(f"tierstore/{tv.table}/latest", struct.pack("<Q", tv.number), cfg), "latest pointer")
     return tv, True
 
 
@@ -149,9 +149,9 @@ def import_published(data_dir, store, names) -> list[tuple[TableVersion, bool]]:
         tv, sums = fetch_manifest(store, table, version)
         with Catalog(data_dir) as cat:
             try:
-                cur = cat.current(table).version
+                cur = cat.current(table).number
             except TableNotFound:
                 cur = None
-            newer = version is not None or cur is None or tv.version > cur
+            newer = version is not None or cur is None or tv.number > cur
             out.append((tv, cat.register_version(tv, sums, make_current=newer)))
     return out

@@ -46,33 +46,33 @@ class RemoteReader(ColdTier):
     version, checksums: the manifest and uint64 [n_blocks] (publish.fetch_manifest,
     or the local catalog filled by `tierstore fetch-manifest`).
     retry_s: how long unanswered blocks are retried before Unavailable.
-    local: a LocalCopy of this version to read present blocks from and write
+    copy: a LocalCopy of this version to read present blocks from and write
     fetched ones back to (a WriteBack thread; `fill` also fetches blocks no
     request asked for, so the copy completes). The reader then owns it.
 
     Thread-safe (Mooncake's client is); `bytes_read` and `blocks_fetched` count
-    what came from Mooncake, `local_blocks_read` blocks read from the local copy
+    what came from Mooncake, `copy_blocks_read` blocks read from the local copy
     (a complete copy is then read row by row through a SegmentReader).
     """
 
     def __init__(self, store, version: TableVersion, checksums: np.ndarray, *, retry_s: float = RETRY_S,
-                 local=None, fill: bool = True):
+                 copy=None, fill: bool = True):
         self.store, self.version, self.retry_s = store, version, float(retry_s)
         self.table, self.rows, self.row_bytes = version.table, version.rows, version.row_bytes
         self.block_rows = version.block_rows
         self.checksums = np.asarray(checksums, dtype=np.uint64)
         if self.checksums.shape != (version.n_blocks,):
-            raise InvalidArgument(f"table {self.table!r} version {version.version}: expected "
+            raise InvalidArgument(f"table {self.table!r} version {version.number}: expected "
                                   f"{version.n_blocks} checksums, got {self.checksums.shape}")
         self._block_bytes = version.block_bytes
         self._lock = threading.Lock()
         self.bytes_read = self.blocks_fetched = 0
         self.retries = 0
-        self.local, self.writeback, self.local_blocks_read = local, None, 0
+        self.copy, self.writeback, self.copy_blocks_read = copy, None, 0
         self._done = None  # SegmentReader once the local copy is complete
-        if local is not None:
+        if copy is not None:
             from tierstore.tiers.remote.writeback import WriteBack
-            self.writeback = WriteBack(local, self._fetch_rows, fill=fill)
+            self.writeback = WriteBack(copy, self._fetch_rows, fill=fill)
 
     # ---- block fetch ---------------------------------------------------------
     def _block_len(self, blocks: np.ndarray) -> np.ndarray:
@@ -82,15 +82,15 @@ class RemoteReader(ColdTier):
     def _read_blocks(self, blocks: np.ndarray, buf: np.ndarray) -> None:
         """Sorted unique `blocks` into `buf` (block j at byte j * block_bytes), verified:
         from the local copy where present, else from Mooncake (then offered for write-back)."""
-        if self.local is None:
+        if self.copy is None:
             return self._fetch(blocks, buf, np.arange(blocks.size))
-        have = self.local.present[blocks]
+        have = self.copy.present[blocks]
         at = np.flatnonzero(have)
         if at.size:
-            ok = self.local.read_blocks(blocks[at], buf, at)
+            ok = self.copy.read_blocks(blocks[at], buf, at)
             have[at[~ok]] = False
             with self._lock:
-                self.local_blocks_read += int(ok.sum())
+                self.copy_blocks_read += int(ok.sum())
         need = np.flatnonzero(~have)
         if need.size:
             self._fetch(blocks[need], buf, need)
@@ -108,7 +108,7 @@ class RemoteReader(ColdTier):
         where = where.tolist()
         lens = self._block_len(blocks).tolist()
         expect = self.checksums[blocks].tolist()
-        keys = block_keys(self.table, self.version.version, blocks)
+        keys = block_keys(self.table, self.version.number, blocks)
         bb, h = self._block_bytes, xxhash.xxh3_64_intdigest
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.retry_s
@@ -122,7 +122,7 @@ class RemoteReader(ColdTier):
                     failed.append(j)
                     continue
                 if h(v) != expect[j]:
-                    raise ChecksumError(self.table, self.version.version, int(blocks[j]), "object in Mooncake")
+                    raise ChecksumError(self.table, self.version.number, int(blocks[j]), "object in Mooncake")
                 buf[where[j] * bb:where[j] * bb + lens[j]] = np.frombuffer(v, dtype=np.uint8)
                 total += lens[j]
             if failed:
@@ -138,11 +138,11 @@ class RemoteReader(ColdTier):
         exist = self.store.batch_is_exist(keys)
         gone = [b for b, e in zip(blocks, exist) if e == 0]
         if gone:
-            raise ChecksumError(self.table, self.version.version, gone[0],
+            raise ChecksumError(self.table, self.version.number, gone[0],
                                 "no replica left in Mooncake; publish the version again")
         if time.monotonic() >= deadline:
             master = all(e < 0 for e in exist)
-            raise Unavailable(f"table {self.table!r} version {self.version.version}: "
+            raise Unavailable(f"table {self.table!r} version {self.version.number}: "
                               f"{'the Mooncake master does not answer' if master else 'no replica answers'} "
                               f"for {len(blocks)} blocks (first {blocks[0]}) after {self.retry_s:.0f}s")
         with self._lock:
@@ -163,11 +163,11 @@ class RemoteReader(ColdTier):
 
     def _finished_reader(self):
         """Once the local copy is complete: a SegmentReader on it (row-sized verified reads)."""
-        if self._done is None and self.local is not None and self.local.finished:
+        if self._done is None and self.copy is not None and self.copy.finished:
             with self._lock:
                 if self._done is None:
                     from tierstore.tiers.nvme.reader import SegmentReader
-                    self._done = SegmentReader(self.local.data_dir, self.version, self.checksums)
+                    self._done = SegmentReader(self.copy.data_dir, self.version, self.checksums)
         return self._done
 
     # ---- public reads (SegmentReader's interface) ------------------------------
@@ -221,6 +221,6 @@ class RemoteReader(ColdTier):
             self._done.close()
         if self.writeback is not None and not self.writeback.close():
             return  # its thread still holds the files: never close an fd it may write to
-        if self.local is not None:
-            self.local.close()
-            self.local = None
+        if self.copy is not None:
+            self.copy.close()
+            self.copy = None

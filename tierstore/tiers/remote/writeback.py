@@ -32,33 +32,33 @@ RETRY_PAUSE_S = 1.0        # a failed fill fetch (Mooncake away) waits this long
 
 
 class WriteBack:
-    """Background writer of fetched blocks into `local`.
+    """Background writer of fetched blocks into `copy`.
 
     fetch(blocks) -> uint8 [len(blocks), block_bytes]: verified blocks from the
     remote tier (used by the fill). fill: also fetch blocks nobody asked for.
     Counters: written, dropped (blocks), fill_fetched (blocks).
     """
 
-    def __init__(self, local: LocalCopy, fetch, *, fill: bool = True, queue_bytes: int = QUEUE_BYTES):
-        self.local, self.fetch, self.fill = local, fetch, fill
+    def __init__(self, copy: LocalCopy, fetch, *, fill: bool = True, queue_bytes: int = QUEUE_BYTES):
+        self.copy, self.fetch, self.fill = copy, fetch, fill
         self.queue_bytes = queue_bytes
         self.written = self.dropped = self.fill_fetched = 0
         self.error: str | None = None
-        self._logged_tenth = local.n_present * 10 // local.version.n_blocks
+        self._logged_tenth = copy.n_present * 10 // copy.version.n_blocks
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"writeback-{local.version.table}")
-        if not local.finish():
+                                        name=f"writeback-{copy.version.table}")
+        if not copy.finish():
             self._thread.start()
 
     def offer(self, blocks: np.ndarray, rows: np.ndarray) -> bool:
         """Queue copies of fetched blocks (uint8 [k, block_bytes]); never blocks.
         Returns False when the batch was dropped (queue full, stopped, or done)."""
-        if self.error or self.local.finished or not self._thread.is_alive():
+        if self.error or self.copy.finished or not self._thread.is_alive():
             return False
         nbytes = rows.nbytes
         with self._lock:
@@ -101,29 +101,29 @@ class WriteBack:
         return np.concatenate([b for b, _ in got]), np.concatenate([r for _, r in got])
 
     def _run(self) -> None:
-        local = self.local
+        copy = self.copy
         while not self._stop.is_set():
             batch = self._take()
             try:
                 if batch is None:
                     self._idle.set()
-                    if local.finish():
+                    if copy.finish():
                         return
                     if self.fill:
                         self._fill_once()
                     continue
                 blocks, rows = batch
                 order = np.unique(blocks, return_index=True)[1]  # a block offered twice is written once
-                self.written += local.write_blocks(blocks[order], rows[order])
+                self.written += copy.write_blocks(blocks[order], rows[order])
                 self._progress()
             except OSError as e:
-                self.error = f"write-back to {local.dir} stopped: {e}; serving goes on from Mooncake"
-                log.warning("table %s v%d: %s", local.version.table, local.version.version, self.error)
+                self.error = f"write-back to {copy.dir} stopped: {e}; serving goes on from Mooncake"
+                log.warning("table %s v%d: %s", copy.version.table, copy.version.number, self.error)
                 return
 
     def _fill_once(self) -> None:
-        local = self.local
-        blocks = local.absent(max(1, FILL_BYTES // local.version.block_bytes))
+        copy = self.copy
+        blocks = copy.absent(max(1, FILL_BYTES // copy.version.block_bytes))
         if blocks.size == 0:
             return
         try:
@@ -135,21 +135,21 @@ class WriteBack:
         self.fill_fetched += blocks.size
         if self._stop.is_set():
             return
-        self.written += local.write_blocks(blocks, rows)
+        self.written += copy.write_blocks(blocks, rows)
         self._progress()
 
     def _progress(self) -> None:
         """One log line per tenth of the version made local (operators watch a host warm up)."""
-        v, tenth = self.local.version, self.local.n_present * 10 // self.local.version.n_blocks
+        v, tenth = self.copy.version, self.copy.n_present * 10 // self.copy.version.n_blocks
         if tenth > self._logged_tenth:
             self._logged_tenth = tenth
             log.info("table %s v%d: %d%% of blocks local (%d written back, %d fetched by the fill)",
-                     v.table, v.version, tenth * 10, self.written, self.fill_fetched)
+                     v.table, v.number, tenth * 10, self.written, self.fill_fetched)
 
     def stats(self) -> dict:
-        return {"present_blocks": self.local.n_present, "blocks": self.local.version.n_blocks,
+        return {"present_blocks": self.copy.n_present, "blocks": self.copy.version.n_blocks,
                 "written": self.written, "dropped": self.dropped, "fill_fetched": self.fill_fetched,
-                "finished": self.local.finished, "error": self.error}
+                "finished": self.copy.finished, "error": self.error}
 
     def close(self, timeout: float = 30.0) -> bool:
         """Stop the thread; False when it is still inside a fetch (leave the files open)."""
