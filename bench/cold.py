@@ -46,15 +46,18 @@ would be the other's hits.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tierstore.bench.cache import replay_steps
 from tierstore.bench.lookup import (
     _Arena,
+    _Lookup,
     check_same_rows,
     close_all,
     run_rounds,
+    start_sidecar,
     summarize,
 )
 from tierstore.bench.memory import (
@@ -67,8 +70,10 @@ from tierstore.bench.memory import (
 from tierstore.bench.disk import DEPTHS, best_iops, disk_limit
 from tierstore.bench.mmap_child import MmapChild
 from tierstore.bench.random_table import random_table
+from tierstore.bench.workload import BenchOptions, parse_dist
+from tierstore.errors import InvalidArgument
 
-__all__ = ["run_cold_bench", "direct_io_refusal", "stop_sidecar", "local_counts", "timed_pass",
+__all__ = ["run_cold_bench", "ColdOptions", "direct_io_refusal", "stop_sidecar", "local_counts", "timed_pass",
            "MemoryCgroup", "drop_page_cache"]
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
@@ -76,202 +81,276 @@ UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per bat
          "hit_ratio": "fraction of unique ids per Plan found in the DRAM arena", "bytes": "bytes"}
 
 
-def run_cold_bench(data_dir, out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
-                   batch: int = 4096, dist: str = "zipf1.0", quick: bool = False, seed: int = 0,
-                   rounds: int | None = None, rows_per_pass: int | None = None, slack_bytes: int = 32 << 20,
-                   heap_bytes: int = 32 << 20, warmup_calls: int | None = None, warmup_arenas: float = 2.0,
-                   disk_seconds: float | None = None, progress: bool = True,
-                   log=print) -> dict:
-    """Run the cold-tier scenario on a random table of `table_bytes` (default
-    768 MiB, quick 160 MiB) kept in OUT/baselines/cold-data (written once);
-    `disk_seconds` per disk probe (default 3, quick 0.3).
+@dataclass(slots=True)
+class ColdOptions(BenchOptions):
+    """What `bench cold` runs (module docstring); `tierstore bench cold` builds it from the
+    flags of the same names. Defaults of a field left unset: DEFAULTS (full run, --quick)."""
 
-    data_dir is unused (the scenario needs a table of a chosen size) and kept
-    for a uniform signature. Returns the scenario dict for results.json.
-    """
-    from tierstore.bench.lookup import _Lookup
-    from tierstore.bench.workload import make_batches
-    from tierstore.client.client import Client
-    from tqdm import tqdm
+    table_bytes: int | None = None      # the random table, kept in OUT/baselines/cold-data
+    budget_fraction: float = 0.25       # the cache-mode sidecars' DRAM budget, of the table's bytes
+    batch: int = 4096                   # ids per call
+    dist: str = "zipf1.0"               # how they are drawn (bench/workload.py)
+    rounds: int | None = None           # timed rounds, each a pass of fresh ids
+    rows_per_pass: int | None = None    # ids per pass (at least 3 batches)
+    warmup_arenas: float = 2.0          # warm-up ids per competitor, in arena sizes
+    warmup_calls: int | None = None     # the warm-up in calls instead, when given
+    slack_bytes: int = 32 << 20         # page cache the memory cgroups allow ("Fair memory")
+    heap_bytes: int = 32 << 20          # and the cache-mode sidecar's heap, in its cgroup
+    disk_seconds: float | None = None   # per disk probe
 
-    from tierstore.cache.policy import PolicyConfig
-    from tierstore.sidecar.launcher import SidecarProcess
+    DEFAULTS = {"table_bytes": (768 << 20, 160 << 20), "rounds": (5, 3), "rows_per_pass": (65536, 16384),
+                "disk_seconds": (3.0, 0.3)}
 
-    table_bytes = table_bytes or ((160 if quick else 768) << 20)
-    rounds = rounds or (3 if quick else 5)
-    rows_per_pass = rows_per_pass or (16384 if quick else 65536)
+    def validate(self) -> None:
+        if not 0 < self.budget_fraction <= 1:
+            raise InvalidArgument(f"bench cold: --budget-fraction is a fraction of the table in (0, 1], "
+                                  f"got {self.budget_fraction}")
+        if self.batch < 1:
+            raise InvalidArgument(f"bench cold: --batch must be >= 1 ids, got {self.batch}")
+        parse_dist(self.dist)
+
+
+def run_cold_bench(out_dir, options: ColdOptions | None = None, log=print) -> dict:
+    """Run the cold-tier scenario (module docstring) on a random table of
+    `options.table_bytes` in OUT/baselines/cold-data. Raises WrongRows when a
+    competitor returns bytes that differ from the table. Returns the scenario dict
+    for results.json."""
+    o = options or ColdOptions()
     cache_dir = Path(out_dir) / "baselines" / "cold-data"
-    log(f"cold: table of {table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
-    version = random_table(cache_dir, table_bytes, seed=seed, progress=progress)
-    budget = int(version.nbytes * budget_fraction)
+    log(f"cold: table of {o.table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
+    version = random_table(cache_dir, o.table_bytes, seed=o.seed, progress=o.progress)
+    budget = int(version.nbytes * o.budget_fraction)
     seg_paths = [cache_dir / s for s in version.segments]
-    calls = max(3, rows_per_pass // batch)
-    cap_rows = budget // version.row_bytes
-    # warm-up: `warmup_arenas` (default twice) the arena in ids, so each cache reaches its steady state
-    # before it is timed
-    warm_calls = max(calls, -(-int(warmup_arenas * cap_rows) // batch)) if warmup_calls is None else warmup_calls
-    # fresh ids everywhere (cold start, warm-up, each round): a cold tier must see the distribution's tail
-    stream = make_batches(dist, version.rows, batch, calls * (rounds + 1) + warm_calls, seed)
-    ids, warm_ids = stream[:calls], stream[calls:calls + warm_calls]
-    passes = [stream[calls + warm_calls + i * calls:calls + warm_calls + (i + 1) * calls] for i in range(rounds)]
-    closers, memory, footprints = [], {}, {}
+    steps = _Steps.draw(version, o, budget // version.row_bytes)
     no_direct = direct_io_refusal(seg_paths, version.row_bytes)
-    disk_seconds = disk_seconds or (0.3 if quick else 3.0)
-    log(f"cold: disk probe (io_uring O_DIRECT random 512-B reads, queue depths {DEPTHS}, {disk_seconds:g} s each)")
-    disk = disk_limit(seg_paths, blocks=(512,), seconds=disk_seconds, seed=seed)
+    log(f"cold: disk probe (io_uring O_DIRECT random 512-B reads, queue depths {DEPTHS}, {o.disk_seconds:g} s each)")
+    disk = disk_limit(seg_paths, blocks=(512,), seconds=o.disk_seconds, seed=o.seed)
     top = best_iops(disk, 512)
+    closers = []
     try:
-        full = SidecarProcess(cache_dir, dram_budget=int(version.nbytes * 1.02) + (8 << 20)).start()
-        closers.append(full.cleanup)
-        dram = Client(full.socket)
-        closers.append(dram.close)
+        comps = _Competitors(cache_dir, version, budget, no_direct, steps.stream, closers)
+        caps = _MemoryCaps(comps, budget, o.slack_bytes, o.heap_bytes, closers)
+        at_start = {n: proc_memory(p.proc.pid) for n, (p, _) in comps.sides.items()}
+        # One competitor at a time, mmap last: page cache dropped; the cold-start pass, timed on
+        # its own; a warm-up of fresh ids to the cache's steady state; the timed rounds (fresh
+        # ids again); its rows checked; a sidecar is then stopped (pages a mapping holds
+        # survive DONTNEED: they would be the next one's hits).
+        runs = {name: _measure(name, comps, steps, at_start, o.progress) for name in comps.order}
+        figures = _figures(runs, comps, steps, o.batch, top)
+        memory = caps.limits_and_peaks()
+    finally:
+        close_all(closers)
+    result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
+              "dram_budget_bytes": budget, "arena_slots": comps.cap, "dist": o.dist, "batch": o.batch,
+              "rows_per_pass": len(steps.ids) * o.batch, "fresh_ids_every_pass": True, "rounds": o.rounds,
+              "quick": o.quick, "units": UNITS, "warmup_ids": len(steps.warm) * o.batch,
+              "order": "one competitor at a time, page cache dropped before each",
+              "page_cache_drop": runs["mmap-cold"]["page_cache_drop"], "memory_limits": memory,
+              "cold_start": {n: r["cold_start"] for n, r in runs.items() if "cold_start" in r},
+              "competitors": figures,
+              "memory_footprint": {n: r["footprint"] for n, r in runs.items() if "footprint" in r},
+              "direct_io": no_direct or "on", "disk": disk,
+              "disk_best_iops": top["iops"] if top else None, "disk_best_qd": top["qd"] if top else None}
+    log(cold_line(result))
+    return result
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """A run's id batches, fresh everywhere (a cold tier must see the distribution's tail):
+    `ids` the cold-start pass, `warm` the warm-up, `passes[r]` timed round r's; `stream`
+    all of them in that order (the mmap child is handed it)."""
+
+    stream: list
+    ids: list
+    warm: list
+    passes: list
+
+    @classmethod
+    def draw(cls, version, o: ColdOptions, cap_rows: int) -> "_Steps":
+        from tierstore.bench.workload import make_batches
+
+        calls = max(3, o.rows_per_pass // o.batch)
+        # warm-up: `warmup_arenas` (default twice) the arena in ids, so each cache reaches its steady
+        # state before it is timed
+        warm = max(calls, -(-int(o.warmup_arenas * cap_rows) // o.batch)) if o.warmup_calls is None else o.warmup_calls
+        stream = make_batches(o.dist, version.rows, o.batch, calls * (o.rounds + 1) + warm, o.seed)
+        return cls(stream, stream[:calls], stream[calls:calls + warm],
+                   [stream[calls + warm + i * calls:calls + warm + (i + 1) * calls] for i in range(o.rounds)])
+
+    @property
+    def timed(self) -> list:
+        return [b for p in self.passes for b in p]
+
+
+class _Competitors:
+    """The processes of one run, each stopped by `closers` (close_all, last first): the
+    full-resident sidecar (`dram`, the reference), the cache-mode ones (tierstore-cold
+    planned, tierstore-local read by local reads, tierstore-direct where the filesystem
+    takes O_DIRECT) and the mmap child. `fns[name](ids)` reads a batch; `sides[name]` is a
+    cache-mode sidecar and its client; `order` the order they run in."""
+
+    def __init__(self, cache_dir, version, budget: int, no_direct: str | None, stream, closers: list):
+        self.rows, self.budget = version.rows, budget
+        self.seg_paths = [cache_dir / s for s in version.segments]
+        _, self.dram = start_sidecar(cache_dir, closers, int(version.nbytes * 1.02) + (8 << 20))
         # planned steps (as below): no slot index in /dev/shm, whose pages the cgroup would count
-        cold = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--no-local-reads"]).start()
-        closers.append(cold.cleanup)
-        cclient = Client(cold.socket)
-        closers.append(cclient.close)
-        cap = int(cclient.tables()[0]["arena_slots"])
+        self.cold = start_sidecar(cache_dir, closers, budget, ["--no-local-reads"])
+        self.cap = int(self.cold[1].tables()[0]["arena_slots"])
+        piece = max(1, self.cap // 2)
         # local reads (the route a local Client.lookup takes), not in a cgroup: its clients map the slot index
-        local = SidecarProcess(cache_dir, dram_budget=budget,
-                               extra_args=["--direct-io"] if no_direct is None else []).start()
-        closers.append(local.cleanup)
-        lclient = Client(local.socket)
-        closers.append(lclient.close)
-        dclient = direct = None
+        self.local = start_sidecar(cache_dir, closers, budget, ["--direct-io"] if no_direct is None else [])
+        self.direct = None
         if no_direct is None:
-            direct = SidecarProcess(cache_dir, dram_budget=budget, extra_args=["--direct-io", "--no-local-reads"]).start()
-            closers.append(direct.cleanup)
-            dclient = Client(direct.socket)
-            closers.append(dclient.close)
-        child = MmapChild(cache_dir, version, stream)
-        closers.append(child.close)
+            self.direct = start_sidecar(cache_dir, closers, budget, ["--direct-io", "--no-local-reads"])
+        self.child = MmapChild(cache_dir, version, stream)
+        closers.append(self.child.close)
+        self.fns = {"dram": _Arena(self.dram, "cold").get, "tierstore-cold": _Arena(self.cold[1], "cold", piece).get,
+                    "mmap-cold": self.child.get, "tierstore-local": _Lookup(self.local[1], "cold").get}
+        self.sides = {"tierstore-cold": self.cold, "tierstore-local": self.local}
+        if self.direct is not None:
+            self.fns["tierstore-direct"] = _Arena(self.direct[1], "cold", piece).get
+            self.sides["tierstore-direct"] = self.direct
+        self.order = ["dram"] + [n for n in ("tierstore-local", "tierstore-direct", "tierstore-cold", "mmap-cold")
+                                 if n in self.fns]
+        # rows checked against the full-resident arena (= the table, verified on load)
+        self.table_rows = self.dram.handle("cold").arena_np
+
+
+class _MemoryCaps:
+    """Fair memory (module docstring): tierstore-cold's and tierstore-direct's sidecars each
+    in a cgroup of slack + heap, the mmap child in one of budget + slack, where cgroups
+    can be made; `limits_and_peaks()` is results.json's memory_limits."""
+
+    def __init__(self, comps: _Competitors, budget: int, slack_bytes: int, heap_bytes: int, closers: list):
         # A process's memory stays charged where it was allocated when the process moves
         # to a cgroup: the sidecar's arena and start-up heap are outside its cgroup, so it
         # is capped at `slack` of page cache plus `heap` for its heap to grow while serving
         # (~9 MB over 600 steps of the 768 MiB table: its per-slot state is faulted in at
         # start), and mmap at the budget plus the same slack.
-        cg_side, cg_mmap = MemoryCgroup(slack_bytes + heap_bytes), MemoryCgroup(budget + slack_bytes)
-        closers[:0] = [cg_side.close, cg_mmap.close]  # removed last, once their processes are gone
-        cg_direct = MemoryCgroup(slack_bytes + heap_bytes) if direct is not None else None
-        if cg_direct is not None:
-            closers[:0] = [cg_direct.close]
-        if cg_side.error is None and cg_mmap.error is None:
-            cg_side.add(cold.proc.pid)
-            cg_mmap.add(child.proc.pid)
-            if cg_direct is not None and cg_direct.error is None:
-                cg_direct.add(direct.proc.pid)
-            memory = {"cgroup": cg_side.kind, "tierstore_local_bytes": "not capped (its clients map the slot index)",
-                      "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} page cache + {heap_bytes} heap",
-                      "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
-                      "note": "competitors run one after another, each from a dropped page cache: the pages "
-                              "one holds are not hits for the next"}
+        self.side, self.mmap = MemoryCgroup(slack_bytes + heap_bytes), MemoryCgroup(budget + slack_bytes)
+        closers[:0] = [self.side.close, self.mmap.close]  # removed last, once their processes are gone
+        self.direct = MemoryCgroup(slack_bytes + heap_bytes) if comps.direct is not None else None
+        if self.direct is not None:
+            closers[:0] = [self.direct.close]
+        self.on = self.side.error is None and self.mmap.error is None
+        if self.on:
+            self.side.add(comps.cold[0].proc.pid)
+            self.mmap.add(comps.child.proc.pid)
+            if self.direct is not None and self.direct.error is None:
+                self.direct.add(comps.direct[0].proc.pid)
+            self.limits = {"cgroup": self.side.kind,
+                           "tierstore_local_bytes": "not capped (its clients map the slot index)",
+                           "tierstore_cold_bytes": f"arena {budget} + cgroup {slack_bytes} page cache + "
+                                                   f"{heap_bytes} heap",
+                           "mmap_cold_bytes": f"cgroup {budget + slack_bytes}",
+                           "note": "competitors run one after another, each from a dropped page cache: the pages "
+                                   "one holds are not hits for the next"}
         else:
-            memory = {"cgroup": None, "reason": cg_side.error or cg_mmap.error,
-                      "note": "page cache unbounded: after warm-up mmap-cold and tierstore misses are served "
-                              "from DRAM page cache, not disk"}
-        fns = {"dram": _Arena(dram, "cold").get, "tierstore-cold": _Arena(cclient, "cold", piece=max(1, cap // 2)).get,
-               "mmap-cold": child.get, "tierstore-local": _Lookup(lclient, "cold").get}
-        sides = {"tierstore-cold": (cold, cclient), "tierstore-local": (local, lclient)}
-        if direct is not None:
-            fns["tierstore-direct"] = _Arena(dclient, "cold", piece=max(1, cap // 2)).get
-            sides["tierstore-direct"] = (direct, dclient)
-        at_start = {n: proc_memory(p.proc.pid) for n, (p, _) in sides.items()}
-        # rows checked against the full-resident arena (= the table, verified on load)
-        table_rows = dram.handle("cold").arena_np
-        # One competitor at a time, mmap last: page cache dropped; the cold-start pass, timed on
-        # its own; a warm-up of fresh ids to the cache's steady state; the timed rounds (fresh
-        # ids again); its rows checked; a sidecar is then stopped (pages a mapping holds
-        # survive DONTNEED: they would be the next one's hits).
-        cold_start, how, timings, stats, faults, fills, seen_local = {}, None, {}, {}, 0, {}, {}
-        order = ("tierstore-local", "tierstore-direct", "tierstore-cold", "mmap-cold")
-        for name in ["dram"] + [n for n in order if n in fns]:
-            fill = _Fill(version.rows, cap, sides[name][1]) if name in sides else None
-            if name != "dram":
-                how = drop_page_cache(seg_paths)
-                pinned = resident_bytes(seg_paths)  # mapped by an earlier competitor: not this one's
-                cold_start[name] = timed_pass(fns[name], ids)
-                if fill is not None:
-                    fill.asked(ids)
-                if name in sides:
-                    footprints[name] = footprint(sides[name][0].proc.pid, seg_paths, budget, at_start[name], pinned)
-            with tqdm(total=len(warm_ids) + rounds, desc=f"cold {name}", unit="step", disable=not progress,
-                      leave=False) as bar:
-                for b in warm_ids:
-                    fns[name](b)
-                    if fill is not None:
-                        fill.step(b)
-                    bar.update(1)
-                if fill is not None:
-                    fill.settle()
-                s0 = sides[name][1].stats()["tables"][0] if name in sides else None
-                l0 = local_counts(lclient, "cold") if name == "tierstore-local" else None
-                f0 = child.faults() if name == "mmap-cold" else 0
-                timings.update(run_rounds({name: fns[name]}, [], rounds, progress=bar.update, round_batches=passes))
-                if name == "mmap-cold":
-                    faults = child.faults() - f0
-                if l0 is not None:
-                    seen_local = {k: v - l0[k] for k, v in local_counts(lclient, "cold").items()}
-                if name in sides:
-                    for p in passes:
-                        fill.asked(*p)
-                    fill.settle()
-                    fills[name] = fill.summary()
-                    stats[name] = (s0, sides[name][1].stats()["tables"][0])
-            check_same_rows(name, np.asarray((child.rows if name == "mmap-cold" else fns[name])(ids[0])),
-                            table_rows[ids[0]])
-            if name in sides:
-                stop_sidecar(*sides[name])
-        comps = summarize(timings, len(ids) * batch, ref="dram")
-        for d in comps.values():
-            d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
-        for n in sides:
-            s0, s1 = stats[n]
-            h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
-            comps[n]["hit_ratio"] = h / (h + m) if h + m else None
-            comps[n]["misses_per_s"] = m / sum(timings[n]["pass_s"])
-            comps[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
-            comps[n]["metadata_bytes"] = int(s1.get("metadata_bytes", 0))  # resident from start, beyond the arena
-            comps[n]["arena_fill"] = fills[n]
-            comps[n]["bytes_read_since_start"] = int(s1.get("bytes_read", 0))  # cold start and warm-up too
-        if seen_local:  # as its client saw it: the sidecar learns local steps after the fact
-            loc = comps["tierstore-local"]
-            loc["sidecar_hit_ratio"], loc["hit_ratio"] = loc["hit_ratio"], (
-                1 - seen_local["distinct_cold"] / max(1, seen_local["distinct_asked"]))
-            loc["bytes_read_by_clients"] = seen_local["bytes_read"]
-            loc["misses_per_s"] = seen_local["distinct_cold"] / sum(timings["tierstore-local"]["pass_s"])
-        for n in ("tierstore-direct", "tierstore-local"):  # misses read with O_DIRECT (where allowed)
-            if n in comps and top:
-                comps[n]["misses_per_s_of_disk_best"] = comps[n]["misses_per_s"] / top["iops"]
-            loc["notes_dropped"] = int(stats["tierstore-local"][1].get("notes_dropped", 0))
-        # LRU on the same steps at the same capacity: every step each competitor ran, in order
-        lru = replay_steps(list(ids) + list(warm_ids) + [b for p in passes for b in p], version.rows, cap,
-                           PolicyConfig(kind="lru"), count_from=len(ids) + len(warm_ids))
-        for d in comps.values():
-            d["lru_hit_ratio"] = lru
-        # rows gathered = unique ids per call (as the sidecars count), in the timed rounds
-        gathered = sum(np.unique(b).size for p in passes for b in p)
-        comps["mmap-cold"]["hit_ratio"] = max(0.0, 1 - faults / gathered)
-        comps["mmap-cold"]["major_faults"] = faults
-        if "tierstore-direct" in comps:
-            comps["tierstore-direct"]["x_mmap"] = comps["tierstore-direct"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
-        comps["tierstore-local"]["x_mmap"] = comps["tierstore-local"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
-        comps["tierstore-cold"]["x_mmap"] = comps["tierstore-cold"]["rows_per_s"] / comps["mmap-cold"]["rows_per_s"]
-        if cg_side.error is None and cg_mmap.error is None:
-            memory["tierstore_cold_cgroup_peak_bytes"] = cg_side.peak()
-            memory["mmap_cold_cgroup_peak_bytes"] = cg_mmap.peak()
-            if cg_direct is not None and cg_direct.error is None:
-                memory["tierstore_direct_cgroup_peak_bytes"] = cg_direct.peak()
-    finally:
-        close_all(closers)
-    result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
-              "dram_budget_bytes": budget, "arena_slots": cap, "dist": dist, "batch": batch,
-              "rows_per_pass": len(ids) * batch, "fresh_ids_every_pass": True, "rounds": rounds, "quick": quick, "units": UNITS,
-              "warmup_ids": len(warm_ids) * batch, "order": "one competitor at a time, page cache dropped before each",
-              "page_cache_drop": how, "memory_limits": memory, "cold_start": cold_start, "competitors": comps,
-              "memory_footprint": footprints, "direct_io": no_direct or "on", "disk": disk,
-              "disk_best_iops": top["iops"] if top else None, "disk_best_qd": top["qd"] if top else None}
-    log(cold_line(result))
-    return result
+            self.limits = {"cgroup": None, "reason": self.side.error or self.mmap.error,
+                           "note": "page cache unbounded: after warm-up mmap-cold and tierstore misses are served "
+                                   "from DRAM page cache, not disk"}
+
+    def limits_and_peaks(self) -> dict:
+        if self.on:
+            self.limits["tierstore_cold_cgroup_peak_bytes"] = self.side.peak()
+            self.limits["mmap_cold_cgroup_peak_bytes"] = self.mmap.peak()
+            if self.direct is not None and self.direct.error is None:
+                self.limits["tierstore_direct_cgroup_peak_bytes"] = self.direct.peak()
+        return self.limits
+
+
+def _measure(name: str, comps: _Competitors, steps: _Steps, at_start: dict, progress: bool) -> dict:
+    """One competitor's block: (all but dram) the page cache dropped and the cold-start pass;
+    the warm-up; the timed rounds; its rows checked; a cache-mode sidecar stopped. Returns
+    what it measured: timings, and where they apply page_cache_drop, cold_start,
+    footprint, fill and stats (a cache-mode sidecar's), seen_local, faults (mmap's)."""
+    from tqdm import tqdm
+
+    fn, side = comps.fns[name], comps.sides.get(name)
+    got = {}
+    fill = _Fill(comps.rows, comps.cap, side[1]) if side else None
+    if name != "dram":
+        got["page_cache_drop"] = drop_page_cache(comps.seg_paths)
+        pinned = resident_bytes(comps.seg_paths)  # mapped by an earlier competitor: not this one's
+        got["cold_start"] = timed_pass(fn, steps.ids)
+        if fill is not None:
+            fill.asked(steps.ids)
+        if side:
+            got["footprint"] = footprint(side[0].proc.pid, comps.seg_paths, comps.budget, at_start[name], pinned)
+    with tqdm(total=len(steps.warm) + len(steps.passes), desc=f"cold {name}", unit="step", disable=not progress,
+              leave=False) as bar:
+        for b in steps.warm:
+            fn(b)
+            if fill is not None:
+                fill.step(b)
+            bar.update(1)
+        if fill is not None:
+            fill.settle()
+        s0 = side[1].stats()["tables"][0] if side else None
+        l0 = local_counts(comps.local[1], "cold") if name == "tierstore-local" else None
+        f0 = comps.child.faults() if name == "mmap-cold" else 0
+        got["timings"] = run_rounds({name: fn}, [], len(steps.passes), progress=bar.update,
+                                    round_batches=steps.passes)[name]
+        if name == "mmap-cold":
+            got["faults"] = comps.child.faults() - f0
+        if l0 is not None:
+            got["seen_local"] = {k: v - l0[k] for k, v in local_counts(comps.local[1], "cold").items()}
+        if side:
+            fill.asked(*steps.timed)
+            fill.settle()
+            got["fill"] = fill.summary()
+            got["stats"] = (s0, side[1].stats()["tables"][0])
+    check_same_rows(name, np.asarray((comps.child.rows if name == "mmap-cold" else fn)(steps.ids[0])),
+                    comps.table_rows[steps.ids[0]])
+    if side:
+        stop_sidecar(*side)
+    return got
+
+
+def _figures(runs: dict, comps: _Competitors, steps: _Steps, batch: int, top: dict | None) -> dict:
+    """results.json's competitors: rows/s and latency against dram's, the cache-mode
+    sidecars' hit ratios, misses and arena fill, mmap's faults, LRU's hit ratio on the same
+    steps at the same capacity, and each tierstore competitor against mmap-cold."""
+    from tierstore.cache.policy import PolicyConfig
+
+    timings = {n: r["timings"] for n, r in runs.items()}
+    figs = summarize(timings, len(steps.ids) * batch, ref="dram")
+    for d in figs.values():
+        d["ratio_vs_dram"] = d.pop("ratio_vs_ceiling")
+    for n in comps.sides:
+        s0, s1 = runs[n]["stats"]
+        h, m = int(s1["hits"]) - int(s0["hits"]), int(s1["misses"]) - int(s0["misses"])
+        figs[n]["hit_ratio"] = h / (h + m) if h + m else None
+        figs[n]["misses_per_s"] = m / sum(timings[n]["pass_s"])
+        figs[n]["bytes_read_from_segments"] = int(s1.get("bytes_read", 0)) - int(s0.get("bytes_read", 0))
+        figs[n]["metadata_bytes"] = int(s1.get("metadata_bytes", 0))  # resident from start, beyond the arena
+        figs[n]["arena_fill"] = runs[n]["fill"]
+        figs[n]["bytes_read_since_start"] = int(s1.get("bytes_read", 0))  # cold start and warm-up too
+    seen = runs["tierstore-local"]["seen_local"]
+    loc = figs["tierstore-local"]  # as its client saw it: the sidecar learns local steps after the fact
+    loc["sidecar_hit_ratio"], loc["hit_ratio"] = loc["hit_ratio"], (
+        1 - seen["distinct_cold"] / max(1, seen["distinct_asked"]))
+    loc["bytes_read_by_clients"] = seen["bytes_read"]
+    loc["misses_per_s"] = seen["distinct_cold"] / sum(timings["tierstore-local"]["pass_s"])
+    loc["notes_dropped"] = int(runs["tierstore-local"]["stats"][1].get("notes_dropped", 0))
+    for n in ("tierstore-direct", "tierstore-local"):  # misses read with O_DIRECT (where allowed)
+        if n in figs and top:
+            figs[n]["misses_per_s_of_disk_best"] = figs[n]["misses_per_s"] / top["iops"]
+    # LRU on the same steps at the same capacity: every step each competitor ran, in order
+    lru = replay_steps(list(steps.ids) + list(steps.warm) + steps.timed, comps.rows, comps.cap,
+                       PolicyConfig(kind="lru"), count_from=len(steps.ids) + len(steps.warm))
+    for d in figs.values():
+        d["lru_hit_ratio"] = lru
+    # rows gathered = unique ids per call (as the sidecars count), in the timed rounds
+    gathered = sum(np.unique(b).size for b in steps.timed)
+    mmap = figs["mmap-cold"]
+    mmap["hit_ratio"] = max(0.0, 1 - runs["mmap-cold"]["faults"] / gathered)
+    mmap["major_faults"] = runs["mmap-cold"]["faults"]
+    for n in ("tierstore-direct", "tierstore-local", "tierstore-cold"):
+        if n in figs:
+            figs[n]["x_mmap"] = figs[n]["rows_per_s"] / mmap["rows_per_s"]
+    return figs
 
 
 def direct_io_refusal(seg_paths, row_bytes: int) -> str | None:

@@ -40,6 +40,7 @@ the segment files read before any competitor ran (`rows_wrong` must be 0).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +53,10 @@ from tierstore.bench.memory import (
     resident_bytes,
 )
 
+from tierstore.bench.workload import BenchOptions
 from tierstore.errors import InvalidArgument
 
-__all__ = ["run_large_bench", "large_tables", "text_phases", "large_line", "PRESET"]
+__all__ = ["run_large_bench", "LargeOptions", "large_tables", "text_phases", "large_line", "PRESET"]
 
 PRESET = "deepseek-v4.1-flash"
 PREFILL_TOKENS, DECODE_STREAMS = 4096, 128
@@ -375,87 +377,53 @@ def _mmap_figures(r: dict) -> dict:
 
 
 # ---- the scenario -------------------------------------------------------------------
-def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_format: str | None = None,
-                    dram_budget: int | None = None, prefill_steps: int | None = None,
-                    decode_steps: int | None = None, warmup_steps: int | None = None,
-                    disk_seconds: float | None = None, quick: bool = False, seed: int = 0,
-                    progress: bool = True, log=print) -> dict:
-    """Run the scenario (module docstring). Defaults: an 8 GiB table (quick 64 MiB),
-    budget 1/8 of it (quick 1/2), 30 prefill + 300 decode steps per measured phase and 100
-    warm-up prefill steps (quick 2 + 8 and 2), 3 s per disk probe (quick 0.3 s).
+@dataclass(slots=True)
+class LargeOptions(BenchOptions):
+    """What `bench large` runs (module docstring); `tierstore bench large` builds it from
+    the flags of the same names. Defaults of a field left unset: DEFAULTS (full run, --quick)."""
+
+    table_gib: float | None = None      # the table's size, both layers
+    row_format: str | None = None       # its rows' (default fp8-e4m3-ue8m0: V4.1's 264-B rows)
+    dram_budget: int | None = None      # the sidecar's, both tables (default 1/8 of them, quick 1/2:
+                                        # a prefill step's distinct rows must fit a small table's arena)
+    prefill_steps: int | None = None    # per measured phase, 4,096 tokens each
+    decode_steps: int | None = None     # per measured phase, 128 streams each
+    warmup_steps: int | None = None     # untimed prefill steps before the steady state
+    disk_seconds: float | None = None   # per disk probe
+
+    DEFAULTS = {"table_gib": (8.0, 1 / 16), "prefill_steps": (30, 2), "decode_steps": (300, 8),
+                "warmup_steps": (100, 2), "disk_seconds": (3.0, 0.3)}
+
+    def validate(self) -> None:
+        if min(self.prefill_steps, self.decode_steps, self.warmup_steps) < 1:
+            raise InvalidArgument(f"bench large: steps per phase must be >= 1, got --prefill-steps "
+                                  f"{self.prefill_steps}, --decode-steps {self.decode_steps}, --warmup-steps "
+                                  f"{self.warmup_steps}")
+
+
+def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=print) -> dict:
+    """Run the scenario (module docstring) with `options` (LargeOptions says the defaults).
     out_dir is unused beyond the caller's results.json. Returns the results.json entry."""
     from tierstore.bench.lookup import close_all
 
-    from tierstore.store.catalog import Catalog
-
-    table_gib = table_gib or (1 / 16 if quick else 8.0)
-    prefill_steps = prefill_steps or (2 if quick else 30)
-    decode_steps = decode_steps or (8 if quick else 300)
-    warmup_steps = warmup_steps or (2 if quick else 100)
-    disk_seconds = disk_seconds or (0.3 if quick else 3.0)
-    spec, versions = large_tables(data_dir, table_gib, row_format, seed=seed, progress=progress, log=log)
-    tables = [v.table for v in versions]
-    with Catalog(data_dir, readonly=True) as cat:
-        others = sorted(set(cat.tables()) - set(tables))
-    if others:  # the sidecar serves every table of --data: they would share the budget
-        log(f"large: {data_dir} also holds tables {others}; they take part of the DRAM budget "
-            f"(give the bench a data directory of its own)")
-    table_bytes = sum(v.nbytes for v in versions)
-    # quick: a prefill step's distinct rows must fit the arena of a small table
-    budget = int(dram_budget or table_bytes // (2 if quick else 8))
-    seg_paths = _segment_paths(data_dir, versions)
-    log(f"large: {len(tables)} tables, {table_bytes / 2**30:.2f} GiB ({sum(v.rows for v in versions):,} rows of "
-        f"{versions[0].row_bytes} B), DRAM budget {budget / 2**30:.2f} GiB; hashing the text")
-    phases = text_phases(spec, prefill_steps=prefill_steps, decode_steps=decode_steps, warmup_steps=warmup_steps,
-                         seed=seed, log=log)
-    meta = phases.pop("_meta")
-    checked = ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode")
-    reference = {p: [_read_rows(data_dir, v, ids) for v, ids in zip(versions, phases[p][0])] for p in checked}
-    log(f"large: disk probe (io_uring O_DIRECT random reads, queue depths {DEPTHS}, {disk_seconds:g} s each)")
-    disk = disk_limit(seg_paths, seconds=disk_seconds, seed=seed)
+    o = options or LargeOptions()
+    run = _Run.prepare(data_dir, o, log)
+    log(f"large: disk probe (io_uring O_DIRECT random reads, queue depths {DEPTHS}, {o.disk_seconds:g} s each)")
+    disk = disk_limit(run.seg_paths, seconds=o.disk_seconds, seed=o.seed)
     top = best_iops(disk, 512)
     best = top["iops"] if top else None
-    no_direct = direct_io_refusal(seg_paths, versions[0].row_bytes)
+    no_direct = direct_io_refusal(run.seg_paths, run.versions[0].row_bytes)
     comps, closers, lru = {}, [], {}
     try:
         if no_direct is None:
-            side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
-            closers.append(side.close)
-            comps["tierstore-direct"] = _tierstore_figures(
-                _run_phases("tierstore-direct", side, phases, reference, seg_paths, progress),
-                side, versions, phases, best, lru)
-            closers.pop()
-            side.close()
+            comps["tierstore-direct"] = run.tierstore("tierstore-direct", ["--direct-io"], best, lru, closers)
         else:
             comps["tierstore-direct"] = {"skipped": no_direct}
-        side = _TierstoreSide(data_dir, tables, budget, [])
-        closers.append(side.close)
-        comps["tierstore-cached"] = _tierstore_figures(
-            _run_phases("tierstore-cached", side, phases, reference, seg_paths, progress), side, versions, phases,
-            best, lru)
-        closers.pop()
-        side.close()
-        mm = _MmapSide(data_dir, versions, phases)
-        closers.append(mm.close)
-        comps["mmap"] = _mmap_figures(_run_phases("mmap", mm, phases, reference, seg_paths, progress))
-        closers.pop()
-        mm.close()
-        ref = comps["tierstore-direct"] if "footprint" in comps["tierstore-direct"] else comps["tierstore-cached"]
-        cap = int(ref["footprint"])
-        cg = MemoryCgroup(cap)
-        closers.append(cg.close)
-        if cg.error is None:
-            mm = _MmapSide(data_dir, versions, phases)
-            closers.append(mm.close)
-            for c in mm.children:
-                cg.add(c.proc.pid)
-            r = _mmap_figures(_run_phases("mmap-capped", mm, phases, reference, seg_paths, progress))
-            r["cgroup"] = {"kind": cg.kind, "limit_bytes": cap, "peak_bytes": cg.peak(),
-                           "capped_at": "tierstore-direct's footprint" if ref is comps["tierstore-direct"]
-                           else "tierstore-cached's footprint (no O_DIRECT here)"}
-            comps["mmap-capped"] = r
-        else:
-            comps["mmap-capped"] = {"skipped": cg.error, "limit_bytes": cap}
+        comps["tierstore-cached"] = run.tierstore("tierstore-cached", [], best, lru, closers)
+        comps["mmap"] = run.mmap(closers)
+        direct = "footprint" in comps["tierstore-direct"]
+        comps["mmap-capped"] = run.mmap_capped(comps["tierstore-direct" if direct else "tierstore-cached"], direct,
+                                               closers)
     finally:
         close_all(closers)
     for d in comps.values():
@@ -464,16 +432,100 @@ def run_large_bench(data_dir, out_dir, *, table_gib: float | None = None, row_fo
         for p in ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode"):
             d["phases"][p]["x_mmap_capped"] = _ratio(d, comps.get("mmap-capped"), p)
             d["phases"][p]["x_mmap"] = _ratio(d, comps.get("mmap"), p)
-    result = {"preset": PRESET, "source": versions[0].source, "tables": tables,
+    versions = run.versions
+    result = {"preset": PRESET, "source": versions[0].source, "tables": run.tables,
               "table_rows": sum(v.rows for v in versions), "row_bytes": versions[0].row_bytes,
-              "row_format": versions[0].row_format, "table_bytes": table_bytes, "dram_budget_bytes": budget,
-              "phases": meta, "disk": disk, "disk_best_iops": best, "disk_best_qd": top["qd"] if top else None,
-              "direct_io": no_direct or "on", "competitors": comps, "quick": quick, "units": UNITS,
+              "row_format": versions[0].row_format, "table_bytes": run.table_bytes, "dram_budget_bytes": run.budget,
+              "phases": run.meta, "disk": disk, "disk_best_iops": best, "disk_best_qd": top["qd"] if top else None,
+              "direct_io": no_direct or "on", "competitors": comps, "quick": o.quick, "units": UNITS,
               "order": "one competitor at a time, page cache dropped before each (posix_fadvise DONTNEED)",
               "rows_checked": "the first step of every timed phase, against the segment files read before any run"}
     result["summary"] = large_line(result)
     log(result["summary"])
     return result
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every competitor of one run reads: the tables (`versions`) in `data_dir`, the
+    DRAM budget, the text phases' steps and the rows of each timed phase's first step,
+    read from the segment files before any competitor ran; each competitor runs through
+    a method of its own, stopped by `closers` should it fail."""
+
+    data_dir: Path
+    versions: list
+    tables: list
+    table_bytes: int
+    budget: int
+    seg_paths: list
+    phases: dict
+    meta: dict
+    reference: dict
+    progress: bool
+
+    @classmethod
+    def prepare(cls, data_dir, o: LargeOptions, log) -> "_Run":
+        """The tables (written once), the budget and the text hashed into phases."""
+        from tierstore.store.catalog import Catalog
+
+        spec, versions = large_tables(data_dir, o.table_gib, o.row_format, seed=o.seed, progress=o.progress, log=log)
+        tables = [v.table for v in versions]
+        with Catalog(data_dir, readonly=True) as cat:
+            others = sorted(set(cat.tables()) - set(tables))
+        if others:  # the sidecar serves every table of --data: they would share the budget
+            log(f"large: {data_dir} also holds tables {others}; they take part of the DRAM budget "
+                f"(give the bench a data directory of its own)")
+        table_bytes = sum(v.nbytes for v in versions)
+        # quick: a prefill step's distinct rows must fit the arena of a small table
+        budget = int(o.dram_budget or table_bytes // (2 if o.quick else 8))
+        log(f"large: {len(tables)} tables, {table_bytes / 2**30:.2f} GiB ({sum(v.rows for v in versions):,} rows of "
+            f"{versions[0].row_bytes} B), DRAM budget {budget / 2**30:.2f} GiB; hashing the text")
+        phases = text_phases(spec, prefill_steps=o.prefill_steps, decode_steps=o.decode_steps,
+                             warmup_steps=o.warmup_steps, seed=o.seed, log=log)
+        meta = phases.pop("_meta")
+        checked = ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode")
+        reference = {p: [_read_rows(data_dir, v, ids) for v, ids in zip(versions, phases[p][0])] for p in checked}
+        return cls(data_dir, versions, tables, table_bytes, budget, _segment_paths(data_dir, versions), phases,
+                   meta, reference, o.progress)
+
+    def _phases(self, name: str, side) -> dict:
+        return _run_phases(name, side, self.phases, self.reference, self.seg_paths, self.progress)
+
+    def tierstore(self, name: str, extra: list[str], disk_best: float | None, lru: dict, closers: list) -> dict:
+        """A cache-mode sidecar (`extra` its flags) read by Client.lookup."""
+        side = _TierstoreSide(self.data_dir, self.tables, self.budget, extra)
+        closers.append(side.close)
+        r = _tierstore_figures(self._phases(name, side), side, self.versions, self.phases, disk_best, lru)
+        closers.pop()
+        side.close()
+        return r
+
+    def mmap(self, closers: list) -> dict:
+        """np.memmap of the segment files, the page cache unbounded."""
+        mm = _MmapSide(self.data_dir, self.versions, self.phases)
+        closers.append(mm.close)
+        r = _mmap_figures(self._phases("mmap", mm))
+        closers.pop()
+        mm.close()
+        return r
+
+    def mmap_capped(self, ref: dict, direct: bool, closers: list) -> dict:
+        """The same in a memory cgroup capped at `ref`'s footprint (tierstore-direct's, else
+        tierstore-cached's), or why no cgroup could be made."""
+        cap = int(ref["footprint"])
+        cg = MemoryCgroup(cap)
+        closers.append(cg.close)
+        if cg.error is not None:
+            return {"skipped": cg.error, "limit_bytes": cap}
+        mm = _MmapSide(self.data_dir, self.versions, self.phases)
+        closers.append(mm.close)
+        for c in mm.children:
+            cg.add(c.proc.pid)
+        r = _mmap_figures(self._phases("mmap-capped", mm))
+        r["cgroup"] = {"kind": cg.kind, "limit_bytes": cap, "peak_bytes": cg.peak(),
+                       "capped_at": "tierstore-direct's footprint" if direct
+                       else "tierstore-cached's footprint (no O_DIRECT here)"}
+        return r
 
 
 def _ratio(d: dict, other: dict | None, p: str) -> float | None:

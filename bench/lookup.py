@@ -37,16 +37,18 @@ out above 1 GiB unless named in `competitors`. Without it, a table of --data.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from tierstore.bench.workload import BenchOptions, parse_dist
 from tierstore.errors import InvalidArgument, TierstoreError
 from tierstore.jit import Kernel
 
-__all__ = ["run_lookup_bench", "run_rounds", "check_same_rows", "summarize", "WrongRows", "CompiledGather", "UNITS",
-           "COPY_LIMIT"]
+__all__ = ["run_lookup_bench", "LookupOptions", "start_sidecar", "run_rounds", "check_same_rows", "summarize",
+           "WrongRows", "CompiledGather", "UNITS", "COPY_LIMIT"]
 
 UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per batch",
          "ratio_vs_ceiling": "x (rows/s over the in-process ceiling's rows/s, median of per-round ratios)",
@@ -265,159 +267,231 @@ def _learned_stats(client, table: str, wait_s: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def run_lookup_bench(data_dir, out_dir, *, table: str | None = None, batches=(256, 4096, 32768, 65536),
-                     dists=("zipf0.8", "zipf1.0", "zipf1.2", "uniform"), quick: bool = False, seed: int = 0,
-                     rounds: int | None = None, rows_per_pass: int | None = None, cache_fraction: float = 0.10,
-                     competitors: tuple[str, ...] | None = None, huge_shm_dir=None, table_bytes: int | None = None,
-                     progress: bool = True, log=print) -> dict:
-    """Run the lookup scenario on `table` (default: the first table) of `data_dir`, or
-    with `table_bytes` on a random table of that size in OUT/baselines/lookup-data
-    (written once; `table` must then be None).
+@dataclass(slots=True)
+class LookupOptions(BenchOptions):
+    """What `bench lookup` runs (module docstring); `tierstore bench lookup` builds it from
+    the flags of the same names. Defaults of a field left unset: DEFAULTS (full run, --quick)."""
+
+    table: str | None = None            # the table of data_dir to read (default: its first)
+    table_bytes: int | None = None      # or a random table this large, in OUT/baselines/lookup-data
+    batches: tuple | None = None        # ids per call: a cell each (batch, dist)
+    dists: tuple | None = None          # how they are drawn (bench/workload.py)
+    rounds: int | None = None           # timed interleaved rounds per cell
+    rows_per_pass: int | None = None    # ids per pass (at least 3 batches)
+    cache_fraction: float = 0.10        # arena-cache's DRAM budget, of every table's bytes
+    competitors: tuple | None = None    # run only these (the ceiling always); default: all, lmdb and
+                                        # redis only for tables up to COPY_LIMIT
+    huge_shm_dir: str | None = None     # also run arena-huge, the full-resident arena in this directory
+                                        # (huge pages where its mount gives them)
+
+    DEFAULTS = {"batches": ((256, 4096, 32768, 65536), (4096, 32768)),
+                "dists": (("zipf0.8", "zipf1.0", "zipf1.2", "uniform"), ("zipf1.0", "uniform")),
+                "rounds": (5, 3), "rows_per_pass": (131072, 32768)}
+
+    def validate(self) -> None:
+        if self.table is not None and self.table_bytes is not None:
+            raise InvalidArgument("bench lookup: --table reads a table of --data, --table-mib writes its own; "
+                                  "pass one of them")
+        self.batches, self.dists = tuple(self.batches), tuple(self.dists)
+        self.competitors = tuple(self.competitors) if self.competitors else None
+        if min(self.batches) < 1 or not 0 < self.cache_fraction <= 1:
+            raise InvalidArgument(f"bench lookup: batches must be >= 1 ids and the cache fraction in (0, 1], got "
+                                  f"{self.batches}, {self.cache_fraction}")
+        for dist in self.dists:
+            parse_dist(dist)
+
+
+def run_lookup_bench(data_dir, out_dir, options: LookupOptions | None = None, log=print) -> dict:
+    """Run the lookup scenario (module docstring) on `options.table` of `data_dir`, or
+    on a random table of `options.table_bytes` in OUT/baselines/lookup-data.
 
     out_dir: where LMDB's copy of the table is built once (OUT/baselines).
-    rounds / rows_per_pass: timed rounds per cell and ids per pass (defaults
-        5 / 131072, quick 3 / 32768); each pass has at least 3 batches.
-    huge_shm_dir: also run arena-huge, the full-resident arena in that directory (huge
-        pages where its mount gives them; the sidecar's log line says how many).
     Raises WrongRows when any competitor returns bytes that differ from the table.
     Returns the scenario dict written to results.json.
     """
     from tqdm import tqdm
 
-    from tierstore.bench import baselines as bl
-    from tierstore.store.catalog import Catalog
+    o = options or LookupOptions()
+    t = _open_table(data_dir, out_dir, o, log)
+    version = t.version
+    closers: list = []
+    try:
+        log(f"lookup: table {t.name!r} v{version.number}: {version.rows:,} rows x {version.row_bytes} B "
+            f"({version.nbytes / 2**20:.1f} MiB)")
+        comps = _Competitors(t, out_dir, o, closers, log)
+        cells = []
+        with tqdm(total=len(o.dists) * len(o.batches) * o.rounds, desc="lookup", unit="round",
+                  **_bar_options(o.progress)) as bar:
+            for dist in o.dists:
+                for batch in o.batches:
+                    cells.append(comps.cell(dist, batch, bar))
+                    log(line_for(cells[-1]))
+    finally:
+        close_all(closers)
+    return {"table": t.name, "version": version.number, "rows": version.rows, "row_bytes": version.row_bytes,
+            "table_bytes": version.nbytes, "rounds": o.rounds, "quick": o.quick, "units": UNITS,
+            "competitors": list(comps.fns), "skipped": comps.skipped, "config": comps.meta, "cells": cells}
+
+
+def start_sidecar(data_dir, closers: list, dram_budget, extra_args=()) -> tuple:
+    """(SidecarProcess, Client): a sidecar serving `data_dir` and a client of it, each
+    stopped by `closers` (close_all: the client first)."""
     from tierstore.client.client import Client
     from tierstore.sidecar.launcher import SidecarProcess
 
-    rounds = rounds or (3 if quick else 5)
-    rows_per_pass = rows_per_pass or (32768 if quick else 131072)
-    if table_bytes is not None:
+    sidecar = SidecarProcess(data_dir, dram_budget=dram_budget, extra_args=extra_args).start()
+    closers.append(sidecar.cleanup)
+    client = Client(sidecar.socket)
+    closers.append(client.close)
+    return sidecar, client
+
+
+@dataclass(frozen=True)
+class _Table:
+    """The table a lookup run reads: `name` of `data_dir` at its current `version`, and the
+    bytes of every table there (a full-resident sidecar holds them all)."""
+
+    data_dir: Path
+    name: str
+    version: object
+    total_bytes: int
+
+
+def _open_table(data_dir, out_dir, o: LookupOptions, log) -> _Table:
+    from tierstore.store.catalog import Catalog
+
+    table = o.table
+    if o.table_bytes is not None:
         from tierstore.bench.random_table import random_table
 
-        if table is not None:
-            raise InvalidArgument("bench lookup: --table reads a table of --data, --table-mib writes its own; "
-                                  "pass one of them")
         data_dir = Path(out_dir) / "baselines" / "lookup-data"
-        log(f"lookup: random table of {table_bytes / 2**20:.0f} MiB in {data_dir} (written once, then reused)")
-        table = random_table(data_dir, table_bytes, row_bytes=264, seed=seed, progress=progress, name="lookup").table
+        log(f"lookup: random table of {o.table_bytes / 2**20:.0f} MiB in {data_dir} (written once, then reused)")
+        table = random_table(data_dir, o.table_bytes, row_bytes=264, seed=o.seed, progress=o.progress,
+                             name="lookup").table
     with Catalog(data_dir, readonly=True) as cat:
         names = cat.tables()
         table = table or names[0]
-        version = cat.current(table)
-        total_bytes = sum(cat.current(t).nbytes for t in names)
-    want = set(competitors or ("ceiling", "arena", "arena-cache", "arena-cache-plan",
-                               "arena-cache-prefetch", "inline", "mmap", "lmdb", "redis"))
-    want.add("ceiling")
-    skipped: dict[str, str] = {}
-    if version.nbytes > COPY_LIMIT:
-        for name in ("lmdb", "redis"):
-            if name in want and name not in (competitors or ()):
-                want.discard(name)
-                skipped[name] = (f"a second copy of a {version.nbytes / 2**30:.1f} GiB table; "
-                                 f"name it in --competitors to run it")
-    closers: list = []
-    fns: dict[str, Callable] = {}
-    meta: dict = {}
-    bar_opts = dict(file=None, disable=not progress, leave=False)
-    try:
-        log(f"lookup: table {table!r} v{version.number}: {version.rows:,} rows x {version.row_bytes} B "
-            f"({version.nbytes / 2**20:.1f} MiB)")
-        table_np = bl.load_table(data_dir, version)
-        ceiling = CompiledGather(table_np)
-        fns["ceiling"] = ceiling.get
-        meta["ceiling"] = {"gather": ceiling.kind, "buffer": "allocated once per batch size, reused"}
+        return _Table(Path(data_dir), table, cat.current(table), sum(cat.current(n).nbytes for n in names))
+
+
+def _bar_options(progress: bool) -> dict:
+    return dict(file=None, disable=not progress, leave=False)
+
+
+class _Competitors:
+    """The competitors a lookup run asks for (the ceiling always), started, each stopped by
+    `closers`: `fns[name](ids)` reads a batch, `meta` says how one is set up, `skipped`
+    why one did not run; `cell` times them all on one (distribution, batch size)."""
+
+    def __init__(self, t: _Table, out_dir, o: LookupOptions, closers: list, log):
+        from tierstore.bench import baselines as bl
+
+        self.t, self.o, self.fns, self.meta = t, o, {}, {}
+        self.table_np = bl.load_table(t.data_dir, t.version)
+        want, self.skipped = self._wanted()
+        ceiling = CompiledGather(self.table_np)
+        self.fns["ceiling"] = ceiling.get
+        self.meta["ceiling"] = {"gather": ceiling.kind, "buffer": "allocated once per batch size, reused"}
+        self.cached = self._start_sidecars(want, closers)  # arena-cache's client, None when it does not run
+        self._open_baselines(want, out_dir, closers, log)
+
+    def _wanted(self) -> tuple[set, dict]:
+        """The competitors to run and why any of the default ones is left out."""
+        asked, version = self.o.competitors, self.t.version
+        want = set(asked or ("ceiling", "arena", "arena-cache", "arena-cache-plan",
+                             "arena-cache-prefetch", "inline", "mmap", "lmdb", "redis"))
+        want.add("ceiling")
+        skipped: dict[str, str] = {}
+        if version.nbytes > COPY_LIMIT:
+            for name in ("lmdb", "redis"):
+                if name in want and name not in (asked or ()):
+                    want.discard(name)
+                    skipped[name] = (f"a second copy of a {version.nbytes / 2**30:.1f} GiB table; "
+                                     f"name it in --competitors to run it")
+        return want, skipped
+
+    def _start_sidecars(self, want: set, closers: list):
+        t, table, full_budget = self.t, self.t.name, int(self.t.total_bytes * 1.02) + (8 << 20)
         if "arena" in want or "inline" in want:
-            full = SidecarProcess(data_dir, dram_budget=int(total_bytes * 1.02) + (8 << 20)).start()
-            closers.append(full.cleanup)
-            client = Client(full.socket)
-            closers.append(client.close)
+            _, client = start_sidecar(t.data_dir, closers, full_budget)
             if "arena" in want:
-                fns["arena"] = _Arena(client, table).get
+                self.fns["arena"] = _Arena(client, table).get
             if "inline" in want:
-                fns["inline"] = _Inline(client, table, version.row_bytes).get
-        if huge_shm_dir is not None and (competitors is None or "arena-huge" in want):
-            huge = SidecarProcess(data_dir, dram_budget=int(total_bytes * 1.02) + (8 << 20),
-                                  extra_args=["--shm-dir", huge_shm_dir]).start()
-            closers.append(huge.cleanup)
-            hclient = Client(huge.socket)
-            closers.append(hclient.close)
-            fns["arena-huge"] = _Arena(hclient, table).get
-            meta["arena_huge"] = {"shm_dir": str(huge_shm_dir),
-                                  "log": [ln for ln in huge.log().splitlines() if "pages" in ln][-3:]}
-        if "arena-cache" in want:
-            budget = max(int(total_bytes * cache_fraction), 1 << 16)
-            cached = SidecarProcess(data_dir, dram_budget=budget).start()
-            closers.append(cached.cleanup)
-            cclient = Client(cached.socket)
-            closers.append(cclient.close)
-            info = next(t for t in cclient.tables() if t["table"] == table)
-            cap = int(info["arena_slots"])
-            meta["arena_cache"] = {"dram_budget_bytes": budget, "arena_slots": cap,
-                                   "fraction_of_table": cap / version.rows, "plan_piece_ids": max(1, cap // 2)}
-            fns["arena-cache"] = _Lookup(cclient, table).get
-            # variants on sidecars of their own (a shared arena would hand one the other's warm rows)
-            for name, kind in (("arena-cache-plan", _Arena), ("arena-cache-prefetch", _Prefetching)):
-                if name in want:
-                    sc = SidecarProcess(data_dir, dram_budget=budget).start()
-                    closers.append(sc.cleanup)
-                    vclient = Client(sc.socket)
-                    closers.append(vclient.close)
-                    fns[name] = kind(vclient, table, piece=max(1, cap // 2)).get
+                self.fns["inline"] = _Inline(client, table, t.version.row_bytes).get
+        if self.o.huge_shm_dir is not None and (self.o.competitors is None or "arena-huge" in want):
+            huge, hclient = start_sidecar(t.data_dir, closers, full_budget, ["--shm-dir", self.o.huge_shm_dir])
+            self.fns["arena-huge"] = _Arena(hclient, table).get
+            self.meta["arena_huge"] = {"shm_dir": str(self.o.huge_shm_dir),
+                                       "log": [ln for ln in huge.log().splitlines() if "pages" in ln][-3:]}
+        if "arena-cache" not in want:
+            return None
+        budget = max(int(t.total_bytes * self.o.cache_fraction), 1 << 16)
+        _, cclient = start_sidecar(t.data_dir, closers, budget)
+        cap = int(next(i for i in cclient.tables() if i["table"] == table)["arena_slots"])
+        self.meta["arena_cache"] = {"dram_budget_bytes": budget, "arena_slots": cap,
+                                    "fraction_of_table": cap / t.version.rows, "plan_piece_ids": max(1, cap // 2)}
+        self.fns["arena-cache"] = _Lookup(cclient, table).get
+        # variants on sidecars of their own (a shared arena would hand one the other's warm rows)
+        for name, kind in (("arena-cache-plan", _Arena), ("arena-cache-prefetch", _Prefetching)):
+            if name in want:
+                _, vclient = start_sidecar(t.data_dir, closers, budget)
+                self.fns[name] = kind(vclient, table, piece=max(1, cap // 2)).get
+        return cclient
+
+    def _open_baselines(self, want: set, out_dir, closers: list, log) -> None:
+        from tqdm import tqdm
+
+        from tierstore.bench import baselines as bl
+
+        version, bar = self.t.version, _bar_options(self.o.progress)
         if "mmap" in want:
-            mm = bl.MmapTable(data_dir, version)
+            mm = bl.MmapTable(self.t.data_dir, version)
             closers.append(mm.close)
-            fns["mmap"] = mm.get
+            self.fns["mmap"] = mm.get
         if "lmdb" in want:
-            with tqdm(total=version.rows, desc="build lmdb baseline", unit="row", **bar_opts) as b:
-                db = bl.LmdbTable(Path(out_dir) / "baselines", version, table_np, progress=b.update)
+            with tqdm(total=version.rows, desc="build lmdb baseline", unit="row", **bar) as b:
+                db = bl.LmdbTable(Path(out_dir) / "baselines", version, self.table_np, progress=b.update)
             closers.append(db.close)
-            fns["lmdb"] = db.get
+            self.fns["lmdb"] = db.get
         if "redis" in want:
             why = bl.redis_available()
             if why is None:
                 try:
-                    with tqdm(total=version.rows, desc="load redis baseline", unit="row", **bar_opts) as b:
-                        rd = bl.RedisTable(table_np, progress=b.update)
+                    with tqdm(total=version.rows, desc="load redis baseline", unit="row", **bar) as b:
+                        rd = bl.RedisTable(self.table_np, progress=b.update)
                     closers.append(rd.close)
-                    fns["redis"] = rd.get
+                    self.fns["redis"] = rd.get
                 except RuntimeError as e:
                     why = str(e)
             if why is not None:
-                skipped["redis"] = why
+                self.skipped["redis"] = why
                 log(f"lookup: redis skipped: {why}")
-        cells = []
-        total = len(dists) * len(batches) * rounds
-        with tqdm(total=total, desc="lookup", unit="round", **bar_opts) as bar:
-            for dist in dists:
-                for batch in batches:
-                    calls = max(3, rows_per_pass // batch)
-                    ids = _batches(dist, version.rows, batch, calls, seed)
-                    want_rows = table_np[ids[0]]
-                    _Prefetching.batches = list(ids)
-                    for name, fn in fns.items():
-                        check_same_rows(name, fn(ids[0]), want_rows)
-                    bar.set_description(f"lookup {dist} b={batch}")
-                    s0 = _learned_stats(cclient, table) if "arena-cache" in fns else None
-                    timed = _TimedHits(cclient.handle(table) if s0 is not None else None)
-                    # the timed rounds start once the sidecar has learned the warm-up's local reads (and
-                    # promoted their misses): steady state, not the learner's lag on a busy host
-                    timings = run_rounds(fns, ids, rounds, progress=bar.update, before_pass=timed.before_pass,
-                                         after_warmup=(lambda: _learned_stats(cclient, table)) if s0 is not None
-                                         else None)
-                    cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
-                            "competitors": summarize(timings, calls * batch)}
-                    if s0 is not None:
-                        s1 = _learned_stats(cclient, table)
-                        h, m = int(s1.get("hits", 0)) - int(s0.get("hits", 0)), int(s1.get("misses", 0)) - int(s0.get("misses", 0))
-                        cell["competitors"]["arena-cache"]["hit_ratio"] = h / (h + m) if h + m else None
-                        cell["competitors"]["arena-cache"]["hit_ratio_timed"] = timed.ratio()
-                    cells.append(cell)
-                    log(line_for(cell))
-    finally:
-        close_all(closers)
-    return {"table": table, "version": version.number, "rows": version.rows, "row_bytes": version.row_bytes,
-            "table_bytes": version.nbytes, "rounds": rounds, "quick": quick, "units": UNITS,
-            "competitors": list(fns), "skipped": skipped, "config": meta, "cells": cells}
+
+    def cell(self, dist: str, batch: int, bar) -> dict:
+        """Every competitor's rows checked on the first batch, then `rounds` timed interleaved
+        rounds (after arena-cache's sidecar has learned the warm-up pass): one cell."""
+        table, cached, o = self.t.name, self.cached, self.o
+        calls = max(3, o.rows_per_pass // batch)
+        ids = _batches(dist, self.t.version.rows, batch, calls, o.seed)
+        want_rows = self.table_np[ids[0]]
+        _Prefetching.batches = list(ids)
+        for name, fn in self.fns.items():
+            check_same_rows(name, fn(ids[0]), want_rows)
+        bar.set_description(f"lookup {dist} b={batch}")
+        s0 = _learned_stats(cached, table) if cached is not None else None
+        timed = _TimedHits(cached.handle(table) if s0 is not None else None)
+        # the timed rounds start once the sidecar has learned the warm-up's local reads (and
+        # promoted their misses): steady state, not the learner's lag on a busy host
+        timings = run_rounds(self.fns, ids, o.rounds, progress=bar.update, before_pass=timed.before_pass,
+                             after_warmup=(lambda: _learned_stats(cached, table)) if s0 is not None else None)
+        cell = {"dist": dist, "batch": batch, "calls_per_pass": calls, "rows_per_pass": calls * batch,
+                "competitors": summarize(timings, calls * batch)}
+        if s0 is not None:
+            s1 = _learned_stats(cached, table)
+            h, m = int(s1.get("hits", 0)) - int(s0.get("hits", 0)), int(s1.get("misses", 0)) - int(s0.get("misses", 0))
+            cell["competitors"]["arena-cache"]["hit_ratio"] = h / (h + m) if h + m else None
+            cell["competitors"]["arena-cache"]["hit_ratio_timed"] = timed.ratio()
+        return cell
 
 
 def _batches(dist, rows, batch, calls, seed):

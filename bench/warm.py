@@ -19,23 +19,46 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_warm_bench", "warm_line"]
+from tierstore.bench.workload import BenchOptions, parse_dist
+from tierstore.errors import InvalidArgument
+
+__all__ = ["run_warm_bench", "WarmOptions", "warm_line"]
 
 UNITS = {"hit_ratio": "fraction of unique ids per Plan found in the DRAM arena", "steps": "planned steps",
          "warm_up_s": "seconds from SERVING until the warm-up promoted its last row"}
 TOLERANCE = 0.05
 
 
-def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: float = 0.25,
-                   batch: int = 4096, dist: str = "zipf1.0", steady_steps: int | None = None,
-                   after_steps: int | None = None, window: int = 10, quick: bool = False, seed: int = 0,
-                   progress: bool = True, log=print) -> dict:
-    """Run the scenario (module docstring) on a random table of `table_bytes` (default
-    256 MiB, quick 64 MiB) in OUT/baselines/cold-data; returns its results.json entry."""
+@dataclass(slots=True)
+class WarmOptions(BenchOptions):
+    """What `bench warm` runs (module docstring); `tierstore bench warm` builds it from the
+    flags of the same names. Defaults of a field left unset: DEFAULTS (full run, --quick)."""
+
+    table_bytes: int | None = None      # the random table, in OUT/baselines/cold-data
+    budget_fraction: float = 0.25       # the sidecar's DRAM budget, of the table's bytes
+    batch: int = 4096                   # ids per step
+    dist: str = "zipf1.0"               # how they are drawn (bench/workload.py)
+    steady_steps: int | None = None     # steps before the restart
+    after_steps: int | None = None      # steps after each restart
+    window: int = 10                    # steps per reported hit ratio
+
+    DEFAULTS = {"table_bytes": (256 << 20, 64 << 20), "steady_steps": (300, 150), "after_steps": (150, 80)}
+
+    def validate(self) -> None:
+        if not 0 < self.budget_fraction <= 1 or self.batch < 1 or self.window < 1:
+            raise InvalidArgument(f"bench warm: the budget fraction must be in (0, 1], the batch and the window "
+                                  f">= 1, got {self.budget_fraction}, {self.batch}, {self.window}")
+        parse_dist(self.dist)
+
+
+def run_warm_bench(out_dir, options: WarmOptions | None = None, log=print) -> dict:
+    """Run the scenario (module docstring) on a random table of `options.table_bytes` in
+    OUT/baselines/cold-data; returns its results.json entry."""
     from tierstore.bench.memory import drop_page_cache
     from tierstore.bench.random_table import random_table
     from tierstore.bench.workload import make_batches
@@ -44,16 +67,14 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
     from tierstore.sidecar.launcher import SidecarProcess
     from tierstore.store.hot_set import hot_set_path
 
-    table_bytes = table_bytes or ((64 if quick else 256) << 20)
-    steady_steps = steady_steps or (150 if quick else 300)
-    after_steps = after_steps or (80 if quick else 150)
+    o = options or WarmOptions()
     cache_dir = Path(out_dir) / "baselines" / "cold-data"
-    log(f"warm: table of {table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
-    version = random_table(cache_dir, table_bytes, seed=seed, progress=progress)
-    budget = int(version.nbytes * budget_fraction)
+    log(f"warm: table of {o.table_bytes / 2**20:.0f} MiB in {cache_dir} (written once, then reused)")
+    version = random_table(cache_dir, o.table_bytes, seed=o.seed, progress=o.progress)
+    budget = int(version.nbytes * o.budget_fraction)
     segments = [cache_dir / s for s in version.segments]
-    stream = make_batches(dist, version.rows, batch, steady_steps + after_steps, seed)
-    before, after = stream[:steady_steps], stream[steady_steps:]
+    stream = make_batches(o.dist, version.rows, o.batch, o.steady_steps + o.after_steps, o.seed)
+    before, after = stream[:o.steady_steps], stream[o.steady_steps:]
     hot = hot_set_path(cache_dir, version.table, version.number)
     hot.unlink(missing_ok=True)  # an earlier run's: the first sidecar starts cold
     kept = Path(out_dir) / "baselines" / "warm-hot-set"
@@ -66,7 +87,7 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
         with SidecarProcess(cache_dir, dram_budget=budget, extra_args=[*flags, *extra]) as sc, \
                 Client(sc.socket) as c:
             started = time.monotonic() - t0
-            ratios, done_at = _steps(c, version.table, steps, progress, name)
+            ratios, done_at = _steps(c, version.table, steps, o.progress, name)
             stats = next(t for t in c.stats()["tables"] if t["table"] == version.table)
             warmed = int(stats.get("warmed", 0))
             cap = int(stats["capacity"])
@@ -75,24 +96,24 @@ def run_warm_bench(out_dir, *, table_bytes: int | None = None, budget_fraction: 
 
     first = serve(before, ["--no-warm-start"], "warm: to steady state")
     shutil.copyfile(hot, kept)
-    steady = float(np.mean(first["hit_ratio_per_step"][-window * 5:]))
+    steady = float(np.mean(first["hit_ratio_per_step"][-o.window * 5:]))
     cold = serve(after, ["--no-warm-start"], "warm: cold restart")
     shutil.copyfile(kept, hot)  # the cold run recorded its own at its stop: the warm one starts from the first's
     warm = serve(after, [], "warm: warm restart")
     kept.unlink(missing_ok=True)
     runs = {"cold": cold, "warm": warm}
     for r in runs.values():
-        r["hit_ratio_per_window"] = _windows(r["hit_ratio_per_step"], window)
-        r["within_tolerance_from_step"] = _settled(r["hit_ratio_per_window"], steady, window)
+        r["hit_ratio_per_window"] = _windows(r["hit_ratio_per_step"], o.window)
+        r["within_tolerance_from_step"] = _settled(r["hit_ratio_per_window"], steady, o.window)
         step50 = r["hit_ratio_per_step"][40:50]
         r["hit_ratio_steps_41_50"] = float(np.mean(step50)) if step50 else None
     result = {"table_rows": version.rows, "row_bytes": version.row_bytes, "table_bytes": version.nbytes,
-              "dram_budget_bytes": budget, "arena_slots": first["arena_slots"], "dist": dist, "batch": batch,
-              "steady_steps": steady_steps, "after_steps": after_steps, "window": window,
+              "dram_budget_bytes": budget, "arena_slots": first["arena_slots"], "dist": o.dist, "batch": o.batch,
+              "steady_steps": o.steady_steps, "after_steps": o.after_steps, "window": o.window,
               "tolerance": TOLERANCE, "steady_hit_ratio": steady,
-              "steady_run_hit_ratio_per_window": _windows(first["hit_ratio_per_step"], window),
+              "steady_run_hit_ratio_per_window": _windows(first["hit_ratio_per_step"], o.window),
               "restarts": runs, "page_cache": "dropped before each sidecar starts (posix_fadvise DONTNEED)",
-              "units": UNITS, "quick": quick}
+              "units": UNITS, "quick": o.quick}
     result["summary"] = warm_line(result)
     log(result["summary"])
     return result

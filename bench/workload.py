@@ -1,4 +1,5 @@
-"""Id workloads for the storage benchmarks: Zipf or uniform over a table's rows.
+"""Id workloads for the storage benchmarks: Zipf or uniform over a table's rows, and
+the options every scenario shares (BenchOptions: its size, the seed of its ids).
 
 Hashed n-gram ids are Zipf-distributed by frequency but scattered over the row
 space (the hash spreads neighbours apart), so ranks are mapped to ids through a
@@ -7,9 +8,37 @@ cache or readahead would get for free.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-__all__ = ["parse_dist", "make_batches"]
+__all__ = ["parse_dist", "make_batches", "BenchOptions"]
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    """What every scenario's options dataclass shares (cold, lookup, large and warm subclass
+    it; `tierstore bench` builds one from the flags whose dest is a field's name).
+
+    A field the caller left unset (None or 0) takes its default from DEFAULTS, a
+    (full run, --quick) pair a field; then `validate()` refuses what the scenario cannot
+    run (InvalidArgument naming the flag), before anything is written or started."""
+
+    quick: bool = False     # small sizes (about a minute)
+    seed: int = 0           # of every id stream
+    progress: bool = True   # progress bars on stderr
+
+    DEFAULTS: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        for name, (full, quick) in self.DEFAULTS.items():
+            if not getattr(self, name):
+                setattr(self, name, quick if self.quick else full)
+        self.validate()
+
+    def validate(self) -> None:
+        """InvalidArgument for a value the scenario cannot run; nothing here."""
 
 
 def parse_dist(text: str) -> float | None:

@@ -1,12 +1,7 @@
-"""The direction of imports, the architecture's arrows (docs/architecture.md):
-
-    table <- store <- ingest            what a table is, versions on disk, writing them
-    tiers <- cache <- engine <- sidecar rows by id, cache-mode state, engines, the serving process
-    proto                               the wire: imported by sidecar and client alike
-    client -> proto, tiers, cache       talking to a sidecar; never the sidecar's own modules
-    client.model -> client, kernels     the model side
-    client.engines -> client            tierstore under the engines (sglang, vLLM)
-    cli, bench                          the only importers of the sidecar
+"""The direction of imports, the architecture's arrows: `ALLOWED` below is the rule (what
+each package may import besides itself and BASE; OPEN may import anything), and
+docs/architecture.md's import-rules block states it line for line
+(test_the_docs_state_the_import_rules).
 
 Every import counts, a lazy one inside a function too: a cycle hidden in a
 function body is still a cycle. Only `if TYPE_CHECKING:` imports (annotations,
@@ -15,6 +10,7 @@ never run) are left out. A new arrow is a decision made here, not a slip.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -187,3 +183,23 @@ def test_the_check_sees_an_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from tierstore.client.client import Client\nfrom tierstore import errors\n")
     assert sorted(_imports(f)) == [(2, "tierstore.client.client"), (3, "tierstore.errors")]
+
+
+def _documented_rules() -> dict[str, set[str] | str]:
+    """docs/architecture.md's import-rules block: `a, b -> c, d` gives a and b {c, d};
+    `nothing` is the empty set, `anything` stays the word."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- import rules:[^\n]*-->\n```\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no import-rules block (<!-- import rules: ... --> then a fenced block)"
+    rules = {}
+    for line in block.group(1).splitlines():
+        left, right = (s.strip() for s in line.split("->"))
+        deps = right if right == "anything" else set() if right == "nothing" else set(right.replace(" ", "").split(","))
+        for name in left.replace(" ", "").split(","):
+            assert name not in rules, f"{name} has two lines in the docs' import rules"
+            rules[name] = deps
+    return rules
+
+
+def test_the_docs_state_the_import_rules():
+    assert _documented_rules() == {**ALLOWED, **{name: "anything" for name in OPEN}}

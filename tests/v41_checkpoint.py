@@ -23,6 +23,7 @@ CONFIG = dict(hidden_size=64, hc_mult=4, rms_norm_eps=1e-20, engram_layer_ids=[1
               engram_n_heads=3, engram_head_dim=256, engram_vocab_size=700, engram_pad_token_id=2,
               engram_compressed_vocab_size=500)
 IMAGE_TOKEN = 499
+INDEX = "model.safetensors.index.json"
 
 
 def quantize_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +37,14 @@ def quantize_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndar
     scale = np.repeat(np.repeat(np.exp2(exp.astype(np.float32)), block, 0), block, 1)[:O, :I]
     q = torch.from_numpy(w / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     return q, (exp + 127).astype(np.uint8)
+
+
+def edit_json(path: Path, edit) -> None:
+    """Rewrite the JSON file at `path` after `edit(value)` has changed its parsed value in
+    place: how a test breaks one field of a checkpoint's config.json or index."""
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:

@@ -110,3 +110,24 @@ def test_bench_all_gives_each_scenario_what_its_own_parser_would(tmp_path):
         if name in ("cache", "hash", "scale"):
             assert got.pop("data") == str(tmp_path)
         assert got == want, name
+
+
+def test_every_flag_of_a_scenario_with_options_is_one_of_their_fields(tmp_path):
+    """`tierstore bench` hands a scenario's flags to its options dataclass by name: a flag
+    whose dest were no field would be dropped without a word."""
+    from dataclasses import fields
+
+    from tierstore.bench.cold import ColdOptions
+    from tierstore.bench.large import LargeOptions
+    from tierstore.bench.lookup import LookupOptions
+    from tierstore.bench.warm import WarmOptions
+    from tierstore.cli import build_parser
+
+    parsers = build_parser("bench").parse_args(["bench", "report", str(tmp_path)])._scenario_parsers
+    for name, options in {"cold": ColdOptions, "lookup": LookupOptions, "large": LargeOptions,
+                          "warm": WarmOptions}.items():
+        dests = {a.dest for a in parsers[name]._actions} - {"data", "out", "help"}  # where, not how
+        if "table_mib" in dests:  # handed over in bytes
+            dests = dests - {"table_mib"} | {"table_bytes"}
+        names = {f.name for f in fields(options)}
+        assert dests <= names, (name, dests - names)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tierstore.bench import baselines
-from tierstore.bench.lookup import WrongRows, run_lookup_bench, run_rounds
+from tierstore.bench.lookup import LookupOptions, WrongRows, run_lookup_bench, run_rounds
 from tierstore.bench.workload import make_batches, parse_dist
 
 
@@ -20,8 +20,9 @@ def test_workload_is_seeded_in_range_and_skewed():
 
 def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
     tv, rows = make_table("t", rows=3000, row_bytes=64)
-    res = run_lookup_bench(data_dir, tmp_path / "out", batches=(256,), dists=("zipf1.0",), rounds=2,
-                           rows_per_pass=768, progress=False, log=lambda *_: None)
+    res = run_lookup_bench(data_dir, tmp_path / "out", LookupOptions(batches=(256,), dists=("zipf1.0",), rounds=2,
+                                                                    rows_per_pass=768, progress=False),
+                           log=lambda *_: None)
     comps = res["cells"][0]["competitors"]
     expected = {"ceiling", "arena", "arena-cache", "inline", "mmap", "lmdb"}
     if baselines.redis_available() is None:
@@ -60,16 +61,17 @@ def test_a_competitor_returning_wrong_rows_fails_loudly(make_table, data_dir, tm
 
     monkeypatch.setattr(baselines.MmapTable, "get", corrupt)
     with pytest.raises(WrongRows, match="mmap"):
-        run_lookup_bench(data_dir, tmp_path / "out", batches=(64,), dists=("uniform",), rounds=1, rows_per_pass=64,
-                         competitors=("mmap",), progress=False, log=lambda *_: None)
+        run_lookup_bench(data_dir, tmp_path / "out", LookupOptions(batches=(64,), dists=("uniform",), rounds=1,
+                                                                   rows_per_pass=64, competitors=("mmap",),
+                                                                   progress=False), log=lambda *_: None)
 
 
 @pytest.mark.slow
 def test_cold_scenario_is_slower_than_dram_and_bounded(tmp_path):
-    from tierstore.bench.cold import run_cold_bench
+    from tierstore.bench.cold import ColdOptions, run_cold_bench
 
-    res = run_cold_bench(None, tmp_path / "out", table_bytes=4 << 20, batch=1024, rounds=2, rows_per_pass=3072,
-                         slack_bytes=16 << 20, progress=False, log=lambda *_: None)
+    res = run_cold_bench(tmp_path / "out", ColdOptions(table_bytes=4 << 20, batch=1024, rounds=2, rows_per_pass=3072,
+                                                       slack_bytes=16 << 20, progress=False), log=lambda *_: None)
     comps = res["competitors"]
     assert {"dram", "tierstore-cold", "mmap-cold"} <= set(comps) <= {"dram", "tierstore-cold", "tierstore-direct",
                                                                       "tierstore-local", "mmap-cold"}
@@ -113,12 +115,13 @@ def test_lookup_table_mib_writes_its_own_table_once_and_leaves_out_whole_copies(
 
     monkeypatch.setattr(lookup, "COPY_LIMIT", 1 << 20)  # a 2 MiB table counts as large here
     kw = dict(table_bytes=2 << 20, batches=(256,), dists=("uniform",), rounds=1, rows_per_pass=768,
-              competitors=("arena", "mmap", "lmdb"), progress=False, log=lambda *_: None)
-    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", **kw)
+              competitors=("arena", "mmap", "lmdb"), progress=False)
+    quiet = dict(log=lambda *_: None)
+    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", LookupOptions(**kw), **quiet)
     assert res["row_bytes"] == 264 and abs(res["table_bytes"] - (2 << 20)) < 264 * 1024
     assert res["config"]["ceiling"]["gather"] in ("numba", "numpy take (numba missing or TIERSTORE_NO_JIT=1)")
     assert set(res["cells"][0]["competitors"]) == {"ceiling", "arena", "mmap", "lmdb"}  # named: lmdb runs
-    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", **{**kw, "competitors": None})
+    res = run_lookup_bench(tmp_path / "unused", tmp_path / "out", LookupOptions(**{**kw, "competitors": None}), **quiet)
     assert "lmdb" in res["skipped"] and "redis" in res["skipped"] and "lmdb" not in res["cells"][0]["competitors"]
     with pytest.raises(lookup.InvalidArgument, match="--table-mib"):
-        run_lookup_bench(tmp_path / "unused", tmp_path / "out", table="t", **kw)
+        run_lookup_bench(tmp_path / "unused", tmp_path / "out", LookupOptions(table="t", **kw), **quiet)

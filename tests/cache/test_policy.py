@@ -309,8 +309,9 @@ def _protected(p) -> int:
 
 
 def test_an_extended_hint_still_counts_against_the_protection_cap():
-    """Issue 23.2: steps=1 then a long hint, repeated, used to protect the whole arena while
-    the cap's count read 0 (only a protection's start was counted, at its first end)."""
+    """steps=1 then a long hint, repeated, protects at most half the arena: an extended
+    protection counts until its new end (counted only from its start, at its first end,
+    the cap's count read 0 while the whole arena was protected)."""
     arena = Arena(4000, 100_000)
     arena.step(np.arange(4000))
     p, slots = arena.policy, arena.slot_of[np.arange(4000)]
@@ -334,8 +335,9 @@ def test_a_hint_over_the_longest_is_refused():
 
 
 def test_a_hint_costs_its_own_ids_not_the_pending_ones():
-    """Issue 23.2: every hint re-sorted the whole pending list (O(pending) under the engine
-    lock); a small hint now costs the same with a million ids pending as with none."""
+    """A hint runs under the engine lock, so it must cost O(its ids), not O(pending): a small
+    hint costs the same with a million ids pending as with none (re-sorting the whole
+    pending list on every hint would stall every step behind a deep queue of hints)."""
     import time
 
     def small_hint_s(p):

@@ -138,9 +138,10 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
 
 
 def test_a_refused_retry_keeps_the_first_attempts_lease_and_leaks_no_pin(engine):
-    """Issue 23.1: a retried Plan (same request id) refused by the slot budget leaves the
-    table as it was: the first attempt's lease stays live (its client releases it), and
-    once every client has released nothing is pinned, so the whole arena plans again."""
+    """A retried Plan (same request id) refused by the slot budget leaves the table as it
+    was, so a client retrying after a refusal neither loses its lease nor leaks a pin: the
+    first attempt's lease stays live (its client releases it), and once every client has
+    released nothing is pinned, so the whole arena plans again."""
     eng, data = engine
     eng.leases.max_slots = 1000
     first = eng.plan(np.arange(600), ttl_s=30.0, conn_id=b"a", request_id=777)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from v41_checkpoint import IMAGE_TOKEN, write_checkpoint, write_safetensors  # noqa: E402
+from v41_checkpoint import IMAGE_TOKEN, INDEX, edit_json, write_checkpoint, write_safetensors  # noqa: E402
 
 from tierstore.store.catalog import Catalog
 from tierstore.cli import main
@@ -212,17 +212,13 @@ def _no_scale(d):
 
 
 def _no_scale_in_index(d):
-    p = d / "model.safetensors.index.json"
-    idx = json.loads(p.read_text())
-    del idx["weight_map"]["layers.3.engram.embed.scale"]
-    p.write_text(json.dumps(idx))
+    edit_json(d / INDEX, lambda idx: idx["weight_map"].pop("layers.3.engram.embed.scale"))
 
 
 def _wrong_rows(d):
-    p = d / "config.json"
-    cfg = json.loads(p.read_text())
-    cfg["text_config"]["engram_num_embeddings"][1] += 1
-    p.write_text(json.dumps(cfg))
+    def edit(cfg):
+        cfg["text_config"]["engram_num_embeddings"][1] += 1
+    edit_json(d / "config.json", edit)
 
 
 def _wrong_tensor_rows(d):
@@ -236,10 +232,8 @@ def _truncated(d):
 
 
 def _no_engram_fields(d):
-    p = d / "config.json"
-    cfg = json.loads(p.read_text())
-    cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if not k.startswith("engram_")}
-    p.write_text(json.dumps(cfg))
+    edit_json(d / "config.json", lambda cfg: cfg.update(
+        text_config={k: v for k, v in cfg["text_config"].items() if not k.startswith("engram_")}))
 
 
 def _edit_header(d: Path, edit, shard: str = "model-00003-of-00003.safetensors") -> None:
@@ -300,10 +294,7 @@ def _huge_config(d):
 
 
 def _weight_map_as(value):
-    def edit(d):
-        p = d / "model.safetensors.index.json"
-        p.write_text(json.dumps({**json.loads(p.read_text()), "weight_map": value}))
-    return edit
+    return lambda d: edit_json(d / INDEX, lambda idx: idx.update(weight_map=value))
 
 
 @pytest.mark.parametrize("breaks, names", [

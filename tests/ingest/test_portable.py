@@ -167,15 +167,16 @@ def test_hostile_exports_are_clear_errors(tmp_path, data_dir, make_table, cli, c
 def test_rows_that_miss_a_format_1_exports_checksums_commit_nothing(data_dir, make_table):
     """Import of a format 1 export writes format 2: the exported checksums are checked
     over the incoming rows as format 1 laid them out, and one that differs is DataLoss."""
-    from tierstore.ingest.writer import write_version
+    from tierstore.ingest.writer import ExpectedBlocks, write_version
 
     tv, data = make_table("t", rows=300, block_rows=10, segment_format=1)
     with Catalog(data_dir, readonly=True) as cat:
         sums = cat.checksums("t", tv.number).copy()
-    kw = dict(rows=300, row_format="fp32", row_dim=16, block_rows=10, expected_format=1)
-    assert write_version(data_dir, "ok", [data], expected_checksums=sums, **kw).segment_format == 2
+    kw = dict(rows=300, row_format="fp32", row_dim=16, block_rows=10)
+    assert write_version(data_dir, "ok", [data], expected=ExpectedBlocks(sums, segment_format=1),
+                         **kw).segment_format == 2
     sums[7] ^= 1
     with pytest.raises(DataLoss, match="block 7 of the incoming rows"):
-        write_version(data_dir, "bad", [data], expected_checksums=sums, **kw)
+        write_version(data_dir, "bad", [data], expected=ExpectedBlocks(sums, segment_format=1), **kw)
     with Catalog(data_dir, readonly=True) as cat:
         assert "bad" not in cat.tables()

@@ -8,6 +8,7 @@ to do."""
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import pytest
@@ -44,12 +45,18 @@ def _honest_steps(path, steps: list) -> list:
     return seen
 
 
+@contextmanager
+def _greedy(sc, connections: int):
+    """The greedy client's step-socket connections, every one closed however the test ends."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(StepChannel(step_socket_path(sc.socket)).connect()) for _ in range(connections)]
+
+
 def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_client(table, sidecars):
     sc = sidecars(table, "512KiB", "--lease-ttl", 30)
     with Client(sc.socket) as honest:
         capacity = honest.tables()[0]["arena_slots"]
-        greedy = [StepChannel(step_socket_path(sc.socket)).connect() for _ in range(4)]
-        try:
+        with _greedy(sc, 4) as greedy:
             refused = []
             for k in range(3):  # a whole arena, the longest TTL, renewed by replanning the same request id
                 for j, g in enumerate(greedy):  # and four connections of half an arena each, other rows each
@@ -61,9 +68,6 @@ def test_a_plan_of_the_whole_arena_renewed_by_one_client_refuses_only_that_clien
             rng = np.random.default_rng(1)
             seen = _honest_steps(step_socket_path(sc.socket),
                                  [np.sort(rng.choice(ROWS, STEP_IDS, replace=False)) for _ in range(STEPS)])
-        finally:
-            for g in greedy:
-                g.close()
     failed = [e for e in seen if e is not None]
     print(f"whole arena x 4 connections: honest {len(failed)}/{STEPS} refused, greedy {len(refused)}/24 refused")
     assert not failed, f"{len(failed)}/{STEPS} honest steps refused: {failed[0]!r}"
@@ -112,8 +116,7 @@ def test_connections_pinning_a_hot_row_by_one_id_leases_refuse_only_themselves(t
     the honest client, whose steps over row 7 are all served."""
     sc = sidecars(table, "512KiB", "--lease-ttl", 60)
     t0 = time.monotonic()
-    greedy = [StepChannel(step_socket_path(sc.socket)).connect() for _ in range(64)]
-    try:
+    with _greedy(sc, 64) as greedy:
         refused = []
         hot = np.array([7], dtype=np.int64)
         for g in greedy:
@@ -126,9 +129,6 @@ def test_connections_pinning_a_hot_row_by_one_id_leases_refuse_only_themselves(t
                              [np.concatenate([hot, np.arange(1000 + i * 300, 1255 + i * 300)]) for i in range(STEPS)])
         with Client(sc.socket) as c:
             leases = int(c.stats()["leases_active"])
-    finally:
-        for g in greedy:
-            g.close()
     failed = [e for e in seen if e is not None]
     print(f"64 x 1024 one-id leases: {took:.1f} s, {len(refused)} refused, {leases} live after")
     assert not failed, f"{len(failed)}/{STEPS} honest steps refused after {took:.1f} s: {failed[0]!r}"

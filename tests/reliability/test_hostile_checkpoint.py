@@ -5,7 +5,6 @@ at once. Each ends rc 2 with the file and the fix named, no traceback, the data
 directory untouched."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from v41_checkpoint import write_checkpoint  # noqa: E402
+from v41_checkpoint import INDEX, edit_json, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 SHARD = "model-00003-of-00003.safetensors"  # layer 3's six tensors
@@ -32,10 +31,8 @@ def ckpt(tmp_path_factory):
 
 def _retarget(d: Path, target: str) -> None:
     """Point every index entry of SHARD at `target` (the bytes moved there beside the checkpoint)."""
-    p = d / "model.safetensors.index.json"
-    idx = json.loads(p.read_text())
-    idx["weight_map"] = {k: (target if v == SHARD else v) for k, v in idx["weight_map"].items()}
-    p.write_text(json.dumps(idx))
+    edit_json(d / INDEX, lambda idx: idx.update(weight_map={k: (target if v == SHARD else v)
+                                                            for k, v in idx["weight_map"].items()}))
 
 
 def _dotdot(d):
@@ -55,12 +52,7 @@ def _symlink(d):
 
 
 def _config(**text):
-    def edit(d):
-        p = d / "config.json"
-        cfg = json.loads(p.read_text())
-        cfg["text_config"].update(text)
-        p.write_text(json.dumps(cfg))
-    return edit
+    return lambda d: edit_json(d / "config.json", lambda cfg: cfg["text_config"].update(text))
 
 
 @pytest.mark.parametrize("attack, names", [

@@ -138,9 +138,9 @@ def test_a_hinted_row_read_in_later_outlasts_a_scan_until_its_request_runs(tmp_p
 
 
 def test_a_hint_longer_than_the_sidecars_longest_is_refused_invalid_argument(tmp_path):
-    """Issue 23.2: steps=10**9 kept rows for good; over the sidecar's longest hint (the
-    table says which) the Prefetch RPC answers INVALID_ARGUMENT, and the client refuses it
-    before sending; the longest itself is taken."""
+    """A hint must end, or steps=10**9 would keep its rows for good: over the sidecar's
+    longest hint (the table says which) the Prefetch RPC answers INVALID_ARGUMENT, and the
+    client refuses it before sending; the longest itself is taken."""
     import grpc
 
     from tierstore.proto import tierstore_pb2 as pb

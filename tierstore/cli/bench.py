@@ -25,10 +25,11 @@ by side in interleaved rounds of the same run.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 __all__ = ["add_arguments", "run", "ensure_data", "scenario_args", "SCENARIOS"]
 
@@ -76,6 +77,20 @@ def _lookup(add):
         "(a tmpfs mounted huge=within_size, or hugetlbfs): huge pages vs arena's")
 
 
+def _run_lookup(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.lookup import LookupOptions, line_for, run_lookup_bench
+    from tierstore.bench.plots import headline, plot_lookup
+
+    # a table past TLB reach unless a quick run, a --data table or `bench all` asks otherwise
+    mib = args.table_mib or (None if args.quick or suite or args.table else 8192)
+    if mib is None:
+        ensure_data(args.data)  # --table-mib writes a table of its own
+    res = run_lookup_bench(args.data, out, _options(LookupOptions, args, table_bytes=_mib(mib)), log=_log)
+    res["summary"] = line_for(headline(res["cells"]))
+    plot_lookup(res, out / "lookup.png")
+    return res
+
+
 def _cold(add):
     add("--table-mib", type=int, help="size of the cold table (default 768, quick 160)")
     add("--batch", type=int, default=4096, help="ids per call (default 4096)")
@@ -83,6 +98,16 @@ def _cold(add):
     add("--budget-fraction", type=float, default=0.25, help="DRAM budget as a fraction of the table (default 0.25)")
     add("--warmup-arenas", type=float, default=2.0, help="warm-up ids per competitor, in arena sizes (default 2)")
     add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
+
+
+def _run_cold(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.cold import ColdOptions, cold_line, run_cold_bench
+    from tierstore.bench.plots import plot_cold
+
+    res = run_cold_bench(out, _options(ColdOptions, args, table_bytes=_mib(args.table_mib)), log=_log)
+    res["summary"] = cold_line(res)
+    plot_cold(res, out / "cold.png")
+    return res
 
 
 def _large(add):
@@ -99,12 +124,24 @@ def _large(add):
     add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
 
 
+def _run_large(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.large import LargeOptions, run_large_bench
+
+    return run_large_bench(args.data, out, _options(LargeOptions, args), log=_log)
+
+
 def _warm(add):
     add("--table-mib", type=int, help="size of the table (default 256, quick 64)")
     add("--batch", type=int, default=4096, help="ids per step (default 4096)")
     add("--dist", default="zipf1.0", help="id distribution (default zipf1.0)")
     add("--steady-steps", type=int, help="steps before the restart (default 300, quick 150)")
     add("--after-steps", type=int, help="steps after each restart (default 150, quick 80)")
+
+
+def _run_warm(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.warm import WarmOptions, run_warm_bench
+
+    return run_warm_bench(out, _options(WarmOptions, args, table_bytes=_mib(args.table_mib)), log=_log)
 
 
 def _cache(add):
@@ -122,18 +159,60 @@ def _cache(add):
         help="leave out the HBM-tier cell (it runs with the built-in traces)")
 
 
+def _run_cache(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.cache import run_cache_bench, summary
+
+    kw = {"sizes": args.sizes} if args.sizes else {}
+    kw["hbm_drift"] = args.hbm_drift and not args.trace  # the HBM-tier cell runs with the built-in traces
+    if args.traces and not args.trace:
+        kw["trace_paths_or_kinds"] = args.traces
+    if args.trace:
+        from tierstore.bench.traces import access_trace
+
+        kw["trace_paths_or_kinds"] = [access_trace(t, args.step_ids, args.rows) for t in args.trace]
+    res = run_cache_bench(out_dir=out, seed=args.seed, quick=args.quick, jobs=args.jobs, log=_log, **kw)
+    res["summary"] = summary(res).replace("\n", " | ")
+    return res
+
+
 def _hash(add):
     add("--preset", default="deepseek-v4.1-flash")
+
+
+def _run_hash(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.hash import run_hash_bench
+
+    res = run_hash_bench(seed=args.seed, preset=args.preset,
+                         **({"batch": 8, "seq": 4096, "repeats": 3} if args.quick else {}))
+    res["summary"] = (f"hash {res['preset']} [{res['batch']}x{res['seq']}]: tierstore "
+                      f"{res['speedup']:.2f}x plain numpy ({res['tierstore_tokens_per_s'] / 1e6:.2f} M tokens/s), "
+                      f"outputs equal: {res['outputs_equal']}")
+    res["units"] = {"*_tokens_per_s": "tokens/s", "*_s": "s", "speedup": "x"}
+    return res
 
 
 def _e2e(add):
     add("--rounds", type=int, help="timed rounds per source, after one warm-up (default 5, quick 2)")
 
 
+def _run_e2e(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.e2e import run_e2e_bench
+
+    ensure_data(args.data)
+    return run_e2e_bench(data_dir=args.data, out_dir=out, quick=args.quick, seed=args.seed, rounds=args.rounds)
+
+
 def _scale(add):
     add("--large", type=int, help="slots of the large arena (default 16,000,000; quick 4,000,000)")
     add("--small", type=int, help="slots of the small arena (default 500,000)")
     add("--rounds", type=int, help="timed rounds per arena (default 30, quick 15)")
+
+
+def _run_scale(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.scale import run_scale_bench
+
+    return run_scale_bench(out, quick=args.quick, seed=args.seed, large=args.large, small=args.small or 500_000,
+                           rounds=args.rounds, log=_log)
 
 
 def _concurrency(add):
@@ -143,10 +222,32 @@ def _concurrency(add):
     add("--rounds", type=int, help="rounds, alternating 1 and N clients (default 3, quick 2)")
 
 
+def _run_concurrency(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.concurrency import run_concurrency_bench
+
+    ensure_data(args.data)
+    return run_concurrency_bench(args.data, clients=args.clients, seed=args.seed, batch=args.batch,
+                                 seconds=args.seconds or (2.0 if args.quick else 4.0),
+                                 rounds=args.rounds or (2 if args.quick else 3), log=_log)
+
+
 def _remote(add):
     add("--rows", type=int, help="rows of the fp32 x 64 test table (default 200,000; quick 20,000)")
     add("--batch", type=int, default=4096, help="unique ids per call (default 4096)")
     add("--rounds", type=int, help="timed interleaved rounds (default 30; quick 5)")
+
+
+def _run_remote(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.remote import format_remote, run_bench
+    from tierstore.tiers.remote.mooncake import missing_reason
+
+    why = missing_reason()
+    if why:
+        raise _Skipped(why)
+    res = run_bench(out, rows=args.rows or (20_000 if args.quick else 200_000), batch=args.batch,
+                    rounds=args.rounds or (5 if args.quick else 30), seed=args.seed, write=False)
+    print("\n".join(format_remote(res)), flush=True)
+    return res
 
 
 def _engines(add):
@@ -155,26 +256,44 @@ def _engines(add):
         "over 4 requests, each extend followed by 8 decode steps, quick 3)")
 
 
-# scenario: (help, whether it reads --data, its options); the one definition of every
-# scenario's arguments, for its own parser and for `bench all`'s --<scenario>-<option>
+def _run_engines(args, out: Path, suite: bool) -> dict:
+    from tierstore.bench.engines import engines_line, run_engines_bench
+
+    res = run_engines_bench(out, vocab=args.vocab, tokens=args.tokens, quick=args.quick, seed=args.seed, log=_log)
+    res["summary"] = engines_line(res)
+    return res
+
+
+class _Scenario(NamedTuple):
+    help: str
+    data: bool  # whether it reads --data
+    options: Callable  # options(add): its flags, for its own parser and for `bench all`'s --<scenario>-<option>
+    run: Callable  # run(args, out, suite) -> the results.json entry; raises _Skipped where it cannot run
+
+
+# the one definition of every scenario: its flags and how they map onto its run (for a scenario
+# with an options dataclass, by name: each flag's dest is one of its fields)
 _SCENARIOS = {
-    "lookup": ("rows/s and latency: tierstore paths vs numpy, mmap, LMDB, Redis", True, _lookup),
-    "cold": ("table 4x the DRAM budget: NVMe tier vs all-DRAM vs a cold mmap", True, _cold),
-    "large": ("a V4.1-layout table at the size users run: real-text prefill and decode steps, cold start "
-              "and steady state, tierstore vs memmap (capped at tierstore's memory), against the disk's "
-              "own random-read IOPS", True, _large),
-    "warm": ("hit ratio per step after a restart, warm start vs cold, against the steady state before it",
-             False, _warm),
-    "cache": ("cache-policy hit ratios on synthetic and real-text traces", False, _cache),
-    "hash": ("n-gram hashing throughput vs a plain numpy implementation", False, _hash),
-    "e2e": ("model forward pass fed by the sidecar vs an in-process table", True, _e2e),
-    "scale": ("Plan time against a full cache-mode arena of 0.5 M vs 16 M slots", False, _scale),
-    "concurrency": ("aggregate rows/s of N client processes on one cache-mode table vs one", True, _concurrency),
-    "remote": ("cache-mode misses from local NVMe vs Mooncake Store (TCP) vs Mooncake's EngramStore.lookup, "
-               "and a new host's write-back warm-up", False, _remote),
-    "engines": ("sglang's Engram on CPU: its own host table vs tierstore's split arena vs tierstore cache "
-                "mode at 25%% of rows through the row stager (step time, bit-exactness, hit ratio, start-up)",
-                False, _engines),
+    "lookup": _Scenario("rows/s and latency: tierstore paths vs numpy, mmap, LMDB, Redis", True, _lookup,
+                        _run_lookup),
+    "cold": _Scenario("table 4x the DRAM budget: NVMe tier vs all-DRAM vs a cold mmap", True, _cold, _run_cold),
+    "large": _Scenario("a V4.1-layout table at the size users run: real-text prefill and decode steps, cold start "
+                       "and steady state, tierstore vs memmap (capped at tierstore's memory), against the disk's "
+                       "own random-read IOPS", True, _large, _run_large),
+    "warm": _Scenario("hit ratio per step after a restart, warm start vs cold, against the steady state before it",
+                      False, _warm, _run_warm),
+    "cache": _Scenario("cache-policy hit ratios on synthetic and real-text traces", False, _cache, _run_cache),
+    "hash": _Scenario("n-gram hashing throughput vs a plain numpy implementation", False, _hash, _run_hash),
+    "e2e": _Scenario("model forward pass fed by the sidecar vs an in-process table", True, _e2e, _run_e2e),
+    "scale": _Scenario("Plan time against a full cache-mode arena of 0.5 M vs 16 M slots", False, _scale,
+                       _run_scale),
+    "concurrency": _Scenario("aggregate rows/s of N client processes on one cache-mode table vs one", True,
+                             _concurrency, _run_concurrency),
+    "remote": _Scenario("cache-mode misses from local NVMe vs Mooncake Store (TCP) vs Mooncake's "
+                        "EngramStore.lookup, and a new host's write-back warm-up", False, _remote, _run_remote),
+    "engines": _Scenario("sglang's Engram on CPU: its own host table vs tierstore's split arena vs tierstore cache "
+                         "mode at 25%% of rows through the row stager (step time, bit-exactness, hit ratio, "
+                         "start-up)", False, _engines, _run_engines),
 }
 
 
@@ -192,15 +311,15 @@ def _prefixed(group, scenario: str):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="scenario", metavar="SCENARIO")
     parsers = {}
-    for name, (help_text, data, options) in _SCENARIOS.items():
-        parsers[name] = sp = sub.add_parser(name, help=help_text)
-        _common(sp, data)
-        options(sp.add_argument)
+    for name, scenario in _SCENARIOS.items():
+        parsers[name] = sp = sub.add_parser(name, help=scenario.help)
+        _common(sp, scenario.data)
+        scenario.options(sp.add_argument)
     al = sub.add_parser("all", help="every scenario of SCENARIOS (make bench: < 10 minutes on 2 cores); "
                         "a scenario's options are --<scenario>-<option>, e.g. --cold-table-mib 4")
     _common(al)
     for name in SCENARIOS:
-        _SCENARIOS[name][2](_prefixed(al.add_argument_group(f"{name} options"), name))
+        _SCENARIOS[name].options(_prefixed(al.add_argument_group(f"{name} options"), name))
     rep = sub.add_parser("report", help="print the tables of OUT/results.json again")
     rep.add_argument("out", help="output directory of an earlier run")
     p.set_defaults(_parser=p, _scenario_parsers=parsers)
@@ -210,7 +329,7 @@ def scenario_args(name: str, args, parsers) -> argparse.Namespace:
     """The namespace `tierstore bench <name>` would parse for one scenario of `bench all`:
     its parser's defaults, the common options of `args` and its --<name>-<option>s."""
     argv = ["--out", str(args.out), "--seed", str(args.seed)]
-    argv += ["--data", str(args.data)] if _SCENARIOS[name][1] else []
+    argv += ["--data", str(args.data)] if _SCENARIOS[name].data else []
     argv += ["--quick"] if args.quick else []
     argv += [] if args.progress else ["--no-progress"]
     ns = parsers[name].parse_args(argv)
@@ -254,146 +373,39 @@ def ensure_data(data_dir) -> None:
     make_demo_tables(data_dir, DEMO_PRESET, DEMO_SCALE, progress=True)
 
 
-def _optional(module: str, attr: str, owner: str):
-    """The function, or None when the module is not built yet."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name in (module, module.rsplit(".", 1)[0]):
-            return None
-        raise
-    return getattr(mod, attr, None)
-
-
 def _run_one(name: str, args, suite: bool) -> int:
-    """Run scenario `name` on its own parsed arguments; suite: one of `bench all`."""
+    """Run scenario `name` on its own parsed arguments, add its entry to OUT/results.json and
+    print its summary line; suite: one of `bench all`."""
     from tierstore.bench.results import write_scenario
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    quick, seed, progress = args.quick, args.seed, args.progress
-    lookup_mib = None
-    if name == "lookup":  # a table past TLB reach unless a quick run, a --data table or `bench all` asks otherwise
-        lookup_mib = args.table_mib or (None if quick or suite or args.table else 8192)
-    if name in ("e2e", "concurrency") or (name == "lookup" and lookup_mib is None):
-        ensure_data(args.data)  # cold, large and lookup --table-mib write their own tables of a chosen size
-    if name == "lookup":
-        from tierstore.bench.lookup import line_for, run_lookup_bench
-        from tierstore.bench.plots import headline, plot_lookup
-
-        kw = {}
-        if args.batches:
-            kw["batches"] = args.batches
-        elif quick:
-            kw["batches"] = (4096, 32768)
-        if args.competitors:
-            kw["competitors"] = tuple(args.competitors)
-        if args.huge_shm_dir:
-            kw["huge_shm_dir"] = args.huge_shm_dir
-        if args.dists:
-            kw["dists"] = args.dists
-        elif quick:
-            kw["dists"] = ("zipf1.0", "uniform")
-        res = run_lookup_bench(args.data, out, table=args.table, quick=quick, seed=seed,
-                               rounds=args.rounds, progress=progress, log=_log,
-                               table_bytes=lookup_mib << 20 if lookup_mib else None, **kw)
-        res["summary"] = line_for(headline(res["cells"]))
-        plot_lookup(res, out / "lookup.png")
-    elif name == "cold":
-        from tierstore.bench.cold import cold_line, run_cold_bench
-        from tierstore.bench.plots import plot_cold
-
-        mib = args.table_mib
-        res = run_cold_bench(args.data, out, table_bytes=(mib << 20) if mib else None,
-                             batch=args.batch, dist=args.dist,
-                             budget_fraction=args.budget_fraction, warmup_arenas=args.warmup_arenas,
-                             disk_seconds=args.disk_seconds, quick=quick, seed=seed, progress=progress, log=_log)
-        res["summary"] = cold_line(res)
-        plot_cold(res, out / "cold.png")
-    elif name == "large":
-        from tierstore.bench.large import run_large_bench
-
-        res = run_large_bench(args.data, out, table_gib=args.table_gib, row_format=args.row_format,
-                              dram_budget=args.dram_budget,
-                              prefill_steps=args.prefill_steps, decode_steps=args.decode_steps,
-                              warmup_steps=args.warmup_steps, disk_seconds=args.disk_seconds, quick=quick,
-                              seed=seed, progress=progress, log=_log)
-    elif name == "warm":
-        from tierstore.bench.warm import run_warm_bench
-
-        mib = args.table_mib
-        res = run_warm_bench(out, table_bytes=(mib << 20) if mib else None, batch=args.batch, dist=args.dist,
-                             steady_steps=args.steady_steps, after_steps=args.after_steps, quick=quick,
-                             seed=seed, progress=progress, log=_log)
-    elif name == "cache":
-        fn = _optional("tierstore.bench.cache", "run_cache_bench", "cache")
-        if fn is None:
-            return _missing(name, "tierstore.bench.cache.run_cache_bench", out, seed, started)
-        from tierstore.bench import cache as cache_mod
-
-        kw = {"sizes": args.sizes} if args.sizes else {}
-        kw["hbm_drift"] = args.hbm_drift and not args.trace  # the HBM-tier cell runs with the built-in traces
-        if args.traces and not args.trace:
-            kw["trace_paths_or_kinds"] = args.traces
-        if args.trace:
-            from tierstore.bench.traces import access_trace
-
-            kw["trace_paths_or_kinds"] = [access_trace(t, args.step_ids, args.rows) for t in args.trace]
-        res = fn(out_dir=out, seed=seed, quick=quick, jobs=args.jobs, log=_log, **kw)
-        res["summary"] = cache_mod.summary(res).replace("\n", " | ")
-    elif name == "hash":
-        fn = _optional("tierstore.bench.hash", "run_hash_bench", "hash")
-        if fn is None:
-            return _missing(name, "tierstore.bench.hash.run_hash_bench", out, seed, started)
-        res = fn(seed=seed, preset=args.preset,
-                 **({"batch": 8, "seq": 4096, "repeats": 3} if quick else {}))
-        res["summary"] = (f"hash {res['preset']} [{res['batch']}x{res['seq']}]: tierstore "
-                          f"{res['speedup']:.2f}x plain numpy ({res['tierstore_tokens_per_s'] / 1e6:.2f} M tokens/s), "
-                          f"outputs equal: {res['outputs_equal']}")
-        res["units"] = {"*_tokens_per_s": "tokens/s", "*_s": "s", "speedup": "x"}
-    elif name == "concurrency":
-        from tierstore.bench.concurrency import run_concurrency_bench
-
-        res = run_concurrency_bench(args.data, clients=args.clients, seed=seed, batch=args.batch,
-                                    seconds=args.seconds or (2.0 if quick else 4.0),
-                                    rounds=args.rounds or (2 if quick else 3), log=_log)
-    elif name == "remote":
-        from tierstore.bench.remote import format_remote, run_bench
-        from tierstore.tiers.remote.mooncake import missing_reason
-
-        why = missing_reason()
-        if why:
-            write_scenario(out, name, {"skipped": why}, seed=seed, started=started)
-            print(f"remote: skipped: {why}", flush=True)
-            return 1
-        res = run_bench(out, rows=args.rows or (20_000 if quick else 200_000), batch=args.batch,
-                        rounds=args.rounds or (5 if quick else 30), seed=seed, write=False)
-        print("\n".join(format_remote(res)), flush=True)
-    elif name == "engines":
-        from tierstore.bench.engines import engines_line, run_engines_bench
-
-        res = run_engines_bench(out, vocab=args.vocab, tokens=args.tokens, quick=quick, seed=seed, log=_log)
-        res["summary"] = engines_line(res)
-    elif name == "scale":
-        from tierstore.bench.scale import run_scale_bench
-
-        res = run_scale_bench(out, quick=quick, seed=seed, large=args.large,
-                              small=args.small or 500_000, rounds=args.rounds, log=_log)
-    else:  # e2e
-        fn = _optional("tierstore.bench.e2e", "run_e2e_bench", "e2e")
-        if fn is None:
-            return _missing(name, "tierstore.bench.e2e.run_e2e_bench", out, seed, started)
-        res = fn(data_dir=args.data, out_dir=out, quick=quick, seed=seed, rounds=args.rounds)
-    write_scenario(out, name, res, seed=seed, started=started)
+    try:
+        res = _SCENARIOS[name].run(args, out, suite)
+    except _Skipped as e:
+        write_scenario(out, name, {"skipped": e.reason}, seed=args.seed, started=started)
+        print(f"{name}: skipped: {e.reason}", flush=True)
+        return 1
+    write_scenario(out, name, res, seed=args.seed, started=started)
     print(res.get("summary") or f"{name}: done, see {out / 'results.json'}", flush=True)
     return 0
 
 
-def _missing(name: str, what: str, out: Path, seed: int, started: float) -> int:
-    from tierstore.bench.results import write_scenario
+class _Skipped(Exception):
+    """A scenario that cannot run on this machine; `reason` says why (results.json keeps it)."""
 
-    msg = f"{what} is not available in this build yet; scenario skipped"
-    write_scenario(out, name, {"skipped": msg}, seed=seed, started=started)
-    print(f"{name}: skipped: {msg}", flush=True)
-    return 0
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _options(cls, args, **given):
+    """The scenario's options dataclass from its parsed flags: every flag whose dest is one
+    of its fields, and `given` (a flag in other units, e.g. --table-mib as table_bytes)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names and k not in given}, **given)
+
+
+def _mib(mib: int | None) -> int | None:
+    return mib << 20 if mib else None

@@ -109,7 +109,7 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
     commits nothing), InvalidArgument for a bad table name."""
     import zstandard
 
-    from tierstore.ingest.writer import write_version
+    from tierstore.ingest.writer import ExpectedBlocks, write_version
 
     src = Path(src)
     with open(src, "rb") as f, zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True) as z:
@@ -142,7 +142,7 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
             data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=m["row_dim"],
             spec=m["spec"], layer_id=m["layer_id"], block_rows=m["block_rows"],
             source=f"import {src.name} ({m['table']} v{m['version']}: {m['source']})",
-            expected_checksums=sums, expected_format=m.get("segment_format", 1), expected_salt=m.get("row_salt"),
+            expected=ExpectedBlocks(sums, segment_format=m.get("segment_format", 1), row_salt=m.get("row_salt")),
             progress=progress)
 
 

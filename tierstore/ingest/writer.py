@@ -27,6 +27,7 @@ import fcntl
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -42,7 +43,7 @@ from tierstore.table.formats import RowFormat
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.nvme.reader import SegmentReader, default_block_rows
 
-__all__ = ["write_version", "SEGMENT_BYTES", "CHUNKS_IN_FLIGHT"]
+__all__ = ["write_version", "ExpectedBlocks", "SEGMENT_BYTES", "CHUNKS_IN_FLIGHT"]
 
 # Segments are capped at ~1 GiB so a 98 GB layer is ~100 files that copy,
 # rsync and checksum in pieces; reads never cross a segment (whole blocks each).
@@ -297,12 +298,29 @@ def _pread_all(fd: int, buf: memoryview, off: int) -> int:
     return got
 
 
+@dataclass(frozen=True)
+class ExpectedBlocks:
+    """What an import must reproduce (tierstore.ingest.portable): the exported version's
+    block checksums, over its rows laid out in its `segment_format` (None: the new
+    version's) with row sums keyed by its `row_salt` (None: fmix64-v1). write_version
+    commits nothing unless the incoming rows, laid out that way, hash to exactly these
+    (DataLoss). Checked where built: a segment format this build cannot read is
+    InvalidArgument."""
+
+    checksums: np.ndarray
+    segment_format: int | None = None
+    row_salt: int | None = None
+
+    def __post_init__(self):
+        if self.segment_format is not None and self.segment_format not in FORMATS:
+            raise InvalidArgument(f"checksums of segment format {self.segment_format!r}: this build reads "
+                                  f"{list(FORMATS)}")
+
+
 def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: int, row_format: str,
                   row_dim: int, spec: dict | None = None, layer_id: int | None = None, source: str = "",
-                  block_rows: int | None = None, progress: bool = False,
-                  expected_checksums: np.ndarray | None = None, expected_format: int | None = None,
-                  expected_salt: int | None = None, verify: bool = True,
-                  segment_format: int = LATEST_FORMAT) -> TableVersion:
+                  block_rows: int | None = None, segment_format: int = LATEST_FORMAT,
+                  expected: ExpectedBlocks | None = None, verify: bool = True, progress: bool = False) -> TableVersion:
     """Write a new version of `table` from row chunks and make it current.
 
     chunks: uint8 arrays [n, row_bytes] in row order (any n), `rows` in total,
@@ -313,16 +331,15 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
         it (a ring of that many buffers).
     row_format/row_dim: the rows' format (tierstore.table.formats) and values per row.
     spec/layer_id: the Engram spec dict and layer the table serves (stored as is).
+    source: where the rows came from, stored in the manifest.
     block_rows: rows per checksum block (default: about 4 KiB of records on disk).
-    expected_checksums: when given (import), the block checksums of the incoming
-        rows laid out in `expected_format` (the exported version's segment format,
-        default `segment_format`) with row sums keyed by `expected_salt` (the exported
-        version's row_salt; None: fmix64-v1) must match them or nothing is committed
-        (DataLoss). The new version's rows are summed under a salt of its own all the
-        same (every version written draws one: TableVersion.row_salt).
     segment_format: 2 (default: each row's checksum inside its record) or 1 (a
         separate row-sum file; older versions, kept readable and writable so they
         stay tested); tierstore.store.version.TableVersion says what each holds.
+    expected: an import's block checksums (ExpectedBlocks), which the incoming
+        rows must match or nothing is committed (DataLoss). The new version's rows
+        are summed under a salt of its own all the same (every version written
+        draws one: TableVersion.row_salt).
     verify: read every block back from its file against its checksum before
         commit (as the pipeline goes, a few chunks behind the writes).
 
@@ -333,8 +350,6 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     for bad input, ResourceExhausted for a full disk; on any failure the staged
     files are removed and the current version is unchanged.
     """
-    from tqdm import tqdm
-
     data_dir = Path(data_dir)
     validate_table_name(table)
     fmt = RowFormat.parse(row_format)
@@ -343,48 +358,16 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
         raise InvalidArgument(f"table {table!r} needs at least one row, got {rows}")
     if segment_format not in FORMATS:
         raise InvalidArgument(f"segment format {segment_format!r}: this build writes {list(FORMATS)}")
-    expected_format = segment_format if expected_format is None else expected_format
-    if expected_checksums is not None and expected_format not in FORMATS:
-        raise InvalidArgument(f"checksums of segment format {expected_format!r}: this build reads {list(FORMATS)}")
+    block_rows = _block_rows(rows, record_bytes(row_bytes, segment_format), block_rows)
     salt = rowsum.new_salt()
-    rec = record_bytes(row_bytes, segment_format)
-    block_rows = int(block_rows or default_block_rows(rec))
-    if block_rows < 1:
-        raise InvalidArgument(f"block_rows must be >= 1, got {block_rows}")
-    if block_rows * rec > MAX_BLOCK_BYTES and rows * rec <= MAX_BLOCK_BYTES:
-        block_rows = rows  # the whole table is one block either way
-    if block_rows * rec > MAX_BLOCK_BYTES:
-        raise InvalidArgument(f"--block-rows {block_rows} x {rec} B records makes {block_rows * rec} B "
-                              f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
-                              f"(--block-rows <= {MAX_BLOCK_BYTES // rec})")
-    # blocks of format 1 are the rows alone, whatever the salt; format 2's carry sums keyed by another salt
-    by_source = expected_checksums is not None and not (expected_format == segment_format == 1)
-    layout = (expected_format, rowsum.RowKey.of(expected_salt)) if by_source else None
     with Catalog(data_dir) as cat:  # opening for writing cleans a killed writer's leftovers
         stage = _Staging(data_dir, table, rows, row_bytes, block_rows, segment_format, rowsum.RowKey.of(salt),
-                         source_layout=layout)
+                         source_layout=_source_layout(expected, segment_format))
         try:
-            bar = tqdm(total=stage.total, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=f"ingest {table}", file=sys.stderr, disable=not progress, mininterval=0.25)
-            stages = [stage.hash, stage.put] + ([stage.check] if verify else [])
-            with bar, Pipeline(map(stage.take, chunks), stages, in_flight=CHUNKS_IN_FLIGHT,
-                               name=f"ingest-{table}") as pipe:
-                done = 0
-                for out in pipe:  # bytes checked (or written, without verify) by this chunk
-                    step = out if verify else out - done
-                    done += step
-                    bar.update(step)
+            _stream(stage, chunks, verify, progress)
             stage.finish()
-            if expected_checksums is not None:
-                got = stage.source_checksums if by_source else stage.checksums
-                if len(expected_checksums) != stage.n_blocks:
-                    bad = np.zeros(0, dtype=np.int64)
-                else:
-                    bad = np.flatnonzero(np.asarray(expected_checksums, dtype=np.uint64) != got)
-                if len(bad) or len(expected_checksums) != stage.n_blocks:
-                    blk = int(bad[0]) if len(bad) else stage.n_blocks
-                    raise DataLoss(f"table {table!r}: block {blk} of the incoming rows does not match its "
-                                   f"checksum; the source is corrupt, nothing was committed")
+            if expected is not None:
+                _compare(stage, expected)
             fields = dict(rows=rows, row_format=fmt.value, row_dim=int(row_dim), row_bytes=row_bytes,
                           block_rows=block_rows, n_blocks=stage.n_blocks, segment_rows=stage.segment_rows,
                           spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta,
@@ -404,6 +387,62 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
         except BaseException:
             stage.abort()
             raise
+
+
+def _block_rows(rows: int, rec: int, block_rows: int | None) -> int:
+    """Rows per checksum block of `rec`-byte records: `block_rows`, by default about
+    BLOCK_TARGET_BYTES of them; a block is read and hashed whole, so at most
+    MAX_BLOCK_BYTES (a table smaller than that may be one block)."""
+    block_rows = int(block_rows or default_block_rows(rec))
+    if block_rows < 1:
+        raise InvalidArgument(f"block_rows must be >= 1, got {block_rows}")
+    if block_rows * rec > MAX_BLOCK_BYTES and rows * rec <= MAX_BLOCK_BYTES:
+        return rows  # the whole table is one block either way
+    if block_rows * rec > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"--block-rows {block_rows} x {rec} B records makes {block_rows * rec} B "
+                              f"checksum blocks; at most {MAX_BLOCK_BYTES >> 20} MiB "
+                              f"(--block-rows <= {MAX_BLOCK_BYTES // rec})")
+    return block_rows
+
+
+def _source_layout(expected: ExpectedBlocks | None, segment_format: int) -> tuple | None:
+    """The layout (segment format, RowKey) the incoming rows must be hashed in for `expected`,
+    or None where the new version's own block checksums are comparable: blocks of format 1
+    are the rows alone, whatever the salt; format 2's carry sums keyed by another salt."""
+    if expected is None:
+        return None
+    fmt = segment_format if expected.segment_format is None else expected.segment_format
+    if fmt == segment_format == 1:
+        return None
+    return fmt, rowsum.RowKey.of(expected.row_salt)
+
+
+def _stream(stage: _Staging, chunks, verify: bool, progress: bool) -> None:
+    """Every chunk through the pipeline: take, hash, put and (verify) check, each stage a
+    thread; the progress bar (stderr) counts the bytes checked, or written without verify."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=stage.total, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"ingest {stage.table}", file=sys.stderr, disable=not progress, mininterval=0.25)
+    stages = [stage.hash, stage.put] + ([stage.check] if verify else [])
+    with bar, Pipeline(map(stage.take, chunks), stages, in_flight=CHUNKS_IN_FLIGHT,
+                       name=f"ingest-{stage.table}") as pipe:
+        done = 0
+        for out in pipe:  # bytes checked (or written, without verify) by this chunk
+            step = out if verify else out - done
+            done += step
+            bar.update(step)
+
+
+def _compare(stage: _Staging, expected: ExpectedBlocks) -> None:
+    """DataLoss unless the incoming rows' blocks, laid out as `expected` says, are its checksums."""
+    got = stage.checksums if stage.source_checksums is None else stage.source_checksums
+    want = np.asarray(expected.checksums, dtype=np.uint64)
+    bad = np.flatnonzero(want != got) if len(want) == stage.n_blocks else np.zeros(0, dtype=np.int64)
+    if len(bad) or len(want) != stage.n_blocks:
+        blk = int(bad[0]) if len(bad) else stage.n_blocks
+        raise DataLoss(f"table {stage.table!r}: block {blk} of the incoming rows does not match its "
+                       f"checksum; the source is corrupt, nothing was committed")
 
 
 def _spot_check(data_dir: Path, stage: _Staging, table: str, fields: dict) -> None:
