@@ -376,7 +376,7 @@ def _settled_stats(socket, client, timeout: float = 10.0) -> dict:
     """Table l1's sidecar stats once it has learned every step `client` read locally so far
     (its notes are one-way, sent in batches), or after `timeout` s."""
     client.flush()
-    local = client.handle("l1").local
+    local = client.handle("l1").local_reads
     steps = local.steps if local is not None else 0
     deadline = time.monotonic() + timeout
     while True:
@@ -403,7 +403,7 @@ def read_bytes():
 with Client(sock) as c:
     st = StagedTable(c, table)
     c.lookup(table, np.array([int(warm)]))
-    local = c.handle(table).local
+    local = c.handle(table).local_reads
     weight = np.empty((ids.shape[1], st.dim), np.uint8)
     scale = np.empty((ids.shape[1], st.dim // 32), np.uint8)
     b0, d0, c0 = read_bytes(), local.distinct_device, local.distinct_cold

@@ -231,7 +231,7 @@ class _TimedHits:
         self.handle, self.start = handle, None
 
     def _counts(self) -> tuple[int, int] | None:
-        local = self.handle.local if self.handle is not None else None
+        local = self.handle.local_reads if self.handle is not None else None
         return None if local is None else (local.distinct_asked, local.distinct_cold)
 
     def before_pass(self, name: str) -> None:
@@ -257,7 +257,7 @@ def _learned_stats(client, table: str, wait_s: float = 10.0) -> dict:
     read locally: local reads count hits and misses when the learner takes their notes,
     which a busy host runs behind the steps (bounded wait)."""
     client.flush()
-    local = client.handle(table).local
+    local = client.handle(table).local_reads
     sent = local.steps if local is not None else 0
     deadline = time.monotonic() + wait_s
     while True:

@@ -10,13 +10,14 @@
 
 One route per operation and transport (docs/architecture.md):
 - lookup: a TCP client, or `lookup(..., inline=True)`, gets the rows inline over
-  gRPC; a local client reads them by its table handle's one route, chosen when
-  the handle is made (TableHandle.read): the mapped arena (full-resident), the
-  slot index with misses from the segment files (cache mode), or a planned copy
-  (cache mode under `serve --no-local-reads`).
+  gRPC; a client on the sidecar's host (`on_host`) reads them by its table
+  handle's one route, chosen when the handle is made (TableHandle.read): the
+  mapped arena (full-resident), local reads (cache mode: the slot index, misses
+  from the segment files), or a planned copy (cache mode under `serve
+  --no-local-reads`).
 - plan and release: the step socket (`<socket>.steps`, client/step_channel.py:
-  StepChannel), local clients only. A full-resident table needs no message at
-  all: slot == id.
+  StepChannel), clients on the sidecar's host only. A full-resident table needs
+  no message at all: slot == id.
 - describe, prefetch, reload, stats: gRPC.
 
 Failures raise tierstore.errors types: IdOutOfRange / InvalidArgument (bad ids),
@@ -77,9 +78,10 @@ class Client:
     root_certificates: PEM bytes of the CA (or self-signed certificate) that
         signed the sidecar's --tls-cert; the TCP channel then speaks TLS.
 
-    A TCP client never maps an arena (it lives on the sidecar's host): lookup()
-    fetches rows inline and plan() is refused. Leases taken by this client belong
-    to its step channel (`step_channel`, client/step_channel.py; None on TCP):
+    on_host: True for Client(socket): this process is on the sidecar's host and maps
+    its arenas (plan(), local reads). False for a TCP client, which never maps one:
+    lookup() fetches rows inline and plan() is refused. Leases taken by this client
+    belong to its step channel (`step_channel`, client/step_channel.py; None on TCP):
     nobody else can release them, and they end when it closes.
     """
 
@@ -89,7 +91,7 @@ class Client:
             raise ValueError("give exactly one of socket=PATH or target=HOST:PORT")
         self.socket = Path(socket) if socket is not None else None
         self.target = f"unix:{socket}" if socket is not None else target
-        self.local = socket is not None
+        self.on_host = socket is not None
         self.timeout = timeout
         self._request_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 16 | 1)
         self._metadata = (("x-tierstore-token", token),) if token else None  # sidecar.auth.TOKEN_HEADER
@@ -101,7 +103,7 @@ class Client:
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
         self._conn_id = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner on the wire)
         self._closed = False
-        self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.local else None
+        self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.on_host else None
 
     # ---- plumbing -----------------------------------------------------------
     def _call(self, method: str, request, retry: bool = True):
@@ -122,8 +124,8 @@ class Client:
         if self._closed:
             raise errors.InvalidArgument(f"this Client of {self.target} is closed; make a new Client")
 
-    def _check_local(self, what: str) -> None:
-        if not self.local:
+    def _check_on_host(self, what: str) -> None:
+        if not self.on_host:
             raise errors.InvalidArgument(
                 f"{what} leases slots of the sidecar's shared arena, which only a process on its host can "
                 f"read; a client of {self.target} reads rows with lookup()")
@@ -136,7 +138,7 @@ class Client:
             h = None  # its arena was retired: a version swap or a restart
         if h is None:
             h = TableHandle(self._call("DescribeTable", pb.DescribeTableRequest(table=table)), self)
-            if self.local:
+            if self.on_host:
                 # map now, not at first read: a sidecar restarting in between would swap the
                 # file under this handle while its instance still names the old one
                 h.mapped
@@ -199,7 +201,7 @@ class Client:
         """plan() for every table of a step ({table: ids}): the cache-mode tables in one
         PLAN frame, one round trip; returns {table: StepPlan}. The one route of a plan."""
         self._check_open()
-        self._check_local("plan()")
+        self._check_on_host("plan()")
         out, items, asked = {}, [], []
         for table, ids in tables.items():
             arr = as_ids(ids)
@@ -219,15 +221,15 @@ class Client:
     def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
 
-        A TCP client, or inline=True, gets the rows inline over gRPC. A local
-        client reads them itself, by the route its table's handle chose
+        A TCP client, or inline=True, gets the rows inline over gRPC. A client on
+        the sidecar's host reads them itself, by the route its table's handle chose
         (TableHandle.read): a full-resident table straight from the mapped arena;
         a cache-mode table through the slot index (client/local_reads.py), no
         round trip, the sidecar learning the step afterwards; where the sidecar
         offers no local reads (--no-local-reads), a planned and copied step.
         Raises IdOutOfRange / InvalidArgument (bad ids), TableNotFound, and what
         TableHandle.read raises."""
-        if inline or not self.local:
+        if inline or not self.on_host:
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
         self._check_open()
@@ -245,7 +247,7 @@ class Client:
         names the `serve --split-layout` flag) or on a TCP client (the arena is on the
         sidecar's host); TableNotFound, Unavailable as describe does."""
         self._check_open()
-        if not self.local:
+        if not self.on_host:
             raise errors.InvalidArgument(f"split_table() maps the sidecar's shared arena, which only a process on "
                                          f"its host can read; a client of {self.target} reads rows with lookup()")
         return SplitTable(self.handle(table))
@@ -291,7 +293,7 @@ class Client:
         """End leases this client took now (with any queued); returns how many were live
         (others' ids are ignored). A TCP client holds none: 0."""
         self._check_open()
-        if not self.local:
+        if not self.on_host:
             return 0
         return self.step_channel.release([int(i) for i in lease_ids])
 

@@ -1,6 +1,6 @@
 """TableHandle: what a sidecar client knows about one served table (from DescribeTable), and how it reads it.
 
-A local client's lookup reads rows through the handle (TableHandle.read), by
+A lookup on the sidecar's host reads rows through the handle (TableHandle.read), by
 the one route the handle chose when it was made; see TableHandle.read.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class TableHandle:
         self.max_prefetch_steps = info.max_prefetch_steps  # 0: the sidecar did not say
         # split-layout arena (all weights, then all scales; client/split_table.py): a row's weight bytes, else 0
         self.split = info.arena.split_bytes if info.arena.layout == "split" else 0
-        self.local: LocalReads | None = None  # the local route's reader, made on its first read
+        self.local_reads: LocalReads | None = None  # the local-reads route's reader, made on its first read
         self._client = client
         self._mapped: MappedArena | None = None
         # the read route, chosen once (read() says which serves what)
@@ -64,7 +64,7 @@ class TableHandle:
         - cache mode without (`serve --no-local-reads`): planned and copied out of the
           arena under the step's lease (Client.plan, StepPlan.rows).
 
-        The local route falls back to a planned copy for one call, decided in one place
+        The local-reads route falls back to a planned copy for one call, decided in one place
         (_read_local), in two cases: its reader cannot be made (StaleArena: the index was
         retired meanwhile, so the next lookup describes the table again), or the step
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
@@ -77,13 +77,13 @@ class TableHandle:
         return self.mapped.take(ids)  # interleaved rows, whatever the arena's layout
 
     def _read_local(self, ids: np.ndarray) -> np.ndarray:
-        local = self.local
-        if local is None:
+        reads = self.local_reads
+        if reads is None:
             try:
-                local = self.local = LocalReads(self, self._client.step_channel.note)
+                reads = self.local_reads = LocalReads(self, self._client.step_channel.note)
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
-        rows = local.read(ids) if local is not None else None
+        rows = reads.read(ids) if reads is not None else None
         return rows if rows is not None else self._read_planned(ids)
 
     def _read_planned(self, ids: np.ndarray) -> np.ndarray:
@@ -91,9 +91,9 @@ class TableHandle:
             return step.rows()
 
     def close(self) -> None:
-        """Let the local route's reader go (its segment files, its miss flights)."""
-        if self.local is not None:
-            self.local.close()
+        """Let the local-reads route's reader go (its segment files, its miss flights)."""
+        if self.local_reads is not None:
+            self.local_reads.close()
 
     @property
     def mapped(self) -> MappedArena:

@@ -67,7 +67,7 @@ def test_lookup_reads_locally_and_the_sidecar_learns_the_steps(served):
     s = _wait(c, "local_steps", 3)
     assert s["local_steps"] == 3 and s["plans"] == 0, "lookups went through Plan instead of reading locally"
     assert s["leases_active"] == 0
-    local = c.handle("t").local
+    local = c.handle("t").local_reads
     assert local.rows_cold > 0, "no miss was read from the segment files"
     # the learner promotes after it counts the step: on a busy host the rows land a little later
     deadline = time.monotonic() + 10.0
@@ -115,7 +115,7 @@ def test_local_reads_stay_exact_while_another_client_churns_the_arena(served):
         stop.set()
         t.join(30)
     assert not errs, errs
-    local = c.handle("t").local
+    local = c.handle("t").local_reads
     assert steps > 10 and local.rows_resident > 0 and local.rows_cold > 0
     assert _stats(c)["evictions"] > 0
 
@@ -167,9 +167,9 @@ def test_without_local_reads_or_with_direct_io_lookups_stay_exact(tmp_path, flag
                 assert np.array_equal(c.lookup("t", ids), data[ids])
             s = _stats(c)
             if flag == "--no-local-reads":
-                assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local is None
+                assert s["plans"] == 5 and s["local_steps"] == 0 and c.handle("t").local_reads is None
             else:  # misses too are read here, with O_DIRECT as the sidecar reads them: no plan
-                local = c.handle("t").local
+                local = c.handle("t").local_reads
                 assert s["plans"] == 0 and local.rows_cold > 0 and local._cold.direct is not None
     finally:
         sc.cleanup()
@@ -331,7 +331,7 @@ def _fill_and_compare(c: Client, data: np.ndarray) -> None:
     local = None
     for k, ids in enumerate(steps):
         assert np.array_equal(c.lookup("t", ids), data[ids])
-        local = c.handle("t").local
+        local = c.handle("t").local_reads
         c.flush()
         seen[ids] = True
         want = min(int(seen.sum()), cap)
@@ -392,7 +392,7 @@ def test_with_direct_io_the_arena_fills_from_the_clients_records_and_the_next_st
             for step in steps:
                 assert np.array_equal(c.lookup("t", step), data[step])
                 c.flush()
-            local = c.handle("t").local
+            local = c.handle("t").local_reads
             assert local._cold.direct is not None and local.rows_cold == ids.size
             s = _settled(c, len(steps))
             assert s["local_steps"] == len(steps) and s["notes_dropped"] == 0
@@ -464,7 +464,7 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     local_before = c.lookup("t", [1])  # opens the local reader
     assert np.array_equal(local_before, data[[1]])
     got = c.lookup("t", ids)
-    assert np.array_equal(got, data[ids]) and c.handle("t").local.rows_resident >= ids.size
+    assert np.array_equal(got, data[ids]) and c.handle("t").local_reads.rows_resident >= ids.size
     with c.plan("t", ids) as step:
         assert np.array_equal(step.rows(), data[ids]) and step.hits == ids.size
 

@@ -40,7 +40,7 @@ def read_bytes():
 
 with Client(sock) as c:
     c.lookup(table, np.array([int(warm)]))
-    local = c.handle(table).local
+    local = c.handle(table).local_reads
     device, before = local.distinct_device, read_bytes()
     print("ready", flush=True)
     while not os.path.exists(go):
@@ -65,7 +65,7 @@ ids = np.load(ids_path)
 with Client(sock) as c:
     h = c.handle(table)
     c.lookup(table, np.array([0]))
-    fl = c.handle(table).local._flights
+    fl = c.handle(table).local_reads._flights
     state, entry, seen = np.empty(ids.size, np.int8), np.empty(ids.size, np.int64), np.empty(ids.size, np.int64)
     _CLAIM.compiled()(fl.words, fl.pids, ids, state, entry, seen, os.getpid())
     print(int((state == 2).sum()), flush=True)
@@ -187,7 +187,7 @@ def test_the_flights_file_goes_with_the_sidecar(tmp_path):
             path = c.handle("t").index_path + ".flights"
             assert (shm / path.rsplit("/", 1)[1]).exists()
             assert np.array_equal(c.lookup("t", np.arange(10, 20))[:, :8].view("<u8").ravel(), np.arange(10, 20))
-            assert c.handle("t").local._flights is not None
+            assert c.handle("t").local_reads._flights is not None
         assert sc.stop() == 0, sc.log()
         assert not list(shm.iterdir()), "the sidecar left files in its shm dir"
     finally:

@@ -56,7 +56,7 @@ def test_cache_mode_serves_either_format_planned_and_read_locally(tmp_path, seg)
                 assert np.array_equal(step.rows(), data[ids])
             other = rng.integers(0, ROWS, 500)  # local reads: misses from the segments
             assert np.array_equal(c.lookup("t", other), data[other])
-        local = c.handle("t").local
+        local = c.handle("t").local_reads
         assert local is not None and local.rows_cold > 0
         reader = local._reader()
         assert reader.verifies_rows and (reader.row_sums is None) == (seg == 2)  # format 2: nothing mapped

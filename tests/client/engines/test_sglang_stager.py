@@ -178,7 +178,7 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
     for L in LAYERS:
         s = stats[f"l{L}"]
         assert s["hits"] > 0 and s["misses"] > 0, s
-        local = stager.layers[LAYERS.index(L)][1].client.handle(f"l{L}").local
+        local = stager.layers[LAYERS.index(L)][1].client.handle(f"l{L}").local_reads
         assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
 
 
