@@ -292,11 +292,11 @@ class StepChannel:
             if sum(it.rows.nbytes for it in items if it.rows is not None) > self.max_request_bytes // 2:
                 for it in items:  # a sidecar with a small request limit: the ids still go
                     it.row_ids = it.rows = None
-            self.access(items)
+            self.send_notes(items)
         except errors.TierstoreError:
             pass
 
-    def access(self, items: list) -> bool:
+    def send_notes(self, items: list) -> bool:
         """Tell the sidecar about steps this client read itself (proto.frames.NoteItem list):
         one frame, no reply, no round trip. A hint, and lossy: when the sidecar is behind
         (its socket buffer is full) the note is dropped rather than this step made to

@@ -82,7 +82,7 @@ def _note(sc, table: str, ids: np.ndarray, rows: np.ndarray | None, ends=None) -
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
         ends = np.array([ids.size], dtype=np.int64) if ends is None else ends
-        assert fp.access([NoteItem(table, ids, ends, 0, None if rows is None else ids, rows)])
+        assert fp.send_notes([NoteItem(table, ids, ends, 0, None if rows is None else ids, rows)])
     finally:
         fp.close()
 
@@ -151,7 +151,7 @@ def test_steps_that_do_not_add_up_and_oversized_rows_change_nothing(served):
     body = COUNT.pack(1) + item
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
-        assert fp.access([NoteItem("t", ids[:1], np.array([1], dtype=np.int64), 0)])  # the hello done
+        assert fp.send_notes([NoteItem("t", ids[:1], np.array([1], dtype=np.int64), 0)])  # the hello done
         fp._sock.sendall(HDR.pack(len(body), NOTE) + body)
         fp._sock.settimeout(10)
         while fp._sock.recv(1 << 16):  # an error frame, maybe; then the end (a timeout fails the test)

@@ -184,7 +184,7 @@ def test_bad_access_notes_change_nothing_and_the_connection_serves_on(served):
         bad_ends = NoteItem("t", np.array([1, 2, 3], dtype=np.int64), np.array([2], dtype=np.int64))
         no_table = NoteItem("nope", np.array([1], dtype=np.int64), np.array([1], dtype=np.int64))
         for item in (out_of_range, bad_ends, no_table):
-            assert fp.access([item])
+            assert fp.send_notes([item])
         assert fp.release([]) == 0  # a round trip after the notes: they have been handled
         after = _stats(c)
         assert (after["local_steps"], after["hits"], after["misses"]) == \
@@ -209,7 +209,7 @@ def _send_bad_notes(fp: StepChannel) -> int:
     """Bad notes in a loop over `fp`; returns how many were sent, once the sidecar handled them all."""
     sent = 0
     for _ in range(5):
-        sent += 4000 if fp.access([_BAD_NOTE] * 4000) else 0  # a frame the socket had no room for is not sent
+        sent += 4000 if fp.send_notes([_BAD_NOTE] * 4000) else 0  # a frame the socket had no room for is not sent
     assert fp.release([]) == 0 and sent  # a round trip after the notes: they have been handled
     return sent
 
@@ -249,7 +249,7 @@ def test_refused_access_notes_are_logged_again_after_the_interval_with_their_cou
     with SidecarProcess(d, dram_budget="1MiB") as sc, StepChannel(step_socket_path(sc.socket)).connect() as fp:
         sent = _send_bad_notes(fp)
         time.sleep(NOTE_LOG_INTERVAL_S)
-        assert fp.access([_BAD_NOTE]) and fp.release([]) == 0
+        assert fp.send_notes([_BAD_NOTE]) and fp.release([]) == 0
         lines = _note_lines(sc)
         assert len(lines) == 2 and f"{sent} refused" in lines[1], lines  # the ones since, this one included
 
@@ -455,7 +455,7 @@ def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     rows[10, 40] ^= 0x01  # one flipped bit
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:
-        assert fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
+        assert fp.send_notes([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, rows)])
         s = _wait(c, "local_steps", 1)
     finally:
         fp.close()
@@ -489,7 +489,7 @@ def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp
             for lo, (table, version, rows) in zip((20_000, 30_000), (("u", 1, other), ("t", 1, stale))):
                 ids = np.arange(lo, lo + 64, dtype=np.int64)
                 mislabelled = _carried(d, table, version, rows[ids], ids)
-                assert fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 2, ids, mislabelled)])
+                assert fp.send_notes([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 2, ids, mislabelled)])
                 sent += ids.size
                 s = _wait(c, "promotions", sent)
                 assert s["promotions"] >= sent and s["note_rows_placed"] == 0, s
@@ -539,7 +539,7 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
                 os.setgid(65534)
                 os.setuid(65534)
                 fp = StepChannel(path).connect()
-                ok = fp.access([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
+                ok = fp.send_notes([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
                 fp.close()
                 code = 0 if ok else 2
             except BaseException:
