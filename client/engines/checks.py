@@ -8,10 +8,11 @@ read through tierstore per batch, a cache-mode table larger than RAM). The plugi
 compatibility matrix is `matrix()` printed (`python -m tierstore.client.engines.checks`; a
 test holds the page to it).
 
-`CheckpointCheck` is the weight loader both plugins give an Engram layer's fp8 weight and
-ue8m0 scale parameters: it compares the checkpoint tensor with tierstore's rows (a spread of
-SAMPLE_ROWS rows, or all of them, read CHUNK_ROWS at a time) and copies nothing; a difference
-is a CheckpointMismatch naming the layer, the tensor and the row.
+`check_shape` is what both plugins check first, when a layer is built: the table tierstore
+serves is that layer's shape. `CheckpointCheck` is the weight loader both plugins give an
+Engram layer's fp8 weight and ue8m0 scale parameters: it compares the checkpoint tensor with
+tierstore's rows (a spread of SAMPLE_ROWS rows, or all of them, read CHUNK_ROWS at a time)
+and copies nothing. Either difference is a CheckpointMismatch naming the layer and the fix.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ from tierstore import errors
 from tierstore.client.engines import weight_filter
 
 __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
-           "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES"]
+           "check_shape", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES",
+           "FP8_BLOCK"]
 
 # engine -> (distribution name, versions the plugin was written against and tested with)
 SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.32.0",))}
 SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "sample"
 CHUNK_ROWS = 65536  # rows compared at a time under verify "all" (bounded memory at any table size)
 VERIFY_MODES = ("sample", "all", "off")
+FP8_BLOCK = 32  # fp8 values per ue8m0 scale in a tierstore Engram row
 
 WORKS = "works (CPU tests)"
 REFUSED = "refused"
@@ -154,7 +157,24 @@ def matrix() -> str:
 
 
 class CheckpointMismatch(errors.SpecMismatch):
-    """A checkpoint's Engram tensor is not the table tierstore serves (its shape, or a row's bytes)."""
+    """A checkpoint's Engram layer is not the table tierstore serves (its shape, or a row's bytes)."""
+
+
+_SHOWN = {"sglang": "sglang", "vllm": "vLLM"}
+
+
+def check_shape(engine: str, layer_id: int, table: str, rows: int, dim: int, want_rows: int, want_dim: int,
+                block_size: int = FP8_BLOCK) -> None:
+    """CheckpointMismatch unless tierstore table `table` (rows x dim fp8 values and dim / 32
+    ue8m0 scales) is `engine`'s Engram layer `layer_id`: want_rows rows of want_dim values,
+    scales in blocks of `block_size`. Checked when the layer is built, before any row is read."""
+    if (rows, dim) != (want_rows, want_dim) or block_size != FP8_BLOCK:
+        name = _SHOWN[engine]
+        raise CheckpointMismatch(
+            f"tierstore table {table!r} holds {rows} rows x {dim} (+ {dim // FP8_BLOCK} ue8m0 scales, blocks of "
+            f"{FP8_BLOCK}); {name}'s Engram layer {layer_id} wants {want_rows} x {want_dim} (blocks of "
+            f"{block_size}): the sidecar serves another model's tables, or under other names; ingest the "
+            f"checkpoint {name} serves (`tierstore ingest-checkpoint`)")
 
 
 class CheckpointCheck:
@@ -169,7 +189,8 @@ class CheckpointCheck:
 
     `__call__(param, loaded)` (the engines' weight-loader call; `param` is the weight when it is
     float8_e4m3fn, else the scale) writes nothing, and raises CheckpointMismatch on a tensor of
-    another shape or on the first row whose bytes differ."""
+    another shape or on the first row whose bytes differ. `mapped(...)` builds one over a
+    split-layout table the engine maps (client/split_table.py)."""
 
     def __init__(self, engine: str, layer_id: int, table: str, version: int, rows: int, dim: int,
                  read: Callable[[str, np.ndarray], np.ndarray], verify: str, start: int = 0, end: int | None = None):
@@ -179,6 +200,16 @@ class CheckpointCheck:
         self.rows, self.dim, self.read, self.verify = rows, dim, read, verify
         self.start, self.end = start, rows if end is None else end
         self.checked: list[str] = []
+
+    @classmethod
+    def mapped(cls, engine: str, layer_id: int, split, verify: str, start: int = 0,
+               end: int | None = None) -> "CheckpointCheck":
+        """The check of a layer whose host table is `split` (a SplitTable): rows read straight
+        from its mapped weight and scale bytes."""
+        def read(which: str, ids: np.ndarray) -> np.ndarray:
+            return (split.weight if which == "weight" else split.scale)[ids]
+
+        return cls(engine, layer_id, split.table, split.version, split.rows, split.row_dim, read, verify, start, end)
 
     def width(self, which: str) -> int:
         return self.dim if which == "weight" else self.dim // 32

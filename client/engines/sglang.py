@@ -66,8 +66,6 @@ import threading
 import types
 from dataclasses import dataclass
 
-import numpy as np
-
 from tierstore import errors
 from tierstore.client.engines import checks, weight_filter
 
@@ -93,7 +91,8 @@ OPTIONAL = {ENQUEUE_TARGET: "queued requests' rows are not prefetched",
 
 
 class EngineAttachError(errors.TierstoreError):
-    """sglang's Engram layer cannot be fed from the sidecar (down, table missing, wrong shape, retired)."""
+    """sglang's Engram layer cannot be fed from the sidecar (down, table missing, retired); a table
+    of another shape is a checks.CheckpointMismatch, as under vLLM."""
 
     GRPC_CODE = "FAILED_PRECONDITION"
 
@@ -118,8 +117,9 @@ class SglangConfig:
     stage: str = "auto"
 
     def __post_init__(self):
-        if self.verify not in ("sample", "all", "off"):
-            raise errors.InvalidArgument(f"TIERSTORE_SGLANG_VERIFY is sample, all or off, not {self.verify!r}")
+        if self.verify not in checks.VERIFY_MODES:
+            raise errors.InvalidArgument(
+                f"TIERSTORE_SGLANG_VERIFY={self.verify!r}; use one of {', '.join(checks.VERIFY_MODES)}")
         if not self.socket:
             raise errors.InvalidArgument("TIERSTORE_SGLANG_SOCKET is empty; set it to the sidecar's --socket")
         if self.stage not in ("auto", "on", "off"):
@@ -414,17 +414,13 @@ def init_host_table(original, embed, num_embeddings: int, dim: int, layer_id: in
     if _staged(config, table):
         return _attach_staged(embed, config, table, num_embeddings, dim, layer_id)
     t = _split_table(config, table)
-    if (t.rows, t.row_dim) != (num_embeddings, dim):
-        raise EngineAttachError(f"tierstore table {table} holds {t.rows} rows x {t.row_dim}, sglang's Engram layer "
-                                f"{layer_id} wants {num_embeddings} x {dim}: the sidecar serves another model's "
-                                f"tables (or --prefix); ingest this checkpoint (tierstore ingest-checkpoint)")
+    checks.check_shape("sglang", layer_id, table, t.rows, t.row_dim, num_embeddings, dim)
     weight, scale = t.tensors()
     embed.weight = nn.Parameter(weight, requires_grad=False)
     embed.scale = nn.Parameter(scale, requires_grad=False)
     # the loader __init__ gives both parameters is `self._load_rows`, looked up after this
     # hook returns: this instance's checks the checkpoint's rows instead of copying them
-    embed._load_rows = checks.CheckpointCheck("sglang", layer_id, table, t.version, t.rows, dim,
-                                              SplitRows(t).read, config.verify)
+    embed._load_rows = checks.CheckpointCheck.mapped("sglang", layer_id, t, config.verify)
     if torch.cuda.is_available() and torch.get_default_device().type == "cuda":  # sglang builds under its device
         from sglang.srt.layers import engram as sg
 
@@ -445,8 +441,7 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
     import torch
     from torch import nn
 
-    from tierstore.client.engines.sglang_stager import (FP8_BLOCK, StagedHostTable, StagedTable,
-                                                        UnstagedForward, process_client)
+    from tierstore.client.engines.sglang_stager import StagedHostTable, StagedTable, UnstagedForward, process_client
 
     try:
         t = StagedTable(process_client(config.socket, config.timeout), table)
@@ -456,13 +451,10 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
                                 f"--data DIR --socket {config.socket}`") from None
     except errors.TierstoreError as e:  # StagingError too (a table not in fp8-e4m3-ue8m0)
         raise EngineAttachError(f"sglang's Engram table {table} from the sidecar at {config.socket}: {e}") from None
-    if (t.rows, t.dim) != (num_embeddings, dim):
-        raise EngineAttachError(f"tierstore table {table} holds {t.rows} rows x {t.dim}, sglang's Engram layer "
-                                f"{layer_id} wants {num_embeddings} x {dim}: the sidecar serves another model's "
-                                f"tables (or --prefix); ingest this checkpoint (tierstore ingest-checkpoint)")
+    checks.check_shape("sglang", layer_id, table, t.rows, t.dim, num_embeddings, dim)
     scale_dtype = getattr(torch, "float8_e8m0fnu", torch.uint8)
     embed.weight = nn.Parameter(torch.empty((0, dim), dtype=torch.float8_e4m3fn), requires_grad=False)
-    embed.scale = nn.Parameter(torch.empty((0, dim // FP8_BLOCK), dtype=scale_dtype), requires_grad=False)
+    embed.scale = nn.Parameter(torch.empty((0, dim // checks.FP8_BLOCK), dtype=scale_dtype), requires_grad=False)
     embed._load_rows = checks.CheckpointCheck("sglang", layer_id, table, t.version, t.rows, dim, t.read,
                                               config.verify)
     embed.host_table = StagedHostTable(t)
@@ -487,17 +479,6 @@ class MappedHostTable:
     def finish_load(self, label: str) -> None:
         log.info("engram host table %s: tierstore table %s v%d, mapped (%.2f GiB, no load)", label,
                  self.split.table, self.split.version, self.nbytes / 2**30)
-
-
-class SplitRows:
-    """A mapped split table's bytes as checks.CheckpointCheck reads them: `read(which, rows)`
-    (uint8 [len(rows), width]) of "weight" or "scale"."""
-
-    def __init__(self, split):
-        self.split = split
-
-    def read(self, which: str, rows: np.ndarray) -> np.ndarray:
-        return (self.split.weight if which == "weight" else self.split.scale)[rows]
 
 
 class ArenaGuard:

@@ -63,6 +63,7 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.client.engines import StagingError, checks
+from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.jit import unique_inverse
 
@@ -70,7 +71,6 @@ __all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "up
            "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
-FP8_BLOCK = 32  # values per ue8m0 scale
 READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
 PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
 # the checks.FEATURES row refused for staged tables (here and at sglang's start, sglang.check_server_args)

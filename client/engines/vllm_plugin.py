@@ -65,8 +65,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tierstore import errors
 from tierstore.client.engines import checks, weight_filter
 
@@ -224,24 +222,15 @@ class TierstoreEngramTables:
         import torch
 
         t = self.split_table(layer_id)
-        if (t.rows, t.row_dim) != (num_embeddings, dim) or block_size != 32:
-            raise errors.SpecMismatch(
-                f"tierstore table {t.table!r} holds {t.rows} rows x {t.row_dim} (+ {t.row_dim // 32} ue8m0 "
-                f"scales, blocks of 32); vLLM's Engram layer {layer_id} wants {num_embeddings} x {dim} "
-                f"(blocks of {block_size}): ingest the checkpoint vLLM serves (`tierstore ingest-checkpoint`)")
+        checks.check_shape("vllm", layer_id, t.table, t.rows, t.row_dim, num_embeddings, dim, block_size)
         weight, scale = t.tensors()
         return weight[start:end], scale.view(torch.uint8)[start:end]
 
     def loader(self, layer_id: int, start: int, end: int) -> checks.CheckpointCheck:
         """The weight loader of a mapped layer's two parameters (rank rows [start, end)): checks
         the checkpoint's tensor against the arena (config.verify), never copies."""
-        t = self.split_table(layer_id)
-
-        def read(which: str, ids: np.ndarray) -> np.ndarray:
-            return (t.weight if which == "weight" else t.scale)[ids]
-
-        return checks.CheckpointCheck("vllm", layer_id, t.table, t.version, t.rows, t.row_dim, read,
-                                      self.config.verify, start, end)
+        return checks.CheckpointCheck.mapped("vllm", layer_id, self.split_table(layer_id), self.config.verify,
+                                             start, end)
 
     def close(self) -> None:
         with self._lock:
@@ -362,7 +351,8 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int, vllm_config=None):
     vllm_stager.check_engine(vllm_config, emb, layer_id)
     tables.graph_tokens = vllm_stager.graph_tokens(vllm_config)
     staged = tables.staged_table(layer_id)
-    staged.check_shape(emb.num_embeddings, emb.dim, emb.block_size)
+    checks.check_shape("vllm", layer_id, staged.table, staged.rows, staged.dim, emb.num_embeddings, emb.dim,
+                       emb.block_size)
     staged.bind(emb)
     emb.tierstore_staged = staged
     emb._weight_loader = staged.check(emb.vocab_start_idx, emb.vocab_end_idx, tables.config.verify)

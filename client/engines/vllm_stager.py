@@ -61,6 +61,7 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.client.engines import StagingError, checks
+from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.jit import unique_inverse
 
@@ -68,10 +69,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "stage_runner_step", "hasher_of", "FP8_BLOCK", "ROW_FORMAT"]
+           "windows", "stage_runner_step", "hasher_of", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
-FP8_BLOCK = 32  # values per ue8m0 scale
 ROW_FORMAT = "fp8-e4m3-ue8m0"
 # checks.FEATURES rows this module refuses
 ASYNC_SCHEDULING = "async scheduling (vLLM's default)"
@@ -104,15 +104,6 @@ class StagedEngramTable:
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
         self.full_resident = h.full_resident
         self.part = None  # the rank's heads, set by `bind`
-
-    def check_shape(self, num_embeddings: int, dim: int, block_size: int) -> None:
-        """SpecMismatch unless the table is vLLM's layer: num_embeddings rows of dim fp8 values
-        and dim / 32 ue8m0 scales."""
-        if (self.rows, self.dim) != (num_embeddings, dim) or block_size != FP8_BLOCK:
-            raise errors.SpecMismatch(
-                f"tierstore table {self.table!r} holds {self.rows} rows x {self.dim} (+ {self.dim // FP8_BLOCK} "
-                f"ue8m0 scales, blocks of 32); vLLM's Engram layer {self.layer_id} wants {num_embeddings} x {dim} "
-                f"(blocks of {block_size}): ingest the checkpoint vLLM serves (`tierstore ingest-checkpoint`)")
 
     def check(self, start: int, end: int, verify: str) -> checks.CheckpointCheck:
         """The weight loader of this layer's two placeholders: the checkpoint's rows [start, end)

@@ -1,10 +1,13 @@
-"""client/engines/checks.py: the refusal table the plugins raise from is the one docs/engines.md shows."""
+"""client/engines/checks.py: the refusal table the plugins raise from is the one docs/engines.md shows,
+and a table of another shape than the engine's layer is refused alike under both engines."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tierstore.client.engines import checks, sglang, sglang_stager, vllm_plugin, vllm_stager
 
@@ -33,3 +36,14 @@ def test_every_refused_feature_is_one_a_plugin_raises():
     assert raised == listed
     for engine, name in raised:
         assert checks.EngineRefused.of(engine, name, "x").args[0].endswith(checks.feature(engine, name).fix)
+
+
+def test_a_table_of_another_shape_is_one_checkpoint_mismatch_under_either_engine():
+    """sglang and vLLM check a layer's table the same way, with the same error and fix."""
+    for engine, shown in (("sglang", "sglang"), ("vllm", "vLLM")):
+        with pytest.raises(checks.CheckpointMismatch, match=rf"'l3' holds 12 rows x 256 .*{shown}'s Engram layer 3 "
+                                                            rf"wants 10 x 256 .*ingest the checkpoint {shown} serves"):
+            checks.check_shape(engine, 3, "l3", 12, 256, 10, 256)
+        with pytest.raises(checks.CheckpointMismatch, match="blocks of 128"):
+            checks.check_shape(engine, 3, "l3", 10, 256, 10, 256, block_size=128)
+        checks.check_shape(engine, 3, "l3", 10, 256, 10, 256)  # the layer's own shape: nothing raised

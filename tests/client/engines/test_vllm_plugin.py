@@ -143,7 +143,7 @@ def test_what_the_plugin_refuses_says_what_to_do(plugin, vllm_world):
         vllm_world.embedding(layout, 0, 1, cpu_offload=False)
     with pytest.raises(errors.TableNotFound, match="no tierstore table for Engram layer 7"):
         vllm_world.embedding(layout, 0, 7)
-    with pytest.raises(errors.SpecMismatch, match="ingest the checkpoint vLLM serves"):
+    with pytest.raises(checks.CheckpointMismatch, match="ingest the checkpoint vLLM serves"):
         vllm_world.embedding(layout, 0, 3)  # layer 1's sizes against layer 3's table
     with pytest.raises(errors.InvalidArgument, match="outside Engram._create_embedding"):
         vllm_world.embedding(layout, 0, None)
