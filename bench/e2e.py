@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.client.model.source import RowSource
 from tierstore.store.catalog import Catalog
 from tierstore.table.spec import EngramSpec
 from tierstore.tiers.nvme.reader import SegmentReader
@@ -52,7 +53,7 @@ def local_source(data_dir, spec: EngramSpec):
     return src
 
 
-class BlockingSource:
+class BlockingSource(RowSource):
     """Wraps a RowSource so each plan completes before the caller goes on (no overlap)."""
 
     def __init__(self, source):

@@ -6,11 +6,12 @@ import importlib
 import numpy as np
 import torch
 
+from tierstore.client.model.source import RowSource
 from tierstore.errors import InvalidArgument
 
 __all__ = ["RecordingSource", "load_factory", "make_builder", "audit_tokens"]
 
-class RecordingSource:
+class RecordingSource(RowSource):
     """A RowSource wrapper that remembers the ids each plan asked for (hot ids, step sizes)."""
 
     def __init__(self, source):

@@ -76,27 +76,21 @@ class EngramAttachment:
     def prefetch(self, ids, read: bool = True, steps: int | None = None) -> int:
         """Request admission: hash a queued request's token ids [B, T] (or [T]) and ask the
         source to promote their rows now, without a lease, so its cold reads overlap the
-        time the request waits to run. Returns the ids asked for (0 when the source
-        cannot prefetch, e.g. an in-process table). read=False: only hint the rows the
-        source holds already, read none; steps: about how many steps until the request
-        runs, the rows are kept that long (Client.prefetch)."""
+        time the request waits to run. Returns the ids asked for (an in-process table,
+        every row at hand, ignores them: RowSource.prefetch). read=False: only hint the
+        rows the source holds already, read none; steps: about how many steps until the
+        request runs, the rows are kept that long (Client.prefetch)."""
         ids = self.compress(ids)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         if ids.ndim != 2:
             raise InvalidArgument(f"token ids must be [B, T] or [T], got shape {tuple(ids.shape)}")
         rows = self.hasher.hash_all(ids)
         asked = 0
-        kw = {"read": False} if not read else {}  # only what was asked: a source may lack read= or steps=
-        if steps is not None:
-            kw["steps"] = steps
         for lid, layer in self.layers.items():
-            fetch = getattr(layer.source, "prefetch", None)
-            if fetch is None:
-                continue
             uniq = np.unique(rows[lid])
             if layer.hbm_cache is not None:
                 uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
-            fetch(layer.table, uniq, **kw)
+            layer.source.prefetch(layer.table, uniq, read=read, steps=steps)
             asked += uniq.size
         return asked
 
@@ -111,8 +105,8 @@ class EngramAttachment:
         self._prepare_all({lid: rows[lid][:, None, :] for lid in self.layers}, continue_state=True)
 
     def _prepare_all(self, rows: dict, continue_state: bool) -> None:
-        """Stage every layer, then plan them: one request for all tables of a source that
-        can (the sidecar's plan_many: one step-socket round trip per step)."""
+        """Stage every layer, then plan them: one plan_many of each source's tables (the
+        sidecar's: one step-socket round trip per step)."""
         staged = {lid: self.layers[lid].stage(r, continue_state) for lid, r in rows.items()}
         by_source: dict[int, list] = {}
         for lid, (step, ask) in staged.items():
@@ -121,9 +115,8 @@ class EngramAttachment:
             source = self.layers[lids[0]].source
             asking = [lid for lid in lids if staged[lid][1].size]
             tables = [self.layers[lid].table for lid in asking]
-            many = getattr(source, "plan_many", None)
-            if many is not None and len(set(tables)) == len(tables):  # one handle per table
-                got = many({t: staged[lid][1] for t, lid in zip(tables, asking)}) if asking else {}
+            if len(set(tables)) == len(tables):  # one handle per table
+                got = source.plan_many({t: staged[lid][1] for t, lid in zip(tables, asking)}) if asking else {}
                 handles = {lid: got[t] for t, lid in zip(tables, asking)}
             else:
                 handles = {lid: source.plan(t, staged[lid][1]) for t, lid in zip(tables, asking)}

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.client.model.source import RowSource
 from tierstore.errors import InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.table.formats import RowFormat, encode_rows
 from tierstore.tiers.base import check_ids
@@ -55,7 +56,7 @@ class LocalHandle:
         pass
 
 
-class LocalTable:
+class LocalTable(RowSource):
     """In-process RowSource: {table name -> uint8 tensor [rows, row_bytes]}.
 
     spec: optional EngramSpec; when given, `add` checks each table's row count

@@ -7,7 +7,9 @@ are read by the gather kernel straight from `handle.arena` (a uint8 tensor
 itself for an in-process source); no row bytes pass through the control path.
 
 Two implementations: `tierstore.client.model.local_table.LocalTable` (table in process
-memory, slot == id) and `tierstore.client.client.Client` (the sidecar).
+memory, slot == id) and `tierstore.client.client.Client` (the sidecar). A source that
+plans one table at a time and has nothing to promote (LocalTable, a wrapper) subclasses
+RowSource for its plan_many and prefetch.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class PlanHandle(Protocol):
 
     def valid(self) -> bool:
         """After a gather: True when the rows read were still this step's own (its lease
-        lived, its arena was current when the step began). Optional; absent = True."""
+        lived, its arena was current when the step began); always True where the rows
+        never change under a step (LocalTable)."""
 
     def replan(self) -> None:
         """Plan the same ids again after valid() said False (the lease ended)."""
@@ -47,8 +50,19 @@ class PlanHandle(Protocol):
 
 @runtime_checkable
 class RowSource(Protocol):
+    """Where an Engram layer's rows live: what attach_engram and EngramLayer ask of it."""
+
     def plan(self, table: str, ids: np.ndarray) -> PlanHandle:
         """Start planning `ids` (int64, any shape, flattened) of `table`; returns at once."""
+
+    def plan_many(self, tables: dict) -> dict:
+        """plan() of every table of a step ({table: ids} -> {table: PlanHandle}), returning at
+        once: the sidecar's Client sends them in one request. Here: one plan() each."""
+        return {table: self.plan(table, ids) for table, ids in tables.items()}
+
+    def prefetch(self, table: str, ids: np.ndarray, read: bool = True, steps: int | None = None) -> None:
+        """Promote rows of `table` a queued request will read, without a lease (Client.prefetch
+        says what read and steps ask). Here: nothing, every row is at hand."""
 
     def table_info(self, table: str) -> dict:
         """{'rows', 'row_bytes', 'row_format', 'row_dim', 'spec' (dict or None), 'version'}."""

@@ -21,9 +21,9 @@ __all__ = ["StepQueue", "StagedStep", "still_valid"]
 
 
 def still_valid(handle) -> bool:
-    """A source's handle says whether its rows were still its own (LocalTable's always are)."""
-    valid = getattr(handle, "valid", None)
-    return True if handle is None or valid is None else bool(valid())
+    """Whether a step's rows were still its own: its PlanHandle's valid() (None: every row
+    came from the HBM cache, nothing was planned)."""
+    return handle is None or handle.valid()
 
 
 def _host_array(x) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tierstore.bench.audit import EXACT_PATHS, PATHS, Audit, CustomPath
+from tierstore.client.model.source import RowSource
 from tierstore.errors import InvalidArgument
 
 SMALL = dict(batch=2, seq=32, decode_tokens=2, model_kwargs={"d_model": 64}, log=lambda *a: None)
@@ -78,7 +79,7 @@ def test_corrupt_row_is_not_exact_and_fails_the_audit(demo_dir):
     assert flaky.deterministic is False and "run 2" in flaky.nondeterminism
 
 
-class _Alternating:
+class _Alternating(RowSource):
     """A RowSource serving its plans alternately from two tables: runs do not repeat."""
 
     def __init__(self, a, b):

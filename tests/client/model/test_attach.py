@@ -68,6 +68,9 @@ class LeaseCountingTable(LocalTable):
             def slots(self, timeout=None):
                 return inner.slots()
 
+            def valid(self):
+                return inner.valid()
+
             def release(self):
                 if not self.done:
                     self.done = True

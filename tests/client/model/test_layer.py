@@ -43,6 +43,9 @@ class CountingTable(LocalTable):
             def slots(self, timeout=None):
                 return handle.slots()
 
+            def valid(self):
+                return handle.valid()
+
             def release(self):
                 if not self._done:
                     self._done = True
