@@ -3,13 +3,15 @@
     python -m tierstore.bench.step_socket [--rounds 7] [--calls 300] [--out results.json]
 
 Both servers run in one child process over the same handler (ModuloHandler:
-slots = ids % N, leases in a dict) and receive the same payload bytes (the
-step socket's PLAN body; gRPC carries it as a raw unary request, no protobuf),
-so the difference is the transport. Every call releases the previous call's
-leases inside it, as a decode step does. Competitors are interleaved round by
-round (the box is noisy); figures are over all rounds, ratios from the same run.
+slots = ids % N, leases kept per conn_id in an OwnedLeases) and receive the same
+payload bytes (the step socket's PLAN body; gRPC carries it as a raw unary
+request, no protobuf), so the difference is the transport. Every call releases
+the previous call's leases inside it, as a decode step does (the step socket:
+queued by release_later, as a StepPlan's release is, and carried by the PLAN).
+Competitors are interleaved round by round (the box is noisy); figures are over
+all rounds, ratios from the same run.
 
-One cohesive thing (a little over the house's 300 lines): both transports' harnesses and
+One cohesive thing: both transports' harnesses (the handler and its record of leases) and
 the measurement that compares them.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -30,9 +33,52 @@ import numpy as np
 from tierstore import errors
 from tierstore.proto.frames import PlanItem, PlanResult, encode_plan_results, parse_plan
 
-__all__ = ["ModuloHandler", "ChildServer", "serve_child", "run_fastpath_bench", "run_clients_bench", "main"]
+__all__ = ["ModuloHandler", "OwnedLeases", "ChildServer", "serve_child", "run_fastpath_bench", "run_clients_bench",
+           "main"]
 
 GRPC_METHOD = "/tierstore.bench.FastPath/Plan"
+
+
+class OwnedLeases:
+    """Which step-socket conn_id holds which lease, as ModuloHandler keeps them: a client may end
+    only its own leases, and all of them end when its connection closes. Thread-safe. Entries
+    past their expiry are pruned as new ones arrive, so a client that never releases cannot
+    grow it. (The sidecar's own record is its LeaseTable, keyed by conn_id.)"""
+
+    def __init__(self):
+        self._by_conn: dict[bytes, dict[int, float]] = {}
+        self._lock = threading.Lock()
+        self._adds = 0
+
+    def add(self, conn_id: bytes, lease_id: int, expires: float) -> None:
+        """`expires`: time.monotonic() deadline after which the sidecar has reaped the lease anyway."""
+        with self._lock:
+            mine = self._by_conn.setdefault(conn_id, {})
+            mine[lease_id] = expires
+            self._adds += 1
+            if self._adds % 1024 == 0 and len(mine) > 1024:
+                now = time.monotonic()
+                for k in [k for k, t in mine.items() if t < now]:
+                    del mine[k]
+
+    def take(self, conn_id: bytes, lease_ids) -> list[int]:
+        """The ones of `lease_ids` that `conn_id` holds, forgotten here: release those in the sidecar."""
+        with self._lock:
+            mine = self._by_conn.get(conn_id)
+            return [i for i in lease_ids if mine.pop(i, None) is not None] if mine else []
+
+    def take_all(self, conn_id: bytes) -> list[int]:
+        with self._lock:
+            return list(self._by_conn.pop(conn_id, {}))
+
+    def holders(self) -> dict[int, bytes]:
+        """lease id -> conn_id, of every lease held here."""
+        with self._lock:
+            return {i: o for o, mine in self._by_conn.items() for i in mine}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(m) for m in self._by_conn.values())
 
 
 class ModuloHandler:
@@ -41,8 +87,6 @@ class ModuloHandler:
     Also the shape of a sidecar's handler: per-item errors, releases first, leases kept per conn_id."""
 
     def __init__(self, tables: dict[str, int] | None = None, slots: int = 1 << 20, instance: str | None = None):
-        from tierstore.sidecar.step_server import OwnedLeases
-
         self.tables = tables or {"l1": 1 << 30, "l14": 1 << 30}
         if slots & (slots - 1):
             raise ValueError(f"slots must be a power of two, got {slots}")
@@ -206,7 +250,8 @@ def run_fastpath_bench(rounds: int = 7, calls: int = 300, sizes=(256, 32768), ta
                 held = {"fastpath": [], "grpc": []}
 
                 def fast_call():
-                    res = raise_errors(client.submit(items, release=held["fastpath"]).result())
+                    client.release_later(held["fastpath"])  # rides on this call's PLAN, as a StepPlan's release does
+                    res = raise_errors(client.submit(items).result())
                     held["fastpath"] = [r.lease_id for r in res]
                     return [r.slots for r in res]
 
@@ -257,7 +302,8 @@ def _client_loop(path: str, n_ids: int, calls: int, go, out) -> None:
         go.wait()
         for _ in range(calls):
             t0 = time.perf_counter_ns()
-            held = [r.lease_id for r in raise_errors(c.submit(items, release=held).result())]
+            c.release_later(held)
+            held = [r.lease_id for r in raise_errors(c.submit(items).result())]
             ns.append(time.perf_counter_ns() - t0)
     out.put(ns)
 

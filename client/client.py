@@ -290,8 +290,14 @@ class Client:
         return [(c.table, c.old_version, c.new_version) for c in resp.changed]
 
     def release(self, lease_ids) -> int:
-        """End leases this client took now (with any queued); returns how many were live
-        (others' ids are ignored). A TCP client holds none: 0."""
+        """End leases this client took now; returns how many were live (others' ids are
+        ignored: a client ends only its own). A TCP client holds none: 0.
+
+        A step loop releases its StepPlan instead (StepPlan.release), which queues the
+        lease for the next step's request at no cost of its own. This call waits for the
+        sidecar, for a caller that must know the leases ended, and how many did; it takes
+        the same path as that queue: StepChannel.release sends these ids with every queued
+        one in the RELEASE frame the channel's flusher sends the queue in."""
         self._check_open()
         if not self.on_host:
             return 0

@@ -3,7 +3,7 @@
     from tierstore.client.step_channel import StepChannel, raise_errors
     from tierstore.proto.frames import PlanItem
     with StepChannel("/run/tierstore.sock.steps") as ch:
-        step = ch.submit([PlanItem("l1", ids1), PlanItem("l14", ids14)], release=last_step_leases)
+        step = ch.submit([PlanItem("l1", ids1), PlanItem("l14", ids14)])
         ...                                # the round trip overlaps the caller's work
         l1, l14 = raise_errors(step.result())
         slots = l1.slots                   # int64, one per id, read-only view of the reply (no copy)
@@ -12,10 +12,12 @@
 The channel owns the transport state, and nothing else touches it: the socket
 (connected on first use, reconnecting once by itself), the one request in
 flight (a PendingReply), the queue of released leases and the flusher thread.
-A released lease is queued to ride on the next step's PLAN frame; a client that
-stops planning sends it in a RELEASE frame after RELEASE_LINGER_S, from the
-flusher: one release path, carried by the wire either way. Steps a client read
-itself (client/local_reads.py) are noted here and sent in batches, one-way, by
+One release path: a released lease is queued (release_later) to ride on the
+next step's PLAN frame; a client that stops planning sends the queue in a
+RELEASE frame after RELEASE_LINGER_S, from the flusher, and release() sends it
+now, with the leases it is given, for a caller that needs the count.
+
+Steps a client read itself (client/local_reads.py) are noted here and sent in batches, one-way, by
 the flusher: every NOTE_EVERY_S or NOTE_IDS ids while steps run, and after the
 last; a step sends them itself only when the flusher is NOTE_BACKLOG_IDS behind. A note carries the rows its steps read from disk, up to NOTE_ROW_BYTES a
 frame, so the sidecar promotes them without reading them again (it verifies each
@@ -156,8 +158,9 @@ class StepChannel:
                 self._connect(self.conn_id, wait=0.0)
         return self
 
-    def submit(self, items: list[PlanItem], release=()) -> PendingReply:
-        """Send the step's PLAN now and return at once; `.result()` waits for the reply.
+    def submit(self, items: list[PlanItem]) -> PendingReply:
+        """Send the step's PLAN now, with up to MAX_RELEASE queued releases, and return at
+        once; `.result()` waits for the reply.
 
         Overlaps the round trip with the caller's work. One request is in flight
         per client: the next call first collects this reply (kept for its
@@ -165,10 +168,6 @@ class StepChannel:
         Bad items raise here (InvalidArgument, ResourceExhausted); a lost sidecar
         raises Unavailable here or from result()."""
         items = list(items)
-        rel = np.ascontiguousarray(release, dtype="<u8").ravel() if len(release) else _NO_LEASES
-        if rel.size > MAX_RELEASE:
-            raise errors.InvalidArgument(f"a step can carry at most {MAX_RELEASE} releases, got {rel.size}; "
-                                         f"call release() for the rest first")
         parts, size = [None, None], PLAN_REQ.size
         for i, it in enumerate(items):
             ids = it.ids
@@ -192,7 +191,7 @@ class StepChannel:
                                              f"id count is out of range: {e}") from None
             parts += [head, name, _PAD[:pad8(len(name))], ids]
             size += ITEM.size + len(name) + pad8(len(name)) + ids.nbytes
-        rel, queued = self._with_queued(rel, MAX_RELEASE)
+        rel, queued = self._take_queued()
         parts[:2] = PLAN_REQ.pack(len(items), rel.size), rel
         try:
             return self._submit(PendingReply(self, PLAN, parts, size + rel.nbytes, len(items)))
@@ -211,33 +210,31 @@ class StepChannel:
         ValueError for what is not a lease id, nothing queued."""
         if type(lease_ids) is int and 0 <= lease_ids < 1 << 64:  # a StepPlan's one lease, every step
             more = [lease_ids]
+        elif type(lease_ids) is list and all(type(i) is int and 0 <= i < 1 << 64 for i in lease_ids):
+            more = lease_ids  # a step's lease ids as a list: no array round trip (extend copies them)
         else:
             more = [int(i) for i in np.asarray(lease_ids, dtype=np.uint64).ravel()]
-        if self._closed or not self._connected:
+        if self._closed or not self._connected or not more:
             return
         with self._queue_lock:
             self._queued.extend(more)
         self._flusher_wake()
 
-    @property
-    def queued(self) -> bool:
-        """Releases wait to ride on the next request."""
-        return bool(self._queued)
-
-    def _with_queued(self, rel: np.ndarray, cap: int) -> tuple[np.ndarray, list[int]]:
+    def _take_queued(self) -> tuple[np.ndarray, list[int]]:
+        """The first MAX_RELEASE queued lease ids, off the queue (as sent, and as a list to queue
+        again if the send fails); the rest wait for the next request."""
         with self._queue_lock:
             if not self._queued:
-                return rel, []
-            room = max(cap - rel.size, 0)
-            queued, self._queued = self._queued[:room], self._queued[room:]
-        more = np.array(queued, dtype="<u8")
-        return (np.concatenate([rel, more]) if rel.size else more), queued
+                return _NO_LEASES, []
+            queued, self._queued = self._queued[:MAX_RELEASE], self._queued[MAX_RELEASE:]
+        return np.array(queued, dtype="<u8"), queued
 
-    def release(self, lease_ids) -> int:
-        """End these leases (and any queued by release_later) now; returns how many were live
-        (0 before any connection: no lease of this channel exists; 0 once the connection is
-        lost, without waiting for a sidecar: its leases ended with it. So the flusher never
-        holds the channel through a restarting sidecar's wait, which a plan would then queue behind)."""
+    def release(self, lease_ids=()) -> int:
+        """End these leases and every one queued by release_later now, in RELEASE frames (the
+        flusher's send of the queue); returns how many were live (0 before any connection:
+        no lease of this channel exists; 0 once the connection is lost, without waiting for
+        a sidecar: its leases ended with it. So the flusher never holds the channel through a
+        restarting sidecar's wait, which a plan would then queue behind)."""
         if not self._connected:
             self._check_open()
             return 0
@@ -384,7 +381,7 @@ class StepChannel:
                     time.sleep(max(0.0, self._flush_due - time.monotonic()))
                 if self._queued and not self._closed:
                     try:
-                        self.release([])
+                        self.release()
                     except errors.TierstoreError:
                         pass  # the sidecar is gone: its leases went with it
                 if self._note_ids and not self._closed:

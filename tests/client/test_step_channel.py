@@ -44,7 +44,7 @@ def test_a_channel_connects_on_first_use_and_says_where_nobody_answers(tmp_path)
     try:
         assert ch.release([1, 2]) == 0  # no connection made: no lease of this channel exists
         ch.release_later([3])  # likewise nothing to queue
-        assert not ch.queued
+        assert not ch._queued
         with pytest.raises(errors.Unavailable, match="none.steps"):
             ch.connect()
         with pytest.raises(errors.Unavailable, match="none.steps"):
@@ -64,7 +64,7 @@ def test_a_released_lease_goes_out_alone_when_no_step_follows(served):
         ch.release_later(res.lease_id)
         assert _wait(lambda: not h.leases), "the queued release never went out"
         assert time.monotonic() - t0 >= RELEASE_LINGER_S  # it waited for a request to carry it first
-        assert not ch.queued
+        assert not ch._queued
 
 
 def test_a_closed_channel_queues_nothing_and_its_leases_end(served):
@@ -75,7 +75,7 @@ def test_a_closed_channel_queues_nothing_and_its_leases_end(served):
     ch.close()
     assert _wait(lambda: not h.leases)  # the sidecar ends a closed owner's leases
     ch.release_later([1, 2])
-    assert not ch.queued
+    assert not ch._queued
     with pytest.raises(errors.InvalidArgument, match="closed"):
         ch.release([1])
 

@@ -68,7 +68,7 @@ from tierstore.proto.frames import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, 
                                 encode_error, encode_plan_results, parse_note, parse_plan, send_frame,
                                 spin_seconds)
 
-__all__ = ["StepServer", "StepHandler", "OwnedLeases", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
+__all__ = ["StepServer", "StepHandler", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
 
 log = logging.getLogger("tierstore.sidecar.step_server")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
@@ -109,47 +109,6 @@ class StepHandler(Protocol):
     def note(self, conn_id: bytes, items: list, trusted: bool) -> None: ...
     def disconnected(self, conn_id: bytes) -> None: ...
     def instance(self) -> str: ...
-
-
-class OwnedLeases:
-    """Which step-socket conn_id holds which lease, for a handler to keep: a client may end only its
-    own leases, and all of them end when its connection closes. Thread-safe. Entries past their
-    expiry are pruned as new ones arrive, so a client that never releases cannot grow it."""
-
-    def __init__(self):
-        self._by_conn: dict[bytes, dict[int, float]] = {}
-        self._lock = threading.Lock()
-        self._adds = 0
-
-    def add(self, conn_id: bytes, lease_id: int, expires: float) -> None:
-        """`expires`: time.monotonic() deadline after which the sidecar has reaped the lease anyway."""
-        with self._lock:
-            mine = self._by_conn.setdefault(conn_id, {})
-            mine[lease_id] = expires
-            self._adds += 1
-            if self._adds % 1024 == 0 and len(mine) > 1024:
-                now = time.monotonic()
-                for k in [k for k, t in mine.items() if t < now]:
-                    del mine[k]
-
-    def take(self, conn_id: bytes, lease_ids) -> list[int]:
-        """The ones of `lease_ids` that `conn_id` holds, forgotten here: release those in the sidecar."""
-        with self._lock:
-            mine = self._by_conn.get(conn_id)
-            return [i for i in lease_ids if mine.pop(i, None) is not None] if mine else []
-
-    def take_all(self, conn_id: bytes) -> list[int]:
-        with self._lock:
-            return list(self._by_conn.pop(conn_id, {}))
-
-    def holders(self) -> dict[int, bytes]:
-        """lease id -> conn_id, of every lease held here."""
-        with self._lock:
-            return {i: o for o, mine in self._by_conn.items() for i in mine}
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(m) for m in self._by_conn.values())
 
 
 class ReceiveBudget:
