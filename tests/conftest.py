@@ -1,5 +1,12 @@
-"""Shared fixtures. Keep this small: fixtures used by one test file live there."""
+"""Shared fixtures. Keep this small: fixtures used by one test file live there; these are
+used in more than one folder (a test moves with the code it tests, its fixtures stay here)."""
 from __future__ import annotations
+
+import shutil
+import socket as socketlib
+import tempfile
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,3 +66,89 @@ def numpy_path(monkeypatch):
         for name in names:
             monkeypatch.setattr(module, name, Off())
     return off
+
+
+@pytest.fixture
+def free_port():
+    """free_port() -> a TCP port on 127.0.0.1 nobody listens on now."""
+    def pick() -> int:
+        with socketlib.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick
+
+
+@pytest.fixture
+def metric():
+    """metric(port, name, tier) -> the value of counter `name` (its _total line) for `tier`."""
+    def read(port, name, tier) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{name}_total{{") and f'tier="{tier}"' in ln)
+        return float(line.rsplit(" ", 1)[1])
+    return read
+
+
+@pytest.fixture
+def sock_dir():
+    """A fresh directory for unix sockets, removed at teardown."""
+    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))  # unix socket paths must stay under 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(sock_dir):
+    """serve(handler=None, path=None, **kw) -> (StepServer, handler): a step socket in this process,
+    served by bench/step_socket.py's ModuloHandler unless `handler` is given; stopped at teardown."""
+    from tierstore.bench.step_socket import ModuloHandler
+    from tierstore.sidecar.step_server import StepServer
+
+    started = []
+
+    def start(handler=None, path=None, **kw):
+        handler = handler or ModuloHandler()
+        srv = StepServer(path or sock_dir / "s.sock.steps", handler, **{"max_clients": 8, **kw})
+        srv.start()
+        started.append(srv)
+        return srv, handler
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+LEASE_ROWS, LEASE_DIM = 200_000, 32
+
+
+@pytest.fixture(scope="session")
+def lease_table(tmp_path_factory):
+    """(data dir, rows uint8): table "t" of LEASE_ROWS fp32 rows of LEASE_DIM, for the lease tests."""
+    from tierstore.ingest.writer import write_version
+
+    d = tmp_path_factory.mktemp("data")
+    data = np.random.default_rng(3).integers(0, 256, size=(LEASE_ROWS, LEASE_DIM * 4), dtype=np.uint8)
+    write_version(d, "t", [data], rows=LEASE_ROWS, row_format="fp32", row_dim=LEASE_DIM)
+    return d, data
+
+
+@pytest.fixture(scope="module")
+def lease_sidecar(lease_table):
+    """(SidecarProcess, rows) serving lease_table in cache mode with short leases."""
+    from tierstore.sidecar.launcher import SidecarProcess
+
+    d, data = lease_table
+    # 1 MiB of 128-B rows = 8,192 slots; leases live one second
+    with SidecarProcess(d, dram_budget="1MiB", extra_args=["--lease-ttl", "1"]) as sc:
+        yield sc, data
+
+
+@pytest.fixture
+def lease_traffic():
+    """lease_traffic(client, steps, n, seed): another client's steps of n distinct random rows of
+    lease_table, each planned and released, so they reuse the arena's slots."""
+    def traffic(c, steps: int, n: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(steps):
+            with c.plan("t", rng.choice(LEASE_ROWS, n, replace=False)) as s:
+                s.slots()
+    return traffic

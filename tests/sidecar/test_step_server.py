@@ -10,7 +10,6 @@ import signal
 import socket
 import stat
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,30 +28,6 @@ from tierstore.proto.frames import (ERROR, HDR, HELLO, HELLO_REQ, ITEM, MAGIC, M
                                 parse_note)
 
 MASK = (1 << 20) - 1
-
-
-@pytest.fixture
-def sock_dir():
-    d = Path(tempfile.mkdtemp(prefix="tsfp-", dir="/tmp"))  # unix socket paths must stay under 108 bytes
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def serve(sock_dir):
-    """serve(handler=None, **kw) -> (StepServer, handler), stopped at teardown."""
-    started = []
-
-    def start(handler=None, path=None, **kw):
-        handler = handler or ModuloHandler()
-        srv = StepServer(path or sock_dir / "s.sock.steps", handler, **{"max_clients": 8, **kw})
-        srv.start()
-        started.append(srv)
-        return srv, handler
-
-    yield start
-    for srv in started:
-        srv.stop()
 
 
 def ids_of(n, seed=0):
@@ -97,47 +72,6 @@ def test_plan_returns_slots_per_item_and_release_rides_along(serve):
         c.release_later(np.arange(1, 2 * MAX_RELEASE))  # more than a step may carry: it takes MAX_RELEASE ...
         assert raise_errors(c.submit([PlanItem("l1", a)]).result())[0].slots.size == a.size  # ... so none is refused
         assert c.release([]) == 0  # the rest go in RELEASE frames (no live lease among them)
-
-
-def test_release_later_rides_on_the_next_request(serve):
-    srv, h = serve()
-    with StepChannel(srv.path).connect() as c:
-        first = raise_errors(c.submit([PlanItem("l1", ids_of(4)), PlanItem("l14", ids_of(4))]).result())
-        c.release_later([first[0].lease_id])
-        c.release_later(np.array([first[1].lease_id]))
-        assert len(h.leases) == 2  # nothing sent yet
-        nxt = raise_errors(c.submit([PlanItem("l1", ids_of(4))]).result())
-        assert list(h.leases) == [nxt[0].lease_id]
-        c.release_later(nxt[0].lease_id)  # one id, as an int
-        assert c.release([]) == 1 and not h.leases
-        with pytest.raises((OverflowError, ValueError)):
-            c.release_later(-1)  # not a lease id: refused here, nothing queued
-        assert c.release([]) == 0
-
-
-def test_submit_overlaps_the_round_trip_and_results_come_in_any_order(serve):
-    srv, h = serve()
-    with StepChannel(srv.path).connect() as c:
-        a, b = ids_of(300, 1), ids_of(40000, 2)
-        first = c.submit([PlanItem("l1", a)])
-        second = c.submit([PlanItem("l14", b)])  # collects first's reply before sending
-        assert first.done() and not second.done()
-        assert np.array_equal(raise_errors(second.result())[0].slots, b & MASK)
-        assert np.array_equal(raise_errors(first.result())[0].slots, a & MASK)
-        assert len(h.leases) == 2
-        gone = c.submit([PlanItem("l1", a)])
-    with pytest.raises(errors.Unavailable, match="closed"):
-        gone.result()
-
-
-def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
-    srv, _ = serve()
-    c = StepChannel(srv.path, timeout=5).connect()
-    srv.stop()  # the sidecar dies with our connection open ...
-    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
-    pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
-    assert raise_errors(pending.result())[0].instance == "second" and len(h2.leases) == 1
-    c.close()
 
 
 def test_errors_come_back_per_item_as_the_same_class(serve):
@@ -258,36 +192,6 @@ def test_a_closed_connection_ends_its_owners_leases(serve):
         time.sleep(0.01)
     assert h.disconnects == [conn_id] and list(h.leases.values()) == [keep.conn_id]
     keep.close()
-
-
-def test_no_server_is_unavailable_naming_the_socket(sock_dir):
-    with pytest.raises(errors.Unavailable, match=str(sock_dir / "none")):
-        StepChannel(sock_dir / "none", timeout=1).connect()
-    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never answers
-    mute.bind(str(sock_dir / "mute"))
-    mute.listen()
-    t0 = time.monotonic()
-    with pytest.raises(errors.Unavailable, match="mute"):
-        StepChannel(sock_dir / "mute", timeout=0.3).connect()
-    assert time.monotonic() - t0 < 10  # it gave up instead of hanging
-    mute.close()
-
-
-def test_the_client_reconnects_once_after_a_restart_and_reports_the_new_instance(serve):
-    srv, h = serve()
-    c = StepChannel(srv.path, timeout=5).connect()
-    raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())
-    srv.stop()
-    srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
-    c.release_later([1])  # rides on the resent request
-    res = raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())
-    assert res[0].instance == c.instance == "second" != h.instance()
-    srv2.stop()
-    with pytest.raises(errors.Unavailable, match=str(srv.path)):
-        c.submit([PlanItem("l1", ids_of(3))]).result()
-    c.close()
-    with pytest.raises(errors.InvalidArgument, match="closed"):
-        c.release([1])
 
 
 def test_hello_with_a_wrong_magic_or_version_is_refused_cleanly(serve):
@@ -435,26 +339,6 @@ def test_ids_a_handler_keeps_are_not_overwritten_by_the_next_request(serve):
         c.submit([PlanItem("l1", first)]).result()
         c.submit([PlanItem("l1", second)]).result()
     assert np.array_equal(h.kept[0], first) and np.array_equal(h.kept[1], second)
-
-
-def test_threads_share_one_client(serve):
-    srv, _ = serve()
-    failures = []
-    with StepChannel(srv.path).connect() as c:
-        def worker(seed):
-            for i in range(30):
-                ids = ids_of(64 + i, seed * 100 + i)
-                res = raise_errors(c.submit([PlanItem("l1", ids)]).result())
-                if not np.array_equal(res[0].slots, ids & MASK):
-                    failures.append(seed)
-                c.release([res[0].lease_id])
-
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not failures
 
 
 @settings(max_examples=60, deadline=None, database=None)
