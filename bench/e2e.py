@@ -1,7 +1,7 @@
 """End to end: the demo model with Engram served by the sidecar vs the table in process.
 
 The same model (weights from a seed) runs over the same tokens with two
-RowSources: a LocalTable holding the rows read from disk, and the sidecar
+RowSources: an InProcessTable holding the rows read from disk, and the sidecar
 Client. Outputs must be bit-identical (same rows, same kernels); tokens/s are
 measured in interleaved rounds so machine noise hits both alike.
 
@@ -37,11 +37,11 @@ def spec_from_catalog(data_dir) -> EngramSpec:
     return EngramSpec.from_dict(next(s for s in specs.values() if s))
 
 
-def local_source(data_dir, spec: EngramSpec):
-    """A LocalTable holding every layer's rows exactly as stored on disk (verified on read)."""
-    from tierstore.client.model.local_table import LocalTable
+def in_process_source(data_dir, spec: EngramSpec):
+    """An InProcessTable holding every layer's rows exactly as stored on disk (verified on read)."""
+    from tierstore.client.model.in_process_table import InProcessTable
 
-    src = LocalTable(spec)
+    src = InProcessTable(spec)
     with Catalog(data_dir, readonly=True) as cat:
         for layer in spec.layer_ids:
             v = cat.current(spec.table_name(layer))
@@ -124,8 +124,8 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
     data_dir = Path(data_dir)
     spec = spec_from_catalog(data_dir)
     table_bytes = sum(spec.rows(l) * spec.row_bytes for l in spec.layer_ids)
-    local = local_source(data_dir, spec)
-    model = EngramDemoModel(spec, local, seed=seed).eval()
+    in_process = in_process_source(data_dir, spec)
+    model = EngramDemoModel(spec, in_process, seed=seed).eval()
     ids = _tokens(spec, model.vocab_size, batch, seq, seed)
 
     def forward_and_decode():
@@ -147,7 +147,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
         for name, cfg in sidecars.items():
             procs[name] = SidecarProcess(data_dir, dram_budget=cfg["budget"]).start()
             clients[name] = Client(procs[name].socket)
-        sources = {"in-process": local, "sidecar": clients["sidecar"]}
+        sources = {"in-process": in_process, "sidecar": clients["sidecar"]}
         if "sidecar-cache" in clients:
             sources["sidecar-cache"] = clients["sidecar-cache"]
             sources["sidecar-cache-no-overlap"] = BlockingSource(clients["sidecar-cache"])
@@ -185,7 +185,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
                                "hbm-adaptive": _tier_traffic(model, forward_and_decode, rounds, hbm_rows)}
         return res
     finally:
-        model.set_source(local)
+        model.set_source(in_process)
         for c in clients.values():
             c.close()
         for p in procs.values():

@@ -2,7 +2,7 @@
 
 Talking to a sidecar: Client (client.py) and the StepPlan a plan returns
 (step_plan.py). The model side (model/): EngramLayer, V41EngramLayer,
-attach_engram, HBMCache, LocalTable (a table held in process) and the demo
+attach_engram, HBMCache, InProcessTable (a table held in process) and the demo
 model. Hashing and specs are the table's (tierstore.table: NgramHasher,
 EngramSpec, preset), listed here because model code needs them with the rest.
 Imports are lazy so `import tierstore.client` stays light.
@@ -12,7 +12,7 @@ from importlib import import_module
 _EXPORTS = {
     "Client": "tierstore.client.client", "StepPlan": "tierstore.client.step_plan",
     "SplitTable": "tierstore.client.split_table",
-    "LocalTable": "tierstore.client.model.local_table", "EngramLayer": "tierstore.client.model.layer",
+    "InProcessTable": "tierstore.client.model.in_process_table", "EngramLayer": "tierstore.client.model.layer",
     "V41EngramLayer": "tierstore.client.model.v41_layer", "attach_engram": "tierstore.client.model.attach",
     "engram_decode_step": "tierstore.client.model.attach", "HBMCache": "tierstore.client.model.hbm_cache",
     "EngramDemoModel": "tierstore.client.model.demo_model",

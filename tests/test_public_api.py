@@ -34,8 +34,8 @@ MODULES = _modules()
 
 
 def test_the_walk_finds_the_package():
-    assert {"tierstore.table.spec", "tierstore.client.model.local_table", "tierstore.kernels.gather", "tierstore.cli.hash", "tierstore.proto.frames",
-            "tierstore.tiers.dram"} <= set(MODULES)
+    assert {"tierstore.table.spec", "tierstore.client.model.in_process_table", "tierstore.kernels.gather",
+            "tierstore.cli.hash", "tierstore.proto.frames", "tierstore.tiers.dram"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

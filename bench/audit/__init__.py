@@ -12,7 +12,7 @@ arena or its NVMe tier, an HBM cache in front of it, a plan that arrived late,
 rows stored in a narrower format, bf16 compute, Triton kernels. The audit runs
 one model over one token sequence through each path and compares everything
 it computes with the *reference*: the same weights, rows held in process
-exactly as stored on disk (LocalTable), torch reference kernels, fp32 compute.
+exactly as stored on disk (InProcessTable), torch reference kernels, fp32 compute.
 
     from tierstore.bench.audit import Audit
 

@@ -41,15 +41,15 @@ class Audit:
     def __init__(self, data_dir, *, batch: int = 2, seq: int = 128, decode_tokens: int = 8, seed: int = 0,
                  tokens=None, module: str | None = None, model_kwargs: dict | None = None,
                  restart: bool = True, triton_shape: tuple[int, int, int] = (2, 32, 2), log=print):
-        from tierstore.bench.e2e import local_source, spec_from_catalog
+        from tierstore.bench.e2e import in_process_source, spec_from_catalog
 
         self.data_dir, self.module, self.restart, self.log = Path(data_dir), module, restart, log
         self.model_kwargs = dict(model_kwargs or {}) if module else {"seed": seed, **(model_kwargs or {})}
         self.triton_shape = triton_shape
         self.spec = spec_from_catalog(self.data_dir)
-        self.local = local_source(self.data_dir, self.spec)
+        self.in_process = in_process_source(self.data_dir, self.spec)
         self.build = make_builder(self.data_dir, module, self.model_kwargs)
-        self._rec = RecordingSource(self.local)
+        self._rec = RecordingSource(self.in_process)
         self.ref_model = self.build(self._rec)
         if tokens is None:
             vocab = getattr(self.ref_model, "vocab_size", None)
@@ -62,8 +62,8 @@ class Audit:
             if self.ids.ndim != 2 or not self.ids.numel():
                 raise InvalidArgument(f"tokens must be int [B, T] or [T], got shape {tuple(np.shape(tokens))}")
         self.reference, self.decode_ids = execute(self.ref_model, self.ids, decode_tokens=decode_tokens)
-        set_source(self.ref_model, self.local)
-        twin = self.build(self.local).state_dict()
+        set_source(self.ref_model, self.in_process)
+        twin = self.build(self.in_process).state_dict()
         ref = self.ref_model.state_dict()
         if twin.keys() != ref.keys() or any(not torch.equal(v, twin[k]) for k, v in ref.items()):
             raise InvalidArgument("the model factory built different weights on a second call; seed it (or load "
@@ -94,7 +94,7 @@ class Audit:
                 "decode_tokens": 0 if self.decode_ids is None else int(self.decode_ids.shape[1]),
                 "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
                 "dram_budgets": self.sidecars.budgets, "restart_checked": self.restart,
-                "table_bytes": sum(t.numel() for t in map(self.local.rows, self.local.tables()))}
+                "table_bytes": sum(t.numel() for t in map(self.in_process.rows, self.in_process.tables()))}
 
     # ---- one path ------------------------------------------------------------
     def _measure(self, name: str, expect_exact: bool, source_fn, mutate=None, ctx=None, sidecar=None,
@@ -138,7 +138,7 @@ class Audit:
         from tierstore.bench.e2e import BlockingSource
 
         if name == "in-process":
-            return self._measure(name, False, lambda: self.local, note="the reference source, rebuilt and rerun")
+            return self._measure(name, False, lambda: self.in_process, note="the reference source, rebuilt and rerun")
         if name in ("sidecar-full", "sidecar-cache"):
             kind = SIDECAR_OF[name]
             return self._measure(name, True, lambda: self.sidecars.client(kind), sidecar=kind, restart=True)
@@ -161,14 +161,14 @@ class Audit:
         if name in ROW_FORMAT_PATHS:
             return self._row_format_path(name, ROW_FORMAT_PATHS[name])
         if name == "bf16-engram":
-            return self._measure(name, False, lambda: self.local, mutate=bf16_engram,
+            return self._measure(name, False, lambda: self.in_process, mutate=bf16_engram,
                                  note="Engram layers' weights and compute in bf16, backbone fp32")
         if name == "bf16-model":
-            return self._measure(name, False, lambda: self.local, mutate=bf16_model,
+            return self._measure(name, False, lambda: self.in_process, mutate=bf16_model,
                                  note="whole model in bf16 (weights, activations, Engram compute)")
         if name == "threads":
             n, m = torch.get_num_threads(), (1 if torch.get_num_threads() > 1 else 2)
-            return self._measure(name, False, lambda: self.local, ctx=lambda: threads(m),
+            return self._measure(name, False, lambda: self.in_process, ctx=lambda: threads(m),
                                  note=f"{m} intra-op thread(s) instead of {n}: matmul summation order")
         if name == "triton":
             return triton_cuda(self) if torch.cuda.is_available() else triton_interpreter(self)
@@ -184,7 +184,7 @@ class Audit:
         if fmt == RowFormat.FP8_E4M3_UE8M0.value and self.spec.row_dim % 32:
             return PathResult(name, False, note=f"skipped: {fmt} needs row_dim % 32 == 0, got {self.spec.row_dim}")
         if fmt not in self._tables:
-            self._tables[fmt], worst = reencoded_table(self.local, self.spec, stored, fmt)
+            self._tables[fmt], worst = reencoded_table(self.in_process, self.spec, stored, fmt)
             note += f" (row values off by up to {worst:.3g})"
 
         def as_format(model):

@@ -21,12 +21,12 @@ __all__ = ["triton_cuda", "triton_interpreter", "triton_worker"]
 
 def triton_cuda(audit) -> PathResult:
     """Whole input on the GPU: Triton kernels, compared with the CPU reference and the GPU torch kernels."""
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
 
     dev = torch.device("cuda")
-    table = LocalTable(audit.spec, device=dev)
-    for t in audit.local.tables():
-        table.add(t, audit.local.rows(t))
+    table = InProcessTable(audit.spec, device=dev)
+    for t in audit.in_process.tables():
+        table.add(t, audit.in_process.rows(t))
     gpu_torch = {}
 
     def to_gpu(model):
@@ -78,7 +78,7 @@ def triton_interpreter(audit) -> PathResult:
 
 def triton_worker(config_path: str) -> None:
     """Child process of the Triton interpreter path (TRITON_INTERPRET=1 set before any import)."""
-    from tierstore.bench.e2e import local_source, spec_from_catalog
+    from tierstore.bench.e2e import in_process_source, spec_from_catalog
     from tierstore.kernels import choose_backend
 
     if choose_backend("auto", torch.zeros(1)) != "triton":
@@ -86,7 +86,7 @@ def triton_worker(config_path: str) -> None:
                          "is imported, and the triton package installed")
     cfg = json.loads(Path(config_path).read_text())
     spec = spec_from_catalog(cfg["data_dir"])
-    model = make_builder(cfg["data_dir"], cfg["module"], cfg["model_kwargs"])(local_source(cfg["data_dir"], spec))
+    model = make_builder(cfg["data_dir"], cfg["module"], cfg["model_kwargs"])(in_process_source(cfg["data_dir"], spec))
     ids = torch.from_numpy(np.load(cfg["tokens"]))
     dec = torch.from_numpy(np.load(cfg["decode"])) if cfg["decode"] else None
     runs = [execute(model, ids, dec)[0] for _ in range(cfg["runs"])]

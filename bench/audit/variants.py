@@ -62,16 +62,16 @@ def add_hbm_cache(model, hot_ids):
                 f"{100 * hits / total:.0f}% of rows from the cache, the rest from the sidecar")
     return note
 
-def reencoded_table(local, spec, stored, fmt: str):
-    """A LocalTable holding every table of `local` re-encoded from `stored` to `fmt`; also the largest
+def reencoded_table(source, spec, stored, fmt: str):
+    """An InProcessTable holding every table of `source` re-encoded from `stored` to `fmt`; also the largest
     change of a row value."""
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
     from tierstore.table.formats import decode_rows, encode_rows
 
     worst = 0.0
-    table = LocalTable(spec)
-    for t in local.tables():
-        values = decode_rows(local.rows(t).numpy(), stored, spec.row_dim)
+    table = InProcessTable(spec)
+    for t in source.tables():
+        values = decode_rows(source.rows(t).numpy(), stored, spec.row_dim)
         rows = encode_rows(values, fmt)
         worst = max(worst, float(np.abs(decode_rows(rows, fmt, spec.row_dim) - values).max()))
         table.add(t, rows, row_format=fmt, row_dim=spec.row_dim)

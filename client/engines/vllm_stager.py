@@ -146,10 +146,10 @@ class StagedEngramTable:
         a padded head or an id outside the rank's rows reads the zero row (what
         `_engram_lookup_kernel` writes for them)."""
         tokens = ids.shape[0]
-        local = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
+        heads = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
         cols = ids[:, self.head_start:min(self.head_start + self.part, self.n_hash_cols)]
-        local[:, :cols.shape[1]] = cols
-        flat = local.reshape(-1)
+        heads[:, :cols.shape[1]] = cols
+        flat = heads.reshape(-1)
         owned = (flat >= self.vocab[0]) & (flat < self.vocab[1])
         uniq, inv = unique_inverse(np.ascontiguousarray(flat[owned]))
         rows = np.zeros((uniq.size + 1, self.dim + self.dim // FP8_BLOCK), np.uint8)

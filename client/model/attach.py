@@ -9,11 +9,11 @@ by `h + Engram(h)`, as the paper demo does at the top of its block.
 Example::
 
     from tierstore.client.model.attach import attach_engram, engram_decode_step
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
     from tierstore.table.spec import preset
 
     spec = preset("engram-paper-demo", scale=64)
-    source = LocalTable.synthetic(spec)              # or tierstore.client.client.Client(...)
+    source = InProcessTable.synthetic(spec)              # or tierstore.client.client.Client(...)
     eng = attach_engram(model, spec, source, {1: "blocks.1", 15: model.blocks[3]},
                         hidden_size=256)
     eng.layers[1].load_state_dict(weights_1)         # Engram weights (paper-demo key names)

@@ -1,16 +1,16 @@
 """A small causal transformer with Engram at two blocks: the demo, benchmark and audit model.
 
 Deterministic from a seed, so the same model can be built twice with different
-RowSources (an in-process LocalTable, the sidecar Client) and compared logit
+RowSources (an InProcessTable, the sidecar Client) and compared logit
 for logit. The Engram layers are attached with `attach_engram`, exactly as a
 user would attach them to their own model.
 
     from tierstore.client.model.demo_model import EngramDemoModel
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
     from tierstore.table.spec import preset
 
     spec = preset("engram-paper-demo", scale=64)
-    model = EngramDemoModel(spec, LocalTable.synthetic(spec), seed=0)
+    model = EngramDemoModel(spec, InProcessTable.synthetic(spec), seed=0)
     logits = model(ids)                          # ids int64 [B, T] < model.vocab_size
     out = model.generate(ids, max_new_tokens=8)  # greedy, KV cache + Engram decode state
 

@@ -55,7 +55,7 @@ class EngramLayer(nn.Module):
     spec: the EngramSpec of the table; layer_id: which of spec.layer_ids.
     hidden_size / hc_mult: the backbone's D and number of hyper-connection
         branches M (default: the spec's).
-    source: a RowSource (LocalTable, sidecar Client) serving `table`
+    source: a RowSource (InProcessTable, sidecar Client) serving `table`
         (default spec.table_name(layer_id)).
     hbm_cache: optional HBMCache of this table's hot rows (hits skip the source).
     conv: use the ShortConv (default spec.use_conv).

@@ -6,10 +6,10 @@ are read by the gather kernel straight from `handle.arena` (a uint8 tensor
 [arena_rows, row_bytes] mapped from shared memory for the sidecar, the table
 itself for an in-process source); no row bytes pass through the control path.
 
-Two implementations: `tierstore.client.model.local_table.LocalTable` (table in process
-memory, slot == id) and `tierstore.client.client.Client` (the sidecar). A source that
-plans one table at a time and has nothing to promote (LocalTable, a wrapper) subclasses
-RowSource for its plan_many and prefetch.
+Two implementations: `tierstore.client.model.in_process_table.InProcessTable` (table
+in process memory, slot == id) and `tierstore.client.client.Client` (the sidecar). A
+source that plans one table at a time and has nothing to promote (InProcessTable, a
+wrapper) subclasses RowSource for its plan_many and prefetch.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class PlanHandle(Protocol):
     def valid(self) -> bool:
         """After a gather: True when the rows read were still this step's own (its lease
         lived, its arena was current when the step began); always True where the rows
-        never change under a step (LocalTable)."""
+        never change under a step (InProcessTable)."""
 
     def replan(self) -> None:
         """Plan the same ids again after valid() said False (the lease ended)."""

@@ -58,15 +58,15 @@ def test_cli_audit_reports_every_path(cli, demo_dir, tmp_path):
 
 
 def test_corrupt_row_is_not_exact_and_fails_the_audit(demo_dir):
-    from tierstore.bench.e2e import local_source
+    from tierstore.bench.e2e import in_process_source
     from tierstore.cli.audit import format_table
 
     with Audit(demo_dir, restart=False, **SMALL) as audit:
         hot = int(audit.hot_ids("l1")[0])
-        broken = local_source(demo_dir, audit.spec)
+        broken = in_process_source(demo_dir, audit.spec)
         rows = broken.rows("l1")
         rows[hot, 1] ^= 0xFF  # one byte of one row, mantissa bits: a small, silent drift
-        flaky = _Alternating(broken, audit.local)
+        flaky = _Alternating(broken, audit.in_process)
         report = audit.run(["in-process", "sidecar-full"],
                            extra=[CustomPath("corrupt-row", broken), CustomPath("flaky", flaky, expect_exact=False)])
         assert audit.sidecars.procs  # the full-resident sidecar ran

@@ -121,7 +121,7 @@ def test_rows_served_by_sidecar_are_bit_exact_with_the_shard(ckpt, client, capsy
 @torch.no_grad()
 def test_v41_layer_served_by_sidecar_equals_layer_on_shard_rows(ckpt, client):
     """README's model-side recipe: spec from config.json, layers from the checkpoint, rows from the sidecar."""
-    from tierstore.client import LocalTable, NgramHasher
+    from tierstore.client import InProcessTable, NgramHasher
     from tierstore.table.hf_config import spec_from_config
     from tierstore.client.model.v41_layer import V41EngramLayer
 
@@ -132,7 +132,7 @@ def test_v41_layer_served_by_sidecar_equals_layer_on_shard_rows(ckpt, client):
     dead = hasher.dead_mask(raw)
     rows = hasher.hash_all(hasher.check_ids(raw), dead=dead)
     h = torch.randn(2, 12, spec.hc_mult, spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    local = LocalTable(spec)
+    local = InProcessTable(spec)
     for L in spec.layer_ids:
         local.add(f"l{L}", shard_rows(ckpt, L), row_format=spec.row_format, row_dim=spec.row_dim)
     want = {L: V41EngramLayer.from_checkpoint(ckpt, L, source=local)(h, rows[L], dead=dead) for L in spec.layer_ids}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstore.bench.e2e import local_source, spec_from_catalog
+from tierstore.bench.e2e import in_process_source, spec_from_catalog
 from tierstore.client.model.demo_model import EngramDemoModel
 from tierstore.client.client import Client
 from tierstore.ingest.demo_table import make_demo_tables
@@ -23,7 +23,7 @@ def demo_data(tmp_path_factory):
 @torch.no_grad()
 def test_sidecar_model_equals_in_process_model(demo_data, budget):
     spec = spec_from_catalog(demo_data)
-    local = local_source(demo_data, spec)
+    local = in_process_source(demo_data, spec)
     model = EngramDemoModel(spec, local, d_model=64, n_heads=2, seed=3).eval()
     ids = torch.randint(0, model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
 

@@ -164,13 +164,13 @@ def test_sidecar_down_is_a_clear_error_at_start(model, sglang_engram, tmp_path):
 def _v41_vs_sglang(model, sglang_engram, dtype):
     """(tierstore's V41EngramLayer output, sglang's Engram output as float32, h) on the same
     weights (the checkpoint's), row ids and hidden states; a layer without image tokens."""
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
     from tierstore.client.model.v41_layer import V41EngramLayer
 
     module, _ = build_engram(sglang_engram, model, 1, dtype)
     layer = V41EngramLayer.from_checkpoint(model["root"] / "ckpt", 1)
     spec, a = layer.spec, model["arrays"][1]
-    layer.source = LocalTable(spec)
+    layer.source = InProcessTable(spec)
     layer.source.add("l1", np.concatenate([a["embed.weight"], a["embed.scale"]], axis=1),
                      row_format=spec.row_format, row_dim=spec.row_dim)
     rng = np.random.default_rng(11)

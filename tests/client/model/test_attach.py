@@ -7,7 +7,7 @@ from torch import nn
 from tierstore.client.model.attach import attach_engram, engram_decode_step
 from tierstore.client.model.demo_model import EngramDemoModel
 from tierstore.table.hasher import NgramHasher
-from tierstore.client.model.local_table import LocalTable
+from tierstore.client.model.in_process_table import InProcessTable
 from tierstore.table.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument
 
@@ -53,7 +53,7 @@ class Tiny(nn.Module):
         return self.head(h if self.hc_mult == 1 else h.mean(2))
 
 
-class LeaseCountingTable(LocalTable):
+class LeaseCountingTable(InProcessTable):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.open = 0
@@ -165,7 +165,7 @@ DEMO_SPEC = EngramSpec(name="demo", layer_ids=(1, 15), max_ngram=3, n_heads=2, e
 
 
 def demo(source=None, seed=0):
-    source = source or LocalTable.synthetic(DEMO_SPEC, seed=5)
+    source = source or InProcessTable.synthetic(DEMO_SPEC, seed=5)
     return EngramDemoModel(DEMO_SPEC, source, vocab_size=128, d_model=64, n_layers=4, n_heads=2, seed=seed)
 
 
@@ -178,9 +178,9 @@ def test_demo_model_is_deterministic_and_source_agnostic():
         la = a(ids)
         assert la.shape == (2, 10, 128)
         assert torch.equal(la, b(ids)) and not torch.equal(la, c(ids))
-        b.set_source(LocalTable.synthetic(DEMO_SPEC, seed=5))  # same rows, another RowSource
+        b.set_source(InProcessTable.synthetic(DEMO_SPEC, seed=5))  # same rows, another RowSource
         assert torch.equal(la, b(ids))
-        b.set_source(LocalTable.synthetic(DEMO_SPEC, seed=6))  # other rows change the logits
+        b.set_source(InProcessTable.synthetic(DEMO_SPEC, seed=6))  # other rows change the logits
         assert not torch.allclose(la, b(ids))
 
 

@@ -6,7 +6,7 @@ import torch
 from tierstore.table.hasher import NgramHasher
 from tierstore.client.model.hbm_cache import HBMCache
 from tierstore.client.model.layer import EngramLayer
-from tierstore.client.model.local_table import LocalTable
+from tierstore.client.model.in_process_table import InProcessTable
 from tierstore.table.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
 
@@ -18,7 +18,7 @@ N = SPEC.rows(1)
 
 @pytest.fixture(scope="module")
 def src():
-    return LocalTable.synthetic(SPEC, seed=1)
+    return InProcessTable.synthetic(SPEC, seed=1)
 
 
 def test_hits_and_misses_give_bit_identical_output(src):

@@ -9,7 +9,7 @@ from torch import nn
 
 from tierstore.table.hasher import NgramHasher
 from tierstore.client.model.layer import EngramLayer
-from tierstore.client.model.local_table import LocalTable
+from tierstore.client.model.in_process_table import InProcessTable
 from tierstore.table.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch
 from tierstore.table.formats import decode_rows
@@ -23,8 +23,8 @@ def make_spec(fmt="fp32", conv=True):
                       use_conv=conv)
 
 
-class CountingTable(LocalTable):
-    """A LocalTable that records what was planned and which leases are still held."""
+class CountingTable(InProcessTable):
+    """An InProcessTable that records what was planned and which leases are still held."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

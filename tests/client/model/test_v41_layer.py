@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from v41_checkpoint import IMAGE_TOKEN, write_checkpoint  # noqa: E402
 
 from tierstore.table.hasher import NgramHasher
-from tierstore.client.model.local_table import LocalTable
+from tierstore.client.model.in_process_table import InProcessTable
 from tierstore.client.model.v41_layer import V41EngramLayer
 from tierstore.errors import InvalidArgument, SpecMismatch
 
@@ -70,7 +70,7 @@ def expected(arrays, spec, L, row_ids, h, dead):
 
 def _local(ckpt, spec):
     d, arrays = ckpt
-    src = LocalTable(spec)
+    src = InProcessTable(spec)
     for L in spec.layer_ids:
         packed = np.concatenate([arrays[L]["embed.weight"], arrays[L]["embed.scale"]], axis=1)
         src.add(f"l{L}", packed, row_format=spec.row_format, row_dim=spec.row_dim)

@@ -1,4 +1,4 @@
-"""LocalTable: a RowSource that holds whole tables in process memory.
+"""InProcessTable: a RowSource that holds whole tables in process memory.
 
 The in-process ceiling the sidecar is measured against, and the source the
 tests and the demo use. Every row of a table lives in one uint8 tensor
@@ -7,11 +7,11 @@ tests and the demo use. Every row of a table lives in one uint8 tensor
 
 Example::
 
-    from tierstore.client.model.local_table import LocalTable
+    from tierstore.client.model.in_process_table import InProcessTable
     from tierstore.table.spec import preset
 
     spec = preset("engram-paper-demo", scale=64)
-    source = LocalTable.synthetic(spec, seed=0)        # random rows, every layer
+    source = InProcessTable.synthetic(spec, seed=0)        # random rows, every layer
     h = source.plan("l1", np.array([5, 7, 5]))
     h.slots()            # array([5, 7, 5]); rows are h.arena[slots]
     h.release()
@@ -32,11 +32,11 @@ from tierstore.errors import InvalidArgument, SpecMismatch, TableNotFound
 from tierstore.table.formats import RowFormat, encode_rows
 from tierstore.tiers.base import check_ids
 
-__all__ = ["LocalTable", "LocalHandle"]
+__all__ = ["InProcessTable", "InProcessHandle"]
 
 
-class LocalHandle:
-    """PlanHandle of a LocalTable: slot == id, nothing is leased."""
+class InProcessHandle:
+    """PlanHandle of an InProcessTable: slot == id, nothing is leased."""
 
     __slots__ = ("table", "arena", "_slots")
 
@@ -56,7 +56,7 @@ class LocalHandle:
         pass
 
 
-class LocalTable(RowSource):
+class InProcessTable(RowSource):
     """In-process RowSource: {table name -> uint8 tensor [rows, row_bytes]}.
 
     spec: optional EngramSpec; when given, `add` checks each table's row count
@@ -76,7 +76,7 @@ class LocalTable(RowSource):
 
     # ---- building --------------------------------------------------------
     def add(self, name: str, rows, row_format: str | RowFormat | None = None,
-            row_dim: int | None = None, version: int = 1) -> "LocalTable":
+            row_dim: int | None = None, version: int = 1) -> "InProcessTable":
         """Add (or replace) table `name`.
 
         rows: uint8 [n, row_bytes] encoded rows (numpy, memmap or tensor), or
@@ -111,13 +111,13 @@ class LocalTable(RowSource):
         self._tables[name] = (t.pin_memory() if self.pin_memory else t, fmt, dim, int(version))
         return self
 
-    def load_npy(self, name: str, path: str | Path, **kw) -> "LocalTable":
+    def load_npy(self, name: str, path: str | Path, **kw) -> "InProcessTable":
         """Add a table from a .npy file (memory-mapped, then copied into memory)."""
         return self.add(name, np.load(path, mmap_mode="r"), **kw)
 
     @classmethod
     def synthetic(cls, spec, seed: int = 0, std: float = 1.0, device="cpu",
-                  pin_memory: bool = False) -> "LocalTable":
+                  pin_memory: bool = False) -> "InProcessTable":
         """Deterministic random tables for every layer of `spec` (demo, tests).
 
         Layer L's values are N(0, std^2) from numpy default_rng(seed + L),
@@ -144,12 +144,12 @@ class LocalTable(RowSource):
         except KeyError:
             raise TableNotFound(f"table {table!r} not found; tables are {sorted(self._tables)}") from None
 
-    def plan(self, table: str, ids) -> LocalHandle:
+    def plan(self, table: str, ids) -> InProcessHandle:
         """Slots of `ids` (== ids). Raises TableNotFound / IdOutOfRange at once."""
         rows = self._get(table)[0]
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().cpu().numpy()
-        return LocalHandle(table, rows, check_ids(ids, rows.shape[0], table))
+        return InProcessHandle(table, rows, check_ids(ids, rows.shape[0], table))
 
     def table_info(self, table: str) -> dict:
         rows, fmt, dim, version = self._get(table)

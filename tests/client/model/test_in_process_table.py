@@ -1,9 +1,9 @@
-"""LocalTable: the in-process RowSource (slot == id, rows bit-exact)."""
+"""InProcessTable: the in-process RowSource (slot == id, rows bit-exact)."""
 import numpy as np
 import pytest
 import torch
 
-from tierstore.client.model.local_table import LocalTable
+from tierstore.client.model.in_process_table import InProcessTable
 from tierstore.client.model.source import PlanHandle, RowSource
 from tierstore.table.spec import EngramSpec
 from tierstore.errors import IdOutOfRange, InvalidArgument, SpecMismatch, TableNotFound
@@ -15,7 +15,7 @@ SPEC = EngramSpec(name="t", layer_ids=(1, 3), max_ngram=3, n_heads=2, engram_voc
 
 
 def test_is_a_row_source_with_slot_equal_id():
-    src = LocalTable.synthetic(SPEC, seed=3)
+    src = InProcessTable.synthetic(SPEC, seed=3)
     assert isinstance(src, RowSource)
     h = src.plan("l1", np.array([[5, 7], [5, 0]]))
     assert isinstance(h, PlanHandle)
@@ -26,8 +26,8 @@ def test_is_a_row_source_with_slot_equal_id():
 
 
 def test_synthetic_is_deterministic_and_in_spec_format():
-    a, b = LocalTable.synthetic(SPEC, seed=3), LocalTable.synthetic(SPEC, seed=3)
-    c = LocalTable.synthetic(SPEC, seed=4)
+    a, b = InProcessTable.synthetic(SPEC, seed=3), InProcessTable.synthetic(SPEC, seed=3)
+    c = InProcessTable.synthetic(SPEC, seed=4)
     assert torch.equal(a.rows("l3"), b.rows("l3"))
     assert not torch.equal(a.rows("l3"), c.rows("l3"))
     assert not torch.equal(a.rows("l1"), a.rows("l3")[: SPEC.rows(1)])
@@ -38,7 +38,7 @@ def test_synthetic_is_deterministic_and_in_spec_format():
 
 def test_float_values_are_encoded_bit_exact():
     vals = np.random.default_rng(0).standard_normal((10, 8)).astype(np.float32)
-    src = LocalTable().add("x", vals, row_format="bf16", row_dim=8)
+    src = InProcessTable().add("x", vals, row_format="bf16", row_dim=8)
     np.testing.assert_array_equal(src.rows("x").numpy(), encode_rows(vals, "bf16"))
     np.testing.assert_allclose(decode_rows(src.rows("x").numpy(), "bf16", 8), vals, rtol=1e-2)
 
@@ -46,12 +46,12 @@ def test_float_values_are_encoded_bit_exact():
 def test_load_npy(tmp_path):
     rows = encode_rows(np.ones((SPEC.rows(1), 32), np.float32), SPEC.row_format)
     np.save(tmp_path / "l1.npy", rows)
-    src = LocalTable(SPEC).load_npy("l1", tmp_path / "l1.npy")
+    src = InProcessTable(SPEC).load_npy("l1", tmp_path / "l1.npy")
     np.testing.assert_array_equal(src.rows("l1").numpy(), rows)
 
 
 def test_bad_input_is_refused_with_the_fix():
-    src = LocalTable.synthetic(SPEC)
+    src = InProcessTable.synthetic(SPEC)
     n = SPEC.rows(1)
     with pytest.raises(IdOutOfRange, match=f"table 'l1' has {n} rows; id {n} is out of range"):
         src.plan("l1", np.array([0, n]))
@@ -66,4 +66,4 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(SpecMismatch, match="bytes"):
         src.add("l1", np.zeros((n, SPEC.row_bytes + 1), np.uint8))
     with pytest.raises(InvalidArgument, match="row_format"):
-        LocalTable().add("x", np.zeros((2, 4), np.uint8))
+        InProcessTable().add("x", np.zeros((2, 4), np.uint8))
