@@ -12,7 +12,8 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    pointer), and `lookup()` (vLLM's `_engram_lookup_kernel`) must give, for [tokens, 24]
    ids, the bf16 rows the CPU path decodes from the sidecar's interleaved rows, bit for
    bit, and in packed mode (EngramBatch.packed_rows' format) tierstore's 264-byte rows.
-   If the module cannot be built, the kernel is launched directly over vLLM's UVA views.
+   The kernel is also launched directly over vLLM's UVA views of the arena (what is left
+   to check when the module cannot be built: it says why).
 3. sglang 0.5.23 (if installed): `engram_gather` over the registered arena pointers,
    the same bf16 rows bit for bit.
 4. vLLM staged (if installed; NOT YET RUN: written on a host without a GPU): the same
@@ -238,8 +239,7 @@ def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.
             emb.lookup(dev_ids, packed)
             res["lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed))
             res["lookup rows/s over the arena"] = _lookup_rate(emb, dev_ids, out, ids.size, sizes.lookup_rounds)
-            return res
-        except Exception as e:  # noqa: BLE001 - fall back to the bare kernel, say why
+        except Exception as e:  # noqa: BLE001 - the bare kernel below still runs; say why
             res["module route"] = f"not built: {type(e).__name__}: {e}"
         w, s = split.tensors()
         weight = engram.get_accelerator_view_from_cpu_tensor(w)
