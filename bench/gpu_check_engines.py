@@ -207,12 +207,17 @@ def _reference(packed: np.ndarray) -> torch.Tensor:
 
 
 def check_split_arena(split, device: torch.device) -> dict:
-    """Part 1: the split arena page-locked for CUDA, seen pinned by torch."""
-    if device.type != "cuda":
-        return {"registered": SKIP_NO_CUDA + "cudaHostRegister needs a CUDA device (SplitTable.register_cuda refuses)"}
-    split.register_cuda()
+    """Part 1: the split arena's tensors, one range (weights, then scales: what one registration
+    covers), page-locked for CUDA and seen pinned by torch."""
     w, s = split.tensors()
-    return {"registered (weights pinned)": bool(w.is_pinned()), "registered (scales pinned)": bool(s.is_pinned())}
+    res = {"tensors are the mapping, scales right after the weights": (
+        w.data_ptr() == split.weight.ctypes.data and s.data_ptr() == w.data_ptr() + w.nbytes)}
+    if device.type != "cuda":
+        res["registered"] = SKIP_NO_CUDA + "cudaHostRegister needs a CUDA device (SplitTable.register_cuda refuses)"
+        return res
+    split.register_cuda()
+    return {**res, "registered (weights pinned)": bool(w.is_pinned()),
+            "registered (scales pinned)": bool(s.is_pinned())}
 
 
 def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.Tensor,
