@@ -1,11 +1,12 @@
 """One prepared script for a machine with a GPU: the engines' Engram kernels reading
 tierstore's split arena in place, bit-exact against the CPU path.
 
-    python -m tierstore.bench.gpu_check_engines --out $OUT [--rows 1048576] [--tokens 4096]
+    python -m tierstore.bench.gpu_check_engines --out $OUT [--rows 1048576] [--tokens 4096] [--restart-scale 96]
 
 A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layout, then:
-1. split arena: Client.split_table(...).register_cuda() (cudaHostRegister, read-only);
-   torch must see the weights and scales as pinned (what vLLM's UVA views require).
+1. split arena: its tensors are the mapping, the scales right after the weights (the one
+   range register_cuda pins); Client.split_table(...).register_cuda() (cudaHostRegister,
+   read-only); torch must see the weights and scales as pinned (what vLLM's UVA views require).
 2. vLLM 0.32 (if installed): with tierstore's vLLM plugin installed, a real
    ParallelEngramEmbedding(cpu_offload=True) is built (tensor-parallel world of one);
    its `_storage()` views must address the arena itself (UVA: device pointer == host
