@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import socket as socketlib
+import subprocess
+import sys
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -46,6 +48,31 @@ def cli(capsys):
         out = capsys.readouterr()
         return code, out.out, out.err
 
+    return run
+
+
+# the child sets its own file-size limit (write() then fails with EFBIG, as on a full disk) and
+# runs `python -m tierstore`
+_FULL_DISK = """import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.argv = ["tierstore", *sys.argv[2:]]
+runpy.run_module("tierstore", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture
+def tierstore_full_disk():
+    """run(limit, *args, **kw): `python -m tierstore ARGS` whose files may not grow past `limit`
+    bytes (None: no limit), as subprocess.run (output captured as text, 120 s timeout unless
+    kw says otherwise). The limit is set by the child interpreter on itself, never by a
+    preexec_fn: that forks this process, and once a test before has made a gRPC channel, gRPC's
+    at-fork handler can block the fork forever (a whole `make test` hung in one such test)."""
+    def run(limit, *args, **kw):
+        kw = {"capture_output": True, "text": True, "timeout": 120, **kw}
+        argv = ["-m", "tierstore"] if limit is None else ["-c", _FULL_DISK, str(int(limit))]
+        return subprocess.run([sys.executable, *argv, *map(str, args)], **kw)
     return run
 
 

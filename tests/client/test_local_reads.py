@@ -4,6 +4,8 @@ validated by the slot index's sequence locks; misses from the segment files;
 the steps told to the sidecar afterwards."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from direct_sidecar import direct_sidecar  # noqa: E402
 
 ROWS, WIDTH = 50_000, 64
+# a client of another uid (nobody) sending one note that carries `records` for `ids`
+_OTHER_UID_NOTE = """import os, sys
+import numpy as np
+from tierstore.client.step_channel import StepChannel
+from tierstore.proto.frames import NoteItem
+path, ids, records = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3])
+os.setgid(65534)
+os.setuid(65534)
+fp = StepChannel(path).connect()
+ok = fp.send_notes([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, records)])
+fp.close()
+sys.exit(0 if ok else 2)
+"""
 
 
 def _write(d, seed: int = 0, table: str = "t", **kw) -> np.ndarray:
@@ -511,8 +526,6 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
     uid (who can write the segments anyway). A client of another uid (the step socket
     widened by an operator) that sends forged records with consistent sums gets its misses
     read from disk: every client reads the rows as stored."""
-    import os
-
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another uid")
     d = tmp_path / "data"
@@ -531,23 +544,13 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
         forged = np.full((ids.size, WIDTH), 0xAB, dtype=np.uint8)
         forged[:, :8] = data[ids, :8]  # the id bytes kept: only the rest is forged
         frame_records = _carried(d, "t", 1, forged, ids)  # sums that match the forged bytes
-        pid = os.fork()
-        if pid == 0:  # the other uid's client
-            code = 1
-            try:
-                import traceback
-                os.setgid(65534)
-                os.setuid(65534)
-                fp = StepChannel(path).connect()
-                ok = fp.send_notes([NoteItem("t", ids, np.array([ids.size], dtype=np.int64), 0, ids, frame_records)])
-                fp.close()
-                code = 0 if ok else 2
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WEXITSTATUS(status) == 0, "the other uid's client could not send its note"
+        np.save(d / "note-ids.npy", ids)
+        np.save(d / "note-records.npy", frame_records)
+        # the other uid's client, a process of its own (a fork of this one runs gRPC's at-fork
+        # handler, which can block the fork once an earlier test has made a channel)
+        other = subprocess.run([sys.executable, "-c", _OTHER_UID_NOTE, str(path), str(d / "note-ids.npy"),
+                                str(d / "note-records.npy")], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0, f"the other uid's client could not send its note: {other.stderr}"
         with Client(sc.socket) as c:
             s = _wait(c, "promotions", ids.size)
             assert s["local_steps"] == 1 and s["promotions"] >= ids.size, s

@@ -1,6 +1,5 @@
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -148,17 +147,10 @@ def test_failed_write_keeps_current_version(data_dir, make_table):
     assert sorted(p.name for p in (data_dir / "tables" / "t").iterdir()) == ["v1"]
 
 
-def _limit_file_size():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG, as on a full disk
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
-
-def test_full_disk_is_a_clear_error(tmp_path, data_dir, make_table):
+def test_full_disk_is_a_clear_error(tmp_path, data_dir, make_table, tierstore_full_disk):
     tv, data = make_table("t", rows=100)
     np.save(tmp_path / "big.npy", np.ones((64 << 10, 16), dtype=np.float32))  # 4 MiB of rows
-    out = subprocess.run([sys.executable, "-m", "tierstore", "ingest", str(tmp_path / "big.npy"), "--data",
-                          str(data_dir), "--table", "t", "--quiet"], capture_output=True, text=True, timeout=120,
-                         preexec_fn=_limit_file_size)
+    out = tierstore_full_disk(2 << 20, "ingest", tmp_path / "big.npy", "--data", data_dir, "--table", "t", "--quiet")
     assert out.returncode == 1, out.stderr
     assert "disk full while writing table 't'" in out.stderr and "current version is unchanged" in out.stderr
     got_tv, rows = read_all(data_dir, "t")

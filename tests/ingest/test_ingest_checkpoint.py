@@ -484,21 +484,9 @@ def test_compare_read_times_a_plain_read_and_a_plain_copy_in_the_same_run(ckpt, 
     assert [p.name for p in (data / "tmp").iterdir()] == []
 
 
-def _small_file_limit():
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG, as on a full disk
-    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
-
-
-def test_compare_read_on_a_full_disk_is_a_clear_error_that_leaves_nothing(ckpt, tmp_path):
-    import subprocess
-
+def test_compare_read_on_a_full_disk_is_a_clear_error_that_leaves_nothing(ckpt, tmp_path, tierstore_full_disk):
     data = tmp_path / "d"
-    out = subprocess.run([sys.executable, "-m", "tierstore", "ingest-checkpoint", str(ckpt), "--data", str(data),
-                          "--quiet", "--compare-read"], capture_output=True, text=True, timeout=120,
-                         preexec_fn=_small_file_limit)
+    out = tierstore_full_disk(256 << 10, "ingest-checkpoint", ckpt, "--data", data, "--quiet", "--compare-read")
     assert out.returncode == 1, out.stderr
     assert "disk full while timing a plain copy" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert [p.name for p in (data / "tmp").iterdir()] == []

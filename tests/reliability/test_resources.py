@@ -3,10 +3,7 @@ a DRAM budget that /dev/shm cannot hold is refused at start with a clear message
 from __future__ import annotations
 
 import os
-import resource
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,19 +33,13 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _limit_file_size():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG, as on a full disk
-    resource.setrlimit(resource.RLIMIT_FSIZE, (6 << 20, 6 << 20))
-
-
-def test_ingest_into_a_full_filesystem_keeps_the_old_version(tmp_path, small_fs, sidecars, rel):
+def test_ingest_into_a_full_filesystem_keeps_the_old_version(tmp_path, small_fs, sidecars, rel, tierstore_full_disk):
     data = (small_fs or tmp_path) / "data"
     old = rel.write_table(data, "t", 8000, dim=32, seed=1)  # 1 MB
     big = np.random.default_rng(2).standard_normal((100_000, 32)).astype(np.float32)  # 12.8 MB
     np.save(tmp_path / "big.npy", big)
-    out = subprocess.run([sys.executable, "-m", "tierstore", "ingest", str(tmp_path / "big.npy"), "--data", str(data),
-                          "--table", "t", "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         preexec_fn=None if small_fs else _limit_file_size)
+    out = tierstore_full_disk(None if small_fs else 6 << 20, "ingest", tmp_path / "big.npy", "--data", data,
+                              "--table", "t", "--quiet", cwd=tmp_path)
     assert out.returncode == 1, out.stderr
     assert "disk full while writing table 't'" in out.stderr and "current version is unchanged" in out.stderr
     assert "Traceback" not in out.stderr
