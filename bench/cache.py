@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -219,7 +220,9 @@ def _ours(capacity: int, kw: dict) -> float:
 
 
 def _pool(jobs: int):
-    if jobs == 1 or "fork" not in mp.get_all_start_methods():
+    # forked workers inherit the trace; a process that has loaded gRPC (`bench all` after the
+    # lookup scenario, a test process) is not forked: gRPC's at-fork handler can block the fork
+    if jobs == 1 or "fork" not in mp.get_all_start_methods() or "grpc" in sys.modules:
         return _Inline()
     return ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
 
@@ -244,7 +247,8 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-d
     trace_paths_or_kinds: names for make_trace, saved trace paths, or Traces.
     sizes: fractions of the table's rows (< 1) or row counts (>= 1).
     jobs: processes replaying libCacheSim's references beside ours (default:
-        the CPU count); each reference reads the same oracleGeneral file.
+        the CPU count; one, in this process, once gRPC is loaded in it); each reference reads
+        the same oracleGeneral file.
     Returns {"traces": {name: {"n_ids", "accesses", "rows": {size: slots},
     "hit_ratio": {policy: {size: ratio}}}}, ...} and writes cache.json and
     cache.png (hit ratio vs cache size, log x) to out_dir.
