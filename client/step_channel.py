@@ -481,6 +481,10 @@ class StepChannel:
         self._inflight = None
         if deadline is None:
             deadline = time.monotonic() + min(self.timeout, RECONNECT_WAIT_S)
+        if req.op == RELEASE and (self._sock is None or req.error is not None):
+            self._drop()  # its send failed: the sidecar ended the lost connection's leases with it,
+            req.settle(value=0)  # so no reconnect, and no wait that a plan would queue behind
+            return
         for attempt in (0, 1):
             try:
                 if self._sock is None or req.error is not None:

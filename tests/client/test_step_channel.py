@@ -14,7 +14,7 @@ import pytest
 
 from tierstore import errors
 from tierstore.bench.step_socket import ModuloHandler
-from tierstore.client.step_channel import NOTE_IDS, RELEASE_LINGER_S, StepChannel, raise_errors
+from tierstore.client.step_channel import NOTE_IDS, RECONNECT_WAIT_S, RELEASE_LINGER_S, StepChannel, raise_errors
 from tierstore.proto.frames import PlanItem
 
 MASK = (1 << 20) - 1  # ModuloHandler's slots: id & MASK
@@ -147,6 +147,24 @@ def test_a_step_in_flight_across_a_restart_is_resent_to_the_new_sidecar(serve):
     srv2, h2 = serve(ModuloHandler(instance="second"), path=srv.path)
     pending = c.submit([PlanItem("l1", ids_of(8))])  # ... the send fails or the reply never comes
     assert raise_errors(pending.result())[0].instance == "second" and len(h2.leases) == 1
+    c.close()
+
+
+def test_a_release_on_a_lost_connection_answers_at_once_and_a_plan_waits_once(serve):
+    """The flusher's release is often the first send on a dead connection (its send fails):
+    it must answer 0 without the reconnect wait, or a plan queued behind the channel's lock
+    waits twice RECONNECT_WAIT_S before it learns the sidecar is gone."""
+    srv, h = serve()
+    c = StepChannel(srv.path, timeout=10).connect()
+    raise_errors(c.submit([PlanItem("l1", ids_of(3))]).result())
+    srv.stop()  # the sidecar dies with our connection open, and stays down
+    t0 = time.monotonic()
+    assert c.release([1, 2]) == 0  # the send fails: those leases ended with the connection
+    assert time.monotonic() - t0 < RECONNECT_WAIT_S / 2
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable, match=str(srv.path)):
+        c.submit([PlanItem("l1", ids_of(3))]).result()
+    assert RECONNECT_WAIT_S * 0.9 < time.monotonic() - t0 < RECONNECT_WAIT_S * 1.5  # one wait, not two
     c.close()
 
 

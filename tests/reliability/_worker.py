@@ -59,7 +59,11 @@ def steps(a):
         except errors.Unavailable:
             st["unavailable"] += 1
             st["ok_since_unavailable"] = 0
-            st["max_unavailable_s"] = max(st["max_unavailable_s"], time.monotonic() - t0)
+            took = time.monotonic() - t0
+            if took > st["max_unavailable_s"]:  # which call, and where it gave up: a failing bound names them
+                st["max_unavailable_s"] = took
+                st["slowest_unavailable"] = ("inline" if inline_every and step % inline_every == 0 else "plan") + \
+                    f": {str(sys.exc_info()[1])[:160]}"
             write_status(a["status"], st)
             continue
         except errors.TierstoreError as e:

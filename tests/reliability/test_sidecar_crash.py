@@ -69,7 +69,7 @@ def test_sidecar_killed_under_4_clients_short(table, tmp_path, workers, sidecars
                                budget="1MiB")
     for r in results:
         assert r["unavailable"] >= 1 and r["ok_since_unavailable"] >= 3, r
-        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, r  # one bounded retry, not the 10 s timeout
+        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, (r.get("slowest_unavailable"), r)  # one bounded wait, not the 10 s timeout
         assert not r["errors"], r
 
 
@@ -82,7 +82,7 @@ def test_sidecar_killed_repeatedly_under_8_clients(table, tmp_path, workers, sid
                                     downtimes=[0.2, RECONNECT_WAIT_S + 1.5, RECONNECT_WAIT_S + 1.5])
     for r in results:
         assert r["unavailable"] >= 2 and r["ok_since_unavailable"] >= 3, r
-        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, r
+        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, (r.get("slowest_unavailable"), r)
         assert not r["errors"], r
     if mode == "full-persist":
         for _, log in report:
