@@ -8,11 +8,11 @@ from __future__ import annotations
 import grpc
 
 from tierstore import errors
+from tierstore.client.step_channel import RECONNECT_WAIT_S  # one wait for both transports (defined there: no gRPC)
 from tierstore.proto import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 
 __all__ = ["RECONNECT_WAIT_S", "open_channel", "reconnected", "to_error"]
 
-RECONNECT_WAIT_S = 2.0
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,

@@ -10,7 +10,7 @@ index (tierstore/cache/slot_index.py):
 2. misses are read from the table's segment files and verified by their row
    checksums (inside each record, or format 1's mapped row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
    sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
-   that (`cold_dir`); under O_DIRECT a row another local client is reading at
+   that (`cold_dir`); under O_DIRECT a row another client on the host is reading at
    the same time is copied from it instead (tierstore/cache/miss_flights.py:
    TP ranks staging one batch read each miss once between them); otherwise (Mooncake, versions without row checksums) a
    step with misses is planned through the sidecar as before;

@@ -310,8 +310,8 @@ def test_misses_are_planned_when_the_segment_files_are_out_of_reach(served, tmp_
 
 
 def test_local_reads_fill_the_arena_as_rows_arrive_and_beat_lru(tmp_path):
-    """A local client's misses must fill the arena, or local reads would leave it cold: every
-    miss a local client reads goes into a free slot at first sight, from the bytes the client
+    """A client on the host's misses must fill the arena, or local reads would leave it cold: every
+    miss a client on the host reads goes into a free slot at first sight, from the bytes the client
     read (the sidecar reads nothing from disk), so the arena is as full as the distinct rows
     asked allow after every step; once it is full the doorkeeper guards evictions, and the hit
     ratio the client sees is at least LRU's on the same steps at the same capacity."""
@@ -386,7 +386,7 @@ def _carried(d, table: str, version: int, rows: np.ndarray, ids: np.ndarray) -> 
 
 
 def test_with_direct_io_the_arena_fills_from_the_clients_records_and_the_next_steps_hit(tmp_path):
-    """The arena fills from local reads under --direct-io too: the misses a local client read
+    """The arena fills from local reads under --direct-io too: the misses a client on the host read
     are promoted as the steps arrive (the arena holds every distinct row asked while it has
     room) from the records the client's note carries (each row with its sum: the client's peer
     uid is the sidecar's), not read from disk a second time, and never by faulting the segment

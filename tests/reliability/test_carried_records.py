@@ -1,4 +1,4 @@
-"""Area 7: the records a local client carries on its access notes (--direct-io, segment
+"""Area 7: the records a client on the host carries on its access notes (--direct-io, segment
 format 2: each row with its sum). Whatever a peer of the sidecar's own uid sends (records
 under the wrong ids, records to a table that takes none, records of a version whose sums
 bind the id alone, steps that do not add up, a frame that claims more rows than it holds),

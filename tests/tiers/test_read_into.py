@@ -60,7 +60,7 @@ WIDTHS = [("fp32", 64), ("bf16", 64), ("fp8-e4m3-ue8m0", 256), ("fp16", 3), ("fp
 @pytest.mark.parametrize("cached", [False, True], ids=["probed", "cached"])
 @pytest.mark.parametrize("fmt,dim", WIDTHS)
 def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, cached, seg):
-    """cached=True: the caller knows the pages are cached (a local client's misses): one gather."""
+    """cached=True: the caller knows the pages are cached (a client on the host's misses): one gather."""
     rb = RowFormat.parse(fmt).row_bytes(dim)
     monkeypatch.setattr(ingest, "SEGMENT_BYTES", 3001 * rb // 4)  # several segments per table
     data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)

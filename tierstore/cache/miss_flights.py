@@ -1,13 +1,13 @@
-"""Miss flights: the rows local clients of one host are reading from the segment
+"""Miss flights: the rows clients on the host of one host are reading from the segment
 files, shared, so that a row several clients miss at once (the TP ranks of one
 engine staging the same batch) costs one device read, not one per client.
 
-Under `--direct-io` a local client reads its misses with O_DIRECT (client/
+Under `--direct-io` a client on the host reads its misses with O_DIRECT (client/
 local_reads.py): nothing is cached between processes, so eight ranks that miss
 the same row read it eight times. The sidecar makes one flights file per
 cache-mode table version beside its slot index (`<index>.flights`, 0600, the
 sidecar's uid: the same peers whose carried records it trusts, served.note),
-and every local client maps it read-write:
+and every client on the host maps it read-write:
 
     words  int64 [E]          per entry: (row id + 1) << 24 | seq; key 0: empty.
                               seq odd: a client claimed the row and is reading

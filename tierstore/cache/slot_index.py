@@ -1,4 +1,4 @@
-"""The slot index of a cache-mode arena in shared memory, so a local client reads
+"""The slot index of a cache-mode arena in shared memory, so a client on the host reads
 resident rows with no round trip (client/local_reads.py).
 
 The sidecar's slot table (slot_table.py) keeps three of its arrays in this file,

@@ -15,7 +15,7 @@ consistent table ends at an empty entry. MAX_LOAD is 4/5 (5 B a slot with
 miss on average (2 and 5 at 2/3, 6 B a slot), 16 entries a cache line, and a
 probe reads `id_of` only on a tag match (docs/benchmarks.md: what it costs).
 
-Writers hold the engine's lock (one writer). Readers (a local client, see
+Writers hold the engine's lock (one writer). Readers (a client on the host, see
 slot_index.py) read the table with no lock while the writer inserts and
 shifts, and this is why that can only cost a miss, never a wrong row:
 - a lookup returns slot s only if `id_of[s] == id` when it read it; the local

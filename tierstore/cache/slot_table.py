@@ -30,7 +30,7 @@ PIN_MAX (the headroom covers a fill's pin and inline lookups'), and the lease
 table refuses the client over its fair share first (tierstore/cache/leases.py).
 
 `gen`, `id_of` and the map may live in a shared slot index (slot_index.py)
-that local clients read without a lock: `gen[s]` is a sequence lock, odd
+that clients on the host read without a lock: `gen[s]` is a sequence lock, odd
 while slot s is empty or being written, even while it holds a READY row
 (odd too for a row of a cold block online verification found bad: never
 served again, from the arena or the disk).

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct-io", action="store_true", default=None,
                    help="read cold rows with O_DIRECT (no page cache: RSS + page cache stay near --dram-budget)")
     p.add_argument("--no-local-reads", action="store_false", dest="local_reads", default=None,
-                   help="cache mode: local clients ask the sidecar for every step instead of reading resident "
+                   help="cache mode: clients on the host ask the sidecar for every step instead of reading resident "
                    "rows (and misses, from the segment files) themselves")
     p.add_argument("--remote", help="mooncake://HOST:PORT: serve versions with no local rows from Mooncake Store, "
                    "writing fetched blocks back to --data in the background")

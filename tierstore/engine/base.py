@@ -46,7 +46,7 @@ class Counters:
     lookups: int = 0
     fill_waits: int = 0
     prefetched: int = 0
-    local_steps: int = 0  # steps local clients read themselves, told by note_access
+    local_steps: int = 0  # steps clients on the host read themselves, told by note_access
     notes_dropped: int = 0  # of those, steps the sidecar dropped unlearned (it was behind)
     notes_refused: int = 0  # notes refused as malformed (ids out of range, bad step ends)
     warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
@@ -108,7 +108,7 @@ class TableEngine:
         """Let go of what the engine holds besides its arena and reader (both the sidecar's)."""
 
     def slot_index(self):
-        """The slot index (cache/slot_index.py SlotIndexFile) through which local clients read
+        """The slot index (cache/slot_index.py SlotIndexFile) through which clients on the host read
         this table's resident rows without a Plan, or None: full mode (slot == id needs
         none), or a sidecar that keeps it private (--no-local-reads)."""
         return None

@@ -240,7 +240,7 @@ class CacheEngine(TableEngine):
 
     def note_access(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None = None,
                     rows: np.ndarray | None = None) -> int:
-        """Steps a local client served itself (client/local_reads.py), told after the fact in
+        """Steps a client on the host served itself (client/local_reads.py), told after the fact in
         batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
         ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
         policy learns each step as if it had been planned (hits touched), and the rows that
@@ -524,7 +524,7 @@ class CacheEngine(TableEngine):
                     self.counters.note_rows_refused += n
                     if not self._refused_logged:
                         self._refused_logged = True
-                        log.warning("table %s: rows a local client sent with its access note do not match their "
+                        log.warning("table %s: rows a client on the host sent with its access note do not match their "
                                     "row sums (row %d first); read from disk instead", self.table,
                                     int(ids[have][bad]))
             if ids.size == 0:

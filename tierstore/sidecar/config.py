@@ -63,7 +63,7 @@ class ServeConfig:
     - TIERSTORE_NO_JIT=1: the numpy reference of every compiled loop (jit.py)
     - TIERSTORE_SPIN_US=N: step-socket readers, both ends, poll N µs before they block
       (proto/frames.py, spin_seconds)
-    - TIERSTORE_MISS_FLIGHTS=0: a local client reads its O_DIRECT misses itself, sharing
+    - TIERSTORE_MISS_FLIGHTS=0: a client on the host reads its O_DIRECT misses itself, sharing
       none with other clients (cache/miss_flights.py)
     - TIERSTORE_FORCE_TORCH=1: the torch reference of every kernel (kernels/dispatch.py)
     - TIERSTORE_VLLM_* and TIERSTORE_SGLANG_*: the engine plugins' settings, read in the
@@ -98,7 +98,7 @@ class ServeConfig:
     hot_set_interval_s: float = 300.0   # record each cache-mode table's hot set this often (0: only at stop)
     record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
-    local_reads: bool = True            # cache mode: local clients read resident rows (and, in page-cache
+    local_reads: bool = True            # cache mode: clients on the host read resident rows (and, in page-cache
                                         # mode, misses) themselves, no round trip (client/local_reads.py)
     remote: str | None = None           # mooncake://HOST:PORT: versions with no local rows are read from Mooncake
     metadata: str | None = None         # Mooncake metadata URL (with remote)

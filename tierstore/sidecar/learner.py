@@ -1,6 +1,6 @@
-"""Learner: the steps local clients read themselves, learned by the sidecar off their path.
+"""Learner: the steps clients on the host read themselves, learned by the sidecar off their path.
 
-A local client (client/local_reads.py) reads resident rows without asking the
+A client on the host (client/local_reads.py) reads resident rows without asking the
 sidecar, then sends a note of what it read over the step socket. The note is
 checked at once and queued; one thread ("learner") hands every queued note to
 its engine's policy, all clients' notes of one engine in one note_access call.
@@ -42,7 +42,7 @@ class Learner:
         self._thread: threading.Thread | None = None
 
     def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
-        """Queue steps a local client read itself (TableEngine.note_access) for the learner
+        """Queue steps a client on the host read itself (TableEngine.note_access) for the learner
         thread, after checking them (InvalidArgument). False when NOTE_QUEUE_IDS ids already
         wait: the note is dropped, so while the sidecar is behind its policy learns from a
         sample of the steps, and no client ever waits for its bookkeeping. The rows a note

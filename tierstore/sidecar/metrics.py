@@ -30,7 +30,7 @@ class _EngineCollector:
                                               labels=["table", "tier"]),
             "plans": CounterMetricFamily("tierstore_plans", "Plan calls", labels=["table"]),
             "notes_refused": CounterMetricFamily("tierstore_access_notes_refused",
-                                                 "Access notes from local clients refused as malformed",
+                                                 "Access notes from clients on the host refused as malformed",
                                                  labels=["table"]),
         }
         gauges = {

@@ -108,7 +108,7 @@ class ServedTables:
         return self.prefetcher.submit(engine, ids, read, steps, conn_id)
 
     def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
-        """Queue a local client's steps for the learner; False when dropped (Learner.note)."""
+        """Queue a client on the host's steps for the learner; False when dropped (Learner.note)."""
         return self.learner.note(engine, ids, ends, row_ids, rows, trusted)
 
     def close(self) -> None:

@@ -52,7 +52,7 @@ class ServedSteps:
         return out
 
     def note(self, conn_id: bytes, items, trusted: bool = False) -> None:
-        """Steps a local client read itself: the engine's policy learns them, misses are promoted
+        """Steps a client on the host read itself: the engine's policy learns them, misses are promoted
         (from the rows the note carries, verified, where it carries them). trusted: the peer has
         the sidecar's uid (Learner.note)."""
         for it in items:
@@ -85,11 +85,11 @@ class ServedSteps:
                 since, n = now - seen[0], seen[1] + 1
                 seen[:] = [now, 0]
         if seen is None:
-            log.warning("access note from a local client for table %r refused: %s (further refusals are counted "
+            log.warning("access note from a client on the host for table %r refused: %s (further refusals are counted "
                         "in Stats notes_refused and logged at most every %g s)", table, err, NOTE_LOG_INTERVAL_S)
         else:
-            log.warning("access notes from local clients for table %r: %d refused in the last %.0f s, the latest: "
-                        "%s", table, n, since, err)
+            log.warning("access notes from clients on the host for table %r: %d refused in the last %.0f s, "
+                        "the latest: %s", table, n, since, err)
 
     def release(self, conn_id: bytes, lease_ids) -> int:
         return self.served.leases.release(lease_ids, conn_id)

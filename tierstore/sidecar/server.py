@@ -148,7 +148,7 @@ class GrpcService(pb_grpc.TierstoreServicer):
                            split_bytes=eng.arena.split, **self._local_reads(eng)))
 
     def _local_reads(self, eng) -> dict:
-        """What a local client needs to read this table without a Plan (client/local_reads.py):
+        """What a client on the host needs to read this table without a Plan (client/local_reads.py):
         the slot index, and the segment files its misses may be read from (ColdTier.cold_dir)."""
         index = eng.slot_index()
         if index is None:

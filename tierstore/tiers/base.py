@@ -106,7 +106,7 @@ class ColdTier(Tier):
     misses bypass the page cache, O_DIRECT), `verifies_rows` (each row is checked against
     its own row sum; else rows verify by their block), `carried_form` (what a local
     client's note may carry for the misses it read: "rows", "records" or "" for nothing;
-    see SegmentReader), `cold_dir` (where a local client may read the misses itself).
+    see SegmentReader), `cold_dir` (where a client on the host may read the misses itself).
     The defaults are a tier that offers none of it: a note carries nothing, nothing
     carried is placed."""
 
@@ -118,7 +118,7 @@ class ColdTier(Tier):
 
     @property
     def cold_dir(self) -> Path | None:
-        """The data directory whose segment files a local client may read this version's
+        """The data directory whose segment files a client on the host may read this version's
         misses from itself, each row checked against its row sum; None where it may not
         (rows that verify only by block, rows not on this host)."""
         return None

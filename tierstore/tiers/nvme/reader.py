@@ -195,7 +195,7 @@ class SegmentReader(ColdTier):
     None (format 2, or a version written without one); `row_sums_error` says
     why a format 1 version's row sums were not usable.
     map_row_sums (format 1): map the row-sum file read-only (default) rather
-        than copy it: the sidecar and its local clients share one page-cache
+        than copy it: the sidecar and its clients on the host share one page-cache
         copy, not 8 B a row in each process; checked once at open like a copy,
         and a file shrunk since then reads as corrupt, not SIGBUS.
     """
@@ -346,13 +346,13 @@ class SegmentReader(ColdTier):
 
     @property
     def cold_dir(self) -> Path | None:
-        """This reader's data directory when its rows verify one by one (a local client
+        """This reader's data directory when its rows verify one by one (a client on the host
         then reads its misses from the same segment files), else None."""
         return self.data_dir if self.verifies_rows else None
 
     @property
     def carried_form(self) -> str:
-        """How a local client hands the sidecar the misses it read and verified, so the
+        """How a client on the host hands the sidecar the misses it read and verified, so the
         sidecar promotes them without reading them again: "rows", checked against sums
         the sidecar holds (format 1) or finds in the page cache the client's read has
         just filled (format 2 without O_DIRECT: place_rows); "records", each row with its
@@ -395,7 +395,7 @@ class SegmentReader(ColdTier):
                    slots: np.ndarray) -> int:
         """Write src[row_at[i]], row ids[i] as someone else read it, into dest[slots[i]], each
         row verified against its row sum in the same pass (verified_copy.place_verified):
-        the sidecar promotes the rows a local client read without reading them again.
+        the sidecar promotes the rows a client on the host read without reading them again.
 
         ids: int64, in range (the engine checked them); src: uint8 [*, row_bytes];
         row_at, slots: int64 [len(ids)]. Returns the index of the first row that does
