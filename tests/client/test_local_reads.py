@@ -74,7 +74,7 @@ def test_lookup_reads_locally_and_the_sidecar_learns_the_steps(served):
     sc, c, data = served
     rng = np.random.default_rng(1)
     hot = rng.choice(ROWS, 300, replace=False)
-    for _ in range(3):  # a row the sidecar has seen twice is promoted (read_admit_freq)
+    for _ in range(3):  # a row is promoted once the sidecar has learned the step that missed it
         ids = np.concatenate([hot, rng.integers(0, ROWS, 200)])
         assert np.array_equal(c.lookup("t", ids), data[ids])
         c.flush()
@@ -288,7 +288,7 @@ def test_rows_read_locally_are_sampled_for_online_verification(tmp_path, free_po
     extra = ["--verify-sample", "1.0", "--metrics-port", port]
     with SidecarProcess(d, dram_budget="1MiB", extra_args=extra) as sc, Client(sc.socket) as c:
         hot = np.arange(100, 400)
-        for _ in range(4):  # seen twice: promoted; then read from the arena
+        for _ in range(4):  # promoted once the sidecar learns the step; then read from the arena
             assert np.array_equal(c.lookup("t", hot), data[hot])
             c.flush()
             time.sleep(0.1)

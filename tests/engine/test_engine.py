@@ -114,6 +114,7 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
 
     monkeypatch.setattr(cache, "NOTE_CHUNK_IDS", 100)  # many lock holds for one note
     eng, data = engine
+    eng.policy.config.read_admit_freq = 2  # the doorkeeper on (the default, 1, promotes every miss)
     rng = np.random.default_rng(5)
     order = rng.permutation(ROWS)
     ids = order[:720]  # 12 steps of 60 rows, none seen before

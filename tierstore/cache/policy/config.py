@@ -71,13 +71,13 @@ class PolicyConfig:
     read_admit_freq: a miss a client on the host read itself (TableEngine.note_access:
         the row is already served, so promoting it is optional) that needs a
         victim is promoted only once the sketch has counted it this many times,
-        this access included: a doorkeeper, one-hit wonders never displace
-        resident rows. While the arena has free slots every such miss is
-        promoted (a free slot is always better than a disk read). 2 rather than
-        1 (promote every miss) raises the hit ratio and lowers the sidecar's CPU;
-        3 loses hit ratio at small steps (docs/decisions.md, "The read
-        doorkeeper"). Planned misses are always promoted (the step reads them
-        from the arena).
+        this access included: a doorkeeper in front of S3-FIFO's probation. 1
+        (promote every miss, as a planned miss is): on real text a document's
+        n-grams come back within a few steps, and a doorkeeper of 2 made the
+        second sighting a miss too (the 1/6-scale V4.1 table past full: hit
+        0.472 at 2, 0.498 at 1, LRU 0.492); 2 pays on synthetic Zipf and costs
+        the sidecar fewer promotions (docs/decisions.md, "The read doorkeeper").
+        Planned misses are always promoted (the step reads them from the arena).
     sketch_width: sketch counters per row per cache slot (rounded up to whole
         64-byte blocks). With sketch_depth, the sketch's bytes a slot: the default,
         8 B (2 x 8 four-bit counters, TinyLFU's sizing of a few counters a slot),
@@ -109,7 +109,7 @@ class PolicyConfig:
     pending_min: int = 1 << 17
     pending_client_share: float = 0.5
     hint_clients: int = 64
-    read_admit_freq: int = 2
+    read_admit_freq: int = 1
     sketch_width: float = 8.0
     sketch_depth: int = 2
     counter_max: int = 15
