@@ -246,8 +246,8 @@ class CacheEngine(TableEngine):
         policy learns each step as if it had been planned (hits touched), and the rows that
         missed are promoted without a lease, so the next steps find them resident: every
         miss while the arena has free slots (a free slot is always better than a disk
-        read), and of those that would evict a row only the ones seen before
-        (PolicyConfig.read_admit_freq, a doorkeeper). row_ids, rows: rows the client read
+        read), and past that as planned misses are, unless PolicyConfig.read_admit_freq
+        (a doorkeeper, off by default) asks a row seen before. row_ids, rows: rows the client read
         for its misses (int64 [n], uint8 [n, row_bytes], any order): a promoted miss among
         them is placed from those bytes, each verified against its row sum in the same
         pass, instead of read from disk; one that does not match is read from disk
