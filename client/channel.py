@@ -11,7 +11,7 @@ from tierstore import errors
 from tierstore.client.step_channel import RECONNECT_WAIT_S  # one wait for both transports (defined there: no gRPC)
 from tierstore.proto import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 
-__all__ = ["RECONNECT_WAIT_S", "open_channel", "reconnected", "to_error"]
+__all__ = ["open_channel", "reconnected", "to_error"]
 
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,

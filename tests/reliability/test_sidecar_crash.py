@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tierstore.client.channel import RECONNECT_WAIT_S
+from tierstore.client.step_channel import RECONNECT_WAIT_S
 from tierstore.client.client import Client
 from tierstore.sidecar.launcher import SidecarProcess
 from tierstore import errors
@@ -69,7 +69,8 @@ def test_sidecar_killed_under_4_clients_short(table, tmp_path, workers, sidecars
                                budget="1MiB")
     for r in results:
         assert r["unavailable"] >= 1 and r["ok_since_unavailable"] >= 3, r
-        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, (r.get("slowest_unavailable"), r)  # one bounded wait, not the 10 s timeout
+        # one bounded wait, not the 10 s timeout
+        assert r["max_unavailable_s"] < RECONNECT_WAIT_S + 1.5, (r.get("slowest_unavailable"), r)
         assert not r["errors"], r
 
 

@@ -524,8 +524,8 @@ class CacheEngine(TableEngine):
                     self.counters.note_rows_refused += n
                     if not self._refused_logged:
                         self._refused_logged = True
-                        log.warning("table %s: rows a client on the host sent with its access note do not match their "
-                                    "row sums (row %d first); read from disk instead", self.table,
+                        log.warning("table %s: rows a client on the host sent with its access note do not match "
+                                    "their row sums (row %d first); read from disk instead", self.table,
                                     int(ids[have][bad]))
             if ids.size == 0:
                 return
