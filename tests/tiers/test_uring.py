@@ -75,6 +75,43 @@ def test_pread_rows_through_the_ring_equals_one_pread_at_a_time(ring, file, rb, 
         assert np.array_equal(got[0][:held], data[:rows * rb].reshape(rows, rb)[local[:held]])
 
 
+@pytest.mark.parametrize("rb,a", [(264, 512), (264, 4096)])
+def test_pread_rows_over_several_files_in_one_ring_call_equals_each_file_alone(ring, tmp_path, rb, a):
+    """A call's rows over several segments (one descriptor a row) read through one ring are the
+    rows each file gives read alone; spans of two files never merge, even at equal offsets; a
+    row past one file's end is reported at its own index."""
+    rng = np.random.default_rng(rb + a)
+    files, fds = [rng.integers(0, 256, 300 * rb + 77 * k, dtype=np.uint8) for k in range(3)], []
+    for k, data in enumerate(files):
+        (tmp_path / f"seg{k}.bin").write_bytes(data.tobytes())
+        fds.append(os.open(tmp_path / f"seg{k}.bin", os.O_RDONLY))
+    try:
+        per = [np.sort(rng.choice(300, 90, replace=False)) for _ in files]
+        per[0][:5] = per[1][:5] = np.arange(5)  # the same offsets in two files, side by side in the call
+        per[0].sort(), per[1].sort()
+        which = np.repeat(np.arange(3), 90)
+        local = np.concatenate(per).astype(np.int64)
+        scratch = [direct_io._Scratch(), direct_io._Scratch()]
+        got, plain = np.zeros((local.size, rb), np.uint8), np.zeros((local.size, rb), np.uint8)
+        fd_of = np.array(fds)[which]
+        assert pread_rows(fd_of, local, rb, a, got, lambda k: thread_buffer(scratch[0], k), ring) == \
+            pread_rows(fd_of, local, rb, a, plain, lambda k: thread_buffer(scratch[1], k), None)
+        assert np.array_equal(got, plain)
+        for k, data in enumerate(files):
+            rows = data[:300 * rb].reshape(300, rb)
+            assert np.array_equal(got[which == k], rows[per[k]])
+        # a row past the end of the middle file: reported at its index in the call
+        short = local.copy()
+        short[90 + 89] = 400
+        out = np.zeros_like(got)
+        _, bad = pread_rows(fd_of, short, rb, a, out, lambda k: thread_buffer(scratch[0], k), ring)
+        assert bad == 90 + 89
+        assert np.array_equal(out[:90], files[0][:300 * rb].reshape(300, rb)[per[0]])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_switched_off_or_refused_means_no_ring(monkeypatch):
     monkeypatch.setenv("TIERSTORE_IO_URING", "0")
     assert uring.Ring.open() is None

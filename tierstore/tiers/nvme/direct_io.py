@@ -3,9 +3,11 @@
 With `--direct-io` the cold tier is not cached twice (page cache + arena): a
 miss reads the aligned sectors that hold its row (512 B for a 256-B row on a
 512-B-sector disk, where the block path reads its whole checksum block) into an aligned
-scratch buffer; rows whose sectors touch are read with one pread. The reads of
-one call go out from the caller's thread while sibling tasks of the same call
-run on the reader's pool, so the device sees a queue (preadv drops the GIL).
+scratch buffer; rows whose sectors touch are read with one read. With io_uring
+(uring.py) a call's reads, over all the segments they fall in, go through one
+ring in the calling thread, kept at its depth until the last; without it, one
+pread at a time a thread, and the reader spreads a call over its pool so the
+device sees a queue (preadv drops the GIL).
 
 Alignment is the device's logical sector size: tried at 512 B, then 4 KiB.
 A filesystem that refuses O_DIRECT (tmpfs) is an InvalidArgument naming the
@@ -47,39 +49,45 @@ def probe_alignment(fd: int, path) -> int:
         buf.close()
 
 
-def pread_rows(fd: int, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
+def pread_rows(fd, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
                ring: Ring | None = None) -> tuple[int, int]:
-    """pread rows `offsets` (sorted row numbers of the file at fd, rows of rb bytes)
-    into out[:len(offsets)], reading the `a`-aligned spans that hold them (a = 1:
-    exactly the rows); rows whose spans touch share one pread. buffer(n) gives
-    an a-aligned scratch of >= n bytes. With a `ring` every span is read in
-    flight together (one system call); a span it did not read in full is
-    pread again. Returns (bytes read, index of the first row the file did not
-    hold in full, or -1)."""
+    """pread rows `offsets` (row numbers of the file at fd, rows of rb bytes) into
+    out[:len(offsets)], reading the `a`-aligned spans that hold them (a = 1: exactly
+    the rows); rows whose spans touch share one pread. fd: one descriptor, or an int
+    array giving each row its own (rows of several files read in one call); the
+    offsets are sorted within each file and one file's rows are contiguous. buffer(n)
+    gives an a-aligned scratch of >= n bytes. With a `ring` every span is read in
+    flight together (one system call); a span it did not read in full is pread
+    again. Returns (bytes read, index of the first row its file did not hold in
+    full, or -1)."""
+    fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
     off = offsets * rb
     start = off // a * a
     end = -(-(off + rb) // a) * a
-    # rows whose spans touch share one read; ends never decrease (ids are sorted)
+    # rows whose spans touch (in one file) share one read; ends never decrease within a file
     new = np.ones(offsets.size, dtype=bool)
     new[1:] = start[1:] > end[:-1]
+    if fds.size > 1:
+        new[1:] |= fds[1:] != fds[:-1]
     first = np.flatnonzero(new)
     last = np.append(first[1:], offsets.size) - 1
     r_off, r_len = start[first], end[last] - start[first]
+    r_fd = fds[first] if fds.size > 1 else fds
     r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
     run_of = np.cumsum(new) - 1
     flat = buffer(int(r_len.sum()))
     buf = memoryview(flat)
     total, short, redo = 0, -1, range(r_off.size)
     if ring is not None and r_off.size > 1:
-        res = ring.read(fd, r_off, r_len, flat.ctypes.data + r_pos)
+        res = ring.read(r_fd, r_off, r_len, flat.ctypes.data + r_pos)
         whole = res == r_len
         total, redo = int(r_len[whole].sum()), np.flatnonzero(~whole).tolist()  # short or failed: pread says why
     offs, poss, lens = r_off.tolist(), r_pos.tolist(), r_len.tolist()
     for j in redo:
-        o, p, n = offs[j], poss[j], lens[j]
-        got = os.preadv(fd, [buf[p:p + n]], o)
+        f, o, p, n = int(r_fd[j if r_fd.size > 1 else 0]), offs[j], poss[j], lens[j]
+        got = os.preadv(f, [buf[p:p + n]], o)
         while 0 < got < n:  # a signal; or the file ends (its last sector is short)
-            more = os.preadv(fd, [buf[p + got:p + n]], o + got)
+            more = os.preadv(f, [buf[p + got:p + n]], o + got)
             if more == 0:
                 break
             got += more
@@ -169,6 +177,7 @@ class DirectFiles:
                 if stat.S_ISREG(os.fstat(fd).st_mode):  # a file (not a FIFO swapped in): reads may block,
                     os.set_blocking(fd, True)           # which io_uring needs to queue them (no EAGAIN)
                 self.fds.append(fd)
+            self._fd_array = np.array([-1 if fd is None else fd for fd in self.fds], dtype=np.int64)
             first = next((i for i, fd in enumerate(self.fds) if fd is not None), None)
             if first is not None:
                 self.align = probe_alignment(self.fds[first], paths[first])
@@ -180,11 +189,17 @@ class DirectFiles:
     def _buffer(self, nbytes: int) -> np.ndarray:
         return thread_buffer(self._scratch, nbytes)
 
-    def read_rows(self, seg: int, offsets: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        """Read rows `offsets` (sorted row numbers within segment `seg`) into uint8
-        [len(offsets), row_bytes] `out`. Returns (bytes read, index of the first row
-        the file did not hold in full, or -1)."""
-        return pread_rows(self.fds[seg], offsets, self.row_bytes, self.align, out, self._buffer, thread_ring())
+    def rows_per(self, nbytes: int) -> int:
+        """Rows whose aligned spans surely fit in `nbytes` of scratch (at least 256)."""
+        return max(256, nbytes // (-(-self.row_bytes // self.align) * self.align + self.align))
+
+    def read_rows(self, seg, offsets: np.ndarray, out: np.ndarray, ring: Ring | None = None) -> tuple[int, int]:
+        """Read rows `offsets` (sorted row numbers within segment `seg`; or, seg an int
+        array, within each row's own segment, rows sorted by segment, then offset) into
+        uint8 [len(offsets), row_bytes] `out`, through `ring` (default: this thread's).
+        Returns (bytes read, index of the first row the file did not hold in full, or -1)."""
+        fd = self.fds[seg] if np.ndim(seg) == 0 else self._fd_array[seg]
+        return pread_rows(fd, offsets, self.row_bytes, self.align, out, self._buffer, ring or thread_ring())
 
     def close(self) -> None:
         fds, self.fds = self.fds, []

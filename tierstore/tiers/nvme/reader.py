@@ -11,8 +11,10 @@ a separate row-sum file (format 1, older versions). Two read paths:
   carries (format 2: nothing per row is held in memory) or the mapped row-sum
   file (format 1), and written straight into the caller's arena slots.
   Page-cache mode gathers from a read-only memory map of each segment; big
-  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode (`direct_io=True`) preads the aligned
-  sectors of each row (direct_io.py), so the cold tier is not cached twice.
+  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode
+  (`direct_io=True`) reads the aligned sectors of each row (direct_io.py), so the
+  cold tier is not cached twice: a call's rows through one io_uring (a ring a
+  task past RING_BYTES), or the pool's preads where there is no io_uring.
 - Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
   written before row checksums existed): one pread per run of neighbouring
   blocks, each checked against its xxh3-64 in the catalog over the on-disk
@@ -55,7 +57,7 @@ from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.base import ColdTier, check_ids, check_out, gather_by_block
 from tierstore.tiers.nvme.verified_copy import kernels, place_records, place_verified
-from tierstore.tiers.nvme.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer
+from tierstore.tiers.nvme.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer, thread_ring
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ ROW_TASKS, ROWS_PER_TASK = 16, 512
 # this big pays for one
 COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
+# O_DIRECT through io_uring: the aligned spans one ring reads in a call (its thread's scratch:
+# 8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call takes a ring per task
+RING_BYTES = 8 << 20
 
 
 def _open_segment(path: Path) -> tuple[int | None, str | None]:
@@ -481,24 +486,33 @@ class SegmentReader(ColdTier):
         groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
                   for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
         results, cold = [], n if self.direct is not None else 0
-        if self.direct is None:
-            s, src, lo, hi = groups[0]
-            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
-                                                   >> PAGE_SHIFT].all():
-                # pages taken to be cached: a few rows first, timed, before the rest goes inline
-                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
-                groups[0] = (s, src, lo + PROBE_ROWS, hi)
-            for s, src, lo, hi in groups:
-                pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
-                cold += int(pages.size - np.count_nonzero(src[1][pages]))
-        # mostly reads that wait on the device: small chunks over many tasks (queue depth);
-        # mostly gathers from cached pages: big chunks over few tasks (few hand-offs)
-        deep = cold * 4 > n
-        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
-        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
-        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
-            (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
-        k = max(1, min(most, len(chunks), n // per))
+        if self.direct is not None and thread_ring() is not None:
+            # io_uring: a call's rows over all its segments in one ring, kept at its depth to the
+            # last read: one drain a call, not one a segment or chunk, and a fraction of the CPU
+            # of many threads' rings (a call bigger than RING_BYTES of spans takes a ring per task)
+            per = self.direct.rows_per(RING_BYTES)
+            chunks = [(None, None, a, min(a + per, n)) for a in range(0, n, per)]
+            k = min(DIRECT_TASKS, len(chunks))
+        else:
+            if self.direct is None:
+                s, src, lo, hi = groups[0]
+                if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
+                                                       >> PAGE_SHIFT].all():
+                    # pages taken to be cached: a few rows first, timed, before the rest goes inline
+                    results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
+                    groups[0] = (s, src, lo + PROBE_ROWS, hi)
+                for s, src, lo, hi in groups:
+                    pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
+                    cold += int(pages.size - np.count_nonzero(src[1][pages]))
+            # mostly reads that wait on the device (O_DIRECT without io_uring: a pread at a time
+            # a thread): small chunks over many tasks (queue depth); mostly gathers from cached
+            # pages: big chunks over few tasks (few hand-offs)
+            deep = cold * 4 > n
+            chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
+            chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
+            per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
+                (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
+            k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
         # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
         with cpu_token.waiting() if cold else contextlib.nullcontext():
@@ -537,15 +551,18 @@ class SegmentReader(ColdTier):
         return view
 
     def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
-        """Read, verify and place ids[a:b] (all in segment s); returns (bytes read,
-        index of the first bad row or -1, why)."""
+        """Read, verify and place ids[a:b] (all in segment s; s None under O_DIRECT: each
+        in its own, read through one ring); returns (bytes read, index of the first bad
+        row or -1, why)."""
         s, src, a, b = task
-        offsets = ids[a:b] - s * self.version.segment_rows
+        sr = self.version.segment_rows
         if self.direct is None:
-            return self._fill_buffered(s, src, offsets, ids, dest, slots, a, b)
+            return self._fill_buffered(s, src, ids[a:b] - s * sr, ids, dest, slots, a, b)
+        seg = ids[a:b] // sr if s is None else s
         tmp = row_buffer(b - a, self.record_bytes)
-        nbytes, short = self.direct.read_rows(s, offsets, tmp)
+        nbytes, short = self.direct.read_rows(seg, ids[a:b] - seg * sr, tmp)
         if short >= 0:
+            s = int(seg[short]) if s is None else s
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
         bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
         return nbytes, (a + bad if bad >= 0 else -1), ""
