@@ -71,6 +71,11 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         assert r["disk_best_iops"] == max(r["disk"][f"512B_qd{qd}"]["iops"] for qd in (32, 64, 128, 256))
         assert r["disk"][f"512B_qd{r['disk_best_qd']}"]["iops"] == r["disk_best_iops"]
         assert ran["tierstore-direct"]["misses_per_s_of_disk_best"] > 0
+        # the limit again right after the steady phases: the disk drifts over a run
+        direct, after = ran["tierstore-direct"], ran["tierstore-direct"]["disk_after"]
+        assert after["iops"] > 0 and after["qd"] in (32, 64, 128, 256)
+        assert direct["misses_per_s_of_disk_after"] == pytest.approx(direct["steady_misses_per_s"] / after["iops"])
+        assert f"k at QD{after['qd']} right after" in stdout
         assert f"k IOPS at 512 B, QD{r['disk_best_qd']}" in stdout
     assert r["phases"]["steady_prefill"]["tokens_per_step"] == 4096
     assert r["phases"]["steady_decode"]["streams"] == 128
