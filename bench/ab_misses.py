@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
 VARIANTS = ("ring", "pool")
@@ -115,7 +116,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = p.parse_args(argv)
-    r = run(a.data, a.table_gib, parse_size(a.dram_budget), seed=a.seed, prefill_steps=a.prefill_steps,
+    try:
+        budget = parse_size(a.dram_budget)
+        if a.table_gib <= 0 or min(a.prefill_steps, a.decode_steps, a.warmup_steps) < 1:
+            raise InvalidArgument(f"--table-gib must be > 0 and every step count >= 1, got {a.table_gib}, "
+                                  f"{a.prefill_steps}, {a.decode_steps}, {a.warmup_steps}")
+    except InvalidArgument as e:
+        p.error(str(e))  # before anything is written into --data
+    r = run(a.data, a.table_gib, budget, seed=a.seed, prefill_steps=a.prefill_steps,
             decode_steps=a.decode_steps, warmup_steps=a.warmup_steps,
             prefill_block=max(1, min(4, a.prefill_steps // 2)), decode_block=max(1, min(40, a.decode_steps // 2)))
     print("\n".join(lines(r)))

@@ -34,3 +34,14 @@ def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path):
         for variant, d in r["phases"][phase].items():
             assert d["blocks"] >= 1 and d["misses_per_s"] > 0 and d["cpu_us_per_miss"] > 0, (phase, variant)
             assert f"{phase} {variant}: misses" in p.stdout
+
+
+@pytest.mark.parametrize("args, says", [(["--dram-budget", "bogus"], "cannot read size"),
+                                        (["--table-gib", "-1"], "--table-gib must be > 0"),
+                                        (["--decode-steps", "0"], "every step count >= 1")])
+def test_ab_misses_refuses_bad_arguments_before_writing_anything(tmp_path, args, says):
+    data = tmp_path / "data"
+    p = subprocess.run([sys.executable, "-m", "tierstore.bench.ab_misses", "--data", str(data), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr[-1000:]
+    assert not data.exists()
