@@ -1,25 +1,34 @@
 """The before/after of the O_DIRECT miss path, over `bench large`'s own steps.
 
-    python -m tierstore.bench.ab_misses --data D [--table-gib 34] [--dram-budget 4GiB] [--seed 1]
+    python -m tierstore.bench.ab_misses --data D [--table-gib 34] [--dram-budget 4GiB] [--seed 1] [--pair ring]
 
 One `--direct-io` sidecar over bench large's table (written into D once, as bench
 large writes it), warmed by the warm-up steps, then the steady prefill and decode
 steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
 (the same client, the same sidecar: the disk's drift over minutes falls on both):
 
+`--pair ring` (the default):
   ring   a call's rows through one io_uring over all its segments (main since beb73eb)
   pool   the call cut into 128-row chunks over the reader's thread pool, each chunk on
          its thread's ring (before it): this module switches the reader's ring check
          off for the block (SegmentReader._fill_many then takes the pool's route)
+`--pair publish`:
+  whole  a client reads the misses it claimed in the miss flights in one call
+  parts  in calls of 1,024 rows, its waiters seeing each part as it lands (before it:
+         each call fills and drains its ring)
 
 Per variant and phase: misses/s, their ratio to the disk probed right after
-(512-B O_DIRECT random reads, the best of QD 32-256), rows/s, hit ratio and the
-client's CPU a miss; the rows of each block's first step are checked against the
-segment files. Prints one line per variant and phase, and the JSON with --json.
+(512-B O_DIRECT random reads, the best of QD 32-256), the miss path's own rate
+(misses over the seconds the client spent reading them: the part of a step
+that is not the probe, the hits' copy or the note) and its ratio, rows/s, hit
+ratio and the client's CPU a miss; the rows of each block's first step are
+checked against the segment files. Prints one line per variant and phase, and
+the JSON with --json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -29,23 +38,44 @@ import numpy as np
 from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
-VARIANTS = ("ring", "pool")
+PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256")}
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+    """The miss path set to `name`'s way for a block (module docstring), put back after."""
+    from tierstore.cache import miss_flights
+    from tierstore.tiers.nvme import reader
+
+    from tierstore.tiers.nvme import direct_io
+
+    ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
+    try:
+        if name == "pool":
+            reader.thread_ring = lambda: None
+        elif name.startswith("publish"):
+            miss_flights.PUBLISH_ROWS = int(name[7:])
+        elif name.startswith("qd"):
+            direct_io.READ_DEPTH = int(name[2:])
+        yield
+    finally:
+        reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
 
 
 def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps: int = 40,
         decode_steps: int = 400, warmup_steps: int = 100, prefill_block: int = 4, decode_block: int = 40,
-        disk_seconds: float = 1.0) -> dict:
+        disk_seconds: float = 1.0, pair: str = "ring", swap: bool = False) -> dict:
     """{"disk_after": probe, "phases": {phase: {variant: figures}}, "rows_wrong": n} (module docstring)."""
     from tierstore.bench.disk import best_iops, disk_limit
     from tierstore.bench.large import _read_rows, _segment_paths, _TierstoreSide, large_tables, text_phases
-    from tierstore.tiers.nvme import reader
 
     spec, versions = large_tables(data_dir, table_gib, seed=seed, progress=False, log=lambda *a: None)
     phases = text_phases(spec, prefill_steps=prefill_steps, decode_steps=decode_steps, warmup_steps=warmup_steps,
                          seed=seed, log=lambda *a: None)
     tables = [v.table for v in versions]
     side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
-    ring, wrong, blocks = reader.thread_ring, 0, []
+    variants, wrong, blocks = PAIRS[pair][::-1] if swap else PAIRS[pair], 0, []
+    counters = ("distinct_cold", "distinct_asked", "cold_seconds")
     try:
         reads = lambda: [side.client.handle(t).local_reads for t in tables]
         for step in phases["warmup"]:
@@ -53,10 +83,9 @@ def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps
         for phase, size in (("steady_prefill", prefill_block), ("steady_decode", decode_block)):
             steps = phases[phase]
             for b, a in enumerate(range(0, len(steps), size)):
-                variant = VARIANTS[b % 2]
-                reader.thread_ring = ring if variant == "ring" else (lambda: None)
-                try:
-                    cold0, asked0 = (sum(getattr(r, k) for r in reads()) for k in ("distinct_cold", "distinct_asked"))
+                variant = variants[b % 2]
+                with _variant(variant):
+                    before = [sum(getattr(r, k) for r in reads()) for k in counters]
                     t0, c0 = time.perf_counter(), time.process_time()
                     for i, step in enumerate(steps[a:a + size]):
                         got = side.get(step)
@@ -67,25 +96,23 @@ def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps
                             t0 += time.perf_counter() - t_check  # the check is neither timed nor counted
                             c0 += time.process_time() - c_check
                     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-                finally:
-                    reader.thread_ring = ring
-                cold, asked = (sum(getattr(r, k) for r in reads()) - x0
-                               for k, x0 in (("distinct_cold", cold0), ("distinct_asked", asked0)))
+                cold, asked, path = (sum(getattr(r, k) for r in reads()) - x0 for k, x0 in zip(counters, before))
                 blocks.append((phase, variant, cold, asked, sum(x.size for s in steps[a:a + size] for x in s),
-                               seconds, cpu))
+                               seconds, cpu, path))
     finally:
-        reader.thread_ring = ring
         side.close()
     after = best_iops(disk_limit(_segment_paths(data_dir, versions), blocks=(512,), seconds=disk_seconds,
                                  seed=seed), 512)
     out = {"disk_after": after, "rows_wrong": wrong, "phases": {}}
     for phase in ("steady_prefill", "steady_decode"):
-        for variant in VARIANTS:
+        for variant in variants:
             mine = [x for x in blocks if x[:2] == (phase, variant)]
-            cold, asked, rows, secs, cpu = (sum(x[k] for x in mine) for k in range(2, 7))
+            cold, asked, rows, secs, cpu, path = (sum(x[k] for x in mine) for k in range(2, 8))
             out["phases"].setdefault(phase, {})[variant] = {
                 "blocks": len(mine), "misses_per_s": cold / max(secs, 1e-9),
                 "misses_per_s_of_disk_after": cold / max(secs, 1e-9) / after["iops"] if after else None,
+                "miss_path_misses_per_s": cold / max(path, 1e-9), "miss_path_share": path / max(secs, 1e-9),
+                "miss_path_of_disk_after": cold / max(path, 1e-9) / after["iops"] if after else None,
                 "rows_per_s": rows / max(secs, 1e-9), "hit_ratio": 1 - cold / max(1, asked),
                 "cpu_us_per_miss": cpu / max(1, cold) * 1e6}
     return out
@@ -97,9 +124,12 @@ def lines(r: dict) -> list[str]:
     out = [head + f"; rows wrong {r['rows_wrong']}"]
     for phase, by in r["phases"].items():
         for variant, d in by.items():
-            ratio = d["misses_per_s_of_disk_after"]
+            ratio, path = d["misses_per_s_of_disk_after"], d["miss_path_of_disk_after"]
             out.append(f"{phase} {variant}: misses {d['misses_per_s'] / 1e3:.1f}k/s"
                        + (f" = {ratio:.2f} of the disk" if ratio is not None else "")
+                       + f" (reading them {d['miss_path_misses_per_s'] / 1e3:.1f}k/s"
+                       + (f" = {path:.2f}" if path is not None else "")
+                       + f", {d['miss_path_share']:.0%} of the time)"
                        + f", rows {d['rows_per_s'] / 1e3:.1f}k/s, hit {d['hit_ratio']:.4f}, "
                        f"CPU {d['cpu_us_per_miss']:.1f} us a miss, {d['blocks']} blocks")
     return out
@@ -114,6 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-steps", type=int, default=40)
     p.add_argument("--decode-steps", type=int, default=400)
     p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--pair", choices=sorted(PAIRS), default="ring",
+                   help="the two ways of reading misses to alternate (module docstring; default ring)")
+    p.add_argument("--swap", action="store_true",
+                   help="deal the first block to the pair's second way: the blocks' own text then falls the other "
+                        "way round (run both orders: what follows the blocks, not the way, flips)")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = p.parse_args(argv)
     try:
@@ -125,7 +160,8 @@ def main(argv=None) -> int:
         p.error(str(e))  # before anything is written into --data
     r = run(a.data, a.table_gib, budget, seed=a.seed, prefill_steps=a.prefill_steps,
             decode_steps=a.decode_steps, warmup_steps=a.warmup_steps,
-            prefill_block=max(1, min(4, a.prefill_steps // 2)), decode_block=max(1, min(40, a.decode_steps // 2)))
+            prefill_block=max(1, min(4, a.prefill_steps // 2)), decode_block=max(1, min(40, a.decode_steps // 2)),
+            pair=a.pair, swap=a.swap)
     print("\n".join(lines(r)))
     if a.json:
         print(json.dumps(r, indent=1))

@@ -15,6 +15,11 @@ a fraction of the best 512-B figure (`misses_per_s_of_disk_best`; a miss reads
 one or two 512-B sectors), and of the best 512-B figure of a second probe run
 right after tierstore-direct's steady phases (`misses_per_s_of_disk_after`,
 `disk_after`): a virtual disk's rate drifts by tens of percent over minutes.
+The miss path alone is reported too: the steady misses over the seconds the
+client spent reading them (`steady_miss_path_misses_per_s`, its ratio to the
+second probe `miss_path_of_disk_after`, and `steady_miss_path_share`, those
+seconds' part of the steps' time), so a gap to the disk reads as the path's
+own or as the rest of a step that lookup does not overlap with the reads.
 
 The ids: real text (the CPython reference docs and botocore's AWS API docs,
 `bench/traces.py`), tokenized by DeepSeek-V4's tokenizer and hashed by
@@ -309,6 +314,11 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         d["hit_ratio"] = 1 - cold / asked if asked else None
         d["asked"], d["misses"] = asked, cold
         d["misses_per_s"] = cold / max(d["seconds"], 1e-9)
+        # the miss path alone: misses over the seconds the steps spent reading them (the rest of a
+        # step, the probe, the hits' copy and the note, does not overlap the reads in a step of lookup)
+        d["miss_path_seconds"] = sum(c1[t]["local"]["cold_seconds"] - c0[t]["local"]["cold_seconds"]
+                                     for t in side.tables)
+        d["miss_path_misses_per_s"] = cold / d["miss_path_seconds"] if d["miss_path_seconds"] > 0 else None
         d["bytes_read_by_client"] = sum(c1[t]["local"]["bytes_read"] - c0[t]["local"]["bytes_read"]
                                         for t in side.tables)
         d["arena_fill"] = {t: int(c1[t].get("resident", 0)) / max(1, int(c1[t].get("capacity", 0)))
@@ -318,6 +328,9 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
     secs = sum(d["seconds"] for d in st)
     r["steady_misses_per_s"] = sum(d["misses"] for d in st) / max(secs, 1e-9)
     r["misses_per_s_of_disk_best"] = r["steady_misses_per_s"] / disk_best if disk_best else None
+    path_s = sum(d["miss_path_seconds"] for d in st)
+    r["steady_miss_path_misses_per_s"] = sum(d["misses"] for d in st) / path_s if path_s > 0 else None
+    r["steady_miss_path_share"] = path_s / max(secs, 1e-9)  # of the steady steps' wall time
     for part, names in (("cold", ("cold_prefill", "cold_decode")), ("steady", ("steady_prefill", "steady_decode"))):
         asked = sum(r["phases"][p]["asked"] for p in names)  # as LRU's replay counts: both kinds of step
         r[f"hit_ratio_{part}"] = 1 - sum(r["phases"][p]["misses"] for p in names) / asked if asked else None
@@ -509,6 +522,8 @@ class _Run:
             # right after the steady phases, beside the one measured before the first competitor
             r["disk_after"] = after
             r["misses_per_s_of_disk_after"] = r["steady_misses_per_s"] / after["iops"]
+            if r["steady_miss_path_misses_per_s"] is not None:
+                r["miss_path_of_disk_after"] = r["steady_miss_path_misses_per_s"] / after["iops"]
         closers.pop()
         side.close()
         return r
@@ -565,6 +580,9 @@ def large_line(r: dict) -> str:
             if d.get("disk_after"):
                 s += (f" ({d['misses_per_s_of_disk_after']:.2f} of its {d['disk_after']['iops'] / 1e3:.0f}k at "
                       f"QD{d['disk_after']['qd']} right after)")
+            if d.get("miss_path_of_disk_after") is not None:
+                s += (f"; reading them {d['steady_miss_path_misses_per_s'] / 1e3:.0f}k/s = "
+                      f"{d['miss_path_of_disk_after']:.2f} of it, {d['steady_miss_path_share']:.0%} of the steps' time")
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
             asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())

@@ -19,9 +19,9 @@ index (tierstore/cache/slot_index.py):
    been planned and promotes the misses, so the next steps find them resident;
    the note carries the rows this process read for them, so the sidecar does not
    read them from disk again (it verifies each against its row sum first). For
-   format 2 under O_DIRECT it does not: a row's sum is not in the page cache then,
-   so checking the row would read its record anyway, and the sidecar reads the
-   records itself, batched at queue depth.
+   format 2 under O_DIRECT a row's sum is not in the page cache, so the note carries
+   whole records, each row with its sum keyed by the version's salt (carried_form
+   "records"; the sidecar takes them only from a peer of its own uid).
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
 a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -72,6 +73,7 @@ class LocalReads:
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
         self.distinct_asked = self.distinct_cold = 0  # the same in distinct ids per step (as the sidecar counts)
         self.distinct_device = 0  # of distinct_cold, those this process read from the segment files itself
+        self.cold_seconds = 0.0  # wall time in the miss path (reads, shared or own, verified): its rate against the step's
         self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
 
     def read(self, ids: np.ndarray) -> np.ndarray | None:
@@ -91,6 +93,7 @@ class LocalReads:
                 return None
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+            t0 = time.perf_counter()
             if self._flights is not None:  # a row another client is reading now is not read again
                 shared = self._flights.rows_shared
                 self._flights.read(uniq, got, cold)  # verified; ChecksumError is DATA_LOSS
@@ -98,6 +101,7 @@ class LocalReads:
             else:
                 cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
                 self.distinct_device += uniq.size
+            self.cold_seconds += time.perf_counter() - t0
             out[where] = got[inv]
             self.distinct_cold += uniq.size
             # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused

