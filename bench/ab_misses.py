@@ -1,6 +1,6 @@
 """The before/after of the O_DIRECT miss path, over `bench large`'s own steps.
 
-    python -m tierstore.bench.ab_misses --data D [--table-gib 34] [--dram-budget 4GiB] [--seed 1] [--pair ring]
+    python -m tierstore.bench.ab_misses --data D [--table-gib 34] [--dram-budget 4GiB] [--seed 1] [--pair ring] [--swap]
 
 One `--direct-io` sidecar over bench large's table (written into D once, as bench
 large writes it), warmed by the warm-up steps, then the steady prefill and decode
@@ -13,9 +13,15 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
          its thread's ring (before it): this module switches the reader's ring check
          off for the block (SegmentReader._fill_many then takes the pool's route)
 `--pair publish`:
-  whole  a client reads the misses it claimed in the miss flights in one call
-  parts  in calls of 1,024 rows, its waiters seeing each part as it lands (before it:
-         each call fills and drains its ring)
+  publish8192  a client reads the misses it claimed in the miss flights in parts of
+               8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
+  publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
+`--pair depth`:
+  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 256 on main)
+
+`--swap` deals the first block to the pair's second way: the blocks' text differs
+(their hit ratios do), which favours the first block's way by a few percent, so
+a finding must hold in both orders.
 
 Per variant and phase: misses/s, their ratio to the disk probed right after
 (512-B O_DIRECT random reads, the best of QD 32-256), the miss path's own rate
@@ -45,9 +51,7 @@ PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "d
 def _variant(name: str):
     """The miss path set to `name`'s way for a block (module docstring), put back after."""
     from tierstore.cache import miss_flights
-    from tierstore.tiers.nvme import reader
-
-    from tierstore.tiers.nvme import direct_io
+    from tierstore.tiers.nvme import direct_io, reader
 
     ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
     try:

@@ -582,7 +582,8 @@ def large_line(r: dict) -> str:
                       f"QD{d['disk_after']['qd']} right after)")
             if d.get("miss_path_of_disk_after") is not None:
                 s += (f"; reading them {d['steady_miss_path_misses_per_s'] / 1e3:.0f}k/s = "
-                      f"{d['miss_path_of_disk_after']:.2f} of it, {d['steady_miss_path_share']:.0%} of the steps' time")
+                      f"{d['miss_path_of_disk_after']:.2f} of it, "
+                      f"{d['steady_miss_path_share']:.0%} of the steps' time")
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
             asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())

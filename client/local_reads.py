@@ -73,7 +73,7 @@ class LocalReads:
         self.steps = self.rows_resident = self.rows_cold = 0  # what this reader served, and from where
         self.distinct_asked = self.distinct_cold = 0  # the same in distinct ids per step (as the sidecar counts)
         self.distinct_device = 0  # of distinct_cold, those this process read from the segment files itself
-        self.cold_seconds = 0.0  # wall time in the miss path (reads, shared or own, verified): its rate against the step's
+        self.cold_seconds = 0.0  # wall time in the miss path (claims, reads, checks): its rate beside the step's
         self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
 
     def read(self, ids: np.ndarray) -> np.ndarray | None:

@@ -24,7 +24,8 @@ def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path, pair, va
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.run([sys.executable, "-m", "tierstore.bench.ab_misses", "--data", str(data), "--table-gib",
                         "0.0625", "--dram-budget", "16MiB", "--prefill-steps", "2", "--decode-steps", "4",
-                        "--warmup-steps", "2", "--pair", pair, *order, "--json"], capture_output=True, text=True, timeout=300, env=env)
+                        "--warmup-steps", "2", "--pair", pair, *order, "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "rows wrong 0" in p.stdout
     import json

@@ -70,7 +70,8 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
             # promoted than LRU's instant replay does (0.467 / 0.503 / 0.553 against LRU's 0.550
             # with 0 / 5 / 20 ms between steps, docs/benchmarks.md); what holds at any pace:
             # the steady state hits more than the cold start did
-            assert d["hit_ratio_steady"] > d["hit_ratio_cold"], (name, d["hit_ratio_steady"], d["hit_ratio_cold"])
+            assert d["hit_ratio_steady"] > d["hit_ratio_cold"], (name, d["hit_ratio_steady"],
+                                                                 d["hit_ratio_cold"])
     if "mmap-capped" in ran:
         assert ran["mmap-capped"]["cgroup"]["limit_bytes"] == int(
             (ran.get("tierstore-direct") or ran["tierstore-cached"])["footprint"])
