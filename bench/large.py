@@ -110,7 +110,23 @@ def large_tables(data_dir, table_gib: float, row_format: str | None = None, seed
     t0 = time.monotonic()
     versions = make_demo_tables(data_dir, PRESET, scale, seed=seed, row_format=row_format, progress=progress)
     log(f"large: table written in {time.monotonic() - t0:.0f} s ({total / max(1e-9, time.monotonic() - t0) / 1e6:.0f} MB/s)")
+    _drop_older_demo_versions(data_dir, [v.table for v in versions])
     return spec, versions
+
+
+def _drop_older_demo_versions(data_dir, tables) -> None:
+    """Remove the versions of `tables` this bench wrote before the current one (bench large
+    and ab_misses at another seed or size each write their own: kept, a third write fills a
+    disk that holds the table twice). A table with any version another source wrote (a
+    user's, in a shared --data) is left as it is."""
+    from tierstore.store.catalog import Catalog
+
+    with Catalog(data_dir) as cat:
+        for t in tables:
+            cur = cat.current(t).number
+            older = [v for v in cat.versions(t) if v.number != cur]
+            if older and all(v.source.startswith("demo-table ") for v in older):
+                cat.collect_garbage(t, keep=0)
 
 
 def _segment_paths(data_dir, versions) -> list[Path]:
