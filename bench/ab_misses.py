@@ -18,6 +18,11 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
   publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
 `--pair depth`:
   qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 256 on main)
+`--pair tables`:
+  together     a step's two tables read at once (Client.lookup_many: the second on a
+               reader thread with its own ring), so one table's reads are in flight while
+               the other's hits are copied and its misses queued
+  apart        one Client.lookup a table, in turn (each table's ring drains before the next)
 
 `--swap` deals the first block to the pair's second way: the blocks' text differs
 (their hit ratios do), which favours the first block's way by a few percent, so
@@ -44,17 +49,19 @@ import numpy as np
 from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
-PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256")}
+PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256"),
+         "tables": ("together", "apart")}
 
 
 @contextlib.contextmanager
-def _variant(name: str):
+def _variant(name: str, side):
     """The miss path set to `name`'s way for a block (module docstring), put back after."""
     from tierstore.cache import miss_flights
     from tierstore.tiers.nvme import direct_io, reader
 
     ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
     try:
+        side.together = name == "together"
         if name == "pool":
             reader.thread_ring = lambda: None
         elif name.startswith("publish"):
@@ -64,6 +71,7 @@ def _variant(name: str):
         yield
     finally:
         reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
+        side.together = False
 
 
 def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps: int = 40,
@@ -79,17 +87,18 @@ def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps
     tables = [v.table for v in versions]
     side = _TierstoreSide(data_dir, tables, budget, ["--direct-io"])
     variants, wrong, blocks = PAIRS[pair][::-1] if swap else PAIRS[pair], 0, []
-    counters = ("distinct_cold", "distinct_asked", "cold_seconds")
+    counters = ("distinct_cold", "distinct_asked")
     try:
         reads = lambda: [side.client.handle(t).local_reads for t in tables]
+        clock = side.client.miss_clock  # the tables' miss paths, overlaps once (lookup_many)
         for step in phases["warmup"]:
             side.get(step)
         for phase, size in (("steady_prefill", prefill_block), ("steady_decode", decode_block)):
             steps = phases[phase]
             for b, a in enumerate(range(0, len(steps), size)):
                 variant = variants[b % 2]
-                with _variant(variant):
-                    before = [sum(getattr(r, k) for r in reads()) for k in counters]
+                with _variant(variant, side):
+                    before = [sum(getattr(r, k) for r in reads()) for k in counters] + [clock.seconds]
                     t0, c0 = time.perf_counter(), time.process_time()
                     for i, step in enumerate(steps[a:a + size]):
                         got = side.get(step)
@@ -100,7 +109,8 @@ def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps
                             t0 += time.perf_counter() - t_check  # the check is neither timed nor counted
                             c0 += time.process_time() - c_check
                     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-                cold, asked, path = (sum(getattr(r, k) for r in reads()) - x0 for k, x0 in zip(counters, before))
+                cold, asked, path = (x - x0 for x, x0 in zip(
+                    [sum(getattr(r, k) for r in reads()) for k in counters] + [clock.seconds], before))
                 blocks.append((phase, variant, cold, asked, sum(x.size for s in steps[a:a + size] for x in s),
                                seconds, cpu, path))
     finally:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -38,6 +39,7 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.arena_map import ArenaMaps, MappedArena
 from tierstore.client.channel import open_channel, reconnected, to_error
+from tierstore.client.local_reads import BusyClock
 from tierstore.client.split_table import SplitTable
 from tierstore.client.step_channel import StepChannel
 from tierstore.client.step_plan import StepPlan, distinct_ids
@@ -49,6 +51,9 @@ from tierstore.tiers.base import check_ids
 
 __all__ = ["Client", "as_ids"]
 _I8 = np.dtype("<i8")
+# tables lookup_many reads at once past the first (one reader thread each, each with its own
+# io_uring ring); a step of more tables queues the rest on these threads
+LOOKUP_THREADS = 7
 
 
 def as_ids(ids) -> np.ndarray:
@@ -103,6 +108,9 @@ class Client:
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
         self._conn_id = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner on the wire)
         self._closed = False
+        self._readers: ThreadPoolExecutor | None = None  # lookup_many's threads, made at its first call
+        # wall seconds any of this client's tables spent in its miss path (local reads), overlaps once
+        self.miss_clock = BusyClock()
         self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.on_host else None
 
     # ---- plumbing -----------------------------------------------------------
@@ -237,6 +245,45 @@ class Client:
         h = self.handle(table)
         return h.read(check_ids(arr, h.rows, table))
 
+    def lookup_many(self, tables: dict, inline: bool | None = None) -> dict[str, np.ndarray]:
+        """lookup() for every table of a step ({table: ids}): {table: rows}, in the dict's order.
+
+        On the sidecar's host, while this client's misses wait on the device
+        (`miss_clock.device_bound`: the miss path's threads on a CPU under half its wall
+        time), the tables are read at once: the first in this thread, each other on a
+        reader thread of this client's (LOOKUP_THREADS), each thread with its own
+        io_uring ring. So while one table's misses wait on the device, the next table's
+        hits are copied and its misses join the device's queue, and the queue does not
+        drain between tables (the ids are known before the forward: an engine with two
+        Engram layers reads both layers' rows in one call). Where the misses are copies
+        (the page cache, a disk's own cache) they are read in turn: a second thread
+        would only take the core the sidecar's learner promotes the misses with. Each
+        table's step is noted to the sidecar as soon as that table is read. A TCP
+        client, or inline=True, asks for the tables in turn. Raises what lookup raises,
+        after every table's read has ended (the first error in the dict's order)."""
+        items = list(tables.items())
+        if inline or not self.on_host or len(items) < 2 or not self.miss_clock.device_bound:
+            return {t: self.lookup(t, ids, inline) for t, ids in items}
+        self._check_open()
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tierstore-lookup")
+            readers = self._readers
+        futures = [readers.submit(self.lookup, t, ids) for t, ids in items[1:]]
+        got, errors_ = [], []
+        try:
+            got.append(self.lookup(*items[0]))
+        except BaseException as e:  # the other tables' reads end first: their rows are in flight
+            errors_.append(e)
+        for f in futures:
+            try:
+                got.append(f.result())
+            except BaseException as e:
+                errors_.append(e)
+        if errors_:
+            raise errors_[0]
+        return {t: rows for (t, _), rows in zip(items, got)}
+
     def split_table(self, table: str) -> SplitTable:
         """The split-layout table `table` mapped read-only for an engine (client/split_table.py):
         `.weight` uint8 [rows, row_dim] then `.scale` uint8 [rows, row_dim // 32], byte for
@@ -321,6 +368,9 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # a hint: nothing depends on it
         self._closed = True
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)  # their rings close with their threads
+            self._readers = None
         if self.step_channel is not None:
             self.step_channel.close()  # the sidecar ends this connection's leases
         self._channel.close()

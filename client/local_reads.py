@@ -46,9 +46,56 @@ from tierstore.jit import Kernel, compiler_barrier, unique_inverse
 if TYPE_CHECKING:
     from tierstore.client.table_handle import TableHandle
 
-__all__ = ["LocalReads"]
+__all__ = ["LocalReads", "BusyClock"]
 
 log = logging.getLogger("tierstore.client")
+
+
+# The miss path waits on the device when its threads are on a CPU less than this share of
+# its wall time: a second reader thread then costs a core only while rows are copied
+DEVICE_BOUND = 0.5
+_DECAY = 0.9  # each miss-path interval weighs this much less in `device_bound` than the next
+
+
+class BusyClock:
+    """Wall seconds during which at least one of a client's tables is in its miss path, and
+    whether that path waits on the device.
+
+    Client.lookup_many reads a step's tables at once, so their own miss-path seconds
+    (LocalReads.cold_seconds) overlap and their sum would count that time twice; this
+    counts it once (`seconds`). A context manager: `with clock: <the miss path>`, the
+    path's thread CPU seconds told with `cpu()`. `device_bound`: over the recent
+    intervals, the paths' CPU is under DEVICE_BOUND of their wall time (reads from the
+    device, not copies from the page cache or a disk's own cache)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside, self._since, self.seconds = 0, 0.0, 0.0
+        self._cpu_now = self._cpu = self._wall = 0.0
+
+    def __enter__(self):
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
+
+    def cpu(self, seconds: float) -> None:
+        """CPU seconds a thread spent in the miss path it is in now."""
+        with self._lock:
+            self._cpu_now += seconds
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                wall = time.perf_counter() - self._since
+                self.seconds += wall
+                self._wall = self._wall * _DECAY + wall
+                self._cpu, self._cpu_now = self._cpu * _DECAY + self._cpu_now, 0.0
+
+    @property
+    def device_bound(self) -> bool:
+        return self._wall > 0 and self._cpu < DEVICE_BOUND * self._wall
 
 
 class LocalReads:
@@ -56,10 +103,12 @@ class LocalReads:
 
     note: where each step read goes (StepChannel.note: table, version, distinct ids, the
     misses' ids and rows or None); called once per read, with arrays it keeps.
+    clock: the client's BusyClock, timing its tables' miss paths together (one of its own if None).
     Raises StaleArena when the index is not the handle's (retired, another instance)."""
 
-    def __init__(self, handle: "TableHandle", note: Callable[..., None]):
+    def __init__(self, handle: "TableHandle", note: Callable[..., None], clock: BusyClock | None = None):
         self.handle, self._note = handle, note
+        self._clock = clock if clock is not None else BusyClock()
         self.table, self.version, self.row_bytes = handle.table, handle.version, handle.row_bytes
         self.arena = handle.arena_np
         self.gen, self.id_of, self.map = map_index(handle.index_path, self.arena.shape[0], handle.rows,
@@ -93,14 +142,18 @@ class LocalReads:
                 return None
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
-            t0 = time.perf_counter()
-            if self._flights is not None:  # a row another client is reading now is not read again
-                shared = self._flights.rows_shared
-                self._flights.read(uniq, got, cold)  # verified; ChecksumError is DATA_LOSS
-                self.distinct_device += uniq.size - (self._flights.rows_shared - shared)
-            else:
-                cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
-                self.distinct_device += uniq.size
+            t0, c0 = time.perf_counter(), time.thread_time()
+            with self._clock:
+                try:
+                    if self._flights is not None:  # a row another client is reading now is not read again
+                        shared = self._flights.rows_shared
+                        self._flights.read(uniq, got, cold)  # verified; ChecksumError is DATA_LOSS
+                        self.distinct_device += uniq.size - (self._flights.rows_shared - shared)
+                    else:
+                        cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+                        self.distinct_device += uniq.size
+                finally:
+                    self._clock.cpu(time.thread_time() - c0)
             self.cold_seconds += time.perf_counter() - t0
             out[where] = got[inv]
             self.distinct_cold += uniq.size

@@ -80,7 +80,8 @@ class TableHandle:
         reads = self.local_reads
         if reads is None:
             try:
-                reads = self.local_reads = LocalReads(self, self._client.step_channel.note)
+                reads = self.local_reads = LocalReads(self, self._client.step_channel.note,
+                                                         self._client.miss_clock)
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
         rows = reads.read(ids) if reads is not None else None

