@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -259,8 +260,14 @@ class Client:
         (the page cache, a disk's own cache) they are read in turn: a second thread
         would only take the core the sidecar's learner promotes the misses with. Each
         table's step is noted to the sidecar as soon as that table is read. A TCP
-        client, or inline=True, asks for the tables in turn. Raises what lookup raises,
-        after every table's read has ended (the first error in the dict's order)."""
+        client, or inline=True, asks for the tables in turn. On a 2-vCPU host the
+        second thread cost the sidecar's learner its pace (steady hit 0.544 against
+        LRU's 0.549 at the 1/6-scale table, no more rows/s: docs/benchmarks.md), so
+        bench large and the engines' stagers read layer by layer. Raises what lookup
+        raises, after every table's read has ended (the first error in the dict's
+        order); InvalidArgument when `tables` is not a {table: ids} mapping."""
+        if not isinstance(tables, Mapping):
+            raise errors.InvalidArgument(f"lookup_many takes {{table: ids}}, got {type(tables).__name__}")
         items = list(tables.items())
         if inline or not self.on_host or len(items) < 2 or not self.miss_clock.device_bound:
             return {t: self.lookup(t, ids, inline) for t, ids in items}
@@ -270,18 +277,18 @@ class Client:
                 self._readers = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tierstore-lookup")
             readers = self._readers
         futures = [readers.submit(self.lookup, t, ids) for t, ids in items[1:]]
-        got, errors_ = [], []
+        got, failed = [], []
         try:
             got.append(self.lookup(*items[0]))
         except BaseException as e:  # the other tables' reads end first: their rows are in flight
-            errors_.append(e)
+            failed.append(e)
         for f in futures:
             try:
                 got.append(f.result())
             except BaseException as e:
-                errors_.append(e)
-        if errors_:
-            raise errors_[0]
+                failed.append(e)
+        if failed:
+            raise failed[0]
         return {t: rows for (t, _), rows in zip(items, got)}
 
     def split_table(self, table: str) -> SplitTable:

@@ -589,6 +589,8 @@ def test_lookup_many_reads_a_steps_tables_at_once_exactly_and_each_is_learned(tm
                 c.lookup_many({"a": np.arange(10), "b": np.array([ROWS])})
             with pytest.raises(errors.TableNotFound):
                 c.lookup_many({"nope": np.arange(3), "a": np.arange(3)})
+            with pytest.raises(errors.InvalidArgument, match="table: ids"):
+                c.lookup_many([("a", np.arange(3))])
             ids = rng.integers(0, ROWS, 50)
             assert np.array_equal(c.lookup_many({"a": ids, "b": ids})["b"], data["b"][ids])
     finally:
