@@ -23,6 +23,12 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
                reader thread with its own ring), so one table's reads are in flight while
                the other's hits are copied and its misses queued
   apart        one Client.lookup a table, in turn (each table's ring drains before the next)
+`--pair notes`:
+  flusher      a step's note (its ids and the misses' records) sent by the client's flusher
+               thread while the step reads on, unless an earlier note is still being sent
+               (StepChannel._behind, main since session 18)
+  step         sent by the step itself whenever NOTE_BACKLOG_IDS ids wait (before it: every
+               prefill step, whose ~68 k ids a table are past the bound, waited on the socket)
 
 `--swap` deals the first block to the pair's second way: the blocks' text differs
 (their hit ratios do), which favours the first block's way by a few percent, so
@@ -50,19 +56,23 @@ from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
 PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256"),
-         "tables": ("together", "apart")}
+         "tables": ("together", "apart"), "notes": ("flusher", "step")}
 
 
 @contextlib.contextmanager
 def _variant(name: str, side):
     """The miss path set to `name`'s way for a block (module docstring), put back after."""
     from tierstore.cache import miss_flights
+    from tierstore.client import step_channel
     from tierstore.tiers.nvme import direct_io, reader
 
     ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
+    behind = step_channel.StepChannel._behind
     try:
         side.together = name == "together"
-        if name == "pool":
+        if name == "step":
+            step_channel.StepChannel._behind = lambda ch: ch._note_ids >= step_channel.NOTE_BACKLOG_IDS
+        elif name == "pool":
             reader.thread_ring = lambda: None
         elif name.startswith("publish"):
             miss_flights.PUBLISH_ROWS = int(name[7:])
@@ -71,6 +81,7 @@ def _variant(name: str, side):
         yield
     finally:
         reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
+        step_channel.StepChannel._behind = behind
         side.together = False
 
 

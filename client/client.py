@@ -258,12 +258,13 @@ class Client:
         drain between tables (the ids are known before the forward: an engine with two
         Engram layers reads both layers' rows in one call). Where the misses are copies
         (the page cache, a disk's own cache) they are read in turn: a second thread
-        would only take the core the sidecar's learner promotes the misses with. Each
-        table's step is noted to the sidecar as soon as that table is read. A TCP
-        client, or inline=True, asks for the tables in turn. On a 2-vCPU host the
-        second thread cost the sidecar's learner its pace (steady hit 0.544 against
-        LRU's 0.549 at the 1/6-scale table, no more rows/s: docs/benchmarks.md), so
-        bench large and the engines' stagers read layer by layer. Raises what lookup
+        would only take a core from the copies. Each table's step is noted to the
+        sidecar as soon as that table is read. A TCP client, or inline=True, asks for
+        the tables in turn. What it costs: with steps back to back (no forward between
+        them), every table's note now lands as the step ends, and the sidecar promotes a
+        prefill table's misses ~25 ms later, after the next step has probed: steady
+        prefill hit -0.004 at the 1/6-scale table for +1-4% rows/s (docs/benchmarks.md),
+        so bench large and the engines' stagers read layer by layer. Raises what lookup
         raises, after every table's read has ended (the first error in the dict's
         order); InvalidArgument when `tables` is not a {table: ids} mapping."""
         if not isinstance(tables, Mapping):

@@ -19,10 +19,14 @@ now, with the leases it is given, for a caller that needs the count.
 
 Steps a client read itself (client/local_reads.py) are noted here and sent in batches, one-way, by
 the flusher: every NOTE_EVERY_S or NOTE_IDS ids while steps run, and after the
-last; a step sends them itself only when the flusher is NOTE_BACKLOG_IDS behind. A note carries the rows its steps read from disk, up to NOTE_ROW_BYTES a
-frame, so the sidecar promotes them without reading them again (it verifies each
-first); rows past that bound go without their bytes (the sidecar reads the ones
-it promotes), as do all of them with O_DIRECT (local_reads.py says why).
+last; a step sends them itself only when NOTE_BACKLOG_IDS ids wait while an earlier
+note is still being sent (a prefill step's ids, past that bound on their own, go
+with the flusher while the step reads on). A note carries the rows its steps read
+from disk (format 2 under O_DIRECT: records, each row with its sum), up to
+NOTE_ROW_BYTES a frame, so the sidecar promotes them without reading them again
+(it verifies each first); rows past that bound go without their bytes (the
+sidecar reads the ones it promotes). The frame goes out as a scatter list: the
+rows are not copied into it.
 
 Each PlanResult carries `instance`: when it differs from the one whose arena you
 mapped, the sidecar restarted (the channel reconnected as a new conn_id) and the
@@ -50,8 +54,8 @@ import numpy as np
 from tierstore import errors
 from tierstore.proto.frames import (COUNT, ERROR, HDR, HELLO, HELLO_REQ, HELLO_RESP, ITEM, MAGIC, MAX_NAME,
                                 MAX_RELEASE, NOTE, PLAN, PLAN_REQ, PROTOCOL_VERSION, RELEASE, RES_OK, U64, FrameError,
-                                FrameReader, NoteItem, PlanItem, PlanResult, decode_error, encode_note, pad8,
-                                send_frame, spin_seconds)
+                                FrameReader, IOV_CAP, NoteItem, PlanItem, PlanResult, decode_error, encode_note,
+                                frame_views, pad8, send_frame, send_rest, spin_seconds)
 
 __all__ = ["StepChannel", "PendingReply", "raise_errors", "RECONNECT_WAIT_S", "RELEASE_LINGER_S"]
 
@@ -64,7 +68,7 @@ RELEASE_LINGER_S = 0.02
 NOTE_EVERY_S, NOTE_IDS = 0.002, 1 << 13
 # bytes of rows one note carries at most (and at most half the sidecar's request limit)
 NOTE_ROW_BYTES = 32 << 20
-NOTE_BACKLOG_IDS = 4 * NOTE_IDS  # noted ids the flusher may fall behind by before a step sends them itself
+NOTE_BACKLOG_IDS = 4 * NOTE_IDS  # noted ids waiting on a note in flight before a step sends them itself
 _PAD = bytes(8)
 _I8 = np.dtype("<i8")
 _NO_LEASES = np.empty(0, "<u8")
@@ -144,6 +148,7 @@ class StepChannel:
         self._notes: dict[tuple[str, int], tuple[list, list, list, list]] = {}
         self._note_ids, self._note_since, self._note_bytes = 0, 0.0, 0
         self._notes_lock = threading.Lock()
+        self._flushing = 0  # notes being sent now (flush_notes, by the flusher or a step)
 
     # -- public calls ----------------------------------------------------------------------
 
@@ -269,18 +274,32 @@ class StepChannel:
                 self._note_since = now
             self._note_ids += ids.size
             due = self._note_ids >= NOTE_IDS or now - self._note_since >= NOTE_EVERY_S
-            behind = self._note_ids >= NOTE_BACKLOG_IDS
+            behind = self._behind()
         if behind:  # the flusher cannot keep up: this step pays for the send itself
             self.flush_notes()
         else:  # the flusher sends them, so the step does not wait on the socket
             self._flusher_wake(now if due else None)
 
+    def _behind(self) -> bool:
+        """The flusher cannot keep up: NOTE_BACKLOG_IDS ids wait while an earlier note is still
+        being sent (under _notes_lock). One step's ids over the bound with the flusher idle are its
+        to send: the step goes on to its next reads while the flusher waits on the socket."""
+        return self._note_ids >= NOTE_BACKLOG_IDS and self._flushing > 0
+
     def flush_notes(self) -> None:
         """Send the noted steps now (dropped when no connection can be had: they are hints)."""
         with self._notes_lock:
             notes, self._notes, self._note_ids, self._note_bytes = self._notes, {}, 0, 0
-        if not notes or self._closed:
-            return
+            if not notes or self._closed:
+                return
+            self._flushing += 1
+        try:
+            self._send_noted(notes)
+        finally:
+            with self._notes_lock:
+                self._flushing -= 1
+
+    def _send_noted(self, notes: dict) -> None:
         items = [NoteItem(t, _joined(arrs), np.cumsum(sizes, dtype=np.int64), v,
                             _joined(row_ids) if row_ids else None, _joined(rows) if rows else None)
                  for (t, v), (arrs, sizes, row_ids, rows) in notes.items()]
@@ -300,23 +319,22 @@ class StepChannel:
         wait, so N clients never run at the pace of the sidecar's bookkeeping. Returns
         whether it was sent; the request in flight, if any, is unaffected."""
         parts, size = encode_note(items)
-        frame = HDR.pack(size, NOTE) + b"".join(parts)
+        views = frame_views(NOTE, parts)  # a scatter list: the rows are not copied into one frame
         with self._lock:
             if self._closed or size > self.max_request_bytes or (self._sock is None and not self._reconnect()):
                 return False
             try:
-                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                sent = self._sock.sendmsg(views[:IOV_CAP], [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return False
             except OSError:
                 self._drop()  # the reply read of the request in flight reconnects
                 return False
-            if sent < len(frame):  # a frame begun must be finished, or the stream is out of step
-                try:
-                    self._sock.sendall(memoryview(frame)[sent:])
-                except OSError:  # including a send timeout (EAGAIN): the stream is cut mid-frame
-                    self._drop()
-                    return False
+            try:  # a frame begun must be finished, or the stream is out of step
+                send_rest(self._sock, views, sent)
+            except OSError:  # including a send timeout (EAGAIN): the stream is cut mid-frame
+                self._drop()
+                return False
         return True
 
     def _reconnect(self) -> bool:

@@ -76,6 +76,7 @@ MAX_NAME = 1024
 MAX_RELEASE = 1 << 16       # lease ids per request: a list of Python ints, so not left to the frame size
 SCRATCH = 64 << 10
 SMALL_FRAME = 16 << 10
+IOV_CAP = 512  # views one sendmsg takes at most (the kernel's IOV_MAX is 1,024)
 MAX_NAMES_KEPT = 4096      # table and arena names kept decoded/encoded (hot path: no codec per step)
 _NAMES: dict[bytes, str] = {}
 _ARENAS: dict[str, tuple[bytes, bytes]] = {}
@@ -181,12 +182,38 @@ def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = Non
         sock.sendall(HDR.pack(size, op) + b"".join(views))
         return
     views.insert(0, memoryview(HDR.pack(size, op)))
-    while views:
-        sent = sock.sendmsg(views)
+    send_rest(sock, views, 0)
+
+
+def frame_views(op: int, parts: list) -> list[memoryview]:
+    """A frame's header and parts as byte views, for a scatter send (send_rest): parts of
+    SMALL_FRAME bytes or more as they are (not copied), runs of smaller ones joined (a
+    frame of many small parts is a few views, not one a part)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    out, run = [memoryview(HDR.pack(sum(v.nbytes for v in views), op))], []
+    for v in views:
+        if v.nbytes < SMALL_FRAME:
+            run.append(v)
+            continue
+        if run:
+            out.append(memoryview(b"".join(run)))
+            run = []
+        out.append(v)
+    if run:
+        out.append(memoryview(b"".join(run)))
+    return out
+
+
+def send_rest(sock: socket.socket, views: list, sent: int) -> None:
+    """Send what is left of a scatter list whose first `sent` bytes went already (blocking)."""
+    while True:
         while views and sent >= views[0].nbytes:
             sent -= views.pop(0).nbytes
+        if not views:
+            return
         if sent:
             views[0] = views[0][sent:]
+        sent = sock.sendmsg(views[:IOV_CAP])
 
 
 def spin_seconds() -> float:

@@ -12,7 +12,8 @@ import pytest
                     reason="the steps are real text hashed with DeepSeek's tokenizer")
 @pytest.mark.parametrize("pair, variants, order", [("ring", ("ring", "pool"), []),
                                                    ("publish", ("publish1024", "publish8192"), ["--swap"]),
-                                                   ("tables", ("apart", "together"), ["--swap"])])
+                                                   ("tables", ("apart", "together"), ["--swap"]),
+                                                   ("notes", ("flusher", "step"), [])])
 def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path, pair, variants, order):
     from tierstore.bench.cold import direct_io_refusal
     from tierstore.bench.large import _segment_paths, large_tables
