@@ -19,16 +19,22 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
 `--pair depth`:
   qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 256 on main)
 `--pair tables`:
-  together     a step's two tables read at once (Client.lookup_many: the second on a
-               reader thread with its own ring), so one table's reads are in flight while
-               the other's hits are copied and its misses queued
+  together     a step's two tables read overlapped (Client.lookup_many: the second on a
+               reader thread with its own ring, started LOOKUP_STAGGER of a table's read
+               time after the first), so one table's reads are in flight while the
+               other's hits are copied and its misses queued
   apart        one Client.lookup a table, in turn (each table's ring drains before the next)
+`--pair stagger`:
+  staggered    the tables read through Client.lookup_many, table k started k x LOOKUP_STAGGER
+               of a table's read time after the first (main since session 18)
+  atonce       all started at once (LOOKUP_STAGGER 0: before it; each table's note then
+               leaves as the step ends, and the next step probes before the sidecar promotes)
 `--pair notes`:
   flusher      a step's note (its ids and the misses' records) sent by the client's flusher
                thread while the step reads on, unless an earlier note is still being sent
                (StepChannel._behind, main since session 18)
   step         sent by the step itself whenever NOTE_BACKLOG_IDS ids wait (before it: every
-               prefill step, whose ~68 k ids a table are past the bound, waited on the socket)
+               prefill step, whose ~63 k ids a table are past the bound, waited on the socket)
 
 `--swap` deals the first block to the pair's second way: the blocks' text differs
 (their hit ratios do), which favours the first block's way by a few percent, so
@@ -56,20 +62,23 @@ from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
 PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256"),
-         "tables": ("together", "apart"), "notes": ("flusher", "step")}
+         "tables": ("together", "apart"), "notes": ("flusher", "step"),
+         "stagger": ("staggered", "atonce")}
 
 
 @contextlib.contextmanager
 def _variant(name: str, side):
     """The miss path set to `name`'s way for a block (module docstring), put back after."""
     from tierstore.cache import miss_flights
-    from tierstore.client import step_channel
+    from tierstore.client import client, step_channel
     from tierstore.tiers.nvme import direct_io, reader
 
     ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
-    behind = step_channel.StepChannel._behind
+    behind, stagger = step_channel.StepChannel._behind, client.LOOKUP_STAGGER
     try:
-        side.together = name == "together"
+        side.together = name in ("together", "staggered", "atonce")
+        if name == "atonce":
+            client.LOOKUP_STAGGER = 0.0
         if name == "step":
             step_channel.StepChannel._behind = lambda ch: ch._note_ids >= step_channel.NOTE_BACKLOG_IDS
         elif name == "pool":
@@ -81,7 +90,7 @@ def _variant(name: str, side):
         yield
     finally:
         reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
-        step_channel.StepChannel._behind = behind
+        step_channel.StepChannel._behind, client.LOOKUP_STAGGER = behind, stagger
         side.together = False
 
 

@@ -424,12 +424,14 @@ class _Fill:
 def local_counts(client, table: str) -> dict:
     """What the local-reads client served of `table`: distinct ids asked and read from disk, disk bytes,
     the seconds its steps spent reading misses, and the client's (any of its tables reading
-    misses, counted once where lookup_many overlaps them: Client.miss_clock)."""
+    misses, counted once where lookup_many overlaps them: Client.miss_clock), and the client's
+    lookup_many calls that read their tables overlapped."""
     local = client.handle(table).local_reads
     cold = getattr(local, "_cold", None)
     return {"distinct_asked": local.distinct_asked if local else 0, "distinct_cold": local.distinct_cold if local else 0,
             "bytes_read": cold.bytes_read if cold is not None else 0,
-            "cold_seconds": local.cold_seconds if local else 0.0, "client_miss_seconds": client.miss_clock.seconds}
+            "cold_seconds": local.cold_seconds if local else 0.0, "client_miss_seconds": client.miss_clock.seconds,
+            "overlapped_calls": client.overlapped}
 
 
 def timed_pass(fn, batches, rows: int | None = None) -> dict:

@@ -31,7 +31,8 @@ sequence; a decode step one token of each of 128 sequences.
 
 Competitors, one after another, each from a dropped page cache, each over the
 same steps in the same order (a step asks each layer's distinct ids):
-  tierstore-direct  Client.lookup against a `--direct-io` sidecar: local reads,
+  tierstore-direct  Client.lookup_many (both layers of a step in one call: read
+                    overlapped) against a `--direct-io` sidecar: local reads,
                     misses read with O_DIRECT by the client and verified
   tierstore-cached  the same against a page-cache sidecar (misses read through
                     the page cache)
@@ -227,10 +228,10 @@ class _TierstoreSide:
             self.proc.cleanup()
             raise
 
-    # a step's tables read at once (Client.lookup_many) or in turn (the default): together the
-    # misses ran +1-8% faster (ab_misses --pair tables), but over the full 1/6-scale run the
-    # learner fell behind (steady hit 0.544 against LRU's 0.549) and rows/s did not move
-    together = False
+    # a step's tables read through Client.lookup_many (overlapped where the misses wait on
+    # the device under O_DIRECT, staggered where a table's read is long; in turn otherwise),
+    # or one lookup a table in turn (ab_misses --pair tables sets this per block)
+    together = True
 
     def get(self, step):
         if not self.together:
@@ -342,6 +343,8 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         t0 = side.tables[0]
         d["miss_path_seconds"] = c1[t0]["local"]["client_miss_seconds"] - c0[t0]["local"]["client_miss_seconds"]
         d["miss_path_misses_per_s"] = cold / d["miss_path_seconds"] if d["miss_path_seconds"] > 0 else None
+        # steps whose tables were read overlapped (Client.lookup_many chose to; the others in turn)
+        d["steps_overlapped"] = c1[t0]["local"]["overlapped_calls"] - c0[t0]["local"]["overlapped_calls"]
         d["bytes_read_by_client"] = sum(c1[t]["local"]["bytes_read"] - c0[t]["local"]["bytes_read"]
                                         for t in side.tables)
         d["arena_fill"] = {t: int(c1[t].get("resident", 0)) / max(1, int(c1[t].get("capacity", 0)))
@@ -607,6 +610,10 @@ def large_line(r: dict) -> str:
                 s += (f"; reading them {d['steady_miss_path_misses_per_s'] / 1e3:.0f}k/s = "
                       f"{d['miss_path_of_disk_after']:.2f} of it, "
                       f"{d['steady_miss_path_share']:.0%} of the steps' time")
+        steady = [d["phases"][p] for p in ("steady_prefill", "steady_decode")]
+        overlapped = sum(p.get("steps_overlapped", 0) for p in steady) / max(1, sum(p["steps"] for p in steady))
+        if overlapped:
+            s += f", tables overlapped in {overlapped:.0%} of the steady steps"
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
             asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())

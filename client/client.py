@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +56,13 @@ _I8 = np.dtype("<i8")
 # tables lookup_many reads at once past the first (one reader thread each, each with its own
 # io_uring ring); a step of more tables queues the rest on these threads
 LOOKUP_THREADS = 7
+# lookup_many starts table k of a step k x this share of a table's last read time after the
+# first: each table's drain overlaps the next one's ramp, and each table's note leaves about
+# half a table's read before the next step probes it (the sidecar promotes a prefill table's
+# misses in ~25 ms; started together, the next step probed before they landed: docs/benchmarks.md).
+# Tables read in under LOOKUP_STAGGER_FROM_S start together: a decode step's notes are learned in
+# 2-3 ms and cost no hits started at once, where a stagger cost it 2-10% of its rows/s
+LOOKUP_STAGGER, LOOKUP_STAGGER_FROM_S = 0.5, 0.1
 
 
 def as_ids(ids) -> np.ndarray:
@@ -110,6 +118,8 @@ class Client:
         self._conn_id = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner on the wire)
         self._closed = False
         self._readers: ThreadPoolExecutor | None = None  # lookup_many's threads, made at its first call
+        self._id_seconds = 0.0  # lookup_many's last overlapped call: its seconds over its ids
+        self.overlapped = 0  # lookup_many calls that read their tables overlapped (the others: in turn)
         # wall seconds any of this client's tables spent in its miss path (local reads), overlaps once
         self.miss_clock = BusyClock()
         self.step_channel = StepChannel(step_socket_path(self.socket), timeout=timeout) if self.on_host else None
@@ -249,35 +259,42 @@ class Client:
     def lookup_many(self, tables: dict, inline: bool | None = None) -> dict[str, np.ndarray]:
         """lookup() for every table of a step ({table: ids}): {table: rows}, in the dict's order.
 
-        On the sidecar's host, while this client's misses wait on the device
-        (`miss_clock.device_bound`: the miss path's threads on a CPU under half its wall
-        time), the tables are read at once: the first in this thread, each other on a
-        reader thread of this client's (LOOKUP_THREADS), each thread with its own
-        io_uring ring. So while one table's misses wait on the device, the next table's
-        hits are copied and its misses join the device's queue, and the queue does not
-        drain between tables (the ids are known before the forward: an engine with two
-        Engram layers reads both layers' rows in one call). Where the misses are copies
-        (the page cache, a disk's own cache) they are read in turn: a second thread
-        would only take a core from the copies. Each table's step is noted to the
-        sidecar as soon as that table is read. A TCP client, or inline=True, asks for
-        the tables in turn. What it costs: with steps back to back (no forward between
-        them), every table's note now lands as the step ends, and the sidecar promotes a
-        prefill table's misses ~25 ms later, after the next step has probed: steady
-        prefill hit -0.004 at the 1/6-scale table for +1-4% rows/s (docs/benchmarks.md),
-        so bench large and the engines' stagers read layer by layer. Raises what lookup
-        raises, after every table's read has ended (the first error in the dict's
-        order); InvalidArgument when `tables` is not a {table: ids} mapping."""
+        On the sidecar's host, with every table's misses read with O_DIRECT (`serve
+        --direct-io`) and while they wait on the device (`miss_clock.device_bound`: the miss
+        path's threads on a CPU under half its wall time), the tables are read overlapped:
+        the first in this thread, each other on a reader thread of this client's
+        (LOOKUP_THREADS), each thread with its own io_uring ring. So one table's drain
+        overlaps the next one's ramp and the device's queue does not empty between tables
+        (the ids are known before the forward: an engine with two Engram layers reads both
+        layers' rows in one call). Each table's step is noted to the sidecar as soon as that
+        table is read. Where the first table's read is to take LOOKUP_STAGGER_FROM_S or more
+        (its ids at the last call's time an id), table k starts k x LOOKUP_STAGGER of that
+        time after the first, so each table's note still leaves about half a table's read
+        before the next step probes that table: the sidecar promotes a prefill table's
+        misses ~25 ms after its note, and with steps back to back and every table started at
+        once the next step probed first (prefill hit -0.004 at the 1/6-scale table). Through
+        the page cache, or with misses that are copies, the tables are read in turn: a
+        second thread would only take a core from the copies (tierstore-cached's decode lost
+        a quarter of its rate at the 1/6-scale table). A TCP client, or inline=True, asks
+        for the tables in turn. Raises what lookup raises, after every table's read has
+        ended (the first error in the dict's order); InvalidArgument when `tables` is not a
+        {table: ids} mapping."""
         if not isinstance(tables, Mapping):
             raise errors.InvalidArgument(f"lookup_many takes {{table: ids}}, got {type(tables).__name__}")
         items = list(tables.items())
-        if inline or not self.on_host or len(items) < 2 or not self.miss_clock.device_bound:
+        if inline or not self.on_host or len(items) < 2 or not self.miss_clock.device_bound or \
+                not self._all_direct(items):
             return {t: self.lookup(t, ids, inline) for t, ids in items}
         self._check_open()
         with self._lock:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tierstore-lookup")
             readers = self._readers
-        futures = [readers.submit(self.lookup, t, ids) for t, ids in items[1:]]
+        self.overlapped += 1
+        t0 = time.perf_counter()
+        first = self._id_seconds * np.size(items[0][1])  # the first table's read time, as the last call read
+        gap = LOOKUP_STAGGER * first if first >= LOOKUP_STAGGER_FROM_S else 0.0
+        futures = [readers.submit(self._lookup_at, t0 + k * gap, t, ids) for k, (t, ids) in enumerate(items[1:], 1)]
         got, failed = [], []
         try:
             got.append(self.lookup(*items[0]))
@@ -288,9 +305,24 @@ class Client:
                 got.append(f.result())
             except BaseException as e:
                 failed.append(e)
+        self._id_seconds = (time.perf_counter() - t0) / max(1, sum(np.size(ids) for _, ids in items))
         if failed:
             raise failed[0]
         return {t: rows for (t, _), rows in zip(items, got)}
+
+    def _all_direct(self, items: list) -> bool:
+        """Every table of the step reads its misses with O_DIRECT (the sidecar's --direct-io)."""
+        try:
+            return all(self.handle(t).cold_direct for t, _ in items)
+        except errors.TierstoreError:
+            return False  # read in turn: lookup raises it, in the dict's order
+
+    def _lookup_at(self, when: float, table: str, ids) -> np.ndarray:
+        """lookup() on a reader thread, started at perf_counter() `when` (lookup_many's stagger)."""
+        wait = when - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.lookup(table, ids)
 
     def split_table(self, table: str) -> SplitTable:
         """The split-layout table `table` mapped read-only for an engine (client/split_table.py):

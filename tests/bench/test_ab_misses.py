@@ -13,7 +13,8 @@ import pytest
 @pytest.mark.parametrize("pair, variants, order", [("ring", ("ring", "pool"), []),
                                                    ("publish", ("publish1024", "publish8192"), ["--swap"]),
                                                    ("tables", ("apart", "together"), ["--swap"]),
-                                                   ("notes", ("flusher", "step"), [])])
+                                                   ("notes", ("flusher", "step"), []),
+                                                   ("stagger", ("staggered", "atonce"), [])])
 def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(tmp_path, pair, variants, order):
     from tierstore.bench.cold import direct_io_refusal
     from tierstore.bench.large import _segment_paths, large_tables
