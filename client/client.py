@@ -56,12 +56,13 @@ _I8 = np.dtype("<i8")
 # tables lookup_many reads at once past the first (one reader thread each, each with its own
 # io_uring ring); a step of more tables queues the rest on these threads
 LOOKUP_THREADS = 7
-# lookup_many starts table k of a step k x this share of a table's last read time after the
-# first: each table's drain overlaps the next one's ramp, and each table's note leaves about
-# half a table's read before the next step probes it (the sidecar promotes a prefill table's
-# misses in ~25 ms; started together, the next step probed before they landed: docs/benchmarks.md).
-# Tables read in under LOOKUP_STAGGER_FROM_S start together: a decode step's notes are learned in
-# 2-3 ms and cost no hits started at once, where a stagger cost it 2-10% of its rows/s
+# lookup_many starts table k of a step k x this share of the first table's read time after it
+# (that table's ids at the last overlapped call's seconds an id): each table's drain overlaps
+# the next one's ramp, and each table's note leaves about half a table's read before the next
+# step probes it (the sidecar promotes a prefill table's misses in ~25 ms; started together,
+# the next step probed before they landed: docs/benchmarks.md). Tables to be read in under
+# LOOKUP_STAGGER_FROM_S start together: a decode step's notes are learned in 2-3 ms and cost
+# no hits started at once, where a stagger cost it 2-10% of its rows/s
 LOOKUP_STAGGER, LOOKUP_STAGGER_FROM_S = 0.5, 0.1
 
 
