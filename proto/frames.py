@@ -176,13 +176,7 @@ def send_frame(sock: socket.socket, op: int, parts: list, size: int | None = Non
     if size is not None and size <= SMALL_FRAME:  # one small copy is cheaper than a scatter list
         sock.sendall(HDR.pack(size, op) + b"".join(parts))
         return
-    views = [memoryview(p).cast("B") for p in parts]
-    size = sum(v.nbytes for v in views)
-    if size <= SMALL_FRAME:
-        sock.sendall(HDR.pack(size, op) + b"".join(views))
-        return
-    views.insert(0, memoryview(HDR.pack(size, op)))
-    send_rest(sock, views, 0)
+    send_rest(sock, frame_views(op, parts), 0)
 
 
 def frame_views(op: int, parts: list) -> list[memoryview]:
