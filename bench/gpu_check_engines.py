@@ -373,7 +373,7 @@ def check_sglang_stager(socket: str, table: str, ids: np.ndarray, want_packed: n
     scale = torch.empty((flat.size, DIM // 32), dtype=torch.uint8, pin_memory=cuda)
     with Client(socket) as c:
         StagedTable(c, table).gather(flat, weight.numpy(), scale.numpy())
-    if not cuda:  # the stager stages host rows where they are (RowStager._stage_layer): no upload
+    if not cuda:  # the stager stages host rows where they are (RowStager._stage_layers): no upload
         got = torch.cat([weight, scale], dim=1).numpy().reshape(want_packed.shape)
         return {"staged rows on the device == tierstore rows": bool(np.array_equal(got, want_packed)),
                 "the upload overlaps the forward": SKIP_NO_CUDA + "the upload is a copy on a CUDA side stream"}

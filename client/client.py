@@ -278,14 +278,22 @@ class Client:
         second thread would only take a core from the copies (tierstore-cached's decode lost
         a quarter of its rate at the 1/6-scale table). A TCP client, or inline=True, asks
         for the tables in turn. Raises what lookup raises, after every table's read has
-        ended (the first error in the dict's order); InvalidArgument when `tables` is not a
+        ended (the first error in the dict's order), its `table` attribute the table whose
+        read raised it (an engine names the layer); InvalidArgument when `tables` is not a
         {table: ids} mapping."""
         if not isinstance(tables, Mapping):
             raise errors.InvalidArgument(f"lookup_many takes {{table: ids}}, got {type(tables).__name__}")
         items = list(tables.items())
         if inline or not self.on_host or len(items) < 2 or not self.miss_clock.device_bound or \
                 not self._all_direct(items):
-            return {t: self.lookup(t, ids, inline) for t, ids in items}
+            got = {}
+            for t, ids in items:
+                try:
+                    got[t] = self.lookup(t, ids, inline)
+                except BaseException as e:
+                    e.table = t
+                    raise
+            return got
         self._check_open()
         with self._lock:
             if self._readers is None:
@@ -300,11 +308,13 @@ class Client:
         try:
             got.append(self.lookup(*items[0]))
         except BaseException as e:  # the other tables' reads end first: their rows are in flight
+            e.table = items[0][0]
             failed.append(e)
-        for f in futures:
+        for (t, _), f in zip(items[1:], futures):
             try:
                 got.append(f.result())
             except BaseException as e:
+                e.table = t
                 failed.append(e)
         self._id_seconds = (time.perf_counter() - t0) / max(1, sum(np.size(ids) for _, ids in items))
         if failed:

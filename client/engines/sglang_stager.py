@@ -2,8 +2,9 @@
 
 A cache-mode table cannot be sglang's host table (that is the whole table), so
 a staged layer holds no rows at all. Ahead of each forward, in the scheduler,
-`RowStager` hashes the batch's tokens on the host, reads each layer's rows from
-the sidecar's client (Client.lookup: resident rows copied from the cache arena,
+`RowStager` hashes the batch's tokens on the host, reads every layer's rows from
+the sidecar's client in one call (Client.lookup_many, step_reads.py: under `serve
+--direct-io` the layers' tables read overlapped; resident rows copied from the cache arena,
 each checked against its slot's sequence lock; misses read from the segment
 files and verified by their row sums, or planned through the sidecar) into
 split buffers, fp8 weights [n, 256] and ue8m0 scales [n, 8], pinned on CUDA,
@@ -65,9 +66,10 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
+from tierstore.client.engines.step_reads import read_step
 from tierstore.jit import unique_inverse
 
-__all__ = ["RowStager", "StagedTable", "StagedHostTable", "UnstagedForward", "upload", "process_client",
+__all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload", "process_client",
            "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
@@ -124,28 +126,41 @@ class StagedTable:
 
     def read(self, which: str, rows: np.ndarray) -> np.ndarray:
         """uint8 [len(rows), width] of the weights or the scales of `rows` (CheckpointCheck)."""
-        got = self._lookup(np.ascontiguousarray(rows, dtype=np.int64))
+        got = read_layers([self], [np.ascontiguousarray(rows, dtype=np.int64)])[0]
         return got[:, :self.dim] if which == "weight" else got[:, self.dim:]
 
     def gather(self, ids: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> None:
-        """weight[k] = the fp8 bytes of row ids[k], scale[k] its ue8m0 bytes: each distinct row
-        read once (Client.lookup), then split into the two buffers."""
-        uniq, inv = unique_inverse(ids)
-        got = self._lookup(uniq)
-        np.take(got[:, :self.dim], inv, axis=0, out=weight)
-        np.take(got[:, self.dim:], inv, axis=0, out=scale)
+        """weight[k] = the fp8 bytes of row ids[k], scale[k] its ue8m0 bytes (gather_layers)."""
+        gather_layers([self], [ids], [weight], [scale])
 
-    def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        try:
-            got = self.client.lookup(self.table, ids)
-            served = self.client.handle(self.table).version
-        except errors.TierstoreError as e:
-            raise StagingError(f"tierstore could not give sglang's Engram rows of table {self.table} for this "
-                               f"batch ({type(e).__name__}: {e}); no rows were staged") from e
-        if served != self.version:
-            raise StagingError(f"tierstore now serves table {self.table} at v{served}; this sglang process checked "
-                               f"its checkpoint against v{self.version} and never mixes versions: restart sglang")
-        return got
+
+def read_layers(tables: list, ids: list) -> list[np.ndarray]:
+    """Rows uint8 [n, dim + dim / 32] of ids[i] (int64) of staged table tables[i], every layer's
+    read at once (step_reads.read_step: overlapped under --direct-io), each checked to be
+    served at the version its layer was built on. StagingError naming the table otherwise."""
+    try:
+        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)])
+        served = [t.client.handle(t.table).version for t in tables]
+    except errors.TierstoreError as e:
+        which = getattr(e, "table", None) or ", ".join(t.table for t in tables)
+        raise StagingError(f"tierstore could not give sglang's Engram rows of table {which} for this "
+                           f"batch ({type(e).__name__}: {e}); no rows were staged") from e
+    for t, v in zip(tables, served):
+        if v != t.version:
+            raise StagingError(f"tierstore now serves table {t.table} at v{v}; this sglang process checked "
+                               f"its checkpoint against v{t.version} and never mixes versions: restart sglang")
+    return got
+
+
+def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:
+    """weights[i][k] = the fp8 bytes of row ids[i][k] of staged table tables[i], scales[i][k] its
+    ue8m0 bytes: each layer's distinct rows read once, every layer's in one read (read_layers),
+    then split into the two buffers."""
+    wanted = [unique_inverse(i) for i in ids]
+    got = read_layers(tables, [u for u, _ in wanted])
+    for t, (_, inv), rows, weight, scale in zip(tables, wanted, got, weights, scales):
+        np.take(rows[:, :t.dim], inv, axis=0, out=weight)
+        np.take(rows[:, t.dim:], inv, axis=0, out=scale)
 
 
 class StagedHostTable:
@@ -282,17 +297,17 @@ class RowStager:
         staged = [None] * self.n_layers
         if mode.is_decode() and self.buffers is not None and self.buffers.fits(ids.shape[0] * self.cols):
             return self._stage_graph(ids, staged)
-        for k, source in self.layers:
-            staged[k] = self._stage_layer(source, np.ascontiguousarray(ids[:, k].reshape(-1)))
-        return staged
+        return self._stage_layers(ids, staged)
+
+    def _layer_ids(self, ids: np.ndarray) -> list[np.ndarray]:
+        return [np.ascontiguousarray(ids[:, k].reshape(-1)) for k, _ in self.layers]
 
     def _stage_graph(self, ids: np.ndarray, staged: list) -> list:
         """A decode batch a captured graph may run: every layer's rows into the persistent
         buffers (rows past them zeroed), copied once on the side stream."""
         n = ids.shape[0] * self.cols
-        for i, (k, source) in enumerate(self.layers):
-            weight, scale = self.buffers.host_rows(i, n)
-            source.gather(np.ascontiguousarray(ids[:, k].reshape(-1)), weight, scale)
+        host = [self.buffers.host_rows(i, n) for i in range(len(self.layers))]
+        gather_layers([t for _, t in self.layers], self._layer_ids(ids), [w for w, _ in host], [s for _, s in host])
         weights, scales, copied = self.buffers.publish(n, self.copy_stream)
         for i, (k, _) in enumerate(self.layers):
             staged[k] = (weights[i], scales[i], copied)
@@ -310,16 +325,21 @@ class RowStager:
         i = self._slot[id(embed.tierstore_table)]
         return dequant_rows(embed, self.buffers.weight[i, :n], self.buffers.scale[i, :n], indices.shape)
 
-    def _stage_layer(self, source, ids: np.ndarray):
+    def _stage_layers(self, ids: np.ndarray, staged: list) -> list:
+        """A batch staged into buffers of its own: every layer's rows read at once, then one
+        copy to the device on the side stream (each layer's entry a view of it)."""
         import torch
 
-        n = ids.size
-        weight = torch.empty((n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
-        scale = torch.empty((n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
-        source.gather(ids, weight.numpy(), scale.numpy())
-        if not self.cuda:
-            return weight, scale, None
-        return upload(weight, scale, self.device, self.copy_stream)
+        n, layers = ids.shape[0] * self.cols, len(self.layers)
+        weight = torch.empty((layers, n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
+        scale = torch.empty((layers, n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
+        gather_layers([t for _, t in self.layers], self._layer_ids(ids), list(weight.numpy()), list(scale.numpy()))
+        copied = None
+        if self.cuda:
+            weight, scale, copied = upload(weight, scale, self.device, self.copy_stream)
+        for i, (k, _) in enumerate(self.layers):
+            staged[k] = (weight[i], scale[i], copied)
+        return staged
 
     def _hash(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """sglang's own hash of predecessor windows (EngramHasher.hash_windows, on the host):

@@ -17,9 +17,10 @@ step's token ids in the runner's host token table (`input_batch.token_ids_cpu`).
 (`windows`), and `StepStager.stage` hashes them on the host (tierstore's NgramHasher
 over vLLM's own compression map, checked against vLLM's multipliers; it agrees with
 `_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py), reads each
-staged layer's rows through tierstore's client (Client.lookup: resident rows copied
-from the cache arena under its seqlock, misses read from the segment files and
-verified by their row sums) and copies them to the device on a side stream, the
+staged layer's rows through tierstore's client, every layer's in one call
+(Client.lookup_many, step_reads.py: under `serve --direct-io` the layers' tables read
+overlapped; resident rows copied from the cache arena under its seqlock, misses read
+from the segment files and verified by their row sums) and copies them to the device on a side stream, the
 forward's stream waiting for the copy. The layer's lookup only reads them: no
 `.cpu()`, no device sync, nothing a CUDA graph cannot capture.
 
@@ -63,6 +64,7 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
+from tierstore.client.engines.step_reads import read_step
 from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
@@ -118,19 +120,7 @@ class StagedEngramTable:
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows uint8 [len(ids), dim + dim / 32] (weights then scales, the stored bytes) of
         table ids `ids`, verified; StagingError naming the layer if they cannot be had."""
-        try:
-            got = self.client.lookup(self.table, np.ascontiguousarray(ids, dtype=np.int64))
-            served = self.client.handle(self.table).version
-        except (errors.TierstoreError, OSError) as e:
-            raise StagingError(
-                f"tierstore could not give vLLM's Engram layer {self.layer_id} its rows of table {self.table} "
-                f"({type(e).__name__}: {e}); the step stops before the rows are used") from e
-        if served != self.version:
-            raise StagingError(
-                f"tierstore now serves table {self.table} (Engram layer {self.layer_id}) at v{served}; this vLLM "
-                f"process checked its checkpoint against v{self.version} and never mixes versions: restart vLLM")
-        return got
-
+        return read_layers([self], [np.ascontiguousarray(ids, dtype=np.int64)])[0]
 
     def bind(self, emb) -> None:
         """Record the rank's share of the table that staged layer `emb` (a ParallelEngramEmbedding)
@@ -139,11 +129,11 @@ class StagedEngramTable:
         self.head_start, self.part, self.n_hash_cols = emb.head_start, emb.part_n_hash_cols, emb.n_hash_cols
         self.vocab = (emb.vocab_start_idx, emb.vocab_end_idx)
 
-    def fetch(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows uint8 [distinct + 1, dim + dim / 32], where int64 [tokens x part]) of hash ids
-        `ids` [tokens, n_hash_cols] (table row ids): the distinct rows of this rank's heads, read
-        once each (`read`), then a zero row, and each (token, head)'s row among them, token-major;
-        a padded head or an id outside the rank's rows reads the zero row (what
+    def want(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct int64, where int64 [tokens x part]) of hash ids `ids` [tokens, n_hash_cols]
+        (table row ids): the distinct rows of this rank's heads, and each (token, head)'s row
+        among them, token-major, len(distinct) for a padded head or an id outside the rank's
+        rows (they read the zero row `fetched` puts after the rows: what
         `_engram_lookup_kernel` writes for them)."""
         tokens = ids.shape[0]
         heads = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
@@ -152,15 +142,18 @@ class StagedEngramTable:
         flat = heads.reshape(-1)
         owned = (flat >= self.vocab[0]) & (flat < self.vocab[1])
         uniq, inv = unique_inverse(np.ascontiguousarray(flat[owned]))
-        rows = np.zeros((uniq.size + 1, self.dim + self.dim // FP8_BLOCK), np.uint8)
-        if uniq.size:
-            rows[:-1] = self.read(uniq)
         where = np.full(flat.size, uniq.size, dtype=np.int64)
         where[owned] = inv
+        return uniq, where
+
+    def fetched(self, got: np.ndarray, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`fill`'s input: the rows read for `want`'s distinct ids, then a zero row, and where."""
+        rows = np.zeros((got.shape[0] + 1, self.dim + self.dim // FP8_BLOCK), np.uint8)
+        rows[:-1] = got
         return rows, where
 
     def fill(self, fetched: tuple[np.ndarray, np.ndarray], weight: np.ndarray, scale: np.ndarray) -> None:
-        """weight [n, dim] / scale [n, dim / 32] = the fp8 / ue8m0 bytes of `fetch`'s rows in order."""
+        """weight [n, dim] / scale [n, dim / 32] = the fp8 / ue8m0 bytes of `fetched`'s rows in order."""
         rows, where = fetched
         np.take(rows[:, :self.dim], where, axis=0, out=weight)
         np.take(rows[:, self.dim:], where, axis=0, out=scale)
@@ -185,6 +178,27 @@ class StagedEngramTable:
             out[..., self.dim:].copy_(scale)
         else:
             out.copy_(dequantize_split(weight, scale, self.dim))
+
+
+def read_layers(tables: list, ids: list) -> list[np.ndarray]:
+    """Rows uint8 [n, dim + dim / 32] of ids[i] (int64) of staged layer tables[i], every layer's
+    read at once (step_reads.read_step: overlapped under --direct-io), each checked to be served
+    at the version its layer was built on. StagingError naming the layer otherwise."""
+    try:
+        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)])
+        served = [t.client.handle(t.table).version for t in tables]
+    except (errors.TierstoreError, OSError) as e:
+        failed = [t for t in tables if t.table == getattr(e, "table", None)] or tables
+        raise StagingError(
+            f"tierstore could not give vLLM's Engram layer {', '.join(str(t.layer_id) for t in failed)} its rows of "
+            f"table {', '.join(t.table for t in failed)} ({type(e).__name__}: {e}); the step stops before the rows "
+            f"are used") from e
+    for t, v in zip(tables, served):
+        if v != t.version:
+            raise StagingError(
+                f"tierstore now serves table {t.table} (Engram layer {t.layer_id}) at v{v}; this vLLM process "
+                f"checked its checkpoint against v{t.version} and never mixes versions: restart vLLM")
+    return got
 
 
 def dequantize_split(weight: "torch.Tensor", scale: "torch.Tensor", dim: int) -> "torch.Tensor":
@@ -280,7 +294,9 @@ class StepStager:
         import torch
 
         tokens = next(iter(ids.values())).shape[0]
-        fetched = [t.fetch(ids[t.layer_id]) for t in self.tables]  # every read before any write
+        wanted = [t.want(ids[t.layer_id]) for t in self.tables]
+        got = read_layers(self.tables, [uniq for uniq, _ in wanted])  # every layer's read at once, before any write
+        fetched = [t.fetched(rows, where) for t, rows, (_, where) in zip(self.tables, got, wanted)]
         n = tokens * self.part
         if self.buffers is not None and self.buffers.fits(n):
             for i, t in enumerate(self.tables):

@@ -589,6 +589,7 @@ def test_lookup_many_reads_a_steps_tables_at_once_exactly_and_each_is_learned(tm
     rows its own, bit-exact, each table's steps noted; a bad id in one table raises that table's
     error after the others' reads end, and the client reads on."""
     from tierstore.client import local_reads
+    from tierstore.client.engines.step_reads import read_step
 
     # the misses of these small tables may be copies from the disk's cache: the rule is made to
     # see them as waits on the device, so the threaded route is the one taken under --direct-io
@@ -612,10 +613,17 @@ def test_lookup_many_reads_a_steps_tables_at_once_exactly_and_each_is_learned(tm
             assert 0 < c.miss_clock.seconds <= sum(c.handle(t).local_reads.cold_seconds for t in data) + 1e-6
             threaded = [t for t in threading.enumerate() if t.name.startswith("tierstore-lookup")]
             assert bool(threaded) == (flag == "--direct-io"), "overlapped reads only under O_DIRECT"
-            with pytest.raises(errors.IdOutOfRange):
+            with pytest.raises(errors.IdOutOfRange) as bad:
                 c.lookup_many({"a": np.arange(10), "b": np.array([ROWS])})
-            with pytest.raises(errors.TableNotFound):
+            assert bad.value.table == "b"  # the table whose read raised it (an engine names its layer)
+            with pytest.raises(errors.TableNotFound) as bad:
                 c.lookup_many({"nope": np.arange(3), "a": np.arange(3)})
+            assert bad.value.table == "nope"
+            # an engine's step (client/engines/step_reads.py): two layers on one table read as one ask
+            asks = [(c, "a", rng.integers(0, ROWS, 300)), (c, "b", rng.integers(0, ROWS, 200)),
+                    (c, "a", rng.integers(0, ROWS, 100))]
+            for (_, t, ids), rows in zip(asks, read_step(asks)):
+                assert np.array_equal(rows, data[t][ids])
             with pytest.raises(errors.InvalidArgument, match="table: ids"):
                 c.lookup_many([("a", np.arange(3))])
             ids = rng.integers(0, ROWS, 50)

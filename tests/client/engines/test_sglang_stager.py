@@ -427,6 +427,76 @@ def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sg
         assert isinstance(e.value.__cause__, errors.DataLoss)
 
 
+def test_a_batchs_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_path, sglang_engram, staged,
+                                                                            monkeypatch):
+    """Under `serve --direct-io` the stager reads a batch's two layers in one Client.lookup_many,
+    overlapped (the client's `overlapped` counts the batches), each layer's staged rows exactly
+    its own table's rows of its hash ids; a bad row stops the batch naming its own table."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from torch import nn
+
+    from sglang.srt.layers.engram_staging import EngramRowStager
+
+    from direct_sidecar import direct_sidecar
+    from tierstore.client import local_reads
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.store.catalog import Catalog
+
+    # these small tables' misses may come from the disk's cache: the rule is made to see them as
+    # waits on the device, so lookup_many takes its overlapped route as it does on a large table
+    monkeypatch.setattr(local_reads, "DEVICE_BOUND", 2.0)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", 64)
+    arrays = write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False)
+    text = json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"]
+    rows = sum(a["embed.weight"].shape[0] for a in arrays.values())
+    sc = direct_sidecar(tmp_path / "data", budget=str(rows * 264 // 4))
+    try:
+        monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", str(sc.socket))
+        ts_sglang.install()
+        try:
+            fed = [build_engram(sglang_engram, dict(root=tmp_path, text=text), L)[0] for L in LAYERS]
+        finally:
+            for var in HOST_TABLE_VARS:
+                os.environ.pop(var, None)
+        stager = EngramRowStager.from_model(nn.ModuleList(fed), staged["hasher"], torch.device("cpu"))
+        client = stager.layers[0][1].client
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(0, 512, 48).tolist(), rng.integers(0, 512, 20).tolist()]
+        reqs = [_req(f"o{i}", p) for i, p in enumerate(prompts)]
+        lens = [len(p) for p in prompts]
+        batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=lens)
+        before, steps = client.overlapped, 5
+        for step in range(steps):
+            if step:
+                for r in reqs:
+                    r.output_ids.append(int(rng.integers(0, 512)))
+                batch.forward_mode = ForwardMode.DECODE
+                batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+            windows = stager._decode_windows(batch) if step else stager._extend_windows(batch)
+            ids = stager._hash(*windows)
+            got = stager.stage(batch)
+            for k, L in enumerate(LAYERS):
+                want = ids[:, k].reshape(-1)
+                weight, scale, _ = got[k]
+                assert np.array_equal(weight.numpy(), arrays[L]["embed.weight"].view(np.uint8)[want]), (step, L)
+                assert np.array_equal(scale.numpy(), arrays[L]["embed.scale"].view(np.uint8)[want]), (step, L)
+        # every batch but the first: lookup_many reads in turn until its clock has seen misses wait
+        assert client.overlapped - before >= steps - 1, "a batch's layers were read in turn"
+        last = _req("bad", rng.integers(0, 512, 6).tolist())
+        tokens, positions = stager._windows([(last, 0, 6)], "extend")
+        with Catalog(tmp_path / "data", readonly=True) as cat:
+            for bad in np.unique(stager._hash(tokens, positions)[:, 1]).tolist():
+                flip_row_byte(tmp_path / "data", cat.current(f"l{LAYERS[1]}"), bad)
+        bad_batch = ScheduleBatch(reqs=[last], forward_mode=ForwardMode.EXTEND, prefix_lens=[0], extend_lens=[6])
+        with pytest.raises(StagingError, match=rf"rows of table l{LAYERS[1]} for this batch .*checksum mismatch"):
+            stager.stage(bad_batch)
+    finally:
+        sc.cleanup()
+
+
 def test_stage_on_stages_a_split_layout_table_too(tmp_path, sglang_engram, staged, monkeypatch):
     """TIERSTORE_SGLANG_STAGE=on: a full-resident split table is staged as well (its rows read
     with Client.lookup, interleaved whatever the arena's layout), bit-identical."""

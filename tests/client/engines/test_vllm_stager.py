@@ -437,6 +437,58 @@ def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_worl
 
 
 @parent
+def test_a_steps_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_path, vllm_world, monkeypatch):
+    """Under `serve --direct-io` a step's two staged layers are read in one Client.lookup_many,
+    overlapped (the client's `overlapped` counts the steps), and each layer's lookup still gets
+    exactly its own table's rows; a bad row names its own layer, not the other."""
+    from direct_sidecar import direct_sidecar
+    from tierstore.client import local_reads
+    from tierstore.store.catalog import Catalog
+
+    # these small tables' misses may come from the disk's cache: the rule is made to see them as
+    # waits on the device, so lookup_many takes its overlapped route as it does on a large table
+    monkeypatch.setattr(local_reads, "DEVICE_BOUND", 2.0)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
+    arrays = write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False)
+    rows = sum(a["embed.weight"].shape[0] for a in arrays.values())
+    sc = direct_sidecar(tmp_path / "data", budget=str(rows * 264 // 4))
+    try:
+        vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket)))
+        served = dict(ckpt=tmp_path / "ckpt", arrays=arrays)
+        layout = vllm_engram.layout(CONFIG)
+        embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
+        stager = _stager(served, embs, capacity=24)
+        client = stager.tables[0].client
+        sizes = [16, 3, 24, 40, 1, 8]
+        table, steps = _token_steps(np.random.default_rng(11), sizes)
+        before = client.overlapped
+        for size, (starts, counts) in zip(sizes, steps):
+            stager.stage(vllm_stager.windows(table, starts, counts, 4))
+            for emb, L in zip(embs, LAYERS):
+                got = torch.empty((size, emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
+                emb.lookup(torch.zeros((size, emb.n_hash_cols), dtype=torch.int32), got)
+                want = _reference(served, emb, L, _hash_ids(stager, table, starts, counts, L))
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (L, size)
+        # every step but the first: lookup_many reads in turn until its clock has seen misses wait
+        assert client.overlapped - before >= len(sizes) - 1, "a step's layers were read in turn"
+        # rows of the second layer no step has read (so none is resident), each with a byte flipped
+        seen = {int(i) for starts, counts in steps
+                for i in stager._hash(vllm_stager.windows(table, starts, counts, 4))[LAYERS[1]].reshape(-1)}
+        fresh = np.random.default_rng(12).integers(0, 499, (1, 64))
+        last = vllm_stager.windows(fresh, np.array([60]), np.array([1]), 4)
+        with Catalog(tmp_path / "data", readonly=True) as cat:
+            for bad in {int(i) for i in stager._hash(last)[LAYERS[1]].reshape(-1)} - seen:
+                flip_row_byte(tmp_path / "data", cat.current(f"l{LAYERS[1]}"), bad)
+        with pytest.raises(vllm_stager.StagingError, match=rf"Engram layer {LAYERS[1]} its rows of table "
+                                                          rf"l{LAYERS[1]} .*checksum mismatch"):
+            stager.stage(last)
+    finally:
+        vllm_plugin.uninstall()
+        sc.cleanup()
+
+
+@parent
 def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path, vllm_world):
     """A flipped byte in a cold row a step needs: staging the step raises StagingError naming the
     layer (DATA_LOSS from the verified read), before the forward, and the buffers keep the last

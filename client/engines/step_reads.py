@@ -1,0 +1,38 @@
+"""One read of a step's rows for every staged Engram layer: the stagers' way to the client.
+
+An engine's stager knows every layer's ids before the forward (they are hashes
+of the step's tokens), so it asks for all its layers' rows at once, through
+Client.lookup_many: under `serve --direct-io` a step's tables are then read
+overlapped (one table's misses in flight while the next table's hits are
+copied, one ring a table), where reading them layer by layer drains the device's
+queue between layers (V4.1 has two Engram layers: bench large reads its two
+tables this way too).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["read_step"]
+
+
+def read_step(asks: list) -> list[np.ndarray]:
+    """Rows uint8 [len(ids), row_bytes] of each (client, table, ids) of `asks`, in order.
+
+    Each client's tables are read in one Client.lookup_many; layers that share a table
+    are read as one ask (their ids joined) and split again. Raises what lookup raises,
+    its `table` attribute the table whose read raised it."""
+    out: list = [None] * len(asks)
+    by_client: dict[int, tuple] = {}
+    for i, (client, table, ids) in enumerate(asks):
+        by_client.setdefault(id(client), (client, {}))[1].setdefault(table, []).append(i)
+    for client, tables in by_client.values():
+        joined = {t: np.concatenate([asks[i][2] for i in at]) if len(at) > 1 else asks[at[0]][2]
+                  for t, at in tables.items()}
+        got = client.lookup_many(joined)
+        for t, at in tables.items():
+            lo = 0
+            for i in at:
+                n = asks[i][2].size
+                out[i] = got[t][lo:lo + n] if len(at) > 1 else got[t]
+                lo += n
+    return out
