@@ -21,7 +21,8 @@ index (tierstore/cache/slot_index.py):
    read them from disk again (it verifies each against its row sum first). For
    format 2 under O_DIRECT a row's sum is not in the page cache, so the note carries
    whole records, each row with its sum keyed by the version's salt (carried_form
-   "records"; the sidecar takes them only from a peer of its own uid).
+   "records"; the sidecar takes them only from a peer of its own uid): the records as
+   read and verified, kept by read_into, so no sum is made again here.
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
 a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
@@ -142,15 +143,18 @@ class LocalReads:
                 return None
             uniq, inv = unique_inverse(ids[where])
             got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+            # format 2 under O_DIRECT: the misses' records as read ride on the note (no sum made again)
+            records = np.empty((uniq.size, cold.record_bytes), dtype=np.uint8) \
+                if cold.carried_form == "records" else None
             t0, c0 = time.perf_counter(), time.thread_time()
             with self._clock:
                 try:
                     if self._flights is not None:  # a row another client is reading now is not read again
                         shared = self._flights.rows_shared
-                        self._flights.read(uniq, got, cold)  # verified; ChecksumError is DATA_LOSS
+                        self._flights.read(uniq, got, cold, records)  # verified; ChecksumError is DATA_LOSS
                         self.distinct_device += uniq.size - (self._flights.rows_shared - shared)
                     else:
-                        cold.read_into(uniq, got, np.arange(uniq.size))  # verified; ChecksumError is DATA_LOSS
+                        cold.read_into(uniq, got, np.arange(uniq.size), records=records)  # verified: DATA_LOSS
                         self.distinct_device += uniq.size
                 finally:
                     self._clock.cpu(time.thread_time() - c0)
@@ -166,7 +170,7 @@ class LocalReads:
         if uniq is not None:
             form = self._cold.carried_form
             if form == "records":
-                got = self._cold.carried_records(uniq, got)
+                got = records
             elif not form:
                 uniq = got = None
         self._note(self.table, self.version, asked, uniq, got)

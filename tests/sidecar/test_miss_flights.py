@@ -33,6 +33,15 @@ from tierstore.client.client import Client
 
 sock, table, ids_path, warm, go, out = sys.argv[1:7]
 ids = np.load(ids_path)
+# the records this client's note carries for its misses, read here or copied from another client's,
+# checked against the ones made from the rows (a record the sidecar would refuse is caught here,
+# though the sidecar may never look at it: another client's note can promote the row first)
+from tierstore.cache.miss_flights import MissFlights
+_read, checked = MissFlights.read, []
+def read(self, want, got, reader, records=None):
+    _read(self, want, got, reader, records)
+    checked.append(records is not None and np.array_equal(records, reader.carried_records(want, got)))
+MissFlights.read = read
 
 def read_bytes():
     with open("/proc/self/io") as f:
@@ -50,7 +59,8 @@ with Client(sock) as c:
     took = time.monotonic() - t0
     np.save(out, rows)
     print(json.dumps(dict(read_bytes=read_bytes() - before, device=local.distinct_device - device,
-                          cold=local.distinct_cold, seconds=took)), flush=True)
+                          cold=local.distinct_cold, seconds=took, records_ok=all(checked),
+                          shared=local._flights.rows_shared)), flush=True)
 """
 
 # a reader that claims rows and dies (or stalls) before it has read them
@@ -136,6 +146,18 @@ def test_clients_missing_the_same_rows_read_each_from_the_device_once(direct, tm
     per_miss = sum(r["read_bytes"] for r in together) / alone["read_bytes"]
     assert per_miss <= 1.05, f"{CLIENTS} clients read the device {per_miss:.2f}x per distinct miss"
     assert sum(r["device"] for r in together) <= 1.05 * ids.size
+    # every client's note carries a record for each of its misses, read or copied from another's,
+    # each the one made from its row; the sidecar takes them (none refused and read again)
+    assert all(r["records_ok"] for r in together) and sum(r["shared"] for r in together) > 0
+    with Client(sc.socket) as c:
+        deadline = time.monotonic() + 10
+        while True:
+            s = next(t for t in c.stats()["tables"] if t["table"] == "t")
+            if int(s["local_steps"]) >= 2 * CLIENTS or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    assert int(s["local_steps"]) >= 2 * CLIENTS, s  # each client's warm-up and batch
+    assert int(s["note_rows_refused"]) == 0 and int(s["note_rows_placed"]) > 0, s
 
 
 @pytest.mark.parametrize("how", ["killed", "stalled"])

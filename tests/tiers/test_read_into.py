@@ -73,10 +73,15 @@ def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode,
             ids = np.sort(rng.choice(3001, n, replace=False)).astype(np.int64)
             dest = np.zeros((4000, rb), dtype=np.uint8)
             slots = rng.choice(4000, n, replace=False)
-            r.read_into(ids, dest, slots, cached=cached)
+            records = np.zeros((4000, r.carried_records(ids[:1], data[ids[:1]]).shape[1]), dtype=np.uint8)
+            r.read_into(ids, dest, slots, cached=cached, records=records)
             assert np.array_equal(dest[slots], data[ids])
             untouched = np.setdiff1d(np.arange(4000), slots)
             assert not dest[untouched].any()  # nothing written outside the given slots
+            # the records a client carries on its note: as read (format 2, O_DIRECT) or made from
+            # the rows, either way the ones carried_records makes, and only at the slots
+            assert np.array_equal(records[slots], r.carried_records(ids, data[ids])), (n, r.carried_form)
+            assert not records[untouched].any()
         assert np.array_equal(r.read_rows(np.array([3000, 0, 0, 17])), data[[3000, 0, 0, 17]])
         r.read_into(np.zeros(0, np.int64), np.zeros((1, rb), np.uint8), np.zeros(0, np.int64))
 

@@ -168,9 +168,12 @@ class MissFlights:
         _SAME.compiled()(self.words, none, none, np.empty(0, np.bool_))
         _POLL.compiled()(self.words, none, none, none, none, flags)
 
-    def read(self, ids: np.ndarray, out: np.ndarray, reader) -> None:
+    def read(self, ids: np.ndarray, out: np.ndarray, reader, records: np.ndarray | None = None) -> None:
         """out[i] = row ids[i] (sorted, distinct, in range int64), verified, each read
-        from the device by this client or by another that missed it at the same time.
+        from the device by this client or by another that missed it at the same time;
+        records[i] (optional, uint8 [n, record_bytes], carried_form "records") its record
+        as a client carries it: as read where this client read it, made from the row where
+        it was copied from another's.
 
         reader: the table's SegmentReader (its read_into, carried_form "records" or
         "rows", carried_records, place_records / place_rows). Raises what read_into
@@ -184,27 +187,34 @@ class MissFlights:
         own = np.flatnonzero(state >= _MINE)  # claimed, or a full bucket: read here
         mine = state[own] == _MINE
         self.rows_claimed += int(np.count_nonzero(mine))
+        as_records = reader.carried_form == "records"
+        if as_records and records is None:
+            records = np.empty((n, reader.record_bytes), dtype=np.uint8)  # what this client publishes
         for a in range(0, own.size, PUBLISH_ROWS):
             part, claimed = own[a:a + PUBLISH_ROWS], mine[a:a + PUBLISH_ROWS]
             try:
-                reader.read_into(ids[part], out, part)
+                reader.read_into(ids[part], out, part, records=records if as_records else None)
             except BaseException:
                 give_up = own[a:][mine[a:]]
                 _SWAP.compiled()(self.words, entry[give_up], seen[give_up], 0)
                 raise
             pub = part[claimed]
             if pub.size:
-                got = out[pub]
-                self.rows[entry[pub]] = reader.carried_records(ids[pub], got) \
-                    if reader.carried_form == "records" else got
+                self.rows[entry[pub]] = records[pub] if as_records else out[pub]
                 _SWAP.compiled()(self.words, entry[pub], seen[pub], 1)
+        copied = [ready]
         missed = self._copy(ids, ready, entry, seen, out, reader)
         waited = np.flatnonzero(state == _WAIT)
         if waited.size:
+            copied.append(waited)
             missed = np.concatenate([missed, self._wait(ids, waited, entry, seen, out, reader)])
         if missed.size:
             missed.sort()
-            reader.read_into(ids[missed], out, missed)
+            reader.read_into(ids[missed], out, missed, records=records if as_records else None)
+        if as_records:  # rows copied from another client's records: their records made from the rows
+            took = np.setdiff1d(np.concatenate(copied), missed, assume_unique=True)
+            if took.size:
+                records[took] = reader.carried_records(ids[took], out[took])
 
     def _copy(self, ids, at, entry, seen, out, reader) -> np.ndarray:
         """Copy the READY entries of ids[at] into out[at], verified; returns the positions

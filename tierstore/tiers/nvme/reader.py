@@ -303,7 +303,8 @@ class SegmentReader(ColdTier):
         np.take(tmp, inv.reshape(-1), axis=0, out=out)
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False,
+                  records: np.ndarray | None = None) -> None:
         """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
 
         ids: int64, sorted, unique and in range (not re-checked: the engine
@@ -314,6 +315,11 @@ class SegmentReader(ColdTier):
         cached: the caller knows the rows' pages are in the page cache (a local
             client has just read them): page-cache mode gathers them through the
             map at once, no probe, no pool hand-off (ignored with O_DIRECT).
+        records: optional writable uint8 [capacity, W] (W the width carried_records gives:
+            record_bytes in format 2): records[slots[i]] = row ids[i]'s record as a client
+            carries it (carried_records). Under O_DIRECT
+            with sums in the records (carried_form "records") the verified records as read,
+            so no sum is computed again; elsewhere made from the rows.
         Thread-safe: call concurrently on one reader, no lock needed.
         Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
         row fails verification or its segment is missing/truncated/not a file;
@@ -334,7 +340,9 @@ class SegmentReader(ColdTier):
         elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
             results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
         else:
-            results = self._fill_many(ids, dest, slots)
+            results = self._fill_many(ids, dest, slots, records if self._records_read else None)
+        if records is not None and not self._records_read:
+            records[slots] = self.carried_records(ids, dest[slots])
         with self._lock:
             self.bytes_read += sum(r[0] for r in results)
         bad = [r[1:] for r in results if r[1] >= 0]
@@ -373,6 +381,11 @@ class SegmentReader(ColdTier):
         if not (self.sums_in_records and self.direct is not None):
             return "rows"
         return "records" if self.row_key.binds_version else ""
+
+    @property
+    def _records_read(self) -> bool:
+        """read_into's records are the records as read (no sum made again): carried_form "records"."""
+        return self.carried_form == "records"
 
     def carried_records(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The format 2 records (row, padding, row sum) of verified rows uint8 [n, row_bytes]
@@ -477,7 +490,7 @@ class SegmentReader(ColdTier):
                 out.append((offsets.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
         return out
 
-    def _fill_many(self, ids, dest, slots) -> list[tuple[int, int, str]]:
+    def _fill_many(self, ids, dest, slots, records=None) -> list[tuple[int, int, str]]:
         """Rows over segments and chunks, read by the pool when there are many."""
         n, sr = int(ids.size), self.version.segment_rows
         segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
@@ -513,7 +526,7 @@ class SegmentReader(ColdTier):
             per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
                 (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
             k = max(1, min(most, len(chunks), n // per))
-        run = lambda part: [self._fill(c, ids, dest, slots) for c in part]
+        run = lambda part: [self._fill(c, ids, dest, slots, records) for c in part]
         # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
         with cpu_token.waiting() if cold else contextlib.nullcontext():
             if k > 1:
@@ -550,10 +563,10 @@ class SegmentReader(ColdTier):
             raise err
         return view
 
-    def _fill(self, task, ids, dest, slots) -> tuple[int, int, str]:
+    def _fill(self, task, ids, dest, slots, records=None) -> tuple[int, int, str]:
         """Read, verify and place ids[a:b] (all in segment s; s None under O_DIRECT: each
-        in its own, read through one ring); returns (bytes read, index of the first bad
-        row or -1, why)."""
+        in its own, read through one ring), their records as read into records[slots]
+        when given (O_DIRECT); returns (bytes read, index of the first bad row or -1, why)."""
         s, src, a, b = task
         sr = self.version.segment_rows
         if self.direct is None:
@@ -565,6 +578,8 @@ class SegmentReader(ColdTier):
             s = int(seg[short]) if s is None else s
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
         bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
+        if bad < 0 and records is not None:
+            records[slots[a:b]] = tmp[:b - a]  # verified by _place: each its row and the sum keyed by its id
         return nbytes, (a + bad if bad >= 0 else -1), ""
 
     def close(self) -> None:
