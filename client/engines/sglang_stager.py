@@ -69,8 +69,9 @@ from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines.step_reads import read_step
 from tierstore.jit import unique_inverse
 
-__all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload", "process_client",
-           "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue", "close"]
+__all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
+           "process_client", "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue",
+           "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
