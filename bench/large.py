@@ -27,7 +27,10 @@ NgramHasher with the table's own (scaled) spec, both layers. Documents are
 dealt, shuffled by the seed, to five phases that share none: cold prefill and
 cold decode (the first steps after start), an untimed warm-up of prefill steps,
 then steady prefill and steady decode. A prefill step is 4,096 tokens of one
-sequence; a decode step one token of each of 128 sequences.
+sequence; a decode step one token of each of 128 sequences. Steps run back to
+back (the worst case for the sidecar's one-way learning: a step's note races the
+next step's probe), or `--forward-ms` apart, untimed, as an engine's forward
+runs between them.
 
 Competitors, one after another, each from a dropped page cache, each over the
 same steps in the same order (a step asks each layer's distinct ids):
@@ -275,10 +278,11 @@ class _MmapSide:
             c.close()
 
 
-def _run_phases(name, side, phases, reference, seg_paths, progress) -> dict:
-    """Every phase's steps through `side` back to back from a dropped page cache; timings
-    per phase, tierstore's counters at each phase's end, rows of each phase's first step
-    checked (tierstore in the loop, outside the clock; mmap after its run)."""
+def _run_phases(name, side, phases, reference, seg_paths, progress, forward_s: float = 0.0) -> dict:
+    """Every phase's steps through `side` from a dropped page cache, back to back or
+    `forward_s` apart (an engine's forward between steps: untimed); timings per phase,
+    tierstore's counters at each phase's end, rows of each phase's first step checked
+    (tierstore in the loop, outside the clock; mmap after its run)."""
     from tqdm import tqdm
 
     drop_page_cache(seg_paths)
@@ -290,9 +294,13 @@ def _run_phases(name, side, phases, reference, seg_paths, progress) -> dict:
     total = sum(len(phases[p]) for p in PHASES)
     with tqdm(total=total, desc=f"large {name}", unit="step", disable=not progress, leave=False) as bar:
         for p in PHASES:
-            lat, rows = [], 0
+            lat, rows, forward = [], 0, 0.0
             t0 = time.perf_counter()
             for i, step in enumerate(phases[p]):
+                if forward_s and i:
+                    t = time.perf_counter()
+                    time.sleep(forward_s)
+                    forward += time.perf_counter() - t
                 t = time.perf_counter()
                 got = side.get(step)
                 lat.append(time.perf_counter() - t)
@@ -300,7 +308,7 @@ def _run_phases(name, side, phases, reference, seg_paths, progress) -> dict:
                 if i == 0 and p in reference and not isinstance(side, _MmapSide):
                     _check(res, got, reference[p])
                 bar.update(1)
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 - forward
             lat_ms = np.asarray(lat) * 1e3
             res["phases"][p] = {"steps": len(lat), "rows": rows, "seconds": seconds,
                                 "rows_per_s": rows / max(seconds, 1e-9),
@@ -431,11 +439,14 @@ class LargeOptions(BenchOptions):
     decode_steps: int | None = None     # per measured phase, 128 streams each
     warmup_steps: int | None = None     # untimed prefill steps before the steady state
     disk_seconds: float | None = None   # per disk probe
+    forward_ms: float | None = None     # untimed ms between steps, an engine's forward (default 0: back to back)
 
     DEFAULTS = {"table_gib": (8.0, 1 / 16), "prefill_steps": (30, 2), "decode_steps": (300, 8),
                 "warmup_steps": (100, 2), "disk_seconds": (3.0, 0.3)}
 
     def validate(self) -> None:
+        if self.forward_ms is not None and not 0 <= self.forward_ms <= 10_000:
+            raise InvalidArgument(f"bench large: --forward-ms must be 0..10000, got {self.forward_ms}")
         if min(self.prefill_steps, self.decode_steps, self.warmup_steps) < 1:
             raise InvalidArgument(f"bench large: steps per phase must be >= 1, got --prefill-steps "
                                   f"{self.prefill_steps}, --decode-steps {self.decode_steps}, --warmup-steps "
@@ -482,6 +493,7 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
               "phases": run.meta, "disk": disk, "disk_best_iops": best, "disk_best_qd": top["qd"] if top else None,
               "direct_io": no_direct or "on", "competitors": comps, "quick": o.quick, "units": UNITS,
               "order": "one competitor at a time, page cache dropped before each (posix_fadvise DONTNEED)",
+              "forward_ms": run.forward_ms,  # untimed between steps (0: back to back)
               "rows_checked": "the first step of every timed phase, against the segment files read before any run"}
     result["summary"] = large_line(result)
     log(result["summary"])
@@ -505,6 +517,7 @@ class _Run:
     meta: dict
     reference: dict
     progress: bool
+    forward_ms: float
 
     @classmethod
     def prepare(cls, data_dir, o: LargeOptions, log) -> "_Run":
@@ -529,10 +542,11 @@ class _Run:
         checked = ("cold_prefill", "cold_decode", "steady_prefill", "steady_decode")
         reference = {p: [_read_rows(data_dir, v, ids) for v, ids in zip(versions, phases[p][0])] for p in checked}
         return cls(data_dir, versions, tables, table_bytes, budget, _segment_paths(data_dir, versions), phases,
-                   meta, reference, o.progress)
+                   meta, reference, o.progress, o.forward_ms or 0.0)
 
     def _phases(self, name: str, side) -> dict:
-        return _run_phases(name, side, self.phases, self.reference, self.seg_paths, self.progress)
+        return _run_phases(name, side, self.phases, self.reference, self.seg_paths, self.progress,
+                           self.forward_ms / 1e3)
 
     def tierstore(self, name: str, extra: list[str], disk_best: float | None, lru: dict, closers: list,
                   probe=None) -> dict:

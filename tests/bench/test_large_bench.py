@@ -21,7 +21,10 @@ def real_text():
 @pytest.mark.slow
 def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_path, real_text):
     data, out = tmp_path / "data", tmp_path / "out"
-    code, stdout, err = cli("bench", "large", "--data", data, "--out", out, "--quick", "--no-progress")
+    # 5 ms between steps, as an engine's forward runs between them: the sidecar learns each step's
+    # one-way note before the next probes (back to back, a step's ~2 ms of learning races the next)
+    code, stdout, err = cli("bench", "large", "--data", data, "--out", out, "--quick", "--no-progress",
+                            "--forward-ms", "5")
     assert code == 0, err
     assert stdout.startswith("large 0.06 GiB (fp8-e4m3-ue8m0)") and "distinct rows asked" in stdout
     assert "tierstore demo-table --preset deepseek-v4.1-flash --scale" in err  # the build says what it runs
@@ -93,6 +96,7 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         assert direct["miss_path_of_disk_after"] == pytest.approx(path / after["iops"])
         assert f"of it, {direct['steady_miss_path_share']:.0%} of the steps' time" in stdout
         assert f"k IOPS at 512 B, QD{r['disk_best_qd']}" in stdout
+    assert r["forward_ms"] == 5
     assert r["phases"]["steady_prefill"]["tokens_per_step"] == 4096
     assert r["phases"]["steady_decode"]["streams"] == 128
 
@@ -105,3 +109,10 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         before = [cat.current(t).number for t in r["tables"]]
     _, versions = large_tables(data, 1 / 16, log=lambda msg: pytest.fail(f"rewrote the table: {msg}"))
     assert [v.number for v in versions] == before
+
+
+def test_a_negative_forward_is_refused_before_anything_is_written(cli, tmp_path):
+    data = tmp_path / "data"
+    code, _, err = cli("bench", "large", "--data", data, "--out", tmp_path / "out", "--quick", "--forward-ms", "-1")
+    assert code != 0 and "--forward-ms must be 0..10000, got -1" in err, err
+    assert not data.exists()

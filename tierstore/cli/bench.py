@@ -122,6 +122,8 @@ def _large(add):
     add("--warmup-steps", type=int, help="untimed prefill steps of other text before the steady "
         "state (default 100, quick 2)")
     add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
+    add("--forward-ms", type=float, help="untimed milliseconds between steps, as an engine's forward runs "
+        "between them (default 0: steps back to back, the sidecar's one-way learning racing the next probe)")
 
 
 def _run_large(args, out: Path, suite: bool) -> dict:
