@@ -17,16 +17,16 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
                8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
   publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
 `--pair depth`:
-  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 256 on main)
+  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 512 on main since session 20)
 `--pair tables`:
-  together     a step's two tables read overlapped (Client.lookup_many: the second on a
-               reader thread with its own ring, started LOOKUP_STAGGER of a table's read
-               time after the first), so one table's reads are in flight while the
-               other's hits are copied and its misses queued
+  together     a step's two tables read overlapped (Client.lookup_many: each begun in turn,
+               its misses in flight on the calling thread's ring while the next table's
+               hits are copied, then each ended; a long table's begin staggered behind
+               LOOKUP_STAGGER of the previous one's reads)
   apart        one Client.lookup a table, in turn (each table's ring drains before the next)
 `--pair stagger`:
-  staggered    the tables read through Client.lookup_many, table k started k x LOOKUP_STAGGER
-               of a table's read time after the first (main since session 18)
+  staggered    the tables read through Client.lookup_many, table k begun once LOOKUP_STAGGER
+               of table k-1's reads have landed (main since session 18, in one thread since 20)
   atonce       all started at once (LOOKUP_STAGGER 0: before it; each table's note then
                leaves as the step ends, and the next step probes before the sidecar promotes)
 `--pair notes`:

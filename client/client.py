@@ -32,7 +32,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -50,19 +49,17 @@ from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.proto.frames import PlanItem, step_socket_path
 from tierstore.tiers.base import check_ids
+from tierstore.tiers.nvme.direct_io import thread_ring
 
 __all__ = ["Client", "as_ids"]
 _I8 = np.dtype("<i8")
-# tables lookup_many reads at once past the first (one reader thread each, each with its own
-# io_uring ring); a step of more tables queues the rest on these threads
-LOOKUP_THREADS = 7
-# lookup_many starts table k of a step k x this share of the first table's read time after it
-# (that table's ids at the last overlapped call's seconds an id): each table's drain overlaps
-# the next one's ramp, and each table's note leaves about half a table's read before the next
-# step probes it (the sidecar promotes a prefill table's misses in ~25 ms; started together,
-# the next step probed before they landed: docs/benchmarks.md). Tables to be read in under
-# LOOKUP_STAGGER_FROM_S start together: a decode step's notes are learned in 2-3 ms and cost
-# no hits started at once, where a stagger cost it 2-10% of its rows/s
+# lookup_many begins table k of a step once this share of table k-1's reads has landed, where
+# the first table's read is to take LOOKUP_STAGGER_FROM_S or more (its ids at the last
+# overlapped call's seconds an id): each table's note leaves about half a table's read before
+# the next step probes it (the sidecar promotes a prefill table's misses in ~25 ms; begun
+# together, the next step probed before they landed: docs/benchmarks.md). Tables read in
+# less are begun at once: a decode step's notes are learned in 2-3 ms and cost no hits begun
+# at once, where a stagger cost it 2-10% of its rows/s
 LOOKUP_STAGGER, LOOKUP_STAGGER_FROM_S = 0.5, 0.1
 
 
@@ -118,7 +115,6 @@ class Client:
         self._inflight: list = []  # Prefetch calls not yet answered; close() waits for them
         self._conn_id = os.urandom(16)  # tells this client's prefetch hints apart (PrefetchRequest.owner on the wire)
         self._closed = False
-        self._readers: ThreadPoolExecutor | None = None  # lookup_many's threads, made at its first call
         self._id_seconds = 0.0  # lookup_many's last overlapped call: its seconds over its ids
         self.overlapped = 0  # lookup_many calls that read their tables overlapped (the others: in turn)
         # wall seconds any of this client's tables spent in its miss path (local reads), overlaps once
@@ -262,24 +258,24 @@ class Client:
 
         On the sidecar's host, with every table's misses read with O_DIRECT (`serve
         --direct-io`) and while they wait on the device (`miss_clock.device_bound`: the miss
-        path's threads on a CPU under half its wall time), the tables are read overlapped:
-        the first in this thread, each other on a reader thread of this client's
-        (LOOKUP_THREADS), each thread with its own io_uring ring. So one table's drain
-        overlaps the next one's ramp and the device's queue does not empty between tables
-        (the ids are known before the forward: an engine with two Engram layers reads both
-        layers' rows in one call). Each table's step is noted to the sidecar as soon as that
-        table is read. Where the first table's read is to take LOOKUP_STAGGER_FROM_S or more
-        (its ids at the last call's time an id), table k starts k x LOOKUP_STAGGER of that
-        time after the first, so each table's note still leaves about half a table's read
-        before the next step probes that table: the sidecar promotes a prefill table's
-        misses ~25 ms after its note, and with steps back to back and every table started at
-        once the next step probed first (prefill hit -0.004 at the 1/6-scale table). Through
-        the page cache, or with misses that are copies, the tables are read in turn: a
-        second thread would only take a core from the copies (tierstore-cached's decode lost
-        a quarter of its rate at the 1/6-scale table). A TCP client, or inline=True, asks
-        for the tables in turn. Raises what lookup raises, after every table's read has
-        ended (the first error in the dict's order), its `table` attribute the table whose
-        read raised it (an engine names the layer); InvalidArgument when `tables` is not a
+        path's threads on a CPU under half its wall time), the tables are read overlapped,
+        in this thread: each table begun in turn (TableHandle.begin: its hits copied, its
+        misses' reads submitted to this thread's io_uring), then each ended in turn (its
+        reads waited for, verified and placed, its step noted to the sidecar). One ring
+        holds every table's reads, so the device's queue does not drain between tables:
+        it reads one table's misses while the next one's hits are copied, and the next
+        one's while the first one's are placed (the ids are known before the forward: an
+        engine with two Engram layers reads both layers' rows in one call). Where the first
+        table's read is to take LOOKUP_STAGGER_FROM_S or more (its ids at the last call's
+        time an id), table k is begun once LOOKUP_STAGGER of table k-1's reads have landed,
+        so each table's note leaves about half a table's read before the next step probes
+        that table: the sidecar promotes a prefill table's misses ~25 ms after its note, and
+        with steps back to back and every table begun at once the next step probed first
+        (prefill hit -0.004 at the 1/6-scale table). Through the page cache, or with misses
+        that are copies, the tables are read in turn. A TCP client, or inline=True, asks for
+        the tables in turn. Raises what lookup raises, after every table begun has ended
+        (the first error in the dict's order), its `table` attribute the table whose read
+        raised it (an engine names the layer); InvalidArgument when `tables` is not a
         {table: ids} mapping."""
         if not isinstance(tables, Mapping):
             raise errors.InvalidArgument(f"lookup_many takes {{table: ids}}, got {type(tables).__name__}")
@@ -294,32 +290,36 @@ class Client:
                     e.table = t
                     raise
             return got
-        self._check_open()
-        with self._lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tierstore-lookup")
-            readers = self._readers
         self.overlapped += 1
         t0 = time.perf_counter()
-        first = self._id_seconds * np.size(items[0][1])  # the first table's read time, as the last call read
-        gap = LOOKUP_STAGGER * first if first >= LOOKUP_STAGGER_FROM_S else 0.0
-        futures = [readers.submit(self._lookup_at, t0 + k * gap, t, ids) for k, (t, ids) in enumerate(items[1:], 1)]
-        got, failed = [], []
-        try:
-            got.append(self.lookup(*items[0]))
-        except BaseException as e:  # the other tables' reads end first: their rows are in flight
-            e.table = items[0][0]
-            failed.append(e)
-        for (t, _), f in zip(items[1:], futures):
+        ring = thread_ring()
+        stagger = ring is not None and LOOKUP_STAGGER > 0 and \
+            self._id_seconds * np.size(items[0][1]) >= LOOKUP_STAGGER_FROM_S
+        begun, failed = [], []
+        before = ring.queued if ring is not None else 0
+        for k, (t, ids) in enumerate(items):
             try:
-                got.append(f.result())
+                self._check_open()
+                h = self.handle(t)
+                arr = check_ids(as_ids(ids), h.rows, t)
+                if stagger and k:  # the last table's reads part landed first (its note leaves earlier)
+                    ring.settle(before + int((ring.queued - before) * LOOKUP_STAGGER))
+                before = ring.queued if ring is not None else 0
+                begun.append((k, t, h.begin(arr)))
+            except BaseException as e:  # the tables begun are still ended: their reads are in flight
+                e.table = t
+                failed.append((k, e))
+        got = {}
+        for k, t, b in begun:
+            try:
+                got[t] = b.end()
             except BaseException as e:
                 e.table = t
-                failed.append(e)
+                failed.append((k, e))
         self._id_seconds = (time.perf_counter() - t0) / max(1, sum(np.size(ids) for _, ids in items))
         if failed:
-            raise failed[0]
-        return {t: rows for (t, _), rows in zip(items, got)}
+            raise min(failed, key=lambda f: f[0])[1]
+        return {t: got[t] for t, _ in items}
 
     def _all_direct(self, items: list) -> bool:
         """Every table of the step reads its misses with O_DIRECT (the sidecar's --direct-io)."""
@@ -327,13 +327,6 @@ class Client:
             return all(self.handle(t).cold_direct for t, _ in items)
         except errors.TierstoreError:
             return False  # read in turn: lookup raises it, in the dict's order
-
-    def _lookup_at(self, when: float, table: str, ids) -> np.ndarray:
-        """lookup() on a reader thread, started at perf_counter() `when` (lookup_many's stagger)."""
-        wait = when - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        return self.lookup(table, ids)
 
     def split_table(self, table: str) -> SplitTable:
         """The split-layout table `table` mapped read-only for an engine (client/split_table.py):
@@ -419,9 +412,6 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # a hint: nothing depends on it
         self._closed = True
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)  # their rings close with their threads
-            self._readers = None
         if self.step_channel is not None:
             self.step_channel.close()  # the sidecar ends this connection's leases
         self._channel.close()

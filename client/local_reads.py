@@ -47,13 +47,13 @@ from tierstore.jit import Kernel, compiler_barrier, unique_inverse
 if TYPE_CHECKING:
     from tierstore.client.table_handle import TableHandle
 
-__all__ = ["LocalReads", "BusyClock"]
+__all__ = ["LocalReads", "LocalStep", "BusyClock"]
 
 log = logging.getLogger("tierstore.client")
 
 
 # The miss path waits on the device when its threads are on a CPU less than this share of
-# its wall time: a second reader thread then costs a core only while rows are copied
+# its wall time: reading a step's tables overlapped then only overlaps waits (Client.lookup_many)
 DEVICE_BOUND = 0.5
 _DECAY = 0.9  # each miss-path interval weighs this much less in `device_bound` than the next
 
@@ -128,57 +128,30 @@ class LocalReads:
 
     def read(self, ids: np.ndarray) -> np.ndarray | None:
         """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
-        fine); None when a miss has to be planned through the sidecar (no cold_dir)."""
+        fine); None when a miss has to be planned through the sidecar (no cold_dir).
+        begin(ids).end(), at once."""
+        return self.begin(ids).end()
+
+    def begin(self, ids: np.ndarray) -> "LocalStep":
+        """read in two halves: the hits copied and the misses' reads started (under O_DIRECT
+        through io_uring: in flight on this thread's ring when this returns); LocalStep.end(),
+        in this thread, finishes them, notes the step and returns what read returns. So a
+        caller starts a step's tables one after another and the device reads one table's
+        misses while the next one's hits are copied (Client.lookup_many)."""
         n = ids.size
         out = np.empty((n, self.row_bytes), dtype=np.uint8)
         # the probe, then one call that reads each slot's gen, copies and checks it again
         # (a probe racing the sidecar's writes may miss an id, never finds a wrong slot: slot_map.py)
         where, asked = _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,
                                   out.view(np.uint64) if self._words else out, self._seen)
-        missing = where.size
-        uniq = got = None
-        if missing:
+        step = LocalStep(self, ids, out, where, asked)
+        if where.size:
             cold = self._reader()
             if cold is None:
-                return None
-            uniq, inv = unique_inverse(ids[where])
-            got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
-            # format 2 under O_DIRECT: the misses' records as read ride on the note (no sum made again)
-            records = np.empty((uniq.size, cold.record_bytes), dtype=np.uint8) \
-                if cold.carried_form == "records" else None
-            t0, c0 = time.perf_counter(), time.thread_time()
-            with self._clock:
-                try:
-                    if self._flights is not None:  # a row another client is reading now is not read again
-                        shared = self._flights.rows_shared
-                        self._flights.read(uniq, got, cold, records)  # verified; ChecksumError is DATA_LOSS
-                        self.distinct_device += uniq.size - (self._flights.rows_shared - shared)
-                    else:
-                        cold.read_into(uniq, got, np.arange(uniq.size), records=records)  # verified: DATA_LOSS
-                        self.distinct_device += uniq.size
-                finally:
-                    self._clock.cpu(time.thread_time() - c0)
-            self.cold_seconds += time.perf_counter() - t0
-            out[where] = got[inv]
-            self.distinct_cold += uniq.size
-            # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused
-            # in one step, a probe racing a shift, is told twice: two accesses, a hint)
-            asked = np.concatenate([asked, uniq])
-        # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
-        # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
-        # sum is on disk, a read of its own); a version without row sums: nothing to send
-        if uniq is not None:
-            form = self._cold.carried_form
-            if form == "records":
-                got = records
-            elif not form:
-                uniq = got = None
-        self._note(self.table, self.version, asked, uniq, got)
-        self.distinct_asked += asked.size
-        self.steps += 1
-        self.rows_resident += n - missing
-        self.rows_cold += missing
-        return out
+                step.planned = True
+                return step
+            step.start(cold)
+        return step
 
     def _reader(self):
         """The cold tier's reader, opened on the first miss; None where this process cannot
@@ -215,6 +188,75 @@ class LocalReads:
         if self._cold is not None:
             self._cold.close()
             self._cold = None
+
+
+class LocalStep:
+    """A LocalReads.begin call: end() once, in the thread that began it."""
+
+    def __init__(self, reads: LocalReads, ids, out, where, asked):
+        self.reads, self.ids, self.out, self.where, self.asked = reads, ids, out, where, asked
+        self.planned, self.pending = False, None
+        self.uniq = self.inv = self.got = self.records = None
+
+    def start(self, cold) -> None:
+        """The misses' distinct ids claimed in the flights (or not) and their reads started."""
+        r = self.reads
+        self.uniq, self.inv = unique_inverse(self.ids[self.where])
+        self.got = np.empty((self.uniq.size, r.row_bytes), dtype=np.uint8)
+        # format 2 under O_DIRECT: the misses' records as read ride on the note (no sum made again)
+        self.records = np.empty((self.uniq.size, cold.record_bytes), dtype=np.uint8) \
+            if cold.carried_form == "records" else None
+        self.t0, c0 = time.perf_counter(), time.thread_time()
+        self.shared0 = r._flights.rows_shared if r._flights is not None else 0
+        r._clock.__enter__()
+        try:
+            if r._flights is not None:  # a row another client is reading now is not read again
+                self.pending = r._flights.start(self.uniq, self.got, cold, self.records)
+            else:
+                self.pending = cold.start_into(self.uniq, self.got, np.arange(self.uniq.size), records=self.records)
+        except BaseException:
+            r._clock.__exit__()
+            raise
+        finally:
+            r._clock.cpu(time.thread_time() - c0)
+
+    def end(self) -> np.ndarray | None:
+        r, out, uniq = self.reads, self.out, self.uniq
+        if self.planned:
+            return None
+        asked = self.asked
+        if self.pending is not None:
+            c0 = time.thread_time()
+            try:
+                self.pending.finish()  # verified; ChecksumError is DATA_LOSS
+            finally:
+                r._clock.cpu(time.thread_time() - c0)
+                r._clock.__exit__()
+            shared = r._flights.rows_shared - self.shared0 if r._flights is not None else 0
+            r.distinct_device += uniq.size - shared
+            r.cold_seconds += time.perf_counter() - self.t0
+            out[self.where] = self.got[self.inv]
+            r.distinct_cold += uniq.size
+            # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused
+            # in one step, a probe racing a shift, is told twice: two accesses, a hint)
+            asked = np.concatenate([asked, uniq])
+        # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
+        # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
+        # sum is on disk, a read of its own); a version without row sums: nothing to send
+        got = self.got
+        if uniq is not None:
+            form = r._cold.carried_form
+            if form == "records":
+                got = self.records
+            elif not form:
+                uniq = got = None
+        r._note(r.table, r.version, asked, uniq, got)
+        r.distinct_asked += asked.size
+        r.steps += 1
+        missing = self.where.size
+        r.rows_resident += self.ids.size - missing
+        r.rows_cold += missing
+        return out
 
 
 def _flights(handle: "TableHandle", cold) -> MissFlights | None:

@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 __all__ = ["TableHandle"]
 
 
+class _Begun:
+    """TableHandle.begin's read: `rows` read already, or a LocalReads step to end (planned
+    instead, by `planned`, where it read nothing)."""
+
+    __slots__ = ("rows", "step", "planned")
+
+    def __init__(self, rows, step=None, planned=None):
+        self.rows, self.step, self.planned = rows, step, planned
+
+    def end(self) -> np.ndarray:
+        if self.step is None:
+            return self.rows
+        step, self.step = self.step, None
+        rows = step.end()
+        return rows if rows is not None else self.planned()
+
+
 class TableHandle:
     """What a client knows about one served table; its arena is mapped on first use.
 
@@ -70,13 +87,20 @@ class TableHandle:
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
         version without row sums; or the segment files would not open here, warned once).
         Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows)
-        and DataLoss for a miss that fails its checksum."""
+        and DataLoss for a miss that fails its checksum. begin(ids).end(), at once."""
+        return self.begin(ids).end()
+
+    def begin(self, ids: np.ndarray) -> "_Begun":
+        """read in two halves: on the local-reads route the hits are copied and the misses'
+        reads started (LocalReads.begin: in flight on this thread's io_uring under O_DIRECT);
+        end(), in this thread, returns what read returns and raises what it raises. The other
+        routes read at once and end() hands the rows over."""
         return self._route(ids)
 
-    def _take(self, ids: np.ndarray) -> np.ndarray:
-        return self.mapped.take(ids)  # interleaved rows, whatever the arena's layout
+    def _take(self, ids: np.ndarray) -> "_Begun":
+        return _Begun(self.mapped.take(ids))  # interleaved rows, whatever the arena's layout
 
-    def _read_local(self, ids: np.ndarray) -> np.ndarray:
+    def _read_local(self, ids: np.ndarray) -> "_Begun":
         reads = self.local_reads
         if reads is None:
             try:
@@ -84,12 +108,13 @@ class TableHandle:
                                                          self._client.miss_clock)
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
-        rows = reads.read(ids) if reads is not None else None
-        return rows if rows is not None else self._read_planned(ids)
+        if reads is None:
+            return self._read_planned(ids)
+        return _Begun(None, reads.begin(ids), lambda: self._read_planned(ids).end())
 
-    def _read_planned(self, ids: np.ndarray) -> np.ndarray:
+    def _read_planned(self, ids: np.ndarray) -> "_Begun":
         with self._client.plan(self.table, ids) as step:
-            return step.rows()
+            return _Begun(step.rows())
 
     def close(self) -> None:
         """Let the local-reads route's reader go (its segment files, its miss flights)."""

@@ -61,7 +61,7 @@ from tierstore.jit import Kernel, enabled
 from tierstore.tiers.dram import map_file_readonly
 from tierstore.tiers.shm_file import create_shm_file
 
-__all__ = ["MissFlightsFile", "MissFlights", "flights_path", "flight_entries", "usable", "WAYS"]
+__all__ = ["MissFlightsFile", "MissFlights", "Flight", "flights_path", "flight_entries", "usable", "WAYS"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"TSFLITE1"
@@ -175,46 +175,43 @@ class MissFlights:
         as a client carries it: as read where this client read it, made from the row where
         it was copied from another's.
 
-        reader: the table's SegmentReader (its read_into, carried_form "records" or
+        reader: the table's SegmentReader (its start_into, carried_form "records" or
         "rows", carried_records, place_records / place_rows). Raises what read_into
         raises (ChecksumError: DATA_LOSS); rows this client claimed are then given up,
-        so the clients waiting on them read them themselves."""
+        so the clients waiting on them read them themselves. start(...).finish(), at once."""
+        self.start(ids, out, reader, records).finish()
+
+    def start(self, ids: np.ndarray, out: np.ndarray, reader, records: np.ndarray | None = None) -> "Flight":
+        """read in two halves: the misses claimed and this client's own reads started
+        (SegmentReader.start_into: in flight on this thread's ring under io_uring), in parts
+        of PUBLISH_ROWS; Flight.finish(), in this thread, places and publishes each part as it
+        lands, then copies and waits for the rows others claimed. Raises as read does (the
+        claims given up)."""
         n = ids.size
         state, entry = np.empty(n, dtype=np.int8), np.empty(n, dtype=np.int64)
         seen = np.empty(n, dtype=np.int64)
         _CLAIM.compiled()(self.words, self.pids, ids, state, entry, seen, self.pid)
-        ready = np.flatnonzero(state == _READY)
         own = np.flatnonzero(state >= _MINE)  # claimed, or a full bucket: read here
         mine = state[own] == _MINE
         self.rows_claimed += int(np.count_nonzero(mine))
         as_records = reader.carried_form == "records"
         if as_records and records is None:
             records = np.empty((n, reader.record_bytes), dtype=np.uint8)  # what this client publishes
-        for a in range(0, own.size, PUBLISH_ROWS):
-            part, claimed = own[a:a + PUBLISH_ROWS], mine[a:a + PUBLISH_ROWS]
-            try:
-                reader.read_into(ids[part], out, part, records=records if as_records else None)
-            except BaseException:
-                give_up = own[a:][mine[a:]]
-                _SWAP.compiled()(self.words, entry[give_up], seen[give_up], 0)
-                raise
-            pub = part[claimed]
-            if pub.size:
-                self.rows[entry[pub]] = records[pub] if as_records else out[pub]
-                _SWAP.compiled()(self.words, entry[pub], seen[pub], 1)
-        copied = [ready]
-        missed = self._copy(ids, ready, entry, seen, out, reader)
-        waited = np.flatnonzero(state == _WAIT)
-        if waited.size:
-            copied.append(waited)
-            missed = np.concatenate([missed, self._wait(ids, waited, entry, seen, out, reader)])
-        if missed.size:
-            missed.sort()
-            reader.read_into(ids[missed], out, missed, records=records if as_records else None)
-        if as_records:  # rows copied from another client's records: their records made from the rows
-            took = np.setdiff1d(np.concatenate(copied), missed, assume_unique=True)
-            if took.size:
-                records[took] = reader.carried_records(ids[took], out[took])
+        flight = Flight(self, ids, out, reader, records if as_records else None, state, entry, seen, own, mine)
+        try:
+            for a in range(0, own.size, PUBLISH_ROWS):
+                part = own[a:a + PUBLISH_ROWS]
+                flight.parts.append((a, reader.start_into(ids[part], out, part, records=flight.records)))
+        except BaseException:
+            flight.give_up(0)
+            raise
+        return flight
+
+    def _published(self, entry, seen, pub, rows) -> None:
+        """Rows this client read, into its claimed entries, each swapped to READY after its row."""
+        if pub.size:
+            self.rows[entry[pub]] = rows
+            _SWAP.compiled()(self.words, entry[pub], seen[pub], 1)
 
     def _copy(self, ids, at, entry, seen, out, reader) -> np.ndarray:
         """Copy the READY entries of ids[at] into out[at], verified; returns the positions
@@ -273,6 +270,54 @@ class MissFlights:
             self._mmap.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with it
+
+
+class Flight:
+    """A MissFlights.start call: finish() once, in the thread that started it."""
+
+    def __init__(self, flights: MissFlights, ids, out, reader, records, state, entry, seen, own, mine):
+        self.f, self.ids, self.out, self.reader, self.records = flights, ids, out, reader, records
+        self.state, self.entry, self.seen, self.own, self.mine = state, entry, seen, own, mine
+        self.parts: list = []  # (first of own, its SegmentReader.start_into)
+
+    def give_up(self, k: int) -> None:
+        """Parts k.. not placed: their reads waited for, their claimed entries swapped back to
+        empty (their waiters read those rows themselves)."""
+        for _, reading in self.parts[k:]:
+            reading.abandon()
+        a = self.parts[k][0] if k < len(self.parts) else 0  # (start failing: nothing placed yet)
+        give = self.own[a:][self.mine[a:]]
+        if give.size:
+            _SWAP.compiled()(self.f.words, self.entry[give], self.seen[give], 0)
+        self.parts = self.parts[:k]
+
+    def finish(self) -> None:
+        f, ids, out, reader, records = self.f, self.ids, self.out, self.reader, self.records
+        entry, seen, state = self.entry, self.seen, self.state
+        for k, (a, reading) in enumerate(self.parts):
+            try:
+                reading.finish()
+            except BaseException:
+                self.give_up(k)
+                raise
+            part, claimed = self.own[a:a + PUBLISH_ROWS], self.mine[a:a + PUBLISH_ROWS]
+            pub = part[claimed]
+            f._published(entry, seen, pub, records[pub] if records is not None else out[pub])
+        self.parts = []
+        ready = np.flatnonzero(state == _READY)
+        copied = [ready]
+        missed = f._copy(ids, ready, entry, seen, out, reader)
+        waited = np.flatnonzero(state == _WAIT)
+        if waited.size:
+            copied.append(waited)
+            missed = np.concatenate([missed, f._wait(ids, waited, entry, seen, out, reader)])
+        if missed.size:
+            missed.sort()
+            reader.read_into(ids[missed], out, missed, records=records)
+        if records is not None:  # rows copied from another client's records: their records made from the rows
+            took = np.setdiff1d(np.concatenate(copied), missed, assume_unique=True)
+            if took.size:
+                records[took] = reader.carried_records(ids[took], out[took])
 
 
 def _alive(pid: int) -> bool:

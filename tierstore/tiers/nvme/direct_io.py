@@ -27,12 +27,16 @@ from tierstore.errors import InvalidArgument
 from tierstore.tiers.nvme import uring
 from tierstore.tiers.nvme.uring import Ring
 
-__all__ = ["DirectFiles", "pread_rows", "probe_alignment", "row_buffer", "thread_buffer", "thread_ring"]
+__all__ = ["DirectFiles", "RowReads", "pread_rows", "probe_alignment", "row_buffer", "start_rows", "thread_buffer",
+           "thread_ring"]
 
 _ALIGNS = (512, 4096)
-# reads a ring keeps in flight for one call: the ring's entries. 128 (this disk's best probe
-# depth, a shorter drain) read no faster in ab_misses --pair depth (+1%, the noise)
-READ_DEPTH = 256
+# reads a thread's ring keeps in flight (its entries): one thread reads a step's tables through its
+# one ring (Client.lookup_many), and the device's queue must outlast the CPU work between its
+# waits (the next table's hits copied, a landed part placed). 512 against 256 in ab_misses
+# blocks, both orders: prefill misses/s +0.8% / 0.0%, decode +2.6% / +0.8% (at 256 prefill lost
+# 2-2.5% to the threaded reads it replaced); for the threaded reads 512 was the noise (session 19)
+READ_DEPTH = 512
 
 
 def probe_alignment(fd: int, path) -> int:
@@ -62,7 +66,17 @@ def pread_rows(fd, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer
     gives an a-aligned scratch of >= n bytes. With a `ring` every span is read in
     flight together (one system call); a span it did not read in full is pread
     again. Returns (bytes read, index of the first row its file did not hold in
-    full, or -1)."""
+    full, or -1). start_rows(...).finish(out), at once."""
+    return start_rows(fd, offsets, rb, a, buffer, ring).finish(out)
+
+
+def start_rows(fd, offsets: np.ndarray, rb: int, a: int, buffer, ring: Ring | None = None,
+               release=None) -> "RowReads":
+    """pread_rows in two halves: the spans are worked out and, with a `ring`, submitted to it
+    (the call returns while the device reads them); RowReads.finish(out) waits for them in
+    the same thread, preads what is left and places the rows. The scratch buffer(n) gives
+    must stay the call's until finish; `release(scratch)` is called once finish is done
+    with it (the caller's pool takes it back)."""
     fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
     off = offsets * rb
     start = off // a * a
@@ -73,41 +87,78 @@ def pread_rows(fd, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer
     if fds.size > 1:
         new[1:] |= fds[1:] != fds[:-1]
     first = np.flatnonzero(new)
-    last = np.append(first[1:], offsets.size) - 1
-    r_off, r_len = start[first], end[last] - start[first]
+    r_off = start[first]
+    r_len = end[np.append(first[1:], offsets.size) - 1] - r_off
     r_fd = fds[first] if fds.size > 1 else fds
     r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
-    run_of = np.cumsum(new) - 1
     flat = buffer(int(r_len.sum()))
-    buf = memoryview(flat)
-    total, short, redo = 0, -1, range(r_off.size)
+    ticket = None
     if ring is not None and r_off.size > 1:
-        res = ring.read(r_fd, r_off, r_len, flat.ctypes.data + r_pos, min(READ_DEPTH, ring.entries))
-        whole = res == r_len
-        total, redo = int(r_len[whole].sum()), np.flatnonzero(~whole).tolist()  # short or failed: pread says why
-    offs, poss, lens = r_off.tolist(), r_pos.tolist(), r_len.tolist()
-    for j in redo:
-        f, o, p, n = int(r_fd[j if r_fd.size > 1 else 0]), offs[j], poss[j], lens[j]
-        got = os.preadv(f, [buf[p:p + n]], o)
-        while 0 < got < n:  # a signal; or the file ends (its last sector is short)
-            more = os.preadv(f, [buf[p + got:p + n]], o + got)
-            if more == 0:
-                break
-            got += more
-        total += got
-        if got < n:
-            need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
-            bad = np.flatnonzero(need > got)
-            if bad.size:
-                short = int(first[j] + bad[0])
-                break
-    # every row as a window at its byte position in the scratch buffer: one gather
-    window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1), writeable=False)
-    pos = r_pos[run_of] + (off - r_off[run_of])
-    if short >= 0:
-        pos = pos[:short]
-    out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
-    return total, short
+        ticket = ring.submit(r_fd, r_off, r_len, flat.ctypes.data + r_pos, min(READ_DEPTH, ring.entries), keep=flat)
+    return RowReads(rb, off, new, first, r_fd, r_off, r_len, r_pos, flat, ring, ticket, release)
+
+
+class RowReads:
+    """A start_rows call's spans, in flight on its ring (or to be pread): finish(out) once."""
+
+    def __init__(self, rb, off, new, first, r_fd, r_off, r_len, r_pos, flat, ring, ticket, release):
+        self.rb, self.off, self.new, self.first = rb, off, new, first
+        self.r_fd, self.r_off, self.r_len, self.r_pos, self.flat = r_fd, r_off, r_len, r_pos, flat
+        self.ring, self.ticket, self.release = ring, ticket, release
+
+    def finish(self, out: np.ndarray) -> tuple[int, int]:
+        """Rows into out[:n]: (bytes read, index of the first row its file did not hold in full, or -1)."""
+        try:
+            return self._finish(out)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Wait for the reads still in flight and give the scratch back (nothing placed)."""
+        if self.ticket is not None:
+            ticket, self.ticket = self.ticket, None
+            self.ring.wait(ticket)
+        if self.release is not None and self.flat is not None:
+            self.release(self.flat)
+        self.flat = None
+
+    def _finish(self, out: np.ndarray) -> tuple[int, int]:
+        rb, off, flat, r_fd, r_off, r_len, r_pos = (self.rb, self.off, self.flat, self.r_fd, self.r_off,
+                                                   self.r_len, self.r_pos)
+        buf = memoryview(flat)
+        total, short, redo = 0, -1, range(r_off.size)
+        if self.ticket is not None:
+            ticket, self.ticket = self.ticket, None
+            res = self.ring.wait(ticket)
+            whole = res == r_len
+            total, redo = int(r_len[whole].sum()), np.flatnonzero(~whole).tolist()  # short or failed: pread says why
+        first = self.first
+        last = np.append(first[1:], off.size) - 1
+        offs, poss, lens = r_off.tolist(), r_pos.tolist(), r_len.tolist()
+        for j in redo:
+            f, o, p, n = int(r_fd[j if r_fd.size > 1 else 0]), offs[j], poss[j], lens[j]
+            got = os.preadv(f, [buf[p:p + n]], o)
+            while 0 < got < n:  # a signal; or the file ends (its last sector is short)
+                more = os.preadv(f, [buf[p + got:p + n]], o + got)
+                if more == 0:
+                    break
+                got += more
+            total += got
+            if got < n:
+                need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
+                bad = np.flatnonzero(need > got)
+                if bad.size:
+                    short = int(first[j] + bad[0])
+                    break
+        # every row as a window at its byte position in the scratch buffer: one gather
+        window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1),
+                                                 writeable=False)
+        run_of = np.cumsum(self.new) - 1
+        pos = r_pos[run_of] + (off - r_off[run_of])
+        if short >= 0:
+            pos = pos[:short]
+        out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
+        return total, short
 
 
 class _Scratch(threading.local):
@@ -142,8 +193,31 @@ def thread_ring() -> Ring | None:
     """This thread's io_uring (made on first use, closed with the thread), or None where there is none."""
     if not _RINGS.tried:
         _RINGS.tried = True
-        _RINGS.ring = Ring.open()
+        _RINGS.ring = Ring.open(READ_DEPTH)
     return _RINGS.ring
+
+
+class _Spares(threading.local):
+    def __init__(self):
+        self.bufs: list[np.ndarray] = []
+
+
+_SPARES = _Spares()
+SPARES_KEPT = 8  # scratch buffers a thread keeps for reads in flight at once (a step's tables and parts)
+
+
+def spare_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer of >= nbytes that is this call's alone until give_back (reads in
+    flight at once each need their own): one of this thread's spares, or a new one."""
+    for i, b in enumerate(_SPARES.bufs):
+        if b.size >= nbytes:
+            return _SPARES.bufs.pop(i)
+    return _aligned(max(nbytes, 1 << 20))
+
+
+def give_back(buf: np.ndarray) -> None:
+    if len(_SPARES.bufs) < SPARES_KEPT:
+        _SPARES.bufs.append(buf)
 
 
 def row_buffer(n: int, row_bytes: int) -> np.ndarray:
@@ -203,6 +277,13 @@ class DirectFiles:
         Returns (bytes read, index of the first row the file did not hold in full, or -1)."""
         fd = self.fds[seg] if np.ndim(seg) == 0 else self._fd_array[seg]
         return pread_rows(fd, offsets, self.row_bytes, self.align, out, self._buffer, ring or thread_ring())
+
+    def start_rows(self, seg, offsets: np.ndarray) -> RowReads:
+        """read_rows in two halves (direct_io.start_rows) through this thread's ring: the
+        reads are in flight when this returns; RowReads.finish(out) in this thread places
+        them. Each call has a scratch of its own, so several may be in flight at once."""
+        fd = self.fds[seg] if np.ndim(seg) == 0 else self._fd_array[seg]
+        return start_rows(fd, offsets, self.row_bytes, self.align, spare_buffer, thread_ring(), give_back)
 
     def close(self) -> None:
         fds, self.fds = self.fds, []

@@ -13,8 +13,10 @@ a separate row-sum file (format 1, older versions). Two read paths:
   Page-cache mode gathers from a read-only memory map of each segment; big
   calls go to a thread pool so cold reads are in flight together. O_DIRECT mode
   (`direct_io=True`) reads the aligned sectors of each row (direct_io.py), so the
-  cold tier is not cached twice: a call's rows through one io_uring (a ring a
-  task past RING_BYTES), or the pool's preads where there is no io_uring.
+  cold tier is not cached twice: a call's rows through the calling thread's one
+  io_uring, in parts of RING_BYTES of spans (`start_into` submits them and returns,
+  so a caller keeps several calls' reads in flight at once), or the pool's preads
+  where there is no io_uring.
 - Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
   written before row checksums existed): one pread per run of neighbouring
   blocks, each checked against its xxh3-64 in the catalog over the on-disk
@@ -72,8 +74,9 @@ ROW_TASKS, ROWS_PER_TASK = 16, 512
 # this big pays for one
 COMPILED_ROWS_PER_TASK = 16384
 DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
-# O_DIRECT through io_uring: the aligned spans one ring reads in a call (its thread's scratch:
-# 8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call takes a ring per task
+# O_DIRECT through io_uring: the aligned spans of one part of a call, read into a scratch of its
+# own (8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call is several parts,
+# all in flight on the thread's ring at once
 RING_BYTES = 8 << 20
 
 
@@ -177,6 +180,41 @@ class _Gather:
 
 
 _PREAD_SCRATCH = _Scratch()
+
+
+class Reading:
+    """A SegmentReader.start_into call: rows read (`results`) or in flight on this thread's
+    ring (`parts`: (a, b, segments) with their RowReads). finish() once, in the thread that
+    started it: the parts waited for in order, verified and placed; records made where
+    they were not read; the bytes counted; ChecksumError for the first bad row. Where
+    finishing fails part-way, the parts not finished are still waited for (their reads
+    write buffers until they end) before the error passes."""
+
+    def __init__(self, reader: "SegmentReader", ids, dest, slots, records, results: list, parts=()):
+        self.reader, self.ids, self.dest, self.slots, self.records = reader, ids, dest, slots, records
+        self.results, self.parts = results, list(parts)
+
+    def finish(self) -> None:
+        r, ids, dest, slots, records = self.reader, self.ids, self.dest, self.slots, self.records
+        read = records if r._records_read else None
+        parts, self.parts = self.parts, []
+        try:
+            for k, ((a, b, seg), pending) in enumerate(parts):
+                tmp = row_buffer(b - a, r.record_bytes)
+                nbytes, short = pending.finish(tmp)
+                self.results.append(r._place_read(tmp, nbytes, short, a, b, seg, ids, dest, slots, read))
+        finally:
+            for _, pending in parts:
+                pending.abandon()  # finished ones: nothing left
+        if records is not None and ids.size and not r._records_read:
+            records[slots] = r.carried_records(ids, dest[slots])
+        r._report(ids, self.results)
+
+    def abandon(self) -> None:
+        """Nothing placed: the reads still in flight waited for (their buffers given back)."""
+        parts, self.parts = self.parts, []
+        for _, pending in parts:
+            pending.abandon()
 
 
 class SegmentReader(ColdTier):
@@ -324,14 +362,25 @@ class SegmentReader(ColdTier):
         Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
         row fails verification or its segment is missing/truncated/not a file;
         dest rows of that call may then hold anything (free those slots).
-        OSError passes through.
+        OSError passes through. start_into(...).finish(), at once.
         """
+        self.start_into(ids, dest, slots, cached, records).finish()
+
+    def start_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False,
+                   records: np.ndarray | None = None) -> "Reading":
+        """read_into in two halves. Under O_DIRECT through io_uring, the rows' reads are
+        submitted to this thread's ring and this returns while the device reads them;
+        Reading.finish(), in this thread, waits, verifies and places them and raises what
+        read_into raises. So a caller puts several calls' reads in flight (a step's tables)
+        and works on one while the device reads the next, the queue never draining between
+        them. Elsewhere (page cache, preads) the rows are read here and finish() reports.
+        Raises ChecksumError for a segment that is not there, before any read."""
         n = int(ids.size)
         if n == 0:
-            return
+            return Reading(self, ids, dest, slots, records, [])
         if not self.verifies_rows:  # a version written before row checksums: verify whole blocks
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
-            return
+            return Reading(self, ids, dest, slots, None, [])  # nothing carried: no row sums
         self._check_sums(ids)
         sr = self.version.segment_rows
         first = int(ids[0]) // sr
@@ -339,10 +388,30 @@ class SegmentReader(ColdTier):
             results = self._fill_cached(ids, dest, slots)
         elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
             results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
+        elif self.direct is not None and thread_ring() is not None:
+            # io_uring: a call's rows over all its segments through this thread's one ring, in parts
+            # of RING_BYTES of spans, all submitted now: the ring stays at its depth to the last
+            # read, one drain a call (or a step, for a caller that starts its tables first)
+            for s in np.unique(ids // sr).tolist():
+                self._source(s, None, ids[np.searchsorted(ids, s * sr)])  # a segment not there: raised now
+            per = self.direct.rows_per(RING_BYTES)
+            parts = []
+            try:
+                for a in range(0, n, per):
+                    b = min(a + per, n)
+                    seg = ids[a:b] // sr
+                    parts.append(((a, b, seg), self.direct.start_rows(seg, ids[a:b] - seg * sr)))
+            except BaseException:
+                for _, p in parts:
+                    p.abandon()
+                raise
+            return Reading(self, ids, dest, slots, records, [], parts)
         else:
             results = self._fill_many(ids, dest, slots, records if self._records_read else None)
-        if records is not None and not self._records_read:
-            records[slots] = self.carried_records(ids, dest[slots])
+        return Reading(self, ids, dest, slots, records, results)
+
+    def _report(self, ids: np.ndarray, results: list) -> None:
+        """Count the bytes a call read; ChecksumError for its first bad row."""
         with self._lock:
             self.bytes_read += sum(r[0] for r in results)
         bad = [r[1:] for r in results if r[1] >= 0]
@@ -353,6 +422,18 @@ class SegmentReader(ColdTier):
                                 f"row {row}" + (f": {why}" if why else ""))
             err.row = row
             raise err
+
+    def _place_read(self, tmp: np.ndarray, nbytes: int, short: int, a: int, b: int, seg, ids, dest, slots,
+                    records) -> tuple[int, int, str]:
+        """Rows ids[a:b] as read into tmp (O_DIRECT: `short` the first the file did not hold, or -1)
+        verified and placed into dest[slots[a:b]], their records as read into records[slots]."""
+        if short >= 0:
+            s = int(seg[short]) if np.ndim(seg) else seg
+            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
+        bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
+        if bad < 0 and records is not None:
+            records[slots[a:b]] = tmp[:b - a]  # verified by _place: each its row and the sum keyed by its id
+        return nbytes, (a + bad if bad >= 0 else -1), ""
 
     def held_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.checksums,) if self.row_sums is None else (self.checksums, self.row_sums)
@@ -499,33 +580,25 @@ class SegmentReader(ColdTier):
         groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
                   for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
         results, cold = [], n if self.direct is not None else 0
-        if self.direct is not None and thread_ring() is not None:
-            # io_uring: a call's rows over all its segments in one ring, kept at its depth to the
-            # last read: one drain a call, not one a segment or chunk, and a fraction of the CPU
-            # of many threads' rings (a call bigger than RING_BYTES of spans takes a ring per task)
-            per = self.direct.rows_per(RING_BYTES)
-            chunks = [(None, None, a, min(a + per, n)) for a in range(0, n, per)]
-            k = min(DIRECT_TASKS, len(chunks))
-        else:
-            if self.direct is None:
-                s, src, lo, hi = groups[0]
-                if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
-                                                       >> PAGE_SHIFT].all():
-                    # pages taken to be cached: a few rows first, timed, before the rest goes inline
-                    results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
-                    groups[0] = (s, src, lo + PROBE_ROWS, hi)
-                for s, src, lo, hi in groups:
-                    pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
-                    cold += int(pages.size - np.count_nonzero(src[1][pages]))
-            # mostly reads that wait on the device (O_DIRECT without io_uring: a pread at a time
-            # a thread): small chunks over many tasks (queue depth); mostly gathers from cached
-            # pages: big chunks over few tasks (few hand-offs)
-            deep = cold * 4 > n
-            chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
-            chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
-            per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
-                (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
-            k = max(1, min(most, len(chunks), n // per))
+        if self.direct is None:
+            s, src, lo, hi = groups[0]
+            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
+                                                   >> PAGE_SHIFT].all():
+                # pages taken to be cached: a few rows first, timed, before the rest goes inline
+                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
+                groups[0] = (s, src, lo + PROBE_ROWS, hi)
+            for s, src, lo, hi in groups:
+                pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
+                cold += int(pages.size - np.count_nonzero(src[1][pages]))
+        # mostly reads that wait on the device (O_DIRECT without io_uring: a pread at a time
+        # a thread): small chunks over many tasks (queue depth); mostly gathers from cached
+        # pages: big chunks over few tasks (few hand-offs)
+        deep = cold * 4 > n
+        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
+        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
+        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
+            (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
+        k = max(1, min(most, len(chunks), n // per))
         run = lambda part: [self._fill(c, ids, dest, slots, records) for c in part]
         # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
         with cpu_token.waiting() if cold else contextlib.nullcontext():
@@ -564,23 +637,16 @@ class SegmentReader(ColdTier):
         return view
 
     def _fill(self, task, ids, dest, slots, records=None) -> tuple[int, int, str]:
-        """Read, verify and place ids[a:b] (all in segment s; s None under O_DIRECT: each
-        in its own, read through one ring), their records as read into records[slots]
-        when given (O_DIRECT); returns (bytes read, index of the first bad row or -1, why)."""
+        """Read, verify and place ids[a:b] (all in segment s), their records as read into
+        records[slots] when given (O_DIRECT); returns (bytes read, index of the first bad
+        row or -1, why)."""
         s, src, a, b = task
         sr = self.version.segment_rows
         if self.direct is None:
             return self._fill_buffered(s, src, ids[a:b] - s * sr, ids, dest, slots, a, b)
-        seg = ids[a:b] // sr if s is None else s
         tmp = row_buffer(b - a, self.record_bytes)
-        nbytes, short = self.direct.read_rows(seg, ids[a:b] - seg * sr, tmp)
-        if short >= 0:
-            s = int(seg[short]) if s is None else s
-            return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
-        bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
-        if bad < 0 and records is not None:
-            records[slots[a:b]] = tmp[:b - a]  # verified by _place: each its row and the sum keyed by its id
-        return nbytes, (a + bad if bad >= 0 else -1), ""
+        nbytes, short = self.direct.read_rows(s, ids[a:b] - s * sr, tmp)
+        return self._place_read(tmp, nbytes, short, a, b, s, ids, dest, slots, records)
 
     def close(self) -> None:
         fds, self._fds = self._fds, []

@@ -121,7 +121,17 @@ def _compiled_call():
 
 
 class Ring:
-    """One io_uring for one thread's reads (not thread-safe: keep one per thread)."""
+    """One io_uring for one thread's reads (not thread-safe: keep one per thread).
+
+    Reads go through a queue the ring owes: `submit` appends a batch (a ticket) and
+    puts as many reads in flight as the depth allows, without waiting; `wait(ticket)`
+    keeps the queue at its depth, taking later batches' reads into the places that
+    free up, until that batch's reads are all done, and returns their results. So a
+    caller with several batches (a step's tables, a table's parts) submits them all
+    and waits for each in turn, working on the one that landed while the device reads
+    the next, and the device's queue does not drain between them. `read` is one batch,
+    submitted and waited for. A batch's memory stays the caller's to keep alive and
+    unmoved until its wait returns (`keep=` hands the ring references to hold until then)."""
 
     def __init__(self, entries: int = 256):
         params = _Params()
@@ -155,6 +165,26 @@ class Ring:
         except BaseException:
             self.close()
             raise
+        # the queue: reads [0, _n) (descriptor, offset, length, address; result; batch), of which
+        # _state = (sent to the ring, done, written to the ring but not yet taken by the kernel)
+        self._n, self._depth, self._cap = 0, self.entries, 0
+        self._state = np.zeros(3, dtype=np.int64)
+        self._left = np.zeros(0, dtype=np.int64)  # per batch: its reads not yet done
+        self._batches: dict[int, tuple[int, int, object]] = {}  # ticket -> (first read, end, what to keep alive)
+        self._grow(256)
+
+    def _grow(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = max(need, 2 * self._cap)
+        old = (self._q_fd, self._q_off, self._q_len, self._q_addr, self._q_res, self._q_batch) if self._cap else None
+        self._q_fd = np.zeros(cap, np.int32)
+        self._q_off, self._q_len, self._q_addr, self._q_res, self._q_batch = (np.zeros(cap, np.int64)
+                                                                              for _ in range(5))
+        if old is not None:
+            for new, o in zip((self._q_fd, self._q_off, self._q_len, self._q_addr, self._q_res, self._q_batch), old):
+                new[:self._n] = o[:self._n]
+        self._cap = cap
 
     def _map(self, size: int, offset: int) -> mmap.mmap:
         m = mmap.mmap(self.fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
@@ -185,52 +215,110 @@ class Ring:
         file) or -errno. The memory must stay alive and unmoved until this returns.
         InvalidArgument for a depth out of range or fds that do not match the reads;
         OSError when io_uring_enter itself fails (then close the ring)."""
-        n = int(offsets.size)
+        return self.wait(self.submit(fd, offsets, lengths, addrs, depth))
+
+    def submit(self, fd, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
+               depth: int | None = None, keep=None) -> int:
+        """Queue the reads `read` takes (the same arguments) as one batch and put what the
+        depth allows in flight, without waiting; returns the batch's ticket for `wait`.
+        `depth` holds for the whole queue from now on; `keep`: held until the batch's wait
+        returns (the buffers its reads write). Raises as `read` does."""
+        n = int(np.size(offsets))
         depth = self.entries if depth is None else int(depth)
         if not 1 <= depth <= self.entries:
             raise InvalidArgument(f"io_uring queue depth {depth} is outside 1..{self.entries} (the ring's entries)")
-        fds = np.ascontiguousarray(np.atleast_1d(fd), dtype=np.int32)
+        fds = np.atleast_1d(np.asarray(fd))
         if fds.size not in (1, n):
             raise InvalidArgument(f"{fds.size} descriptors for {n} reads: give one, or one per read")
-        res = np.empty(n, dtype=np.int64)
+        ticket = self._left.size
+        self._left = np.append(self._left, n)
+        lo, hi = self._n, self._n + n
+        self._batches[ticket] = (lo, hi, keep)
         if n == 0:
-            return res
-        offsets, lengths, addrs = (np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, lengths, addrs))
+            return ticket
+        self._grow(hi)
+        self._q_fd[lo:hi], self._q_off[lo:hi], self._q_len[lo:hi], self._q_addr[lo:hi] = fds, offsets, lengths, addrs
+        self._q_batch[lo:hi] = ticket
+        self._n, self._depth = hi, depth
+        self._pump(-1)
+        return ticket
+
+    def wait(self, ticket: int) -> np.ndarray:
+        """The results of batch `ticket` (as `read` returns them), once all its reads are
+        done; the queue is kept at its depth meanwhile. OSError when io_uring_enter
+        fails (then close the ring); KeyError for a ticket not submitted or already waited."""
+        lo, hi, _ = self._batches[ticket]
+        if self._left[ticket]:
+            self._pump(ticket)
+        del self._batches[ticket]
+        res = self._q_res[lo:hi].copy()
+        if not self._batches and self._state[1] == self._n:  # nothing owed: the queue starts again at 0
+            self._n, self._left = 0, self._left[:0]
+            self._state[:] = 0
+        return res
+
+    @property
+    def queued(self) -> int:
+        """Reads queued so far (the queue starts again at 0 once a wait leaves nothing owed)."""
+        return self._n
+
+    def settle(self, upto: int) -> None:
+        """Keep the queue at its depth until the batch holding queued read `upto` is done
+        (its results stay for its wait): a caller lets part of its reads land first."""
+        for ticket, (lo, hi, _) in self._batches.items():
+            if lo <= upto < hi:
+                if self._left[ticket]:
+                    self._pump(ticket)
+                return
+
+    def _pump(self, target: int) -> None:
+        """Reads put in flight as places free, until batch `target` is done (-1: once, no wait)."""
         loop = _READ.compiled()
         if loop is not None:
             call, err = _compiled_call()
             rc = loop(call, err, self.fd, self._sq_tail, self._sq_mask, self._sq_words, self._cq_head,
-                      self._cq_tail, self._cq_mask, self._cq_words, fds, offsets, lengths, addrs, depth, res)
+                      self._cq_tail, self._cq_mask, self._cq_words, self._q_fd, self._q_off, self._q_len,
+                      self._q_addr, self._q_res, self._q_batch, self._left, self._state, self._n, self._depth, target)
             if rc < 0:
                 raise OSError(-rc, f"io_uring_enter: {os.strerror(-rc)}")
-            return res
-        for lo in range(0, n, depth):
-            hi = min(n, lo + depth)
-            self._batch(fds if fds.size == 1 else fds[lo:hi], offsets[lo:hi], lengths[lo:hi], addrs[lo:hi], lo, res)
-        return res
+            return
+        self._settle()  # the reference: what a compiled pump left in flight first, then whole batches
+        while target >= 0 and self._left[target]:
+            lo = int(self._state[0])
+            self._batch(lo, min(self._n, lo + self._depth))
 
-    def _batch(self, fds, offsets, lengths, addrs, base: int, res: np.ndarray) -> None:
-        """The reference: reads [base, base + len(offsets)) written at once, waited for whole."""
-        n = int(offsets.size)
+    def _settle(self) -> None:
+        """Every read in flight done (submitted first where the kernel has not taken it)."""
+        sent, done, waiting = (int(x) for x in self._state)
+        while done < sent:
+            waiting -= self._enter(waiting, sent - done)
+            done += self._reap()
+        self._state[1], self._state[2] = done, waiting
+
+    def _batch(self, lo: int, hi: int) -> None:
+        """The reference: reads [lo, hi) of the queue written at once, waited for whole."""
+        n = hi - lo
         tail = int(self._sq_tail[0])
         idx = (tail + np.arange(n, dtype=np.int64)) & self._sq_mask
         e = self._sqes
         e["opcode"][idx] = _OP_READ
-        e["fd"][idx] = fds
-        e["off"][idx] = offsets
-        e["addr"][idx] = addrs
-        e["len"][idx] = lengths
-        e["user_data"][idx] = np.arange(base, base + n, dtype=np.uint64)
+        e["fd"][idx] = self._q_fd[lo:hi]
+        e["off"][idx] = self._q_off[lo:hi]
+        e["addr"][idx] = self._q_addr[lo:hi]
+        e["len"][idx] = self._q_len[lo:hi]
+        e["user_data"][idx] = np.arange(lo, hi, dtype=np.uint64)
         self._sq_tail[0] = (tail + n) & _MASK32  # published after the entries (x86-64: stores stay in order)
+        self._state[0] = hi
         todo, done = n, 0
         while done < n:
             # submit what is left and wait for every read in flight (a partial submission
             # returns at once, without waiting)
             took = self._enter(todo, n - done)
-            reaped = self._reap(res)
+            reaped = self._reap()
             if todo and not took and not reaped:
                 raise OSError(errno.EAGAIN, "io_uring_enter took none of the reads")
             todo, done = todo - took, done + reaped
+        self._state[1] += n
 
     def _enter(self, to_submit: int, min_complete: int) -> int:
         call = _syscall()
@@ -244,16 +332,25 @@ class Ring:
             if e != errno.EINTR:
                 raise OSError(e, f"io_uring_enter: {os.strerror(e)}")
 
-    def _reap(self, res: np.ndarray) -> int:
+    def _reap(self) -> int:
+        """Completions into the queue's results and their batches' counts; how many."""
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
         k = (tail - head) & _MASK32
         if k:
             c = self._cqes[(head + np.arange(k, dtype=np.int64)) & self._cq_mask]
-            res[c["user_data"].astype(np.int64)] = c["res"]
+            at = c["user_data"].astype(np.int64)
+            self._q_res[at] = c["res"]
+            np.subtract.at(self._left, self._q_batch[at], 1)
             self._cq_head[0] = tail  # after the entries are read (x86-64: loads stay in order)
         return k
 
     def close(self) -> None:
+        """Close the ring; reads in flight are waited for first (their memory is written until they end)."""
+        if self.fd >= 0 and getattr(self, "_state", None) is not None and self._state[0] > self._state[1]:
+            try:
+                self._settle()
+            except OSError:
+                pass  # the ring is broken: closing it cancels what is left
         self._sqes = self._cqes = self._sq_tail = self._cq_head = self._cq_tail = None
         maps, self._maps = self._maps, []
         for m in maps:
@@ -264,6 +361,7 @@ class Ring:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self._batches = {}
 
     def __del__(self):
         if getattr(self, "fd", -1) >= 0:
@@ -287,31 +385,32 @@ def warm() -> None:
         ring.close()
 
 
-# ---- the compiled read loop (Ring.read; the numpy batches above are its reference) ----
+# ---- the compiled pump (Ring.submit / Ring.wait; the numpy batches above are its reference) ----
 _WORD_FD_SHIFT = 32  # word 0 of an entry: opcode (byte 0), flags, ioprio, fd (bytes 4-7)
 
 
-def _read_loop(call, err, ring_fd, sq_tail, sq_mask, sqes, cq_head, cq_tail, cq_mask, cqes, fds, offs, lens,
-               addrs, depth, res):
-    """Reads i = 0..n-1 through the ring, at most `depth` in flight: entries are written as
-    places free up, submitted and waited for in one io_uring_enter per round; res[i] =
-    the read's result. Returns 0, or -errno of an io_uring_enter that failed. The tail
-    is stored after the entries and the head after the completions are read, and both
-    before the system call, which the compiler does not move stores across (x86-64:
-    the CPU keeps them in order too)."""
-    n = offs.shape[0]
-    one_fd = fds.shape[0] == 1
+def _read_loop(call, err, ring_fd, sq_tail, sq_mask, sqes, cq_head, cq_tail, cq_mask, cqes, q_fd, q_off, q_len,
+               q_addr, q_res, q_batch, left, state, n, depth, target):
+    """The queue's reads [0, n) through the ring, at most `depth` in flight: entries are
+    written as places free up, submitted and reaped in one io_uring_enter per round,
+    q_res[i] = read i's result and left[q_batch[i]] counted down as each completes;
+    until batch `target` is done, or, target -1, one round that waits for nothing.
+    state: (reads sent, done, written but not yet taken by the kernel), kept between
+    calls. Returns 0, or -errno of an io_uring_enter that failed. The tail is stored
+    after the entries and the head after the completions are read, and both before
+    the system call, which the compiler does not move stores across (x86-64: the CPU
+    keeps them in order too)."""
     tail, head = np.int64(sq_tail[0]), np.int64(cq_head[0])
-    sent = done = waiting = 0  # reads written to the ring; completed; written, not yet taken by the kernel
-    while done < n:
+    sent, done, waiting = state[0], state[1], state[2]
+    rc = 0
+    while True:
         while sent < n and sent - done < depth:
             e = tail & sq_mask
-            fd = np.int64(fds[0] if one_fd else fds[sent])
-            sqes[e, 0] = _OP_READ | (fd << _WORD_FD_SHIFT)
-            sqes[e, 1] = offs[sent]
-            sqes[e, 2] = addrs[sent]
-            sqes[e, 3] = lens[sent]  # rw_flags (the high half) zero
-            sqes[e, 4] = sent  # user_data: the read's index
+            sqes[e, 0] = _OP_READ | (np.int64(q_fd[sent]) << _WORD_FD_SHIFT)
+            sqes[e, 1] = q_off[sent]
+            sqes[e, 2] = q_addr[sent]
+            sqes[e, 3] = q_len[sent]  # rw_flags (the high half) zero
+            sqes[e, 4] = sent  # user_data: the read's place in the queue
             sqes[e, 5] = 0
             sqes[e, 6] = 0
             sqes[e, 7] = 0
@@ -319,27 +418,36 @@ def _read_loop(call, err, ring_fd, sq_tail, sq_mask, sqes, cq_head, cq_tail, cq_
             sent += 1
             waiting += 1
         sq_tail[0] = tail
-        flight = sent - done
-        # the last reads: wait for all; otherwise for a quarter of the depth, then refill
-        want = flight if sent == n else min(flight, max(1, depth // 4))
+        blocking = target >= 0 and left[target] > 0
+        if not blocking and waiting == 0:
+            break
+        # the batch's last reads: wait for them; otherwise for a quarter of the depth, then refill
+        want = min(left[target], sent - done, max(1, depth // 4)) if blocking else 0
         r = call(_ENTER, ring_fd, waiting, want, _ENTER_GETEVENTS, 0, 0)
         if r < 0:
             if err[0] == errno.EINTR:
                 continue
-            return -np.int64(err[0])
+            rc = -np.int64(err[0])
+            break
         waiting -= r
         t = np.int64(cq_tail[0])
         reaped = 0
         while head != t:
             c = head & cq_mask
-            res[cqes[c, 0]] = (cqes[c, 1] << 32) >> 32  # res: the low, signed half of word 1
+            i = cqes[c, 0]
+            q_res[i] = (cqes[c, 1] << 32) >> 32  # res: the low, signed half of word 1
+            left[q_batch[i]] -= 1
             head = (head + 1) & _MASK32
             reaped += 1
         cq_head[0] = head
         done += reaped
         if r == 0 and waiting and not reaped:
-            return -errno.EAGAIN
-    return 0
+            rc = -errno.EAGAIN
+            break
+        if not blocking:
+            break  # one round: what fits is in flight
+    state[0], state[1], state[2] = sent, done, waiting
+    return rc
 
 
 _READ = Kernel(_read_loop, nogil=True)  # it waits on the device: other threads run meanwhile
