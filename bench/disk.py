@@ -24,7 +24,7 @@ import numpy as np
 
 from tierstore.errors import InvalidArgument
 
-__all__ = ["DEPTHS", "disk_limit", "best_iops"]
+__all__ = ["DEPTHS", "disk_limit", "best_iops", "burst_limit"]
 
 DEPTHS = (32, 64, 128, 256)
 # a probe's first Ring.read is this many depths of reads; the reads share this many depths of memory
@@ -91,6 +91,39 @@ def disk_limit(paths, *, blocks=(512, 4096), depths=DEPTHS, rings=(1,), seconds:
         files.close()
 
 
+def burst_limit(paths, burst: int, *, qd: int = 256, seconds: float = 3.0, seed: int = 0) -> dict:
+    """The disk's rate for reads that come in steps: bursts of `burst` random 512-B O_DIRECT
+    reads at depth `qd`, each burst waited for whole before the next begins, back to back for
+    `seconds`, through one ring as disk_limit reads: {"iops", "reads", "seconds", "burst",
+    "qd", "cpu_us_per_read"}, or {"skipped": why} where O_DIRECT or io_uring is refused. A
+    decode step's misses come so (the next step's ids are not known before this one's
+    forward): its queue fills and drains once a step, however it is read, so this is the
+    most misses/s any step-by-step reader of `burst` misses a step gets from this disk, with
+    no work of its own between steps; disk_limit's sustained depth is the most any reader gets."""
+    from tierstore.tiers.nvme.direct_io import DirectFiles
+
+    if not seconds > 0 or burst < 1 or not 1 <= qd <= RING_ENTRIES:
+        raise InvalidArgument(f"burst probe: seconds must be > 0, the burst >= 1 read and the depth in "
+                              f"1..{RING_ENTRIES}; got {seconds}, {burst}, {qd}")
+    paths = [Path(p) for p in paths]
+    try:
+        files = DirectFiles(paths, 512)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
+        return {"skipped": str(e)}
+    try:
+        held = np.array([p.stat().st_size // 512 for p in paths], dtype=np.int64)
+        probe = _Probe(np.array(files.fds, dtype=np.int32), held, 512, qd, [seed, 512, qd, burst], burst=burst)
+        probe.run(seconds)
+        if isinstance(probe.error, OSError) and "refused" in str(probe.error):
+            return {"skipped": "io_uring is unavailable here (see the log line of tierstore.tiers.nvme.uring)"}
+        if probe.error is not None:
+            raise probe.error
+        return {"iops": probe.reads / probe.seconds, "reads": probe.reads, "seconds": probe.seconds,
+                "burst": burst, "qd": qd, "cpu_us_per_read": probe.cpu / max(1, probe.reads) * 1e6}
+    finally:
+        files.close()
+
+
 def best_iops(disk: dict, block: int = 512) -> dict | None:
     """The probe of `block`-B reads with the most IOPS: {"iops", "qd", "rings", "key"}, or None."""
     runs = [(d["iops"], k, d) for k, d in disk.items() if isinstance(d, dict) and d.get("block") == block]
@@ -104,11 +137,12 @@ class _Probe:
     """One ring on one thread: `qd` random reads in flight until `seconds` have passed; its
     reads, seconds and thread CPU seconds. The ring's queue drains once per Ring.read
     call, so after a first call of FIRST_DEPTHS x qd reads (which gives the rate) the
-    second is sized to fill the rest of the time. The bytes read are never looked at:
+    second is sized to fill the rest of the time; with `burst`, every call is that many
+    reads (burst_limit). The bytes read are never looked at:
     the reads share BUFFER_DEPTHS x qd places of memory."""
 
-    def __init__(self, fds: np.ndarray, held: np.ndarray, block: int, qd: int, seed):
-        self.fds, self.held, self.block, self.qd = fds, held, block, qd
+    def __init__(self, fds: np.ndarray, held: np.ndarray, block: int, qd: int, seed, burst: int | None = None):
+        self.fds, self.held, self.block, self.qd, self.burst = fds, held, block, qd, burst
         self.rng = np.random.default_rng(seed)
         places = BUFFER_DEPTHS * qd
         raw = np.empty(places * block + 4096, dtype=np.uint8)
@@ -124,7 +158,7 @@ class _Probe:
             if ring is None:
                 raise OSError("io_uring was refused on the probe's thread")
             cum = np.cumsum(self.held)
-            n = FIRST_DEPTHS * self.qd
+            n = self.burst or FIRST_DEPTHS * self.qd
             c0, t0 = _thread_cpu(), time.perf_counter()
             while True:
                 pick = self.rng.integers(0, int(cum[-1]), size=n)
@@ -139,7 +173,8 @@ class _Probe:
                 self.seconds = time.perf_counter() - t0
                 if self.seconds >= seconds:
                     break
-                n = max(FIRST_DEPTHS * self.qd, int(self.reads / self.seconds * (seconds - self.seconds)))
+                if not self.burst:  # one call for the rest of the time: the queue drains once
+                    n = max(FIRST_DEPTHS * self.qd, int(self.reads / self.seconds * (seconds - self.seconds)))
             self.cpu = _thread_cpu() - c0
         except BaseException as e:  # noqa: BLE001 - raised again by disk_limit on the caller's thread
             self.error = e

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 from tierstore.bench.cold import direct_io_refusal, local_counts, stop_sidecar
-from tierstore.bench.disk import DEPTHS, best_iops, disk_limit
+from tierstore.bench.disk import DEPTHS, best_iops, burst_limit, disk_limit
 from tierstore.bench.memory import (
     MemoryCgroup,
     drop_page_cache,
@@ -470,7 +470,9 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
         if no_direct is None:
             probe = lambda: best_iops(disk_limit(run.seg_paths, blocks=(512,), seconds=o.disk_seconds,
                                                  seed=o.seed + 1), 512)
-            comps["tierstore-direct"] = run.tierstore("tierstore-direct", ["--direct-io"], best, lru, closers, probe)
+            bursts = lambda n: burst_limit(run.seg_paths, n, seconds=o.disk_seconds, seed=o.seed + 2)
+            comps["tierstore-direct"] = run.tierstore("tierstore-direct", ["--direct-io"], best, lru, closers, probe,
+                                                      bursts)
         else:
             comps["tierstore-direct"] = {"skipped": no_direct}
         comps["tierstore-cached"] = run.tierstore("tierstore-cached", [], best, lru, closers)
@@ -549,9 +551,10 @@ class _Run:
                            self.forward_ms / 1e3)
 
     def tierstore(self, name: str, extra: list[str], disk_best: float | None, lru: dict, closers: list,
-                  probe=None) -> dict:
+                  probe=None, bursts=None) -> dict:
         """A cache-mode sidecar (`extra` its flags) read by Client.lookup; `probe()` (the disk's
-        best 512-B probe, or None) run again right after its steady phases, as their limit."""
+        best 512-B probe, or None) run again right after its steady phases, as their limit;
+        `bursts(n)` (disk.burst_limit) with n the steady decode step's misses, as decode's."""
         side = _TierstoreSide(self.data_dir, self.tables, self.budget, extra)
         closers.append(side.close)
         r = self._phases(name, side)
@@ -564,6 +567,16 @@ class _Run:
             r["misses_per_s_of_disk_after"] = r["steady_misses_per_s"] / after["iops"]
             if r["steady_miss_path_misses_per_s"] is not None:
                 r["miss_path_of_disk_after"] = r["steady_miss_path_misses_per_s"] / after["iops"]
+        decode = r["phases"]["steady_decode"]
+        if bursts is not None and decode["misses"]:
+            # a decode step's misses fill and drain the device's queue once a step (the next step's
+            # ids come from this one's forward): the disk's rate for bursts of that many reads
+            b = bursts(max(1, round(decode["misses"] / decode["steps"])))
+            if "iops" in b:
+                r["disk_decode_bursts"] = b
+                decode["misses_of_burst_limit"] = decode["misses_per_s"] / b["iops"]
+                if after is not None:
+                    decode["burst_limit_of_disk_after"] = b["iops"] / after["iops"]
         closers.pop()
         side.close()
         return r
@@ -624,6 +637,10 @@ def large_line(r: dict) -> str:
                 s += (f"; reading them {d['steady_miss_path_misses_per_s'] / 1e3:.0f}k/s = "
                       f"{d['miss_path_of_disk_after']:.2f} of it, "
                       f"{d['steady_miss_path_share']:.0%} of the steps' time")
+            if sd.get("misses_of_burst_limit") is not None:
+                b = d["disk_decode_bursts"]
+                s += (f"; decode misses {sd['misses_per_s'] / 1e3:.0f}k/s = {sd['misses_of_burst_limit']:.2f} of "
+                      f"the disk's {b['iops'] / 1e3:.0f}k in bursts of a step's {b['burst']}")
         steady = [d["phases"][p] for p in ("steady_prefill", "steady_decode")]
         overlapped = sum(p.get("steps_overlapped", 0) for p in steady) / max(1, sum(p["steps"] for p in steady))
         if overlapped:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tierstore.bench.cold import direct_io_refusal
-from tierstore.bench.disk import DEPTHS, best_iops, disk_limit
+from tierstore.bench.disk import DEPTHS, best_iops, burst_limit, disk_limit
 from tierstore.errors import InvalidArgument
 
 
@@ -59,3 +59,17 @@ def test_bad_probe_settings_are_refused_with_the_fix(segments):
         disk_limit(segments, blocks=(512,), depths=(96,), rings=(64,), seconds=0.05)
     with pytest.raises(InvalidArgument, match=r"queue depth 512 over 1 ring\(s\) is more than a ring's 256 entries"):
         disk_limit(segments, blocks=(512,), depths=(32, 512), seconds=0.05)
+
+
+def test_the_burst_probe_reads_whole_bursts_and_refuses_bad_settings(segments):
+    """burst_limit: a decode step's misses as the disk sees them (bursts read whole, one after
+    another): every read counted is a whole burst's, and what it cannot run is refused."""
+    b = burst_limit(segments, 300, seconds=0.1)
+    if "skipped" in b:
+        pytest.skip(b["skipped"])
+    assert b["burst"] == 300 and b["qd"] == 256 and b["reads"] % 300 == 0 and b["reads"] >= 300
+    assert b["iops"] == pytest.approx(b["reads"] / b["seconds"]) and b["seconds"] >= 0.1
+    for bad in (dict(burst=0), dict(burst=10, qd=257), dict(burst=10, seconds=0)):
+        kw = {"seconds": 0.05, **bad}
+        with pytest.raises(InvalidArgument, match="burst probe"):
+            burst_limit(segments, kw.pop("burst"), **kw)

@@ -96,6 +96,11 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         assert direct["miss_path_of_disk_after"] == pytest.approx(path / after["iops"])
         assert f"of it, {direct['steady_miss_path_share']:.0%} of the steps' time" in stdout
         assert f"k IOPS at 512 B, QD{r['disk_best_qd']}" in stdout
+        # decode's own limit: the disk's rate for bursts of a decode step's misses, read whole
+        decode, bursts = direct["phases"]["steady_decode"], direct["disk_decode_bursts"]
+        assert bursts["burst"] == round(decode["misses"] / decode["steps"]) and bursts["iops"] > 0
+        assert decode["misses_of_burst_limit"] == pytest.approx(decode["misses_per_s"] / bursts["iops"])
+        assert f"in bursts of a step's {bursts['burst']}" in stdout
     assert r["forward_ms"] == 5
     assert r["phases"]["steady_prefill"]["tokens_per_step"] == 4096
     assert r["phases"]["steady_decode"]["streams"] == 128
