@@ -20,6 +20,10 @@ client spent reading them (`steady_miss_path_misses_per_s`, its ratio to the
 second probe `miss_path_of_disk_after`, and `steady_miss_path_share`, those
 seconds' part of the steps' time), so a gap to the disk reads as the path's
 own or as the rest of a step that lookup does not overlap with the reads.
+Decode's own limit comes last (`disk_decode_bursts`, disk.burst_limit): bursts of
+the steady decode step's mean misses, each read whole before the next, as a
+decode step's misses must be (the next step's ids come from this one's forward);
+decode's misses/s are reported against it too (`misses_of_burst_limit`).
 
 The ids: real text (the CPython reference docs and botocore's AWS API docs,
 `bench/traces.py`), tokenized by DeepSeek-V4's tokenizer and hashed by

@@ -52,27 +52,17 @@ __all__ = ["LocalReads", "LocalStep", "BusyClock"]
 log = logging.getLogger("tierstore.client")
 
 
-# The miss path waits on the device when its threads are on a CPU less than this share of
-# its wall time: reading a step's tables overlapped then only overlaps waits (Client.lookup_many)
-DEVICE_BOUND = 0.5
-_DECAY = 0.9  # each miss-path interval weighs this much less in `device_bound` than the next
-
-
 class BusyClock:
-    """Wall seconds during which at least one of a client's tables is in its miss path, and
-    whether that path waits on the device.
+    """Wall seconds during which at least one of a client's tables is in its miss path.
 
     Client.lookup_many reads a step's tables at once, so their own miss-path seconds
     (LocalReads.cold_seconds) overlap and their sum would count that time twice; this
-    counts it once (`seconds`). A context manager: `with clock: <the miss path>`, the
-    path's thread CPU seconds told with `cpu()`. `device_bound`: over the recent
-    intervals, the paths' CPU is under DEVICE_BOUND of their wall time (reads from the
-    device, not copies from the page cache or a disk's own cache)."""
+    counts it once (`seconds`). Entered as a table's misses start (LocalStep.start) and
+    left as they are placed (LocalStep.end)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._inside, self._since, self.seconds = 0, 0.0, 0.0
-        self._cpu_now = self._cpu = self._wall = 0.0
 
     def __enter__(self):
         with self._lock:
@@ -80,23 +70,11 @@ class BusyClock:
                 self._since = time.perf_counter()
             self._inside += 1
 
-    def cpu(self, seconds: float) -> None:
-        """CPU seconds a thread spent in the miss path it is in now."""
-        with self._lock:
-            self._cpu_now += seconds
-
     def __exit__(self, *exc):
         with self._lock:
             self._inside -= 1
             if not self._inside:
-                wall = time.perf_counter() - self._since
-                self.seconds += wall
-                self._wall = self._wall * _DECAY + wall
-                self._cpu, self._cpu_now = self._cpu * _DECAY + self._cpu_now, 0.0
-
-    @property
-    def device_bound(self) -> bool:
-        return self._wall > 0 and self._cpu < DEVICE_BOUND * self._wall
+                self.seconds += time.perf_counter() - self._since
 
 
 class LocalReads:
@@ -206,7 +184,7 @@ class LocalStep:
         # format 2 under O_DIRECT: the misses' records as read ride on the note (no sum made again)
         self.records = np.empty((self.uniq.size, cold.record_bytes), dtype=np.uint8) \
             if cold.carried_form == "records" else None
-        self.t0, c0 = time.perf_counter(), time.thread_time()
+        self.t0 = time.perf_counter()
         self.shared0 = r._flights.rows_shared if r._flights is not None else 0
         r._clock.__enter__()
         try:
@@ -217,8 +195,6 @@ class LocalStep:
         except BaseException:
             r._clock.__exit__()
             raise
-        finally:
-            r._clock.cpu(time.thread_time() - c0)
 
     def end(self) -> np.ndarray | None:
         r, out, uniq = self.reads, self.out, self.uniq
@@ -226,11 +202,9 @@ class LocalStep:
             return None
         asked = self.asked
         if self.pending is not None:
-            c0 = time.thread_time()
             try:
                 self.pending.finish()  # verified; ChecksumError is DATA_LOSS
             finally:
-                r._clock.cpu(time.thread_time() - c0)
                 r._clock.__exit__()
             shared = r._flights.rows_shared - self.shared0 if r._flights is not None else 0
             r.distinct_device += uniq.size - shared

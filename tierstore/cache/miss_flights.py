@@ -128,7 +128,8 @@ class MissFlightsFile:
 
 class MissFlights:
     """A client's read-write map of a table version's flights file, and the protocol
-    over it (the module docstring). `read(ids, out, reader)` is the one entry point."""
+    over it (the module docstring). `read(ids, out, reader)` is the one entry point (`start`, then
+    `Flight.finish`: the same read in two halves)."""
 
     def __init__(self, path: str | Path, rows: int, width: int, instance: str | None = None):
         """StaleArena when the file at `path` is gone or is not this table's (shape, instance)."""
