@@ -39,7 +39,6 @@ def disk_limit(paths, *, blocks=(512, 4096), depths=DEPTHS, rings=(1,), seconds:
     "cpu_us_per_read"}, ..., "512B_qd128x2": ... (two rings)}. A block smaller than the
     device's O_DIRECT alignment is {"skipped": why} under "<block>B"; where O_DIRECT or
     io_uring is refused the whole result is {"skipped": why}."""
-    from tierstore.tiers.nvme.direct_io import DirectFiles
     from tierstore.tiers.nvme.uring import Ring
 
     if not seconds > 0:
@@ -52,11 +51,9 @@ def disk_limit(paths, *, blocks=(512, 4096), depths=DEPTHS, rings=(1,), seconds:
             if qd // k > RING_ENTRIES:
                 raise InvalidArgument(f"queue depth {qd} over {k} ring(s) is more than a ring's {RING_ENTRIES} "
                                       f"entries: probe depths up to {RING_ENTRIES * k}")
-    paths = [Path(p) for p in paths]
-    try:
-        files = DirectFiles(paths, 512)
-    except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
-        return {"skipped": str(e)}
+    paths, files = _direct_files(paths)
+    if isinstance(files, dict):
+        return files
     try:
         ring = Ring.open(2)  # (DirectFiles has compiled the read loop: no probe's time pays for that)
         if ring is None:
@@ -100,16 +97,14 @@ def burst_limit(paths, burst: int, *, qd: int = 256, seconds: float = 3.0, seed:
     forward): its queue fills and drains once a step, however it is read, so this is the
     most misses/s any step-by-step reader of `burst` misses a step gets from this disk, with
     no work of its own between steps; disk_limit's sustained depth is the most any reader gets."""
-    from tierstore.tiers.nvme.direct_io import DirectFiles
 
-    if not seconds > 0 or burst < 1 or not 1 <= qd <= RING_ENTRIES:
-        raise InvalidArgument(f"burst probe: seconds must be > 0, the burst >= 1 read and the depth in "
-                              f"1..{RING_ENTRIES}; got {seconds}, {burst}, {qd}")
-    paths = [Path(p) for p in paths]
-    try:
-        files = DirectFiles(paths, 512)
-    except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
-        return {"skipped": str(e)}
+    wrong = [need for need, ok in (("seconds must be > 0", seconds > 0), ("a burst must be >= 1 read", burst >= 1),
+                                   (f"the depth must be 1..{RING_ENTRIES}", 1 <= qd <= RING_ENTRIES)) if not ok]
+    if wrong:
+        raise InvalidArgument(f"burst probe: {'; '.join(wrong)} (got seconds {seconds}, burst {burst}, qd {qd})")
+    paths, files = _direct_files(paths)
+    if isinstance(files, dict):
+        return files
     try:
         held = np.array([p.stat().st_size // 512 for p in paths], dtype=np.int64)
         probe = _Probe(np.array(files.fds, dtype=np.int32), held, 512, qd, [seed, 512, qd, burst], burst=burst)
@@ -122,6 +117,17 @@ def burst_limit(paths, burst: int, *, qd: int = 256, seconds: float = 3.0, seed:
                 "burst": burst, "qd": qd, "cpu_us_per_read": probe.cpu / max(1, probe.reads) * 1e6}
     finally:
         files.close()
+
+
+def _direct_files(paths) -> tuple[list[Path], object]:
+    """(the paths, the files opened O_DIRECT: tiers/nvme/direct_io.DirectFiles, or {"skipped": why})."""
+    from tierstore.tiers.nvme.direct_io import DirectFiles
+
+    paths = [Path(p) for p in paths]
+    try:
+        return paths, DirectFiles(paths, 512)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
+        return paths, {"skipped": str(e)}
 
 
 def best_iops(disk: dict, block: int = 512) -> dict | None:

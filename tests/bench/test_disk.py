@@ -69,7 +69,9 @@ def test_the_burst_probe_reads_whole_bursts_and_refuses_bad_settings(segments):
         pytest.skip(b["skipped"])
     assert b["burst"] == 300 and b["qd"] == 256 and b["reads"] % 300 == 0 and b["reads"] >= 300
     assert b["iops"] == pytest.approx(b["reads"] / b["seconds"]) and b["seconds"] >= 0.1
-    for bad in (dict(burst=0), dict(burst=10, qd=257), dict(burst=10, seconds=0)):
+    for bad, why in ((dict(burst=0), "a burst must be >= 1 read"),
+                     (dict(burst=10, qd=257), r"the depth must be 1\.\.256"),
+                     (dict(burst=10, seconds=0), "seconds must be > 0")):
         kw = {"seconds": 0.05, **bad}
-        with pytest.raises(InvalidArgument, match="burst probe"):
+        with pytest.raises(InvalidArgument, match=f"burst probe: {why}"):
             burst_limit(segments, kw.pop("burst"), **kw)
