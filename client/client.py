@@ -248,10 +248,14 @@ class Client:
         if inline or not self.on_host:
             resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
             return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
+        return self._begin(table, ids).end()
+
+    def _begin(self, table: str, ids):
+        """TableHandle.begin of checked `ids` on this host (lookup at once; lookup_many a table at a time)."""
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
-        return h.read(check_ids(arr, h.rows, table))
+        return h.begin(check_ids(arr, h.rows, table))
 
     def lookup_many(self, tables: dict, inline: bool | None = None) -> dict[str, np.ndarray]:
         """lookup() for every table of a step ({table: ids}): {table: rows}, in the dict's order.
@@ -259,23 +263,20 @@ class Client:
         On the sidecar's host, with every table's misses read with O_DIRECT (`serve
         --direct-io`), the tables are read overlapped, in this thread: each table begun in
         turn (TableHandle.begin: its hits copied, its misses' reads submitted to this
-        thread's io_uring), then each ended in turn (its
-        reads waited for, verified and placed, its step noted to the sidecar). One ring
-        holds every table's reads, so the device's queue does not drain between tables:
-        it reads one table's misses while the next one's hits are copied, and the next
-        one's while the first one's are placed (the ids are known before the forward: an
-        engine with two Engram layers reads both layers' rows in one call). Where the first
-        table's read is to take LOOKUP_STAGGER_FROM_S or more (its ids at the last call's
-        time an id), table k is begun once LOOKUP_STAGGER of table k-1's reads have landed,
-        so each table's note leaves about half a table's read before the next step probes
-        that table: the sidecar promotes a prefill table's misses ~25 ms after its note, and
-        with steps back to back and every table begun at once the next step probed first
-        (prefill hit -0.004 at the 1/6-scale table). One thread does it all, so overlapping
-        never takes a core from anything (it did with reader threads, which is why they
-        waited for misses that were waits on the device: a rule this drops; 21% of
-        decode's steady steps had gone in turn under it). Through the page cache the tables
-        are read in turn (a begin reads there). A TCP client, or inline=True, asks for the
-        tables in turn. Raises what lookup raises, after every table begun has ended
+        thread's io_uring), then each ended in turn (its reads waited for, verified and
+        placed, its step noted to the sidecar). One ring holds every table's reads, so the
+        device's queue does not drain between tables: it reads one table's misses while the
+        next one's hits are copied, and the next one's while the first one's are placed (the
+        ids are known before the forward: an engine with two Engram layers reads both
+        layers' rows in one call). One thread does it all, so overlapping takes no core from
+        anything. Where the first table's read is to take LOOKUP_STAGGER_FROM_S or more (its
+        ids at the last call's time an id), table k is begun once LOOKUP_STAGGER of table
+        k-1's reads have landed, so each table's note leaves about half a table's read
+        before the next step probes that table: the sidecar promotes a prefill table's
+        misses ~25 ms after its note, and with steps back to back and every table begun at
+        once the next step probed first (prefill hit -0.004 at the 1/6-scale table). Through
+        the page cache the tables are read in turn (a begin reads there). A TCP client, or
+        inline=True, asks for the tables in turn. Raises what lookup raises, after every table begun has ended
         (the first error in the dict's order), its `table` attribute the table whose read
         raised it (an engine names the layer); InvalidArgument when `tables` is not a
         {table: ids} mapping."""
@@ -300,13 +301,10 @@ class Client:
         before = ring.queued if ring is not None else 0
         for k, (t, ids) in enumerate(items):
             try:
-                self._check_open()
-                h = self.handle(t)
-                arr = check_ids(as_ids(ids), h.rows, t)
                 if stagger and k:  # the last table's reads part landed first (its note leaves earlier)
                     ring.settle(before + int((ring.queued - before) * LOOKUP_STAGGER))
                 before = ring.queued if ring is not None else 0
-                begun.append((k, t, h.begin(arr)))
+                begun.append((k, t, self._begin(t, ids)))
             except BaseException as e:  # the tables begun are still ended: their reads are in flight
                 e.table = t
                 failed.append((k, e))
