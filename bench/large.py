@@ -82,7 +82,8 @@ UNITS = {"rows_per_s": "rows/s (distinct ids per layer per step, summed)", "p50_
          "arena_fill": "resident rows / arena slots at the end of the phase",
          "distinct_rows_asked": "rows: distinct ids the run asked of the table, every phase (the most the arena "
          "can hold is the smaller of this and its slots)", "distinct_asked_so_far": "rows: the same, by the end "
-         "of the phase", "fill_of_reachable": "resident rows / min(arena slots, distinct rows asked)"}
+         "of the phase", "fill_of_reachable": "resident rows / min(arena slots, distinct rows asked)",
+         "bound_hit_ratio": "the hit ratio if every row asked before were still held (no policy beats it)"}
 
 
 # ---- the table ------------------------------------------------------------------
@@ -379,30 +380,52 @@ def _tierstore_figures(r: dict, side: _TierstoreSide, versions, phases, disk_bes
         s = last[t]
         cap = int(s.get("capacity", 0))
         steps = [st_[j] for p in PHASES for st_ in phases[p]]
-        seen = np.zeros(v.rows, dtype=bool)  # the distinct rows asked by the end of each phase
-        for k, p in enumerate(PHASES):
-            for st_ in phases[p]:
-                seen[st_[j]] = True
-            r["phases"][p].setdefault("distinct_asked_so_far", {})[t] = int(np.count_nonzero(seen))
+        so_far, bound = _asked_and_bound(phases, j, v.rows, n_cold, n_warm)
+        for p in PHASES:
+            r["phases"][p].setdefault("distinct_asked_so_far", {})[t] = so_far[p]
         if (t, cap) not in lru:
             lru[t, cap] = (_lru(steps[:n_cold], v.rows, cap, 0), _lru(steps, v.rows, cap, n_warm))
         r["tables"][t] = {
             "rows": v.rows, "arena_slots": cap, "resident": int(s.get("resident", 0)),
             "arena_fill": int(s.get("resident", 0)) / max(1, cap),
-            "distinct_rows_asked": int(np.count_nonzero(seen)),
-            "fill_of_reachable": int(s.get("resident", 0)) / max(1, min(cap, int(np.count_nonzero(seen)))),
+            "distinct_rows_asked": so_far[PHASES[-1]],
+            "fill_of_reachable": int(s.get("resident", 0)) / max(1, min(cap, so_far[PHASES[-1]])),
             "metadata_bytes": int(s.get("metadata_bytes", 0)),
             "metadata_bytes_per_slot": int(s.get("metadata_bytes", 0)) / max(1, cap),
             "metadata_bytes_per_row": int(s.get("metadata_bytes", 0)) / max(1, v.rows),
             "sidecar_bytes_read": int(s.get("bytes_read", 0)), "notes_dropped": int(s.get("notes_dropped", 0)),
             # LRU over the very steps this sidecar served, at its capacity
-            "lru_hit_ratio_cold": lru[t, cap][0], "lru_hit_ratio_steady": lru[t, cap][1]}
+            "lru_hit_ratio_cold": lru[t, cap][0], "lru_hit_ratio_steady": lru[t, cap][1],
+            # every row asked before still held: no policy at any capacity hits more
+            "bound_hit_ratio_cold": bound[0], "bound_hit_ratio_steady": bound[1]}
     m = proc_memory(side.proc.proc.pid)
     r["sidecar_rss"] = sum(m.values())
     r["sidecar_rss_anon"] = m.get("RssAnon", 0)
     r["page_cache_caused"] = max(0, r["page_cache_after"] - r["page_cache_before"])
     r["footprint"] = r["sidecar_rss"] + r["page_cache_caused"]
     return r
+
+
+def _asked_and_bound(phases: dict, j: int, rows: int, n_cold: int, n_warm: int) -> tuple[dict, tuple]:
+    """Layer j's distinct rows asked by the end of each phase, and the hit ratios of the
+    cold phases and the steady ones (from step n_warm) if every row asked before were
+    still held: an arena that never lets a row go. No policy beats it; LRU reaches it
+    when the run asks no more rows than the arena has slots."""
+    seen = np.zeros(rows, dtype=bool)
+    so_far, i = {}, 0
+    asked, first = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    for p in PHASES:
+        for st_ in phases[p]:
+            ids = np.unique(st_[j])
+            part = 0 if i < n_cold else 1 if i >= n_warm else None
+            if part is not None:
+                asked[part] += ids.size
+                first[part] += ids.size - int(np.count_nonzero(seen[ids]))
+            seen[ids] = True
+            i += 1
+        so_far[p] = int(np.count_nonzero(seen))
+    bound = tuple(float(1 - f / a) if a else None for f, a in zip(first, asked))
+    return so_far, bound
 
 
 def _lru(steps, rows: int, capacity: int, count_from: int) -> float | str:
@@ -653,9 +676,11 @@ def large_line(r: dict) -> str:
             fill = min(t["arena_fill"] for t in d["tables"].values())
             asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())
             lru = [t["lru_hit_ratio_steady"] for t in d["tables"].values() if isinstance(t["lru_hit_ratio_steady"], float)]
+            bound = np.mean([t["bound_hit_ratio_steady"] or 0 for t in d["tables"].values()])
             s += (f", arena {fill:.0%} full (distinct rows asked {asked:.2f}x its slots), steady hit "
-                  f"{d['hit_ratio_steady'] or 0:.3f}"
-                  + (f" vs LRU {np.mean(lru):.3f}" if lru else ""))
+                  f"{d['hit_ratio_steady'] or 0:.3f}" + (f" vs LRU {np.mean(lru):.3f}" if lru else "")
+                  + f", bound {bound:.3f}" + (" (the run never asked more rows than the arena holds: no policy "
+                                              "can beat LRU)" if asked <= 1 else ""))
         parts.append(s)
     best = r.get("disk_best_iops")
     disk = "n/a" if best is None else f"{best / 1e3:.0f}k IOPS at 512 B, QD{r['disk_best_qd']}"

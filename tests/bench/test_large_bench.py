@@ -27,6 +27,7 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
                             "--forward-ms", "5")
     assert code == 0, err
     assert stdout.startswith("large 0.06 GiB (fp8-e4m3-ue8m0)") and "distinct rows asked" in stdout
+    assert ", bound 0." in stdout and "no policy can beat LRU" not in stdout  # rows had to leave the arena
     assert "tierstore demo-table --preset deepseek-v4.1-flash --scale" in err  # the build says what it runs
     r = json.loads((out / "results.json").read_text())["scenarios"]["large"]
     assert r["tables"] == ["l1", "l14"] and r["row_bytes"] == 264
@@ -55,6 +56,8 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
             assert t["fill_of_reachable"] == t["resident"] / min(t["arena_slots"], t["distinct_rows_asked"])
             assert t["metadata_bytes_per_slot"] > 0 and t["metadata_bytes_per_row"] > 0
             assert 0 <= t["lru_hit_ratio_steady"] <= 1
+            # rows had to leave the arena (asked > slots, below): LRU falls under the bound
+            assert t["lru_hit_ratio_steady"] < t["bound_hit_ratio_steady"] <= 1
         so_far = [d["phases"][p]["distinct_asked_so_far"] for p in PHASES_IN_ORDER]
         for table, t in d["tables"].items():
             counts = [s[table] for s in so_far]
@@ -63,6 +66,7 @@ def test_bench_large_quick_reports_every_competitor_with_exact_rows(cli, tmp_pat
         # the arena is past full here (the run asks more rows than it has slots)
         assert all(t["distinct_rows_asked"] > t["arena_slots"] for t in d["tables"].values())
         lru = np.mean([t["lru_hit_ratio_steady"] for t in d["tables"].values()])
+        assert d["hit_ratio_steady"] <= max(t["bound_hit_ratio_steady"] for t in d["tables"].values())
         if name == "tierstore-direct":
             # steps that wait on the device, as an engine's wait on its forward: the sidecar learns
             # each before the next, and the policy beats LRU replayed over the very steps it served
