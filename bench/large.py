@@ -76,6 +76,7 @@ __all__ = ["run_large_bench", "LargeOptions", "large_tables", "text_phases", "la
 PRESET = "deepseek-v4.1-flash"
 PREFILL_TOKENS, DECODE_STREAMS = 4096, 128
 PHASES = ("cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode")
+COMPETITORS = ("tierstore-direct", "tierstore-cached", "mmap", "mmap-capped")
 UNITS = {"rows_per_s": "rows/s (distinct ids per layer per step, summed)", "p50_ms": "ms per step",
          "p99_ms": "ms per step", "iops": "reads/s", "hit_ratio": "fraction of distinct ids per step and layer "
          "found in the DRAM arena", "misses_per_s": "rows read from disk per second", "bytes": "bytes",
@@ -467,11 +468,28 @@ class LargeOptions(BenchOptions):
     warmup_steps: int | None = None     # untimed prefill steps before the steady state
     disk_seconds: float | None = None   # per disk probe
     forward_ms: float | None = None     # untimed ms between steps, an engine's forward (default 0: back to back)
+    competitors: str | None = None      # comma-separated, of COMPETITORS (default all)
 
     DEFAULTS = {"table_gib": (8.0, 1 / 16), "prefill_steps": (30, 2), "decode_steps": (300, 8),
                 "warmup_steps": (100, 2), "disk_seconds": (3.0, 0.3)}
 
+    def chosen(self) -> list[str]:
+        """The competitors to run, in COMPETITORS' order."""
+        if not self.competitors:
+            return list(COMPETITORS)
+        asked = {c.strip() for c in self.competitors.split(",") if c.strip()}
+        return [c for c in COMPETITORS if c in asked]
+
     def validate(self) -> None:
+        if self.competitors is not None:
+            asked = [c.strip() for c in self.competitors.split(",") if c.strip()]
+            unknown = sorted(set(asked) - set(COMPETITORS))
+            if unknown or not asked:
+                raise InvalidArgument(f"bench large: --competitors takes a comma-separated list of "
+                                      f"{', '.join(COMPETITORS)}; got {self.competitors!r}")
+            if "mmap-capped" in asked and not {"tierstore-direct", "tierstore-cached"} & set(asked):
+                raise InvalidArgument("bench large: --competitors mmap-capped is capped at a tierstore "
+                                      "competitor's footprint: name tierstore-direct or tierstore-cached too")
         if self.forward_ms is not None and not 0 <= self.forward_ms <= 10_000:
             raise InvalidArgument(f"bench large: --forward-ms must be 0..10000, got {self.forward_ms}")
         if min(self.prefill_steps, self.decode_steps, self.warmup_steps) < 1:
@@ -493,8 +511,11 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
     best = top["iops"] if top else None
     no_direct = direct_io_refusal(run.seg_paths, run.versions[0].row_bytes)
     comps, closers, lru = {}, [], {}
+    chosen = o.chosen()
     try:
-        if no_direct is None:
+        if "tierstore-direct" not in chosen:
+            pass
+        elif no_direct is None:
             probe = lambda: best_iops(disk_limit(run.seg_paths, blocks=(512,), seconds=o.disk_seconds,
                                                  seed=o.seed + 1), 512)
             bursts = lambda n: burst_limit(run.seg_paths, n, seconds=o.disk_seconds, seed=o.seed + 2)
@@ -502,11 +523,16 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
                                                       bursts)
         else:
             comps["tierstore-direct"] = {"skipped": no_direct}
-        comps["tierstore-cached"] = run.tierstore("tierstore-cached", [], best, lru, closers)
-        comps["mmap"] = run.mmap(closers)
-        direct = "footprint" in comps["tierstore-direct"]
-        comps["mmap-capped"] = run.mmap_capped(comps["tierstore-direct" if direct else "tierstore-cached"], direct,
-                                               closers)
+        if "tierstore-cached" in chosen:
+            comps["tierstore-cached"] = run.tierstore("tierstore-cached", [], best, lru, closers)
+        if "mmap" in chosen:
+            comps["mmap"] = run.mmap(closers)
+        if "mmap-capped" in chosen:
+            direct = "footprint" in comps.get("tierstore-direct", {})
+            ref = comps["tierstore-direct"] if direct else comps.get("tierstore-cached")
+            comps["mmap-capped"] = (run.mmap_capped(ref, direct, closers) if ref else
+                                    {"skipped": "tierstore-direct could not run and tierstore-cached was not asked "
+                                                "for: no footprint to cap mmap at"})
     finally:
         close_all(closers)
     for d in comps.values():

@@ -125,3 +125,32 @@ def test_a_negative_forward_is_refused_before_anything_is_written(cli, tmp_path)
     code, _, err = cli("bench", "large", "--data", data, "--out", tmp_path / "out", "--quick", "--forward-ms", "-1")
     assert code != 0 and "--forward-ms must be 0..10000, got -1" in err, err
     assert not data.exists()
+
+
+@pytest.mark.parametrize("competitors, says", [
+    ("mmap,zram", "--competitors takes a comma-separated list of tierstore-direct, tierstore-cached, mmap, "
+                  "mmap-capped; got 'mmap,zram'"),
+    (",", "--competitors takes a comma-separated list"),
+    ("mmap,mmap-capped", "mmap-capped is capped at a tierstore competitor's footprint"),
+])
+def test_competitors_out_of_the_list_are_refused_before_anything_is_written(cli, tmp_path, competitors, says):
+    data = tmp_path / "data"
+    code, _, err = cli("bench", "large", "--data", data, "--out", tmp_path / "out", "--quick", "--competitors",
+                       competitors)
+    assert code != 0 and says in err, err
+    assert not data.exists()
+
+
+@pytest.mark.slow
+def test_the_competitors_asked_for_run_and_no_other(cli, tmp_path, real_text):
+    out = tmp_path / "out"
+    code, stdout, err = cli("bench", "large", "--data", tmp_path / "data", "--out", out, "--quick", "--no-progress",
+                            "--competitors", "mmap, tierstore-cached")
+    assert code == 0, err
+    r = json.loads((out / "results.json").read_text())["scenarios"]["large"]
+    assert list(r["competitors"]) == ["tierstore-cached", "mmap"]  # in the bench's order, not the flag's
+    assert r["competitors"]["tierstore-cached"]["rows_wrong"] == 0 and r["competitors"]["mmap"]["rows_wrong"] == 0
+    assert "tierstore-direct" not in stdout and "mmap-capped" not in stdout
+    # tierstore-cached against mmap, with no capped mmap to compare at equal memory
+    assert r["competitors"]["tierstore-cached"]["phases"]["steady_decode"]["x_mmap"] > 0
+    assert r["competitors"]["tierstore-cached"]["phases"]["steady_decode"]["x_mmap_capped"] is None

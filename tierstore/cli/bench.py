@@ -124,6 +124,8 @@ def _large(add):
     add("--disk-seconds", type=float, help="seconds per disk probe (default 3, quick 0.3)")
     add("--forward-ms", type=float, help="untimed milliseconds between steps, as an engine's forward runs "
         "between them (default 0: steps back to back, the sidecar's one-way learning racing the next probe)")
+    add("--competitors", help="comma-separated, of tierstore-direct, tierstore-cached, mmap, mmap-capped "
+        "(default all; mmap-capped needs a tierstore one: it is capped at its footprint)")
 
 
 def _run_large(args, out: Path, suite: bool) -> dict:
