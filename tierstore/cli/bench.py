@@ -3,6 +3,7 @@
     tierstore bench lookup --data DIR --out OUT [--table T | --table-mib 8192] [--batches ...] [--dists ...] [--quick]
     tierstore bench cold   --data DIR --out OUT [--quick]
     tierstore bench large  --data DIR --out OUT [--table-gib 8] [--row-format F] [--dram-budget 1GiB] [--quick]
+                           [--competitors tierstore-direct,tierstore-cached,mmap,mmap-capped]
                            (a V4.1-layout table past TLB reach: the disk's IOPS, tierstore vs memmap capped)
     tierstore bench warm   --out OUT [--quick]          (hit ratio after a restart: warm start vs cold)
     tierstore bench cache  --out OUT [--quick]          (cache-policy simulation)
