@@ -475,19 +475,23 @@ class LargeOptions(BenchOptions):
 
     def chosen(self) -> list[str]:
         """The competitors to run, in COMPETITORS' order."""
-        if not self.competitors:
-            return list(COMPETITORS)
-        asked = {c.strip() for c in self.competitors.split(",") if c.strip()}
-        return [c for c in COMPETITORS if c in asked]
+        asked = self._asked()
+        return [c for c in COMPETITORS if asked is None or c in asked]
+
+    def _asked(self) -> set[str] | None:
+        """--competitors' names, or None when it was not given (all of them)."""
+        if self.competitors is None:
+            return None
+        return {c.strip() for c in self.competitors.split(",") if c.strip()}
 
     def validate(self) -> None:
-        if self.competitors is not None:
-            asked = [c.strip() for c in self.competitors.split(",") if c.strip()]
-            unknown = sorted(set(asked) - set(COMPETITORS))
+        asked = self._asked()
+        if asked is not None:
+            unknown = sorted(asked - set(COMPETITORS))
             if unknown or not asked:
                 raise InvalidArgument(f"bench large: --competitors takes a comma-separated list of "
                                       f"{', '.join(COMPETITORS)}; got {self.competitors!r}")
-            if "mmap-capped" in asked and not {"tierstore-direct", "tierstore-cached"} & set(asked):
+            if "mmap-capped" in asked and not {"tierstore-direct", "tierstore-cached"} & asked:
                 raise InvalidArgument("bench large: --competitors mmap-capped is capped at a tierstore "
                                       "competitor's footprint: name tierstore-direct or tierstore-cached too")
         if self.forward_ms is not None and not 0 <= self.forward_ms <= 10_000:
@@ -513,16 +517,14 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
     comps, closers, lru = {}, [], {}
     chosen = o.chosen()
     try:
-        if "tierstore-direct" not in chosen:
-            pass
-        elif no_direct is None:
+        if "tierstore-direct" in chosen and no_direct is not None:
+            comps["tierstore-direct"] = {"skipped": no_direct}
+        elif "tierstore-direct" in chosen:
             probe = lambda: best_iops(disk_limit(run.seg_paths, blocks=(512,), seconds=o.disk_seconds,
                                                  seed=o.seed + 1), 512)
             bursts = lambda n: burst_limit(run.seg_paths, n, seconds=o.disk_seconds, seed=o.seed + 2)
             comps["tierstore-direct"] = run.tierstore("tierstore-direct", ["--direct-io"], best, lru, closers, probe,
                                                       bursts)
-        else:
-            comps["tierstore-direct"] = {"skipped": no_direct}
         if "tierstore-cached" in chosen:
             comps["tierstore-cached"] = run.tierstore("tierstore-cached", [], best, lru, closers)
         if "mmap" in chosen:
@@ -700,13 +702,14 @@ def large_line(r: dict) -> str:
             s += f", tables overlapped in {overlapped:.0%} of the steady steps"
         if "tables" in d:
             fill = min(t["arena_fill"] for t in d["tables"].values())
-            asked = min(t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values())
+            asks = [t["distinct_rows_asked"] / max(1, t["arena_slots"]) for t in d["tables"].values()]
+            asked = min(asks)
             lru = [t["lru_hit_ratio_steady"] for t in d["tables"].values() if isinstance(t["lru_hit_ratio_steady"], float)]
             bound = np.mean([t["bound_hit_ratio_steady"] or 0 for t in d["tables"].values()])
             s += (f", arena {fill:.0%} full (distinct rows asked {asked:.2f}x its slots), steady hit "
                   f"{d['hit_ratio_steady'] or 0:.3f}" + (f" vs LRU {np.mean(lru):.3f}" if lru else "")
                   + f", bound {bound:.3f}" + (" (the run never asked more rows than the arena holds: no policy "
-                                              "can beat LRU)" if asked <= 1 else ""))
+                                              "can beat LRU)" if max(asks) <= 1 else ""))
         parts.append(s)
     best = r.get("disk_best_iops")
     disk = "n/a" if best is None else f"{best / 1e3:.0f}k IOPS at 512 B, QD{r['disk_best_qd']}"
