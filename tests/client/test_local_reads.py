@@ -369,7 +369,11 @@ def _fill_and_compare(c: Client, data: np.ndarray) -> None:
         c.flush()
         seen[ids] = True
         want = min(int(seen.sum()), cap)
-        s = _wait(c, "resident", int(np.ceil(0.95 * want)))  # once the sidecar has learned the step
+        # once the sidecar has learned the step: in step with it, as a step that waits on its forward
+        # is (a full arena's resident count says nothing of that; on a loaded host the learner then
+        # lags steps behind, evicts rows the next steps hit and reads them again to promote them)
+        _wait(c, "local_steps", k + 1)
+        s = _wait(c, "resident", int(np.ceil(0.95 * want)))
         assert s["resident"] >= 0.95 * want, f"step {k}: {s['resident']} rows resident of {want} distinct asked"
         if k == 9:
             asked, cold = local.distinct_asked, local.distinct_cold
