@@ -100,7 +100,9 @@ class LocalCluster:
     def __init__(self, stores: int = 2, segment_bytes: int = 256 << 20, *, client_ttl_s: int = 2,
                  log_dir: Path | None = None):
         self.segment_bytes, self.client_ttl_s = segment_bytes, client_ttl_s
-        self.rpc_port, self.http_port = free_port(), free_port()
+        # every port its own: the master's metrics server defaults to 9003, so a second cluster on
+        # the host (another test run, a user's own master) could not start
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.master_addr = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         self.log_dir = Path(log_dir) if log_dir else None
@@ -127,6 +129,8 @@ class LocalCluster:
         self.master = subprocess.Popen(
             [master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
+             "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+             "--metrics_host=127.0.0.1",
              f"--client_ttl={self.client_ttl_s}"],
             stdout=self._log("master.log"), stderr=subprocess.STDOUT, start_new_session=True)
         _wait_port(self.rpc_port, self.master, 20)
