@@ -75,12 +75,18 @@ def test_corrupt_blocks_in_every_format_are_data_loss_and_the_rest_serves(corrup
             for a in range(0, good.size, max(1, cap // 2)):
                 ids = good[a:a + cap // 2]
                 assert np.array_equal(c.lookup(name, ids), expected[ids]), (name, a)
-        # failed steps pinned nothing (the last releases are asynchronous: give them a moment)
-        leased = lambda: sum(int(t["leased_slots"]) for t in c.stats()["tables"])
-        deadline = time.monotonic() + 5
-        while leased() and time.monotonic() < deadline:
+        # failed steps pinned nothing. The last releases are asynchronous, and so are the
+        # promotions the learner makes of the last notes (a fill pins its slots while it
+        # reads): on a loaded host a nice-5 learner with a backlog of notes, each promoting
+        # a whole arena, holds pins for seconds after the last step; a leak holds them for ever
+        pinned = lambda: {t["table"]: int(t["leased_slots"]) for t in c.stats()["tables"] if int(t["leased_slots"])}
+        deadline = time.monotonic() + 60
+        while pinned() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert leased() == 0
+        left = pinned()
+        keys = ("table", "leases_active", "promotions", "local_steps", "notes_dropped")
+        held = [{k: t[k] for k in keys} for t in c.stats()["tables"] if t["table"] in left]
+        assert not left, f"slots still pinned 60 s after the last step: {left}; {held}\nsidecar log:\n{sc.log()}"
 
 
 def test_full_mode_refuses_to_start_on_a_corrupt_block(corrupt, sidecars):
