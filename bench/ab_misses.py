@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--swap", action="store_true",
                    help="deal the first block to the pair's second way: the blocks' own text then falls the other "
                         "way round (run both orders: what follows the blocks, not the way, flips)")
+    p.add_argument("--disk-seconds", type=float, default=1.0,
+                   help="seconds of the disk probe after the steps, per queue depth (default 1)")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = p.parse_args(argv)
     try:
@@ -190,12 +192,14 @@ def main(argv=None) -> int:
         if a.table_gib <= 0 or min(a.prefill_steps, a.decode_steps, a.warmup_steps) < 1:
             raise InvalidArgument(f"--table-gib must be > 0 and every step count >= 1, got {a.table_gib}, "
                                   f"{a.prefill_steps}, {a.decode_steps}, {a.warmup_steps}")
+        if not a.disk_seconds > 0:  # also refuses nan
+            raise InvalidArgument(f"--disk-seconds must be > 0, got {a.disk_seconds}")
     except InvalidArgument as e:
         p.error(str(e))  # before anything is written into --data
     r = run(a.data, a.table_gib, budget, seed=a.seed, prefill_steps=a.prefill_steps,
             decode_steps=a.decode_steps, warmup_steps=a.warmup_steps,
             prefill_block=max(1, min(4, a.prefill_steps // 2)), decode_block=max(1, min(40, a.decode_steps // 2)),
-            pair=a.pair, swap=a.swap)
+            disk_seconds=a.disk_seconds, pair=a.pair, swap=a.swap)
     print("\n".join(lines(r)))
     if a.json:
         print(json.dumps(r, indent=1))

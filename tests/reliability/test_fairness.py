@@ -156,7 +156,7 @@ def test_a_killed_clients_leases_end_at_once_not_at_their_ttl(table, sidecars):
             assert int(c.stats()["leases_active"]) == 100
             p.kill()
             p.wait()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # the close is seen at once; a loaded host may run it late
             while int(c.stats()["leases_active"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert int(c.stats()["leases_active"]) == 0
