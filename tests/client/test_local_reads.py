@@ -53,7 +53,7 @@ def _stats(c: Client, table: str = "t") -> dict:
             for k, v in next(t for t in c.stats()["tables"] if t["table"] == table).items()}
 
 
-def _wait(c: Client, key: str, at_least: int, timeout: float = 10.0, table: str = "t") -> dict:
+def _wait(c: Client, key: str, at_least: int, timeout: float = 30.0, table: str = "t") -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = _stats(c, table)

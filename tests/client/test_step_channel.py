@@ -24,7 +24,7 @@ def ids_of(n, seed=0):
     return np.random.default_rng(seed).integers(0, 1 << 30, n, dtype=np.int64)
 
 
-def _wait(cond, timeout: float = 5.0) -> bool:
+def _wait(cond, timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while not cond() and time.monotonic() < end:
         time.sleep(0.005)

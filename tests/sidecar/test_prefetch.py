@@ -16,7 +16,7 @@ from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 
 
-def _wait_prefetched(c: Client, table: str, n: int, timeout: float = 10.0) -> int:
+def _wait_prefetched(c: Client, table: str, n: int, timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = int(next(t for t in c.stats()["tables"] if t["table"] == table).get("prefetched", 0))

@@ -19,7 +19,7 @@ def _write(d, seed: int) -> np.ndarray:
     return data
 
 
-def _wait_gone(sc: SidecarProcess, needle: str, timeout: float = 5.0) -> bool:
+def _wait_gone(sc: SidecarProcess, needle: str, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not any(needle in f.name for f in sc.arena_files()):

@@ -31,7 +31,7 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def _wait(pred, timeout=10.0):
+def _wait(pred, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
