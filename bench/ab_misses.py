@@ -61,6 +61,7 @@ import numpy as np
 from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
+DISK_SECONDS = 1.0  # the disk probe after the steps, per queue depth (--disk-seconds)
 PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256"),
          "tables": ("together", "apart"), "notes": ("flusher", "step"),
          "stagger": ("staggered", "atonce")}
@@ -96,7 +97,7 @@ def _variant(name: str, side):
 
 def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps: int = 40,
         decode_steps: int = 400, warmup_steps: int = 100, prefill_block: int = 4, decode_block: int = 40,
-        disk_seconds: float = 1.0, pair: str = "ring", swap: bool = False) -> dict:
+        disk_seconds: float = DISK_SECONDS, pair: str = "ring", swap: bool = False) -> dict:
     """{"disk_after": probe, "phases": {phase: {variant: figures}}, "rows_wrong": n} (module docstring)."""
     from tierstore.bench.disk import best_iops, disk_limit
     from tierstore.bench.large import _read_rows, _segment_paths, _TierstoreSide, large_tables, text_phases
@@ -183,8 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--swap", action="store_true",
                    help="deal the first block to the pair's second way: the blocks' own text then falls the other "
                         "way round (run both orders: what follows the blocks, not the way, flips)")
-    p.add_argument("--disk-seconds", type=float, default=1.0,
-                   help="seconds of the disk probe after the steps, per queue depth (default 1)")
+    p.add_argument("--disk-seconds", type=float, default=DISK_SECONDS,
+                   help=f"seconds of the disk probe after the steps, per queue depth (default {DISK_SECONDS:g})")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = p.parse_args(argv)
     try:
