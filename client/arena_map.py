@@ -76,11 +76,15 @@ class MappedArena:
     def retired(self) -> bool:
         return self.header.retired
 
-    def take(self, slots: np.ndarray) -> np.ndarray:
-        """Rows uint8 [n, row_bytes] at `slots` (checked by the caller), interleaved, a copy."""
+    def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows uint8 [n, row_bytes] at `slots` (checked by the caller), interleaved, a copy:
+        into `out` where given (uint8 [n, row_bytes], C-contiguous: checked by the caller)."""
         if self.split:
-            return self.split_rows.take(slots)
-        return np.take(self.rows, slots, axis=0)  # not rows[slots]: take skips fancy indexing's setup, which a small step pays
+            return self.split_rows.take(slots, out)
+        if out is None:  # not rows[slots]: take skips fancy indexing's setup, which a small step pays
+            return np.take(self.rows, slots, axis=0)
+        # mode "clip": the slots are in range, and "raise" would gather into a buffer and copy that
+        return np.take(self.rows, slots, axis=0, out=out, mode="clip")
 
     @property
     def tensor(self) -> "torch.Tensor":

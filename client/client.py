@@ -48,7 +48,7 @@ from tierstore.client.table_handle import TableHandle
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.proto.frames import PlanItem, step_socket_path
-from tierstore.tiers.base import check_ids
+from tierstore.tiers.base import check_ids, check_out
 from tierstore.tiers.nvme.direct_io import thread_ring
 
 __all__ = ["Client", "as_ids"]
@@ -234,7 +234,7 @@ class Client:
                 out[it.table] = StepPlan(self, h, arr, pending, k, inverse)
         return out
 
-    def lookup(self, table: str, ids, inline: bool | None = None) -> np.ndarray:
+    def lookup(self, table: str, ids, inline: bool | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
 
         A TCP client, or inline=True, gets the rows inline over gRPC. A client on
@@ -243,21 +243,39 @@ class Client:
         a cache-mode table through the slot index (client/local_reads.py), no
         round trip, the sidecar learning the step afterwards; where the sidecar
         offers no local reads (--no-local-reads), a planned and copied step.
-        Raises IdOutOfRange / InvalidArgument (bad ids), TableNotFound, and what
-        TableHandle.read raises."""
+        out: a buffer to read the rows into and return (uint8 [n, row_bytes], C-contiguous,
+            writable; a step loop reuses one, as a gather kernel's staging buffer is reused):
+            a fresh array each call costs its page faults and cold cache lines, about a
+            tenth of a 4,096-id step of hits (docs/benchmarks.md: "A caller's buffer").
+            Checked before anything is read (an unfit one is refused untouched); after
+            another error its contents are undefined.
+        Raises IdOutOfRange / InvalidArgument (bad ids, an unfit `out`), TableNotFound,
+        and what TableHandle.read raises."""
         if inline or not self.on_host:
-            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=as_ids(ids).tobytes()))
-            return np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
-        return self._begin(table, ids).end()
+            arr = as_ids(ids)
+            if out is not None:
+                check_out(out, arr.size, self.handle(table).row_bytes, table)
+            resp = self._call("Lookup", pb.LookupRequest(table=table, ids=arr.tobytes()))
+            rows = np.frombuffer(resp.rows, dtype=np.uint8).reshape(-1, resp.row_bytes)
+            if out is None:
+                return rows
+            out[...] = rows
+            return out
+        return self._begin(table, ids, out).end()
 
-    def _begin(self, table: str, ids):
-        """TableHandle.begin of checked `ids` on this host (lookup at once; lookup_many a table at a time)."""
+    def _begin(self, table: str, ids, out: np.ndarray | None = None):
+        """TableHandle.begin of checked `ids` (and `out`) on this host (lookup at once; lookup_many
+        a table at a time)."""
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
-        return h.begin(check_ids(arr, h.rows, table))
+        check_ids(arr, h.rows, table)
+        if out is not None:
+            check_out(out, arr.size, h.row_bytes, table)
+        return h.begin(arr, out)
 
-    def lookup_many(self, tables: dict, inline: bool | None = None) -> dict[str, np.ndarray]:
+    def lookup_many(self, tables: dict, inline: bool | None = None,
+                    out: dict | None = None) -> dict[str, np.ndarray]:
         """lookup() for every table of a step ({table: ids}): {table: rows}, in the dict's order.
 
         On the sidecar's host, with every table's misses read with O_DIRECT (`serve
@@ -276,18 +294,24 @@ class Client:
         misses ~25 ms after its note, and with steps back to back and every table begun at
         once the next step probed first (prefill hit -0.004 at the 1/6-scale table). Through
         the page cache the tables are read in turn (a begin reads there). A TCP client, or
-        inline=True, asks for the tables in turn. Raises what lookup raises, after every table begun has ended
+        inline=True, asks for the tables in turn. out: {table: buffer}, lookup's `out` for any
+        of the tables. Raises what lookup raises, after every table begun has ended
         (the first error in the dict's order), its `table` attribute the table whose read
-        raised it (an engine names the layer); InvalidArgument when `tables` is not a
-        {table: ids} mapping."""
-        if not isinstance(tables, Mapping):
-            raise errors.InvalidArgument(f"lookup_many takes {{table: ids}}, got {type(tables).__name__}")
+        raised it (an engine names the layer); InvalidArgument when `tables` or `out` is not
+        a mapping."""
+        for what, m in (("{table: ids}", tables), ("out={table: buffer}", {} if out is None else out)):
+            if not isinstance(m, Mapping):
+                raise errors.InvalidArgument(f"lookup_many takes {what}, got {type(m).__name__}")
+        outs = out or {}
+        extra = [t for t in outs if t not in tables]
+        if extra:
+            raise errors.InvalidArgument(f"lookup_many's out names table(s) {extra} that the step does not read")
         items = list(tables.items())
         if inline or not self.on_host or len(items) < 2 or not self._all_direct(items):
             got = {}
             for t, ids in items:
                 try:
-                    got[t] = self.lookup(t, ids, inline)
+                    got[t] = self.lookup(t, ids, inline, outs.get(t))
                 except BaseException as e:
                     e.table = t
                     raise
@@ -304,7 +328,7 @@ class Client:
                 if stagger and k:  # the last table's reads part landed first (its note leaves earlier)
                     ring.settle(before + int((ring.queued - before) * LOOKUP_STAGGER))
                 before = ring.queued if ring is not None else 0
-                begun.append((k, t, self._begin(t, ids)))
+                begun.append((k, t, self._begin(t, ids, outs.get(t))))
             except BaseException as e:  # the tables begun are still ended: their reads are in flight
                 e.table = t
                 failed.append((k, e))

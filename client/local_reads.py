@@ -104,20 +104,20 @@ class LocalReads:
         self.cold_seconds = 0.0  # wall time in the miss path (claims, reads, checks): its rate beside the step's
         self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
 
-    def read(self, ids: np.ndarray) -> np.ndarray | None:
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
-        fine); None when a miss has to be planned through the sidecar (no cold_dir).
-        begin(ids).end(), at once."""
-        return self.begin(ids).end()
+        fine), in `out` where given (C-contiguous: checked by the caller); None when a miss
+        has to be planned through the sidecar (no cold_dir). begin(ids, out).end(), at once."""
+        return self.begin(ids, out).end()
 
-    def begin(self, ids: np.ndarray) -> "LocalStep":
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> "LocalStep":
         """read in two halves: the hits copied and the misses' reads started (under O_DIRECT
         through io_uring: in flight on this thread's ring when this returns); LocalStep.end(),
         in this thread, finishes them, notes the step and returns what read returns. So a
         caller starts a step's tables one after another and the device reads one table's
         misses while the next one's hits are copied (Client.lookup_many)."""
-        n = ids.size
-        out = np.empty((n, self.row_bytes), dtype=np.uint8)
+        if out is None:
+            out = np.empty((ids.size, self.row_bytes), dtype=np.uint8)
         # the probe, then one call that reads each slot's gen, copies and checks it again
         # (a probe racing the sidecar's writes may miss an id, never finds a wrong slot: slot_map.py)
         where, asked = _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,

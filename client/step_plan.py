@@ -16,6 +16,7 @@ from tierstore import errors
 from tierstore.client.arena_map import MappedArena
 from tierstore.client.table_handle import TableHandle
 from tierstore.jit import strictly_increasing, unique_inverse
+from tierstore.tiers.base import check_out
 
 if TYPE_CHECKING:
     import torch
@@ -135,15 +136,18 @@ class StepPlan:
             return True
         return self._client.lease_alive(self._handle, self.lease_id)
 
-    def rows(self) -> np.ndarray:
-        """uint8 [n, row_bytes] gathered from the mapped arena, request order.
+    def rows(self, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 [n, row_bytes] gathered from the mapped arena, request order: into `out`
+        where given (uint8 [n, row_bytes], C-contiguous, writable; tiers.base.check_out).
 
         Raises StaleRows when the rows could not be read while leased (after one re-plan)."""
+        if out is not None:
+            check_out(out, self._ids.size, self._handle.row_bytes, self.table)
         for attempt in range(REPLANS + 1):
             slots = self.slots()
-            out = self._mapped.take(slots)
+            got = self._mapped.take(slots, out)
             if self.valid():
-                return out
+                return got
             if attempt < REPLANS:
                 self.replan()
         raise errors.StaleRows(f"the lease of a step of table {self.table!r} ended before its rows were read "

@@ -68,10 +68,10 @@ class TableHandle:
         # the read route, chosen once (read() says which serves what)
         self._route = self._take if self.full_resident else self._read_local if self.index_path else self._read_planned
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] of int64 `ids` (in range: the caller checked them; any
-        order, repeats fine), bit-exact as stored, read on this host by the route chosen
-        when the handle was made:
+        order, repeats fine), bit-exact as stored, in `out` where given (checked by the caller:
+        Client.lookup), read on this host by the route chosen when the handle was made:
 
         - full-resident: taken straight from the mapped arena (slot == id);
         - cache mode with local reads (the sidecar published its slot index): resident
@@ -87,20 +87,20 @@ class TableHandle:
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
         version without row sums; or the segment files would not open here, warned once).
         Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows)
-        and DataLoss for a miss that fails its checksum. begin(ids).end(), at once."""
-        return self.begin(ids).end()
+        and DataLoss for a miss that fails its checksum. begin(ids, out).end(), at once."""
+        return self.begin(ids, out).end()
 
-    def begin(self, ids: np.ndarray) -> "_Begun":
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> "_Begun":
         """read in two halves: on the local-reads route the hits are copied and the misses'
         reads started (LocalReads.begin: in flight on this thread's io_uring under O_DIRECT);
         end(), in this thread, returns what read returns and raises what it raises. The other
         routes read at once and end() hands the rows over."""
-        return self._route(ids)
+        return self._route(ids, out)
 
-    def _take(self, ids: np.ndarray) -> "_Begun":
-        return _Begun(self.mapped.take(ids))  # interleaved rows, whatever the arena's layout
+    def _take(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
+        return _Begun(self.mapped.take(ids, out))  # interleaved rows, whatever the arena's layout
 
-    def _read_local(self, ids: np.ndarray) -> "_Begun":
+    def _read_local(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
         reads = self.local_reads
         if reads is None:
             try:
@@ -109,12 +109,12 @@ class TableHandle:
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
         if reads is None:
-            return self._read_planned(ids)
-        return _Begun(None, reads.begin(ids), lambda: self._read_planned(ids).end())
+            return self._read_planned(ids, out)
+        return _Begun(None, reads.begin(ids, out), lambda: self._read_planned(ids, out).end())
 
-    def _read_planned(self, ids: np.ndarray) -> "_Begun":
+    def _read_planned(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
         with self._client.plan(self.table, ids) as step:
-            return _Begun(step.rows())
+            return _Begun(step.rows(out))
 
     def close(self) -> None:
         """Let the local-reads route's reader go (its segment files, its miss flights)."""

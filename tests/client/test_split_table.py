@@ -73,6 +73,9 @@ def test_lookups_and_plans_of_a_split_table_are_interleaved_rows(served):
     assert np.array_equal(c.lookup("l1", ids, inline=True), want)
     with c.plan("l1", ids) as step:
         assert np.array_equal(step.rows(), want)
+    for inline in (False, True):  # into a caller's buffer, split or not (Client.lookup(out=))
+        out = np.zeros_like(want)
+        assert c.lookup("l1", ids, inline=inline, out=out) is out and np.array_equal(out, want)
     assert np.array_equal(c.lookup("l3", ids[ids < len(arrays[3]["embed.weight"])]),
                           _packed(arrays, 3)[ids[ids < len(arrays[3]["embed.weight"])]])
 

@@ -40,15 +40,17 @@ def check_ids(ids, rows: int, table: str = "") -> np.ndarray:
     return flat
 
 
-def check_out(out, n: int, row_bytes: int) -> np.ndarray:
-    """Allocate or validate a caller's output buffer: C-contiguous uint8 [n, row_bytes]."""
+def check_out(out, n: int, row_bytes: int, table: str = "") -> np.ndarray:
+    """Allocate or validate a caller's output buffer: C-contiguous uint8 [n, row_bytes]
+    (InvalidArgument, naming `table` where given, otherwise)."""
     if out is None:
         return np.empty((n, row_bytes), dtype=np.uint8)
     if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n, row_bytes) \
             or not out.flags.c_contiguous or not out.flags.writeable:
         shape = getattr(out, "shape", None)
         dtype = getattr(out, "dtype", type(out).__name__)
-        raise InvalidArgument(f"out must be a writable C-contiguous uint8 array of shape ({n}, {row_bytes}), "
+        name = f" for table {table!r}" if table else ""
+        raise InvalidArgument(f"out{name} must be a writable C-contiguous uint8 array of shape ({n}, {row_bytes}), "
                               f"got {dtype} {shape}")
     return out
 
