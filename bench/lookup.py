@@ -109,7 +109,7 @@ class CompiledGather:
     def get(self, ids: np.ndarray) -> np.ndarray:
         out = self._out(ids.size)
         if self.kernel is None:
-            np.take(self.table, ids, axis=0, out=out)
+            np.take(self.table, ids, axis=0, out=out, mode="clip")
         elif self.words is not None:
             self.kernel(self.words, ids, out.view(np.uint64))
         else:

@@ -314,6 +314,6 @@ def _read_hits(ids, slots, gen, id_of, arena, out, seen) -> tuple[np.ndarray, np
     # the reference: the same loads in the same order, one numpy call each
     gens = np.where(slots >= 0, gen[slots], 1).astype(np.uint32)
     ok = ((gens & 1) == 0) & (id_of[slots] == ids)
-    np.take(arena, slots, axis=0, out=out)  # a -1 slot reads the last row: unused
+    np.take(arena, slots, axis=0, out=out, mode="clip")  # a -1 slot reads row 0: unused
     ok &= gen[slots] == gens
     return np.flatnonzero(~ok), np.unique(ids[ok])

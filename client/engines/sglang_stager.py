@@ -66,7 +66,7 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
-from tierstore.client.engines.step_reads import read_step
+from tierstore.client.engines.step_reads import RowScratch, read_step
 from tierstore.jit import unique_inverse
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
@@ -121,6 +121,7 @@ class StagedTable:
         self.client, self.table = client, table
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
         self.full_resident = h.full_resident
+        self.scratch = RowScratch(h.row_bytes)  # a batch's distinct rows land here (gather_layers)
 
     def shape(self, which: str) -> tuple[int, int]:
         return (self.rows, self.dim if which == "weight" else self.dim // FP8_BLOCK)
@@ -135,12 +136,13 @@ class StagedTable:
         gather_layers([self], [ids], [weight], [scale])
 
 
-def read_layers(tables: list, ids: list) -> list[np.ndarray]:
+def read_layers(tables: list, ids: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [n, dim + dim / 32] of ids[i] (int64) of staged table tables[i], every layer's
-    read at once (step_reads.read_step: overlapped under --direct-io), each checked to be
-    served at the version its layer was built on. StagingError naming the table otherwise."""
+    read at once (step_reads.read_step: overlapped under --direct-io; into outs[i] where given),
+    each checked to be served at the version its layer was built on. StagingError naming the
+    table otherwise."""
     try:
-        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)])
+        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)], outs)
         served = [t.client.handle(t.table).version for t in tables]
     except errors.TierstoreError as e:
         which = getattr(e, "table", None) or ", ".join(t.table for t in tables)
@@ -158,10 +160,11 @@ def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:
     ue8m0 bytes: each layer's distinct rows read once, every layer's in one read (read_layers),
     then split into the two buffers."""
     wanted = [unique_inverse(i) for i in ids]
-    got = read_layers(tables, [u for u, _ in wanted])
+    got = read_layers(tables, [u for u, _ in wanted], [t.scratch.take(u.size) for t, (u, _) in zip(tables, wanted)])
     for t, (_, inv), rows, weight, scale in zip(tables, wanted, got, weights, scales):
-        np.take(rows[:, :t.dim], inv, axis=0, out=weight)
-        np.take(rows[:, t.dim:], inv, axis=0, out=scale)
+        # mode "clip": `inv` is in range, and "raise" gathers into a temporary first (2-5x the time)
+        np.take(rows[:, :t.dim], inv, axis=0, out=weight, mode="clip")
+        np.take(rows[:, t.dim:], inv, axis=0, out=scale, mode="clip")
 
 
 class StagedHostTable:

@@ -338,7 +338,7 @@ class SegmentReader(ColdTier):
         uniq, inv = np.unique(flat, return_inverse=True)
         tmp = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
         self.read_into(uniq, tmp, np.arange(uniq.size))
-        np.take(tmp, inv.reshape(-1), axis=0, out=out)
+        np.take(tmp, inv.reshape(-1), axis=0, out=out, mode="clip")  # in range; "raise" would buffer
         return out
 
     def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False,
