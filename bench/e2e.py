@@ -194,7 +194,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
 
 def summary(res: dict) -> str:
     tps, pen = res["tokens_per_s"], res["penalty_pct"]
-    parts = [f"{n} {tps[n]:.0f} tok/s ({pen[n]:+.1f}%)" for n in tps]
+    parts = [f"{n} {tps[n]:.0f} tok/s ({pen[n]:+.1f}% time)" for n in tps]
     exact = "bit-exact" if all(res["bit_exact"].values()) else f"NOT exact: {res['bit_exact']}"
     tiers = "".join(f"; {n}: HBM hit {t['hbm_hit_ratio']:.3f}, {t['h2d_bytes_per_token']:.0f} B/token host->device"
                     for n, t in res.get("client_tiers", {}).items())
