@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from tierstore.bench.lookup import BENCH_SIDECAR_FLAGS
+
 __all__ = ["run_concurrency_bench", "UNITS"]
 
 UNITS = {"rows_per_s_*": "rows/s, all clients together (median over rounds)",
@@ -89,7 +91,8 @@ def run_concurrency_bench(data_dir, *, clients: int = 4, seconds: float = 4.0, r
     runs = {(read, n): [] for read in reads for n in (1, clients)}
     learned = {(read, n): np.zeros(4, dtype=np.int64) for read in reads for n in (1, clients)}
     for read in reads:  # a sidecar each: one read mode's warm rows are not handed to the other
-        with SidecarProcess(data_dir, dram_budget=budget) as sc, Client(sc.socket) as c:
+        with SidecarProcess(data_dir, dram_budget=budget, extra_args=BENCH_SIDECAR_FLAGS) as sc, \
+                Client(sc.socket) as c:
             for r in range(rounds):
                 for n in ((1, clients) if r % 2 == 0 else (clients, 1)):
                     s0 = _counts(c, version.table)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.bench.lookup import BENCH_SIDECAR_FLAGS
 from tierstore.client.model.source import RowSource
 from tierstore.store.catalog import Catalog
 from tierstore.table.spec import EngramSpec
@@ -145,7 +146,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
     procs, clients = {}, {}
     try:
         for name, cfg in sidecars.items():
-            procs[name] = SidecarProcess(data_dir, dram_budget=cfg["budget"]).start()
+            procs[name] = SidecarProcess(data_dir, dram_budget=cfg["budget"], extra_args=BENCH_SIDECAR_FLAGS).start()
             clients[name] = Client(procs[name].socket)
         sources = {"in-process": in_process, "sidecar": clients["sidecar"]}
         if "sidecar-cache" in clients:

@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 from tierstore.bench.cold import direct_io_refusal, local_counts, stop_sidecar
 from tierstore.bench.disk import DEPTHS, best_iops, burst_limit, disk_limit
+from tierstore.bench.lookup import BENCH_SIDECAR_FLAGS
 from tierstore.bench.memory import (
     MemoryCgroup,
     drop_page_cache,
@@ -230,7 +231,7 @@ class _TierstoreSide:
 
         self.tables = tables
         # every competitor starts cold: no warm start from the hot set the previous one recorded
-        self.proc = SidecarProcess(data_dir, dram_budget=budget, extra_args=["--no-warm-start", *extra]).start()
+        self.proc = SidecarProcess(data_dir, dram_budget=budget, extra_args=[*BENCH_SIDECAR_FLAGS, *extra]).start()
         try:
             self.client = Client(self.proc.socket)
         except BaseException:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tierstore.bench.lookup import _Arena, run_rounds, summarize
+from tierstore.bench.lookup import BENCH_SIDECAR_FLAGS, _Arena, run_rounds, summarize
 from tierstore.bench.workload import make_batches
 
 
@@ -27,7 +27,7 @@ def run_verify_overhead(data_dir, *, table: str | None = None, samples=(0.0, 0.0
     procs, clients, fns = [], [], {}
     try:
         for p in samples:
-            sc = SidecarProcess(data_dir, dram_budget=budget, extra_args=["--verify-sample", p]).start()
+            sc = SidecarProcess(data_dir, dram_budget=budget, extra_args=[*BENCH_SIDECAR_FLAGS, "--verify-sample", p]).start()
             procs.append(sc)
             c = Client(sc.socket)
             clients.append(c)

@@ -125,3 +125,25 @@ def test_lookup_table_mib_writes_its_own_table_once_and_leaves_out_whole_copies(
     assert "lmdb" in res["skipped"] and "redis" in res["skipped"] and "lmdb" not in res["cells"][0]["competitors"]
     with pytest.raises(lookup.InvalidArgument, match="--table-mib"):
         run_lookup_bench(tmp_path / "unused", tmp_path / "out", LookupOptions(table="t", **kw), **quiet)
+
+
+def test_a_lookup_run_neither_warms_from_nor_rewrites_the_datas_hot_sets(make_table, data_dir, tmp_path):
+    """The arena-cache sidecars start cold (their hit ratio is the run's own) and record nothing:
+    the hot set a serving sidecar left in the data directory is byte for byte what it was."""
+    from tierstore.client.client import Client
+    from tierstore.sidecar.launcher import SidecarProcess
+    from tierstore.store.hot_set import hot_set_path
+
+    tv, rows = make_table("t", rows=3000, row_bytes=64)
+    with SidecarProcess(data_dir, dram_budget="64KiB") as sc, Client(sc.socket) as c:
+        for _ in range(3):
+            c.lookup("t", np.arange(0, 3000, 3))
+        c.flush()
+    path = hot_set_path(data_dir, "t", tv.number)
+    before = path.read_bytes()
+    res = run_lookup_bench(data_dir, tmp_path / "out", LookupOptions(batches=(256,), dists=("zipf1.0",), rounds=1,
+                                                                    rows_per_pass=768, progress=False,
+                                                                    competitors=("arena-cache",)),
+                           log=lambda *_: None)
+    assert res["cells"][0]["competitors"]["arena-cache"]["hit_ratio"] < 1.0  # cold: its warm-up pass missed
+    assert path.read_bytes() == before

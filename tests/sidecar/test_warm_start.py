@@ -161,3 +161,26 @@ def test_serve_profile_is_a_warm_start_seed_too(tmp_path):
         with c.plan("t", HOT[-3000:]) as step:
             assert np.array_equal(step.rows(), data[HOT[-3000:]]) and step.hits == 3000
         assert "warm start from --profile" in sc.log()
+
+
+def test_no_record_hot_sets_leaves_the_recorded_hot_set_as_it_was(tmp_path):
+    """`serve --no-record-hot-sets` (a benchmark's sidecar over a user's data): other rows read,
+    with a short interval and a clean stop, and the hot set the serving sidecar recorded is
+    byte for byte what it was; the next plain start still warms from it."""
+    d = tmp_path / "data"
+    _table(d)
+    _serve_hot(d)
+    path = hot_set_path(d, "t", 1)
+    before = path.read_bytes()
+    other = np.setdiff1d(np.arange(ROWS), HOT)[:12_000]
+    with SidecarProcess(d, dram_budget=BUDGET, extra_args=["--no-warm-start", "--no-record-hot-sets",
+                                                           "--hot-set-interval", "0.1"]) as sc, \
+            Client(sc.socket) as c:
+        for _ in range(3):
+            for part in np.array_split(other, 4):
+                with c.plan("t", part) as step:
+                    step.rows()
+        time.sleep(0.5)  # past a few intervals
+    assert path.read_bytes() == before
+    with SidecarProcess(d, dram_budget=BUDGET) as sc, Client(sc.socket) as c:
+        assert _wait_warmed(c, HOT.size) == HOT.size

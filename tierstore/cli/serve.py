@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-set-interval", type=float, dest="hot_set_interval_s",
                    help="seconds between recordings of each cache-mode table's hot set in DATA/hot_sets "
                    "(default 300; 0: only at stop)")
+    p.add_argument("--no-record-hot-sets", action="store_false", dest="record_hot_sets", default=None,
+                   help="write no hot set to DATA/hot_sets, at intervals or at stop: the hot sets a serving "
+                   "sidecar recorded stay as they were (a benchmark's or a test's sidecar over your data)")
     p.add_argument("--record-trace", help="log the row ids served to FILE.<table>.npy (bounded; replay with "
                    "`tierstore bench cache --trace`); files are 0600, in a directory of yours others cannot write")
     p.add_argument("--direct-io", action="store_true", default=None,

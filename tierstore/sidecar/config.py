@@ -96,6 +96,7 @@ class ServeConfig:
     profile: Path | None = None         # `tierstore profile` output: seeds the cache policy's hot set
     warm_start: bool = True             # cache mode: promote the recorded hot set (else --profile's) at start
     hot_set_interval_s: float = 300.0   # record each cache-mode table's hot set this often (0: only at stop)
+    record_hot_sets: bool = True        # write DATA/hot_sets (off: a benchmark's or a test's sidecar)
     record_trace: Path | None = None    # log the row ids served (bounded) for `tierstore bench cache --trace`
     direct_io: bool = False             # cold-tier row reads with O_DIRECT: no page cache beside the arena
     local_reads: bool = True            # cache mode: clients on the host read resident rows (and, in page-cache

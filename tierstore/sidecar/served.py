@@ -61,7 +61,8 @@ class ServedTables:
         self.catalog = self.leases = self.versions = None
         self.prefetcher, self.learner = Prefetcher(), Learner()
         self.builder = EngineBuilder(config, self.instance)
-        self.warm = WarmStart(config.data_dir, config.hot_set_interval_s, config.warm_start)
+        self.warm = WarmStart(config.data_dir, config.hot_set_interval_s, config.warm_start,
+                              record=config.record_hot_sets)
         # until start(), close() removes every shm file made since here (startup.py)
         self._made: StartUpFiles | None = StartUpFiles(config)
         self.reaper = None

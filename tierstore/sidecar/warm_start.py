@@ -8,6 +8,9 @@ into free slots only (CacheEngine.warm); without one, the `--profile` hot list
 of the table is the seed. Serving does not wait: the sidecar says SERVING before
 the warm-up begins, and plans, local reads and the learner run beside it.
 
+`--no-record-hot-sets` records nothing (a benchmark's sidecar over a user's data
+directory leaves the hot sets of the sidecar that serves it as they were).
+
 A hot set recorded for another table or version is ignored with one log line, a
 damaged one with a warning: the table starts cold, never wrong (every promoted
 row is read and verified from the segment files like any miss).
@@ -31,10 +34,12 @@ WARM_NICE = 5
 
 
 class WarmStart:
-    def __init__(self, data_dir, interval_s: float, warm: bool = True, profile=None):
+    def __init__(self, data_dir, interval_s: float, warm: bool = True, profile=None, record: bool = True):
         """interval_s: seconds between recordings (0: only at stop); warm: promote the seed
-        at start (--no-warm-start: record only); profile: a tierstore.table.profile.Profile."""
+        at start (--no-warm-start: record only); profile: a tierstore.table.profile.Profile;
+        record: write hot sets at all (--no-record-hot-sets: never)."""
         self.data_dir, self.interval_s, self.warm, self.profile = data_dir, interval_s, warm, profile
+        self.recording = record
         self._stop = threading.Event()
         self._todo: list = []  # engines to warm, in order
         self._cv = threading.Condition()
@@ -75,6 +80,8 @@ class WarmStart:
     def record(self, engines) -> None:
         """Write each cache-mode engine's hot set; one whose warm-up has not finished keeps
         its old file (a half-warmed arena would record less than it was given)."""
+        if not self.recording:
+            return
         for eng in engines:
             if eng.full or eng.retired or id(eng) in self._warming:
                 continue
