@@ -14,10 +14,12 @@ class Sidecars:
 
     def client(self, kind: str):
         if kind not in self.clients:
+            from tierstore.bench.lookup import BENCH_SIDECAR_FLAGS
             from tierstore.client.client import Client
             from tierstore.sidecar.launcher import SidecarProcess
 
-            proc = SidecarProcess(self.data_dir, dram_budget=str(self.budgets[kind]))
+            # over the user's data: a cold start, and their hot sets left as they were
+            proc = SidecarProcess(self.data_dir, dram_budget=str(self.budgets[kind]), extra_args=BENCH_SIDECAR_FLAGS)
             try:
                 proc.start()
             except BaseException:
