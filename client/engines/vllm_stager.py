@@ -65,7 +65,6 @@ from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines.step_reads import RowScratch, read_step
-from tierstore.jit import unique_inverse
 
 if TYPE_CHECKING:
     import torch
@@ -132,21 +131,23 @@ class StagedEngramTable:
         self.vocab = (emb.vocab_start_idx, emb.vocab_end_idx)
 
     def want(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(distinct int64, where int64 [tokens x part]) of hash ids `ids` [tokens, n_hash_cols]
-        (table row ids): the distinct rows of this rank's heads, and each (token, head)'s row
-        among them, token-major, len(distinct) for a padded head or an id outside the rank's
-        rows (they read the zero row the scratch keeps after the rows: what
-        `_engram_lookup_kernel` writes for them)."""
+        """(mine int64, where int64 [tokens x part]) of hash ids `ids` [tokens, n_hash_cols]
+        (table row ids): the row of every (token, head) of this rank's heads that is in the
+        rank's rows, token-major, repeats kept, and each (token, head)'s place among them,
+        len(mine) for a padded head or an id outside the rank's rows (they read the zero row
+        the scratch keeps after the rows: what `_engram_lookup_kernel` writes for them). Not
+        the distinct rows: a unique_inverse of every position costs more than the repeats of
+        real text's n-grams save (a lookup takes repeats: docs/benchmarks.md)."""
         tokens = ids.shape[0]
         heads = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
         cols = ids[:, self.head_start:min(self.head_start + self.part, self.n_hash_cols)]
         heads[:, :cols.shape[1]] = cols
         flat = heads.reshape(-1)
         owned = (flat >= self.vocab[0]) & (flat < self.vocab[1])
-        uniq, inv = unique_inverse(np.ascontiguousarray(flat[owned]))
-        where = np.full(flat.size, uniq.size, dtype=np.int64)
-        where[owned] = inv
-        return uniq, where
+        mine = np.ascontiguousarray(flat[owned])
+        where = np.full(flat.size, mine.size, dtype=np.int64)
+        where[owned] = np.arange(mine.size)
+        return mine, where
 
     def fill(self, fetched: tuple[np.ndarray, np.ndarray], weight: np.ndarray, scale: np.ndarray) -> None:
         """weight [n, dim] / scale [n, dim / 32] = the fp8 / ue8m0 bytes of `fetched`'s rows in order."""
@@ -293,9 +294,9 @@ class StepStager:
 
         tokens = next(iter(ids.values())).shape[0]
         wanted = [t.want(ids[t.layer_id]) for t in self.tables]
-        rows = [t.scratch.take(uniq.size) for t, (uniq, _) in zip(self.tables, wanted)]  # then a zero row
+        rows = [t.scratch.take(mine.size) for t, (mine, _) in zip(self.tables, wanted)]  # then a zero row
         # every layer's read at once, before any write, into its scratch (RowScratch)
-        read_layers(self.tables, [uniq for uniq, _ in wanted], [r[:-1] for r in rows])
+        read_layers(self.tables, [mine for mine, _ in wanted], [r[:-1] for r in rows])
         fetched = [(r, where) for r, (_, where) in zip(rows, wanted)]
         n = tokens * self.part
         if self.buffers is not None and self.buffers.fits(n):
