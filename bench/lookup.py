@@ -19,8 +19,8 @@ Competitors, all reading the same table and the same id batches:
   inline       tierstore Lookup RPC, rows inside the gRPC reply
   mmap, lmdb, redis   the baselines of bench/baselines.py
 
-Every tierstore competitor but inline reads into a buffer made once per batch
-size and reused, as the ceiling does and as a step loop fills its staging buffer
+Every tierstore competitor but inline reads into a buffer it reuses
+(RowScratch), as the ceiling does and as a step loop fills its staging buffer
 (Client.lookup(out=), StepPlan.rows(out)): a fresh array per batch would add its
 page faults and cold cache lines to every figure but the ceiling's.
 
@@ -49,6 +49,7 @@ from typing import Callable
 import numpy as np
 
 from tierstore.bench.workload import BenchOptions, parse_dist
+from tierstore.client.row_scratch import RowScratch
 from tierstore.errors import InvalidArgument, TierstoreError
 from tierstore.jit import Kernel
 
@@ -65,9 +66,9 @@ UNITS = {"rows_per_s": "rows/s", "p50_ms": "ms per batch", "p99_ms": "ms per bat
          "latency_quantiles_ms": "ms per batch at percentiles 0..100", "bytes": "bytes"}
 QUANTILES = np.linspace(0, 100, 101)
 # a benchmark's sidecar over the user's data directory starts cold and records no hot set: what
-# it measures does not depend on what ran there before (a `make run` demo's hot set held the
-# arena-cache cell at a timed hit of 0.98, 0.36-0.59x), and the hot sets of the sidecar that
-# serves that data stay as they were (a bench's synthetic ids would be its next warm start)
+# it measures does not depend on what ran there before (a `make run` demo's hot set kept the
+# arena-cache cell missing: docs/benchmarks.md), and the hot sets of the sidecar that serves
+# that data stay as they were (a bench's synthetic ids would be its next warm start)
 BENCH_SIDECAR_FLAGS = ("--no-warm-start", "--no-record-hot-sets")
 COPY_LIMIT = 1 << 30  # above this, lmdb and redis (a whole second copy of the table) run only when asked
 
@@ -82,25 +83,10 @@ def _gather_loop(table, ids, out):
 _GATHER = Kernel(_gather_loop, nogil=True)
 
 
-class Reused:
-    """uint8 [n, row_bytes] buffers made once per batch size and reused: what a step loop
-    reads rows into (a gather kernel's staging buffer), so no competitor's figure is a fresh
-    array's page faults and cold cache lines. A returned buffer is read before the next call."""
-
-    def __init__(self, row_bytes: int):
-        self.row_bytes, self._by_n = row_bytes, {}
-
-    def __call__(self, n: int) -> np.ndarray:
-        out = self._by_n.get(n)
-        if out is None:
-            out = self._by_n[n] = np.empty((n, self.row_bytes), dtype=np.uint8)
-        return out
-
-
 class CompiledGather:
     """The ceiling: rows `table[ids]` copied by a compiled loop into a buffer made once
-    per batch size and reused (Reused). Rows are copied as 8-byte words where the row
-    width allows."""
+    per batch size and reused (the returned array is that buffer: read it before the
+    next call). Rows are copied as 8-byte words where the row width allows."""
 
     name = "ceiling"
 
@@ -109,10 +95,12 @@ class CompiledGather:
         self.words = table.view(np.uint64) if self.row_bytes % 8 == 0 and table.flags.c_contiguous else None
         self.kernel = _GATHER.compiled()
         self.kind = "numba" if self.kernel is not None else "numpy take (numba missing or TIERSTORE_NO_JIT=1)"
-        self._out = Reused(self.row_bytes)
+        self._out: dict[int, np.ndarray] = {}
 
     def get(self, ids: np.ndarray) -> np.ndarray:
-        out = self._out(ids.size)
+        out = self._out.get(ids.size)
+        if out is None:
+            out = self._out[ids.size] = np.empty((ids.size, self.row_bytes), dtype=np.uint8)
         if self.kernel is None:
             np.take(self.table, ids, axis=0, out=out, mode="clip")
         elif self.words is not None:
@@ -191,16 +179,16 @@ def summarize(timings: dict[str, dict], rows_per_pass: int, ref: str = "ceiling"
 
 
 class _Arena:
-    """plan() + gather from the mapped arena into a reused buffer (Reused); in cache mode a
+    """plan() + gather from the mapped arena into a reused buffer (RowScratch); in cache mode a
     batch is planned in pieces of at most half the arena (one step may not need more rows
     than fit)."""
 
     def __init__(self, client, table: str, piece: int | None = None):
         self.client, self.table, self.piece = client, table, piece
-        self.out = Reused(client.handle(table).row_bytes)
+        self.out = RowScratch(client.handle(table).row_bytes)
 
     def get(self, ids):
-        out, piece = self.out(ids.size), self.piece or ids.size
+        out, piece = self.out.take(ids.size), self.piece or ids.size
         for a in range(0, ids.size, piece):
             with self.client.plan(self.table, ids[a:a + piece]) as step:
                 step.rows(out[a:a + piece])
@@ -208,15 +196,15 @@ class _Arena:
 
 
 class _Lookup:
-    """Client.lookup into a reused buffer (Reused): rows copied out (local reads where the
+    """Client.lookup into a reused buffer (RowScratch): rows copied out (local reads where the
     sidecar offers them)."""
 
     def __init__(self, client, table: str, piece: int | None = None):
         self.client, self.table = client, table
-        self.out = Reused(client.handle(table).row_bytes)
+        self.out = RowScratch(client.handle(table).row_bytes)
 
     def get(self, ids):
-        return self.client.lookup(self.table, ids, out=self.out(ids.size))
+        return self.client.lookup(self.table, ids, out=self.out.take(ids.size))
 
 
 class _Prefetching(_Lookup):
@@ -416,8 +404,8 @@ class _Competitors:
         ceiling = CompiledGather(self.table_np)
         self.fns["ceiling"] = ceiling.get
         self.meta["ceiling"] = {"gather": ceiling.kind, "buffer": "allocated once per batch size, reused"}
-        self.meta["buffers"] = "every tierstore competitor but inline reads into a buffer made once per " \
-                               "batch size and reused (Client.lookup(out=), StepPlan.rows(out))"
+        self.meta["buffers"] = "every tierstore competitor but inline reads into a buffer it reuses " \
+                               "(RowScratch; Client.lookup(out=), StepPlan.rows(out))"
         self.cached = self._start_sidecars(want, closers)  # arena-cache's client, None when it does not run
         self._open_baselines(want, out_dir, closers, log)
 

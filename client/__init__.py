@@ -1,7 +1,8 @@
 """tierstore.client: what model code imports.
 
-Talking to a sidecar: Client (client.py) and the StepPlan a plan returns
-(step_plan.py). The model side (model/): EngramLayer, V41EngramLayer,
+Talking to a sidecar: Client (client.py), the StepPlan a plan returns
+(step_plan.py) and RowScratch, a buffer lookup(out=) reads into step after step
+(row_scratch.py). The model side (model/): EngramLayer, V41EngramLayer,
 attach_engram, HBMCache, InProcessTable (a table held in process) and the demo
 model. Hashing and specs are the table's (tierstore.table: NgramHasher,
 EngramSpec, preset), listed here because model code needs them with the rest.
@@ -11,7 +12,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Client": "tierstore.client.client", "StepPlan": "tierstore.client.step_plan",
-    "SplitTable": "tierstore.client.split_table",
+    "SplitTable": "tierstore.client.split_table", "RowScratch": "tierstore.client.row_scratch",
     "InProcessTable": "tierstore.client.model.in_process_table", "EngramLayer": "tierstore.client.model.layer",
     "V41EngramLayer": "tierstore.client.model.v41_layer", "attach_engram": "tierstore.client.model.attach",
     "engram_decode_step": "tierstore.client.model.attach", "HBMCache": "tierstore.client.model.hbm_cache",

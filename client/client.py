@@ -244,9 +244,8 @@ class Client:
         round trip, the sidecar learning the step afterwards; where the sidecar
         offers no local reads (--no-local-reads), a planned and copied step.
         out: a buffer to read the rows into and return (uint8 [n, row_bytes], C-contiguous,
-            writable; a step loop reuses one, as a gather kernel's staging buffer is reused):
-            a fresh array each call costs its page faults and cold cache lines, about a
-            tenth of a 4,096-id step of hits (docs/benchmarks.md: "A caller's buffer").
+            writable; a step loop reuses one: RowScratch.take(n)): a fresh array each call
+            costs its page faults and cold cache lines (client/row_scratch.py).
             Checked before anything is read (an unfit one is refused untouched); after
             another error its contents are undefined.
         Raises IdOutOfRange / InvalidArgument (bad ids, an unfit `out`), TableNotFound,

@@ -66,7 +66,8 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
-from tierstore.client.engines.step_reads import RowScratch, read_step
+from tierstore.client.engines.step_reads import read_step
+from tierstore.client.row_scratch import RowScratch
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
            "process_client", "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue",
@@ -160,8 +161,7 @@ def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:
     position (a lookup takes repeats, and tells the sidecar each step's distinct ids), then split
     into the two buffers. Not the distinct rows first: that costs a unique_inverse of every
     position, more than the repeats save, since Engram's hashed n-grams of real text repeat little
-    within a step (72-85% of a prefill's positions distinct): 1.34x a step at 8,192 tokens, 1.56x
-    at a decode step of 128 streams (docs/benchmarks.md)."""
+    within a step (docs/benchmarks.md)."""
     got = read_layers(tables, ids, [t.scratch.take(np.size(i)) for t, i in zip(tables, ids)])
     for t, rows, weight, scale in zip(tables, got, weights, scales):
         weight[...] = rows[:, :t.dim]

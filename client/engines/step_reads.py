@@ -6,47 +6,14 @@ Client.lookup_many: under `serve --direct-io` a step's tables are then read
 overlapped (one table's misses in flight while the next table's hits are
 copied, one ring a table), where reading them layer by layer drains the device's
 queue between layers (V4.1 has two Engram layers: bench large reads its two
-tables this way too). Each layer reads into a RowScratch of its own, reused step
-after step: a fresh array per layer and step (a prefill's 100,000 distinct rows
-are 26 MB) cost as much as reading the rows (docs/benchmarks.md: "A caller's
-buffer").
+tables this way too). The stagers read each layer into a RowScratch of its own
+(client/row_scratch.py), reused step after step.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-__all__ = ["read_step", "RowScratch"]
-
-# a step's rows above this stay a fresh array: a scratch keeps what its largest step needed
-KEEP_BYTES = 256 << 20
-
-
-class RowScratch:
-    """One layer's buffer for a step's distinct rows, grown as steps need and reused by every
-    step after (one per thread that reads: a buffer is never shared by two reads at once).
-
-    take(n): uint8 [n + spare, width], its `spare` last rows zero (vLLM's stager reads a zero
-    row for a padded head); the rows before them are the read's to fill, and valid until this
-    thread's next take. A step larger than KEEP_BYTES gets a fresh array, not kept."""
-
-    def __init__(self, width: int, spare: int = 0):
-        self.width, self.spare = width, spare
-        self._local = threading.local()
-
-    def take(self, n: int) -> np.ndarray:
-        need = n + self.spare
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.shape[0] < need:
-            if need * self.width > KEEP_BYTES:
-                return np.zeros((need, self.width), np.uint8)
-            grown = min(max(need, 2 * (0 if buf is None else buf.shape[0])), KEEP_BYTES // self.width)
-            buf = self._local.buf = np.empty((grown, self.width), np.uint8)
-        view = buf[:need]
-        view[n:] = 0
-        return view
-
+__all__ = ["read_step"]
 
 def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [len(ids), row_bytes] of each (client, table, ids) of `asks`, in order: in

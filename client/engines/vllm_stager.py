@@ -64,7 +64,8 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
-from tierstore.client.engines.step_reads import RowScratch, read_step
+from tierstore.client.engines.step_reads import read_step
+from tierstore.client.row_scratch import RowScratch
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +106,7 @@ class StagedEngramTable:
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
         self.full_resident = h.full_resident
         self.part = None  # the rank's heads, set by `bind`
-        # a step's distinct rows land here, then the zero row a padded head reads
+        # a step's rows land here (every owned position), then the zero row a padded head reads
         self.scratch = RowScratch(h.row_bytes, spare=1)
 
     def check(self, start: int, end: int, verify: str) -> checks.CheckpointCheck:
@@ -152,7 +153,7 @@ class StagedEngramTable:
     def fill(self, fetched: tuple[np.ndarray, np.ndarray], weight: np.ndarray, scale: np.ndarray) -> None:
         """weight [n, dim] / scale [n, dim / 32] = the fp8 / ue8m0 bytes of `fetched`'s rows in order."""
         rows, where = fetched
-        # mode "clip": `where` is in range, and "raise" gathers into a temporary first (2-5x the time)
+        # mode "clip": `where` is in range, and "raise" gathers into a temporary first
         np.take(rows[:, :self.dim], where, axis=0, out=weight, mode="clip")
         np.take(rows[:, self.dim:], where, axis=0, out=scale, mode="clip")
 

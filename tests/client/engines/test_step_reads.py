@@ -1,38 +1,16 @@
-"""step_reads.RowScratch and read_step(outs): a staged layer's rows read into a buffer reused
-step after step (the stagers' read of a step allocates nothing per layer), against a real
-sidecar; layers sharing a table still get their own rows."""
+"""step_reads.read_step(outs): a staged layer's rows read into its RowScratch, reused step after
+step, against a real sidecar; layers sharing a table still get their own rows."""
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 
 from tierstore.client.client import Client
-from tierstore.client.engines import step_reads
-from tierstore.client.engines.step_reads import RowScratch, read_step
+from tierstore.client.engines.step_reads import read_step
+from tierstore.client.row_scratch import RowScratch
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 
 ROWS, WIDTH = 5000, 72
-
-
-def test_a_scratch_is_reused_grows_keeps_its_spare_rows_zero_and_is_one_per_thread(monkeypatch):
-    s = RowScratch(WIDTH, spare=1)
-    a = s.take(100)
-    assert a.shape == (101, WIDTH) and not a[100].any()
-    a[:] = 7
-    b = s.take(60)  # a smaller step: the same memory, its spare row zeroed again
-    assert b.ctypes.data == a.ctypes.data and b.shape == (61, WIDTH) and not b[60].any()
-    c = s.take(150)  # grown (to twice the old size), then kept
-    assert c.shape == (151, WIDTH) and s.take(190).ctypes.data == c.ctypes.data
-    other = []
-    threading.Thread(target=lambda: other.append(s.take(10))).start()
-    while not other:
-        pass
-    assert other[0].ctypes.data != c.ctypes.data  # another thread's read never shares this one's buffer
-    monkeypatch.setattr(step_reads, "KEEP_BYTES", 300 * WIDTH)
-    big = s.take(400)  # past KEEP_BYTES: a fresh array, all zero, not kept
-    assert big.shape == (401, WIDTH) and not big.any() and s.take(10).ctypes.data == c.ctypes.data
 
 
 def test_read_step_fills_the_outs_it_is_given_even_for_layers_sharing_a_table(tmp_path):
