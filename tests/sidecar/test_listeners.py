@@ -83,6 +83,28 @@ def test_a_start_refused_before_the_bind_leaves_a_stale_socket_as_it_was(cli, da
     assert os.stat(path).st_ino == ino
 
 
+def test_a_socket_whose_step_socket_would_be_too_long_is_refused_before_anything_binds(cli, data, tmp_path):
+    """The step socket beside --socket (its path + ".steps") is the longer path: a --socket that
+    fits but whose step socket does not is refused up front, not after the tables have loaded."""
+    path = tmp_path / ("s" * (104 - len(os.fsencode(tmp_path)) - 1))  # 104 bytes; its step socket 110
+    assert len(os.fsencode(path)) == 104
+    code, err = serve(cli, data, "--socket", path)
+    assert code == 2 and f"its step socket {path}.steps is 110 bytes long" in err and "limited to 107" in err, err
+    assert list(tmp_path.iterdir()) == [data]  # nothing bound, nothing left
+
+
+def test_a_sidecar_started_under_a_long_tmpdir_puts_its_sockets_where_they_fit(data, tmp_path, monkeypatch):
+    import tempfile
+
+    long = tmp_path / ("t" * 90)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))  # what TMPDIR=long gives a fresh process
+    with SidecarProcess(data, dram_budget="1MiB") as sc:
+        assert len(os.fsencode(f"{sc.socket}.steps")) <= 107 and sc.healthy()
+        sock_dir = sc.socket.parent
+    assert not sock_dir.exists() and list(long.iterdir()) == []
+
+
 def _busy_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -17,7 +17,20 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierstore.proto.frames import step_socket_path
+from tierstore.sidecar.listeners import UNIX_PATH_MAX
+
 __all__ = ["SidecarProcess"]
+
+
+def _socket_dir() -> str:
+    """A private directory for a sidecar's sockets: in the temporary directory, or in /tmp where
+    a long TMPDIR would put the step socket past the length a unix socket path may have."""
+    d = tempfile.mkdtemp(prefix="tierstore-")
+    if len(os.fsencode(step_socket_path(Path(d) / "sidecar.sock"))) <= UNIX_PATH_MAX:
+        return d
+    os.rmdir(d)
+    return tempfile.mkdtemp(prefix="tierstore-", dir="/tmp")
 
 
 class SidecarProcess:
@@ -37,7 +50,7 @@ class SidecarProcess:
         self.data_dir = Path(data_dir).resolve()  # the child runs in /, so paths must be absolute
         self._tmp = None
         if socket is None:
-            self._tmp = tempfile.mkdtemp(prefix="tierstore-")
+            self._tmp = _socket_dir()
             socket = Path(self._tmp) / "sidecar.sock"
         self.socket = Path(socket).absolute()
         # --parent-pid: a sidecar whose launcher dies (a killed test run) stops cleanly, not orphaned

@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 from tierstore.errors import InvalidArgument
+from tierstore.proto.frames import step_socket_path
 
 __all__ = ["claim_socket", "check_socket", "socket_answers", "check_tcp", "check_port", "check_tls", "UNIX_PATH_MAX"]
 
@@ -35,6 +36,10 @@ def check_socket(path: Path) -> bool:
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise InvalidArgument(f"--socket {path} is {len(os.fsencode(path))} bytes long; unix socket paths "
                               f"are limited to {UNIX_PATH_MAX}: choose a shorter path")
+    steps = os.fsencode(step_socket_path(path))  # the step socket beside it: the longer path
+    if len(steps) > UNIX_PATH_MAX:
+        raise InvalidArgument(f"--socket {path}: its step socket {step_socket_path(path)} is {len(steps)} bytes "
+                              f"long; unix socket paths are limited to {UNIX_PATH_MAX}: choose a shorter path")
     if not path.parent.is_dir():
         raise InvalidArgument(f"--socket {path}: directory {path.parent} does not exist")
     try:

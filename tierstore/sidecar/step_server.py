@@ -67,6 +67,7 @@ from tierstore.proto.frames import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, 
                                 PROTOCOL_VERSION, RELEASE, U64, FrameError, FrameReader, PlanItem, PlanResult,
                                 encode_error, encode_plan_results, parse_note, parse_plan, send_frame,
                                 spin_seconds)
+from tierstore.sidecar.listeners import UNIX_PATH_MAX
 
 __all__ = ["StepServer", "StepHandler", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
 
@@ -74,7 +75,6 @@ log = logging.getLogger("tierstore.sidecar.step_server")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
 FRAME_TIMEOUT_S = 10.0      # a frame begun must be whole this long after its first byte; also the budget's wait
 SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
-MAX_UNIX_PATH = 107
 
 
 def peer_trusted(sock: socket.socket) -> bool:
@@ -224,8 +224,8 @@ class StepServer:
 
     def _bind(self) -> socket.socket:
         path = self.path
-        if len(os.fsencode(path)) > MAX_UNIX_PATH:
-            raise errors.InvalidArgument(f"step-socket socket path {path} is longer than {MAX_UNIX_PATH} bytes; "
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise errors.InvalidArgument(f"step-socket socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
                                          f"use a shorter --socket path")
         if path.is_symlink() or path.exists():
             if not stat.S_ISSOCK(path.lstat().st_mode):
