@@ -92,8 +92,11 @@ run: $(STAMP) $(DATA)/catalog
 	$(VENV)/bin/tierstore demo --data $(DATA)
 	$(VENV)/bin/tierstore bench lookup --data $(DATA) --quick --out $(DATA)/bench
 
+# The default suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of
+# them, in its own order; the slow and reliability suites time and load the host, so run alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -q -m slow

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,13 @@ def _segments() -> set[str]:
     return {p.name for p in SHM.glob(f"tierstore.{os.getuid()}.*")}
 
 
-def _mapped_by_someone(names: set[str]) -> set[str]:
-    """Which of `names` (/dev/shm files) a live process of this user still maps: another run's
-    sidecar on this host, not ours (the child's are gone when the group is)."""
+def _tag(name: str) -> str:
+    return name.split(".")[2]  # tierstore.<uid>.<tag>.<...>: one sidecar's files share the tag
+
+
+def _live_tags() -> set[str]:
+    """The tags of the segments a live process of this user maps: another sidecar on this host
+    (another test's, run beside this one), not the child's (its group is gone by now)."""
     maps = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -42,8 +47,22 @@ def _mapped_by_someone(names: set[str]) -> set[str]:
                 maps.append((proc / "maps").read_text())
             except OSError:
                 pass
-    text = "".join(maps)
-    return {n for n in names if str(SHM / n) in text}
+    prefix = f"{SHM}/tierstore.{os.getuid()}."
+    return {_tag(line[line.index(prefix) + len(str(SHM)) + 1:]) for text in maps for line in text.splitlines()
+            if prefix in line}
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """Segments made since `before` whose sidecar nobody runs: none of its files mapped by a live
+    process, and still there a moment later (another test's sidecar may be starting or stopping)."""
+    left = set()
+    for _ in range(20):
+        live = _live_tags()
+        left = {n for n in _segments() - before if _tag(n) not in live}
+        if not left:
+            break
+        time.sleep(0.1)
+    return left
 
 
 def _smoke(module: str, tmp_path: Path, timeout: float = 240) -> dict:
@@ -63,8 +82,8 @@ def _smoke(module: str, tmp_path: Path, timeout: float = 240) -> dict:
         stragglers = _stop_group(proc.pid)
     assert proc.returncode == 0, log[-8000:]
     assert not stragglers, f"{module} left processes of its group running (killed now)"
-    left = _segments() - before
-    assert not left - _mapped_by_someone(left), f"{module} left shm segments: {sorted(left)}"
+    left = _left_behind(before)
+    assert not left, f"{module} left shm segments: {sorted(left)}"
     # torch's inductor names a cache directory there on import; everything else is the scripts'
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == [], log[-4000:]
     return json.loads((out / f"{module.rsplit('.', 1)[1]}.json").read_text())
