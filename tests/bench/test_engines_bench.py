@@ -8,15 +8,17 @@ import json
 import pytest
 
 
-def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path, cli):
+def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path, cli, monkeypatch):
     from tierstore.client.engines.sglang import import_engram
 
     try:
         import_engram()
     except ImportError as e:
         pytest.skip(f"sglang's Engram modules do not import here ({e}); `make engine-deps-sglang` installs them")
-    code, out, err = cli("bench", "engines", "--out", tmp_path, "--vocab", "2000", "--tokens", "64", "--quick")
+    monkeypatch.chdir(tmp_path)  # --out relative, as a user types it: the TP cell's ranks run in /
+    code, out, err = cli("bench", "engines", "--out", "out", "--vocab", "2000", "--tokens", "64", "--quick")
     assert code == 0, err
+    tmp_path = tmp_path / "out"
     res = json.loads((tmp_path / "results.json").read_text())["scenarios"]["engines"]
     assert res["bit_exact"] is True
     assert res["step_ratio"] > 0 and res["start_ratio_cold"] > 0
@@ -31,6 +33,9 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
         assert 0 < cache["stage_extend_ms"] < cache["cache_extend_ms"]
         assert cache["slots_share"] == pytest.approx(0.25, abs=0.01)
         assert cache["noted_steps"] == cache["steps"]  # the run's hit ratio counts its own steps only
+        # the quick run's warm-up: 8,192 tokens of the text staged first, the arena full before the rounds
+        assert cache["warmup_tokens"] == 8192 and cache["warmup_resident"] == cache["slots"]
+        assert "8192 tokens of warm-up" in out
         assert "cache mode (25% of rows in DRAM" in out
     tp = res["tp"]
     if "skipped" not in tp:  # 8 ranks staging the same batches under --direct-io, from the kernel's read_bytes
@@ -45,3 +50,14 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
     assert all(restart[k]["s"] > 0 for k in ("dense", "filtered", "unfiltered")) and "restart (" in out
     assert not list(tmp_path.glob("bench-engines-*"))  # its scratch table is removed
 
+
+
+@pytest.mark.parametrize("bad", ["-1", "many"])
+def test_a_bad_warmup_is_refused_before_anything_is_written(tmp_path, capsys, bad):
+    from tierstore.cli import main
+
+    with pytest.raises(SystemExit) as stop:  # argparse's usage error
+        main(["bench", "engines", "--out", str(tmp_path / "out"), "--warmup-tokens", bad])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--warmup-tokens: expected a whole number >= 0" in err
+    assert not (tmp_path / "out").exists()

@@ -47,6 +47,17 @@ def _csv(kind):
     return parse
 
 
+def _count(text):
+    """A whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
 def _size(text):
     from tierstore.sidecar.config import parse_size
 
@@ -259,12 +270,15 @@ def _engines(add):
     add("--vocab", type=int, help="engram vocab size: rows are ~24x it (default 200000, quick 20000)")
     add("--tokens", type=int, default=512, help="tokens per extend batch (default 512; in cache mode "
         "over 4 requests, each extend followed by 8 decode steps, quick 3)")
+    add("--warmup-tokens", type=_count, help="cache mode: tokens of the text staged before the timed rounds, "
+        "other documents than the rounds', no forward (default 65536, quick 8192; 0: the cache starts empty)")
 
 
 def _run_engines(args, out: Path, suite: bool) -> dict:
     from tierstore.bench.engines import engines_line, run_engines_bench
 
-    res = run_engines_bench(out, vocab=args.vocab, tokens=args.tokens, quick=args.quick, seed=args.seed, log=_log)
+    res = run_engines_bench(out, vocab=args.vocab, tokens=args.tokens, warmup_tokens=args.warmup_tokens,
+                            quick=args.quick, seed=args.seed, log=_log)
     res["summary"] = engines_line(res)
     return res
 
