@@ -23,7 +23,7 @@ def _table(d, rows: int, dim: int = 64, seed: int = 0) -> np.ndarray:
 def test_sigterm_while_tables_load_leaves_no_arena(tmp_path):
     d = tmp_path / "data"
     _table(d, 200_000)  # 51 MB: loading takes a moment
-    sc = SidecarProcess(d, dram_budget="256MiB")
+    sc = SidecarProcess(d, dram_budget="256MiB", log_path=tmp_path / "sidecar.log")
     sc._log = open(sc.log_path, "wb")
     import subprocess
 
@@ -80,7 +80,7 @@ _LAUNCHER = """
 import sys, time
 from tierstore.sidecar.launcher import SidecarProcess
 sc = SidecarProcess(sys.argv[1], dram_budget="64MiB").start()
-print(sc.proc.pid, sc.socket, flush=True)
+print(sc.proc.pid, sc.socket, sc.log_path, flush=True)
 time.sleep(600)
 """
 
@@ -96,7 +96,7 @@ def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
     _table(d, 1000)
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(d)], stdout=subprocess.PIPE, text=True)
     try:
-        pid, sock = launcher.stdout.readline().split()
+        pid, sock, log = launcher.stdout.readline().split()
         side = SidecarProcess(d, socket=sock)  # for its shm_files(): the files this sidecar's tag names
         assert side.shm_files() and Path(sock).exists()
         launcher.kill()
@@ -113,6 +113,8 @@ def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
         launcher.stdout.close()
+        Path(log).unlink(missing_ok=True)  # the killed launcher's own files: its log and socket directory
+        Path(sock).parent.rmdir()
 
 
 def test_health_says_serving_only_once_the_step_socket_and_tables_are_up(tmp_path):
@@ -193,7 +195,7 @@ def test_a_burst_of_signals_stops_the_sidecar_cleanly(tmp_path):
             assert sc.proc.returncode == 0, sc.log()
             assert not sc.socket.exists() and not any(p.exists() for p in shm)
         finally:
-            sc.stop()
+            sc.cleanup()
 
 
 def test_a_sigterm_taken_by_another_thread_stops_the_sidecar(tmp_path):
@@ -228,3 +230,22 @@ def test_a_sigterm_taken_by_another_thread_stops_the_sidecar(tmp_path):
         assert not sc.socket.exists() and not any(p.exists() for p in shm)
     finally:
         sc.cleanup()
+
+
+def test_a_launcher_never_started_makes_no_file(tmp_path, monkeypatch):
+    """A SidecarProcess built only for its shm_files() (as the tests above do) leaves no log
+    or socket directory in the temporary directory: start() makes them, cleanup() removes them."""
+    import tempfile
+
+    temp = tmp_path / "t"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    d = tmp_path / "data"
+    _table(d, 10)
+    assert SidecarProcess(d, socket=tmp_path / "s.sock").shm_files() == []
+    assert list(temp.iterdir()) == []
+    sc = SidecarProcess(d, dram_budget="1MiB").start()
+    made = [sc.log_path, sc.socket.parent]  # the socket's directory in /tmp where temp's path is too long
+    assert all(p.exists() for p in made) and sc.log_path.parent == temp
+    sc.cleanup()
+    assert not any(p.exists() for p in made) and list(temp.iterdir()) == []

@@ -43,7 +43,8 @@ class SidecarProcess:
     the log's tail when the child exits first, TimeoutError after start_timeout. The child
     gets --parent-pid, so it stops when this process dies. stop() sends `sig` and kills
     after `timeout`; cleanup() (also on leaving the `with` block) stops it and removes its
-    shm files, its log and the temporary socket directory. Its output goes to log_path."""
+    shm files, its log and the temporary socket directory. Its output goes to log_path (a
+    temporary file start() makes when None)."""
 
     def __init__(self, data_dir, socket=None, *, dram_budget="1GiB", extra_args=(), env=None,
                  start_timeout: float = 60.0, log_path=None):
@@ -59,10 +60,16 @@ class SidecarProcess:
                      *map(str, extra_args)]
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tierstore-sidecar-", suffix=".log")[1])
+        # a temporary log is made by start(): one made here would outlive an object never started
+        # (built for its shm_files()) or never cleaned up
+        self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "SidecarProcess":
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="tierstore-sidecar-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
         self._log = open(self.log_path, "wb")
         # cwd=/ keeps a checkout's top-level folders off sys.path of the child
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd="/")
@@ -85,6 +92,8 @@ class SidecarProcess:
             return False
 
     def log(self) -> str:
+        if self.log_path is None:  # never started
+            return ""
         try:
             return self.log_path.read_text(errors="replace")[-4000:]
         except OSError:
@@ -120,7 +129,8 @@ class SidecarProcess:
         self.stop()
         for f in self.shm_files():
             f.unlink(missing_ok=True)
-        self.log_path.unlink(missing_ok=True)
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
         if self._tmp:
             import shutil
             shutil.rmtree(self._tmp, ignore_errors=True)
