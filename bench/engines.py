@@ -241,8 +241,8 @@ def _text_tokens(tokenizer, n: int, seed: int, warmup: int = 0) -> tuple[np.ndar
     enc = tokenizer.backend_tokenizer.encode_batch([docs[i] for i in order], add_special_tokens=False)
     parts = [np.asarray(e.ids, dtype=np.int64) for e in enc]
     first = int(np.searchsorted(np.cumsum([p.size for p in parts]), n)) + 1  # the documents the n come from
-    rest = parts[first:]
-    return np.resize(np.concatenate(parts[:first]), n), (np.concatenate(rest) if rest else np.empty(0, np.int64))[:warmup]
+    rest = np.concatenate(parts[first:]) if first < len(parts) else np.empty(0, np.int64)
+    return np.resize(np.concatenate(parts[:first]), n), rest[:warmup]
 
 
 def _hasher(engram, spec):

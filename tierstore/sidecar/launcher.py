@@ -60,8 +60,8 @@ class SidecarProcess:
                      *map(str, extra_args)]
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
-        # a temporary log is made by start(): one made here would outlive an object never started
-        # (built for its shm_files()) or never cleaned up
+        # a temporary log is made by start(): one made here would outlive an object that is never
+        # started (one built for its shm_files())
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
 
