@@ -95,8 +95,10 @@ def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
     d = tmp_path / "data"
     _table(d, 1000)
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(d)], stdout=subprocess.PIPE, text=True)
+    made = []  # the launcher's own files, which its kill leaves: its log and socket directory
     try:
         pid, sock, log = launcher.stdout.readline().split()
+        made = [Path(log), Path(sock).parent]
         side = SidecarProcess(d, socket=sock)  # for its shm_files(): the files this sidecar's tag names
         assert side.shm_files() and Path(sock).exists()
         launcher.kill()
@@ -113,8 +115,13 @@ def test_a_sidecar_whose_launcher_is_killed_stops_and_cleans_up(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
         launcher.stdout.close()
-        Path(log).unlink(missing_ok=True)  # the killed launcher's own files: its log and socket directory
-        Path(sock).parent.rmdir()
+        import shutil
+
+        for f in made:
+            if f.is_dir():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
 
 
 def test_health_says_serving_only_once_the_step_socket_and_tables_are_up(tmp_path):

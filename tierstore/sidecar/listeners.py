@@ -36,9 +36,9 @@ def check_socket(path: Path) -> bool:
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise InvalidArgument(f"--socket {path} is {len(os.fsencode(path))} bytes long; unix socket paths "
                               f"are limited to {UNIX_PATH_MAX}: choose a shorter path")
-    steps = os.fsencode(step_socket_path(path))  # the step socket beside it: the longer path
-    if len(steps) > UNIX_PATH_MAX:
-        raise InvalidArgument(f"--socket {path}: its step socket {step_socket_path(path)} is {len(steps)} bytes "
+    steps = step_socket_path(path)  # the step socket beside it: the longer path
+    if len(os.fsencode(steps)) > UNIX_PATH_MAX:
+        raise InvalidArgument(f"--socket {path}: its step socket {steps} is {len(os.fsencode(steps))} bytes "
                               f"long; unix socket paths are limited to {UNIX_PATH_MAX}: choose a shorter path")
     if not path.parent.is_dir():
         raise InvalidArgument(f"--socket {path}: directory {path.parent} does not exist")
