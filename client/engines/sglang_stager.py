@@ -66,7 +66,7 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
-from tierstore.client.engines.step_reads import read_step
+from tierstore.client.engines import step_reads
 from tierstore.client.row_scratch import RowScratch
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
@@ -138,21 +138,15 @@ class StagedTable:
 
 def read_layers(tables: list, ids: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [n, dim + dim / 32] of ids[i] (int64) of staged table tables[i], every layer's
-    read at once (step_reads.read_step: overlapped under --direct-io; into outs[i] where given),
-    each checked to be served at the version its layer was built on. StagingError naming the
-    table otherwise."""
-    try:
-        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)], outs)
-        served = [t.client.handle(t.table).version for t in tables]
-    except errors.TierstoreError as e:
-        which = getattr(e, "table", None) or ", ".join(t.table for t in tables)
-        raise StagingError(f"tierstore could not give sglang's Engram rows of table {which} for this "
-                           f"batch ({type(e).__name__}: {e}); no rows were staged") from e
-    for t, v in zip(tables, served):
-        if v != t.version:
-            raise StagingError(f"tierstore now serves table {t.table} at v{v}; this sglang process checked "
-                               f"its checkpoint against v{t.version} and never mixes versions: restart sglang")
-    return got
+    read at once (step_reads.read_layers: overlapped under --direct-io; into outs[i] where given),
+    at the version its layer was built on. StagingError naming the table otherwise."""
+    return step_reads.read_layers(
+        tables, ids, outs,
+        failed=lambda which, e: (f"tierstore could not give sglang's Engram rows of table "
+                                 f"{', '.join(t.table for t in which)} for this batch ({type(e).__name__}: {e}); "
+                                 f"no rows were staged"),
+        moved=lambda t, v: (f"tierstore now serves table {t.table} at v{v}; this sglang process checked its "
+                            f"checkpoint against v{t.version} and never mixes versions: restart sglang"))
 
 
 def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:

@@ -11,9 +11,14 @@ tables this way too). The stagers read each layer into a RowScratch of its own
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-__all__ = ["read_step"]
+from tierstore import errors
+from tierstore.client.engines import StagingError
+
+__all__ = ["read_step", "read_layers"]
 
 def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [len(ids), row_bytes] of each (client, table, ids) of `asks`, in order: in
@@ -42,3 +47,21 @@ def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
                     out[i] = outs[i]
                 lo += n
     return out
+
+
+def read_layers(layers: list, ids: list, outs: list | None, *, failed: Callable[[list, Exception], str],
+                moved: Callable[[object, int], str]) -> list[np.ndarray]:
+    """read_step of ids[i] from staged layer layers[i] (its .client, .table and .version: the
+    version its engine checked the checkpoint against), each checked to be served at that
+    version. StagingError otherwise, before any row is used: failed(the layers whose read
+    raised, the error) when a read fails (a tierstore error, or an OSError of the segment
+    files), moved(layer, served version) when the sidecar serves another version."""
+    try:
+        got = read_step([(t.client, t.table, i) for t, i in zip(layers, ids)], outs)
+        served = [t.client.handle(t.table).version for t in layers]
+    except (errors.TierstoreError, OSError) as e:
+        raise StagingError(failed([t for t in layers if t.table == getattr(e, "table", None)] or layers, e)) from e
+    for t, v in zip(layers, served):
+        if v != t.version:
+            raise StagingError(moved(t, v))
+    return got

@@ -64,7 +64,7 @@ from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
-from tierstore.client.engines.step_reads import read_step
+from tierstore.client.engines import step_reads
 from tierstore.client.row_scratch import RowScratch
 
 if TYPE_CHECKING:
@@ -181,24 +181,17 @@ class StagedEngramTable:
 
 def read_layers(tables: list, ids: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [n, dim + dim / 32] of ids[i] (int64) of staged layer tables[i], every layer's
-    read at once (step_reads.read_step: overlapped under --direct-io; into outs[i] where given),
-    each checked to be served at the version its layer was built on. StagingError naming the
-    layer otherwise."""
-    try:
-        got = read_step([(t.client, t.table, i) for t, i in zip(tables, ids)], outs)
-        served = [t.client.handle(t.table).version for t in tables]
-    except (errors.TierstoreError, OSError) as e:
-        failed = [t for t in tables if t.table == getattr(e, "table", None)] or tables
-        raise StagingError(
-            f"tierstore could not give vLLM's Engram layer {', '.join(str(t.layer_id) for t in failed)} its rows of "
-            f"table {', '.join(t.table for t in failed)} ({type(e).__name__}: {e}); the step stops before the rows "
-            f"are used") from e
-    for t, v in zip(tables, served):
-        if v != t.version:
-            raise StagingError(
-                f"tierstore now serves table {t.table} (Engram layer {t.layer_id}) at v{v}; this vLLM process "
-                f"checked its checkpoint against v{t.version} and never mixes versions: restart vLLM")
-    return got
+    read at once (step_reads.read_layers: overlapped under --direct-io; into outs[i] where given),
+    at the version its layer was built on. StagingError naming the layer otherwise."""
+    return step_reads.read_layers(
+        tables, ids, outs,
+        failed=lambda which, e: (f"tierstore could not give vLLM's Engram layer "
+                                 f"{', '.join(str(t.layer_id) for t in which)} its rows of table "
+                                 f"{', '.join(t.table for t in which)} ({type(e).__name__}: {e}); the step stops "
+                                 f"before the rows are used"),
+        moved=lambda t, v: (f"tierstore now serves table {t.table} (Engram layer {t.layer_id}) at v{v}; this vLLM "
+                            f"process checked its checkpoint against v{t.version} and never mixes versions: "
+                            f"restart vLLM"))
 
 
 def dequantize_split(weight: "torch.Tensor", scale: "torch.Tensor", dim: int) -> "torch.Tensor":
