@@ -16,7 +16,9 @@ fraction of the table's rows through
   request waits (`expect(..., steps=)`), and its rows are kept that long. "ours" is the same policy with no queue (N=0);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
-  fed the same accesses one by one (step order, each step's ids once).
+  fed the same accesses one by one (step order, each step's ids once);
+- freq-oracle: a cache told every row's count over the whole trace in advance
+  (freq_oracle_hit_ratio): what knowing how often rows come buys, where Belady knows when.
 Hit ratio counts every access of the flattened trace, cold misses included.
 
 One cohesive thing (a little over the house's 300 lines): the replay loop and the
@@ -31,42 +33,62 @@ import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from tierstore.bench.traces import (Trace, aws_docs_corpus, deepseek_text_trace, document_trace,
-                                    stdlib_docstrings_corpus, zipf_trace)
+                                    python_docs_corpus, stdlib_docstrings_corpus, zipf_trace)
 from tierstore.errors import InvalidArgument
 from tierstore.cache.policy import PolicyConfig, make_policy
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
+FREQ_ORACLE = "freq-oracle"
+ORACLE_SHARES = (0.25, 0.5, 0.75, 1.0)  # the slots freq-oracle tries keeping its most frequent rows in
 QUEUE_STEPS = 16  # ours+queue16: steps are admitted (prefetched) this many steps before they run
 _ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
+
+
+_TEXT_TRACES = {  # a real-text trace: (its corpus, None for text_trace's CPython reference topics; its name)
+    "text": (None, None),
+    "aws-docs": (aws_docs_corpus, "botocore data/*/service-2.json documentation (Apache-2.0)"),  # a second domain
+    "docstrings": (stdlib_docstrings_corpus, "CPython Lib/**/*.py docstrings (PSF licence)"),  # a third, held out
+    "mixed": (lambda: python_docs_corpus() + aws_docs_corpus() + stdlib_docstrings_corpus(),
+              "text + aws-docs + docstrings, shuffled"),
+}
 
 
 def make_trace(kind, quick: bool = False, seed: int = 0) -> Trace:
     """A named trace: 'zipf0.8' / 'zipf1.0' / 'zipf1.2', 'documents', 'text' (CPython
     docs), 'aws-docs' (botocore's AWS API docs), 'docstrings' (the standard library's
-    docstrings), a saved trace path, or a Trace
+    docstrings), 'mixed' (the three corpora's documents shuffled together, as a server's
+    traffic mixes domains), a saved trace path, or a Trace
     (see traces.access_trace for a user's access log)."""
+    return trace_recipe(kind, quick, seed)()
+
+
+def trace_recipe(kind, quick: bool = False, seed: int = 0) -> Callable[[], Trace]:
+    """What builds make_trace's `kind`, checked without building it, so that a run of several
+    traces refuses a bad name before it replays any: InvalidArgument for a name it does not know."""
     if isinstance(kind, Trace):
-        return kind
+        return lambda: kind
     n_ids, steps, batch = (1_000_000, 600, 500) if quick else (4_000_000, 2000, 2000)
     if kind.startswith("zipf") and not kind.endswith(".npy"):
-        return zipf_trace(n_ids, float(kind[4:] or 1.0), steps, batch, seed)
+        try:
+            alpha = float(kind[4:] or 1.0)
+        except ValueError:
+            raise InvalidArgument(f"unknown trace {kind!r}: zipf<alpha> takes a number, e.g. zipf1.0") from None
+        return lambda: zipf_trace(n_ids, alpha, steps, batch, seed)
     if kind == "documents":
-        return document_trace(n_ids, steps, batch, seed=seed)
-    if kind == "text":
-        return deepseek_text_trace(seed=seed, name="text")
-    if kind == "aws-docs":  # a second domain: AWS API reference text from botocore
-        return deepseek_text_trace(seed=seed, name="aws-docs", texts=aws_docs_corpus(),
-                                   corpus_name="botocore data/*/service-2.json documentation (Apache-2.0)")
-    if kind == "docstrings":  # a third, held-out domain: the standard library's docstrings
-        return deepseek_text_trace(seed=seed, name="docstrings", texts=stdlib_docstrings_corpus(),
-                                   corpus_name="CPython Lib/**/*.py docstrings (PSF licence)")
+        return lambda: document_trace(n_ids, steps, batch, seed=seed)
+    if kind in _TEXT_TRACES:
+        corpus, corpus_name = _TEXT_TRACES[kind]
+        own = {"texts": corpus(), "corpus_name": corpus_name} if corpus else {}
+        return lambda: deepseek_text_trace(seed=seed, name=kind, **own)
     if Path(kind).exists():
-        return Trace.load(kind)
-    raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, text, aws-docs, docstrings or a NAME.npy trace path")
+        return lambda: Trace.load(kind)
+    raise InvalidArgument(f"unknown trace {kind!r}; use zipf<alpha>, documents, {', '.join(_TEXT_TRACES)} or a "
+                          f"NAME.npy trace path")
 
 
 def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, lookahead: int = 0,
@@ -219,6 +241,10 @@ def _ours(capacity: int, kw: dict) -> float:
     return replay(_TRACE, capacity, **kw)
 
 
+def _freq_oracle(capacity: int, work: Path) -> float:
+    return freq_oracle_hit_ratio(_TRACE, capacity, work)
+
+
 def _pool(jobs: int):
     # forked workers inherit the trace; a process that has loaded gRPC (`bench all` after the
     # lookup scenario, a test process) is not forked: gRPC's at-fork handler can block the fork
@@ -236,6 +262,35 @@ def reference_hit_ratios(oracle_path: Path, capacity: int, names=REFERENCES) -> 
         miss, _ = getattr(lcs, name)(capacity, hashpower=hashpower).process_trace(reader)
         out[name] = 1.0 - miss
     return out
+
+
+def freq_oracle_hit_ratio(trace: Trace, capacity: int, work: Path) -> float:
+    """Hit ratio of a cache told each row's access count over the whole trace (not when the
+    accesses come): the `k` most-counted rows are kept from their first access on, never
+    evicted, and LRU runs over the other capacity - k slots; the best k of ORACLE_SHARES x
+    capacity. A row's first access is a miss, as for every other policy. An online policy
+    that keeps rows by frequency and recency has to learn the counts this one is given:
+    where it stays near ARC, frequency adds little to recency. `work`: a scratch file's path
+    (the LRU part is libCacheSim's, over an oracleGeneral file there; removed after)."""
+    ids, counts = np.unique(trace.ids, return_counts=True)
+    rank = np.argsort(-counts, kind="stable")
+    step_of = np.repeat(np.arange(trace.steps), np.diff(trace.bounds))
+    best = 0.0
+    try:
+        for share in ORACLE_SHARES:
+            k = min(int(share * capacity), ids.size)
+            kept = np.isin(trace.ids, ids[rank[:k]])
+            hits = float(counts[rank[:k]].sum() - k)
+            rest = ~kept
+            if capacity - k > 0 and rest.any():
+                bounds = np.searchsorted(step_of[rest], np.arange(trace.steps + 1))
+                rest_trace = Trace(trace.name, trace.ids[rest], bounds, trace.n_ids)
+                lru = reference_hit_ratios(write_oracle_trace(rest_trace, work), capacity - k, ("LRU",))["LRU"]
+                hits += lru * rest.sum()
+            best = max(best, hits / trace.ids.size)
+    finally:
+        work.unlink(missing_ok=True)
+    return best
 
 
 def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-docs"), sizes=(0.001, 0.01, 0.1),
@@ -262,8 +317,8 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-d
     t0 = time.perf_counter()
     jobs = max(1, jobs or os.cpu_count() or 1)
     results = {}
-    for kind in trace_paths_or_kinds:
-        trace = make_trace(kind, quick=quick, seed=seed)
+    for recipe in [trace_recipe(kind, quick, seed) for kind in trace_paths_or_kinds]:  # every name checked first
+        trace = recipe()
         caps = {size: capacity_rows(trace, size) for size in sizes}
         oracle = write_oracle_trace(trace, out / f"{trace.name}.oracleGeneral.bin")
         ratios: dict[str, dict[float, float]] = {}
@@ -282,6 +337,9 @@ def run_cache_bench(trace_paths_or_kinds=("zipf1.0", "documents", "text", "aws-d
                      for size in sizes for name in REFERENCES}
             tasks.update({(size, name): pool.submit(_ours, caps[size], {"config": config, **kw})
                           for size in sizes for name, kw in ours if caps[size] >= max_step})
+            tasks.update({(size, FREQ_ORACLE): pool.submit(_freq_oracle, caps[size],
+                                                           out / f"{trace.name}.{i}.rest.oracleGeneral.bin")
+                          for i, size in enumerate(sizes)})
             for size in sizes:
                 for name, _ in ours:
                     ratios.setdefault(name, {})[size] = float("nan")  # cache smaller than a step
@@ -327,9 +385,11 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
     for ax, (name, res) in zip(axes[0], traces.items()):
         frac = {s: r / res["n_ids"] for s, r in res.get("rows", {}).items()}  # row counts plot as fractions
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more policies than the default cycle's 10 colours
         for policy, by_size in res["hit_ratio"].items():
             xs = sorted(by_size, key=lambda x: frac.get(x, x))
-            style = {"linewidth": 2.5} if policy.startswith("ours") else {"linestyle": "--" if policy == "Belady" else "-"}
+            style = {"linewidth": 2.5} if policy.startswith("ours") else \
+                {"linestyle": {"Belady": "--", FREQ_ORACLE: ":"}.get(policy, "-")}  # the two oracles
             ax.plot([frac.get(x, x) for x in xs], [by_size[x] for x in xs], marker="o", label=policy, **style)
         ax.set_xscale("log")
         ax.set_xlabel("cache size (fraction of table rows)")

@@ -1,11 +1,14 @@
 """Cache benchmark: traces round-trip, the replay is sane, Belady bounds everyone."""
 import importlib.util
 import json
+from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from tierstore.bench.cache import REFERENCES, replay, replay_steps, run_cache_bench
+from tierstore.bench.cache import (FREQ_ORACLE, ORACLE_SHARES, REFERENCES, freq_oracle_hit_ratio, replay,
+                                   replay_steps, run_cache_bench)
 from tierstore.cache.policy import PolicyConfig
 from tierstore.bench.traces import Trace, dedupe_steps, document_trace, text_trace, zipf_trace
 
@@ -57,7 +60,7 @@ def test_small_bench_is_sane(tmp_path):
     path = zipf_trace(20_000, 1.0, steps=60, batch=100, seed=3).save(tmp_path / "traces")
     report = run_cache_bench([str(path)], sizes=(0.01, 0.05), out_dir=tmp_path / "out", quick=True)
     hr = report["traces"]["zipf1"]["hit_ratio"]
-    assert set(REFERENCES) | {"ours", "ours+lookahead", "ours+queue16"} <= set(hr)
+    assert set(REFERENCES) | {FREQ_ORACLE, "ours", "ours+lookahead", "ours+queue16"} <= set(hr)
     for size in (0.01, 0.05):
         for policy, by_size in hr.items():
             assert 0.0 < by_size[size] <= hr["Belady"][size] + 1e-9, policy
@@ -66,6 +69,39 @@ def test_small_bench_is_sane(tmp_path):
         assert hr[policy][0.05] >= hr[policy][0.01] - 0.01
     assert (tmp_path / "out" / "cache.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "cache.json").read_text())["traces"]["zipf1"]["accesses"] > 0
+
+
+def _freq_oracle_by_hand(trace: Trace, capacity: int) -> float:
+    """freq-oracle access by access: the k most-counted rows (ties: the lower id) kept once read,
+    an LRU list of capacity - k for the rest; the best k."""
+    ids, counts = np.unique(trace.ids, return_counts=True)
+    top = ids[np.argsort(-counts, kind="stable")]
+    best = 0.0
+    for share in ORACLE_SHARES:
+        k = min(int(share * capacity), ids.size)
+        kept, seen, lru, hits = set(top[:k].tolist()), set(), OrderedDict(), 0
+        for x in trace.ids.tolist():
+            if x in kept:
+                hits += x in seen
+                seen.add(x)
+            elif x in lru:
+                hits += 1
+                lru.move_to_end(x)
+            elif capacity - k > 0:
+                lru[x] = None
+                if len(lru) > capacity - k:
+                    lru.popitem(last=False)
+        best = max(best, hits / trace.ids.size)
+    return best
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), alpha=st.sampled_from([0.6, 1.0, 1.3]), capacity=st.integers(1, 400))
+def test_freq_oracle_keeps_the_most_frequent_rows_and_runs_lru_over_the_rest(tmp_path_factory, seed, alpha, capacity):
+    trace = zipf_trace(3_000, alpha, steps=30, batch=60, seed=seed)
+    work = tmp_path_factory.mktemp("oracle") / "rest.bin"
+    assert freq_oracle_hit_ratio(trace, capacity, work) == pytest.approx(_freq_oracle_by_hand(trace, capacity))
+    assert not work.exists()
 
 
 def _access_log(tmp_path, name="log"):
@@ -117,18 +153,33 @@ def test_cli_replays_a_users_trace(cli, tmp_path):
     code, stdout, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "200",
                             "--sizes", "0.01,400", "--jobs", "1", "--no-progress")
     assert code == 0, err
-    assert stdout.startswith("log @ ") and "ours=" in stdout and "Belady=" in stdout
+    assert stdout.startswith("log @ ") and "ours=" in stdout and "Belady=" in stdout and "freq-oracle=" in stdout
     res = json.loads((out / "results.json").read_text())["scenarios"]["cache"]["traces"]["log"]
     assert res["rows"] == {"0.01": 200, "400.0": 400}
     hr = res["hit_ratio"]
     for size in ("0.01", "400.0"):
         assert 0 < hr["ours"][size] <= hr["Belady"][size] + 1e-9
+        assert hr["LRU"][size] - 1e-9 <= hr[FREQ_ORACLE][size] <= hr["Belady"][size] + 1e-9
     assert hr["ours"]["400.0"] >= hr["ours"]["0.01"]
     assert (out / "cache.png").stat().st_size > 10_000
     code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--no-progress")
     assert code == 2 and "--step-ids" in err and "Traceback" not in err
     code, _, err = cli("bench", "cache", "--out", out, "--trace", path, "--step-ids", "9", "--sizes", "2.5")
     assert code == 2 and "whole" in err
+
+
+def test_cli_replays_the_traces_it_is_named_and_refuses_an_unknown_one_first(cli, tmp_path):
+    saved = zipf_trace(20_000, 1.2, steps=40, batch=100, seed=4).save(tmp_path / "traces")
+    out = tmp_path / "out"
+    code, stdout, err = cli("bench", "cache", "--out", out, "--traces", saved, "--sizes", "0.01", "--no-hbm-drift",
+                            "--jobs", "1", "--no-progress")
+    assert code == 0, err
+    assert stdout.startswith("zipf1.2 @ 0.01: ") and "freq-oracle=" in stdout
+    assert list(json.loads((out / "results.json").read_text())["scenarios"]["cache"]["traces"]) == ["zipf1.2"]
+    for bad, says in (("shakespeare", "mixed"), ("zipfian", "zipf<alpha> takes a number")):
+        code, stdout, err = cli("bench", "cache", "--out", tmp_path / bad, "--traces", f"{saved},{bad}", "--no-progress")
+        assert code == 2 and bad in err and says in err and "Traceback" not in err, err
+        assert "zipf1.2" not in err and not (tmp_path / bad / "results.json").exists()  # before any replay
 
 
 def test_sampled_trace_shrinks_the_cache(tmp_path):
@@ -206,3 +257,15 @@ def test_the_docstrings_trace_is_real_text_apart_from_the_reference_topics(text_
     assert doc.meta["corpus"].startswith("CPython Lib") and doc.meta["tokens"] > 100_000
     # the same table, another domain: most of its rows are never read by the topics' trace
     assert np.isin(np.unique(doc.ids), text_traces["text"].ids).mean() < 0.6
+
+
+def test_the_mixed_trace_holds_every_domain_on_one_table(text_traces):
+    """`mixed` is a server's traffic: the three corpora's documents dealt together to the same
+    streams, hashed onto the same table, so the topics' and the docstrings' rows all come."""
+    from tierstore.bench.cache import make_trace
+
+    mixed = make_trace("mixed")
+    assert mixed.n_ids == text_traces["text"].n_ids
+    assert mixed.meta["tokens"] > sum(text_traces[k].meta["tokens"] for k in ("text", "docstrings"))  # + aws-docs
+    for kind in ("text", "docstrings"):  # all but the stream's cut-off tail of one document
+        assert np.isin(np.unique(text_traces[kind].ids), mixed.ids).mean() > 0.99, kind

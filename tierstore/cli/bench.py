@@ -163,8 +163,8 @@ def _run_warm(args, out: Path, suite: bool) -> dict:
 def _cache(add):
     add("--trace", action="append", metavar="FILE",
         help="replay your own access log: .npy of int64 row ids in access order (repeatable)")
-    add("--traces", type=_csv(str), metavar="KIND,...", help="built-in traces to replay when no --trace "
-        "(default zipf1.0,documents,text,aws-docs)")
+    add("--traces", type=_csv(str), metavar="KIND,...", help="built-in traces to replay when no --trace: zipf<alpha>, "
+        "documents, text, aws-docs, docstrings, mixed (default zipf1.0,documents,text,aws-docs)")
     add("--step-ids", type=int, metavar="N",
         help="cut --trace into steps of N accesses (default: FILE.steps.npy of step lengths)")
     add("--sizes", type=_csv(float), metavar="S,...",
