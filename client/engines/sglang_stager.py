@@ -67,6 +67,7 @@ from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
+from tierstore.client.engines.step_reads import PREFETCH_TOKENS
 from tierstore.client.row_scratch import RowScratch
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
@@ -74,8 +75,6 @@ __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather
            "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
-READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
-PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
 # the checks.FEATURES row refused for staged tables (here and at sglang's start, sglang.check_server_args)
 OVERLAP = "the overlap scheduler (sglang's default)"
 
@@ -401,30 +400,17 @@ class RowStager:
     # ---- a queued request ----
     def prefetch(self, req, wait_steps: int) -> int:
         """Prefetch the rows of queued request `req` (its first PREFETCH_TOKENS tokens) from every
-        cache-mode table: read now when it is expected to run within READ_AHEAD_STEPS steps,
-        else only hinted (the resident ones kept for it); kept about 2 x wait_steps + 2 steps
-        (a prefill step may be followed by a decode step). Returns the ids hinted. A hint:
-        a sidecar error is logged, never raised into the scheduler."""
+        cache-mode table (step_reads.prefetch_layers: read now when it is expected to run within
+        READ_AHEAD_STEPS steps, else only hinted). Returns the ids hinted; never raises a
+        sidecar's error into the scheduler."""
         tables = [(k, t) for k, t in self.layers if not t.full_resident]
         if not tables:
             return 0
-        n_ids = _fill_len(req)
-        tokens, positions = self._windows([(req, 0, min(n_ids, PREFETCH_TOKENS))], "prefetch")
+        tokens, positions = self._windows([(req, 0, min(_fill_len(req), PREFETCH_TOKENS))], "prefetch")
         if tokens.shape[0] == 0:
             return 0
         ids = self._hash(tokens, positions)
-        sent = 0
-        for k, t in tables:
-            uniq = np.unique(ids[:, k])
-            try:
-                longest = t.client.handle(t.table).max_prefetch_steps or 4096
-                t.client.prefetch(t.table, uniq, read=wait_steps <= READ_AHEAD_STEPS,
-                                  steps=max(1, min(longest, 2 * wait_steps + 2)))
-            except errors.TierstoreError as e:
-                log.warning("tierstore prefetch of request %s's rows of %s failed: %s", req.rid, t.table, e)
-                continue
-            sent += uniq.size
-        return sent
+        return step_reads.prefetch_layers([t for _, t in tables], [ids[:, k] for k, _ in tables], wait_steps, req.rid)
 
 
 def decode_graph_batch(disable_overlap_schedule: bool, cuda_graph_config) -> int:

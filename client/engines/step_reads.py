@@ -1,4 +1,5 @@
-"""One read of a step's rows for every staged Engram layer: the stagers' way to the client.
+"""One read of a step's rows for every staged Engram layer, and the hint of a queued request's
+rows: the stagers' way to the client.
 
 An engine's stager knows every layer's ids before the forward (they are hashes
 of the step's tokens), so it asks for all its layers' rows at once, through
@@ -11,6 +12,7 @@ tables this way too). The stagers read each layer into a RowScratch of its own
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
@@ -18,7 +20,12 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.engines import StagingError
 
-__all__ = ["read_step", "read_layers"]
+__all__ = ["read_step", "read_layers", "prefetch_layers", "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
+
+log = logging.getLogger("tierstore.engines")
+
+READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
+PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
 
 def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [len(ids), row_bytes] of each (client, table, ids) of `asks`, in order: in
@@ -65,3 +72,24 @@ def read_layers(layers: list, ids: list, outs: list | None, *, failed: Callable[
         if v != t.version:
             raise StagingError(moved(t, v))
     return got
+
+
+def prefetch_layers(layers: list, ids: list, wait_steps: int, request) -> int:
+    """Hint ids[i] (int64, repeats allowed) to cache-mode layer layers[i]'s sidecar (.client,
+    .table) for a queued request expected to run in `wait_steps` steps: its misses read now
+    when that is within READ_AHEAD_STEPS, else only its resident rows kept for it; kept about
+    2 x wait_steps + 2 steps (a prefill step may be followed by a decode step). Returns the
+    distinct ids hinted. A hint: a sidecar error is logged (naming `request`), never raised
+    into the engine's scheduler."""
+    sent = 0
+    for t, i in zip(layers, ids):
+        uniq = np.unique(i)
+        try:
+            longest = t.client.handle(t.table).max_prefetch_steps or 4096
+            t.client.prefetch(t.table, uniq, read=wait_steps <= READ_AHEAD_STEPS,
+                              steps=max(1, min(longest, 2 * wait_steps + 2)))
+        except errors.TierstoreError as e:
+            log.warning("tierstore prefetch of request %s's rows of %s failed: %s", request, t.table, e)
+            continue
+        sent += uniq.size
+    return sent

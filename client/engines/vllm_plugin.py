@@ -33,7 +33,9 @@ allocate either. Under TIERSTORE_VLLM_STAGE ("auto": such tables; "on": every ta
 the loader checks the checkpoint's rows against tierstore's (Client.lookup) and copies
 nothing, and the patched `ParallelEngramEmbedding.lookup` reads this rank's heads' rows
 through tierstore on every call. `_storage()` of a staged layer raises: nothing can
-read its rows in place.
+read its rows in place. Where the engine core runs the model (one rank), the wrapped
+`Scheduler.add_request` hints each queued prompt's rows to the sidecar
+(vllm_stager.on_add_request), as sglang's plugin does.
 
 Invariants (mapped layers):
 - Zero copies: the parameters are views of the mapping; a rank's head shard
@@ -80,6 +82,7 @@ log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # the V1 runner, whose host token table staged steps read
 LOADER_MODULE = "vllm.model_executor.model_loader.default_loader"
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"  # the V1 scheduler, whose queued requests are hinted
 STAGE_MODES = ("auto", "on", "off")
 # checks.FEATURES rows this module refuses
 HBM_TABLES = "tables in HBM (engram cpu_offload off)"
@@ -192,6 +195,11 @@ class TierstoreEngramTables:
         """The staged layers built so far in this process (each bound to its embedding)."""
         with self._lock:
             return [t for t in self._staged.values() if t.part is not None]
+
+    def made_stager(self) -> "StepStager | None":
+        """The process's StepStager once a step, a capture or the profile run has made it."""
+        with self._lock:
+            return self._stager
 
     def step_stager(self, device) -> "StepStager":
         """The process's StepStager over the staged layers, made at its first use (a graph capture,
@@ -384,6 +392,32 @@ def _patch_runner(runner_module) -> None:
     _STATE["runner_original"] = (runner_module, prepare)
 
 
+def _patch_scheduler(scheduler_module) -> None:
+    """Wrap Scheduler.add_request so that a queued request's rows are hinted (vllm_stager.
+    on_add_request) where this process stages the layers (the engine core runs the model in a
+    one-rank world); nothing elsewhere (its ranks' processes stage, and read, their own)."""
+    scheduler_cls = scheduler_module.Scheduler
+    if "scheduler_original" in _STATE:
+        return
+    add = scheduler_cls.add_request
+
+    def add_request(self, request):
+        result = add(self, request)
+        tables = staged_tables()
+        stager = tables.made_stager() if tables is not None else None
+        if stager is not None:
+            from tierstore.client.engines import vllm_stager
+
+            try:
+                vllm_stager.on_add_request(stager, self, request)
+            except Exception:  # noqa: BLE001 - a hint must never fail the scheduler
+                log.exception("tierstore prefetch of request %s failed", getattr(request, "request_id", "?"))
+        return result
+
+    scheduler_cls.add_request = add_request
+    _STATE["scheduler_original"] = (scheduler_module, add)
+
+
 def _patch_loader(loader) -> None:
     """Wrap the safetensors iterator DefaultModelLoader calls (default_loader's name for it) in
     weight_filter.filtered: a restart reads of the Engram tables only the rows
@@ -406,12 +440,13 @@ def _patch_loader(loader) -> None:
     _STATE["loader"] = (loader, original)
 
 
-_ON_IMPORT = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner, LOADER_MODULE: _patch_loader}
+_ON_IMPORT = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner, LOADER_MODULE: _patch_loader,
+              SCHEDULER_MODULE: _patch_scheduler}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patches vLLM's Engram module, its V1 model runner and its default model loader right
-    after each first executes (plugins load before models)."""
+    """Patches vLLM's Engram module, its V1 model runner, its V1 scheduler and its default model
+    loader right after each first executes (plugins load before models)."""
 
     def __init__(self):
         self._inner = {}
@@ -437,8 +472,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install(config: VllmPluginConfig) -> None:
     """Serve vLLM's Engram tables from tierstore in this process (idempotent).
 
-    Patches vLLM's Engram module, its V1 model runner and its default model loader now where
-    they are imported, else when they are."""
+    Patches vLLM's Engram module, its V1 model runner, its V1 scheduler and its default model
+    loader now where they are imported, else when they are."""
     with _STATE_LOCK:
         _STATE["config"] = config.validate()
     for name, patch in _ON_IMPORT.items():
@@ -458,8 +493,11 @@ def uninstall() -> None:
         tables = _STATE.pop("tables", None)
         _STATE.pop("config", None)
         runner = _STATE.pop("runner_original", None)
+        scheduler = _STATE.pop("scheduler_original", None)
     if runner is not None:
         runner[0].GPUModelRunner._prepare_inputs = runner[1]
+    if scheduler is not None:
+        scheduler[0].Scheduler.add_request = scheduler[1]
     if originals is not None:
         engram, alloc, create, lookup, storage = originals
         engram.ParallelEngramEmbedding._allocate_weights = alloc

@@ -65,13 +65,14 @@ from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
+from tierstore.client.engines.step_reads import PREFETCH_TOKENS
 from tierstore.client.row_scratch import RowScratch
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "stage_runner_step", "hasher_of", "ROW_FORMAT"]
+           "windows", "stage_runner_step", "on_add_request", "hasher_of", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ROW_FORMAT = "fp8-e4m3-ue8m0"
@@ -336,6 +337,18 @@ class StepStager:
             scale = torch.cat([scale, scale.new_zeros((n - scale.shape[0], self.dim // FP8_BLOCK))])
         return weight, scale
 
+    def prefetch(self, token_ids, wait_steps: int, request=None) -> int:
+        """Hint the rows a queued request's prompt `token_ids` will read (its first PREFETCH_TOKENS
+        tokens, this rank's heads) to every cache-mode layer (step_reads.prefetch_layers: read now
+        when it is expected to run within READ_AHEAD_STEPS steps, else only hinted). Returns the
+        ids hinted: 0 before the first step has made the hasher. Never raises a sidecar's error."""
+        tables = [t for t in self.tables if not t.full_resident]
+        if self.hasher is None or not tables or token_ids is None or not len(token_ids):
+            return 0
+        tokens = np.asarray(token_ids[:PREFETCH_TOKENS], dtype=np.int64)
+        ids = self._hash(windows(tokens[None], np.zeros(1, np.int64), np.array([tokens.size]), self.hasher.order))
+        return step_reads.prefetch_layers(tables, [t.want(ids[t.layer_id])[0] for t in tables], wait_steps, request)
+
     def _hash(self, windows: np.ndarray) -> dict[int, np.ndarray]:
         """{layer id: table row ids [tokens, columns]} of the windows' last tokens, as vLLM's
         `_hash_ids_kernel` computes them: ids before the sequence's start read the pad id, and
@@ -378,6 +391,19 @@ def stage_runner_step(stager: "StepStager", runner, num_scheduled_tokens) -> Non
     counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
     stager.stage(windows(batch.token_ids_cpu, batch.num_computed_tokens_cpu[:counts.size].astype(np.int64),
                          counts, stager.hasher.order))
+
+
+def on_add_request(stager: "StepStager", scheduler, request) -> int:
+    """After vLLM's V1 `Scheduler.add_request` (the plugin wraps it where the engine core runs
+    the model, a one-rank world): a request that joined the waiting queue has its prompt's rows
+    hinted, its wait estimated from the prompt tokens queued beside it in steps of the
+    scheduler's token budget (its queue policy may reorder them: an estimate, and a hint).
+    Returns the ids hinted; a streamed request's next input chunk, or one not queued, none."""
+    if scheduler.requests.get(request.request_id) is not request or request not in scheduler.waiting:
+        return 0
+    ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting if r is not request)
+    return stager.prefetch(request.prompt_token_ids, ahead // max(1, scheduler.max_num_scheduled_tokens),
+                           request.request_id)
 
 
 def hasher_of(model, vllm_config):

