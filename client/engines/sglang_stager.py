@@ -62,7 +62,6 @@ from array import array
 
 import numpy as np
 
-from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
 from tierstore.client.engines.staging_buffers import StagingBuffers

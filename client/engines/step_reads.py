@@ -22,10 +22,11 @@ from tierstore.client.engines import StagingError
 
 __all__ = ["read_step", "read_layers", "prefetch_layers", "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
 
-log = logging.getLogger("tierstore.engines")
+log = logging.getLogger("tierstore.client.engines")
 
 READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
 PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
+
 
 def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
     """Rows uint8 [len(ids), row_bytes] of each (client, table, ids) of `asks`, in order: in
