@@ -33,9 +33,9 @@ allocate either. Under TIERSTORE_VLLM_STAGE ("auto": such tables; "on": every ta
 the loader checks the checkpoint's rows against tierstore's (Client.lookup) and copies
 nothing, and the patched `ParallelEngramEmbedding.lookup` reads this rank's heads' rows
 through tierstore on every call. `_storage()` of a staged layer raises: nothing can
-read its rows in place. Where the engine core runs the model (one rank), the wrapped
-`Scheduler.add_request` hints each queued prompt's rows to the sidecar
-(vllm_stager.on_add_request), as sglang's plugin does.
+read its rows in place. The wrapped `Scheduler.add_request` hints each queued prompt's
+rows to the sidecar (vllm_stager.QueueHints, in the scheduler's process, whether or not
+it runs the model), as sglang's plugin does.
 
 Invariants (mapped layers):
 - Zero copies: the parameters are views of the mapping; a rank's head shard
@@ -73,7 +73,7 @@ from tierstore.client.engines import checks, weight_filter
 if TYPE_CHECKING:
     import torch
 
-    from tierstore.client.engines.vllm_stager import StagedEngramTable, StepStager
+    from tierstore.client.engines.vllm_stager import QueueHints, StagedEngramTable, StepStager
     from tierstore.client.split_table import SplitTable
 
 __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "uninstall", "engram_layer"]
@@ -195,11 +195,6 @@ class TierstoreEngramTables:
         """The staged layers built so far in this process (each bound to its embedding)."""
         with self._lock:
             return [t for t in self._staged.values() if t.part is not None]
-
-    def made_stager(self) -> "StepStager | None":
-        """The process's StepStager once a step, a capture or the profile run has made it."""
-        with self._lock:
-            return self._stager
 
     def step_stager(self, device) -> "StepStager":
         """The process's StepStager over the staged layers, made at its first use (a graph capture,
@@ -393,9 +388,9 @@ def _patch_runner(runner_module) -> None:
 
 
 def _patch_scheduler(scheduler_module) -> None:
-    """Wrap Scheduler.add_request so that a queued request's rows are hinted (vllm_stager.
-    on_add_request) where this process stages the layers (the engine core runs the model in a
-    one-rank world); nothing elsewhere (its ranks' processes stage, and read, their own)."""
+    """Wrap Scheduler.add_request so that a queued request's rows are hinted to the sidecar
+    (vllm_stager.QueueHints, made at the first request in the scheduler's process; a process
+    whose hints cannot be made logs why once and hints nothing)."""
     scheduler_cls = scheduler_module.Scheduler
     if "scheduler_original" in _STATE:
         return
@@ -403,19 +398,41 @@ def _patch_scheduler(scheduler_module) -> None:
 
     def add_request(self, request):
         result = add(self, request)
-        tables = staged_tables()
-        stager = tables.made_stager() if tables is not None else None
-        if stager is not None:
-            from tierstore.client.engines import vllm_stager
-
+        hints = _queue_hints(self.vllm_config)
+        if hints is not None:
             try:
-                vllm_stager.on_add_request(stager, self, request)
+                hints.on_add_request(self, request)
             except Exception:  # noqa: BLE001 - a hint must never fail the scheduler
                 log.exception("tierstore prefetch of request %s failed", getattr(request, "request_id", "?"))
         return result
 
     scheduler_cls.add_request = add_request
     _STATE["scheduler_original"] = (scheduler_module, add)
+
+
+def _queue_hints(vllm_config) -> "QueueHints | None":
+    """This process's QueueHints over the staged layers of the model `vllm_config` names, made
+    once; None when the plugin is off, no layer is staged or they cannot be made (logged)."""
+    with _STATE_LOCK:
+        if "config" not in _STATE:
+            return None
+        made = _STATE.get("hints")
+        if made is not None and made[0] == os.getpid():
+            return made[1]
+    hints = None
+    try:
+        from tierstore.client.engines.vllm_stager import QueueHints
+
+        tables = _tables()
+        layer_ids = getattr(vllm_config.model_config.hf_text_config, "engram_layer_ids", None) or []
+        staged = [tables.staged_table(L) for L in layer_ids if tables.staged(L)]
+        hints = QueueHints(staged, vllm_config) if staged else None
+    except Exception as e:  # noqa: BLE001 - hints are an optimisation: the model's own checks stop a bad start
+        log.warning("tierstore: queued requests' rows are not prefetched in this process (%s: %s)",
+                    type(e).__name__, e)
+    with _STATE_LOCK:
+        _STATE["hints"] = (os.getpid(), hints)
+    return hints
 
 
 def _patch_loader(loader) -> None:
@@ -494,6 +511,7 @@ def uninstall() -> None:
         _STATE.pop("config", None)
         runner = _STATE.pop("runner_original", None)
         scheduler = _STATE.pop("scheduler_original", None)
+        _STATE.pop("hints", None)
     if runner is not None:
         runner[0].GPUModelRunner._prepare_inputs = runner[1]
     if scheduler is not None:

