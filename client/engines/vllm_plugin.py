@@ -388,13 +388,17 @@ def _patch_runner(runner_module) -> None:
 
 
 def _patch_scheduler(scheduler_module) -> None:
-    """Wrap Scheduler.add_request so that a queued request's rows are hinted to the sidecar
-    (vllm_stager.QueueHints, made at the first request in the scheduler's process; a process
-    whose hints cannot be made logs why once and hints nothing)."""
+    """Wrap Scheduler.__init__ and add_request so that a queued request's rows are hinted to the
+    sidecar (vllm_stager.QueueHints, made with the scheduler: its token map costs a pass over
+    the vocabulary; a process whose hints cannot be made logs why once and hints nothing)."""
     scheduler_cls = scheduler_module.Scheduler
     if "scheduler_original" in _STATE:
         return
-    add = scheduler_cls.add_request
+    init, add = scheduler_cls.__init__, scheduler_cls.add_request
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _queue_hints(self.vllm_config)
 
     def add_request(self, request):
         result = add(self, request)
@@ -406,8 +410,8 @@ def _patch_scheduler(scheduler_module) -> None:
                 log.exception("tierstore prefetch of request %s failed", getattr(request, "request_id", "?"))
         return result
 
-    scheduler_cls.add_request = add_request
-    _STATE["scheduler_original"] = (scheduler_module, add)
+    scheduler_cls.__init__, scheduler_cls.add_request = __init__, add_request
+    _STATE["scheduler_original"] = (scheduler_module, init, add)
 
 
 def _queue_hints(vllm_config) -> "QueueHints | None":
@@ -515,7 +519,7 @@ def uninstall() -> None:
     if runner is not None:
         runner[0].GPUModelRunner._prepare_inputs = runner[1]
     if scheduler is not None:
-        scheduler[0].Scheduler.add_request = scheduler[1]
+        scheduler[0].Scheduler.__init__, scheduler[0].Scheduler.add_request = scheduler[1:]
     if originals is not None:
         engram, alloc, create, lookup, storage = originals
         engram.ParallelEngramEmbedding._allocate_weights = alloc

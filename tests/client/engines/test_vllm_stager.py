@@ -665,7 +665,7 @@ def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_schedule
     (the scheduler's, with several ranks): the first request queued (nothing ahead of it) has
     its rows read in by the sidecar before it runs, exactly the rows its prompt's n-grams
     hash to; one queued behind more prompt tokens than READ_AHEAD_STEPS steps' budget is only
-    hinted (nothing read). Uninstalling gives vLLM its own add_request back."""
+    hinted (nothing read). Uninstalling gives vLLM its own __init__ and add_request back."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched import scheduler as vllm_scheduler
     from vllm.v1.request import Request
@@ -706,7 +706,8 @@ def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_schedule
     with pytest.raises(errors.SpecMismatch, match="compressed vocabulary is 400 ids and the config's 500"):
         vllm_stager.QueueHints(vllm_plugin.staged_tables().staged_layers(), other)
     vllm_plugin.uninstall()
-    assert vllm_scheduler.Scheduler.add_request.__module__ == "vllm.v1.core.sched.scheduler"
+    assert {f.__module__ for f in (vllm_scheduler.Scheduler.__init__, vllm_scheduler.Scheduler.add_request)} == \
+        {"vllm.v1.core.sched.scheduler"}
 
 
 @parent
