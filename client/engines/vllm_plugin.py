@@ -427,9 +427,9 @@ def _queue_hints(vllm_config) -> "QueueHints | None":
     try:
         from tierstore.client.engines.vllm_stager import QueueHints
 
-        tables = _tables()
         layer_ids = getattr(vllm_config.model_config.hf_text_config, "engram_layer_ids", None) or []
-        staged = [tables.staged_table(L) for L in layer_ids if tables.staged(L)]
+        tables = _tables() if layer_ids else None  # a model without Engram layers: no sidecar asked
+        staged = [tables.staged_table(L) for L in layer_ids if tables.staged(L)] if tables else []
         hints = QueueHints(staged, vllm_config) if staged else None
     except Exception as e:  # noqa: BLE001 - hints are an optimisation: the model's own checks stop a bad start
         log.warning("tierstore: queued requests' rows are not prefetched in this process (%s: %s)",
