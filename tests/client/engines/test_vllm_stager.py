@@ -678,17 +678,20 @@ def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_schedule
     sched = _scheduler(plugin["ckpt"], _tokenizer(tmp_path / "tok", CONFIG["engram_compressed_vocab_size"]), budget)
     rng = np.random.default_rng(17)
 
-    def queue(name: str, tokens: int) -> tuple[list, dict]:
+    def queue(name: str, tokens: int, wait: float) -> tuple[list, dict]:
+        """Queue a request; the rows each table's sidecar read in for hints since, once every
+        table has read some or `wait` s have passed (the sidecar reads hinted rows off its
+        prefetch queue, one table after the other)."""
         before = _prefetched(plugin["socket"])
         prompt = rng.integers(0, 499, tokens).tolist()
         sched.add_request(Request(request_id=name, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4),
                                   pooling_params=None))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _prefetched(plugin["socket"]) == before:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not all(n > before[t] for t, n in _prefetched(plugin["socket"]).items()):
             time.sleep(0.02)
         return prompt, {t: n - before[t] for t, n in _prefetched(plugin["socket"]).items()}
 
-    prompt, first = queue("first", (READ_AHEAD_STEPS + 2) * budget)
+    prompt, first = queue("first", (READ_AHEAD_STEPS + 2) * budget, wait=10)
     assert all(n > 0 for n in first.values()), first  # runs next: its misses read now, every table
     h = NgramHasher(spec_from_config(plugin["ckpt"]), np.arange(CONFIG["engram_compressed_vocab_size"]))
     with Client(plugin["socket"]) as c:
@@ -697,7 +700,7 @@ def test_a_queued_requests_rows_are_read_or_hinted_by_its_wait_in_vllms_schedule
             ids = np.unique(h.hash(h.map_raw(np.asarray(prompt)), L))
             c.lookup(handle.table, ids)
             assert (handle.local_reads.rows_resident, handle.local_reads.rows_cold) == (ids.size, 0), L
-    _, behind = queue("behind", 64)
+    _, behind = queue("behind", 64, wait=2)
     assert behind == {t: 0 for t in first}  # READ_AHEAD_STEPS + 2 steps of prompt ahead: hinted only
     assert [r.request_id for r in sched.waiting] == ["first", "behind"]  # vLLM's queue as vLLM keeps it
     other = copy.copy(sched.vllm_config)  # a tokenizer that is not the model's: no hints, and why
