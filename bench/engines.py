@@ -400,16 +400,23 @@ def _cache_cell(engram, spec, shard: Path, work: Path, own, *, tokens: int, roun
     return res
 
 
-def _settled_stats(socket, client, timeout: float = 10.0) -> dict:
+def _settled_stats(socket, client, timeout: float = 10.0, quiet: float = 0.3) -> dict:
     """Table l1's sidecar stats once it has learned every step `client` read locally so far
-    (its notes are one-way, sent in batches), or after `timeout` s."""
+    (its notes are one-way, sent in batches) and its resident rows have not changed for
+    `quiet` s (a learned note's misses are promoted after it is counted), or after `timeout` s."""
     client.flush()
     local = client.handle("l1").local_reads
     steps = local.steps if local is not None else 0
     deadline = time.monotonic() + timeout
+    seen, since = None, time.monotonic()
     while True:
         s = _table_stats(socket)
-        if s["local_steps"] >= steps or time.monotonic() > deadline:
+        now = time.monotonic()
+        if s["local_steps"] < steps or s["resident"] != seen:
+            seen, since = (s["resident"] if s["local_steps"] >= steps else None), now
+        elif now - since >= quiet:
+            return s
+        if now > deadline:
             return s
         time.sleep(0.02)
 
