@@ -31,3 +31,30 @@ def test_read_step_fills_the_outs_it_is_given_even_for_layers_sharing_a_table(tm
                 assert rows is out and np.array_equal(rows, want[t][ids]), f"table {t} served other rows"
         got = read_step(asks, [None, outs[1], None])  # outs for some layers only
         assert got[1] is outs[1] and all(np.array_equal(r, want[t][ids]) for (_, t, ids), r in zip(asks, got))
+
+
+def test_read_layers_names_the_layer_whose_read_failed_and_refuses_another_version(tmp_path):
+    """step_reads.read_layers, both engines' read: a bad id stops the step with StagingError
+    naming only the layer whose read raised; a layer built on another version than the one
+    served is refused, nothing returned."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines.step_reads import read_layers
+
+    data = np.random.default_rng(2).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
+    for t in ("a", "b"):
+        write_version(tmp_path / "data", t, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    said = dict(failed=lambda which, e: f"layers {[t.table for t in which]}: {type(e).__name__}",
+                moved=lambda t, v: f"{t.table} now v{v}, built on v{t.version}")
+    with SidecarProcess(tmp_path / "data", dram_budget="512KiB") as sc, Client(sc.socket) as c:
+        a, b = (SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in ("a", "b"))
+        got = read_layers([a, b], [np.arange(10), np.arange(5)], None, **said)
+        assert np.array_equal(got[0], data[:10]) and np.array_equal(got[1], data[:5])
+        with pytest.raises(StagingError, match=r"layers \['b'\]: IdOutOfRange"):
+            read_layers([a, b], [np.arange(10), np.array([ROWS + 7])], None, **said)
+        stale = SimpleNamespace(client=c, table="a", version=a.version + 1)
+        with pytest.raises(StagingError, match=f"a now v{a.version}, built on v{a.version + 1}"):
+            read_layers([stale], [np.arange(3)], None, **said)
