@@ -252,6 +252,25 @@ def test_the_policy_keeps_its_hit_ratio_on_real_text(text_traces, kind, size):
     assert got >= TEXT_FLOORS[kind, size] - LOSS, f"{kind} at {size:g} of the rows: {got:.4f}"
 
 
+@pytest.mark.parametrize("kind", ["text", "docstrings"])
+def test_the_schedulers_hints_put_the_policy_clear_of_arc_and_lru_on_real_text(text_traces, kind, tmp_path):
+    """Item 2 of the policy issue with the scheduler's hints (`bench cache`'s ours+queue16):
+    each step's rows hinted once, when its request is queued, QUEUE_STEPS steps before it runs,
+    for that wait. Without hints no frequency-and-recency policy reaches these margins on our
+    traces (docs/benchmarks.md, the freq-oracle); with them ours is ARC + 0.03 and LRU + 0.05 at
+    0.5% and 1% of the rows, both references replayed by libCacheSim over the same trace here."""
+    pytest.importorskip("libcachesim")
+    from tierstore.bench.cache import QUEUE_STEPS, capacity_rows, reference_hit_ratios, write_oracle_trace
+
+    trace = text_traces[kind]
+    oracle = write_oracle_trace(trace, tmp_path / "trace.oracleGeneral.bin")
+    for size in (0.005, 0.01):
+        cap = capacity_rows(trace, size)
+        ours = replay(trace, cap, PolicyConfig(), queue=QUEUE_STEPS)
+        ref = reference_hit_ratios(oracle, cap, ("ARC", "LRU"))
+        assert ours >= ref["ARC"] + 0.03 and ours >= ref["LRU"] + 0.05, (kind, size, ours, ref)
+
+
 def test_the_docstrings_trace_is_real_text_apart_from_the_reference_topics(text_traces):
     doc = text_traces["docstrings"]
     assert doc.meta["corpus"].startswith("CPython Lib") and doc.meta["tokens"] > 100_000
