@@ -58,3 +58,33 @@ def test_read_layers_names_the_layer_whose_read_failed_and_refuses_another_versi
         stale = SimpleNamespace(client=c, table="a", version=a.version + 1)
         with pytest.raises(StagingError, match=f"a now v{a.version}, built on v{a.version + 1}"):
             read_layers([stale], [np.arange(3)], None, **said)
+
+
+def test_read_layers_stops_at_a_damaged_segment_and_serves_no_row_of_it(tmp_path):
+    """A table's segment file cut short under a running sidecar (a disk that lost its tail):
+    the step whose misses fall past the cut stops with StagingError naming that layer only,
+    never with rows of another place; the other layer's rows, and the damaged table's rows
+    before the cut, still read right."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines.step_reads import read_layers
+
+    data = np.random.default_rng(3).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
+    for t in ("a", "b"):
+        write_version(tmp_path / "data", t, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    said = dict(failed=lambda which, e: f"layers {[t.table for t in which]}: {e}",
+                moved=lambda t, v: f"{t.table} now v{v}")
+    with SidecarProcess(tmp_path / "data", dram_budget="64KiB") as sc, Client(sc.socket) as c:
+        a, b = (SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in ("a", "b"))
+        seg_b = sorted((tmp_path / "data" / "tables" / "b").rglob("seg-*.bin"))
+        assert len(seg_b) == 1, seg_b
+        with open(seg_b[0], "r+b") as f:
+            f.truncate(seg_b[0].stat().st_size // 2)
+        tail = np.arange(ROWS - 50, ROWS)
+        with pytest.raises(StagingError, match=r"layers \['b'\]: .*seg-00000.bin is truncated"):
+            read_layers([a, b], [tail, tail], None, **said)
+        got = read_layers([a, b], [tail, np.arange(40)], None, **said)
+        assert np.array_equal(got[0], data[tail]) and np.array_equal(got[1], data[:40])
