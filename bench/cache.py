@@ -12,8 +12,9 @@ fraction of the table's rows through
   missing rows in then (read=True), and those reads count as misses, so every
   ratio is "accesses not read from the cold tier" and compares with the
   references; "ours+queue16-rehint" hints every queued request again before
-  every step, each with its remaining wait. A hint says how many steps its
-  request waits (`expect(..., steps=)`), and its rows are kept that long. "ours" is the same policy with no queue (N=0);
+  every step, each with its remaining wait. A hint's rows are kept as both engines'
+  plugins keep them (`step_reads.queued_hint`): until its request has run, or twice its
+  wait when they were read in. "ours" is the same policy with no queue (N=0);
 - lru-batched: the same harness with kind="lru" (what batching alone costs);
 - LRU, LFU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum from libCacheSim,
   fed the same accesses one by one (step order, each step's ids once);
@@ -41,6 +42,7 @@ from tierstore.bench.traces import (Trace, aws_docs_corpus, deepseek_text_trace,
                                     python_docs_corpus, stdlib_docstrings_corpus, zipf_trace)
 from tierstore.errors import InvalidArgument
 from tierstore.cache.policy import PolicyConfig, make_policy
+from tierstore.client.engines.step_reads import queued_hint
 
 REFERENCES = ("LRU", "LFU", "ARC", "S3FIFO", "WTinyLFU", "Belady")
 FREQ_ORACLE = "freq-oracle"
@@ -98,7 +100,8 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
     lookahead: steps whose ids are known ahead; their resident rows are not
         evicted while that leaves enough victims (an upper bound on hints).
     queue: steps admitted before they run; each step's ids are prefetched once,
-        `queue` steps ahead, as TableEngine.prefetch(ids, read=queue_read) does:
+        `queue` steps ahead, as TableEngine.prefetch(ids, read=queue_read) does,
+        kept as long as the engines' plugins keep them (step_reads.queued_hint):
         resident rows get `expect`; with queue_read, missing rows are read in
         then, without a lease. Rows read by a prefetch count as misses, so the
         ratio is "accesses not read from the cold tier" with or without a queue.
@@ -106,17 +109,17 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
         (prefetch(ids, read=False, steps=its remaining wait): `queue` calls a
         step) instead of once, at admission.
     profile: (ids, counts) seeding the policy's sketch (CachePolicy.load_profile)."""
-    sim = _Sim(trace, capacity, config, queue_read, horizon=queue or None)
+    sim = _Sim(trace, capacity, config, queue_read)
     if profile is not None:
         sim.policy.load_profile(*profile)
     for j in range(1, min(queue, trace.steps - 1) + 1):  # the queue at start
-        sim.prefetch(trace.step(j), steps=j)
+        sim.prefetch(trace.step(j), wait=j)
     for i in range(trace.steps):
         if rehint and queue:
             for d in range(1, min(queue, trace.steps - 1 - i) + 1):  # each queued request, its own wait
-                sim.prefetch(trace.step(i + d), steps=d)
+                sim.prefetch(trace.step(i + d), wait=d)
         elif queue and 0 < i + queue < trace.steps and i:
-            sim.prefetch(trace.step(i + queue))
+            sim.prefetch(trace.step(i + queue), wait=queue)
         nxt = None
         if lookahead and i + 1 < trace.steps:
             nxt = trace.ids[trace.bounds[i + 1]:trace.bounds[min(trace.steps, i + 1 + lookahead)]]
@@ -146,10 +149,8 @@ def replay_steps(steps: list, n_ids: int, capacity: int, config: PolicyConfig | 
 class _Sim:
     """An arena of `capacity` slots driven through CachePolicy the way TableEngine drives it."""
 
-    def __init__(self, trace: Trace, capacity: int, config: PolicyConfig | None, read: bool = False,
-                 horizon: int | None = None):
+    def __init__(self, trace: Trace, capacity: int, config: PolicyConfig | None, read: bool = False):
         self.trace, self.capacity, self.read = trace, capacity, read
-        self.horizon = horizon  # a hint's steps until its request runs (the queue's depth)
         self.policy = make_policy(capacity, trace.n_ids, config)
         self.slot_of = np.full(trace.n_ids, -1, dtype=np.int64)
         self.held = np.full(capacity, -1, dtype=np.int64)
@@ -190,12 +191,13 @@ class _Sim:
             protect = protect[protect >= 0]
         self._fill(miss, slots[hit], protect)
 
-    def prefetch(self, ids: np.ndarray, steps: int | None = None) -> None:
-        """TableEngine.prefetch: hint the rows for `steps` (the request's wait); with `read`,
-        read the missing ones in."""
+    def prefetch(self, ids: np.ndarray, wait: int) -> None:
+        """TableEngine.prefetch of a request that runs after `wait` steps: its rows hinted for as
+        long as the engines' plugins hint them (step_reads.queued_hint, one step's run); with
+        `read`, the missing ones read in."""
         slots = self.slot_of[ids]
         hit = slots >= 0
-        self.policy.expect(slots[hit], ids[~hit], steps=steps or self.horizon)
+        self.policy.expect(slots[hit], ids[~hit], steps=queued_hint(wait, read=self.read)[1])
         if self.read and not hit.all():  # no more than the policy can keep until the request runs
             ahead = ids[~hit][: min(self.capacity, self.policy.protect_room())]
             self._fill(ahead, np.zeros(0, np.int64))  # between steps nothing is leased

@@ -397,11 +397,11 @@ class RowStager:
         return tokens, np.repeat(starts_a, lens_a) + within
 
     # ---- a queued request ----
-    def prefetch(self, req, wait_steps: int) -> int:
+    def prefetch(self, req, wait_steps: int, run_steps: int = 1) -> int:
         """Prefetch the rows of queued request `req` (its first PREFETCH_TOKENS tokens) from every
-        cache-mode table (step_reads.prefetch_layers: read now when it is expected to run within
-        READ_AHEAD_STEPS steps, else only hinted). Returns the ids hinted; never raises a
-        sidecar's error into the scheduler."""
+        cache-mode table, for a request expected to run after `wait_steps` steps, for `run_steps`
+        (step_reads.queued_hint: read now when that is within READ_AHEAD_STEPS steps, else only
+        hinted). Returns the ids hinted; never raises a sidecar's error into the scheduler."""
         tables = [(k, t) for k, t in self.layers if not t.full_resident]
         if not tables:
             return 0
@@ -409,7 +409,8 @@ class RowStager:
         if tokens.shape[0] == 0:
             return 0
         ids = self._hash(tokens, positions)
-        return step_reads.prefetch_layers([t for _, t in tables], [ids[:, k] for k, _ in tables], wait_steps, req.rid)
+        return step_reads.prefetch_layers([t for _, t in tables], [ids[:, k] for k, _ in tables], wait_steps,
+                                          run_steps, req.rid)
 
 
 def decode_graph_batch(disable_overlap_schedule: bool, cuda_graph_config) -> int:
@@ -528,7 +529,10 @@ def dequant_staged(original, embed, rows, scales, copied, hash_shape):
 def on_enqueue(result, scheduler, req, is_retracted: bool = False):
     """AFTER Scheduler._add_request_to_queue: a request that joined the waiting queue has its
     rows prefetched, its wait estimated from the tokens queued ahead of it in prefill chunks
-    (sglang's queue policy may reorder the queue: it is an estimate, and a hint)."""
+    (sglang's queue policy may reorder the queue: it is an estimate, and a hint). The earliest
+    it can run: sglang runs a prefill before any decode while its queue holds work it can
+    admit, so the estimate counts no decode steps (step_reads.queued_hint: a hint that ends
+    early costs little, one that outlives its request a lot)."""
     stager = RowStager.current
     queue = getattr(scheduler, "waiting_queue", None)
     if stager is None or not queue or queue[-1] is not req:
@@ -536,7 +540,7 @@ def on_enqueue(result, scheduler, req, is_retracted: bool = False):
     chunk = getattr(scheduler, "chunked_prefill_size", None) or PREFETCH_TOKENS
     ahead = sum(_fill_len(r) for r in queue[:-1])
     try:
-        stager.prefetch(req, wait_steps=ahead // chunk)
+        stager.prefetch(req, wait_steps=ahead // chunk, run_steps=-(-min(_fill_len(req), PREFETCH_TOKENS) // chunk))
     except Exception:  # noqa: BLE001 - a hint must never fail the scheduler
         log.exception("tierstore prefetch of request %s failed", req.rid)
     return result

@@ -20,7 +20,7 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.engines import StagingError
 
-__all__ = ["read_step", "read_layers", "prefetch_layers", "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
+__all__ = ["read_step", "read_layers", "prefetch_layers", "queued_hint", "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
 
 log = logging.getLogger("tierstore.client.engines")
 
@@ -75,20 +75,34 @@ def read_layers(layers: list, ids: list, outs: list | None, *, failed: Callable[
     return got
 
 
-def prefetch_layers(layers: list, ids: list, wait_steps: int, request) -> int:
+def queued_hint(wait_steps: int, run_steps: int = 1, read: bool | None = None) -> tuple[bool, int]:
+    """How the rows of a queued request are hinted: (read its misses now, steps the hint lasts).
+
+    wait_steps: the steps expected to run before the request's first; run_steps: the steps its
+    hinted tokens take (its prefill chunks); read: None for the rule, read now when it is
+    expected within READ_AHEAD_STEPS. Hinted only, the rows are kept until its last chunk has
+    run and no longer (wait_steps + run_steps). Callers estimate the earliest the request can
+    run: a hint that ends before its request runs costs a little, one that outlives it a lot
+    (the policy credits hinted rows, and kept past their use they crowd out main's:
+    docs/decisions.md, "How long a hint lasts"). Read now, they cost a read that a lapsed hint
+    would waste, so they are kept twice the wait longer (2 x wait_steps + run_steps + 1)."""
+    read = wait_steps <= READ_AHEAD_STEPS if read is None else read
+    return read, (2 * wait_steps if read else wait_steps) + run_steps + int(read)
+
+
+def prefetch_layers(layers: list, ids: list, wait_steps: int, run_steps: int, request) -> int:
     """Hint ids[i] (int64, repeats allowed) to cache-mode layer layers[i]'s sidecar (.client,
-    .table) for a queued request expected to run in `wait_steps` steps: its misses read now
-    when that is within READ_AHEAD_STEPS, else only its resident rows kept for it; kept about
-    2 x wait_steps + 2 steps (a prefill step may be followed by a decode step). Returns the
-    distinct ids hinted. A hint: a sidecar error is logged (naming `request`), never raised
-    into the engine's scheduler."""
+    .table) for a queued request expected to run after `wait_steps` steps, for `run_steps` steps
+    (queued_hint: its misses read now when that is within READ_AHEAD_STEPS, else only its
+    resident rows kept for it). Returns the distinct ids hinted. A hint: a sidecar error is
+    logged (naming `request`), never raised into the engine's scheduler."""
+    read, steps = queued_hint(wait_steps, run_steps)
     sent = 0
     for t, i in zip(layers, ids):
         uniq = np.unique(i)
         try:
             longest = t.client.handle(t.table).max_prefetch_steps or 4096
-            t.client.prefetch(t.table, uniq, read=wait_steps <= READ_AHEAD_STEPS,
-                              steps=max(1, min(longest, 2 * wait_steps + 2)))
+            t.client.prefetch(t.table, uniq, read=read, steps=max(1, min(longest, steps)))
         except errors.TierstoreError as e:
             log.warning("tierstore prefetch of request %s's rows of %s failed: %s", request, t.table, e)
             continue

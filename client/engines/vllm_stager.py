@@ -449,7 +449,8 @@ class QueueHints:
         """A request that joined `scheduler`'s waiting queue: its prompt's rows hinted, its wait
         estimated from the prompt tokens queued beside it in steps of the scheduler's token
         budget (its queue policy may reorder them: an estimate, and a hint): read in now
-        within READ_AHEAD_STEPS steps, else only kept for it. Returns the ids hinted; none for
+        within READ_AHEAD_STEPS steps, else only kept for it until its hinted prompt chunks
+        have run (step_reads.queued_hint). Returns the ids hinted; none for
         a streamed request's next input chunk, one not queued, or a prompt of embeddings."""
         if not self.layers or request.prompt_token_ids is None or \
                 scheduler.requests.get(request.request_id) is not request or request not in scheduler.waiting:
@@ -460,5 +461,6 @@ class QueueHints:
         ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting if r is not request)
         w = windows(tokens[None], np.zeros(1, np.int64), np.array([tokens.size]), self.hasher.order)
         ids = hash_windows(self.hasher, w, [t.layer_id for t in self.layers])
-        return step_reads.prefetch_layers(self.layers, [ids[t.layer_id] for t in self.layers],
-                                          ahead // max(1, scheduler.max_num_scheduled_tokens), request.request_id)
+        budget = max(1, scheduler.max_num_scheduled_tokens)  # the earliest: running decodes take none of it
+        return step_reads.prefetch_layers(self.layers, [ids[t.layer_id] for t in self.layers], ahead // budget,
+                                          -(-tokens.size // budget), request.request_id)
