@@ -85,7 +85,7 @@ def queued_hint(wait_steps: int, run_steps: int = 1, read: bool | None = None) -
     run: a hint that ends before its request runs costs a little, one that outlives it a lot
     (the policy credits hinted rows, and kept past their use they crowd out main's:
     docs/decisions.md, "How long a hint lasts"). Read now, they cost a read that a lapsed hint
-    would waste, so they are kept twice the wait longer (2 x wait_steps + run_steps + 1)."""
+    would waste, so they are kept a wait and a step longer (2 x wait_steps + run_steps + 1)."""
     read = wait_steps <= READ_AHEAD_STEPS if read is None else read
     return read, (2 * wait_steps if read else wait_steps) + run_steps + int(read)
 
