@@ -26,6 +26,16 @@ def _wait_prefetched(c: Client, table: str, n: int, timeout: float = 30.0) -> in
     return got
 
 
+def _wait_stat(c: Client, table: str, name: str, n: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = int(next(t for t in c.stats()["tables"] if t["table"] == table).get(name, 0))
+        if got >= n:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"{table}'s {name} stayed at {got}, below {n}")
+
+
 def test_prefetched_rows_are_hits_and_hold_no_lease(tmp_path):
     d = tmp_path / "data"
     data = np.random.default_rng(0).integers(0, 256, size=(50_000, 64), dtype=np.uint8)
@@ -135,6 +145,41 @@ def test_a_hinted_row_read_in_later_outlasts_a_scan_until_its_request_runs(tmp_p
             assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size
         with c.plan("t", unhinted) as step:
             assert np.array_equal(step.rows(), data[unhinted]) and step.hits < unhinted.size // 10
+
+
+@pytest.mark.parametrize("path", ["plan", "local"])
+def test_a_hint_lasts_its_steps_when_two_tp_ranks_read_every_step(tmp_path, path):
+    """An engine's TP ranks are clients of their own, each reading every step (by plan, or
+    locally and noted): the sidecar learns a step once, so rows read in and hinted for 30 steps
+    outlast 25 steps of fresh rows (three times what the arena holds) that both ranks read.
+    Counted once a rank, the hint would have ended after 15 of them and the fresh rows
+    scanned them out."""
+    d = tmp_path / "data"
+    data = np.random.default_rng(1).integers(0, 256, size=(60_000, 64), dtype=np.uint8)
+    write_version(d, "t", [data], rows=60_000, row_format="fp32", row_dim=16)
+    hinted = np.arange(0, 400)
+    with SidecarProcess(d, dram_budget="1MiB") as sc, Client(sc.socket) as sched, \
+            Client(sc.socket) as rank0, Client(sc.socket) as rank1:
+        sched.prefetch("t", hinted, read=True, steps=30)  # the scheduler's hint: it runs within 30 steps
+        assert _wait_prefetched(sched, "t", hinted.size) >= hinted.size
+        for i in range(25):
+            ids = 1000 + 2000 * i + np.arange(2000)
+            for rank in (rank0, rank1):
+                if path == "plan":
+                    with rank.plan("t", ids) as step:
+                        assert np.array_equal(step.rows(), data[ids])
+                else:
+                    assert np.array_equal(rank.lookup("t", ids), data[ids])
+            if path == "local":  # the learner has both ranks' notes of the step before the next
+                _wait_stat(sched, "t", "local_steps", 2 * (i + 1))
+        if path == "plan":
+            with rank0.plan("t", hinted) as step:
+                assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size, step.hits
+        else:
+            reads = rank0.handle("t").local_reads
+            before = reads.rows_resident
+            assert np.array_equal(rank0.lookup("t", hinted), data[hinted])
+            assert reads.rows_resident - before == hinted.size, "hinted rows were evicted before their request"
 
 
 def test_a_hint_longer_than_the_sidecars_longest_is_refused_invalid_argument(tmp_path):

@@ -29,6 +29,7 @@ from tierstore.cache.policy import make_policy
 from tierstore.cache.miss_flights import MissFlightsFile, flights_path
 from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
+from tierstore.cache.step_copies import StepCopies, step_digest
 from tierstore.jit import unique_inverse
 from tierstore.tiers.nvme.verified_copy import warm
 
@@ -92,6 +93,7 @@ class CacheEngine(TableEngine):
                 self.slots.close()
                 raise
         self._fills: dict[int, Fill] = {}
+        self._copies = StepCopies()  # the same step from each TP rank: learned once (lock held)
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
@@ -144,7 +146,7 @@ class CacheEngine(TableEngine):
         sends the step round again (its pins dropped first), at most PLAN_ATTEMPTS times;
         then ResourceExhausted saying `again`."""
         for _ in range(PLAN_ATTEMPTS):
-            slots, fill, waits, misses = self._reserve(uniq, lease=True)
+            slots, fill, waits, misses = self._reserve(uniq, lease=True, source=lease[1] if lease else b"")
             held = None
             if lease is not None:
                 try:
@@ -239,7 +241,7 @@ class CacheEngine(TableEngine):
         return misses
 
     def note_access(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None = None,
-                    rows: np.ndarray | None = None) -> int:
+                    rows: np.ndarray | None = None, source: bytes = b"") -> int:
         """Steps a client on the host served itself (client/local_reads.py), told after the fact in
         batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
         ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
@@ -258,8 +260,10 @@ class CacheEngine(TableEngine):
         table (served.note: the sidecar's own uid). Rows of another form than the
         reader's carried_form are ignored: those misses are read from disk, batched,
         like any miss. Never refused: when the arena is
-        full of leased rows, the misses that do not fit are skipped. Returns rows promoted. InvalidArgument for bad ids, step
-        ends or rows (nothing is learned then)."""
+        full of leased rows, the misses that do not fit are skipped. source: the client (its
+        conn_id): a step another client sent already, the same batch read by another TP rank,
+        is not learned again (StepCopies); its misses are still promoted. Returns rows
+        promoted. InvalidArgument for bad ids, step ends or rows (nothing is learned then)."""
         ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
         if ids.size == 0:
             return 0
@@ -271,7 +275,7 @@ class CacheEngine(TableEngine):
                 if row_ids is not None and row_ids.size and self._takes(rows):
                     have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
                     carried = (have, first.astype(np.int64, copy=False), rows)
-                return self._note_access(ids, ends, carried)
+                return self._note_access(ids, ends, carried, source)
             finally:
                 self.leave()
 
@@ -300,24 +304,29 @@ class CacheEngine(TableEngine):
                                   f"{self.version.record_bytes}])")
         return ids, ends, row_ids, rows
 
-    def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None) -> int:
+    def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
         """note_access after its checks, a few steps at a time (the lock is held for at most
         NOTE_CHUNK_IDS ids: planned steps of other workers wait on it)."""
         read, a = 0, 0
         while a < ends.size:
             start = int(ends[a - 1]) if a else 0
             b = max(a + 1, int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right")))
-            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried)
+            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried, source)
             a = b
         return read
 
-    def _note_steps(self, ids: np.ndarray, ends: np.ndarray, carried=None) -> int:
+    def _note_steps(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
         """Steps ids[ends[k-1]:ends[k]], each step's ids distinct (repeats across steps are
-        further accesses): learned under the lock, then the admitted misses promoted."""
+        further accesses): learned under the lock (but another client's copies), then the
+        admitted misses promoted."""
         st, starts = self.slots, np.concatenate([[0], ends[:-1]]).tolist()
+        digests = [step_digest(ids[a:b]) for a, b in zip(starts, ends.tolist())]
         with self._lock:
-            for a, b in zip(starts, ends.tolist()):
-                if b > a:
+            learned = np.ones(ids.size, bool)
+            for a, b, digest in zip(starts, ends.tolist(), digests):
+                if b > a and not self._copies.first(digest, source):
+                    learned[a:b] = False
+                elif b > a:
                     self.policy.record(ids[a:b])
                     if self.recorder is not None:
                         self.recorder.record(self.table, ids[a:b], n_ids=self.rows)
@@ -325,7 +334,7 @@ class CacheEngine(TableEngine):
             hit = slots >= 0
             hit_slots = slots[hit].astype(np.int64, copy=False)
             if hit_slots.size:
-                self.policy.touch(hit_slots)
+                self.policy.touch(slots[hit & learned].astype(np.int64, copy=False))
                 if self.verifier is not None:  # rows clients read locally are re-verified too
                     self.verifier.sample(self, ids[hit], hit_slots)
             c = self.counters
@@ -423,12 +432,14 @@ class CacheEngine(TableEngine):
         if self.flights is not None:
             self.flights.close()
 
-    def _reserve(self, uniq: np.ndarray, lease: bool, admit_only: bool = False):
-        """Stage 1 (lock held inside): pin hits, reserve and map slots for misses.
+    def _reserve(self, uniq: np.ndarray, lease: bool, admit_only: bool = False, source: bytes = b""):
+        """Stage 1 (lock held inside): pin hits, reserve and map slots for misses; the step
+        learned by the policy unless admit_only, or it is a copy another client (`source`: the
+        client's conn_id) planned already (StepCopies).
 
         Returns (slots int64 [U], Fill of the misses or None, fills of other steps to wait for, n_miss).
         Every returned slot is pinned once for the caller (unless admit_only)."""
-        st = self.slots
+        st, digest = self.slots, None if admit_only else step_digest(uniq)
         with self._lock:
             # hits pinned at once: also keeps this step's hits through its own evictions
             try:
@@ -439,9 +450,10 @@ class CacheEngine(TableEngine):
             n_miss = uniq.size - hit_slots.size
             if not admit_only:
                 self.counters.plans += 1
-                self.policy.record(uniq)
-                if hit_slots.size:
-                    self.policy.touch(hit_slots)
+                if self._copies.first(digest, source):
+                    self.policy.record(uniq)
+                    if hit_slots.size:
+                        self.policy.touch(hit_slots)
                 self.counters.hits += hit_slots.size
                 self.counters.misses += n_miss
             if n_miss > self.capacity:

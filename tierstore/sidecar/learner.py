@@ -41,7 +41,8 @@ class Learner:
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
+    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False,
+             source: bytes = b"") -> bool:
         """Queue steps a client on the host read itself (TableEngine.note_access) for the learner
         thread, after checking them (InvalidArgument). False when NOTE_QUEUE_IDS ids already
         wait: the note is dropped, so while the sidecar is behind its policy learns from a
@@ -53,7 +54,8 @@ class Learner:
         then are carried records (format 2 under O_DIRECT: each row with its own sum) kept:
         such a peer can write the segments and the arena itself, so a sum it sends guards
         against faults, not forgery. Rows checked against the sidecar's own sums are kept
-        from anyone."""
+        from anyone. source: the client's conn_id (TableEngine.note_access: another client's
+        copy of a step is not learned twice)."""
         ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows)
         if rows is not None and not trusted and rows.shape[1] != engine.version.row_bytes:
             row_ids = rows = None  # records from a peer of another uid: promoted from disk instead
@@ -66,7 +68,7 @@ class Learner:
             if rows is not None:  # copies, as for the ids: the request buffer is reused
                 row_ids, rows = row_ids.copy(), rows.copy()
                 self._bytes += rows.nbytes
-            self._notes.append((engine, ids.copy(), ends.copy(), row_ids, rows))
+            self._notes.append((engine, source, ids.copy(), ends.copy(), row_ids, rows))
             self._ids += ids.size
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="learner", daemon=True)
@@ -75,7 +77,7 @@ class Learner:
         return True
 
     def _loop(self) -> None:
-        """Every queued note, all clients' notes of one engine in one note_access call."""
+        """Every queued note, each client's notes of one engine in one note_access call."""
         try:  # bookkeeping yields to readers: on a busy host the policy learns from a sample
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LEARNER_NICE)
         except (AttributeError, OSError):
@@ -87,20 +89,20 @@ class Learner:
                 if self._stop:
                     return
                 batch, self._notes, self._ids, self._bytes = self._notes, [], 0, 0
-            groups: dict[int, tuple] = {}
-            for eng, ids, ends, row_ids, rows in batch:
-                g = groups.setdefault(id(eng), (eng, [], [], [], []))
+            groups: dict[tuple, tuple] = {}
+            for eng, source, ids, ends, row_ids, rows in batch:
+                g = groups.setdefault((id(eng), source), (eng, [], [], [], [], source))
                 g[2].append(ends + sum(a.size for a in g[1]))
                 g[1].append(ids)
                 if rows is not None:
                     g[3].append(row_ids)
                     g[4].append(rows)
-            for eng, ids, ends, row_ids, rows in groups.values():
+            for eng, ids, ends, row_ids, rows, source in groups.values():
                 if eng.retired:
                     continue
                 try:
                     carried = (_joined(row_ids), _joined(rows)) if rows else (None, None)
-                    eng.note_access(np.concatenate(ids), np.concatenate(ends), *carried)
+                    eng.note_access(np.concatenate(ids), np.concatenate(ends), *carried, source=source)
                 except Exception:  # noqa: BLE001 - a hint; the next step's note may well work
                     log.exception("learning the local steps of table %s failed", eng.table)
 

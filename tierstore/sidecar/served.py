@@ -108,9 +108,10 @@ class ServedTables:
         """Queue a prefetch hint; the ids queued, 0 when dropped (Prefetcher.submit)."""
         return self.prefetcher.submit(engine, ids, read, steps, conn_id)
 
-    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> bool:
+    def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False,
+             source: bytes = b"") -> bool:
         """Queue a client on the host's steps for the learner; False when dropped (Learner.note)."""
-        return self.learner.note(engine, ids, ends, row_ids, rows, trusted)
+        return self.learner.note(engine, ids, ends, row_ids, rows, trusted, source)
 
     def close(self) -> None:
         """Stop every thread and free every engine. Before start() (a start-up that failed or

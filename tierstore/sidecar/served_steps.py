@@ -64,7 +64,7 @@ class ServedSteps:
                 continue
             try:
                 # checked now, learned by the sidecar's learner thread
-                self.served.note(eng, it.ids, it.ends, it.row_ids, it.rows, trusted)
+                self.served.note(eng, it.ids, it.ends, it.row_ids, it.rows, trusted, conn_id)
             except TierstoreError as e:
                 eng.counters.notes_refused += 1
                 self._log_refusal(it.table, e)
