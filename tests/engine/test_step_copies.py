@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.cache import step_copies
 
@@ -62,3 +64,14 @@ def test_a_copy_trailing_by_more_than_the_window_is_learned(cache_engines, monke
     eng.note_access(steps[-1], np.array([steps[-1].size]), source=b"rank1")  # in the window: a copy
     assert (eng.policy.sketch.estimate(steps[0]) >= 2).mean() > 0.95
     assert (eng.policy.sketch.estimate(steps[-1]) == 1).mean() > 0.95
+
+
+@settings(max_examples=50, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**40), max_size=300, unique=True), seed=st.integers(0, 2**16))
+def test_a_steps_digest_is_the_same_in_any_order_and_compiled_or_not(ids, seed):
+    """step_digest's compiled pass gives the vectorised one's digest, for the ids in any order."""
+    ids = np.asarray(ids, dtype=np.int64)
+    h = step_copies._mixed(ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    want = (ids.size, int(h.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(h)) if h.size else 0)
+    assert step_copies.step_digest(ids) == want
+    assert step_copies.step_digest(np.random.default_rng(seed).permutation(ids)) == want

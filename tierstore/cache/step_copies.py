@@ -23,6 +23,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from tierstore.jit import Kernel, inlined
+
 __all__ = ["StepCopies", "WINDOW", "step_digest"]
 
 WINDOW = 256  # steps learned that a rank's copy may trail by (its notes are batched: a few steps late)
@@ -49,13 +51,33 @@ class StepCopies:
         return True
 
 
+def _mixed(h):
+    """splitmix64's finaliser of uint64 `h` (scalars or arrays; uint64 arithmetic wraps)."""
+    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return h ^ (h >> np.uint64(31))
+
+
+def _digest_loop(ids):
+    total = np.uint64(0)
+    xor = np.uint64(0)
+    for i in range(ids.shape[0]):
+        h = _MIXED(np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15))
+        total += h
+        xor ^= h
+    return total, xor
+
+
+_MIXED = inlined(_mixed)
+_DIGEST = Kernel(_digest_loop)
+
+
 def step_digest(ids: np.ndarray) -> tuple:
     """A step's digest for StepCopies.first: (count, sum, xor) of splitmix64's finaliser over
-    its ids, the same for any order (about 1 ms for 100 k ids)."""
-    h = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    h ^= h >> np.uint64(30)
-    h *= np.uint64(0xBF58476D1CE4E5B9)
-    h ^= h >> np.uint64(27)
-    h *= np.uint64(0x94D049BB133111EB)
-    h ^= h >> np.uint64(31)
+    its ids, the same for any order; one compiled pass (vectorised without numba)."""
+    k = _DIGEST.compiled()
+    if k is not None and ids.dtype == np.int64:
+        total, xor = k(ids)
+        return ids.size, int(total), int(xor)
+    h = _mixed(ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
     return ids.size, int(h.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(h)) if h.size else 0
