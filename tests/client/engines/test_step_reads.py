@@ -2,10 +2,14 @@
 step, against a real sidecar; layers sharing a table still get their own rows."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 
 from tierstore.client.client import Client
-from tierstore.client.engines.step_reads import read_step
+from tierstore.client.engines import StagingError
+from tierstore.client.engines.step_reads import read_layers, read_step
 from tierstore.client.row_scratch import RowScratch
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
@@ -37,20 +41,11 @@ def test_read_layers_names_the_layer_whose_read_failed_and_refuses_another_versi
     """step_reads.read_layers, both engines' read: a bad id stops the step with StagingError
     naming only the layer whose read raised; a layer built on another version than the one
     served is refused, nothing returned."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from tierstore.client.engines import StagingError
-    from tierstore.client.engines.step_reads import read_layers
-
-    data = np.random.default_rng(2).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
-    for t in ("a", "b"):
-        write_version(tmp_path / "data", t, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    data = _tables_a_and_b(tmp_path / "data", seed=2)
     said = dict(failed=lambda which, e: f"layers {[t.table for t in which]}: {type(e).__name__}",
                 moved=lambda t, v: f"{t.table} now v{v}, built on v{t.version}")
     with SidecarProcess(tmp_path / "data", dram_budget="512KiB") as sc, Client(sc.socket) as c:
-        a, b = (SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in ("a", "b"))
+        a, b = _layers(c, ("a", "b"))
         got = read_layers([a, b], [np.arange(10), np.arange(5)], None, **said)
         assert np.array_equal(got[0], data[:10]) and np.array_equal(got[1], data[:5])
         with pytest.raises(StagingError, match=r"layers \['b'\]: IdOutOfRange"):
@@ -65,20 +60,11 @@ def test_read_layers_stops_at_a_damaged_segment_and_serves_no_row_of_it(tmp_path
     the step whose misses fall past the cut stops with StagingError naming that layer only,
     never with rows of another place; the other layer's rows, and the damaged table's rows
     before the cut, still read right."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from tierstore.client.engines import StagingError
-    from tierstore.client.engines.step_reads import read_layers
-
-    data = np.random.default_rng(3).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
-    for t in ("a", "b"):
-        write_version(tmp_path / "data", t, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    data = _tables_a_and_b(tmp_path / "data", seed=3)
     said = dict(failed=lambda which, e: f"layers {[t.table for t in which]}: {e}",
                 moved=lambda t, v: f"{t.table} now v{v}")
     with SidecarProcess(tmp_path / "data", dram_budget="64KiB") as sc, Client(sc.socket) as c:
-        a, b = (SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in ("a", "b"))
+        a, b = _layers(c, ("a", "b"))
         seg_b = sorted((tmp_path / "data" / "tables" / "b").rglob("seg-*.bin"))
         assert len(seg_b) == 1, seg_b
         with open(seg_b[0], "r+b") as f:
@@ -88,3 +74,16 @@ def test_read_layers_stops_at_a_damaged_segment_and_serves_no_row_of_it(tmp_path
             read_layers([a, b], [tail, tail], None, **said)
         got = read_layers([a, b], [tail, np.arange(40)], None, **said)
         assert np.array_equal(got[0], data[tail]) and np.array_equal(got[1], data[:40])
+
+
+def _tables_a_and_b(data_dir, seed: int) -> np.ndarray:
+    """Tables a and b of the same random rows, returned."""
+    data = np.random.default_rng(seed).integers(0, 256, size=(ROWS, WIDTH), dtype=np.uint8)
+    for t in ("a", "b"):
+        write_version(data_dir, t, [data], rows=ROWS, row_format="fp32", row_dim=WIDTH // 4)
+    return data
+
+
+def _layers(c: Client, tables) -> list:
+    """A staged layer on each table, as an engine's stager holds one: checked against the version served now."""
+    return [SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in tables]
