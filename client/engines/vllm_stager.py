@@ -461,6 +461,6 @@ class QueueHints:
         ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting if r is not request)
         w = windows(tokens[None], np.zeros(1, np.int64), np.array([tokens.size]), self.hasher.order)
         ids = hash_windows(self.hasher, w, [t.layer_id for t in self.layers])
-        budget = max(1, scheduler.max_num_scheduled_tokens)  # the earliest: running decodes take none of it
+        budget = max(1, scheduler.max_num_scheduled_tokens)  # the earliest: as if running decodes took none
         return step_reads.prefetch_layers(self.layers, [ids[t.layer_id] for t in self.layers], ahead // budget,
                                           -(-tokens.size // budget), request.request_id)
