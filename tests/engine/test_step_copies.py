@@ -38,7 +38,7 @@ def test_a_hint_lasts_its_steps_when_every_tp_rank_reads_each_step(cache_engines
     assert (slots >= 0).all(), f"{np.count_nonzero(slots < 0)} of the hinted rows were evicted before their request"
     assert np.array_equal(eng.arena.rows[slots], data[HINTED])
     counted = eng.counters.local_steps if path == "noted" else eng.counters.plans
-    assert counted == 30  # both ranks' steps were served and counted
+    assert counted == 30 and eng.counters.steps_copied == 15  # both ranks' steps served, one rank's copies told
 
 
 def test_a_step_counts_one_access_per_engine_step_and_a_clients_own_repeat_counts_again(cache_engines):

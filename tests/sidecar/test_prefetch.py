@@ -172,6 +172,8 @@ def test_a_hint_lasts_its_steps_when_two_tp_ranks_read_every_step(tmp_path, path
                     assert np.array_equal(rank.lookup("t", ids), data[ids])
             if path == "local":  # the learner has both ranks' notes of the step before the next
                 _wait_stat(sched, "t", "local_steps", 2 * (i + 1))
+        s = next(t for t in sched.stats()["tables"] if t["table"] == "t")
+        assert int(s.get("steps_copied", 0)) == 25 - int(s.get("notes_dropped", 0)), s  # one rank's copy a step
         if path == "plan":
             with rank0.plan("t", hinted) as step:
                 assert np.array_equal(step.rows(), data[hinted]) and step.hits == hinted.size, step.hits

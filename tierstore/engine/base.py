@@ -52,6 +52,7 @@ class Counters:
     warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
     note_rows_placed: int = 0  # promoted from the rows a note carried (no disk read)
     note_rows_refused: int = 0  # rows a note carried that failed their row sums (read from disk instead)
+    steps_copied: int = 0  # planned or noted steps another client sent first (a TP rank's copy): not learned again
 
 
 class TableEngine:
@@ -165,4 +166,4 @@ class TableEngine:
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
                     notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
                     note_rows_placed=c.note_rows_placed, note_rows_refused=c.note_rows_refused,
-                    metadata_bytes=self.metadata_bytes())
+                    steps_copied=c.steps_copied, metadata_bytes=self.metadata_bytes())

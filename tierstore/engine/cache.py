@@ -326,6 +326,7 @@ class CacheEngine(TableEngine):
             for a, b, digest in zip(starts, ends.tolist(), digests):
                 if b > a and not self._copies.first(digest, source):
                     learned[a:b] = False
+                    self.counters.steps_copied += 1
                 elif b > a:
                     self.policy.record(ids[a:b])
                     if self.recorder is not None:
@@ -454,6 +455,8 @@ class CacheEngine(TableEngine):
                     self.policy.record(uniq)
                     if hit_slots.size:
                         self.policy.touch(hit_slots)
+                else:
+                    self.counters.steps_copied += 1
                 self.counters.hits += hit_slots.size
                 self.counters.misses += n_miss
             if n_miss > self.capacity:

@@ -32,6 +32,9 @@ class _EngineCollector:
             "notes_refused": CounterMetricFamily("tierstore_access_notes_refused",
                                                  "Access notes from clients on the host refused as malformed",
                                                  labels=["table"]),
+            "steps_copied": CounterMetricFamily("tierstore_steps_copied",
+                                                "Steps another client sent first (a TP rank's copy): not learned again",
+                                                labels=["table"]),
         }
         gauges = {
             "leases_active": GaugeMetricFamily("tierstore_leases", "Live leases", labels=["table"]),
@@ -60,7 +63,7 @@ class _EngineCollector:
             fams["hits"].add_metric([t, "dram"], s["hits"])
             fams["misses"].add_metric([t, "dram"], s["misses"])
             fams["bytes_read"].add_metric([t, "nvme"], s["bytes_read"])
-            for k in ("promotions", "evictions", "lease_refusals", "plans", "notes_refused"):
+            for k in ("promotions", "evictions", "lease_refusals", "plans", "notes_refused", "steps_copied"):
                 fams[k].add_metric([t], s[k])
             for k, g in gauges.items():
                 g.add_metric([t], s[k])
