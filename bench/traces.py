@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from tierstore.errors import InvalidArgument, NotFound
+from tierstore.jit import mix64
 
 
 @dataclass
@@ -95,10 +96,7 @@ class _Zipf:
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a well-spread uint64 per int64 key."""
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    return mix64(x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
 
 
 def zipf_trace(n_ids: int, alpha: float, steps: int, batch: int, seed: int = 0) -> Trace:

@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 __all__ = ["Kernel", "inlined", "compiler_barrier", "enabled", "first_outside", "strictly_increasing", "distinct",
-           "unique_inverse"]
+           "unique_inverse", "mix64"]
 
 _LOCK = threading.Lock()
 _UNSET = object()
@@ -49,6 +49,15 @@ def inlined(fn):
     except ImportError:
         return fn
     return register_jitable(fn)
+
+
+@inlined
+def mix64(z):
+    """splitmix64's finaliser of uint64 `z`: a uint64 array, or a scalar in a compiled loop
+    (uint64 arithmetic wraps). Callers add their own step first (the golden gamma)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def compiler_barrier() -> None:

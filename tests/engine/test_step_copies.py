@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.cache import step_copies
+from tierstore.jit import mix64
 
 ROWS, SLOTS = 20_000, 2000
 HINTED = np.arange(0, 200)
@@ -71,7 +72,7 @@ def test_a_copy_trailing_by_more_than_the_window_is_learned(cache_engines, monke
 def test_a_steps_digest_is_the_same_in_any_order_and_compiled_or_not(ids, seed):
     """step_digest's compiled pass gives the vectorised one's digest, for the ids in any order."""
     ids = np.asarray(ids, dtype=np.int64)
-    h = step_copies._mixed(ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    h = mix64(ids.astype(np.uint64) * step_copies.GAMMA)
     want = (ids.size, int(h.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(h)) if h.size else 0)
     assert step_copies.step_digest(ids) == want
     assert step_copies.step_digest(np.random.default_rng(seed).permutation(ids)) == want

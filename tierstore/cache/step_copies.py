@@ -23,10 +23,11 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tierstore.jit import Kernel, inlined
+from tierstore.jit import Kernel, mix64
 
-__all__ = ["StepCopies", "WINDOW", "step_digest"]
+__all__ = ["StepCopies", "WINDOW", "GAMMA", "step_digest"]
 
+GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's step: ids spread before the finaliser
 WINDOW = 256  # steps learned that a rank's copy may trail by (its notes are batched: a few steps late)
 
 
@@ -51,24 +52,16 @@ class StepCopies:
         return True
 
 
-def _mixed(h):
-    """splitmix64's finaliser of uint64 `h` (scalars or arrays; uint64 arithmetic wraps)."""
-    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return h ^ (h >> np.uint64(31))
-
-
 def _digest_loop(ids):
     total = np.uint64(0)
     xor = np.uint64(0)
     for i in range(ids.shape[0]):
-        h = _MIXED(np.uint64(ids[i]) * np.uint64(0x9E3779B97F4A7C15))
+        h = mix64(np.uint64(ids[i]) * GAMMA)
         total += h
         xor ^= h
     return total, xor
 
 
-_MIXED = inlined(_mixed)
 _DIGEST = Kernel(_digest_loop)
 
 
@@ -79,5 +72,5 @@ def step_digest(ids: np.ndarray) -> tuple:
     if k is not None and ids.dtype == np.int64:
         total, xor = k(ids)
         return ids.size, int(total), int(xor)
-    h = _mixed(ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    h = mix64(ids.astype(np.uint64) * GAMMA)
     return ids.size, int(h.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(h)) if h.size else 0

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.errors import InvalidArgument
+from tierstore.jit import mix64
 
 __all__ = ["TraceRecorder"]
 
@@ -135,10 +136,7 @@ class TraceRecorder:
 
 def _hash(ids: np.ndarray) -> np.ndarray:
     """splitmix64 of each id: a uniform uint64, so `< rate * 2^64` keeps a `rate` share of ids."""
-    z = ids.astype(np.uint64) + _MIX
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    return mix64(ids.astype(np.uint64) + _MIX)
 
 
 def _safe(table: str) -> str:

@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tierstore.jit import Kernel, inlined
+from tierstore.jit import Kernel, inlined, mix64
 
 __all__ = ["ALGO", "ALGOS", "RowKey", "new_salt", "records", "row_sums"]
 
@@ -66,10 +66,7 @@ BULK_BYTES = 1 << 20
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) * _GOLD + _GOLD
-        z = (z ^ (z >> _U(30))) * _U(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U(27))) * _U(0x94D049BB133111EB)
-        return z ^ (z >> _U(31))
+        return mix64(x.astype(np.uint64) * _GOLD + _GOLD)
 
 
 class RowKey(NamedTuple):
