@@ -181,6 +181,78 @@ def test_interrupted_ingest_leaves_the_old_version_current(ckpt, tmp_path, monke
         assert (cat.current("l1").number, cat.current("l3").number) == (1, 1)
 
 
+def test_each_version_records_its_tensors_shards_headers_and_digests(ckpt, ingested):
+    """What the engines compare a checkpoint with: each Engram tensor's shard (size, mtime, inode,
+    ctime), its header entry, and an xxh3-128 of its bytes (hashed as ingest read them; here
+    against the bytes read apart, with the safetensors library)."""
+    import xxhash
+
+    from tierstore.table.checkpoint import TensorSource
+
+    with Catalog(ingested, readonly=True) as cat:
+        for L in (1, 3):
+            rec = cat.current(f"l{L}").checkpoint_record()
+            rows = shard_rows(ckpt, L)
+            for which, cols in (("weight", slice(0, 256)), ("scale", slice(256, 264))):
+                r = rec[which]
+                st = os.stat(r.file)
+                assert Path(r.file).parent == ckpt and r.tensor == f"layers.{L}.engram.embed.{which}"
+                assert (r.size, r.mtime_ns, r.ino, r.ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ino,
+                                                                   st.st_ctime_ns)
+                assert (r.dtype, r.shape) == ({"weight": "F8_E4M3", "scale": "F8_E8M0"}[which], rows[:, cols].shape)
+                assert r.xxh3_128 == xxhash.xxh3_128(np.ascontiguousarray(rows[:, cols])).hexdigest()
+                assert TensorSource.at(r.file, r.offset) == TensorSource(**{**r.__dict__, "xxh3_128": None})
+
+
+def test_a_rerun_ingests_again_a_layer_whose_shard_was_touched_or_recorded_nothing(ckpt, tmp_path):
+    """The skip holds only while the record matches the shards as they are: a touch (the same bytes,
+    a new mtime), a chmod (a new ctime), or a version that recorded no tensors (ingested before
+    records were kept: its record dropped here) ingests the layer again."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
+    from test_catalog import _tamper
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    data = tmp_path / "d"
+    args = ["ingest-checkpoint", str(copy), "--data", str(data), "--quiet", "--layers", "1"]
+    shard = copy / json.loads((copy / INDEX).read_text())["weight_map"]["layers.1.engram.embed.weight"]
+
+    def current() -> int:
+        assert main(args) == 0
+        with Catalog(data, readonly=True) as cat:
+            return cat.current("l1").number
+    assert [current(), current()] == [1, 1]
+    os.utime(shard)
+    assert [current(), current()] == [2, 2]
+    os.chmod(shard, 0o640)
+    assert [current(), current()] == [3, 3]
+    _tamper(data, "l1", 3, {"checkpoint": None})
+    with Catalog(data, readonly=True) as cat:  # what the source note of an older ingest still tells
+        assert set(cat.current("l1").checkpoint_record()) == {"weight"}
+    assert [current(), current()] == [4, 4]
+
+
+def test_a_shard_written_while_it_is_read_commits_nothing(ckpt, tmp_path, monkeypatch):
+    """The digest would not be the file's: the shard's stat after the read is not the one before it."""
+    from tierstore.errors import SpecMismatch
+    from tierstore.ingest import checkpoint
+    from tierstore.ingest.checkpoint import ingest_checkpoint
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    real = checkpoint.TensorRows.read
+
+    def writer_meanwhile(self, first_row, n):
+        if first_row:
+            os.utime(self.ref.path, ns=(0, self.stat.st_mtime_ns + 1))
+        return real(self, first_row, n)
+    monkeypatch.setattr(checkpoint.TensorRows, "read", writer_meanwhile)
+    with pytest.raises(SpecMismatch, match=r"model-00002-of-00003.safetensors:layers.1.engram.embed.weight: the "
+                                           r"shard changed while it was ingested .* ingest again"):
+        ingest_checkpoint(copy, tmp_path / "d", layers=[1], progress=False, chunk_bytes=64 << 10)
+    assert _snapshot(tmp_path / "d") == {"current": {}}  # no table, no file left
+
+
 def _snapshot(data: Path) -> dict:
     out = {}
     for p in sorted(data.rglob("*")):

@@ -149,6 +149,10 @@ def _tamper(data_dir, table, ver, changes):
     (dict(rows="1000"), "rows"),
     (dict(version=2), "stored under 1"),
     (dict(checksums=b"\0" * 8), "checksums hold 1 entries"),
+    (dict(checkpoint=["weight"]), "checkpoint = ['weight'] is not an object of weight / scale tensor records"),
+    (dict(checkpoint={"weight": {"file": "s", "tensor": "w"}}), "a checkpoint tensor record has fields"),
+    (dict(checkpoint={"scale": {"file": "s", "tensor": "w", "size": "8", "mtime_ns": 1}}), "size = '8' is not an "
+                                                                                          "integer"),
 ])
 def test_an_inconsistent_record_is_data_loss_naming_the_field(data_dir, make_table, cli, changes, field):
     from tierstore.errors import DataLoss

@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix", default="", help="table name prefix (default none: layer 1 -> l1, the name the "
                    "model side and `tierstore hash` use; with a prefix pass table= to the layers)")
     p.add_argument("--force", action="store_true",
-                   help="re-ingest layers whose current version came from the same shard bytes")
+                   help="re-ingest layers whose current version came from the same, untouched shards")
     p.add_argument("--block-rows", type=int, help="rows per checksum block (default: ~4 KiB)")
     p.add_argument("--compare-read", action="store_true",
                    help="also time, in the same run, a plain sequential read of the same bytes and a plain "
@@ -70,7 +70,7 @@ def run(args) -> int:
         print(json.dumps(out))
         return 0
     for t in out["tables"]:
-        state = "unchanged (same shard bytes; --force to redo)" if t["skipped"] else "ingested"
+        state = "unchanged (the same shards, untouched since; --force to redo)" if t["skipped"] else "ingested"
         print(f"{t['table']} v{t['version']}: layer {t['layer']}, {t['rows']} rows x 264 B, {state}")
     if nbytes:
         line = f"{nbytes / 1e6:.1f} MB in {secs:.2f} s ({out['MBps']} MB/s)"

@@ -11,9 +11,16 @@ its manifest.
 Memory: CHUNKS_IN_FLIGHT chunks of the shard's bytes and as many of records
 (write_version reads, checksums, writes and reads back chunks in a pipeline),
 about 12 x chunk_bytes (8 MiB) whatever the shard size.
+Each tensor's identity is recorded in the version's manifest (TableVersion.checkpoint,
+a TensorSource each): its shard's size, mtime, inode and ctime (fstat when it is
+opened, and again once read: a shard that changed meanwhile is SpecMismatch), its
+header entry and an xxh3-128 digest of its bytes, hashed as they are read (no second
+read). The engines' check compares the checkpoint they load with it.
+
 Atomicity is write_version's: a killed ingest leaves the old current version
-serving; a rerun skips layers whose current version already came from the same
-shard bytes (same path, size and mtime) and restarts the others.
+serving; a rerun skips layers whose current version's record still matches their
+shards (size, mtime, inode, ctime, header: untouched since) and restarts the others,
+a version ingested before records were kept among them.
 Everything is checked (config fields, index, shards, dtypes, shapes, row counts
 against the prime layout, truncation) before the data directory is touched.
 """
@@ -28,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.errors import SpecMismatch
-from tierstore.table.checkpoint import Checkpoint, TensorRef, open_shard
+from tierstore.table.checkpoint import Checkpoint, TensorRef, TensorSource, open_shard, tensor_digest
 
 __all__ = ["ingest_checkpoint", "plain_read_seconds", "plain_copy_seconds", "evict_from_page_cache"]
 
@@ -36,6 +43,20 @@ __all__ = ["ingest_checkpoint", "plain_read_seconds", "plain_copy_seconds", "evi
 def _source_note(w: TensorRef, s: TensorRef) -> str:
     st = w.path.stat()
     return f"{w.path}:{w.name}+{s.name} (size {st.st_size}, mtime_ns {st.st_mtime_ns})"
+
+
+def _unchanged(cur, refs: dict[str, TensorRef]) -> bool:
+    """Whether version `cur` was ingested from the tensors `refs` ({"weight", "scale"}) as they
+    are now: its checkpoint record holds both, with digests, and neither shard's size, mtime,
+    inode, ctime or header entry differs from it."""
+    rec = cur.checkpoint_record()
+    if rec is None or set(rec) != set(refs):
+        return False
+    for k, ref in refs.items():
+        changed, touched = rec[k].differences(TensorSource.of(ref, os.stat(ref.path)))
+        if changed or touched or rec[k].xxh3_128 is None:
+            return False
+    return True
 
 
 def _current(data_dir: Path, table: str):
@@ -64,11 +85,16 @@ class TensorRows:
     does; a read then covers whole ALIGN blocks around the rows, which are a view into
     it. A shard in the page cache (just downloaded, read before), or on a filesystem
     without O_DIRECT (tmpfs), is read with plain pread. Either way `read` gives the
-    same bytes, and a short shard is SpecMismatch, as TensorRef.pread says it."""
+    same bytes, and a short shard is SpecMismatch, as TensorRef.pread says it.
+
+    Rows are read in order, each once; `source()` after the last gives the tensor's
+    TensorSource, its digest hashed from the rows as they were read."""
 
     def __init__(self, ref: TensorRef, step: int, slots: int):
         self.ref, self.step = ref, step
         self.fd = open_shard(ref.path)
+        self.stat = os.fstat(self.fd)
+        self.digest, self.done = tensor_digest(), 0
         self.direct = False
         if not _mostly_cached(self.fd, ref.offset, ref.nbytes):
             try:
@@ -86,6 +112,9 @@ class TensorRows:
 
     def read(self, first_row: int, n: int) -> np.ndarray:
         """uint8 [n, row_bytes]: rows first_row.. of the tensor, in the next buffer of the ring."""
+        if first_row != self.done:
+            raise ValueError(f"{self.ref.where()}: rows are read in order, each once (row {first_row} asked, "
+                             f"{self.done} next)")
         buf = self._bufs[self._next]
         self._next = (self._next + 1) % len(self._bufs)
         rb = self.ref.row_bytes
@@ -100,7 +129,22 @@ class TensorRows:
             if k == 0 or (self.direct and got % ALIGN and got < need):  # O_DIRECT reads end short at EOF only
                 raise SpecMismatch(f"{self.ref.where()}: the shard ends {need - got} bytes early "
                                    "(truncated download?); re-fetch the file")
-        return buf[start - lo:start - lo + n * rb].reshape(n, rb)
+        rows = buf[start - lo:start - lo + n * rb].reshape(n, rb)
+        self.digest.update(rows)
+        self.done += n
+        return rows
+
+    def source(self) -> TensorSource:
+        """The tensor's TensorSource once every row is read: SpecMismatch if its shard changed
+        (size, mtime, inode or ctime) between its open and now; the digest would not be the file's."""
+        assert self.done == self.ref.shape[0], (self.done, self.ref.shape)
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns) != (
+                self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ino, self.stat.st_ctime_ns):
+            raise SpecMismatch(f"{self.ref.where()}: the shard changed while it was ingested (size {self.stat.st_size} "
+                               f"-> {st.st_size}, mtime_ns {self.stat.st_mtime_ns} -> {st.st_mtime_ns}); ingest "
+                               f"again once nothing writes it")
+        return TensorSource.of(self.ref, self.stat, self.digest.hexdigest())
 
     def close(self) -> None:
         os.close(self.fd)
@@ -141,10 +185,11 @@ def _mostly_cached(fd: int, offset: int, nbytes: int, samples: int = 64) -> bool
         libc.munmap(addr, length)
 
 
-def row_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 8 << 20):
+def row_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 8 << 20, record: dict | None = None):
     """(weight, scale) chunks, uint8 [n, w.row_bytes] and [n, s.row_bytes], in row order:
     the column blocks of the packed rows, which write_version builds records of
-    without packing them first.
+    without packing them first. `record`, where given, gets "weight" and "scale", each
+    tensor's TensorSource (TensorRows.source), once the last chunk is read.
 
     Read (TensorRows) straight into a ring of CHUNKS_IN_FLIGHT buffer pairs
     (write_version holds a chunk until it is written and read back, at most that many
@@ -162,6 +207,8 @@ def row_chunks(w: TensorRef, s: TensorRef, chunk_bytes: int = 8 << 20):
             for a in range(0, rows, step):
                 n = min(step, rows - a)
                 yield wr.read(a, n), sr.read(a, n)
+            if record is not None:
+                record.update(weight=wr.source(), scale=sr.source())
         finally:
             sr.close()
     finally:
@@ -178,7 +225,7 @@ def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", prog
     prefix: table name prefix; layer L becomes `{prefix}l{L}` (default l1, the name
         spec.table_name gives, which the layers, audit and hash use).
     force: re-ingest a layer even when its current version came from the
-        same shard bytes (default: skip it, so an interrupted run resumes).
+        same, untouched shards (default: skip it, so an interrupted run resumes).
     name: spec name stored in the manifest (default config's model type).
 
     Raises SpecMismatch (naming the file and tensor) for a malformed checkpoint,
@@ -202,14 +249,15 @@ def ingest_checkpoint(ckpt_dir, data_dir, *, layers=None, prefix: str = "", prog
     data_dir = Path(data_dir)
     out = []
     for L, table, w, s in plan:
-        note = _source_note(w, s)
         cur = None if force else _current(data_dir, table)
-        if cur is not None and cur.source == note and cur.spec == spec.to_dict():
+        if cur is not None and cur.spec == spec.to_dict() and _unchanged(cur, {"weight": w, "scale": s}):
             out.append((cur, True))
             continue
-        tv = write_version(data_dir, table, row_chunks(w, s, chunk_bytes), rows=w.shape[0],
+        record: dict[str, TensorSource] = {}
+        tv = write_version(data_dir, table, row_chunks(w, s, chunk_bytes, record), rows=w.shape[0],
                            row_format=spec.row_format, row_dim=spec.row_dim, spec=spec.to_dict(), layer_id=L,
-                           source=note, block_rows=block_rows, progress=progress)
+                           source=_source_note(w, s), checkpoint=lambda: {k: v.to_dict() for k, v in record.items()},
+                           block_rows=block_rows, progress=progress)
         out.append((tv, False))
     return out
 

@@ -142,6 +142,7 @@ def import_table(src, data_dir, table: str | None = None, *, progress: bool = Fa
             data_dir, name, chunks(), rows=rows, row_format=m["row_format"], row_dim=m["row_dim"],
             spec=m["spec"], layer_id=m["layer_id"], block_rows=m["block_rows"],
             source=f"import {src.name} ({m['table']} v{m['version']}: {m['source']})",
+            checkpoint=lambda: m.get("checkpoint"),  # the rows are the exported ones: so is where they came from
             expected=ExpectedBlocks(sums, segment_format=m.get("segment_format", 1), row_salt=m.get("row_salt")),
             progress=progress)
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import xxhash
@@ -319,8 +319,9 @@ class ExpectedBlocks:
 
 def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: int, row_format: str,
                   row_dim: int, spec: dict | None = None, layer_id: int | None = None, source: str = "",
-                  block_rows: int | None = None, segment_format: int = LATEST_FORMAT,
-                  expected: ExpectedBlocks | None = None, verify: bool = True, progress: bool = False) -> TableVersion:
+                  checkpoint: Callable[[], dict | None] | None = None, block_rows: int | None = None,
+                  segment_format: int = LATEST_FORMAT, expected: ExpectedBlocks | None = None, verify: bool = True,
+                  progress: bool = False) -> TableVersion:
     """Write a new version of `table` from row chunks and make it current.
 
     chunks: uint8 arrays [n, row_bytes] in row order (any n), `rows` in total,
@@ -332,6 +333,8 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
     row_format/row_dim: the rows' format (tierstore.table.formats) and values per row.
     spec/layer_id: the Engram spec dict and layer the table serves (stored as is).
     source: where the rows came from, stored in the manifest.
+    checkpoint: called once every chunk is read: the manifest's `checkpoint` record
+        (TableVersion), whose digests the source computes as the chunks pass.
     block_rows: rows per checksum block (default: about 4 KiB of records on disk).
     segment_format: 2 (default: each row's checksum inside its record) or 1 (a
         separate row-sum file; older versions, kept readable and writable so they
@@ -371,7 +374,8 @@ def write_version(data_dir, table: str, chunks: Iterable[np.ndarray], *, rows: i
             fields = dict(rows=rows, row_format=fmt.value, row_dim=int(row_dim), row_bytes=row_bytes,
                           block_rows=block_rows, n_blocks=stage.n_blocks, segment_rows=stage.segment_rows,
                           spec=spec, layer_id=layer_id, source=str(source), row_sums=stage.row_sums_meta,
-                          segment_format=segment_format, row_salt=salt)
+                          segment_format=segment_format, row_salt=salt,
+                          checkpoint=None if checkpoint is None else checkpoint())
             if verify:
                 _spot_check(data_dir, stage, table, fields)
             tv = cat.commit_version(table, stage.dir, fields, stage.checksums)

@@ -68,6 +68,13 @@ class TableVersion:
 
     Block checksums (xxh3-64) cover the on-disk bytes of ``block_rows``
     records (the last block may be short), in either format.
+
+    ``checkpoint``: for a version ingested from a checkpoint (ingest-checkpoint,
+    or imported from one that was), the tensors its rows came from,
+    ``{"weight": ..., "scale": ...}``, each a
+    tierstore.table.checkpoint.TensorSource's to_dict(); None otherwise, and in
+    versions ingested before it was kept (`checkpoint_record` then reads what
+    their ``source`` note says).
     """
 
     table: str
@@ -87,6 +94,7 @@ class TableVersion:
     row_sums: dict | None = None
     segment_format: int = 1  # records written before the field existed are format 1
     row_salt: int | None = None  # records written before the field existed: fmix64-v1 row sums
+    checkpoint: dict | None = None  # records written before the field existed: see checkpoint_record
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +110,20 @@ class TableVersion:
     def block_bytes(self) -> int:
         """Bytes of one checksum block on disk."""
         return self.block_rows * self.record_bytes
+
+    def checkpoint_record(self) -> dict | None:
+        """{"weight": TensorSource, "scale": TensorSource} of the checkpoint this version was
+        ingested from: `checkpoint`, or for a version ingested before it was kept, the weight
+        shard's path, size and mtime its `source` note gives ({"weight": ...} only: the note
+        names one shard); None for a version not ingested from a checkpoint."""
+        from tierstore.table.checkpoint import TensorSource
+
+        if self.checkpoint is not None:
+            return {k: TensorSource.from_dict(v) for k, v in self.checkpoint.items()}
+        note = _SOURCE_NOTE.fullmatch(self.source)
+        if note is None:
+            return None
+        return {"weight": TensorSource(note["file"], note["tensor"], int(note["size"]), int(note["mtime_ns"]))}
 
     def to_dict(self) -> dict:
         """The stored record (catalog, portable file, published manifest): each field
@@ -130,6 +152,9 @@ class TableVersion:
         return cls(**d)
 
 
+# the source note ingest-checkpoint wrote: "{shard}:{weight tensor}+{scale tensor} (size N, mtime_ns M)"
+_SOURCE_NOTE = re.compile(r"(?P<file>.+):(?P<tensor>[^:+]+)\+[^:+]+ \(size (?P<size>\d+), mtime_ns (?P<mtime_ns>\d+)\)",
+                          re.S)
 _STORED = {"number": "version"}  # field -> its name in the stored record (unchanged on disk and wire)
 _FIELD = {v: k for k, v in _STORED.items()}
 _INT_FIELDS = ("version", "rows", "row_dim", "row_bytes", "block_rows", "n_blocks", "segment_rows")
@@ -173,6 +198,17 @@ def _record_problem(d: dict, table: str | None, version: int | None) -> str | No
     salt = d.get("row_salt")
     if salt is not None and (not isinstance(salt, int) or isinstance(salt, bool) or not 0 <= salt < 1 << 64):
         return f"row_salt = {salt!r} is not a 64-bit unsigned integer"
+    ckpt = d.get("checkpoint")
+    if ckpt is not None:
+        from tierstore.table.checkpoint import TensorSource
+
+        if not isinstance(ckpt, dict) or not set(ckpt) <= {"weight", "scale"}:
+            return f"checkpoint = {ckpt!r} is not an object of weight / scale tensor records"
+        try:
+            for v in ckpt.values():
+                TensorSource.from_dict(v)
+        except ValueError as e:
+            return str(e)
     segs = d["segments"]
     if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
         return "segments is not a list of paths"

@@ -26,21 +26,28 @@ to it) would publish a file from elsewhere. The one exception is the Hugging
 Face hub cache's own layout, `snapshots/<rev>/` whose files link into the
 sibling `blobs/`. JSON (headers, index, config) is parsed with
 tierstore.bounded_json's size and depth limits.
+
+`TensorSource` is one tensor's identity as ingest read it (its shard's size,
+mtime, inode and ctime, its header entry, an xxh3-128 digest of its bytes):
+the table version records it (TableVersion.checkpoint), `ingest-checkpoint`
+skips a layer whose files still match it, and the engines' check compares
+the checkpoint an engine loads with it (client/engines/checks.py).
 """
 from __future__ import annotations
 
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from tierstore import bounded_json
 from tierstore.errors import SpecMismatch
 
-__all__ = ["Checkpoint", "TensorRef", "INDEX_NAME", "open_shard", "read_header"]
+__all__ = ["Checkpoint", "TensorRef", "TensorSource", "INDEX_NAME", "open_shard", "read_header", "tensor_digest"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # bits per element of each safetensors dtype
@@ -120,6 +127,91 @@ class TensorRef:
         dt = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16,
               "F32": torch.float32, "U8": torch.uint8}[self.dtype]
         return torch.from_numpy(self.read()).view(dt).reshape(self.shape)
+
+
+def tensor_digest():
+    """A new digest of a tensor's bytes, fed in order with update(buffer): xxh3-128, whose
+    hexdigest() TensorSource records. It is computed as ingest's source stage reads the
+    tensor, so its speed is the ingest's: xxh3 hashes at memory speed (and releases the GIL),
+    where the standard library's cryptographic hashes (blake2b, sha256) would hold the source
+    stage below an NVMe disk's speed. It guards against a changed checkpoint, not a forger
+    (who could as well write the checkpoint's rows)."""
+    return xxhash.xxh3_128()
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One checkpoint tensor as ingest read it: its shard (`file` as opened, `size` in bytes,
+    `mtime_ns`, `ino` and `ctime_ns`), its header entry (`tensor` name, `dtype`, `shape`,
+    absolute data `offset`) and `xxh3_128`, the hex tensor_digest() of its bytes.
+
+    A record parsed from an older ingest's source note has file, tensor, size and mtime_ns
+    only (the other fields None): `differences` then compares what it has.
+
+    The ctime is the one stamp a user cannot set: an edit put back to its old size and mtime
+    (`touch -r`, `os.utime`, `cp -p` over the file) moves it, as a copy (another inode) does."""
+
+    file: str
+    tensor: str
+    size: int
+    mtime_ns: int
+    ino: int | None = None
+    ctime_ns: int | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    offset: int | None = None
+    xxh3_128: str | None = None
+
+    @classmethod
+    def of(cls, ref: TensorRef, st: os.stat_result, xxh3_128: str | None = None) -> "TensorSource":
+        """Tensor `ref` of a shard whose os.stat is `st` (with its digest, where read)."""
+        return cls(str(ref.path), ref.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, ref.dtype,
+                   tuple(ref.shape), ref.offset, xxh3_128)
+
+    @classmethod
+    def at(cls, path, position: int) -> "TensorSource | None":
+        """The tensor whose data begins at byte `position` of shard `path` as it is now (its
+        header read, the file stat'ed), or None where no tensor of the header begins there.
+        Raises SpecMismatch for a file that is not a safetensors shard, OSError as os.stat."""
+        st = os.stat(path)
+        for ref in read_header(Path(path)).values():
+            if ref.offset == position:
+                return cls.of(ref, st)
+        return None
+
+    def differences(self, now: "TensorSource") -> tuple[list[str], list[str]]:
+        """(changed, touched): what of `now` (the same tensor's shard as it is now) differs from
+        this record, each as "what is now (ingest: what was)". changed: the shard's size or the
+        tensor's header entry; the bytes may be anything. touched: only its mtime, inode or
+        ctime; the bytes may be the same (a copy, a restore) or not (an edit)."""
+        def diff(names):
+            return [f"{n} {getattr(now, n)} (ingest: {getattr(self, n)})" for n in names
+                    if getattr(self, n) is not None and getattr(now, n) != getattr(self, n)]
+        return (diff(("size", "tensor", "dtype", "shape", "offset")), diff(("mtime_ns", "ino", "ctime_ns")))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = None if self.shape is None else list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d) -> "TensorSource":
+        """A record from its stored form (to_dict); ValueError naming the field where it is malformed."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or not {"file", "tensor", "size", "mtime_ns"} <= set(d) <= names:
+            raise ValueError(f"a checkpoint tensor record has fields {sorted(names)}, got "
+                             f"{sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        for k in ("size", "mtime_ns", "ino", "ctime_ns", "offset"):
+            v = d.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"checkpoint tensor record: {k} = {v!r} is not an integer")
+        for k in ("file", "tensor", "dtype", "xxh3_128"):
+            if d.get(k) is not None and not isinstance(d[k], str):
+                raise ValueError(f"checkpoint tensor record: {k} = {d[k]!r} is not a string")
+        shape = d.get("shape")
+        if shape is not None and not (isinstance(shape, list) and all(_is_count(v) for v in shape)):
+            raise ValueError(f"checkpoint tensor record: shape = {shape!r} is not a list of sizes")
+        return cls(**{**d, "shape": None if shape is None else tuple(shape)})
 
 
 class Checkpoint:
