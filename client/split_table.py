@@ -70,7 +70,8 @@ class SplitTable:
     scale: numpy uint8 [rows, row_dim // 32], read-only, the ue8m0 scales in id order,
         in the same mapping right after the weights (scale.ctypes.data ==
         weight.ctypes.data + weight.nbytes).
-    table, version, rows, row_dim: what the sidecar described.
+    table, version, rows, row_dim, checkpoint: what the sidecar described (checkpoint:
+        TableHandle.checkpoint, the tensors the rows were ingested from, or None).
     Made by Client.split_table(table); close() when done (the last close unmaps).
     """
 
@@ -81,6 +82,7 @@ class SplitTable:
                 f"interleaved; an engine's host table needs its split layout: serve it with "
                 f"--split-layout {handle.table} (full-resident fp8-e4m3-ue8m0 tables)")
         self.table, self.version, self.rows, self.row_dim = handle.table, handle.version, handle.rows, handle.row_dim
+        self.checkpoint = handle.checkpoint
         self._key = (handle._arena_path, handle.instance)
         with _LOCK:
             shared = _SHARED.get(self._key)

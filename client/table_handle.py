@@ -14,6 +14,7 @@ from tierstore import errors
 from tierstore.client.arena_map import MappedArena
 from tierstore.client.local_reads import LocalReads
 from tierstore.proto import tierstore_pb2 as pb
+from tierstore.table.checkpoint import TensorSource
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,9 @@ class TableHandle:
         self.row_format, self.row_dim, self.row_bytes = info.row_format, info.row_dim, info.row_bytes
         self.spec = json.loads(info.spec_json) if info.spec_json else None
         self.layer_id = None if info.layer_id < 0 else info.layer_id
+        # {"weight" / "scale": TensorSource} the rows were ingested from, or None (client/engines/checks.py)
+        self.checkpoint = ({k: TensorSource.from_dict(v) for k, v in json.loads(info.checkpoint_json).items()}
+                           if info.checkpoint_json else None)
         self.full_resident = info.arena.full_resident
         self._arena_path, self._arena_slots = info.arena.path, info.arena.slots
         self.instance = info.arena.instance

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftierstore/proto/tierstore.proto\x12\x0ctierstore.v1\"\x13\n\x11ListTablesRequest\"=\n\x12ListTablesResponse\x12\'\n\x06tables\x18\x01 \x03(\x0b\x32\x17.tierstore.v1.TableInfo\"%\n\x14\x44\x65scribeTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\xee\x01\n\x05\x41rena\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\x04\x12\x15\n\rfull_resident\x18\x03 \x01(\x08\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08instance\x18\x05 \x01(\t\x12\x13\n\x0blease_board\x18\x06 \x01(\t\x12\x1b\n\x13lease_board_entries\x18\x07 \x01(\x04\x12\r\n\x05index\x18\x08 \x01(\t\x12\x10\n\x08\x63old_dir\x18\t \x01(\t\x12\x13\n\x0b\x63old_direct\x18\n \x01(\x08\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\x13\n\x0bsplit_bytes\x18\x0c \x01(\r\"\xd6\x01\n\tTableInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x12\n\nrow_format\x18\x04 \x01(\t\x12\x0f\n\x07row_dim\x18\x05 \x01(\r\x12\x11\n\trow_bytes\x18\x06 \x01(\r\x12\x11\n\tspec_json\x18\x07 \x01(\t\x12\x10\n\x08layer_id\x18\x08 \x01(\x05\x12\"\n\x05\x61rena\x18\t \x01(\x0b\x32\x13.tierstore.v1.Arena\x12\x1a\n\x12max_prefetch_steps\x18\n \x01(\r\"<\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\"B\n\x0eLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x11\n\trow_bytes\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"^\n\x0fPrefetchRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x11\n\thint_only\x18\x03 \x01(\x08\x12\r\n\x05steps\x18\x04 \x01(\r\x12\r\n\x05owner\x18\x05 \x01(\x0c\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x04\"/\n\rReloadRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x89\x01\n\x0eReloadResponse\x12\x34\n\x07\x63hanged\x18\x01 \x03(\x0b\x32#.tierstore.v1.ReloadResponse.Change\x1a\x41\n\x06\x43hange\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0bold_version\x18\x02 \x01(\x04\x12\x13\n\x0bnew_version\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xe9\x03\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x10\n\x08resident\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x15\n\rleases_active\x18\n \x01(\x04\x12\x14\n\x0cleased_slots\x18\x0b \x01(\x04\x12\x16\n\x0elease_refusals\x18\x0c \x01(\x04\x12\x12\n\nbytes_read\x18\r \x01(\x04\x12\r\n\x05plans\x18\x0e \x01(\x04\x12\x12\n\nprefetched\x18\x0f \x01(\x04\x12\x12\n\nfill_waits\x18\x10 \x01(\x04\x12\x13\n\x0blocal_steps\x18\x11 \x01(\x04\x12\x15\n\rnotes_dropped\x18\x12 \x01(\x04\x12\x16\n\x0emetadata_bytes\x18\x13 \x01(\x04\x12\x15\n\rnotes_refused\x18\x14 \x01(\x04\x12\x0e\n\x06warmed\x18\x15 \x01(\x04\x12\x18\n\x10note_rows_placed\x18\x16 \x01(\x04\x12\x19\n\x11note_rows_refused\x18\x17 \x01(\x04\x12\x14\n\x0csteps_copied\x18\x18 \x01(\x04\"b\n\rStatsResponse\x12(\n\x06tables\x18\x01 \x03(\x0b\x32\x18.tierstore.v1.TableStats\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x15\n\rleases_active\x18\x03 \x01(\x04\x32\xc1\x03\n\tTierstore\x12O\n\nListTables\x12\x1f.tierstore.v1.ListTablesRequest\x1a .tierstore.v1.ListTablesResponse\x12L\n\rDescribeTable\x12\".tierstore.v1.DescribeTableRequest\x1a\x17.tierstore.v1.TableInfo\x12\x43\n\x06Lookup\x12\x1b.tierstore.v1.LookupRequest\x1a\x1c.tierstore.v1.LookupResponse\x12@\n\x05Stats\x12\x1a.tierstore.v1.StatsRequest\x1a\x1b.tierstore.v1.StatsResponse\x12I\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1e.tierstore.v1.PrefetchResponse\x12\x43\n\x06Reload\x12\x1b.tierstore.v1.ReloadRequest\x1a\x1c.tierstore.v1.ReloadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftierstore/proto/tierstore.proto\x12\x0ctierstore.v1\"\x13\n\x11ListTablesRequest\"=\n\x12ListTablesResponse\x12\'\n\x06tables\x18\x01 \x03(\x0b\x32\x17.tierstore.v1.TableInfo\"%\n\x14\x44\x65scribeTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\xee\x01\n\x05\x41rena\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\x04\x12\x15\n\rfull_resident\x18\x03 \x01(\x08\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08instance\x18\x05 \x01(\t\x12\x13\n\x0blease_board\x18\x06 \x01(\t\x12\x1b\n\x13lease_board_entries\x18\x07 \x01(\x04\x12\r\n\x05index\x18\x08 \x01(\t\x12\x10\n\x08\x63old_dir\x18\t \x01(\t\x12\x13\n\x0b\x63old_direct\x18\n \x01(\x08\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\x13\n\x0bsplit_bytes\x18\x0c \x01(\r\"\xef\x01\n\tTableInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x12\n\nrow_format\x18\x04 \x01(\t\x12\x0f\n\x07row_dim\x18\x05 \x01(\r\x12\x11\n\trow_bytes\x18\x06 \x01(\r\x12\x11\n\tspec_json\x18\x07 \x01(\t\x12\x10\n\x08layer_id\x18\x08 \x01(\x05\x12\"\n\x05\x61rena\x18\t \x01(\x0b\x32\x13.tierstore.v1.Arena\x12\x1a\n\x12max_prefetch_steps\x18\n \x01(\r\x12\x17\n\x0f\x63heckpoint_json\x18\x0b \x01(\t\"<\n\rLookupRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\"B\n\x0eLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x11\n\trow_bytes\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"^\n\x0fPrefetchRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x11\n\thint_only\x18\x03 \x01(\x08\x12\r\n\x05steps\x18\x04 \x01(\r\x12\r\n\x05owner\x18\x05 \x01(\x0c\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x04\"/\n\rReloadRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x89\x01\n\x0eReloadResponse\x12\x34\n\x07\x63hanged\x18\x01 \x03(\x0b\x32#.tierstore.v1.ReloadResponse.Change\x1a\x41\n\x06\x43hange\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0bold_version\x18\x02 \x01(\x04\x12\x13\n\x0bnew_version\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xe9\x03\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x10\n\x08resident\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x15\n\rleases_active\x18\n \x01(\x04\x12\x14\n\x0cleased_slots\x18\x0b \x01(\x04\x12\x16\n\x0elease_refusals\x18\x0c \x01(\x04\x12\x12\n\nbytes_read\x18\r \x01(\x04\x12\r\n\x05plans\x18\x0e \x01(\x04\x12\x12\n\nprefetched\x18\x0f \x01(\x04\x12\x12\n\nfill_waits\x18\x10 \x01(\x04\x12\x13\n\x0blocal_steps\x18\x11 \x01(\x04\x12\x15\n\rnotes_dropped\x18\x12 \x01(\x04\x12\x16\n\x0emetadata_bytes\x18\x13 \x01(\x04\x12\x15\n\rnotes_refused\x18\x14 \x01(\x04\x12\x0e\n\x06warmed\x18\x15 \x01(\x04\x12\x18\n\x10note_rows_placed\x18\x16 \x01(\x04\x12\x19\n\x11note_rows_refused\x18\x17 \x01(\x04\x12\x14\n\x0csteps_copied\x18\x18 \x01(\x04\"b\n\rStatsResponse\x12(\n\x06tables\x18\x01 \x03(\x0b\x32\x18.tierstore.v1.TableStats\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x15\n\rleases_active\x18\x03 \x01(\x04\x32\xc1\x03\n\tTierstore\x12O\n\nListTables\x12\x1f.tierstore.v1.ListTablesRequest\x1a .tierstore.v1.ListTablesResponse\x12L\n\rDescribeTable\x12\".tierstore.v1.DescribeTableRequest\x1a\x17.tierstore.v1.TableInfo\x12\x43\n\x06Lookup\x12\x1b.tierstore.v1.LookupRequest\x1a\x1c.tierstore.v1.LookupResponse\x12@\n\x05Stats\x12\x1a.tierstore.v1.StatsRequest\x1a\x1b.tierstore.v1.StatsResponse\x12I\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1e.tierstore.v1.PrefetchResponse\x12\x43\n\x06Reload\x12\x1b.tierstore.v1.ReloadRequest\x1a\x1c.tierstore.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARENA']._serialized_start=173
   _globals['_ARENA']._serialized_end=411
   _globals['_TABLEINFO']._serialized_start=414
-  _globals['_TABLEINFO']._serialized_end=628
-  _globals['_LOOKUPREQUEST']._serialized_start=630
-  _globals['_LOOKUPREQUEST']._serialized_end=690
-  _globals['_LOOKUPRESPONSE']._serialized_start=692
-  _globals['_LOOKUPRESPONSE']._serialized_end=758
-  _globals['_PREFETCHREQUEST']._serialized_start=760
-  _globals['_PREFETCHREQUEST']._serialized_end=854
-  _globals['_PREFETCHRESPONSE']._serialized_start=856
-  _globals['_PREFETCHRESPONSE']._serialized_end=890
-  _globals['_RELOADREQUEST']._serialized_start=892
-  _globals['_RELOADREQUEST']._serialized_end=939
-  _globals['_RELOADRESPONSE']._serialized_start=942
-  _globals['_RELOADRESPONSE']._serialized_end=1079
-  _globals['_RELOADRESPONSE_CHANGE']._serialized_start=1014
-  _globals['_RELOADRESPONSE_CHANGE']._serialized_end=1079
-  _globals['_STATSREQUEST']._serialized_start=1081
-  _globals['_STATSREQUEST']._serialized_end=1095
-  _globals['_TABLESTATS']._serialized_start=1098
-  _globals['_TABLESTATS']._serialized_end=1587
-  _globals['_STATSRESPONSE']._serialized_start=1589
-  _globals['_STATSRESPONSE']._serialized_end=1687
-  _globals['_TIERSTORE']._serialized_start=1690
-  _globals['_TIERSTORE']._serialized_end=2139
+  _globals['_TABLEINFO']._serialized_end=653
+  _globals['_LOOKUPREQUEST']._serialized_start=655
+  _globals['_LOOKUPREQUEST']._serialized_end=715
+  _globals['_LOOKUPRESPONSE']._serialized_start=717
+  _globals['_LOOKUPRESPONSE']._serialized_end=783
+  _globals['_PREFETCHREQUEST']._serialized_start=785
+  _globals['_PREFETCHREQUEST']._serialized_end=879
+  _globals['_PREFETCHRESPONSE']._serialized_start=881
+  _globals['_PREFETCHRESPONSE']._serialized_end=915
+  _globals['_RELOADREQUEST']._serialized_start=917
+  _globals['_RELOADREQUEST']._serialized_end=964
+  _globals['_RELOADRESPONSE']._serialized_start=967
+  _globals['_RELOADRESPONSE']._serialized_end=1104
+  _globals['_RELOADRESPONSE_CHANGE']._serialized_start=1039
+  _globals['_RELOADRESPONSE_CHANGE']._serialized_end=1104
+  _globals['_STATSREQUEST']._serialized_start=1106
+  _globals['_STATSREQUEST']._serialized_end=1120
+  _globals['_TABLESTATS']._serialized_start=1123
+  _globals['_TABLESTATS']._serialized_end=1612
+  _globals['_STATSRESPONSE']._serialized_start=1614
+  _globals['_STATSRESPONSE']._serialized_end=1712
+  _globals['_TIERSTORE']._serialized_start=1715
+  _globals['_TIERSTORE']._serialized_end=2164
 # @@protoc_insertion_point(module_scope)

@@ -51,7 +51,7 @@ class Arena(_message.Message):
     def __init__(self, path: _Optional[str] = ..., slots: _Optional[int] = ..., full_resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., lease_board: _Optional[str] = ..., lease_board_entries: _Optional[int] = ..., index: _Optional[str] = ..., cold_dir: _Optional[str] = ..., cold_direct: _Optional[bool] = ..., layout: _Optional[str] = ..., split_bytes: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena", "max_prefetch_steps")
+    __slots__ = ("table", "version", "rows", "row_format", "row_dim", "row_bytes", "spec_json", "layer_id", "arena", "max_prefetch_steps", "checkpoint_json")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class TableInfo(_message.Message):
     LAYER_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFETCH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_JSON_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     rows: int
@@ -72,7 +73,8 @@ class TableInfo(_message.Message):
     layer_id: int
     arena: Arena
     max_prefetch_steps: int
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., max_prefetch_steps: _Optional[int] = ...) -> None: ...
+    checkpoint_json: str
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., row_format: _Optional[str] = ..., row_dim: _Optional[int] = ..., row_bytes: _Optional[int] = ..., spec_json: _Optional[str] = ..., layer_id: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., max_prefetch_steps: _Optional[int] = ..., checkpoint_json: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("table", "version", "ids")

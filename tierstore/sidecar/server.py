@@ -110,6 +110,15 @@ def _rpc(method):
     return wrapper
 
 
+def _checkpoint_json(v) -> str:
+    """TableInfo.checkpoint_json of version `v`: what its manifest records of the checkpoint tensors
+    its rows came from (an older ingest's: what its source note says), "" where nothing."""
+    import json
+
+    rec = v.checkpoint_record()
+    return json.dumps({k: t.to_dict() for k, t in rec.items()}) if rec else ""
+
+
 class GrpcService(pb_grpc.TierstoreServicer):
     """The sidecar's gRPC servicer: proto/tierstore.proto's Tierstore service (ListTables,
     DescribeTable, Lookup with the rows inline, Prefetch, Reload, Stats) over the served tables.
@@ -141,6 +150,7 @@ class GrpcService(pb_grpc.TierstoreServicer):
             table=v.table, version=v.number, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
             layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.max_prefetch_steps,
+            checkpoint_json=_checkpoint_json(v),
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
                            size_bytes=eng.arena.size, instance=self.served.instance,
                            lease_board=str(board.path) if board else "",
