@@ -11,6 +11,7 @@ are sums of primes, multiples of nothing convenient) but rows are the real
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -109,6 +110,28 @@ def write_checkpoint(d: Path, seed: int = 0, **overrides) -> dict:
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
                                                                "weight_map": weight_map}, indent=2))
     return arrays
+
+
+def edit_rows(ckpt: Path, layer: int, tensor: str, rows, keep_mtime: bool = False) -> Path:
+    """Flip the low bit of the first byte of `rows` of layer `layer`'s `tensor` ("embed.weight"
+    or "embed.scale") in its shard, in place (the same file: a new mtime and ctime); with
+    `keep_mtime` the shard's atime and mtime are then put back (os.utime, as `touch -r` does),
+    so only its ctime and bytes tell. Returns the shard's path."""
+    from tierstore.table.checkpoint import read_header
+
+    name = f"layers.{layer}.engram.{tensor}"
+    shard = Path(ckpt) / json.loads((Path(ckpt) / INDEX).read_text())["weight_map"][name]
+    ref = read_header(shard)[name]
+    before = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(ref.offset)
+        data = np.frombuffer(f.read(ref.nbytes), np.uint8).reshape(ref.shape[0], ref.row_bytes).copy()
+        data[np.asarray(rows, dtype=np.int64), 0] ^= 1
+        f.seek(ref.offset)
+        f.write(data.tobytes())
+    if keep_mtime:
+        os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return shard
 
 
 def _rows(text: dict) -> dict[int, int]:

@@ -10,12 +10,14 @@ test holds the page to it).
 
 `check_shape` is what both plugins check first, when a layer is built: the table tierstore
 serves is that layer's shape. `CheckpointCheck` is the weight loader both plugins give an
-Engram layer's fp8 weight and ue8m0 scale parameters: it compares the checkpoint tensor with
-tierstore's rows (a spread of SAMPLE_ROWS rows, or all of them, read CHUNK_ROWS at a time)
-and copies nothing. Either difference is a CheckpointMismatch naming the layer and the fix.
+Engram layer's fp8 weight and ue8m0 scale parameters: it checks that the checkpoint tensor is
+the one the table was ingested from (what each verify mode compares: its docstring) and
+copies nothing. Any difference is a CheckpointMismatch naming the layer and the fix.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from tierstore import errors
 from tierstore.client.engines import weight_filter
+from tierstore.table.checkpoint import TensorSource, tensor_digest
 
 __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
            "check_shape", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES",
@@ -31,10 +34,12 @@ __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMisma
 # engine -> (distribution name, versions the plugin was written against and tested with)
 SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.32.0",))}
 SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "sample"
-CHUNK_ROWS = 65536  # rows compared at a time under verify "all" (bounded memory at any table size)
+CHUNK_ROWS = 65536  # rows compared or hashed at a time under verify "all" (bounded memory at any table size)
 VERIFY_MODES = ("sample", "all", "off")
 FP8_BLOCK = 32  # fp8 values per ue8m0 scale in a tierstore Engram row
 
+log = logging.getLogger("tierstore.client.engines.checks")
+REINGEST = "ingest the checkpoint again (`tierstore ingest-checkpoint CKPT --data DIR`, then restart the sidecar)"
 WORKS = "works (CPU tests)"
 REFUSED = "refused"
 NO_GPU = "not tested on GPU"
@@ -185,20 +190,54 @@ class CheckpointCheck:
     these rows); start, end: the rows this rank holds, the only ones compared. read(which, ids)
     -> uint8 [len(ids), width]: tierstore's stored bytes of "weight" (width dim) or "scale"
     (dim / 32) for table rows `ids` (a mapped arena's, or read through the client, verified).
-    verify: "sample" (SAMPLE_ROWS rows spread over [start, end)), "all", or "off" (the shape only).
+    checkpoint: {"weight" / "scale": TensorSource}, the tensors the served version was ingested
+    from (TableHandle.checkpoint), or None: a table with no record. seed: the sample's draw
+    (default: fresh from os.urandom, so each start draws other rows; logged, and named in a
+    refusal, so the same rows can be drawn again).
 
     `__call__(param, loaded)` (the engines' weight-loader call; `param` is the weight when it is
-    float8_e4m3fn, else the scale) writes nothing, and raises CheckpointMismatch on a tensor of
-    another shape or on the first row whose bytes differ. `mapped(...)` builds one over a
-    split-layout table the engine maps (client/split_table.py)."""
+    float8_e4m3fn, else the scale) writes nothing. It raises CheckpointMismatch on a tensor of
+    another shape, and then by `verify`:
+
+    - "sample" (the default; reads SAMPLE_ROWS rows of the tensor and the shard's header):
+      1. SAMPLE_ROWS rows of [start, end) equal the table's: the first, the last (a shifted or
+         cut tensor shows there) and the rest drawn at random, a fresh draw each start, so no
+         fixed set of rows is ever the only one looked at; the first row that differs is
+         refused. A change to k of n rows escapes one start's draw with chance about
+         (1 - SAMPLE_ROWS / n) ** k: sampling alone cannot promise to see a small edit.
+      2. The tensor is the one ingested. Where it is a view of a shard's mapping (the engines'
+         default loaders), its shard's size, mtime, inode and ctime and its header entry are
+         compared with the record (a stat and the header, no more of the tensor read): a
+         different size or header entry is refused outright (the checkpoint changed); a
+         different mtime, inode or ctime is refused with both fixes named, since only the bytes
+         tell an edit from a copy (another host, a restore, `cp -p`), and reading them all is
+         what "all" does, never done unasked. An edit put back to its old size and mtime
+         (`touch -r`, `os.utime`) moves the ctime, which no user can set back. Where the tensor
+         is not a shard's view (an eager or prefetched load, a copy) its xxh3-128 is compared
+         with the record's, hashed from memory.
+    - "all" (reads the tensor whole): every byte. Its xxh3-128 against the one ingest recorded
+      (none of the table is read), or, for a table with no digest recorded, every row of
+      [start, end) against the table's, CHUNK_ROWS at a time. So a copy of the ingested
+      checkpoint starts; a warning says when its shard differs from the record (sampled starts
+      would refuse it) and that re-ingesting it binds the table to these files.
+    - "off": the shape only.
+
+    A table without a full record still starts under "sample" and "all", with a warning that
+    names re-ingesting as the fix: one ingested before records were kept compares the weight
+    shard's size and mtime (what its source note kept) and the sampled rows; one not ingested
+    from a checkpoint (`tierstore ingest`, `demo-table`), the sampled rows only.
+    `mapped(...)` builds one over a split-layout table the engine maps (client/split_table.py)."""
 
     def __init__(self, engine: str, layer_id: int, table: str, version: int, rows: int, dim: int,
-                 read: Callable[[str, np.ndarray], np.ndarray], verify: str, start: int = 0, end: int | None = None):
+                 read: Callable[[str, np.ndarray], np.ndarray], verify: str, start: int = 0, end: int | None = None,
+                 checkpoint: dict[str, TensorSource] | None = None, seed: int | None = None):
         if verify not in VERIFY_MODES:
             raise errors.InvalidArgument(f"verify is one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.engine, self.layer_id, self.table, self.version = engine, layer_id, table, version
         self.rows, self.dim, self.read, self.verify = rows, dim, read, verify
         self.start, self.end = start, rows if end is None else end
+        self.checkpoint = checkpoint
+        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
         self.checked: list[str] = []
 
     @classmethod
@@ -209,10 +248,21 @@ class CheckpointCheck:
         def read(which: str, ids: np.ndarray) -> np.ndarray:
             return (split.weight if which == "weight" else split.scale)[ids]
 
-        return cls(engine, layer_id, split.table, split.version, split.rows, split.row_dim, read, verify, start, end)
+        return cls(engine, layer_id, split.table, split.version, split.rows, split.row_dim, read, verify, start, end,
+                   checkpoint=split.checkpoint)
 
     def width(self, which: str) -> int:
         return self.dim if which == "weight" else self.dim // 32
+
+    def sample(self) -> np.ndarray:
+        """The rows a sampled check compares, as offsets into [start, end), ascending: every row
+        where there are at most SAMPLE_ROWS, else the first, the last and SAMPLE_ROWS - 2 others
+        drawn without repeats by `seed`."""
+        n = self.end - self.start
+        if n <= SAMPLE_ROWS:
+            return np.arange(n)
+        drawn = np.random.default_rng(self.seed).choice(n - 2, SAMPLE_ROWS - 2, replace=False) + 1
+        return np.concatenate([[0], np.sort(drawn), [n - 1]])
 
     def __call__(self, param, loaded) -> None:
         import torch
@@ -227,24 +277,111 @@ class CheckpointCheck:
         self.checked.append(which)
         if self.verify == "off":
             return
-        n = self.end - self.start
-        if self.verify == "all" or n <= SAMPLE_ROWS:
-            chunks = (np.arange(lo, min(lo + CHUNK_ROWS, n)) for lo in range(0, n, CHUNK_ROWS))
-        else:
-            chunks = (np.unique(np.linspace(0, n - 1, SAMPLE_ROWS).astype(np.int64)),)
         raw = loaded.detach().view(torch.uint8)
+        rec = (self.checkpoint or {}).get(which)
+        if self.verify == "all":
+            n = self.end - self.start
+            if rec is not None and rec.xxh3_128 is not None:
+                self._digest(which, raw, rec)
+            else:
+                self._rows(which, raw, (np.arange(lo, min(lo + CHUNK_ROWS, n)) for lo in range(0, n, CHUNK_ROWS)))
+            self._identity(which, raw, rec, checked=True)
+            return
+        rows = self.sample()
+        log.info("tierstore: %s's Engram layer %d: comparing %d of the %d rows of embed.%s with table %s v%d "
+                 "(seed %d)", self.engine, self.layer_id, len(rows), self.end - self.start, which, self.table,
+                 self.version, self.seed)
+        weight_filter.will_need(raw, rows + self.start)  # the sample's reads queued at once, not one fault at a time
+        self._rows(which, raw, (rows,))
+        self._identity(which, raw, rec, checked=False)
+
+    def _rows(self, which: str, raw, chunks) -> None:
+        """CheckpointMismatch at the first row of `chunks` (offsets into [start, end)) whose bytes
+        in `raw` differ from the table's."""
+        import torch
+
         for part in chunks:
             ids = part + self.start
-            if self.verify == "sample":
-                weight_filter.will_need(raw, ids)  # the sample's reads queued at once, not one fault at a time
             theirs = raw[torch.from_numpy(ids).to(raw.device)].cpu().numpy()
             differ = np.flatnonzero(np.any(theirs != self.read(which, ids), axis=1))
             if differ.size:
+                drawn = f" (the sample's seed: {self.seed})" if self.verify == "sample" else ""
                 raise CheckpointMismatch(
-                    f"{self.engine}'s Engram layer {self.layer_id}: checkpoint tensor embed.{which} differs from "
-                    f"tierstore table {self.table} v{self.version} at row {int(ids[differ[0]])}: the sidecar serves "
-                    f"another checkpoint's table; ingest this checkpoint (`tierstore ingest-checkpoint`) and "
-                    f"restart the sidecar, or start {self.engine} on the checkpoint that was ingested")
+                    f"{self._tensor(which)} differs from tierstore table {self.table} v{self.version} at row "
+                    f"{int(ids[differ[0]])}: the sidecar serves another checkpoint's table; {self._fix()}{drawn}")
+
+    def _digest(self, which: str, raw, rec: TensorSource) -> None:
+        """CheckpointMismatch unless the xxh3-128 of every byte of `raw`, read in order, is `rec`'s."""
+        weight_filter.sequential_access(raw)
+        h = tensor_digest()
+        for lo in range(0, raw.shape[0], CHUNK_ROWS):
+            h.update(np.ascontiguousarray(raw[lo:lo + CHUNK_ROWS].cpu().numpy()))
+        if h.hexdigest() != rec.xxh3_128:
+            raise CheckpointMismatch(
+                f"{self._tensor(which)} is not the tensor tierstore table {self.table} v{self.version} was ingested "
+                f"from ({rec.tensor} in {rec.file}): its xxh3-128 is {h.hexdigest()}, ingest's {rec.xxh3_128}; "
+                f"the checkpoint changed (a fine-tune, a new release?): {self._fix()}")
+
+    def _identity(self, which: str, raw, rec: TensorSource | None, checked: bool) -> None:
+        """Step 2 of a sampled check (the class docstring); under "all" (`checked`: every byte
+        already found equal) only its warnings."""
+        tensor = self._tensor(which)
+        if rec is None:
+            compared = "every row was compared" if checked else f"only {SAMPLE_ROWS} rows were compared"
+            log.warning("tierstore: %s: tierstore table %s v%d records no checkpoint tensor it was ingested from "
+                        "(ingested before such records were kept, or not from a checkpoint): %s; %s to record it",
+                        tensor, self.table, self.version, compared, REINGEST)
+            return
+        where = weight_filter.mapped_file(raw)
+        try:
+            now = None if where is None else TensorSource.at(*where)
+        except (OSError, errors.SpecMismatch) as e:
+            raise CheckpointMismatch(f"{tensor}: its shard {where[0]} cannot be read as it was ingested ({e}); "
+                                     f"{self._fix()}") from None
+        if now is None:  # a copy in memory (or a shard replaced since it was mapped): only its bytes tell
+            if not checked and rec.xxh3_128 is not None:
+                log.info("tierstore: %s is not a view of its shard's mapping: hashing its %d rows in memory",
+                         tensor, raw.shape[0])
+                self._digest(which, raw, rec)
+            elif not checked:
+                log.warning("tierstore: %s is not a view of its shard's mapping and tierstore table %s v%d records no "
+                            "digest of it (ingested before digests were kept): only %d rows were compared; %s to "
+                            "record one", tensor, self.table, self.version, SAMPLE_ROWS, REINGEST)
+            return
+        changed, touched = rec.differences(now)
+        shard = f"{tensor} ({now.tensor} in {where[0]})"
+        if checked:
+            if changed or touched:
+                log.warning("tierstore: %s: every byte is the one ingested, but %s: a sampled start refuses this "
+                            "shard; %s to bind the table to it", shard, ", ".join(changed + touched), REINGEST)
+            return
+        if changed:
+            raise CheckpointMismatch(
+                f"{shard} is not the tensor tierstore table {self.table} v{self.version} was ingested from "
+                f"({rec.tensor} in {rec.file}): {', '.join(changed)}; the checkpoint changed (a fine-tune, a new "
+                f"release?): {self._fix()}")
+        if touched:
+            raise CheckpointMismatch(
+                f"{shard} has the size and header of the tensor tierstore table {self.table} v{self.version} was "
+                f"ingested from ({rec.tensor} in {rec.file}), but {', '.join(touched)}: the shard was rewritten or "
+                f"touched since, or it is a copy (another host, a restore), which only its bytes can tell. A copy: "
+                f"start with {self._variable()}=all, which reads the tensor whole and starts if every byte is the "
+                f"one ingested, and ingest this checkpoint (`tierstore ingest-checkpoint`) to make sampled starts "
+                f"accept these files again. Otherwise {self._fix()}")
+        if rec.ino is None:
+            log.warning("tierstore: %s: tierstore table %s v%d was ingested before checkpoint digests were kept: its "
+                        "shard's size and mtime and %d rows were compared, not its inode, ctime or header; %s to "
+                        "record them", shard, self.table, self.version, SAMPLE_ROWS, REINGEST)
+
+    def _tensor(self, which: str) -> str:
+        return f"{self.engine}'s Engram layer {self.layer_id}: checkpoint tensor embed.{which}"
+
+    def _variable(self) -> str:
+        return f"TIERSTORE_{self.engine.upper()}_VERIFY"
+
+    def _fix(self) -> str:
+        return (f"ingest this checkpoint (`tierstore ingest-checkpoint`) and restart the sidecar, or start "
+                f"{self.engine} on the checkpoint that was ingested")
 
 
 if __name__ == "__main__":

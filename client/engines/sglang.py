@@ -456,7 +456,7 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
     embed.weight = nn.Parameter(torch.empty((0, dim), dtype=torch.float8_e4m3fn), requires_grad=False)
     embed.scale = nn.Parameter(torch.empty((0, dim // checks.FP8_BLOCK), dtype=scale_dtype), requires_grad=False)
     embed._load_rows = checks.CheckpointCheck("sglang", layer_id, table, t.version, t.rows, dim, t.read,
-                                              config.verify)
+                                              config.verify, checkpoint=t.checkpoint)
     embed.host_table = StagedHostTable(t)
     embed.staged_by_scheduler = True  # what sglang's enable_scheduler_staging sets
     embed.tierstore_table = t

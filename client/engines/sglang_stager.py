@@ -118,6 +118,7 @@ class StagedTable:
                                f"fp8-e4m3-ue8m0 (ingest the checkpoint with tierstore ingest-checkpoint)")
         self.client, self.table = client, table
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
+        self.checkpoint = h.checkpoint  # the tensors the rows were ingested from (CheckpointCheck)
         self.full_resident = h.full_resident
         self.scratch = RowScratch(h.row_bytes)  # a batch's distinct rows land here (gather_layers)
 

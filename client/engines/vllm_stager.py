@@ -105,6 +105,7 @@ class StagedEngramTable:
                 f"{ROW_FORMAT}: ingest the checkpoint with `tierstore ingest-checkpoint`")
         self.client, self.table, self.layer_id = client, table, layer_id
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
+        self.checkpoint = h.checkpoint  # the tensors the rows were ingested from (CheckpointCheck)
         self.full_resident = h.full_resident
         self.part = None  # the rank's heads, set by `bind`
         # a step's rows land here (every owned position), then the zero row a padded head reads
@@ -118,7 +119,7 @@ class StagedEngramTable:
             return got[:, :self.dim] if which == "weight" else got[:, self.dim:]
 
         return checks.CheckpointCheck("vllm", self.layer_id, self.table, self.version, self.rows, self.dim, read,
-                                      verify, start, end)
+                                      verify, start, end, checkpoint=self.checkpoint)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows uint8 [len(ids), dim + dim / 32] (weights then scales, the stored bytes) of

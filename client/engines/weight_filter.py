@@ -25,7 +25,8 @@ every row in order, and readahead is what makes that fast); under "off" nothing 
 
 The rows are still compared: a checkpoint whose sampled rows differ from the served table
 is refused by CheckpointCheck (CheckpointMismatch) as before; only the bytes around them are
-no longer read. Load settings that read whole shards before any tensor is yielded (sglang
+no longer read. The check also tells which shard a tensor is a view of (`mapped_file`) and
+compares that shard's stat and header with what ingest recorded, which reads no row. Load settings that read whole shards before any tensor is yielded (sglang
 --weight-loader-disable-mmap / --weight-loader-prefetch-checkpoints, vLLM
 --safetensors-load-strategy eager / prefetch) still read the tables; the plugins' hooks name
 them in a warning.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import re
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -43,7 +45,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENGRAM_TABLE", "is_engram_table", "filtered", "random_access", "will_need", "sample_read_bound"]
+__all__ = ["ENGRAM_TABLE", "is_engram_table", "filtered", "random_access", "sequential_access", "will_need",
+           "sample_read_bound", "mapped_file"]
 
 log = logging.getLogger("tierstore.client.engines.weight_filter")
 # the checkpoint names of an Engram layer's table tensors, with whatever prefix the engine adds
@@ -82,14 +85,54 @@ def random_access(tensor: "torch.Tensor") -> None:
     """Advise the pages under `tensor` MADV_RANDOM: a fault on them reads that page, no
     read-around. Changes no byte; on memory that is not a file's mapping it is a hint
     without effect. Raises OSError if the kernel refuses the advice."""
+    _advise(tensor, mmap.MADV_RANDOM, "MADV_RANDOM")
+
+
+def sequential_access(tensor: "torch.Tensor") -> None:
+    """Advise the pages under `tensor` MADV_SEQUENTIAL, undoing random_access, before the
+    check reads the whole tensor in order (its digest): readahead makes that one fast read.
+    A hint: on a device tensor, or refused, nothing is done and the read is only slower."""
+    if tensor.device.type == "cpu":
+        try:
+            _advise(tensor, mmap.MADV_SEQUENTIAL, "MADV_SEQUENTIAL")
+        except OSError:
+            pass
+
+
+def _advise(tensor: "torch.Tensor", advice: int, name: str) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return
     start = tensor.data_ptr() // PAGE * PAGE
     length = tensor.data_ptr() + nbytes - start
-    if _libc.madvise(start, length, mmap.MADV_RANDOM) != 0:
+    if _libc.madvise(start, length, advice) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_RANDOM) of a checkpoint tensor's {nbytes} bytes")
+        raise OSError(err, f"madvise({name}) of a checkpoint tensor's {nbytes} bytes")
+
+
+def mapped_file(tensor: "torch.Tensor") -> tuple[str, int] | None:
+    """(path, byte position) of the file whose mapping in this process holds `tensor`'s first
+    byte (/proc/self/maps), as the engines' safetensors iterators hand tensors out; None for
+    anything else: a tensor in memory of its own (a copy, an eager or prefetched load), on a
+    device, or over a file that its path no longer names (deleted or replaced since it was
+    mapped: another inode there, or none)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    ptr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                path = parts[5].rstrip("\n") if len(parts) > 5 else ""
+                if not path.startswith("/") or int(parts[4]) == 0:
+                    return None
+                try:
+                    ino = os.stat(path).st_ino
+                except OSError:  # " (deleted)", or gone
+                    return None
+                return (path, int(parts[2], 16) + ptr - lo) if ino == int(parts[4]) else None
+    return None
 
 
 def will_need(rows: "torch.Tensor", ids: np.ndarray) -> None:

@@ -142,10 +142,15 @@ def test_a_wrong_checkpoint_is_refused_at_load_not_copied(model, engines, sglang
         fed.weight.weight_loader(fed.weight, bad.view(torch.float8_e4m3fn))
 
     sampled = fed.weight.weight_loader
-    unsampled = next(r for r in range(len(bad)) if r not in set(np.linspace(0, len(bad) - 1, 4096).astype(int)))
+    unsampled = next(r for r in range(len(bad)) if r not in set(sampled.sample()))
     bad = t["embed.weight"].view(torch.uint8).clone()
     bad[unsampled, 5] ^= 1
-    sampled(fed.weight, bad.view(torch.float8_e4m3fn))  # the default sample does not see that row
+    # a row this start's sample does not draw: the tensor, a copy in memory (no shard's view), is
+    # hashed whole against the digest ingest recorded
+    with pytest.raises(CheckpointMismatch, match="embed.weight is not the tensor tierstore table l1 v1 was ingested "
+                                                 "from .*its xxh3-128 is"):
+        sampled(fed.weight, bad.view(torch.float8_e4m3fn))
+    # a check with no record of the checkpoint (a table not ingested from one) compares every row
     every = CheckpointCheck("sglang", 1, "l1", sampled.version, sampled.rows, sampled.dim, sampled.read, "all")
     with pytest.raises(CheckpointMismatch, match=f"at row {unsampled}:"):
         every(fed.weight, bad.view(torch.float8_e4m3fn))

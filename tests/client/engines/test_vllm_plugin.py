@@ -11,7 +11,10 @@ op; bench/gpu_check_engines.py runs it and `_engram_lookup_kernel` over the aren
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +31,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_engram  # noqa: E402
-from v41_checkpoint import CONFIG, write_checkpoint  # noqa: E402
+from v41_checkpoint import CONFIG, INDEX, edit_rows, write_checkpoint  # noqa: E402
 
 from tierstore import errors  # noqa: E402
+from tierstore.client.client import Client  # noqa: E402
 from tierstore.client.engines import checks, vllm_plugin  # noqa: E402
 from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
 from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
@@ -230,3 +234,92 @@ def test_stage_on_stages_a_split_layout_table_too(served, vllm_world):
         assert np.array_equal(out.numpy(), rows[ids])
     finally:
         vllm_plugin.uninstall()
+
+
+@pytest.fixture
+def own(tmp_path):
+    """A checkpoint of the test's own (it changes its files), layer 1 ingested and served split-layout."""
+    write_checkpoint(tmp_path / "ckpt")
+    ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", layers=[1], progress=False)
+    with SidecarProcess(tmp_path / "data", dram_budget="64MiB", extra_args=("--split-layout", "all")) as sc:
+        yield sc, tmp_path / "ckpt", tmp_path / "data"
+
+
+def _load(world, socket, ckpt: Path, verify: str = "sample"):
+    """Layer 1's ParallelEngramEmbedding built under the plugin (`verify`), then loaded from `ckpt` by
+    vLLM's own weights iterator (DefaultModelLoader's, the plugin's filter around it): its Engram table
+    tensors handed to the embedding's weight loaders as the model's load_weights hands them. Returns it."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import default_loader
+
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(socket), verify=verify))
+    try:
+        emb = _layer_1(world)
+        weights = default_loader.DefaultModelLoader(LoadConfig())._get_weights_iterator(
+            default_loader.DefaultModelLoader.Source(str(ckpt), None))
+        for name, tensor in weights:
+            if name == "layers.1.engram.embed.weight":
+                emb.weight.weight_loader(emb.weight, tensor)
+            elif name == "layers.1.engram.embed.scale":
+                emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, tensor)
+        return emb
+    finally:
+        vllm_plugin.uninstall()
+
+
+def _layer_1(world):
+    return world.embedding(vllm_engram.layout(CONFIG), 0, 1)
+
+
+def test_a_checkpoint_edited_in_place_is_refused_at_load_though_its_size_and_mtime_are_put_back(own, vllm_world):
+    """One row that this start's sample does not draw, changed in the ingested shard, which then gets
+    its mtime back (`touch -r`): vLLM's load stops at the shard's ctime, naming the layer, the file,
+    what differs and both fixes; the old rows are never served."""
+    sc, ckpt, data = own
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket)))
+    try:
+        drawn = set(_layer_1(vllm_world)._weight_loader.sample())
+    finally:
+        vllm_plugin.uninstall()
+    row = next(r for r in range(len(drawn) + 1) if r not in drawn)
+    shard = ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"]["layers.1.engram.embed.weight"]
+    before = shard.stat()
+    edit_rows(ckpt, 1, "embed.weight", [row], keep_mtime=True)
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    with pytest.raises(checks.CheckpointMismatch) as e:
+        _load(vllm_world, sc.socket, ckpt)
+    msg = str(e.value)
+    assert msg.startswith("vllm's Engram layer 1: checkpoint tensor embed.")
+    assert f"in {shard}) has the size and header of the tensor tierstore table l1 v1 was ingested from" in msg
+    assert f"ctime_ns {after.st_ctime_ns} (ingest: {before.st_ctime_ns})" in msg and "mtime_ns" not in msg
+    assert "start with TIERSTORE_VLLM_VERIFY=all" in msg
+    assert "ingest this checkpoint (`tierstore ingest-checkpoint`)" in msg
+
+
+def test_an_unchanged_copy_with_new_times_is_refused_sampled_starts_under_all_and_binds_once_ingested(
+        own, vllm_world, tmp_path, caplog):
+    """The ingested checkpoint copied (another host, a restore): the same bytes in other files with
+    other times. A sampled start refuses it, naming verify=all; under all it starts (its digest is
+    ingest's) with a warning that re-ingesting binds the table to it; re-ingested, sampled starts
+    accept it."""
+    sc, ckpt, data = own
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy, copy_function=shutil.copyfile)
+    with pytest.raises(checks.CheckpointMismatch, match=r"has the size and header .* but mtime_ns \d+ \(ingest: "
+                                                        r"\d+\), ino \d+ \(ingest: \d+\), ctime_ns .* A copy: start "
+                                                        r"with TIERSTORE_VLLM_VERIFY=all"):
+        _load(vllm_world, sc.socket, copy)
+    with caplog.at_level(logging.WARNING, logger="tierstore.client.engines.checks"):
+        emb = _load(vllm_world, sc.socket, copy, verify="all")
+    assert sorted(emb._weight_loader.checked) == ["scale", "weight"]
+    assert "every byte is the one ingested, but mtime_ns" in caplog.text and "to bind the table to it" in caplog.text
+    [(tv, skipped)] = ingest_checkpoint(copy, data, layers=[1], progress=False)
+    assert (tv.number, skipped) == (2, False)
+    with Client(sc.socket) as c:
+        assert c.reload() == [("l1", 1, 2)]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierstore.client.engines.checks"):
+        emb = _load(vllm_world, sc.socket, copy)
+    assert sorted(emb._weight_loader.checked) == ["scale", "weight"] and emb._weight_loader.version == 2
+    assert caplog.text == ""

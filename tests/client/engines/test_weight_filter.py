@@ -150,35 +150,34 @@ def test_an_sglang_restart_reads_only_the_checked_rows_of_the_table(big, sglang_
     assert [n for n, _ in dense] == [n for n, _ in want] and dense == want
 
 
-def test_an_sglang_checkpoint_that_is_not_the_served_table_still_fails_loudly(big, sglang_engram):
-    """A shard whose sampled rows differ from the served table (one byte of its last row, which
-    the sample holds): CheckpointMismatch at load, having read no more of the table than the
-    check's rows. The byte is put back afterwards."""
+def test_an_sglang_checkpoint_that_is_not_the_served_table_still_fails_loudly(big, sglang_engram, tmp_path):
+    """A copy of the checkpoint whose sampled rows differ from the served table (one byte of the
+    last row of its weight and of its scale, which every sample holds): CheckpointMismatch at
+    load, having read no more of the table than the check's rows. A copy, so the served
+    checkpoint's shard stays the one ingested (its ctime too) for the other tests."""
     from tierstore.table.checkpoint import read_header
 
-    shard = next(big["ckpt"].glob("*.safetensors"))
-    at = read_header(shard)[P + "embed.weight"].offset + (big["rows"] - 1) * 256
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(big["ckpt"], ckpt)
+    shard = next(ckpt.glob("*.safetensors"))
+    header = read_header(shard)
     with open(shard, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 1]))
-    try:
-        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=big["socket"]):
-            embed = _sglang_embed(sglang_engram, big)
-            drop_page_cache(big["ckpt"])
-            r0 = read_bytes()
-            with pytest.raises(checks.CheckpointMismatch,
-                               match=f"differs from tierstore table l1 v1 at row {big['rows'] - 1}"):
-                with sglang_weights(big["ckpt"], True) as weights:
-                    load(weights, embed)
-            read = read_bytes() - r0
-    finally:
-        with open(shard, "r+b") as f:
-            f.seek(at)
-            f.write(bytes([byte]))
+        for name, width in (("embed.weight", 256), ("embed.scale", 8)):
+            f.seek(header[P + name].offset + (big["rows"] - 1) * width)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 1]))
+    with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=big["socket"]):
+        embed = _sglang_embed(sglang_engram, big)
+        drop_page_cache(ckpt)
+        r0 = read_bytes()
+        with pytest.raises(checks.CheckpointMismatch,
+                           match=f"differs from tierstore table l1 v1 at row {big['rows'] - 1}"):
+            with sglang_weights(ckpt, True) as weights:
+                load(weights, embed)
+        read = read_bytes() - r0
     dense_bytes = shard.stat().st_size - big["rows"] * 264
-    assert read <= dense_bytes + engram_bound(big["ckpt"], big["rows"]) < big["rows"] * 264 / 4, read
+    assert read <= dense_bytes + engram_bound(ckpt, big["rows"]) < big["rows"] * 264 / 4, read
 
 
 # ---- vLLM ----------------------------------------------------------------------------------------
