@@ -13,9 +13,10 @@ buffer byte for byte, so this module hands sglang the arena instead:
   Nothing of sglang is forked or copied. The hook maps table
   `{TIERSTORE_SGLANG_PREFIX}l{layer}` (Client.split_table), makes sglang's
   `weight` / `scale` parameters views of it, and replaces the loader of those
-  two parameters only (checks.CheckpointCheck): the checkpoint's Engram rows
-  are checked against the arena (a spread of rows; every row with
-  TIERSTORE_SGLANG_VERIFY=all), never copied (the mapping is read-only).
+  two parameters only (checks.CheckpointCheck): the checkpoint's Engram tensors
+  are checked against the arena and ingest's record of them (sampled rows and the
+  shard's identity; every byte with TIERSTORE_SGLANG_VERIFY=all), never copied
+  (the mapping is read-only).
 - restart: sglang's safetensors iterators (weight_utils, AROUND hooks) yield
   every tensor through weight_filter.filtered, so of the checkpoint's Engram
   tables only the rows the check compares are read from disk.
@@ -103,8 +104,9 @@ class SglangConfig:
 
     socket: the sidecar's unix socket. prefix: table name prefix (`ingest-checkpoint
     --prefix`); layer L is table `{prefix}l{L}`. verify: "sample" (checks.SAMPLE_ROWS rows of each
-    checkpoint tensor compared with the arena), "all" (every row: reads the checkpoint's
-    Engram tensors in full) or "off" (skipped). timeout: seconds a sidecar call may take.
+    checkpoint tensor and its shard's identity), "all" (every byte: reads the checkpoint's
+    Engram tensors in full) or "off" (the shape only): checks.CheckpointCheck says what each
+    promises. timeout: seconds a sidecar call may take.
     stage: which layers tierstore's row stager serves instead of a mapped host table
     (client/engines/sglang_stager.py): "auto" (those whose table is not served split-layout:
     cache mode, tables larger than RAM), "on" (every layer) or "off" (none: every table

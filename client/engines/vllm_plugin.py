@@ -97,9 +97,9 @@ class VllmPluginConfig:
     tables: Engram layer id -> table name (TIERSTORE_VLLM_TABLES="1=l1,14=l14");
         empty: each table the sidecar serves with a layer id (split-layout ones only under
         stage "off"), by the layer id ingest recorded.
-    verify: how much of the checkpoint's Engram tensors the loader compares with the
-        arena (TIERSTORE_VLLM_VERIFY): "sample" (checks.SAMPLE_ROWS rows spread over this rank's
-        rows), "all", or "off".
+    verify: how much of the checkpoint's Engram tensors the loader checks (TIERSTORE_VLLM_VERIFY):
+        "sample" (checks.SAMPLE_ROWS rows of this rank's range, and the shard's identity), "all" (every
+        byte), or "off" (checks.CheckpointCheck says what each promises).
     stage: which layers are staged (client/engines/vllm_stager.py: no rows held, each lookup
         read through tierstore) instead of mapped (TIERSTORE_VLLM_STAGE): "auto" (those whose
         table is not served split-layout, e.g. a cache-mode table larger than --dram-budget),

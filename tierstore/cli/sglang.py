@@ -16,8 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", required=True, help="the sidecar's unix socket (serve --socket)")
     p.add_argument("--prefix", default="", help="table name prefix of ingest-checkpoint (layer L is table PREFIXlL)")
     p.add_argument("--verify", default="sample", choices=("sample", "all", "off"),
-                   help="compare the checkpoint's Engram rows with the arena at load: a spread of rows (default), "
-                        "all of them, or none")
+                   help="check the checkpoint's Engram tensors at load: sampled rows and the shard's identity "
+                        "(default), every byte, or the shape only (docs/engines.md, the checkpoint check)")
     p.add_argument("--stage", default="auto", choices=("auto", "on", "off"),
                    help="which layers tierstore's row stager serves ahead of each forward: those whose table is "
                         "not split-layout (auto, default: cache mode, tables larger than RAM), all, or none")
