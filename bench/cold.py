@@ -122,7 +122,7 @@ def run_cold_bench(out_dir, options: ColdOptions | None = None, log=print) -> di
     budget = int(version.nbytes * o.budget_fraction)
     seg_paths = [cache_dir / s for s in version.segments]
     steps = _Steps.draw(version, o, budget // version.row_bytes)
-    no_direct = direct_io_refusal(seg_paths, version.row_bytes)
+    no_direct = direct_io_refusal(seg_paths)
     log(f"cold: disk probe (io_uring O_DIRECT random 512-B reads, queue depths {DEPTHS}, {o.disk_seconds:g} s each)")
     disk = disk_limit(seg_paths, blocks=(512,), seconds=o.disk_seconds, seed=o.seed)
     top = best_iops(disk, 512)
@@ -353,13 +353,13 @@ def _figures(runs: dict, comps: _Competitors, steps: _Steps, batch: int, top: di
     return figs
 
 
-def direct_io_refusal(seg_paths, row_bytes: int) -> str | None:
+def direct_io_refusal(seg_paths) -> str | None:
     """None where the segments' filesystem takes O_DIRECT (tmpfs before Linux 6.6
     does not), else why not: competitors that need it are skipped with that reason."""
     from tierstore.tiers.nvme.direct_io import DirectFiles
 
     try:
-        DirectFiles(list(seg_paths)[:1], row_bytes).close()
+        DirectFiles(list(seg_paths)[:1]).close()
         return None
     except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
         return str(e)

@@ -125,7 +125,7 @@ def _direct_files(paths) -> tuple[list[Path], object]:
 
     paths = [Path(p) for p in paths]
     try:
-        return paths, DirectFiles(paths, 512)
+        return paths, DirectFiles(paths)
     except Exception as e:  # noqa: BLE001 - the reason is reported, the bench goes on without it
         return paths, {"skipped": str(e)}
 

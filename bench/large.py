@@ -514,7 +514,7 @@ def run_large_bench(data_dir, out_dir, options: LargeOptions | None = None, log=
     disk = disk_limit(run.seg_paths, seconds=o.disk_seconds, seed=o.seed)
     top = best_iops(disk, 512)
     best = top["iops"] if top else None
-    no_direct = direct_io_refusal(run.seg_paths, run.versions[0].row_bytes)
+    no_direct = direct_io_refusal(run.seg_paths)
     comps, closers, lru = {}, [], {}
     chosen = o.chosen()
     try:

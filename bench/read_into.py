@@ -9,8 +9,8 @@ sorted unique ids into random slots of a `dest` arena of rows/10 slots, side by 
 
   old-block    format 1 without its row sums: read_rows on the block path (4 KiB
                block per miss, xxh3 per block in a loop, scratch + copy) + dest[slots] = rows
-  read_into-v1 SegmentReader.read_into on format 1, page-cache mode (mmap gather,
-               sums from the mapped row-sum file)
+  read_into-v1 SegmentReader.read_into on format 1, page-cache mode (records read
+               through the page cache, sums read from the row-sum file beside them)
   read_into    the same on format 2 (sums inside the records read)
   read_into-direct   format 2 with direct_io=True (O_DIRECT sector reads)
   mmap         dest[slots] = np.memmap(format 1 file)[ids]: no verification (the baseline)

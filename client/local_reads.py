@@ -8,7 +8,7 @@ index (tierstore/cache/slot_index.py):
    against its slot's sequence lock: a row evicted or rewritten during the
    copy is not used, it is read like a miss;
 2. misses are read from the table's segment files and verified by their row
-   checksums (inside each record, or format 1's mapped row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
+   checksums (inside each record, or format 1's row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
    sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
    that (`cold_dir`); under O_DIRECT a row another client on the host is reading at
    the same time is copied from it instead (tierstore/cache/miss_flights.py:
@@ -19,8 +19,8 @@ index (tierstore/cache/slot_index.py):
    been planned and promotes the misses, so the next steps find them resident;
    the note carries the rows this process read for them, so the sidecar does not
    read them from disk again (it verifies each against its row sum first). For
-   format 2 under O_DIRECT a row's sum is not in the page cache, so the note carries
-   whole records, each row with its sum keyed by the version's salt (carried_form
+   format 2 a row's sum on disk would cost the sidecar a read of its own, so the note
+   carries whole records, each row with its sum keyed by the version's salt (carried_form
    "records"; the sidecar takes them only from a peer of its own uid): the records as
    read and verified, kept by read_into, so no sum is made again here.
 
@@ -181,7 +181,7 @@ class LocalStep:
         r = self.reads
         self.uniq, self.inv = unique_inverse(self.ids[self.where])
         self.got = np.empty((self.uniq.size, r.row_bytes), dtype=np.uint8)
-        # format 2 under O_DIRECT: the misses' records as read ride on the note (no sum made again)
+        # format 2: the misses' records as read ride on the note (no sum made again)
         self.records = np.empty((self.uniq.size, cold.record_bytes), dtype=np.uint8) \
             if cold.carried_form == "records" else None
         self.t0 = time.perf_counter()
@@ -215,8 +215,8 @@ class LocalStep:
             # in one step, a probe racing a shift, is told twice: two accesses, a hint)
             asked = np.concatenate([asked, uniq])
         # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
-        # Format 2 under O_DIRECT: as records, each row with its sum (the sidecar's copy of the
-        # sum is on disk, a read of its own); a version without row sums: nothing to send
+        # Format 2: as records, each row with its sum (the sidecar's copy of the sum is on disk,
+        # a read of its own); a version without row sums: nothing to send
         got = self.got
         if uniq is not None:
             form = r._cold.carried_form

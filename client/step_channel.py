@@ -22,7 +22,7 @@ the flusher: every NOTE_EVERY_S or NOTE_IDS ids while steps run, and after the
 last; a step sends them itself only when NOTE_BACKLOG_IDS ids wait while an earlier
 note is still being sent (a prefill step's ids, past that bound on their own, go
 with the flusher while the step reads on). A note carries the rows its steps read
-from disk (format 2 under O_DIRECT: records, each row with its sum), up to
+from disk (format 2: records, each row with its sum), up to
 NOTE_ROW_BYTES a frame, so the sidecar promotes them without reading them again
 (it verifies each first); rows past that bound go without their bytes (the
 sidecar reads the ones it promotes). The frame goes out as a scatter list: the

@@ -96,7 +96,7 @@ class TableHandle:
 
     def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> "_Begun":
         """read in two halves: on the local-reads route the hits are copied and the misses'
-        reads started (LocalReads.begin: in flight on this thread's io_uring under O_DIRECT);
+        reads started (LocalReads.begin: in flight on this thread's io_uring);
         end(), in this thread, returns what read returns and raises what it raises. The other
         routes read at once and end() hands the rows over."""
         return self._route(ids, out)

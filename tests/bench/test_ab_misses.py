@@ -17,7 +17,7 @@ def v41_data(tmp_path_factory):
 
     data = tmp_path_factory.mktemp("ab") / "data"
     _, versions = large_tables(data, 1 / 16, progress=False, log=lambda *a: None)
-    why = direct_io_refusal(_segment_paths(data, versions), versions[0].row_bytes)
+    why = direct_io_refusal(_segment_paths(data, versions))
     if why:
         pytest.skip(f"the A/B is of O_DIRECT reads: {why}")
     return data

@@ -18,7 +18,7 @@ def segments(tmp_path):
         p = tmp_path / f"seg-{k}.bin"
         p.write_bytes(rng.integers(0, 256, (4 << 20) + 4096 * k, dtype=np.uint8).tobytes())
         paths.append(p)
-    why = direct_io_refusal(paths, 512)
+    why = direct_io_refusal(paths)
     if why:
         pytest.skip(why)
     return paths

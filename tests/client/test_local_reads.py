@@ -485,11 +485,11 @@ def served_either(request, tmp_path):
 
 def test_a_note_whose_rows_fail_their_row_sums_is_read_from_disk(served_either):
     """The sidecar never places a row that fails its sum: an access note carrying a
-    corrupted row (with --direct-io, a record: the row and its sum) gets that note's rows
-    read from disk (counted), and every client then reads the rows as stored."""
+    corrupted record (the row and its sum) gets that note's rows read from disk
+    (counted), and every client then reads the rows as stored."""
     sc, c, data, mode = served_either
     ids = np.arange(30_000, 30_064, dtype=np.int64)
-    rows = data[ids].copy() if mode == "page-cache" else _carried(sc.data_dir, "t", 1, data[ids], ids)
+    rows = _carried(sc.data_dir, "t", 1, data[ids], ids)
     rows[10, 40] ^= 0x01  # one flipped bit
     fp = StepChannel(step_socket_path(sc.socket)).connect()
     try:

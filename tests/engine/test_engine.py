@@ -24,14 +24,14 @@ class FaultyReader(SegmentReader):
     fail_next = 0
     delay_s = 0.0
 
-    def read_into(self, ids, dest, slots, cached=False):
+    def read_into(self, ids, dest, slots):
         if self.delay_s:
             with cpu_token.waiting():  # a device read, as the real reader waits on one
                 time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return super().read_into(ids, dest, slots, cached=cached)
+        return super().read_into(ids, dest, slots)
 
 
 @pytest.fixture
@@ -201,24 +201,27 @@ def test_every_pin_belongs_to_a_live_lease_whatever_is_refused(engine, ops):
 
 
 def test_rows_a_note_carries_are_placed_verified_without_a_disk_read(engine):
-    """A note's rows (what the client read for its misses) are promoted from those bytes:
-    bit-exact, no disk read; a note whose rows do not match their row sums is refused
-    row for row and those rows are read from disk: the arena never holds the bad bytes."""
+    """A note's rows (what the client read for its misses; format 2: their records, each
+    row with its sum) are promoted from those bytes: bit-exact, no disk read; a note whose
+    rows do not match their row sums is refused row for row and those rows are read from
+    disk: the arena never holds the bad bytes."""
     eng, data = engine
+    carried = lambda i: eng.reader.carried_records(i, data[i])  # noqa: E731
+    assert eng.reader.carried_form == "records"
     ids = np.arange(100, 400)
     disk = eng.reader.bytes_read
-    assert eng.note_access(ids, np.array([ids.size]), ids[::-1].copy(), data[ids[::-1]]) == ids.size
+    assert eng.note_access(ids, np.array([ids.size]), ids[::-1].copy(), carried(ids[::-1])) == ids.size
     assert eng.reader.bytes_read == disk, "rows the note carried were read from disk again"
     assert np.array_equal(eng.arena.rows[eng.slots.lookup(ids)], data[ids])
     assert (eng.counters.note_rows_placed, eng.counters.note_rows_refused) == (ids.size, 0)
     bad_ids = np.arange(1000, 1050)
-    rows = data[bad_ids].copy()
+    rows = carried(bad_ids)
     rows[7, 3] ^= 0x10  # one flipped bit in row 1007
     assert eng.note_access(bad_ids, np.array([bad_ids.size]), bad_ids, rows) == bad_ids.size
     assert eng.counters.note_rows_refused == bad_ids.size and eng.reader.bytes_read > disk
     assert np.array_equal(eng.arena.rows[eng.slots.lookup(bad_ids)], data[bad_ids])
     part = np.arange(2000, 2100)  # rows for half the misses: the other half read from disk
-    assert eng.note_access(part, np.array([part.size]), part[:50], data[part[:50]]) == part.size
+    assert eng.note_access(part, np.array([part.size]), part[:50], carried(part[:50])) == part.size
     assert np.array_equal(eng.arena.rows[eng.slots.lookup(part)], data[part])
     assert eng.counters.note_rows_placed == ids.size + 50
     with pytest.raises(InvalidArgument, match="uint8"):

@@ -76,7 +76,7 @@ def test_block_path_reads_each_block_once_and_neighbours_coalesce(table, data_di
     old = dataclasses.replace(tv, row_sums=None)  # a version written before row checksums
     with Catalog(data_dir, readonly=True) as cat:
         reader = SegmentReader(data_dir, old, cat.checksums("t", 1))
-    assert reader.row_sums is None and not reader.verifies_rows
+    assert not reader.verifies_rows
     before = reader.bytes_read
     reader.read_rows(np.array([0, 1, 2, 3, 3, 0]))
     assert reader.bytes_read - before == BR * RB
@@ -223,10 +223,11 @@ def test_a_flipped_row_sum_inside_a_record_is_data_loss(table, data_dir):
     assert np.array_equal(reader.read_rows(np.array([299, 301])), data[[299, 301]])
 
 
-def test_a_format_2_reader_holds_nothing_per_row(table):
+def test_a_reader_holds_nothing_per_row(table):
+    """Format 2's sums are in the records, format 1's are read from the row-sum file beside the
+    rows: what a reader holds is the block checksums, 8 B a block."""
     reader, tv, _ = table
-    if tv.segment_format == 1:
-        assert reader.row_sums is not None and reader.row_sums.size == ROWS
-    else:
-        assert reader.row_sums is None and reader.verifies_rows
+    assert reader.verifies_rows and reader.row_sums_error is None
+    assert sum(a.nbytes for a in reader.held_arrays()) == 8 * tv.n_blocks
+    if tv.segment_format == 2:
         assert tv.record_bytes == RB + 8 and tv.block_bytes == BR * (RB + 8)

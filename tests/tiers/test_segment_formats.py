@@ -29,7 +29,7 @@ def _stats(c: Client) -> dict:
 
 
 @pytest.mark.parametrize("seg", [2, 1], ids=["format2", "format1"])
-def test_full_mode_serves_either_format_and_holds_row_sums_only_for_format_1(tmp_path, seg):
+def test_full_mode_serves_either_format_and_holds_only_block_checksums(tmp_path, seg):
     d = tmp_path / "data"
     tv, data = _write(d, seg)
     files = {p.name for p in (d / tv.segments[0]).parent.iterdir()}
@@ -39,8 +39,8 @@ def test_full_mode_serves_either_format_and_holds_row_sums_only_for_format_1(tmp
         ids = np.random.default_rng(3).integers(0, ROWS, 3000)
         assert np.array_equal(c.lookup("t", ids), data[ids])
         assert np.array_equal(c.lookup("t", ids, inline=True), data[ids])
-        # beyond the arena: block checksums, and for format 1 also 8 B a row of row sums
-        assert int(_stats(c)["metadata_bytes"]) == 8 * tv.n_blocks + (8 * ROWS if seg == 1 else 0)
+        # beyond the arena: block checksums (format 1's row sums are read from their file, not held)
+        assert int(_stats(c)["metadata_bytes"]) == 8 * tv.n_blocks
 
 
 @pytest.mark.parametrize("seg", [2, 1], ids=["format2", "format1"])
@@ -59,7 +59,7 @@ def test_cache_mode_serves_either_format_planned_and_read_locally(tmp_path, seg)
         local = c.handle("t").local_reads
         assert local is not None and local.rows_cold > 0
         reader = local._reader()
-        assert reader.verifies_rows and (reader.row_sums is None) == (seg == 2)  # format 2: nothing mapped
+        assert reader.verifies_rows and reader.row_sums_error is None
         assert int(_stats(c)["bytes_read"]) > 0
 
 

@@ -79,8 +79,8 @@ class CacheEngine(TableEngine):
         except BaseException:
             self.slots.close()
             raise
-        # what a client's note may carry for its misses (SegmentReader.carried_form): rows checked
-        # against sums held or cached, records (format 2 under O_DIRECT) or nothing
+        # what a client's note may carry for its misses (SegmentReader.carried_form): records
+        # (format 2), rows checked against sums read from disk, or nothing
         self._carried_form = reader.carried_form
         # under O_DIRECT the clients' own misses share nothing (no page cache between them): the
         # flights file lets a row several clients miss at once be read once (miss_flights.py)
@@ -224,7 +224,7 @@ class CacheEngine(TableEngine):
         self.counters.prefetched += misses
         return misses
 
-    def _promote(self, miss: np.ndarray, cached: bool = False, carried=None) -> int:
+    def _promote(self, miss: np.ndarray, carried=None) -> int:
         """Read sorted, unique `miss` into the arena without a lease; rows read, 0 when
         the arena has no room (leased) or the read failed (a step reading them reports it).
         carried: rows a client already read (_complete)."""
@@ -235,7 +235,7 @@ class CacheEngine(TableEngine):
         except ResourceExhausted:
             return 0
         try:
-            self._complete(fill, (), cached=cached, carried=carried)
+            self._complete(fill, (), carried=carried)
         except (_FillFailed, ChecksumError):
             return 0
         return misses
@@ -254,9 +254,9 @@ class CacheEngine(TableEngine):
         them is placed from those bytes, each verified against its row sum in the same
         pass, instead of read from disk; one that does not match is read from disk
         instead and counted (note_rows_refused): no row that failed its sum is ever
-        placed. Format 2 under O_DIRECT carries records instead (rows [n, record_bytes]:
-        each row with its sum, checked against it; a row's sum on disk would cost a disk
-        read of its own): the caller takes them only from a peer it trusts with the
+        placed. Format 2 carries records instead (rows [n, record_bytes]: each row with
+        its sum, checked against it; a row's sum on disk would cost a read of its own):
+        the caller takes them only from a peer it trusts with the
         table (served.note: the sidecar's own uid). Rows of another form than the
         reader's carried_form are ignored: those misses are read from disk, batched,
         like any miss. Never refused: when the arena is
@@ -344,8 +344,8 @@ class CacheEngine(TableEngine):
             c.misses += ids.size - hit_slots.size
             miss = self._admitted_misses(np.sort(distinct(ids[~hit])))  # sorted, for the cold tier
             room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
-        # the client has just read these rows: their bytes (carried) or at least their pages (cached)
-        return self._promote(miss[:room], cached=True, carried=carried)
+        # the client has just read these rows: their bytes (carried), or at least their pages
+        return self._promote(miss[:room], carried=carried)
 
     def hot_set(self) -> tuple[np.ndarray, np.ndarray]:
         """The resident rows, hottest first: (ids int64, counts uint8), counts the policy's
@@ -493,14 +493,13 @@ class CacheEngine(TableEngine):
         of the few fills in flight, so no slot carries its fill's id."""
         return [f.waiter() for f in self._fills.values() if np.isin(filling, f.slots, assume_unique=True).any()]
 
-    def _complete(self, fill: Fill | None, waits, cached: bool = False, carried=None) -> None:
+    def _complete(self, fill: Fill | None, waits, carried=None) -> None:
         """Stages 2 and 3: read this step's misses into place, then wait for other steps'
         fills of rows it shares. Raises the fill's error, or _FillFailed (plan again).
-        cached: the rows' pages are known to be in the page cache (SegmentReader.read_into).
         carried: (sorted row ids, their index in rows, rows) a client already read (_read_into)."""
         if fill is not None:
             try:
-                self._read_into(fill.ids, fill.slots, cached, carried)
+                self._read_into(fill.ids, fill.slots, carried)
             except BaseException as e:
                 with self._lock:
                     self._drop_fill(fill)  # the fill's pin; the step's goes with its lease
@@ -519,7 +518,7 @@ class CacheEngine(TableEngine):
             if other.error is not None:
                 raise _FillFailed()
 
-    def _read_into(self, ids: np.ndarray, slots: np.ndarray, cached: bool = False, carried=None) -> None:
+    def _read_into(self, ids: np.ndarray, slots: np.ndarray, carried=None) -> None:
         """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified. The
         ones in `carried` are placed from those bytes and checked against their row sums in
         one pass (SegmentReader.place_rows, or place_records for records); if any does not
@@ -544,7 +543,7 @@ class CacheEngine(TableEngine):
                                     int(ids[have][bad]))
             if ids.size == 0:
                 return
-        self.reader.read_into(ids, self.arena.rows, slots, cached=cached)
+        self.reader.read_into(ids, self.arena.rows, slots)
 
     def _abandon(self, slots: np.ndarray, fill: Fill | None) -> None:
         """Undo a reservation whose lease was refused (its fill never started)."""

@@ -51,7 +51,7 @@ class Learner:
         they were for are then read from disk if promoted): the queue holds at most that.
 
         trusted: the peer runs as the sidecar's uid (or root; step_server.peer_trusted). Only
-        then are carried records (format 2 under O_DIRECT: each row with its own sum) kept:
+        then are carried records (format 2: each row with its own sum) kept:
         such a peer can write the segments and the arena itself, so a sum it sends guards
         against faults, not forgery. Rows checked against the sidecar's own sums are kept
         from anyone. source: the client's conn_id (TableEngine.note_access: another client's

@@ -125,9 +125,8 @@ class ColdTier(Tier):
         (rows that verify only by block, rows not on this host)."""
         return None
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
-        """Rows `ids` verified and written to dest[slots]. cached: their pages are known to
-        be in the page cache, so a tier that maps them may gather instead of reading."""
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
+        """Rows `ids` verified and written to dest[slots]."""
         dest[slots] = self.read_rows(ids)
 
     def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -1,34 +1,41 @@
-"""O_DIRECT row reads: the sectors holding each row, read around the page cache.
+"""Row reads: each row's bytes read into a scratch buffer, never touched through a map.
 
-With `--direct-io` the cold tier is not cached twice (page cache + arena): a
-miss reads the aligned sectors that hold its row (512 B for a 256-B row on a
-512-B-sector disk, where the block path reads its whole checksum block) into an aligned
-scratch buffer; rows whose sectors touch are read with one read. With io_uring
-(uring.py) a call's reads, over all the segments they fall in, go through one
-ring in the calling thread, kept at its depth until the last; without it, one
-pread at a time a thread, and the reader spreads a call over its pool so the
-device sees a queue (preadv drops the GIL).
+`start_rows` / `pread_rows` read rows at computed offsets of one file or several
+into a scratch buffer, rows whose spans touch with one read, and place them into
+the caller's rows; a file that ends early (cut short while it is read included) is
+a short read the caller names, never a signal. Spans are the rows' own bytes
+through the page cache (alignment 1, the reader's default mode), or with
+`--direct-io` the aligned sectors that hold each row, read around the page cache
+(512 B for a 256-B row on a 512-B-sector disk, where the block path reads its
+whole checksum block), so the cold tier is not cached twice (page cache + arena).
+With io_uring (uring.py) a call's reads, over all the segments they fall in, go
+through one ring in the calling thread, kept at its depth until the last; without
+it, one pread at a time a thread, and the reader spreads a call over its pool so
+the device sees a queue (preadv drops the GIL).
 
-Alignment is the device's logical sector size: tried at 512 B, then 4 KiB.
-A filesystem that refuses O_DIRECT (tmpfs) is an InvalidArgument naming the
-file, raised when the reader opens.
+`DirectFiles` opens a version's segments O_DIRECT. Alignment is the device's
+logical sector size: tried at 512 B, then 4 KiB. A filesystem that refuses
+O_DIRECT (tmpfs) is an InvalidArgument naming the file, raised when the reader opens.
 """
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
+import platform
 import stat
 import threading
 
 import numpy as np
 
 from tierstore.errors import InvalidArgument
+from tierstore.jit import Kernel
 from tierstore.tiers.nvme import uring
 from tierstore.tiers.nvme.uring import Ring
 
-__all__ = ["DirectFiles", "RowReads", "pread_rows", "probe_alignment", "row_buffer", "start_rows", "thread_buffer",
-           "thread_ring"]
+__all__ = ["DirectFiles", "RowReads", "pread_rows", "probe_alignment", "row_buffer", "part_starts", "start_rows",
+           "thread_buffer", "thread_ring", "warm"]
 
 _ALIGNS = (512, 4096)
 # reads a thread's ring keeps in flight (its entries): one thread reads a step's tables through its
@@ -71,47 +78,220 @@ def pread_rows(fd, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer
 
 
 def start_rows(fd, offsets: np.ndarray, rb: int, a: int, buffer, ring: Ring | None = None,
-               release=None) -> "RowReads":
+               release=None, gap: int = 0, nowait: bool = False) -> "RowReads":
     """pread_rows in two halves: the spans are worked out and, with a `ring`, submitted to it
     (the call returns while the device reads them); RowReads.finish(out) waits for them in
-    the same thread, preads what is left and places the rows. The scratch buffer(n) gives
-    must stay the call's until finish; `release(scratch)` is called once finish is done
-    with it (the caller's pool takes it back)."""
+    the same thread, preads what is left and places the rows (or RowReads.finish_in_place,
+    which leaves them in the scratch). The scratch buffer(n) gives must stay the call's
+    until finish; `release(scratch)` is called once finish is done with it (the caller's
+    pool takes it back). gap: rows whose spans lie within `gap` bytes of each other share
+    one read too, the bytes between read and left unused (a read through the page cache
+    costs about what copying a few KiB does). nowait (reads through the page cache, with
+    a ring): each span is first read here without waiting (preadv2 RWF_NOWAIT, one
+    compiled loop): what the page cache holds is copied at once, and only the rest goes
+    to the ring, so a call whose rows are cached costs no ring round trip."""
     fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
+    n = int(offsets.size)
     off = offsets * rb
-    start = off // a * a
-    end = -(-(off + rb) // a) * a
-    # rows whose spans touch (in one file) share one read; ends never decrease within a file
-    new = np.ones(offsets.size, dtype=bool)
-    new[1:] = start[1:] > end[:-1]
+    spans = np.empty((4, n), dtype=np.int64)  # per read: descriptor, file offset, length, scratch position
+    pos = np.empty(n, dtype=np.int64)  # per row: its scratch position
+    k = _SPANS.compiled()
+    if k is not None:
+        runs, nbytes = k(fds, off, rb, a, gap, spans, pos)
+    else:
+        runs, nbytes = _spans_reference(fds, off, rb, a, gap, spans, pos)
+    spans = spans[:, :runs]
+    flat = buffer(int(nbytes))
+    reads = RowReads(rb, a, off, pos, spans, flat, ring, release)
+    if ring is not None and runs:
+        todo = None
+        if nowait and runs > 1 and _NOWAIT_OK and _preads() is not None:
+            reads.pread(np.arange(runs), _RWF_NOWAIT)
+            todo = np.flatnonzero(reads.res != spans[2])
+        reads.submit(todo)
+    return reads
+
+
+def part_starts(fd, offsets: np.ndarray, rb: int, a: int, gap: int, nbytes: int) -> np.ndarray:
+    """Where to cut rows `offsets` (start_rows' arguments) into parts whose scratch is each
+    about `nbytes` at most (one row's span more): the index of each part's first row but
+    the first's (int64, ascending; empty for one part)."""
+    n = int(offsets.size)
+    if n * (-(-rb // a) * a + a + gap) <= nbytes:
+        return np.zeros(0, dtype=np.int64)
+    fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
+    spans, pos = np.empty((4, n), dtype=np.int64), np.empty(n, dtype=np.int64)
+    k = _SPANS.compiled()
+    (k or _spans_reference)(fds, offsets * rb, rb, a, gap, spans, pos)
+    return np.flatnonzero(np.diff(pos // nbytes)) + 1
+
+
+_RWF_NOWAIT = 8  # linux/fs.h: fail (EAGAIN) rather than wait for the device
+_SYS_PREADV2 = 327  # x86-64: the compiled preads run there only (as uring.py's rings), os.preadv elsewhere
+_X86_64_LINUX = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+_NOWAIT_OK = True  # RWF_NOWAIT refused (EOPNOTSUPP) once: not asked again in this process
+
+
+def _spans_loop(fds, off, rb, a, gap, spans, pos):
+    """The reads of rows at byte offsets `off` (sorted within each file, a file's rows
+    together; fds: one descriptor, or one per row): each row's `a`-aligned span, and
+    rows whose spans lie within `gap` bytes of each other (in one file) share a read.
+    spans[:, r] = (descriptor, offset, length, position in the scratch) of read r;
+    pos[i] = row i's position. Returns (reads, scratch bytes)."""
+    n = off.shape[0]
+    many = fds.shape[0] > 1
+    r = -1
+    total = 0
+    end = 0
+    for i in range(n):
+        o = off[i]
+        start = o // a * a
+        f = fds[i] if many else fds[0]
+        if r < 0 or start > end + gap or f != spans[0, r]:
+            if r >= 0:
+                spans[2, r] = end - spans[1, r]
+                total += spans[2, r]
+            r += 1
+            spans[0, r] = f
+            spans[1, r] = start
+            spans[3, r] = total
+        end = (o + rb + a - 1) // a * a  # ends never decrease within a file
+        pos[i] = spans[3, r] + o - spans[1, r]
+    if r >= 0:
+        spans[2, r] = end - spans[1, r]
+        total += spans[2, r]
+    return r + 1, total
+
+
+def _spans_reference(fds, off, rb, a, gap, spans, pos):
+    """_spans_loop in numpy (its reference, and what runs without numba)."""
+    n = off.size
+    if n == 0:
+        return 0, 0
+    start, end = off // a * a, -(-(off + rb) // a) * a
+    new = np.ones(n, dtype=bool)
+    new[1:] = start[1:] > end[:-1] + gap
     if fds.size > 1:
         new[1:] |= fds[1:] != fds[:-1]
     first = np.flatnonzero(new)
-    r_off = start[first]
-    r_len = end[np.append(first[1:], offsets.size) - 1] - r_off
-    r_fd = fds[first] if fds.size > 1 else fds
-    r_pos = np.concatenate([[0], np.cumsum(r_len)[:-1]])
-    flat = buffer(int(r_len.sum()))
-    ticket = None
-    if ring is not None and r_off.size > 1:
-        ticket = ring.submit(r_fd, r_off, r_len, flat.ctypes.data + r_pos, min(READ_DEPTH, ring.entries), keep=flat)
-    return RowReads(rb, off, new, first, r_fd, r_off, r_len, r_pos, flat, ring, ticket, release)
+    runs = first.size
+    spans[0, :runs] = fds[first] if fds.size > 1 else fds[0]
+    spans[1, :runs] = start[first]
+    spans[2, :runs] = end[np.append(first[1:], n) - 1] - start[first]
+    spans[3, :runs] = np.concatenate([[0], np.cumsum(spans[2, :runs])[:-1]])
+    run_of = np.cumsum(new) - 1
+    pos[:] = spans[3, run_of] + off - spans[1, run_of]
+    return runs, int(spans[2, :runs].sum())
+
+
+def _preads_loop(call, err, iov, spans, flat, todo, res, a, flags):
+    """Read spans todo[j] (spans as _spans_loop makes them; span r into flat[spans[3, r]:])
+    with preadv2 and `flags`, one at a time: res[r] = the bytes read, or -errno. Without
+    flags a short read is read on from where it ended, until the span is whole or the
+    file ends (0, or an O_DIRECT read that ends off its alignment `a`, the file's last
+    sector); with RWF_NOWAIT a span the page cache does not hold whole is left short (or
+    -EAGAIN) for a read that may wait. Returns how many reads were refused outright
+    (EOPNOTSUPP: the file takes no RWF_NOWAIT)."""
+    addr, iov_addr = flat.ctypes.data, iov.ctypes.data
+    refused = 0
+    for j in range(todo.shape[0]):
+        r = todo[j]
+        n = spans[2, r]
+        got = 0
+        while True:
+            iov[0] = addr + spans[3, r] + got
+            iov[1] = n - got
+            k = call(_SYS_PREADV2, spans[0, r], iov_addr, 1, spans[1, r] + got, 0, flags)
+            if k < 0:
+                if err[0] == errno.EINTR:
+                    continue
+                refused += err[0] == errno.EOPNOTSUPP
+                got = -np.int64(err[0])
+                break
+            got += k
+            if k == 0 or got >= n or flags != 0 or got % a != 0:
+                break
+        res[r] = got
+    return refused
+
+
+_SPANS = Kernel(_spans_loop)
+_PREADS = Kernel(_preads_loop, nogil=True)  # it may wait on the device: other threads run meanwhile
+
+
+def _preads():
+    """The compiled _preads_loop, or None (numba missing or off, not x86-64 Linux)."""
+    return _PREADS.compiled() if _X86_64_LINUX else None
 
 
 class RowReads:
-    """A start_rows call's spans, in flight on its ring (or to be pread): finish(out) once."""
+    """A start_rows call's spans, in flight on its ring (or to be pread): finish(out) or
+    finish_in_place() once."""
 
-    def __init__(self, rb, off, new, first, r_fd, r_off, r_len, r_pos, flat, ring, ticket, release):
-        self.rb, self.off, self.new, self.first = rb, off, new, first
-        self.r_fd, self.r_off, self.r_len, self.r_pos, self.flat = r_fd, r_off, r_len, r_pos, flat
-        self.ring, self.ticket, self.release = ring, ticket, release
+    def __init__(self, rb, a, off, pos, spans, flat, ring, release):
+        self.rb, self.a, self.off, self.pos, self.spans, self.flat = rb, a, off, pos, spans, flat
+        self.ring, self.release, self.ticket, self._sent = ring, release, None, None
+        self.res = np.full(spans.shape[1], -1, dtype=np.int64)  # per read: bytes read, or -errno; -1: not yet
+
+    def submit(self, todo: np.ndarray | None = None) -> None:
+        """Reads `todo` (default: all) put in flight on the ring (one read alone: left for finish)."""
+        sp = self.spans if todo is None else self.spans[:, todo]
+        if sp.shape[1] > 1:
+            self.ticket = self.ring.submit(sp[0], sp[1], sp[2], self.flat.ctypes.data + sp[3],
+                                           min(READ_DEPTH, self.ring.entries), keep=self.flat)
+            self._sent = todo
+
+    def landed(self) -> bool:
+        """Every read is done (start_rows' nowait reads found them all in the page cache)."""
+        return self.ticket is None and bool((self.res == self.spans[2]).all())
+
+    def pread(self, todo: np.ndarray, flags: int = 0) -> None:
+        """Reads `todo` done here, one at a time (compiled: _preads_loop; else os.preadv), into res."""
+        global _NOWAIT_OK
+        k = _preads()
+        if k is not None:
+            call, err = uring._compiled_call()
+            if k(call, err, np.empty(2, dtype=np.int64), self.spans, self.flat, todo, self.res, self.a, flags):
+                _NOWAIT_OK = False
+            return
+        buf = memoryview(self.flat)
+        for r in todo.tolist():
+            f, o, n, p = (int(x) for x in self.spans[:, r])
+            got = os.preadv(f, [buf[p:p + n]], o)
+            while 0 < got < n and got % self.a == 0:  # read on, as _preads_loop does
+                more = os.preadv(f, [buf[p + got:p + n]], o + got)
+                if more == 0:
+                    break
+                got += more
+            self.res[r] = got
 
     def finish(self, out: np.ndarray) -> tuple[int, int]:
         """Rows into out[:n]: (bytes read, index of the first row its file did not hold in full, or -1)."""
         try:
-            return self._finish(out)
+            total, short, src, at = self.finish_in_place()
+            k = at.size if short < 0 else short
+            out[:k] = src[at[:k]]  # fancy indexing walks a strided view (np.take would copy it whole)
+            return total, short
         finally:
             self.abandon()
+
+    def finish_in_place(self) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """The reads waited for (and what the ring left short pread), the rows left where they
+        landed: (bytes read, index of the first row its file did not hold in full or -1,
+        src, at), row i being src[at[i]] (rows before the short one only). src is uint8
+        [*, rb] over this call's scratch, its rows 8-byte aligned wherever rb and the
+        alignment allow (so the compiled placing takes it as words): use it, then
+        abandon() gives the scratch back. OSError for a read that failed."""
+        total, short = self._read()
+        # every row starts at a multiple of g in the scratch: its rows as windows g bytes apart
+        rb, flat = self.rb, self.flat
+        g = rb if self.a == 1 else math.gcd(rb, self.a)
+        if g == rb and flat.size >= rb:
+            src = flat[:flat.size // rb * rb].reshape(-1, rb)
+        else:
+            src = np.lib.stride_tricks.as_strided(flat, shape=((flat.size - rb) // g + 1, rb), strides=(g, 1),
+                                                  writeable=False)
+        return total, short, src, self.pos // g
 
     def abandon(self) -> None:
         """Wait for the reads still in flight and give the scratch back (nothing placed)."""
@@ -122,43 +302,43 @@ class RowReads:
             self.release(self.flat)
         self.flat = None
 
-    def _finish(self, out: np.ndarray) -> tuple[int, int]:
-        rb, off, flat, r_fd, r_off, r_len, r_pos = (self.rb, self.off, self.flat, self.r_fd, self.r_off,
-                                                   self.r_len, self.r_pos)
-        buf = memoryview(flat)
-        total, short, redo = 0, -1, range(r_off.size)
+    def _read(self) -> tuple[int, int]:
+        """Wait for the ring, pread what is not read in full: (bytes read, first short row or -1)."""
+        sp, res = self.spans, self.res
         if self.ticket is not None:
             ticket, self.ticket = self.ticket, None
-            res = self.ring.wait(ticket)
-            whole = res == r_len
-            total, redo = int(r_len[whole].sum()), np.flatnonzero(~whole).tolist()  # short or failed: pread says why
-        first = self.first
-        last = np.append(first[1:], off.size) - 1
-        offs, poss, lens = r_off.tolist(), r_pos.tolist(), r_len.tolist()
-        for j in redo:
-            f, o, p, n = int(r_fd[j if r_fd.size > 1 else 0]), offs[j], poss[j], lens[j]
-            got = os.preadv(f, [buf[p:p + n]], o)
-            while 0 < got < n:  # a signal; or the file ends (its last sector is short)
-                more = os.preadv(f, [buf[p + got:p + n]], o + got)
-                if more == 0:
+            got = self.ring.wait(ticket)
+            if self._sent is None:
+                res[:] = got
+            else:
+                res[self._sent] = got
+        redo = np.flatnonzero(res != sp[2])  # not read, short, failed: pread says why
+        if redo.size:
+            self.pread(redo)
+            failed = redo[res[redo] < 0]
+            if failed.size:
+                e = int(-res[failed[0]])
+                raise OSError(e, f"reading {int(sp[2, failed[0]])} B at {int(sp[1, failed[0]])}: {os.strerror(e)}")
+        total, short = int(res.sum()), -1
+        for r in redo.tolist():  # in file order: the first row a short read left without all its bytes
+            if res[r] < sp[2, r]:
+                i = int(np.searchsorted(self.pos, sp[3, r] + res[r] - self.rb, side="right"))
+                if i < self.pos.size and self.pos[i] < sp[3, r] + sp[2, r]:
+                    short = i
                     break
-                got += more
-            total += got
-            if got < n:
-                need = off[first[j]:last[j] + 1] + rb - o  # bytes each row of the run needs
-                bad = np.flatnonzero(need > got)
-                if bad.size:
-                    short = int(first[j] + bad[0])
-                    break
-        # every row as a window at its byte position in the scratch buffer: one gather
-        window = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - rb + 1, rb), strides=(1, 1),
-                                                 writeable=False)
-        run_of = np.cumsum(self.new) - 1
-        pos = r_pos[run_of] + (off - r_off[run_of])
-        if short >= 0:
-            pos = pos[:short]
-        out[:pos.size] = window[pos]  # fancy indexing walks the strided view (np.take would copy it whole)
         return total, short
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the span and pread loops and the ring's, now: a
+    reader's first miss must not pay for it. Two rows of /dev/zero, read both ways."""
+    uring.warm()
+    fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        out = np.empty((2, 8), dtype=np.uint8)
+        start_rows(fd, np.array([0, 9]), 8, 1, lambda n: np.empty(max(n, 1), np.uint8)).finish(out)
+    finally:
+        os.close(fd)
 
 
 class _Scratch(threading.local):
@@ -204,6 +384,7 @@ class _Spares(threading.local):
 
 _SPARES = _Spares()
 SPARES_KEPT = 8  # scratch buffers a thread keeps for reads in flight at once (a step's tables and parts)
+SPARE_STEP = 1 << 20
 
 
 def spare_buffer(nbytes: int) -> np.ndarray:
@@ -212,7 +393,7 @@ def spare_buffer(nbytes: int) -> np.ndarray:
     for i, b in enumerate(_SPARES.bufs):
         if b.size >= nbytes:
             return _SPARES.bufs.pop(i)
-    return _aligned(max(nbytes, 1 << 20))
+    return _aligned(-(-max(nbytes, 1) // SPARE_STEP) * SPARE_STEP)  # whole steps: a later call's part fits
 
 
 def give_back(buf: np.ndarray) -> None:
@@ -227,17 +408,16 @@ def row_buffer(n: int, row_bytes: int) -> np.ndarray:
 
 
 class DirectFiles:
-    """O_DIRECT descriptors of one version's segments and sector-aligned row reads.
+    """O_DIRECT descriptors of one version's segments (`fds`) and the alignment their reads
+    need (`align`), for start_rows.
 
     paths: segment paths (None for a segment that is missing or not a regular file).
     Raises InvalidArgument when the filesystem refuses O_DIRECT.
     """
 
-    def __init__(self, paths, row_bytes: int):
-        self.row_bytes = row_bytes
+    def __init__(self, paths):
         self.fds: list[int | None] = []
         self.align = max(_ALIGNS)
-        self._scratch = _Scratch()
         try:
             for p in paths:
                 if p is None:
@@ -254,7 +434,6 @@ class DirectFiles:
                 if stat.S_ISREG(os.fstat(fd).st_mode):  # a file (not a FIFO swapped in): reads may block,
                     os.set_blocking(fd, True)           # which io_uring needs to queue them (no EAGAIN)
                 self.fds.append(fd)
-            self._fd_array = np.array([-1 if fd is None else fd for fd in self.fds], dtype=np.int64)
             first = next((i for i, fd in enumerate(self.fds) if fd is not None), None)
             if first is not None:
                 self.align = probe_alignment(self.fds[first], paths[first])
@@ -262,28 +441,6 @@ class DirectFiles:
         except BaseException:
             self.close()
             raise
-
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        return thread_buffer(self._scratch, nbytes)
-
-    def rows_per(self, nbytes: int) -> int:
-        """Rows whose aligned spans surely fit in `nbytes` of scratch (at least 256)."""
-        return max(256, nbytes // (-(-self.row_bytes // self.align) * self.align + self.align))
-
-    def read_rows(self, seg, offsets: np.ndarray, out: np.ndarray, ring: Ring | None = None) -> tuple[int, int]:
-        """Read rows `offsets` (sorted row numbers within segment `seg`; or, seg an int
-        array, within each row's own segment, rows sorted by segment, then offset) into
-        uint8 [len(offsets), row_bytes] `out`, through `ring` (default: this thread's).
-        Returns (bytes read, index of the first row the file did not hold in full, or -1)."""
-        fd = self.fds[seg] if np.ndim(seg) == 0 else self._fd_array[seg]
-        return pread_rows(fd, offsets, self.row_bytes, self.align, out, self._buffer, ring or thread_ring())
-
-    def start_rows(self, seg, offsets: np.ndarray) -> RowReads:
-        """read_rows in two halves (direct_io.start_rows) through this thread's ring: the
-        reads are in flight when this returns; RowReads.finish(out) in this thread places
-        them. Each call has a scratch of its own, so several may be in flight at once."""
-        fd = self.fds[seg] if np.ndim(seg) == 0 else self._fd_array[seg]
-        return start_rows(fd, offsets, self.row_bytes, self.align, spare_buffer, thread_ring(), give_back)
 
     def close(self) -> None:
         fds, self.fds = self.fds, []

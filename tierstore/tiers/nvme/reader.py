@@ -8,15 +8,19 @@ a separate row-sum file (format 1, older versions). Two read paths:
 - Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
   per-row checksum (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads
   only its record, verified in one compiled pass against the sum the record
-  carries (format 2: nothing per row is held in memory) or the mapped row-sum
-  file (format 1), and written straight into the caller's arena slots.
-  Page-cache mode gathers from a read-only memory map of each segment; big
-  calls go to a thread pool so cold reads are in flight together. O_DIRECT mode
-  (`direct_io=True`) reads the aligned sectors of each row (direct_io.py), so the
-  cold tier is not cached twice: a call's rows through the calling thread's one
-  io_uring, in parts of RING_BYTES of spans (`start_into` submits them and returns,
-  so a caller keeps several calls' reads in flight at once), or the pool's preads
-  where there is no io_uring.
+  carries (format 2: nothing per row is held in memory) or the one read beside it
+  from the row-sum file (format 1), and written into the caller's arena slots.
+  A call's records are read into a scratch buffer (direct_io.start_rows) and
+  placed from where they land: through the page cache by default (each record's
+  own bytes, records a few KiB apart in one read), or with `direct_io=True` with
+  O_DIRECT (the aligned sectors of each row, direct_io.py), so the cold tier is
+  not cached twice. Through the page cache a call's reads are first tried
+  without waiting (what the page cache holds is copied at once, in one compiled
+  loop, and placed part by part while its scratch is cache-hot); what must wait
+  on the device, and every O_DIRECT read, goes through the calling thread's one
+  io_uring, in parts (`start_into` submits them and returns, so a caller keeps
+  several calls' reads in flight at once), or, where there is no io_uring,
+  through the pool's preads.
 - Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
   written before row checksums existed): one pread per run of neighbouring
   blocks, each checked against its xxh3-64 in the catalog over the on-disk
@@ -26,28 +30,18 @@ a separate row-sum file (format 1, older versions). Two read paths:
 A row or block that does not match raises ChecksumError, never returned; a
 missing, truncated or non-regular segment reads as corrupt, naming it.
 
-In page-cache mode, rows on "seen" pages are gathered through the map, on the
-guess that the page cache holds them: at first every page (a table the host has room for is cached
-once read), then the pages this reader pread. Under memory pressure (a table
-larger than the host, a cgroup) the kernel evicts them and a gather takes major
-faults, one at a time, inline. A gather whose thread took major faults on more
-than EVICTED_FRACTION of its rows says so (the thread's own fault count, from
-getrusage: a gather that is merely slow because the CPU is busy elsewhere says
-nothing): the segment's seen flags are dropped and its rows are pread (many in
-flight) until their pages are seen again. A call's first PROBE_ROWS rows go
-first, to find out. Where the thread's count is not to be had (not Linux), a
-gather slower than EVICTED_S_PER_ROW a row counts instead.
+Nothing is read through a memory map: a segment or row-sum file that an operator
+truncates (a `cp` over it truncates first) while it is read must be a short
+read, hence DATA_LOSS, never a touch of a mapped page past the file's end,
+which is SIGBUS for the whole process (the sidecar, or every client on the host
+that reads its misses itself).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
-import resource
 import stat
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -58,53 +52,67 @@ from tierstore.store.catalog import BlockChecksums, TableVersion
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.tiers.nvme import rowsum
 from tierstore.tiers.base import ColdTier, check_ids, check_out, gather_by_block
-from tierstore.tiers.nvme.verified_copy import kernels, place_records, place_verified
-from tierstore.tiers.nvme.direct_io import _Scratch, pread_rows, row_buffer, thread_buffer, thread_ring
+from tierstore.tiers.nvme.verified_copy import place_records, place_verified
+from tierstore.tiers.nvme.direct_io import (DirectFiles, RowReads, _Scratch, give_back, part_starts, spare_buffer,
+                                            start_rows, thread_buffer, thread_ring, warm)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SegmentReader", "default_block_rows", "read_pool", "BLOCK_TARGET_BYTES"]
 
-# Row reads: a call's misses are cut into chunks of about CHUNK_BYTES, dealt to
-# at most ROW_TASKS pool tasks (one hand-off each: a cold step has that many page
-# faults in flight); O_DIRECT waits on the device for every row, so more tasks.
-CHUNK_BYTES = 256 << 10
-ROW_TASKS, ROWS_PER_TASK = 16, 512
-# compiled (tiers/nvme/verified_copy.py), a row costs a small fraction of a pool hand-off: only a task
-# this big pays for one
-COMPILED_ROWS_PER_TASK = 16384
-DIRECT_TASKS, DIRECT_ROWS_PER_TASK, DIRECT_CHUNK_ROWS = 32, 64, 128
-# O_DIRECT through io_uring: the aligned spans of one part of a call, read into a scratch of its
-# own (8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call is several parts,
+# Row reads without io_uring: a call's misses are cut into chunks of CHUNK_ROWS, dealt to at most
+# READ_TASKS pool tasks of at least ROWS_PER_TASK rows (a pread at a time a thread: the device sees
+# a queue only across threads, and the compiled preads drop the GIL)
+READ_TASKS, ROWS_PER_TASK, CHUNK_ROWS = 32, 64, 128
+# O_DIRECT through io_uring: the spans of one part of a call, read into a scratch of its own
+# (8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call is several parts,
 # all in flight on the thread's ring at once
 RING_BYTES = 8 << 20
+# through the page cache a part's reads are tried at once (start_into) and, where the page cache
+# held them, placed before the next part is read: small enough that its scratch is still in the
+# CPU's cache then
+PAGE_CACHE_PART_BYTES = 1 << 20
+# through the page cache, records this close share a read (the bytes between read too): a read
+# costs about what copying a few KiB does, so misses that fall near each other (a table the
+# page cache holds, a prefill's many misses) take fewer reads. O_DIRECT: none (each sector is
+# the device's work)
+PAGE_CACHE_GAP = 2048
+SUM_BYTES = 8  # a row sum: format 2's record ends with it, format 1's row-sum file is one a row
+_SUMS = _Scratch()  # this thread's buffer of format 1 row sums as read
 
 
 def _open_segment(path: Path) -> tuple[int | None, str | None]:
     """(fd, None) for a regular file, else (None, why). O_NONBLOCK: opening a
-    FIFO put where a segment was must not wait for a writer."""
+    FIFO put where a segment was must not wait for a writer; a regular file's
+    reads may then block (io_uring queues a read of a page not in the page
+    cache rather than answering EAGAIN). Advised random: a miss reads its own
+    pages, no read-ahead around them (a block read asks for its whole range)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None, "missing"
     mode = os.fstat(fd).st_mode
     if stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd, None
     os.close(fd)
     kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file"
     return None, f"not a regular file ({kind}); restore it or re-ingest the table"
 
 
-def _map_sums(fd: int, rows: int) -> np.ndarray | None:
-    """The first `rows` u64 of the row-sum file at fd, mapped read-only; None when the file is shorter."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size < rows * 8:
-        return None
-    if rows == 0:
-        return np.zeros(0, np.uint64)
-    m = mmap.mmap(fd, rows * 8, mmap.MAP_SHARED, mmap.PROT_READ)
-    return np.frombuffer(m, "<u8", rows).view(np.uint64)
-
+def _xxh3_of(fd: int, nbytes: int) -> int | None:
+    """xxh3-64 of the first `nbytes` of the file at fd, read in pieces (into this thread's sums
+    scratch); None when it is shorter."""
+    h, got = xxhash.xxh3_64(), 0
+    view = memoryview(thread_buffer(_SUMS, 1 << 20))
+    while got < nbytes:
+        n = os.preadv(fd, [view[:min(len(view), nbytes - got)]], got)
+        if n == 0:
+            return None
+        h.update(view[:n])
+        got += n
+    return h.intdigest()
 
 
 # ---- the block path's sizes and pool ----
@@ -142,53 +150,34 @@ def default_block_rows(row_bytes: int) -> int:
     return max(1, BLOCK_TARGET_BYTES // row_bytes)
 
 
-# ---- page-cache mode ----
-PAGE_SHIFT = 12
-EVICTED_FRACTION = 0.1     # a gather that major-faulted on more of its rows than this
-# without fault counts: a gather this slow a row waited on the device (major faults), not on a cached
-# page's first touch, which costs orders of magnitude less
-EVICTED_S_PER_ROW = 10e-6
-PROBE_ROWS = 32
-_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+class _Part:
+    """Rows ids[a:b] of a read_into call, their reads in flight on the thread's ring or to
+    be pread when finished: their records (`rows`) and, format 1, their sums from the
+    row-sum file (`sums`). SegmentReader._place_part finishes it once;
+    abandon() waits for what is still in flight (its reads write the scratch until they end)."""
 
+    __slots__ = ("a", "b", "rows", "sums")
 
-def _faults() -> int | None:
-    """Major faults this thread has taken so far (None where the OS does not say)."""
-    return resource.getrusage(_RUSAGE_THREAD).ru_majflt if _RUSAGE_THREAD is not None else None
+    def __init__(self, a: int, b: int, rows: RowReads, sums: RowReads | None):
+        self.a, self.b, self.rows, self.sums = a, b, rows, sums
 
+    def landed(self) -> bool:
+        """Every read of the part is done already (start_rows read it all without waiting)."""
+        return self.rows.landed() and (self.sums is None or self.sums.landed())
 
-class _Gather:
-    """Times a gather and counts its major faults: `with _Gather(seen, rows): ...`."""
-
-    __slots__ = ("seen", "rows", "t0", "f0")
-
-    def __init__(self, seen: np.ndarray, rows: int):
-        self.seen, self.rows = seen, rows
-
-    def __enter__(self):
-        self.f0, self.t0 = _faults(), time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.rows < PROBE_ROWS:
-            return
-        if self.f0 is not None:
-            evicted = _faults() - self.f0 > self.rows * EVICTED_FRACTION
-        else:
-            evicted = time.perf_counter() - self.t0 > self.rows * EVICTED_S_PER_ROW
-        if evicted:
-            self.seen[:] = False  # racy between threads, harmless: a page pread once more
-
-
-_PREAD_SCRATCH = _Scratch()
+    def abandon(self) -> None:
+        self.rows.abandon()
+        if self.sums is not None:
+            self.sums.abandon()
 
 
 class Reading:
-    """A SegmentReader.start_into call: rows read (`results`) or in flight on this thread's
-    ring (`parts`: (a, b, segments) with their RowReads). finish() once, in the thread that
-    started it: the parts waited for in order, verified and placed; records made where
-    they were not read; the bytes counted; ChecksumError for the first bad row. Where
-    finishing fails part-way, the parts not finished are still waited for (their reads
-    write buffers until they end) before the error passes."""
+    """A SegmentReader.start_into call: rows read and placed (`results`) or in flight on this
+    thread's ring (`parts`). finish() once, in the thread that started it: the parts waited for in
+    order, verified and placed; records made where they were not read; the bytes counted;
+    ChecksumError for the first bad row. Where finishing fails part-way, the parts not
+    finished are still waited for (their reads write buffers until they end) before the
+    error passes."""
 
     def __init__(self, reader: "SegmentReader", ids, dest, slots, records, results: list, parts=()):
         self.reader, self.ids, self.dest, self.slots, self.records = reader, ids, dest, slots, records
@@ -199,22 +188,21 @@ class Reading:
         read = records if r._records_read else None
         parts, self.parts = self.parts, []
         try:
-            for k, ((a, b, seg), pending) in enumerate(parts):
-                tmp = row_buffer(b - a, r.record_bytes)
-                nbytes, short = pending.finish(tmp)
-                self.results.append(r._place_read(tmp, nbytes, short, a, b, seg, ids, dest, slots, read))
+            for part in parts:
+                self.results.append(r._place_part(part, ids, dest, slots, read))
         finally:
-            for _, pending in parts:
-                pending.abandon()  # finished ones: nothing left
+            for part in parts:
+                part.abandon()  # finished ones: nothing left
         if records is not None and ids.size and not r._records_read:
             records[slots] = r.carried_records(ids, dest[slots])
         r._report(ids, self.results)
 
     def abandon(self) -> None:
-        """Nothing placed: the reads still in flight waited for (their buffers given back)."""
+        """Nothing more placed (rows the page cache held may be placed already: the call's dest
+        rows hold anything): the reads still in flight waited for (their buffers given back)."""
         parts, self.parts = self.parts, []
-        for _, pending in parts:
-            pending.abandon()
+        for part in parts:
+            part.abandon()
 
 
 class SegmentReader(ColdTier):
@@ -227,24 +215,22 @@ class SegmentReader(ColdTier):
         the filesystem refuses it (tmpfs). Block reads stay buffered and drop
         what they read from the page cache.
 
-    Thread-safe: reads use pread or a read-only map, never a shared file
-    offset. A missing, truncated or non-regular segment file reads as corrupt
-    (ChecksumError). `bytes_read` counts bytes read from the files (rows in
-    page-cache mode, sectors with O_DIRECT, whole blocks on the block path).
-    `verifies_rows`: each row read is checked against its own checksum (a
-    format 2 version, whose records carry it; or a format 1 version with a
-    usable row-sum file), else rows verify by their block.
-    `row_sums` (format 1 only) is the per-row checksum array (8 B per row) or
-    None (format 2, or a version written without one); `row_sums_error` says
-    why a format 1 version's row sums were not usable.
-    map_row_sums (format 1): map the row-sum file read-only (default) rather
-        than copy it: the sidecar and its clients on the host share one page-cache
-        copy, not 8 B a row in each process; checked once at open like a copy,
-        and a file shrunk since then reads as corrupt, not SIGBUS.
+    Thread-safe: every read is a pread (or an io_uring read) at its offset, never
+    a shared file offset, and nothing is mapped. A missing, truncated or
+    non-regular segment file reads as corrupt (ChecksumError), and so does one cut
+    short while it is read: a short read, never a signal. `bytes_read` counts bytes
+    read from the files (records through the page cache, sectors with O_DIRECT,
+    whole blocks on the block path; not the sums place_rows reads to check rows
+    it is handed). `verifies_rows`: each row read is checked against its own
+    checksum (a format 2 version, whose records carry it; or a format 1 version
+    with a usable row-sum file), else rows verify by their block. Format 1's
+    row-sum file is checked once at open against the manifest's xxh3 and then
+    read beside the rows, 8 B a row (nothing per row held: the sidecar and its
+    clients on the host share its page-cache copy); `row_sums_error` says why a
+    format 1 version's row sums were not usable.
     """
 
-    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False,
-                 map_row_sums: bool = True):
+    def __init__(self, data_dir, version: TableVersion, checksums: np.ndarray, *, direct_io: bool = False):
         self.data_dir = Path(data_dir)
         self.version = version
         self.table = version.table
@@ -263,29 +249,37 @@ class SegmentReader(ColdTier):
         self._blocks_per_seg = version.segment_rows // self.block_rows
         self._fds: list[int | None] = []
         self._why: list[str | None] = []  # why a segment cannot be read
-        self._maps: list = [None] * len(version.segments)
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.direct = None
-        self._sums_fd = None  # the mapped row-sum file (map_row_sums), checked for shrinking per read
-        self._map_sums = map_row_sums
+        self._sums_fd = None  # format 1's row-sum file, read beside the rows
         for rel in version.segments:
             fd, why = _open_segment(self.data_dir / rel)
             self._fds.append(fd)
             self._why.append(why)
-        self.row_sums, self.row_sums_error = self._load_row_sums()
-        self.verifies_rows = self.sums_in_records or self.row_sums is not None
-        if direct_io:
-            from tierstore.tiers.nvme.direct_io import DirectFiles
+        try:
+            self._sums_path, self.row_sums_error = self._open_row_sums()
+            self.verifies_rows = self.sums_in_records or self._sums_fd is not None
+            if direct_io:
+                paths = [self.data_dir / rel if fd is not None else None
+                         for rel, fd in zip(version.segments, self._fds)]
+                self.direct = DirectFiles(paths)
+            warm()  # the read loops compiled at open, not on the first miss
+        except BaseException:
+            self.close()
+            raise
+        # what rows are read through: O_DIRECT's descriptors and sector alignment, or the page
+        # cache's descriptors and each record's own bytes (-1: a segment not there)
+        fds, self._align, self._gap = ((self.direct.fds, self.direct.align, 0) if self.direct is not None
+                                       else (self._fds, 1, PAGE_CACHE_GAP))
+        self._row_fds = np.array([-1 if fd is None else fd for fd in fds], dtype=np.int64)
+        self._all_present = bool((self._row_fds >= 0).all())
+        # read_into's records are the records as read (no sum made again): carried_form "records"
+        self._records_read = self.carried_form == "records"
 
-            paths = [self.data_dir / rel if fd is not None else None for rel, fd in zip(version.segments, self._fds)]
-            try:
-                self.direct = DirectFiles(paths, self.record_bytes)
-            except BaseException:
-                self.close()
-                raise
-
-    def _load_row_sums(self) -> tuple[np.ndarray | None, str | None]:
+    def _open_row_sums(self) -> tuple[Path | None, str | None]:
+        """Format 1: open the row-sum file (self._sums_fd) if it holds the manifest's sums
+        (its xxh3 over the first 8 B x rows); (its path, why it is not usable or None)."""
         meta = self.version.row_sums
         if not meta:
             return None, None
@@ -298,25 +292,14 @@ class SegmentReader(ColdTier):
         fd, why = _open_segment(path)
         if fd is None:
             err = f"{where}: row checksum file {path} is {why}"
+        elif _xxh3_of(fd, self.rows * SUM_BYTES) != int(meta["xxh3"]):
+            os.close(fd)
+            err = f"{where}: row checksum file {path} is corrupt or truncated"
         else:
-            try:
-                if self._map_sums:
-                    raw = _map_sums(fd, self.rows)
-                    ok = raw is not None
-                else:
-                    raw = np.empty(self.rows, dtype="<u8")
-                    ok = os.preadv(fd, [memoryview(raw).cast("B")], 0) == raw.nbytes
-                ok = ok and xxhash.xxh3_64_intdigest(raw) == int(meta["xxh3"])
-                err = None if ok else f"{where}: row checksum file {path} is corrupt or truncated"
-                if ok and self._map_sums:
-                    self._sums_fd, fd = fd, None
-            finally:
-                if fd is not None:
-                    os.close(fd)
-        if err:
-            log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
-            return None, err
-        return raw.view(np.uint64), None
+            self._sums_fd = fd
+            return path, None
+        log.warning("%s; rows are verified by their 4 KiB blocks instead (slower); re-ingest to restore", err)
+        return path, err
 
     # ---- public reads ------------------------------------------------------
     def read_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -341,39 +324,39 @@ class SegmentReader(ColdTier):
         np.take(tmp, inv.reshape(-1), axis=0, out=out, mode="clip")  # in range; "raise" would buffer
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False,
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
                   records: np.ndarray | None = None) -> None:
         """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
 
         ids: int64, sorted, unique and in range (not re-checked: the engine
             validated them at the edge).
-        dest: writable uint8 [capacity, row_bytes] (the arena view); rows are
-            written in place, no bounce copy in page-cache mode.
+        dest: writable uint8 [capacity, row_bytes] (the arena view).
         slots: integer [len(ids)], distinct rows of dest.
-        cached: the caller knows the rows' pages are in the page cache (a local
-            client has just read them): page-cache mode gathers them through the
-            map at once, no probe, no pool hand-off (ignored with O_DIRECT).
         records: optional writable uint8 [capacity, W] (W the width carried_records gives:
             record_bytes in format 2): records[slots[i]] = row ids[i]'s record as a client
-            carries it (carried_records). Under O_DIRECT
-            with sums in the records (carried_form "records") the verified records as read,
-            so no sum is computed again; elsewhere made from the rows.
+            carries it (carried_records). With sums in the records (carried_form
+            "records") the verified records as read, so no sum is computed again;
+            elsewhere made from the rows.
         Thread-safe: call concurrently on one reader, no lock needed.
         Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
-        row fails verification or its segment is missing/truncated/not a file;
-        dest rows of that call may then hold anything (free those slots).
+        row fails verification or its segment (or format 1's row-sum file) is
+        missing/truncated/not a file, truncated while read included; dest rows of
+        that call may then hold anything (free those slots).
         OSError passes through. start_into(...).finish(), at once.
         """
-        self.start_into(ids, dest, slots, cached, records).finish()
+        self.start_into(ids, dest, slots, records).finish()
 
-    def start_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False,
+    def start_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
                    records: np.ndarray | None = None) -> "Reading":
-        """read_into in two halves. Under O_DIRECT through io_uring, the rows' reads are
-        submitted to this thread's ring and this returns while the device reads them;
+        """read_into in two halves. Through io_uring, the rows' reads are submitted to this
+        thread's ring and this returns while the device (or the page cache) serves them;
         Reading.finish(), in this thread, waits, verifies and places them and raises what
         read_into raises. So a caller puts several calls' reads in flight (a step's tables)
-        and works on one while the device reads the next, the queue never draining between
-        them. Elsewhere (page cache, preads) the rows are read here and finish() reports.
+        and works on one while the next is read, the queue never draining between them.
+        Through the page cache, each part is first read here without waiting (the rows the
+        page cache holds) and, when that read it all, placed at once, while its scratch is
+        still in the CPU's cache; only the rest waits on the ring. Without io_uring the
+        rows are pread here (by the pool, for many) and finish() places nothing more.
         Raises ChecksumError for a segment that is not there, before any read."""
         n = int(ids.size)
         if n == 0:
@@ -381,34 +364,34 @@ class SegmentReader(ColdTier):
         if not self.verifies_rows:  # a version written before row checksums: verify whole blocks
             dest[slots] = self._read_rows_by_block(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
             return Reading(self, ids, dest, slots, None, [])  # nothing carried: no row sums
-        self._check_sums(ids)
-        sr = self.version.segment_rows
-        first = int(ids[0]) // sr
-        if cached and self.direct is None:
-            results = self._fill_cached(ids, dest, slots)
-        elif self.direct is None and n <= 2 * PROBE_ROWS and int(ids[-1]) // sr == first:
-            results = [self._fill_small(first, ids, dest, slots)]  # a decode step's few misses
-        elif self.direct is not None and thread_ring() is not None:
-            # io_uring: a call's rows over all its segments through this thread's one ring, in parts
-            # of RING_BYTES of spans, all submitted now: the ring stays at its depth to the last
-            # read, one drain a call (or a step, for a caller that starts its tables first)
-            for s in np.unique(ids // sr).tolist():
-                self._source(s, None, ids[np.searchsorted(ids, s * sr)])  # a segment not there: raised now
-            per = self.direct.rows_per(RING_BYTES)
-            parts = []
-            try:
-                for a in range(0, n, per):
-                    b = min(a + per, n)
-                    seg = ids[a:b] // sr
-                    parts.append(((a, b, seg), self.direct.start_rows(seg, ids[a:b] - seg * sr)))
-            except BaseException:
-                for _, p in parts:
-                    p.abandon()
-                raise
-            return Reading(self, ids, dest, slots, records, [], parts)
-        else:
-            results = self._fill_many(ids, dest, slots, records if self._records_read else None)
-        return Reading(self, ids, dest, slots, records, results)
+        self._check_present(ids)
+        ring = thread_ring()
+        if ring is None:
+            return Reading(self, ids, dest, slots, records,
+                           self._read_many(ids, dest, slots, records if self._records_read else None))
+        # a call's rows over all its segments through this thread's one ring, in parts of
+        # RING_BYTES of spans (PAGE_CACHE_PART_BYTES through the page cache), all submitted
+        # now: the ring stays at its depth to the last read, one drain a call (or a step, for
+        # a caller that starts its tables first)
+        fds, offs = self._where(ids)
+        cuts = part_starts(fds, offs, self.record_bytes, self._align, self._gap,
+                           RING_BYTES if self.direct is not None else PAGE_CACHE_PART_BYTES).tolist()
+        parts, results, read = [], [], records if self._records_read else None
+        try:
+            for a, b in zip([0] + cuts, cuts + [n]):
+                part = self._start_part(ids, fds, offs, a, b, ring)
+                if not part.landed():
+                    parts.append(part)
+                    continue
+                try:  # read whole by now (the page cache held it): placed while its bytes are cache-hot
+                    results.append(self._place_part(part, ids, dest, slots, read))
+                finally:
+                    part.abandon()  # its scratch is the next part's
+        except BaseException:
+            for p in parts:
+                p.abandon()
+            raise
+        return Reading(self, ids, dest, slots, records, results, parts)
 
     def _report(self, ids: np.ndarray, results: list) -> None:
         """Count the bytes a call read; ChecksumError for its first bad row."""
@@ -417,26 +400,96 @@ class SegmentReader(ColdTier):
         bad = [r[1:] for r in results if r[1] >= 0]
         if bad:
             i, why = min(bad)
-            row = int(ids[i])
-            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
-                                f"row {row}" + (f": {why}" if why else ""))
-            err.row = row
-            raise err
+            raise self._error(int(ids[i]), why)
 
-    def _place_read(self, tmp: np.ndarray, nbytes: int, short: int, a: int, b: int, seg, ids, dest, slots,
-                    records) -> tuple[int, int, str]:
-        """Rows ids[a:b] as read into tmp (O_DIRECT: `short` the first the file did not hold, or -1)
-        verified and placed into dest[slots[a:b]], their records as read into records[slots]."""
+    def _error(self, row: int, why: str) -> ChecksumError:
+        """ChecksumError for `row` (its block named; err.row = row): `why`, or a row sum mismatch."""
+        err = ChecksumError(self.table, self.version.number, row // self.block_rows,
+                            f"row {row}" + (f": {why}" if why else ""))
+        err.row = row
+        return err
+
+    def _check_present(self, ids: np.ndarray) -> None:
+        """ChecksumError naming the first of sorted `ids` whose segment is not there (missing,
+        not a regular file)."""
+        if self._all_present:
+            return
+        sr = self.version.segment_rows
+        seg = ids // sr
+        held = seg[:1] if seg[0] == seg[-1] else seg[np.r_[0, np.flatnonzero(seg[1:] != seg[:-1]) + 1]]
+        gone = held[self._row_fds[held] < 0]
+        if gone.size:
+            s = int(gone[0])
+            raise self._error(int(ids[np.searchsorted(ids, s * sr)]),
+                              f"segment {self.version.segments[s]} is {self._why[s]}")
+
+    def _where(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where sorted `ids` are read: (their segments' descriptors, one a row, or the one
+        for a table of one segment; each row's record number in its segment)."""
+        if self._row_fds.size == 1:
+            return self._row_fds, ids
+        sr = self.version.segment_rows
+        seg = ids // sr
+        return self._row_fds[seg], ids - seg * sr
+
+    def _start_part(self, ids: np.ndarray, fds: np.ndarray, offs: np.ndarray, a: int, b: int, ring) -> _Part:
+        """The reads of rows ids[a:b] (sorted, in segments that are there; fds, offs: _where(ids))
+        started: submitted to `ring`, or with ring None to be pread when the part is placed.
+        Each has a scratch of its own (spare_buffer), so several parts may be in flight at once."""
+        cached = self.direct is None  # through the page cache: what it holds is read at once, no ring
+        rows = start_rows(fds[a:b] if fds.size > 1 else fds, offs[a:b], self.record_bytes, self._align,
+                          spare_buffer, ring, give_back, self._gap, cached)
+        sums = None
+        if not self.sums_in_records:
+            try:
+                sums = start_rows(self._sums_fd, ids[a:b], SUM_BYTES, 1, spare_buffer, ring, give_back, PAGE_CACHE_GAP,
+                                  True)
+            except BaseException:
+                rows.abandon()
+                raise
+        return _Part(a, b, rows, sums)
+
+    def _place_part(self, part: _Part, ids, dest, slots, records) -> tuple[int, int, str]:
+        """A part's rows, once read, verified and placed into dest[slots[a:b]], their records as
+        read into records[slots] (given under carried_form "records"); (bytes read, index of
+        the first bad row or -1, why: "" for a row that fails its sum)."""
+        a, b = part.a, part.b
+        nbytes, short, src, at = part.rows.finish_in_place()  # placed from where they landed: no copy
         if short >= 0:
-            s = int(seg[short]) if np.ndim(seg) else seg
+            s = int(ids[a + short]) // self.version.segment_rows
             return nbytes, a + short, f"segment {self.version.segments[s]} is truncated"
-        bad = self._place(tmp, np.arange(b - a), ids[a:b], dest, slots[a:b])
+        sums = None
+        if part.sums is not None:
+            got = thread_buffer(_SUMS, SUM_BYTES * (b - a))[:SUM_BYTES * (b - a)].reshape(b - a, SUM_BYTES)
+            _, short = part.sums.finish(got)
+            if short >= 0:
+                return nbytes, a + short, f"the row checksum file {self._sums_path} is truncated"
+            sums = got.view("<u8").reshape(-1)
+        bad = self._place(src, at, ids[a:b], dest, slots[a:b], sums)
         if bad < 0 and records is not None:
-            records[slots[a:b]] = tmp[:b - a]  # verified by _place: each its row and the sum keyed by its id
+            records[slots[a:b]] = src[at]  # verified by _place: each its row and the sum keyed by its id
         return nbytes, (a + bad if bad >= 0 else -1), ""
 
-    def held_arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.checksums,) if self.row_sums is None else (self.checksums, self.row_sums)
+    def _read_part(self, ids, fds, offs, a: int, b: int, dest, slots, records) -> tuple[int, int, str]:
+        """Rows ids[a:b] pread, verified and placed, at once (_place_part's result)."""
+        part = self._start_part(ids, fds, offs, a, b, None)
+        try:
+            return self._place_part(part, ids, dest, slots, records)
+        finally:
+            part.abandon()  # its scratch given back
+
+    def _read_many(self, ids, dest, slots, records) -> list[tuple[int, int, str]]:
+        """Without io_uring: rows in chunks of CHUNK_ROWS, pread one at a time a thread, over
+        the pool's threads when there are many (the device sees a queue only across them)."""
+        n = int(ids.size)
+        chunks = [(a, min(a + CHUNK_ROWS, n)) for a in range(0, n, CHUNK_ROWS)]
+        k = max(1, min(READ_TASKS, len(chunks), n // ROWS_PER_TASK))
+        fds, offs = self._where(ids)
+        run = lambda part: [self._read_part(ids, fds, offs, a, b, dest, slots, records) for a, b in part]
+        with cpu_token.waiting():  # reads that may wait on the device: other plans compute meanwhile
+            if k > 1:
+                return [r for rs in read_pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
+            return run(chunks)
 
     @property
     def cold_dir(self) -> Path | None:
@@ -447,26 +500,21 @@ class SegmentReader(ColdTier):
     @property
     def carried_form(self) -> str:
         """How a client on the host hands the sidecar the misses it read and verified, so the
-        sidecar promotes them without reading them again: "rows", checked against sums
-        the sidecar holds (format 1) or finds in the page cache the client's read has
-        just filled (format 2 without O_DIRECT: place_rows); "records", each row with its
-        row sum, for format 2 under O_DIRECT, where the sum on disk would cost a read of
-        its own (place_records; the sidecar takes records only from a peer with its own
-        uid, who can write the segments anyway: served.note), and only where the sums
-        are keyed by the version's salt (fmix64-v2), so a record of another table or
-        version fails; "" for a version without row sums, or a format 2 version under
-        O_DIRECT written before row_salt (its misses are read from disk: nothing the
-        sidecar did not verify for this place is ever placed)."""
+        sidecar promotes them without reading them again: "records", each row with its row
+        sum as read (format 2, whose sum on disk would cost the sidecar a read of its own:
+        place_records; the sidecar takes records only from a peer with its own uid, who can
+        write the segments anyway: served.note), and only where the sums are keyed by the
+        version's salt (fmix64-v2), so a record of another table or version fails; "rows",
+        checked against sums the sidecar reads itself (place_rows: format 1's row-sum
+        file, 8 B a row; a format 2 version written before row_salt, through the page
+        cache); "" for a version without row sums, or a format 2 version under O_DIRECT
+        written before row_salt (its misses are read from disk: nothing the sidecar did
+        not verify for this place is ever placed)."""
         if not self.verifies_rows:
             return ""
-        if not (self.sums_in_records and self.direct is not None):
-            return "rows"
-        return "records" if self.row_key.binds_version else ""
-
-    @property
-    def _records_read(self) -> bool:
-        """read_into's records are the records as read (no sum made again): carried_form "records"."""
-        return self.carried_form == "records"
+        if self.sums_in_records and self.row_key.binds_version:
+            return "records"
+        return "" if self.sums_in_records and self.direct is not None else "rows"
 
     def carried_records(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The format 2 records (row, padding, row sum) of verified rows uint8 [n, row_bytes]
@@ -494,163 +542,75 @@ class SegmentReader(ColdTier):
                    slots: np.ndarray) -> int:
         """Write src[row_at[i]], row ids[i] as someone else read it, into dest[slots[i]], each
         row verified against its row sum in the same pass (verified_copy.place_verified):
-        the sidecar promotes the rows a client on the host read without reading them again.
+        the sidecar promotes the rows a client on the host read without reading the rows again.
 
         ids: int64, in range (the engine checked them); src: uint8 [*, row_bytes];
         row_at, slots: int64 [len(ids)]. Returns the index of the first row that does
         not match its row sum, or -1 when all do; after a mismatch the rows of this
         call in dest may hold anything (the caller reads them from disk instead).
         Every row mismatches for a version without row sums: nothing unverified is
-        ever placed. Format 2: the sums are read from the records' last words through
-        the segment maps (pages the client's read has just brought into the page
-        cache), never taken from the client; with O_DIRECT they are not cached, and the
-        client carries whole records instead (carried_form, place_records). ChecksumError
-        when a segment or the row-sum file shrank since it was opened."""
+        ever placed. The sums are read from disk, never taken from the client: format
+        2's from the records' last words (pages the client's read has just brought into
+        the page cache), format 1's from the row-sum file; with O_DIRECT format 2's are
+        not cached, and the client carries whole records instead (carried_form,
+        place_records). ChecksumError when a segment or the row-sum file is not there
+        or ends before a row's sum."""
         if ids.size == 0:
             return -1
         if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
             return 0
-        if self.sums_in_records:
-            order = np.argsort(ids, kind="stable")
-            sums = np.empty(ids.size, dtype=np.uint64)
-            sums[order] = self._stored_sums(ids[order])
-            return place_verified(src, row_at, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
-        self._check_sums(ids)
-        return place_verified(src, row_at, ids, dest, slots, self.row_sums, self.row_key)
+        order = np.argsort(ids, kind="stable")
+        sums = np.empty(ids.size, dtype=np.uint64)
+        sums[order] = self._stored_sums(ids[order])
+        return place_verified(src, row_at, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
 
     def _stored_sums(self, ids: np.ndarray) -> np.ndarray:
-        """Format 2: the row sums the records of sorted `ids` carry, gathered from the
-        segment maps (ChecksumError for a segment missing or shrunk)."""
-        sr, out = self.version.segment_rows, np.empty(ids.size, dtype=np.uint64)
-        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
-        cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
-        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
-            if lo < hi:
-                offsets = ids[lo:hi] - s * sr
-                view, _ = self._mapped(s, offsets, ids[lo])
-                out[lo:hi] = view.view("<u8")[offsets, -1]
-        return out
+        """The row sums of sorted `ids` as stored (format 2: each record's last word; format 1:
+        the row-sum file), read through the page cache; ChecksumError for a file that is
+        not there or ends before one of them."""
+        got, short = self._read_sums(ids)
+        if short >= 0:
+            raise self._error(int(ids[short]), self._sums_gone(int(ids[short])))
+        return got
 
-    def _place(self, src: np.ndarray, offsets: np.ndarray, ids: np.ndarray, dest: np.ndarray,
-               slots: np.ndarray) -> int:
-        """Place records src[offsets] (as read from a segment) into dest[slots], each row
-        verified: against the sum its record carries (format 2) or the row-sum file's."""
+    def _read_sums(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the stored row sums of sorted, unique `ids`, uint64 [n]; the index of the first whose
+        file is not there or ends before it, or -1: the sums from there on are undefined)."""
+        out = np.empty((ids.size, SUM_BYTES), dtype=np.uint8)
+        if not self.sums_in_records:
+            _, short = start_rows(self._sums_fd, ids, SUM_BYTES, 1, spare_buffer, thread_ring(), give_back,
+                                  PAGE_CACHE_GAP, True).finish(out)
+            return out.view("<u8").reshape(-1), short
+        # a record's sum is its last 8-B word, and records are whole words: word k of its segment
+        sr, words = self.version.segment_rows, self.record_bytes // SUM_BYTES
+        seg = ids // sr
+        fds = np.array([-1 if fd is None else fd for fd in self._fds], dtype=np.int64)[seg]
+        gone = np.flatnonzero(fds < 0)
+        n = int(gone[0]) if gone.size else ids.size
+        short = -1
+        if n:
+            _, short = start_rows(fds[:n], (ids[:n] - seg[:n] * sr) * words + words - 1, SUM_BYTES, 1,
+                                  spare_buffer, thread_ring(), give_back, PAGE_CACHE_GAP, True).finish(out)
+        return out.view("<u8").reshape(-1), short if short >= 0 or n == ids.size else n
+
+    def _sums_gone(self, row: int) -> str:
+        """Why the stored sum of `row` could not be read (_read_sums found it short)."""
+        if not self.sums_in_records:
+            return f"the row checksum file {self._sums_path} is truncated"
+        s = row // self.version.segment_rows
+        return f"segment {self.version.segments[s]} is {self._why[s] or 'truncated'}"
+
+    def _place(self, src: np.ndarray, at: np.ndarray, ids: np.ndarray, dest: np.ndarray,
+               slots: np.ndarray, sums: np.ndarray | None = None) -> int:
+        """Place records src[at] (as read from a segment) into dest[slots], each row verified:
+        against the sum its record carries (format 2) or sums[i] (format 1: the rows' sums
+        as read from the row-sum file, in the rows' order)."""
         if self.sums_in_records:
-            return place_records(src, offsets, ids, dest, slots, self.row_key)
-        return place_verified(src, offsets, ids, dest, slots, self.row_sums, self.row_key)
-
-    def _check_sums(self, ids: np.ndarray) -> None:
-        """ChecksumError (naming ids[0]) when the mapped row-sum file shrank: touching the
-        map past the file's end would be SIGBUS."""
-        if self._sums_fd is not None and os.fstat(self._sums_fd).st_size < self.rows * 8:
-            row = int(ids[0])
-            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
-                                f"row {row}: the row checksum file shrank after it was opened")
-            err.row = row
-            raise err
-
-    def _fill_small(self, s: int, ids, dest, slots) -> tuple[int, int, str]:
-        """A few rows of one segment: inline, no chunking or pool hand-off."""
-        offsets = ids - s * self.version.segment_rows
-        src = self._source(s, offsets, ids[0])
-        cold = not src[1][offsets * self.record_bytes >> PAGE_SHIFT].all()
-        with cpu_token.waiting() if cold else contextlib.nullcontext():
-            return self._fill_buffered(s, src, offsets, ids, dest, slots, 0, ids.size)
-
-    def _fill_cached(self, ids, dest, slots) -> list[tuple[int, int, str]]:
-        """Rows on cached pages, gathered through each segment's map in one compiled pass."""
-        sr, out = self.version.segment_rows, []
-        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
-        cut = np.append(np.searchsorted(ids, segs * sr), ids.size)
-        for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()):
-            if lo < hi:
-                offsets = ids[lo:hi] - s * sr
-                view, seen = self._source(s, offsets, ids[lo])
-                bad = self._place(view, offsets, ids[lo:hi], dest, slots[lo:hi])
-                seen[offsets * self.record_bytes >> PAGE_SHIFT] = True
-                out.append((offsets.size * self.record_bytes, lo + bad if bad >= 0 else -1, ""))
-        return out
-
-    def _fill_many(self, ids, dest, slots, records=None) -> list[tuple[int, int, str]]:
-        """Rows over segments and chunks, read by the pool when there are many."""
-        n, sr = int(ids.size), self.version.segment_rows
-        segs = np.arange(int(ids[0]) // sr, int(ids[-1]) // sr + 1)
-        cut = np.searchsorted(ids, segs * sr)
-        cut = np.append(cut, n)
-        groups = [(s, self._source(s, ids[lo:hi] - s * sr, ids[lo]), lo, hi)
-                  for s, lo, hi in zip(segs.tolist(), cut[:-1].tolist(), cut[1:].tolist()) if lo < hi]
-        results, cold = [], n if self.direct is not None else 0
-        if self.direct is None:
-            s, src, lo, hi = groups[0]
-            if hi - lo > 2 * PROBE_ROWS and src[1][(ids[lo:lo + PROBE_ROWS] - s * sr) * self.record_bytes
-                                                   >> PAGE_SHIFT].all():
-                # pages taken to be cached: a few rows first, timed, before the rest goes inline
-                results.append(self._fill((s, src, lo, lo + PROBE_ROWS), ids, dest, slots))
-                groups[0] = (s, src, lo + PROBE_ROWS, hi)
-            for s, src, lo, hi in groups:
-                pages = (ids[lo:hi] - s * sr) * self.record_bytes >> PAGE_SHIFT
-                cold += int(pages.size - np.count_nonzero(src[1][pages]))
-        # mostly reads that wait on the device (O_DIRECT without io_uring: a pread at a time
-        # a thread): small chunks over many tasks (queue depth); mostly gathers from cached
-        # pages: big chunks over few tasks (few hand-offs)
-        deep = cold * 4 > n
-        chunk = DIRECT_CHUNK_ROWS if deep else max(1, CHUNK_BYTES // self.record_bytes)
-        chunks = [(s, src, a, min(a + chunk, hi)) for s, src, lo, hi in groups for a in range(lo, hi, chunk)]
-        per, most = (DIRECT_ROWS_PER_TASK, DIRECT_TASKS) if deep else \
-            (COMPILED_ROWS_PER_TASK if kernels() else ROWS_PER_TASK, ROW_TASKS)
-        k = max(1, min(most, len(chunks), n // per))
-        run = lambda part: [self._fill(c, ids, dest, slots, records) for c in part]
-        # reads of the device: other plans compute meanwhile; gathers from cached pages: compute
-        with cpu_token.waiting() if cold else contextlib.nullcontext():
-            if k > 1:
-                results += [r for rs in read_pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
-            else:
-                results += run(chunks)
-        return results
-
-    def _source(self, s: int, offsets: np.ndarray, first_id) -> object:
-        """Where rows of segment s come from: its row view (page-cache mode) or
-        its index (O_DIRECT); ChecksumError for a segment that is not there."""
-        if self._fds[s] is None:
-            row = int(first_id)
-            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
-                                f"row {row}: segment {self.version.segments[s]} is {self._why[s]}")
-            err.row = row
-            raise err
-        if self.direct is not None:
-            return s
-        return self._mapped(s, offsets, first_id)
-
-    def _mapped(self, s: int, offsets: np.ndarray, first_id) -> tuple[np.ndarray, np.ndarray]:
-        """Segment s's map (see _map), ChecksumError when it no longer holds rows `offsets`."""
-        if self._fds[s] is None:
-            return self._source(s, offsets, first_id)  # raises
-        view = self._map(s)
-        size = os.fstat(self._fds[s]).st_size  # shrunk since mapped? touching those pages would SIGBUS
-        limit = min(view[0].shape[0], size // self.record_bytes)
-        if int(offsets[-1]) >= limit:
-            row = int(first_id) + int(offsets[np.argmax(offsets >= limit)] - offsets[0])
-            err = ChecksumError(self.table, self.version.number, row // self.block_rows,
-                                f"row {row}: segment {self.version.segments[s]} is truncated")
-            err.row = row
-            raise err
-        return view
-
-    def _fill(self, task, ids, dest, slots, records=None) -> tuple[int, int, str]:
-        """Read, verify and place ids[a:b] (all in segment s), their records as read into
-        records[slots] when given (O_DIRECT); returns (bytes read, index of the first bad
-        row or -1, why)."""
-        s, src, a, b = task
-        sr = self.version.segment_rows
-        if self.direct is None:
-            return self._fill_buffered(s, src, ids[a:b] - s * sr, ids, dest, slots, a, b)
-        tmp = row_buffer(b - a, self.record_bytes)
-        nbytes, short = self.direct.read_rows(s, ids[a:b] - s * sr, tmp)
-        return self._place_read(tmp, nbytes, short, a, b, s, ids, dest, slots, records)
+            return place_records(src, at, ids, dest, slots, self.row_key)
+        return place_verified(src, at, ids, dest, slots, sums, self.row_key, np.arange(ids.size))
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
-        self._maps = [None] * len(self._maps)  # a map goes with its last view
         sums_fd, self._sums_fd = self._sums_fd, None
         for fd in fds + [sums_fd]:
             if fd is not None:
@@ -665,65 +625,6 @@ class SegmentReader(ColdTier):
             self.close()
         except Exception:
             pass
-
-    # ---- page-cache mode of the row path (read_into through the segment maps) ----
-
-    def _map(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """Segment s as a read-only uint8 [records held, record_bytes] view, mapped once,
-        and its pages' seen flags."""
-        view = self._maps[s]
-        if view is None:
-            with self._lock:
-                view = self._maps[s]
-                if view is None:
-                    size = os.fstat(self._fds[s]).st_size
-                    rb = self.record_bytes
-                    held = size // rb
-                    if held == 0:
-                        rows = np.empty((0, rb), dtype=np.uint8)
-                    else:
-                        mm = mmap.mmap(self._fds[s], held * rb, prot=mmap.PROT_READ)
-                        mm.madvise(mmap.MADV_RANDOM)  # scattered rows: fault one page, no read-around
-                        rows = np.frombuffer(mm, dtype=np.uint8).reshape(held, rb)
-                    # one flag per page: is it likely cached (see _Gather)?
-                    view = self._maps[s] = (rows, np.ones((size >> PAGE_SHIFT) + 1, dtype=bool))
-        return view
-
-    def _fill_buffered(self, s: int, src, offsets: np.ndarray, ids, dest, slots, a: int, b: int) -> tuple[int, int, str]:
-        """Page-cache mode: rows on pages this reader has read before come from its
-        map (a gather: no syscall once mapped); rows on pages it has not are
-        pread (a page fault on a cold page would wait for the device one at a
-        time per thread, and a first touch of a cached page is a fault too),
-        after which their pages count as seen. Every row is placed and verified
-        in one pass (tiers/nvme/verified_copy.py)."""
-        view, seen = src
-        rb = self.record_bytes
-        pages = offsets * rb >> PAGE_SHIFT
-        warm = seen[pages]
-        if warm.all():
-            with _Gather(seen, offsets.size):
-                bad = self._place(view, offsets, ids[a:b], dest, slots[a:b])
-            return offsets.size * rb, (a + bad if bad >= 0 else -1), ""
-        cold = np.flatnonzero(~warm)
-        got = row_buffer(cold.size, rb)
-        nbytes, short = pread_rows(self._fds[s], offsets[cold], rb, 1, got, self._pread_buffer)
-        if short >= 0:
-            return nbytes, a + int(cold[short]), f"segment {self.version.segments[s]} is truncated"
-        bad = self._place(got, np.arange(cold.size), ids[a:b][cold], dest, slots[a:b][cold])
-        if bad >= 0:
-            return nbytes, a + int(cold[bad]), ""
-        seen[pages[cold]] = True  # racy between threads, harmless: a page read twice
-        if cold.size < offsets.size:
-            hot = np.flatnonzero(warm)
-            with _Gather(seen, hot.size):
-                bad = self._place(view, offsets[hot], ids[a:b][hot], dest, slots[a:b][hot])
-            nbytes += hot.size * rb
-            if bad >= 0:
-                return nbytes, a + int(hot[bad]), ""
-        return nbytes, -1, ""
-
-    def _pread_buffer(self, nbytes: int) -> np.ndarray:
-        return thread_buffer(_PREAD_SCRATCH, nbytes)
 
     # ---- the block path: whole checksummed blocks ----
 
@@ -791,11 +692,9 @@ class SegmentReader(ColdTier):
                 return ""
             want = np.ascontiguousarray(recs[:, -8:]).view("<u8")[:, 0]
         else:
-            try:
-                self._check_sums(ids)
-            except ChecksumError:  # the row-sum file shrank: the rows cannot speak for themselves
+            want, short = self._read_sums(ids)
+            if short >= 0:  # the row-sum file shrank: the rows cannot speak for themselves
                 return ""
-            want = self.row_sums[r0:r0 + ids.size]
         if not np.array_equal(rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key), want):
             return ""
         catalog = self.data_dir / "catalog"
@@ -920,7 +819,12 @@ class SegmentReader(ColdTier):
                 r0, r1 = int(blocks[0]) * br, min(a * br, self.rows)
                 ids = np.arange(r0, r1, dtype=np.int64)
                 recs = buf[:(r1 - r0) * self.record_bytes].reshape(-1, self.record_bytes)
-                want = recs.view("<u8")[:, -1] if self.sums_in_records else self.row_sums[r0:r1]
+                if self.sums_in_records:
+                    want, short = recs.view("<u8")[:, -1], -1
+                else:
+                    want, short = self._read_sums(ids)
                 wrong = rowsum.row_sums(recs[:, :self.row_bytes], ids, self.row_key) != want
+                if short >= 0:  # the row-sum file ends before these rows' sums
+                    wrong[short:] = True
                 bad += np.unique(ids[wrong] // br).tolist()
         return bad

@@ -137,7 +137,7 @@ def _words(a: np.ndarray) -> np.ndarray:
     """uint8 [n, B] (B % 8 == 0, rows 8-byte aligned) as uint64 [n, B / 8] over the same memory."""
     if a.shape[0] == 0:
         return np.empty((0, a.shape[1] // 8), dtype=np.uint64)
-    if a.flags.c_contiguous:  # arena, segment map, scratch: the common case
+    if a.flags.c_contiguous:  # arena, scratch, a note's rows: the common case
         words = a.view(np.uint64)
         if words.flags.aligned:  # 8-byte aligned, checked on the view (a.ctypes builds an object per call)
             return words
@@ -155,13 +155,13 @@ def warm() -> None:
     key = rowsum.RowKey.of(0)  # the loops' types are the same under either algorithm's key
     src = np.zeros((2, 8), dtype=np.uint8)
     sums = rowsum.row_sums(src, np.arange(2), key)
-    mapped = src.copy()
-    mapped.flags.writeable = False  # a segment's memory map is read-only: its own specialisation
+    frozen = src.copy()
+    frozen.flags.writeable = False  # a note's rows (np.frombuffer of a frame): their own specialisation
     recs = rowsum.records(src, np.arange(2), key)
-    mapped_recs = recs.copy()
-    mapped_recs.flags.writeable = False
-    for rows in (src, mapped):
+    frozen_recs = recs.copy()
+    frozen_recs.flags.writeable = False
+    for rows in (src, frozen):
         place_verified(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), sums, key)
-    for rows in (recs, mapped_recs):
+    for rows in (recs, frozen_recs):
         place_records(rows, np.arange(2), np.arange(2), np.zeros((2, 8), dtype=np.uint8), np.arange(2), key)
     unique_inverse(np.arange(2))

@@ -182,7 +182,7 @@ class RemoteReader(ColdTier):
             self._gather(flat, lambda sel, rows: out.__setitem__(sel, rows))
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray, cached: bool = False) -> None:
+    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
         """Rows `ids` straight into dest[slots] (the arena), no intermediate array."""
         flat = check_ids(ids, self.rows, self.table)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
