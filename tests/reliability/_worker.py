@@ -2,7 +2,8 @@
 
     python _worker.py MODE '{"sock": ..., "expected": ".npy", ...}'
 
-steps: plan + read (and inline lookups) until `stop` exists or `seconds` pass;
+steps: plan + read (and inline lookups; local ones every `local_every` steps: the client reads
+    the misses from the segment files itself) until `stop` exists or `seconds` pass;
     every row is compared with the expected bytes (exit 3 on the first wrong
     row); Unavailable is counted with how long the failing call took; status is
     written to `status` as JSON after every call; the last stdout line is the final report.
@@ -31,7 +32,7 @@ def steps(a):
     n_rows = len(expected)
     rng = np.random.default_rng(a.get("seed", 0))
     c = Client(a["sock"], timeout=a.get("timeout", 10.0))
-    batch, inline_every = a.get("batch", 256), a.get("inline_every", 2)
+    batch, inline_every, local_every = a.get("batch", 256), a.get("inline_every", 2), a.get("local_every", 0)
     st = dict(ok=0, unavailable=0, errors={}, max_unavailable_s=0.0, ok_since_unavailable=0, restarts_seen=0)
     lat, when = [], []
     t_start = time.monotonic()
@@ -43,7 +44,9 @@ def steps(a):
         ids = (rng.zipf(1.2, batch) - 1) % n_rows if step % 2 else rng.integers(0, n_rows, batch)
         t0 = time.monotonic()
         try:
-            if inline_every and step % inline_every == 0:
+            if local_every and step % local_every == 0:
+                rows = c.lookup(a["table"], ids)
+            elif inline_every and step % inline_every == 0:
                 rows = c.lookup(a["table"], ids, inline=True)
             else:
                 with c.plan(a["table"], ids) as s:
