@@ -92,6 +92,59 @@ def test_everything_is_private_even_under_umask_0(open_dir, sidecars, rel):
         _another_user_reaches_nothing(full, vdir, open_dir / "data")
 
 
+CUT_PROBE = """
+import json, os, sys
+out = {}
+for p in json.loads(sys.argv[1]):
+    try:
+        os.truncate(p, 0)
+        out[p] = "cut"
+    except OSError as e:
+        out[p] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_no_other_user_can_cut_short_a_file_the_sidecar_maps_for_its_clients(open_dir, sidecars, rel):
+    """Every shm file a cache-mode sidecar under --direct-io makes for its clients to map (the
+    arena, the slot index, the lease board, the miss flights) is 0600 and its uid's, whatever the
+    umask: cutting one short (a map touched past its end is SIGBUS) takes that uid or root, who
+    can already write the rows every client reads and signal every process (docs/operations.md,
+    the threat model); as another user truncate is refused, file by file."""
+    import errno
+
+    old = os.umask(0)
+    try:
+        rel.write_table(open_dir / "data", "t", ROWS, dim=16)
+        try:
+            sc = sidecars(open_dir / "data", "64KiB", "--direct-io", socket=open_dir / "cache.sock")
+        except Exception as e:  # noqa: BLE001 - a filesystem without O_DIRECT
+            pytest.skip(f"--direct-io refused here: {e}")
+    finally:
+        os.umask(old)
+    with Client(sc.socket) as c:
+        assert not c.table_info("t")["full_resident"]
+    files = sc.shm_files()
+    kinds = {("flights" if f.name.endswith(".flights") else "index" if f.name.endswith(".index") else
+              "leases" if f.name.endswith(".leases") else "arena") for f in files}
+    assert kinds == {"arena", "index", "leases", "flights"}, files
+    for f in files:
+        st = os.lstat(f)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid(), f
+    if os.geteuid() != 0:
+        return  # another user's attempt needs root to make
+    py = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
+    if py is None:
+        return  # no system python for the other user
+    out = subprocess.run([py, "-I", "-c", CUT_PROBE, json.dumps([str(f) for f in files])], user=NOBODY,
+                         group=NOBODY, capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout).values()) == {errno.EACCES}, out.stdout
+    assert all(os.stat(f).st_size > 0 for f in files)
+    with Client(sc.socket) as c:
+        assert c.lookup("t", [1, 2]).shape == (2, 64)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a link owned by another user")
 def test_a_link_planted_in_dev_shm_never_redirects_arena_writes(tmp_path, sidecars, rel):
     expected = rel.write_table(tmp_path / "data", "t", ROWS, dim=16)
