@@ -292,7 +292,6 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     from tierstore.client.engines import vllm_plugin, vllm_stager
 
     res: dict = {}
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the staged layer's fix: the V2 runner is refused at build
     with _vllm_on(device, engram):
         emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows)
     res["staged: no rows held"] = emb.weight.shape[0] == 0 and emb.tierstore_staged is not None
@@ -302,6 +301,7 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     dev_ids = torch.from_numpy(ids).to(device)
     # a graph captured at the largest size over the staged layer's lookup, replayed per step
     out = torch.empty(GRAPH_TOKENS, HEADS, DIM, dtype=torch.bfloat16, device=device)
+    stager.stage_none()  # vLLM captures after its profile run: a dummy batch through prepare_inputs
     emb.lookup(dev_ids[:GRAPH_TOKENS], out)  # warm-up outside the capture
     replay = _capture(lambda: emb.lookup(dev_ids[:GRAPH_TOKENS], out), device)
     if device.type != "cuda":
@@ -322,12 +322,12 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     want_bad, want_packed_bad = want.clone(), want_packed.copy()
     want_bad[0, 0] = want_bad[1, 3] = 0
     want_packed_bad[0, 0] = want_packed_bad[1, 3] = 0
-    stager.stage_ids({1: bad})
     eager = torch.full((ids.shape[0], HEADS, DIM), 7.0, dtype=torch.bfloat16, device=device)
     packed = torch.empty(ids.shape[0], HEADS, DIM + DIM // 32, dtype=torch.uint8, device=device)
-    with _side_stream(device):
-        emb.lookup(dev_ids, eager, background=True)
-        emb.lookup(dev_ids, packed, background=True)
+    for out in (eager, packed):  # two forwards of the step: a forward reads a step's rows once
+        stager.stage_ids({1: bad})
+        with _side_stream(device):
+            emb.lookup(dev_ids, out, background=True)
     res["eager staged lookup bf16 == CPU path"] = _same_bits(eager.cpu(), want_bad)
     res["eager staged lookup packed == tierstore rows"] = bool(np.array_equal(packed.cpu().numpy(), want_packed_bad))
     synchronize(device)
@@ -424,10 +424,11 @@ def check_sglang_graph_staging(socket: str, table: str, ids: np.ndarray, device:
 
         def stage(bs: int):
             flat = np.ascontiguousarray(ids[:bs].reshape(-1), dtype=np.int64)
-            weight, scale = buffers.host_rows(0, flat.size)
-            staged.gather(flat, weight, scale)
-            buffers.publish(flat.size, side)
-            return weight.copy(), scale.copy()
+            host = []
+            buffers.fill(0, flat.size, lambda weight, scale: (staged.gather(flat, weight, scale),
+                                                              host.extend((weight.copy(), scale.copy()))))
+            buffers.publish(flat.size, bs, side)
+            return host
 
         def read():
             return dequant_rows(embed, buffers.weight[0], buffers.scale[0], (GRAPH_BATCH, HEADS))

@@ -31,8 +31,9 @@ __all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMisma
            "check_shape", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES",
            "FP8_BLOCK"]
 
-# engine -> (distribution name, versions the plugin was written against and tested with)
-SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.32.0",))}
+# engine -> (distribution name, versions the plugin was written against and tested with: an engine's
+# newest release and the one before, oldest first; client/engines/seams.py holds each one's seams)
+SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.33.0", "0.34.0"))}
 SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "sample"
 CHUNK_ROWS = 65536  # rows compared or hashed at a time under verify "all" (bounded memory at any table size)
 VERIFY_MODES = ("sample", "all", "off")
@@ -43,20 +44,23 @@ REINGEST = "ingest the checkpoint again (`tierstore ingest-checkpoint CKPT --dat
 WORKS = "works (CPU tests)"
 REFUSED = "refused"
 NO_GPU = "not tested on GPU"
+ENGINES_OWN = "the engine's own (tierstore serves none of its rows; CPU tests)"
 MODES = ("mapped", "staged")
 
 
 @dataclass(frozen=True)
 class Feature:
     """One row of the compatibility matrix: `engine`'s `name` under each mode, WORKS (run by
-    the CPU tests), NO_GPU (written for CUDA, not run on a GPU yet) or REFUSED at start with
-    `fix` (the message's remedy)."""
+    the CPU tests), NO_GPU (written for CUDA, not run on a GPU yet), ENGINES_OWN (passed to
+    the engine untouched) or REFUSED at start with `fix` (the message's remedy); for the
+    `versions` of the engine it names (None: every supported one)."""
 
     engine: str
     name: str
     mapped: str
     staged: str
     fix: str = ""
+    versions: tuple[str, ...] | None = None
 
     def status(self, mode: str) -> str:
         return self.mapped if mode == "mapped" else self.staged
@@ -87,18 +91,30 @@ FEATURES = (
             "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or set it to shared"),
     Feature("vllm", "CPU loading (allocation, weight loader, checkpoint check)", WORKS, WORKS),
     Feature("vllm", "CUDA lookup (_storage() UVA views / staged rows copied on a side stream)", NO_GPU, NO_GPU),
-    Feature("vllm", "staged rows hashed on the host before the forward, no device sync (V1 model runner)",
-            "n/a (vLLM hashes)", WORKS),
+    Feature("vllm", "staged rows hashed on the host before the forward (the V2 model runner's "
+            "DeepseekV41ModelState.prepare_inputs, its host token history)", "n/a (vLLM hashes)", WORKS),
     Feature("vllm", "CUDA graphs, cudagraph_mode FULL_AND_PIECEWISE (vLLM's default; staged: persistent buffers "
             "sized from the resolved capture sizes)", NO_GPU, NO_GPU),
     Feature("vllm", "async scheduling (vLLM's default)", NO_GPU, REFUSED,
             "a staged step's rows are read from its tokens on the host before the forward, and async scheduling "
             "prepares a step before the last step's sampled tokens reach the host: start vLLM with "
             "--no-async-scheduling (CUDA graphs stay on), or serve the tables split-layout with RAM for them"),
-    Feature("vllm", "the V2 model runner (vLLM's default where Triton is)", NO_GPU, REFUSED,
-            "the V2 model runner keeps the token history on the device only; tierstore stages from the V1 "
-            "runner's host token table: set VLLM_USE_V2_MODEL_RUNNER=0, or serve the tables split-layout with RAM "
-            "for them"),
+    Feature("vllm", "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33)", NO_GPU, REFUSED,
+            "tierstore stages a step where the V2 model runner (vLLM's default, its only runner from 0.34) builds "
+            "the forward's inputs, from its token history in pinned host memory: unset VLLM_USE_V2_MODEL_RUNNER, "
+            "or serve the tables split-layout with RAM for them", ("0.33.0",)),
+    Feature("vllm", "speculative decoding (--speculative-config)", NO_GPU, REFUSED,
+            "a staged step's rows are read from its tokens on the host before the forward, and draft tokens are "
+            "proposed on the device: start vLLM without --speculative-config, or serve the tables split-layout "
+            "with RAM for them"),
+    Feature("vllm", "micro-batching (--enable-dbo, --ubatch-size)", NO_GPU, REFUSED,
+            "a staged step's rows are the whole batch's, in its order, and each micro-batch's forward looks up a "
+            "part of it: start vLLM without --enable-dbo and --ubatch-size, or serve the tables split-layout with "
+            "RAM for them"),
+    Feature("vllm", "prefill context parallelism (--prefill-context-parallel-size)", NO_GPU, REFUSED,
+            "a staged step's rows are the whole batch's, in its order, and each context-parallel rank's forward "
+            "holds a part of the prompt: run with --prefill-context-parallel-size 1, or serve the tables "
+            "split-layout with RAM for them"),
     Feature("vllm", "Engram DP-sharded tables (embedding_across_dp)", NO_GPU, REFUSED,
             "a DP-sharded lookup reads the other DP ranks' hash ids, whose tokens this rank does not hold: run with "
             "--engram-config '{\"cpu_offload\": true, \"embedding_across_dp\": false}', or serve the tables "
@@ -110,6 +126,8 @@ FEATURES = (
     Feature("vllm", "--load-format dummy", REFUSED, REFUSED,
             "the dummy initialiser fills the Engram parameters and tierstore's arena is read-only: unset "
             "TIERSTORE_VLLM_SOCKET for dummy-weight runs"),
+    Feature("vllm", "a model built on the meta device (--load-format ipc_cache: the weight-cache daemon's tensors)",
+            ENGINES_OWN, ENGINES_OWN),
 )
 
 
@@ -153,11 +171,12 @@ def matrix() -> str:
     """docs/engines.md's compatibility matrix, a markdown table made from SUPPORTED and FEATURES."""
     lines = ["| engine | mode | feature | status |", "|---|---|---|---|"]
     for engine, (_, versions) in SUPPORTED.items():
-        for mode in MODES:
-            for f in (f for f in FEATURES if f.engine == engine):
-                status = f.status(mode)
-                cell = f"refused at start: {f.fix}" if status == REFUSED else status
-                lines.append(f"| {engine} {', '.join(versions)} | {mode} | {f.name} | {cell} |")
+        for version in versions:
+            for mode in MODES:
+                for f in (f for f in FEATURES if f.engine == engine and version in (f.versions or versions)):
+                    status = f.status(mode)
+                    cell = f"refused at start: {f.fix}" if status == REFUSED else status
+                    lines.append(f"| {engine} {version} | {mode} | {f.name} | {cell} |")
     return "\n".join(lines) + "\n"
 
 

@@ -156,9 +156,15 @@ def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:
     position, more than the repeats save, since Engram's hashed n-grams of real text repeat little
     within a step (docs/benchmarks.md)."""
     got = read_layers(tables, ids, [t.scratch.take(np.size(i)) for t, i in zip(tables, ids)])
-    for t, rows, weight, scale in zip(tables, got, weights, scales):
-        weight[...] = rows[:, :t.dim]
-        scale[...] = rows[:, t.dim:]
+    for rows, weight, scale in zip(got, weights, scales):
+        _split(rows, weight, scale)
+
+
+def _split(rows: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> None:
+    """weight / scale = the fp8 / ue8m0 bytes of packed rows `rows` [n, dim + dim / 32]."""
+    dim = weight.shape[1]
+    weight[...] = rows[:, :dim]
+    scale[...] = rows[:, dim:]
 
 
 class StagedHostTable:
@@ -227,7 +233,10 @@ class RowStager:
     graph_batch: the largest decode batch (requests) a captured decode graph runs, 0 when
     decode runs eagerly (decode_graph_batch). With it, decode batches of up to that many
     requests are staged into `buffers` (StagingBuffers, graph_batch x hash columns rows a
-    layer), whose entries `stage` returns and `graph_rows` reads at capture."""
+    layer), whose entries `stage` returns and `graph_rows` reads at capture. Batches are
+    numbered (`step`); an entry of the buffers carries its batch's number (`tierstore_step` on
+    its rows), and `dequant_staged` serves it only while the layer's buffer still holds that
+    batch's rows (StagingBuffers.rows: StagingError otherwise, never another batch's rows)."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
@@ -246,6 +255,7 @@ class RowStager:
         self.buffers = (StagingBuffers(len(self.layers), graph_batch * self.cols, self.dim, FP8_BLOCK, self.device)
                         if graph_batch > 0 else None)
         self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
+        self.step = 0  # the number of the last batch staged into the buffers
 
     @classmethod
     def from_model(cls, model, hasher, device) -> "RowStager | None":
@@ -301,15 +311,29 @@ class RowStager:
         return [np.ascontiguousarray(ids[:, k].reshape(-1)) for k, _ in self.layers]
 
     def _stage_graph(self, ids: np.ndarray, staged: list) -> list:
-        """A decode batch a captured graph may run: every layer's rows into the persistent
-        buffers (rows past them zeroed), copied once on the side stream."""
+        """A decode batch a captured graph may run: every layer's rows read, then into the
+        persistent buffers (rows past them zeroed), copied once on the side stream; each entry's
+        rows carry the batch's number."""
         n = ids.shape[0] * self.cols
-        host = [self.buffers.host_rows(i, n) for i in range(len(self.layers))]
-        gather_layers([t for _, t in self.layers], self._layer_ids(ids), [w for w, _ in host], [s for _, s in host])
-        weights, scales, copied = self.buffers.publish(n, self.copy_stream)
+        tables = [t for _, t in self.layers]
+        got = read_layers(tables, self._layer_ids(ids), [t.scratch.take(n) for t in tables])
+        self.step += 1
+        for i, rows in enumerate(got):
+            self.buffers.fill(i, n, lambda weight, scale, rows=rows: _split(rows, weight, scale))
+        _, _, copied = self.buffers.publish(n, self.step, self.copy_stream)
         for i, (k, _) in enumerate(self.layers):
-            staged[k] = (weights[i], scales[i], copied)
+            weight, scale = self.buffers.rows(i, n, self.step)
+            weight.tierstore_step = self.step
+            staged[k] = (weight, scale, copied)
         return staged
+
+    def check(self, embed, rows) -> None:
+        """StagingError unless staged rows `rows` that layer `embed` reads are still its batch's:
+        rows of the persistent buffers (they carry their batch's number) must be what the layer's
+        buffer holds (StagingBuffers.rows); rows staged per batch are the batch's own."""
+        step = getattr(rows, "tierstore_step", None)
+        if step is not None:
+            self.buffers.rows(self._slot[id(embed.tierstore_table)], rows.shape[0], step)
 
     def graph_rows(self, embed, indices):
         """What a captured decode graph's staged layer `embed` reads for hash ids `indices`
@@ -521,7 +545,10 @@ def from_model(original, cls, model, hasher, device):
 def dequant_staged(original, embed, rows, scales, copied, hash_shape):
     """AROUND EngramEmbedding.dequant_staged: sglang's own on CUDA; rows staged on the host are
     dequantised by `dequant_rows` (sglang's CPU lookup's arithmetic). Rows past the staged
-    ones are 0."""
+    ones are 0. Rows of the persistent buffers are checked to be still their batch's first
+    (RowStager.check)."""
+    if RowStager.current is not None:
+        RowStager.current.check(embed, rows)
     if rows.is_cuda:
         return original(embed, rows, scales, copied, hash_shape)
     return dequant_rows(embed, rows, scales, hash_shape)

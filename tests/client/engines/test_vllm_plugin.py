@@ -1,4 +1,4 @@
-"""tierstore's vLLM plugin with vLLM 0.32's real Engram module and a real sidecar serving a
+"""tierstore's vLLM plugin with vLLM's real Engram module and a real sidecar serving a
 synthetic V4.1-layout checkpoint split-layout.
 
 Every `ParallelEngramEmbedding` here is built by its own __init__ in vLLM's distributed
@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)",
-                allow_module_level=True)
+    pytest.skip("vllm is not installed (make engine-deps-vllm installs it without CUDA)", allow_module_level=True)
 
 import torch  # noqa: E402
 
@@ -153,6 +152,24 @@ def test_what_the_plugin_refuses_says_what_to_do(plugin, vllm_world):
         vllm_world.embedding(layout, 0, None)
 
 
+@pytest.mark.parametrize("stage", ["auto", "on"])
+def test_a_layer_built_on_the_meta_device_is_vllms_own(served, vllm_world, stage):
+    """vLLM's ipc_cache weight-cache loader builds the model under torch.device("meta") and puts its
+    daemon's tensors in every parameter: the plugin hands such a layer vLLM's own meta tensors,
+    mapping no arena and staging nothing, whether the table would be mapped or staged."""
+    sc, arrays, ckpt = served
+    vllm_plugin.install(vllm_plugin.VllmPluginConfig(str(sc.socket), verify="off", stage=stage))
+    try:
+        layout = vllm_engram.layout(CONFIG)
+        with torch.device("meta"):
+            emb = vllm_world.embedding(layout, 0, 1)
+        assert emb.weight.is_meta and emb.weight_scale_inv.is_meta
+        assert tuple(emb.weight.shape) == arrays[1]["embed.weight"].shape
+        assert not hasattr(emb, "tierstore_staged") and vllm_plugin.staged_tables() is None  # no sidecar asked
+    finally:
+        vllm_plugin.uninstall()
+
+
 def test_config_from_the_environment():
     assert vllm_plugin.VllmPluginConfig.from_env({}) is None
     c = vllm_plugin.VllmPluginConfig.from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_TABLES": "1=l1, 14=l14"})
@@ -206,13 +223,15 @@ def test_vllm_loads_the_plugin_from_its_entry_point(served, tmp_path):
 
 def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
     """vLLM's load_general_plugins() lets a plugin's error through: the check stops the start."""
+    from importlib.metadata import version
+
     sc, arrays, ckpt = served
     script = ("from tierstore.client.engines import checks\n"
-              "checks.SUPPORTED['vllm'] = ('vllm', ('0.33.0',))\n" + _CHILD)
+              "checks.SUPPORTED['vllm'] = ('vllm', ('0.31.0',))\n" + _CHILD)
     env = {**os.environ, "TIERSTORE_VLLM_SOCKET": str(sc.socket)}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and run.stdout == ""
-    assert "EngineRefused: tierstore's vllm plugin supports vllm 0.33.0, found 0.32.0" in run.stderr
+    assert f"EngineRefused: tierstore's vllm plugin supports vllm 0.31.0, found {version('vllm')}" in run.stderr
     assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
 
 

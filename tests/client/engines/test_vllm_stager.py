@@ -1,4 +1,4 @@
-"""vLLM 0.32's real Engram classes over a table tierstore serves in cache mode, on CPU.
+"""vLLM's real Engram classes over a table tierstore serves in cache mode, on CPU.
 
 A real sidecar serves the synthetic V4.1-layout checkpoint's tables in cache
 mode (its --dram-budget a quarter of the rows): they are not split-layout, so
@@ -6,9 +6,11 @@ the plugin stages them (client/engines/vllm_stager.py). A staged
 `ParallelEngramEmbedding` (built by its own __init__ in vLLM's distributed world
 of one process on its CPU platform: the `vllm_world` fixture, vllm_engram.py)
 holds zero rows; the process's StepStager stages
-each step's rows from a host token table (as the runner hook does from the V1
-runner's token_ids_cpu) into persistent buffers, and the patched `lookup` reads
-them. The reference is vLLM's own `lookup` over
+each step's rows from a host token table (as the runner hook does from the V2
+runner's token history) into persistent buffers, and the patched `lookup` reads
+them. In the interpreter child, vLLM's own V2 runner state (its RequestState,
+InputBatch and DeepseekV41ModelState, built on CPU: vllm_engram.runner_state) feeds
+the hook the plugin installs through vLLM's own plugin loader. The reference is vLLM's own `lookup` over
 the same table held in memory: its real `_engram_lookup_kernel`, run on CPU
 tensors under Triton's interpreter in a child pytest run (TRITON_INTERPRET=1
 must be set before Triton is first imported; CUDA_VISIBLE_DEVICES="" keeps
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -33,8 +36,7 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (make engine-deps-vllm installs vllm 0.32.0 without CUDA)",
-                allow_module_level=True)
+    pytest.skip("vllm is not installed (make engine-deps-vllm installs it without CUDA)", allow_module_level=True)
 
 CHILD = os.environ.get("TIERSTORE_VLLM_STAGER_CHILD") == "1"
 if CHILD:
@@ -125,11 +127,9 @@ def _staged(world, layout, index: int, shards: int = 1, rank: int = 0):
 def test_staged_lookup_is_vllms_own_kernel(cache_model):
     """Parent: run the interp_ tests below in a child with TRITON_INTERPRET=1, over this
     module's sidecar."""
-    # with Triton there vLLM's default runner is the V2 one, which the plugin refuses at the layer's
-    # build: the child runs the V1 runner, as the refusal's fix says
     served = f"{cache_model['root']}{os.pathsep}{cache_model['socket']}"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERSTORE_VLLM_STAGER_CHILD="1",
-               VLLM_USE_V2_MODEL_RUNNER="0", **{SERVED_ENV: served})
+               **{SERVED_ENV: served})
     root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
                         __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -181,7 +181,8 @@ def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(cache_model, 
     layers, heads, 264] buffer as EngramBatch does) is bit for bit what vLLM's lookup
     (`_engram_lookup_kernel`) writes over the table in memory for the same tokens' hash ids,
     for the whole table and for the second of two head shards (a padded head). Steps up to
-    the 24 graph tokens go through the persistent buffers, larger ones through their own."""
+    the 24 graph tokens go through the persistent buffers, larger ones through their own. A
+    forward reads a step's rows once: the packed lookups read the same tokens staged again."""
     layout = vllm_engram.layout(CONFIG)
     arrays = cache_model["arrays"]
     # vLLM's own layers (its own allocation: built before the plugin is installed)
@@ -203,6 +204,10 @@ def test_interp_bf16_and_packed_rows_equal_vllms_kernel_over_steps(cache_model, 
                 emb.lookup(ids, got)  # tierstore's: the class's patched method, from the staged rows
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {L} step {step} bf16"
                 assert (want != 0).any() and (want[:, part - 1] == 0).all() == (shards == 2)  # padded head: zeros
+            stager.stage(vllm_stager.windows(table, starts, counts, 4))
+            for emb, own, L in zip(embs, owns, LAYERS):
+                ids = _hash_ids(stager, table, starts, counts, L)
+                part = emb.part_n_hash_cols
                 want_p = torch.full((len(ids), 2, part, 264), 9, dtype=torch.uint8)
                 got_p = want_p.clone()
                 own.lookup(ids, want_p[:, 1])
@@ -241,6 +246,83 @@ def test_interp_dequantize_is_the_kernels_arithmetic_for_every_byte_pair(vllm_wo
     same = kept & ~torch.isnan(w)
     assert torch.equal(w[same].view(torch.int16), g[same].view(torch.int16))
     assert torch.isnan(w[kept]).any() and torch.isinf(w[same]).any() and (w[same] == 0).any()
+
+
+@interp
+def test_interp_a_step_staged_through_vllms_v2_runner_is_vllms_own_lookup(cache_model, vllm_world, monkeypatch,
+                                                                          tmp_path):
+    """The whole path, per supported vLLM version: vLLM's own plugin loader
+    (`load_general_plugins()`, TIERSTORE_VLLM_SOCKET set) installs the plugin; both Engram layers are
+    built as vLLM's model builds them (`Engram._create_embedding` -> `ParallelEngramEmbedding.__init__`)
+    and staged; vLLM's V2 runner state (RequestState holding the requests' tokens, written by vLLM's
+    own kernel; DeepseekV41ModelState, the model's NgramHashState built from the tokenizer) runs
+    steps of prefill chunks, fresh prompts and decode tokens through its `prepare_inputs`, where the
+    plugin stages each step. vLLM's own hash of the step (NgramHashState.forward over the
+    `lookback_token_ids` that prepare_inputs gathered) looked up by vLLM's own kernel over the table
+    in memory is, bit for bit, what each staged layer's lookup returns, bf16 and packed. A dummy
+    batch (vLLM's profile and padding runs) stages no rows: zeros."""
+    import vllm.plugins
+    from vllm.config import EngramConfig, ModelConfig, SchedulerConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    layout = vllm_engram.layout(CONFIG)
+    arrays = cache_model["arrays"]
+    owns = [vllm_engram.holding(vllm_world.embedding(layout, index, L, cpu_offload=False), arrays[L]["embed.weight"],
+                                arrays[L]["embed.scale"]) for index, L in enumerate(LAYERS)]  # before the plugin
+    tokenizer = _tokenizer(tmp_path / "tok", CONFIG["engram_compressed_vocab_size"])
+    # the text model's architecture: vLLM's EngramConfig is checked against DeepseekV41ForCausalLM's
+    model_config = ModelConfig(model=str(cache_model["ckpt"]), tokenizer=str(tokenizer), max_model_len=64,
+                               dtype="bfloat16", limit_mm_per_prompt={"image": 0},
+                               hf_overrides={"architectures": ["DeepseekV41ForCausalLM"]})
+    config = vllm_engram.vllm_config(
+        model_config=model_config, engram_config=EngramConfig(cpu_offload=True),
+        scheduler_config=SchedulerConfig(max_model_len=64, is_encoder_decoder=False, max_num_batched_tokens=64,
+                                         max_num_seqs=4, enable_chunked_prefill=True))
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
+    monkeypatch.setenv("TIERSTORE_VLLM_SOCKET", cache_model["socket"])
+    vllm.plugins.load_general_plugins()
+    try:
+        assert engram.ParallelEngramEmbedding._allocate_weights.__module__ == vllm_plugin.__name__
+        embs = [vllm_world.create_embedding(config, layout, index) for index in range(len(LAYERS))]
+        assert all(isinstance(e.tierstore_staged, vllm_stager.StagedEngramTable) for e in embs)
+        vllm_plugin.staged_tables().graph_tokens = 16  # persistent buffers, as a CUDA resolution sizes them
+        model = vllm_engram.V41Model(config, layout)
+        state, req_states, buffers = vllm_engram.runner_state(config, model)
+        assert type(state).prepare_inputs.__module__ == vllm_plugin.__name__  # patched as its module loaded
+        rng = np.random.default_rng(21)
+        seqs = {f"r{i}": rng.integers(0, 499, n).tolist() for i, n in enumerate((40, 12, 30, 9))}
+        for r, prompt in zip(seqs, (40, 12, 20, 9)):  # r2 resumed with 10 tokens of output
+            req_states.add_request(r, prompt, seqs[r], 0, 8)
+        req_states.apply_staged_writes()  # vLLM's kernel writes the token history
+        forward = inspect.signature(engram.NgramHashState.forward).parameters
+        v1_args = (None, None) if "slot_mapping" in forward else ()  # 0.33's forward takes the V1 slot cache
+        # (request, tokens computed, tokens scheduled): a prefill chunk, a fresh prompt, chunks mid-way
+        # through a resumed request, decode tokens; batches up to and past the 16 graph tokens
+        for step, plan in enumerate([[("r0", 0, 12), ("r1", 0, 4)], [("r0", 12, 20), ("r2", 0, 2)],
+                                     [("r0", 39, 1), ("r1", 4, 8), ("r2", 2, 27), ("r3", 0, 9)],
+                                     [("r2", 29, 1), ("r3", 8, 1)]]):
+            batch = vllm_engram.input_batch(buffers, req_states, plan, seqs)
+            for packed in (False, True):  # two forwards of the batch, each through prepare_inputs
+                inputs = state.prepare_inputs(batch, req_states)
+                dead = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+                lookback = inputs["lookback_token_ids"]  # the persistent window, whole, as the model takes it
+                ids = model.engram_hash(batch.input_ids, batch.positions, batch.query_start_loc, dead, lookback,
+                                        torch.zeros_like(lookback, dtype=torch.bool), *v1_args)
+                for k, (emb, own, L) in enumerate(zip(embs, owns, LAYERS)):
+                    shape = (batch.num_tokens, emb.part_n_hash_cols, *((264,) if packed else (256,)))
+                    want = torch.full(shape, 9, dtype=torch.uint8 if packed else torch.bfloat16)
+                    got = want.clone()
+                    own.lookup(ids[:, k], want)  # vLLM's lookup of vLLM's hash: its kernels
+                    emb.lookup(ids[:, k], got)  # the staged layer's
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, L, packed)
+                    assert (want != 0).any()
+        dummy = InputBatch.make_dummy(2, 6, buffers)  # a profile or padding run: requests the runner does not hold
+        state.prepare_inputs(dummy, req_states)
+        got = torch.full((6, embs[0].part_n_hash_cols, 256), 9, dtype=torch.bfloat16)
+        embs[0].lookup(torch.zeros((6, embs[0].n_hash_cols), dtype=torch.int32), got)
+        assert not got.any()
+    finally:
+        vllm_plugin.uninstall()
 
 
 # ---- in this process -------------------------------------------------------------------------------
@@ -344,24 +426,25 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
     storage (data_ptr never changes), and a lookup at each captured size at or above the step
     (what a graph replayed for it reads) gets the step's rows at their token offsets and zero
     rows for the padding; a step past the 24 graph tokens is staged into its own tensors and
-    the buffers keep their storage."""
+    the buffers keep their storage. Each padded read is its own forward of the step (staged
+    again: a forward reads a step's rows once)."""
     layout = vllm_engram.layout(CONFIG)
     embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
     stager = _stager(plugin, embs, capacity=24)
     ptrs = (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr())
+    stager.stage_none()  # vLLM's profile run: a dummy batch through prepare_inputs
     profile = torch.full((40, embs[0].part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
     embs[0].lookup(torch.zeros((40, embs[0].n_hash_cols), dtype=torch.int32), profile)
-    assert (profile == 0).all()  # vLLM's profile run, before any step: past the buffers, no step staged
+    assert (profile == 0).all()
     captured = [1, 2, 4, 8, 16, 24]
     sizes = [*range(1, 25), 7, 1, 30, 2]
     table, steps = _token_steps(np.random.default_rng(7), sizes)
     for size, (starts, counts) in zip(sizes, steps):
-        stager.stage(vllm_stager.windows(table, starts, counts, 4))
-        assert (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr()) == ptrs
-        for emb, L in zip(embs, LAYERS):
-            ids = _hash_ids(stager, table, starts, counts, L)
-            want = _reference(plugin, emb, L, ids)
-            for padded in [p for p in captured if p >= size] or [size]:
+        for padded in [p for p in captured if p >= size] or [size]:
+            stager.stage(vllm_stager.windows(table, starts, counts, 4))
+            assert (stager.buffers.weight.data_ptr(), stager.buffers.scale.data_ptr()) == ptrs
+            for emb, L in zip(embs, LAYERS):
+                want = _reference(plugin, emb, L, _hash_ids(stager, table, starts, counts, L))
                 got = torch.full((padded, emb.part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
                 emb.lookup(torch.zeros((padded, emb.n_hash_cols), dtype=torch.int32), got)
                 assert torch.equal(got[:size].view(torch.int16), want.view(torch.int16)), (L, size, padded)
@@ -369,6 +452,40 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
         if size <= 24:
             assert stager._own is None and stager.buffers.filled == size * embs[0].part_n_hash_cols
             assert not stager.buffers.host_weight[:, stager.buffers.filled:].any()
+
+
+@parent
+def test_a_layer_whose_fill_was_skipped_raises_never_zeros_or_the_last_steps_rows(plugin, vllm_world, monkeypatch):
+    """Every persistent buffer carries the step it was filled for: with one layer's fill skipped
+    at the second step, that layer's lookup raises StagingError naming the step its buffer
+    holds, while the other layer reads its own step's rows; a second forward of one staged step
+    (a forward the hook did not stage) and a lookup before any step raise too."""
+    layout = vllm_engram.layout(CONFIG)
+    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
+    stager = _stager(plugin, embs, capacity=24)
+    table, steps = _token_steps(np.random.default_rng(13), [6, 6])
+
+    def lookup(emb):
+        out = torch.full((6, emb.part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+        emb.lookup(torch.zeros((6, emb.n_hash_cols), dtype=torch.int32), out)
+        return out
+
+    with pytest.raises(vllm_stager.StagingError, match="holds the rows of step none, and the forward of step 0"):
+        lookup(embs[0])
+    stager.stage(vllm_stager.windows(table, *steps[0], 4))
+    first = [lookup(emb) for emb in embs]
+    fill = stager.buffers.fill
+    monkeypatch.setattr(stager.buffers, "fill", lambda layer, n, write: None if layer == 1 else fill(layer, n, write))
+    stager.stage(vllm_stager.windows(table, *steps[1], 4))
+    got = lookup(embs[0])
+    want = _reference(plugin, embs[0], LAYERS[0], _hash_ids(stager, table, *steps[1], LAYERS[0]))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and not torch.equal(got, first[0])
+    with pytest.raises(vllm_stager.StagingError, match="slot 1 holds the rows of step 1, and the forward of step 2 "
+                                                       "reads it: that step's fill of this layer did not happen"):
+        lookup(embs[1])
+    with pytest.raises(vllm_stager.StagingError, match=f"layer {LAYERS[0]} looked up 6 tokens at step 2, which "
+                                                       f"tierstore staged for 6 tokens and this layer has read"):
+        lookup(embs[0])
 
 
 @parent
@@ -432,7 +549,7 @@ def test_the_lookup_never_reads_the_device_ids(plugin, vllm_world):
 @parent
 def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_world):
     """Engram DP-sharded tables (an Engram DP group of 2) stop the layer's build with the fix
-    (the other refusals read vLLM's config: test_async_scheduling_and_the_v2_runner_are_refused_with_the_fix)."""
+    (the other refusals read vLLM's config: test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix)."""
     with pytest.raises(checks.EngineRefused, match="refuses Engram DP-sharded tables .*embedding_across_dp\\\": "
                                                    "false"):
         vllm_world.embedding(vllm_engram.layout(CONFIG), 0, 1, engram_dp=2)
@@ -513,6 +630,9 @@ def test_a_row_that_fails_its_checksum_stops_the_step_naming_the_layer(tmp_path,
             stager.stage(vllm_stager.windows(table, np.array([4]), np.array([1]), 4))
         assert isinstance(e.value.__cause__, errors.DataLoss)
         assert torch.equal(stager.buffers.weight, before)  # nothing of the step staged
+        with pytest.raises(vllm_stager.StagingError, match="holds the rows of step 1, and the forward of step 2"):
+            emb.lookup(torch.zeros((1, emb.n_hash_cols), dtype=torch.int32),
+                       torch.empty((1, emb.part_n_hash_cols, 256), dtype=torch.bfloat16))  # not the last step's rows
         sc.stop()
         with pytest.raises(vllm_stager.StagingError, match="Engram layer 1 .*Unavailable"):
             stager.stage(vllm_stager.windows(table, np.array([5]), np.array([3]), 4))
@@ -539,26 +659,43 @@ def test_graph_tokens_are_vllms_resolved_largest_capture():
 
 
 @parent
-def test_async_scheduling_and_the_v2_runner_are_refused_with_the_fix(vllm_world, monkeypatch):
-    """A staged layer built under vLLM's config with async scheduling on, or the V2 model runner,
-    stops the build (vLLM's start) with the fix; the V1 runner without async scheduling builds."""
+def test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix(vllm_world, monkeypatch):
+    """A staged layer built under vLLM's config with async scheduling on, speculative decoding,
+    micro-batching or prefill context parallelism stops the build (vLLM's start) with the fix,
+    and on vLLM 0.33 the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) too; vLLM's CPU-platform config
+    (the V2 runner, none of them) builds."""
+    from types import SimpleNamespace
+
     emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, None, cpu_offload=False)  # vLLM's own
     config = vllm_engram.vllm_config()
-    assert not config.use_v2_model_runner and not config.scheduler_config.async_scheduling  # the CPU platform's
+    assert not config.scheduler_config.async_scheduling  # the CPU platform's
     vllm_stager.check_engine(config, emb, 1)
-    config.scheduler_config.async_scheduling = True  # what vLLM resolves on a GPU host by default
-    with pytest.raises(checks.EngineRefused, match="refuses async scheduling .*--no-async-scheduling"):
+    refused = [("scheduler_config", "async_scheduling", True, "refuses async scheduling .*--no-async-scheduling"),
+               ("parallel_config", "enable_dbo", True, "refuses micro-batching .*without --enable-dbo"),
+               ("parallel_config", "ubatch_size", 2, "refuses micro-batching"),
+               ("parallel_config", "prefill_context_parallel_size", 2,
+                "refuses prefill context parallelism .*--prefill-context-parallel-size 1")]
+    for part, name, value, match in refused:
+        saved = getattr(getattr(config, part), name)
+        setattr(getattr(config, part), name, value)  # what the flag resolves to
+        with pytest.raises(checks.EngineRefused, match=match):
+            vllm_stager.check_engine(config, emb, 1)
+        setattr(getattr(config, part), name, saved)
+    monkeypatch.setattr(config, "speculative_config", SimpleNamespace(method="ngram"))
+    with pytest.raises(checks.EngineRefused, match="refuses speculative decoding .*: ngram\\): .*without "
+                                                   "--speculative-config"):
         vllm_stager.check_engine(config, emb, 1)
-    config.scheduler_config.async_scheduling = False
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(checks.EngineRefused, match="refuses the V2 model runner .*VLLM_USE_V2_MODEL_RUNNER=0"):
-        vllm_stager.check_engine(config, emb, 1)
+    monkeypatch.setattr(config, "speculative_config", None)
+    if "use_v2_model_runner" in dir(config):  # vLLM 0.33: the V1 runner is still there
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        with pytest.raises(checks.EngineRefused, match="refuses the V1 model runner .*unset VLLM_USE_V2_MODEL_RUNNER"):
+            vllm_stager.check_engine(config, emb, 1)
 
 
 @parent
 def test_a_layer_built_under_vllms_config_is_staged_and_reads_the_staged_step(plugin, vllm_world):
     """vLLM's own `ParallelEngramEmbedding.__init__` under a real VllmConfig (vLLM's CPU platform:
-    V1 runner, no async scheduling, so the engine checks pass) builds a staged layer through
+    the V2 runner, no async scheduling, so the engine checks pass) builds a staged layer through
     the plugin: all the table's heads and rows on a world of one, zero-row placeholders whose
     weight loader is the check, and its lookup reads the staged step."""
     layout = vllm_engram.layout(CONFIG)
@@ -576,48 +713,6 @@ def test_a_layer_built_under_vllms_config_is_staged_and_reads_the_staged_step(pl
     out = torch.empty((7, emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
     emb.lookup(ids, out)
     assert torch.equal(out.view(torch.int16), _reference(plugin, emb, 1, ids).view(torch.int16))
-
-
-@parent
-def test_a_runner_step_is_staged_from_vllms_own_host_token_table(plugin, vllm_world):
-    """stage_runner_step over vLLM's real V1 InputBatch (gpu_input_batch.py, built on the CPU
-    platform): requests mid-prefill and decoding, their prompt and output tokens where vLLM's
-    runner keeps them (token_ids_cpu, num_computed_tokens_cpu); each layer's lookup then reads
-    the rows of each scheduled token's n-gram over its whole sequence. The runner itself
-    (GPUModelRunner, CUDA-only) is the object holding that batch."""
-    from types import SimpleNamespace
-
-    from vllm.config import set_current_vllm_config
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-
-    layout = vllm_engram.layout(CONFIG)
-    embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
-    stager = _stager(plugin, embs, capacity=16)
-    rng = np.random.default_rng(9)
-    seqs = [rng.integers(0, 499, n).tolist() for n in (9, 14, 3)]
-    seqs[1][4] = IMAGE_TOKEN
-    # (prompt length, tokens computed, tokens scheduled): a prefill chunk mid-prompt, a decode
-    # step after three outputs, a fresh prompt
-    plan = [(9, 4, 5), (10, 13, 1), (3, 0, 3)]
-    with set_current_vllm_config(vllm_world.config):
-        batch = InputBatch(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=32, device=torch.device("cpu"),
-                           vocab_size=500, block_sizes=[16], max_num_blocks_per_req=[2])
-        for r, (seq, (prompt, computed, _)) in enumerate(zip(seqs, plan)):
-            batch.add_request(CachedRequestState(
-                req_id=str(r), prompt_token_ids=seq[:prompt], mm_features=[], sampling_params=SamplingParams(),
-                generator=None, block_ids=([0],), num_computed_tokens=computed, output_token_ids=seq[prompt:]))
-    counts = np.array([n for _, _, n in plan])
-    vllm_stager.stage_runner_step(stager, SimpleNamespace(input_batch=batch), counts)
-    h = stager.hasher
-    for emb, L in zip(embs, LAYERS):
-        want = np.stack([h.hash(h.map_raw(np.asarray(seq[:p + 1])), L,
-                                dead=np.asarray(seq[:p + 1]) == IMAGE_TOKEN)[-1]
-                         for seq, (_, computed, n) in zip(seqs, plan) for p in range(computed, computed + n)])
-        ids = torch.from_numpy(want.astype(np.int32))
-        out = torch.empty((len(ids), emb.part_n_hash_cols, 256), dtype=torch.bfloat16)
-        emb.lookup(ids, out)
-        assert torch.equal(out.view(torch.int16), _reference(plugin, emb, L, ids).view(torch.int16)), L
 
 
 def _prefetched(socket) -> dict:

@@ -1,4 +1,4 @@
-"""vLLM 0.32's real Engram classes, built by their own constructors on CPU (shared by the vLLM tests).
+"""vLLM's real Engram classes, built by their own constructors on CPU (shared by the vLLM tests).
 
 `ParallelEngramEmbedding.__init__` asks vLLM's tensor-parallel (and Engram DP) group for
 its size and rank, reads the current `VllmConfig` through the plugin's allocation, and the
@@ -11,6 +11,14 @@ Two things are answered for it, nothing else of vLLM replaced: the SM count (a C
 no device to ask: 4), and, for a head shard other than a world of one's, the group's size
 and rank (the tensor-parallel group's GroupCoordinator answering as rank `rank` of `shards`,
 and an Engram DP group of `engram_dp`), read by __init__ only.
+
+The V2 model runner's own state (`runner_state`): vLLM's `RequestState` (the token history),
+`InputBuffers` and DeepSeek-V4.1's `DeepseekV41ModelState`, built by their constructors on a CPU
+device, with one thing answered: vLLM's `is_uva_available` answers False while they are built
+(it answers True on the CPU platform, whose own runner keeps its own host tables; the GPU
+runner's UVA buffers need pinned memory, which a CPU torch has not), so their tensors are plain
+host tensors: the token history `all_token_ids.gpu` is the host table itself. Their kernels
+(the token table's writes, the lookback gather) are Triton's: they run under the interpreter.
 """
 from __future__ import annotations
 
@@ -113,6 +121,16 @@ class World:
         finally:
             ps._TP, ps._ENGRAM_DP = saved
 
+    def create_embedding(self, config, layout, index: int):
+        """The layout's `index`-th Engram layer's ParallelEngramEmbedding as vLLM's model builds it:
+        by `Engram._create_embedding` (of an Engram not otherwise built: its CUDA streams) under
+        VllmConfig `config` (its engram_config), in this world."""
+        from vllm.config import set_current_vllm_config
+
+        engram = engram_module()
+        with set_current_vllm_config(config), _sm_count(4):
+            return engram.Engram._create_embedding(object.__new__(engram.Engram), layout, index)
+
 
 @contextlib.contextmanager
 def world():
@@ -139,6 +157,70 @@ def world():
         finally:
             ps.destroy_model_parallel()
             ps.destroy_distributed_environment()
+
+
+class V41Model(nn.Module):
+    """What DeepseekV41ModelState reads of vLLM's DeepseekV41ForCausalLM: its Engram hash state,
+    vLLM's own NgramHashState (built by its constructor from the config's tokenizer), the
+    lookback depth the model derives from it, and no decoder replay layers. The decoder layers
+    themselves are CUDA kernels, not built here."""
+
+    decoder_replay_layers = None
+
+    def __init__(self, config, layout):
+        super().__init__()
+        swa = SimpleNamespace(block_size=64, kv_cache=torch.zeros(1))  # a bound sliding-window KV cache
+        self.engram_hash = engram_module().NgramHashState(config, layout, swa)
+
+    @property
+    def token_lookback_depth(self) -> int:
+        return self.engram_hash.lookback_depth
+
+
+def runner_state(config, model: nn.Module):
+    """(DeepseekV41ModelState, RequestState, InputBuffers) of vLLM's V2 model runner for VllmConfig
+    `config` and `model`, built by their constructors on a CPU device (module docstring)."""
+    from vllm.models.deepseek_v41.nvidia.model_state import DeepseekV41ModelState
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+    from vllm.v1.worker.gpu.states import RequestState
+
+    sched, device = config.scheduler_config, torch.device("cpu")
+    saved = buffer_utils.is_uva_available
+    buffer_utils.is_uva_available = lambda: False
+    try:
+        state = DeepseekV41ModelState(config, model, None, device)
+        req_states = RequestState(sched.max_num_seqs, config.model_config.max_model_len, sched.max_num_batched_tokens,
+                                  0, config.model_config.get_vocab_size(), device)
+        buffers = InputBuffers(sched.max_num_seqs, sched.max_num_batched_tokens, device)
+    finally:
+        buffer_utils.is_uva_available = saved
+    return state, req_states, buffers
+
+
+def input_batch(buffers, req_states, plan: list[tuple[str, int, int]], seqs: dict[str, list[int]]):
+    """vLLM's InputBatch of one step as the V2 runner's prepare_inputs makes it (InputBatch.make_dummy's
+    batch with the step's requests in place of the dummy ones): plan is [(request id, tokens computed,
+    tokens scheduled)] in batch order, seqs each request's token ids."""
+    import dataclasses
+
+    import numpy as np
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    ids = [r for r, _, _ in plan]
+    computed = np.array([c for _, c, _ in plan], dtype=np.int32)
+    counts = np.array([n for _, _, n in plan], dtype=np.int32)
+    idx = np.array([req_states.req_id_to_index[r] for r in ids], dtype=np.intp)
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for _, c, n in plan])
+    tokens = np.concatenate([np.asarray(seqs[r][c:c + n]) for r, c, n in plan]).astype(np.int32)
+    dummy = InputBatch.make_dummy(len(plan), int(counts.sum()), buffers)
+    return dataclasses.replace(
+        dummy, req_ids=ids, idx_mapping=torch.from_numpy(idx.astype(np.int64)), idx_mapping_np=idx,
+        expanded_idx_mapping=torch.from_numpy(idx.astype(np.int64)), num_scheduled_tokens=counts,
+        num_computed_tokens_np=computed, query_start_loc=torch.from_numpy(start), query_start_loc_np=start,
+        seq_lens=torch.from_numpy(computed + counts), input_ids=torch.from_numpy(tokens),
+        positions=torch.from_numpy(positions.astype(np.int64)))
 
 
 def holding(emb, weight, scale):
