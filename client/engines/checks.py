@@ -27,7 +27,7 @@ from tierstore import errors
 from tierstore.client.engines import weight_filter
 from tierstore.table.checkpoint import TensorSource, tensor_digest
 
-__all__ = ["SUPPORTED", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
+__all__ = ["SUPPORTED", "NO_SOCKET", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
            "check_shape", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES",
            "FP8_BLOCK"]
 
@@ -66,7 +66,7 @@ class Feature:
         return self.mapped if mode == "mapped" else self.staged
 
 
-_NO_SOCKET = {"sglang": "TIERSTORE_SGLANG_SOCKET", "vllm": "TIERSTORE_VLLM_SOCKET"}
+NO_SOCKET = {"sglang": "TIERSTORE_SGLANG_SOCKET", "vllm": "TIERSTORE_VLLM_SOCKET"}  # what turns a plugin on
 FEATURES = (
     Feature("sglang", "CPU forward (sglang's torch path)", WORKS, WORKS),
     Feature("sglang", "CUDA forward (engram_gather over the registered arena, UVA)", NO_GPU, NO_GPU),
@@ -89,6 +89,10 @@ FEATURES = (
     Feature("sglang", "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)", REFUSED, REFUSED,
             "tierstore's arena is sglang's shared layout (every rank maps the whole table): unset "
             "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or set it to shared"),
+    Feature("sglang", "numa_shared host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=numa_shared, proposed "
+            "for a later sglang)", REFUSED, REFUSED,
+            "tierstore's arena is one shared mapping of the whole table that every rank reads, not a copy per NUMA "
+            "node: unset SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or set it to shared"),
     Feature("vllm", "CPU loading (allocation, weight loader, checkpoint check)", WORKS, WORKS),
     Feature("vllm", "CUDA lookup (_storage() UVA views / staged rows copied on a side stream)", NO_GPU, NO_GPU),
     Feature("vllm", "staged rows hashed on the host before the forward (the V2 model runner's "
@@ -163,7 +167,7 @@ def check_version(engine: str) -> str:
     if have not in versions:
         raise EngineRefused(f"tierstore's {engine} plugin supports {engine} {', '.join(versions)}, found "
                             f"{have or 'none'}: install {engine} {versions[-1]} (`pip install tierstore[{engine}]`), "
-                            f"or unset {_NO_SOCKET[engine]} to run {engine} without tierstore")
+                            f"or unset {NO_SOCKET[engine]} to run {engine} without tierstore")
     return have
 
 

@@ -68,7 +68,7 @@ import types
 from dataclasses import dataclass
 
 from tierstore import errors
-from tierstore.client.engines import checks, weight_filter
+from tierstore.client.engines import checks, seams, weight_filter
 
 __all__ = ["SglangConfig", "EngineAttachError", "StartRefused", "import_engram", "plugin", "install", "HOOK_TARGET", "launch"]
 
@@ -86,6 +86,8 @@ SPECULATIVE = "speculative decoding (--speculative-algorithm)"
 DUMMY = "--load-format dummy"
 PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
 PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
+NUMA_SHARED = ("numa_shared host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=numa_shared, proposed for a "
+               "later sglang)")
 # what is lost where an optional hook's target is missing
 OPTIONAL = {ENQUEUE_TARGET: "queued requests' rows are not prefetched",
             **{t: "a restart reads the checkpoint's Engram tables through sglang's iterator" for t in LOADER_TARGETS}}
@@ -251,11 +253,13 @@ def _start() -> None:
     from tierstore.client.engines import sglang_stager
 
     version = checks.check_version("sglang")
+    seams.check("sglang", version)
     if envs.SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS.get():
         raise checks.EngineRefused.of("sglang", PEER_SHARDS, "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS is set")
     layout = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "shared")
     if layout != "shared":
-        raise checks.EngineRefused.of("sglang", PER_RANK, f"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT={layout}")
+        raise checks.EngineRefused.of("sglang", NUMA_SHARED if layout == "numa_shared" else PER_RANK,
+                                      f"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT={layout}")
     try:
         import_engram()
     except ImportError as e:

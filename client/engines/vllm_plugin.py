@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierstore import errors
-from tierstore.client.engines import checks, weight_filter
+from tierstore.client.engines import checks, seams, weight_filter
 
 if TYPE_CHECKING:
     import torch
@@ -559,12 +559,13 @@ def uninstall() -> None:
 def register() -> None:
     """The `vllm.general_plugins` entry point (vLLM's load_general_plugins() lets its errors
     through: they stop vLLM's start). Off without TIERSTORE_VLLM_SOCKET; with it, vLLM must be a
-    version checks.SUPPORTED lists (EngineRefused) and the sidecar must answer now (a clear error
-    at vLLM's start, not at the first layer)."""
+    version checks.SUPPORTED lists whose every seam the plugin touches is there (seams.check:
+    EngineRefused naming what is not, before anything is patched) and the sidecar must answer now
+    (a clear error at vLLM's start, not at the first layer)."""
     config = VllmPluginConfig.from_env()
     if config is None:
         return
-    checks.check_version("vllm")
+    seams.check("vllm", checks.check_version("vllm"))
     from tierstore.client.client import Client
 
     try:

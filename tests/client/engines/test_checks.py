@@ -39,7 +39,7 @@ def test_every_refused_feature_is_one_a_plugin_raises():
     and each name a plugin raises with is a REFUSED row: the matrix cannot list a refusal no
     code makes, nor miss one."""
     raised = {("sglang", n) for n in (sglang.SPECULATIVE, sglang.DUMMY, sglang.PEER_SHARDS, sglang.PER_RANK,
-                                       sglang_stager.OVERLAP)}
+                                       sglang.NUMA_SHARED, sglang_stager.OVERLAP)}
     raised |= {("vllm", n) for n in (vllm_plugin.HBM_TABLES, vllm_plugin.DUMMY, vllm_stager.ASYNC_SCHEDULING,
                                      vllm_stager.RUNNER_V1, vllm_stager.SPECULATIVE, vllm_stager.MICRO_BATCHES,
                                      vllm_stager.CONTEXT_PARALLEL, vllm_stager.ENGRAM_DP)}

@@ -18,7 +18,8 @@ from sglang_engram import build_engram  # noqa: E402
 from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore.client.client import Client
-from tierstore.client.engines import checks
+from tierstore.client.engines import checks, seams
+from tierstore.client.engines import sglang as ts_sglang
 from tierstore.ingest.checkpoint import ingest_checkpoint
 from tierstore.sidecar.launcher import SidecarProcess
 
@@ -51,10 +52,28 @@ def test_a_seam_sglang_renamed_stops_the_start_instead_of_a_full_host_table(sgla
     assert "its own full Engram host table" in msg and "unset TIERSTORE_SGLANG_SOCKET" in msg
 
 
+def test_a_seam_missing_from_sglangs_source_stops_the_start_naming_it(sglang_engram, tmp_path, monkeypatch):
+    """sglang's load_plugins() runs the manifest check (seams.py) before any hook is registered:
+    with EngramRowStager.from_model renamed in sglang's source (as the check reads it), the
+    process stops naming that seam, the version and the fix, the host-table flag unset."""
+    read = seams.source_of
+
+    def renamed(module):
+        text = read(module)
+        return text.replace("def from_model(", "def build(") if module.endswith("engram_staging") else text
+
+    monkeypatch.setattr(seams, "source_of", renamed)
+    msg = _refused(tmp_path / "ts.sock")
+    assert ("sglang.srt.layers.engram_staging:EngramRowStager.from_model(cls, model, hasher, device): not defined"
+            in msg)
+    assert "this install of sglang 0.5.23 lacks or changed 1 of them" in msg and "unset TIERSTORE_SGLANG_SOCKET" in msg
+
+
 @pytest.mark.parametrize("env, feature", [
     ({"SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "1"}, "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"),
     ({"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"},
      "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"),
+    ({"SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "numa_shared"}, ts_sglang.NUMA_SHARED),
 ])
 def test_engram_settings_that_would_bypass_tierstore_stop_the_start(sglang_engram, tmp_path, env, feature):
     msg = _refused(tmp_path / "ts.sock", **env)
@@ -82,7 +101,6 @@ def test_the_overlap_scheduler_is_refused_at_start_only_where_a_table_is_staged(
     refused with the one flag that turns it off. Split-layout (mapped) tables run with it."""
     from sglang.srt.server_args import ServerArgs
 
-    from tierstore.client.engines import sglang as ts_sglang
     from tierstore.client.engines import sglang_stager
 
     write_checkpoint(tmp_path / "ckpt")

@@ -235,6 +235,37 @@ def test_another_vllm_version_stops_its_start_naming_the_supported_ones(served):
     assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
 
 
+def test_a_seam_missing_from_vllm_stops_its_start_naming_it_before_anything_is_patched(served):
+    """vLLM's load_general_plugins() runs the manifest check (seams.py) first: with the V2 runner's
+    step hook renamed in vLLM's source (as the check reads it), the start fails naming that seam,
+    the version and the fix, and vLLM's Engram module keeps its own methods."""
+    from importlib.metadata import version
+
+    sc, arrays, ckpt = served
+    script = ("import re\n"
+              "from tierstore.client.engines import seams\n"
+              "read = seams.source_of\n"
+              "def renamed(module):\n"
+              "    text = read(module)\n"
+              "    return re.sub(r'\\bprepare_inputs\\b', 'prepare_inputs_v2', text) "
+              "if module.endswith('nvidia.model_state') else text\n"
+              "seams.source_of = renamed\n"
+              "import vllm.plugins\n"
+              "try:\n"
+              "    vllm.plugins.load_general_plugins()\n"
+              "finally:\n"
+              "    from vllm.models.deepseek_v41.common import engram\n"
+              "    print(engram.ParallelEngramEmbedding._allocate_weights.__module__)\n")
+    env = {**os.environ, "TIERSTORE_VLLM_SOCKET": str(sc.socket)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and run.stdout.split() == [engram.__name__], run.stderr[-3000:]
+    have = version("vllm")
+    assert (f"EngineRefused: tierstore's vllm plugin hooks and reads these parts of vllm {have}, and this install of "
+            f"vllm {have} lacks or changed 1 of them: vllm.models.deepseek_v41.nvidia.model_state:"
+            f"DeepseekV41ModelState.prepare_inputs(self, input_batch, req_states): not defined") in run.stderr
+    assert "unset TIERSTORE_VLLM_SOCKET" in run.stderr
+
+
 def test_stage_on_stages_a_split_layout_table_too(served, vllm_world):
     """TIERSTORE_VLLM_STAGE=on: a split table's layer is staged as well (no rows held), its
     lookup the stored rows of the step staged before it (read with Client.lookup, interleaved
