@@ -116,13 +116,16 @@ class StagingBuffers:
         """(weights [n, dim], scales [n, dim / block]): views of layer `layer`'s device rows
         [0, n), which must have been filled for `step`; StagingError names the step they were
         filled for otherwise (never zeros or another step's rows in their place)."""
-        if self.steps[layer] != step:
-            filled = int(self.steps[layer])
+        filled = int(self.steps[layer])
+        if filled != step:
+            why = ("it was refilled for a later step before this step's forward read it (a step staged ahead of "
+                   "the forward that reads the last one)" if filled > step else
+                   "that step's fill of this layer did not happen (it failed, or the engine ran a forward tierstore "
+                   "did not stage)")
             raise StagingError(
                 f"tierstore's staging buffer of Engram layer slot {layer} holds the rows of step "
-                f"{filled if filled >= 0 else 'none'}, and the forward of step {step} reads it: that step's fill "
-                f"of this layer did not happen (it failed, or the engine ran a forward tierstore did not stage); "
-                f"no rows are served in place of the step's own")
+                f"{filled if filled >= 0 else 'none'}, and the forward of step {step} reads it: {why}; no rows are "
+                f"served in place of the step's own")
         if not self.fits(n):
             raise ValueError(f"{n} rows read from the {self.capacity}-row staging buffers")
         return self.weight[layer, :n], self.scale[layer, :n]

@@ -32,7 +32,7 @@ from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore import errors
 from tierstore.client.client import Client
-from tierstore.client.engines import checks
+from tierstore.client.engines import StagingError, checks
 from tierstore.ingest.checkpoint import ingest_checkpoint
 from tierstore.sidecar.launcher import SidecarProcess
 
@@ -259,6 +259,67 @@ def test_staged_decode_under_cuda_graphs_reads_the_persistent_buffers_bit_identi
                 assert torch.equal(got_rows[:b].view(torch.int16), want_rows.view(torch.int16)), (step, L)
                 assert not got_rows[b:].view(torch.int16).any(), (step, L)  # padded slots: zero rows
                 assert torch.equal(got[:b].view(torch.int16), want.view(torch.int16)), (step, L)
+    finally:
+        RowStager.current = previous
+
+
+def test_a_decode_batchs_buffered_rows_are_served_only_while_the_buffers_hold_them(cache_model, staged,
+                                                                                   monkeypatch):
+    """The fill guard under sglang: rows staged into the persistent buffers carry their batch's
+    number. A batch's forward reads its rows (sglang's own module's bits); once the next batch is
+    staged into the buffers (what the overlap scheduler would do before the forward), reading the
+    first batch's rows raises StagingError instead of serving the second's; a batch whose fill of
+    one layer was skipped raises when its rows are handed out, before any forward."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tierstore.client.engines.sglang_stager import RowStager, decode_graph_batch
+
+    hasher, modules = staged["hasher"], staged["modules"]
+    fed_layers = [modules[L][1] for L in LAYERS]
+    stager = RowStager(hasher, fed_layers, "cpu", graph_batch=decode_graph_batch(True, _graph_config()))
+    text = cache_model["text"]
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (11, 7)]
+    reqs = [_req(f"f{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    previous, RowStager.current = RowStager.current, stager
+    try:
+        stager.stage(ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=lens))
+        input_ids, fb = _forward_batches(reqs, lens, 0)
+        hasher(input_ids, fb)
+
+        def decode(step: int):
+            for r in reqs:
+                r.output_ids.append(int(rng.integers(0, 512)))
+            batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE,
+                                  seq_lens_cpu=torch.tensor([n + step for n in lens]))
+            return stager.stage(batch)
+
+        def forwards(step: int, rows):
+            """(sglang's own module's output, the staged one's) of each layer for decode step `step`."""
+            input_ids, fb = _forward_batches(reqs, lens, step)
+            hash_ids = hasher(input_ids, fb)
+            x = torch.ones(len(input_ids), text["hc_mult"], text["hidden_size"], dtype=torch.bfloat16)
+            for k, L in enumerate(LAYERS):
+                own, fed = modules[L]
+                with torch.no_grad():
+                    fb.engram_staged_rows = None
+                    want = own(x, hash_ids[:, k], fb, input_ids=input_ids)
+                    fb.engram_staged_rows = rows
+                    yield want, fed(x, hash_ids[:, k], fb, input_ids=input_ids)
+
+        first = decode(1)
+        for want, got in forwards(1, first):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        decode(2)  # the buffers now hold the second batch's rows
+        with pytest.raises(StagingError, match="holds the rows of step 2, and the forward of step 1 reads it"):
+            next(forwards(2, first))
+        fill = stager.buffers.fill
+        monkeypatch.setattr(stager.buffers, "fill", lambda layer, n, write: None if layer == 1 else fill(layer, n,
+                                                                                                         write))
+        with pytest.raises(StagingError, match="slot 1 holds the rows of step 2, and the forward of step 3"):
+            decode(3)
     finally:
         RowStager.current = previous
 
