@@ -12,7 +12,7 @@ STAMP := $(VENV)/.tierstore-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: remote-deps engine-deps engine-deps-sglang engine-deps-vllm venv run test test-slow test-reliability proto bench demo clean distclean
+.PHONY: remote-deps engine-deps engine-deps-sglang engine-deps-vllm venv run test test-slow test-reliability test-engines proto bench demo clean distclean
 
 venv: $(STAMP)
 
@@ -60,11 +60,16 @@ SGLANG_ENGRAM_DEPS := msgspec orjson psutil pybase64 starlette pydantic pyzmq "a
   partial_json_parser
 
 # What `import vllm.models.deepseek_v41.common.engram` reaches (its own import chain runs
-# through vllm.model_executor.layers.linear into vllm.v1 and vllm.multimodal), at vLLM's
-# own pins where it pins; no torchvision, torchaudio, flashinfer or CUDA wheel among them.
-VLLM_ENGRAM_DEPS := regex "pydantic>=2.12.0" cbor2 psutil "pyzmq>=25.0.0" "transformers>=5.16.1,<5.20.0" \
+# through vllm.model_executor.layers.linear into vllm.v1 and vllm.multimodal), and the V2
+# runner's modules the engine tests build (vllm.v1.worker.gpu), at pins every supported vLLM
+# accepts; no torchvision, torchaudio, flashinfer or CUDA wheel among them.
+VLLM_ENGRAM_DEPS := regex "pydantic>=2.12.0" cbor2 psutil "pyzmq>=25.0.0" "transformers>=5.16.1,<5.21.0" \
   openai-harmony "openai>=2.25.0" pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
-  "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops
+  "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops \
+  "huggingface_hub>=2.0.0" "orjson>=3.11.6"
+# The supported releases (client/engines/checks.py SUPPORTED, oldest first) and the newest of them.
+VLLM_VERSIONS = $(shell $(PY) -c "from tierstore.client.engines.checks import SUPPORTED; print(*SUPPORTED['vllm'][1])")
+SGLANG_VERSION = $(shell $(PY) -c "from tierstore.client.engines.checks import SUPPORTED; print(SUPPORTED['sglang'][1][-1])")
 
 engine-deps: engine-deps-sglang engine-deps-vllm
 
@@ -72,15 +77,17 @@ $(TORCH_PIN):
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $@
 
 engine-deps-sglang: $(TORCH_PIN)
-	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "sglang==0.5.23" && \
+	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "sglang==$(SGLANG_VERSION)" && \
 	   $(PIP) install -q -c $(TORCH_PIN) $(FIND_LINKS) $(SGLANG_ENGRAM_DEPS) ) \
-	  || echo "sglang 0.5.23 unavailable: tests/client/engines/test_sglang*.py will skip"
+	  || echo "sglang $(SGLANG_VERSION) unavailable: tests/client/engines/test_sglang*.py will skip"
 
+# The newest supported vLLM (the default suite's); `make test-engines` runs the engine tests
+# against the others too.
 engine-deps-vllm: $(TORCH_PIN)
-	-( $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "vllm==0.32.0" && \
+	-( v=$(lastword $(VLLM_VERSIONS)); $(PIP) install -q --no-deps -c $(TORCH_PIN) $(ENGINE_LINKS) "vllm==$$v" && \
 	   $(PIP) install -q -c $(TORCH_PIN) $(FIND_LINKS) $(VLLM_ENGRAM_DEPS) && \
 	   $(PY) -c "import vllm.models.deepseek_v41.common.engram" 2>/dev/null ) \
-	  || echo "vllm 0.32.0 unavailable: tests/client/engines/test_vllm*.py will skip"
+	  || echo "vllm $(lastword $(VLLM_VERSIONS)) unavailable: tests/client/engines/test_vllm*.py will skip"
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
@@ -103,6 +110,29 @@ test-slow: $(STAMP)
 
 test-reliability: $(STAMP)
 	$(VENV)/bin/pytest -q -m reliability
+
+# The engine tests against every supported engine release (the default suite runs them against
+# the newest vLLM only): each vLLM wheel --no-deps into a directory of its own under
+# $(VENV)/engines, put first on the path (PYTHONPATH: its `vllm` and its dist-info's version
+# shadow the venv's), the venv's other packages shared; then sglang's tests (one release).
+# The directories are kept for the next run. Must be run with vLLM's CPU test set-up (make venv).
+VLLM_TESTS := tests/client/engines/test_vllm_plugin.py tests/client/engines/test_vllm_stager.py \
+  tests/client/engines/test_hash_agreement_vllm.py tests/client/engines/test_seams.py \
+  tests/client/engines/test_checks.py tests/bench/test_gpu_check.py
+SGLANG_TESTS := tests/client/engines/test_sglang.py tests/client/engines/test_sglang_hash.py \
+  tests/client/engines/test_sglang_plugin.py tests/client/engines/test_sglang_stager.py \
+  tests/client/engines/test_step_reads.py tests/client/engines/test_staging_buffers.py \
+  tests/client/engines/test_weight_filter.py
+test-engines: $(STAMP)
+	@set -e; for v in $(VLLM_VERSIONS); do \
+	  d=$(VENV)/engines/vllm-$$v; \
+	  if ! test -f $$d/.installed; then rm -rf $$d; \
+	    $(PIP) install -q --no-deps $(ENGINE_LINKS) --target $$d "vllm==$$v" && touch $$d/.installed; fi; \
+	  echo "== vLLM $$v"; \
+	  PYTHONPATH=$$d $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(VLLM_TESTS); \
+	done
+	@echo "== sglang $(SGLANG_VERSION)"
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(SGLANG_TESTS)
 
 # Redis is a baseline of the lookup scenario: a real server, installed here.
 bench: $(STAMP) $(DATA)/catalog

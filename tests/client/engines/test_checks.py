@@ -21,7 +21,8 @@ from v41_checkpoint import write_checkpoint  # noqa: E402
 
 from tierstore.client.engines import checks, sglang, sglang_stager, vllm_plugin, vllm_stager  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "engines.md"
+ROOT = Path(__file__).resolve().parents[3]
+DOC = ROOT / "docs" / "engines.md"
 
 
 def test_the_docs_matrix_is_what_the_generator_prints():
@@ -117,3 +118,29 @@ def test_a_table_ingested_before_records_were_kept_is_checked_by_its_shards_size
     with pytest.raises(checks.CheckpointMismatch, match=rf"but mtime_ns {st.st_mtime_ns + 1} \(ingest: "
                                                         rf"{st.st_mtime_ns}\): .* TIERSTORE_SGLANG_VERIFY=all"):
         load()
+
+
+def _neighbours(version: str) -> tuple[str, str]:
+    """The releases just before and after `version` at the level the engine releases at
+    (vLLM: 0.x.0 minors; sglang: 0.5.x patches)."""
+    major, minor, micro = (int(p) for p in version.split("."))
+    if micro == 0:
+        return f"{major}.{minor - 1}.0", f"{major}.{minor + 1}.0"
+    return f"{major}.{minor}.{micro - 1}", f"{major}.{minor}.{micro + 1}"
+
+
+def test_the_engine_extras_admit_every_supported_release_and_no_other():
+    """pyproject's tierstore[vllm] / tierstore[sglang] are ranges over the supported releases: a
+    supported engine already installed satisfies its extra, so `pip install "tierstore[vllm]"`
+    keeps it (pip changes an installed requirement only when it does not satisfy), and the
+    releases just outside are not admitted (the plugin would refuse them)."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for engine, (dist, versions) in checks.SUPPORTED.items():
+        [req] = [Requirement(r) for r in extras[engine]]
+        assert req.name == dist
+        assert all(req.specifier.contains(v) for v in versions), (engine, str(req.specifier))
+        before, after = _neighbours(versions[0])[0], _neighbours(versions[-1])[1]
+        assert not req.specifier.contains(before) and not req.specifier.contains(after), (engine, str(req))

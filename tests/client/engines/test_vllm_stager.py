@@ -692,6 +692,58 @@ def test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fi
             vllm_stager.check_engine(config, emb, 1)
 
 
+def _readme_staged_vllm_command() -> tuple[dict, list]:
+    """(environment assignments, `vllm serve` arguments) of the README's staged vLLM command."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = text.split("**vLLM 0.33 and 0.34**", 1)[1].split("refused at start with this fix):", 1)[1]
+    argv = shlex.split(block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " "), comments=True)
+    env = {}
+    while "=" in argv[0] and not argv[0].startswith("-"):
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    assert argv[:2] == ["vllm", "serve"], argv
+    return env, argv[2:]
+
+
+@parent
+def test_the_readmes_staged_vllm_command_is_one_vllm_accepts_and_the_stager_serves(cache_model, vllm_world,
+                                                                                   monkeypatch, tmp_path):
+    """The README's staged vLLM command, parsed by vLLM's own `vllm serve` parser and resolved by its
+    own EngineArgs.create_engine_config for the checkpoint, under the command's environment (its
+    socket this module's cache-mode sidecar's): vLLM validates the command's VLLM_* variables there
+    (0.34 stops at VLLM_USE_V2_MODEL_RUNNER=0) and loads its general plugins, tierstore's among them
+    (version, seams and sidecar checked); async scheduling is off as the command asks (vLLM's
+    default on a GPU), the Engram tables on the host, and the stager's start-up check passes."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    env, argv = _readme_staged_vllm_command()
+    assert "TIERSTORE_VLLM_SOCKET" in env, env
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
+    for name, value in env.items():
+        monkeypatch.setenv(name, cache_model["socket"] if name == "TIERSTORE_VLLM_SOCKET" else value)
+    argv = [a.replace("$CKPT", str(cache_model["ckpt"])) for a in argv]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    args.model = args.model_tag  # what `vllm serve` does with its positional model
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.async_scheduling is False
+    # the checkpoint here: its tokenizer, and the text model's architecture, which vLLM's EngramConfig checks
+    engine_args.tokenizer = str(_tokenizer(tmp_path / "tok", CONFIG["engram_compressed_vocab_size"]))
+    engine_args.hf_overrides = {"architectures": ["DeepseekV41ForCausalLM"]}
+    engine_args.max_model_len = 256
+    try:
+        config = vllm_engram.engine_config(engine_args)
+        assert vllm_plugin.staged_tables() is None and "config" in vllm_plugin._STATE  # installed, nothing built
+    finally:
+        vllm_plugin.uninstall()
+    assert config.engram_config.cpu_offload and not config.scheduler_config.async_scheduling
+    emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, None, cpu_offload=False)  # vLLM's own
+    vllm_stager.check_engine(config, emb, 1)
+
+
 @parent
 def test_a_layer_built_under_vllms_config_is_staged_and_reads_the_staged_step(plugin, vllm_world):
     """vLLM's own `ParallelEngramEmbedding.__init__` under a real VllmConfig (vLLM's CPU platform:

@@ -70,6 +70,17 @@ def vllm_config(**kwargs):
         os.environ.update(env)
 
 
+def engine_config(engine_args):
+    """`engine_args.create_engine_config()` (vLLM's resolution of its CLI's arguments) on its CPU
+    platform, the environment put back as `vllm_config` does."""
+    env = dict(os.environ)
+    try:
+        return engine_args.create_engine_config()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
 @contextlib.contextmanager
 def _sm_count(count: int):
     """torch.cuda's device properties answering `count` SMs (all __init__ asks of a device)."""
