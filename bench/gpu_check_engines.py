@@ -1,13 +1,19 @@
 """One prepared script for a machine with a GPU: the engines' Engram kernels reading
 tierstore's split arena in place, bit-exact against the CPU path.
 
-    python -m tierstore.bench.gpu_check_engines --out $OUT [--rows 1048576] [--tokens 4096] [--restart-scale 96]
+    python -m tierstore.bench.gpu_check_engines --out $OUT [--vllm-path DIR ...] [--rows 1048576] [--tokens 4096]
+        [--restart-scale 96]
 
-A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layout, then:
+Every supported vLLM release in one run: the vLLM parts (2, 4 and 5) run once for the vLLM
+this environment imports and once for each --vllm-path DIR (another release installed with
+`pip install --no-deps --target DIR vllm==0.33.0`: vLLM 0.33 and 0.34 share their CUDA torch
+2.14 and their kernels' imports), each in a process of its own (a process imports one vLLM),
+their checks named "vLLM <version>: ..."; the report lists the supported releases it did not
+check. A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layout, then:
 1. split arena: its tensors are the mapping, the scales right after the weights (the one
    range register_cuda pins); Client.split_table(...).register_cuda() (cudaHostRegister,
    read-only); torch must see the weights and scales as pinned (what vLLM's UVA views require).
-2. vLLM 0.32 (if installed): with tierstore's vLLM plugin installed, a real
+2. vLLM (each release): with tierstore's vLLM plugin installed, a real
    ParallelEngramEmbedding(cpu_offload=True) is built (tensor-parallel world of one);
    its `_storage()` views must address the arena itself (UVA: device pointer == host
    pointer), and `lookup()` (vLLM's `_engram_lookup_kernel`) must give, for [tokens, 24]
@@ -17,25 +23,30 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    to check when the module cannot be built: it says why).
 3. sglang 0.5.23 (if installed): `engram_gather` over the registered arena pointers,
    the same bf16 rows bit for bit.
-4. vLLM staged (if installed; NOT YET RUN: written on a host without a GPU): the same
+4. vLLM staged (each release; NOT YET RUN: written on a host without a GPU): the same
    table served again in cache mode (a quarter of the rows fit), a real staged
    ParallelEngramEmbedding (client/engines/vllm_stager.py, no rows held) and the process's
    StepStager with GRAPH_TOKENS-token persistent buffers: a CUDA graph captured at
-   GRAPH_TOKENS tokens over the layer's lookup, replayed after each step of several sizes
-   is staged (StepStager.stage_ids: rows read, copied on the side stream), must give each
-   step's bf16 rows bit for bit, zero padding, the buffers' storage unchanged; a step past
-   the buffers, read on a side stream as Engram._start_prefetch runs it, the same bf16 and
-   packed rows (ids outside the table included: zeros, as the kernel writes);
-   vllm_stager.dequantize must equal `_engram_lookup_kernel` on the GPU for every e4m3 x
-   ue8m0 byte pair (NaN equal to NaN: what the CPU test could not check under Triton's
-   interpreter).
-5. sglang's row stager (NOT YET RUN): the same cache-mode sidecar's rows gathered by
+   GRAPH_TOKENS tokens over the layer's lookup (after a dummy step, as vLLM captures after
+   its profile run), replayed after each step of several sizes is staged
+   (StepStager.stage_ids: rows read, copied on the side stream), must give each step's bf16
+   rows bit for bit, zero padding, the buffers' storage unchanged; a step past the buffers,
+   read on a side stream as Engram._start_prefetch runs it, the same bf16 and packed rows
+   (ids outside the table included: zeros, as the kernel writes); vllm_stager.dequantize
+   must equal `_engram_lookup_kernel` on the GPU for every e4m3 x ue8m0 byte pair (NaN equal
+   to NaN: what the CPU test could not check under Triton's interpreter).
+5. vLLM runner (each release; NOT YET RUN): the staged step hook's device path through
+   vLLM's V2 runner state: its RequestState's token history (pinned host memory the GPU
+   writes over UVA), the prompts written by vLLM's own kernel and a step's sampled tokens by
+   vLLM's own post_update, read at once by vllm_stager.token_table (which waits for the
+   stream first) and gathered into the step's windows: every window the host expects.
+6. sglang's row stager (NOT YET RUN): the same cache-mode sidecar's rows gathered by
    StagedTable (local reads, verified misses) into pinned split buffers and uploaded on a
    side stream (sglang_stager.upload, what RowStager does per layer) while a stand-in
    forward (bf16 matmuls) runs on the main stream: the device rows must equal the split
    arena's bytes, and the copies must overlap the forward (the time both take together
    against each alone, reported as the share of the shorter one hidden).
-6. sglang graph staging (NOT YET RUN): the persistent staging buffers a captured decode
+7. sglang graph staging (NOT YET RUN): the persistent staging buffers a captured decode
    graph reads (client/engines/staging_buffers.py, GRAPH_BATCH requests x 24 columns):
    a CUDA graph captured over the staged layer's read of them (sglang_stager.dequant_rows,
    sglang's engram_gather), then for batches of several sizes the rows gathered from the
@@ -43,15 +54,16 @@ A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) split-layou
    rows past the batch zeroed) and the graph replayed: each replay's rows must equal the
    CPU path's (dequant_rows over the same bytes on the host) bit for bit, its padded
    slots be zero, and the buffers keep their addresses.
-7. engine restart time (CPU and this host's disk, no GPU needed): `tierstore bench engines`'
+8. engine restart time (CPU and this host's disk, no GPU needed): `tierstore bench engines`'
    restart cell (bench/engines.py restart_cell) on V4.1's Engram layout divided by
    --restart-scale (0: skipped; 6 is the 1/6 scale, which needs about 3 x 34 GB of disk):
    sglang's loader over the checkpoint with tierstore's loader filter against a model with
    no Engram (its dense stand-in as large as the tables), and without the filter; the check
    is the filtered restart within 1.2x of the one with no Engram.
-Writes OUT/gpu_check_engines.json and exits 1 if any check fails; without CUDA it says
-so and exits 2 (nothing was checked). Sized to finish well under five minutes (the
-device budget of one run is eight).
+Writes OUT/gpu_check_engines.json (each vLLM release's own report under OUT/vllm-N/) and
+exits 1 if any check fails; without CUDA it says so and exits 2 (nothing was checked). Sized
+to finish, with two vLLM releases, well under the eight minutes of one device run: the vLLM
+parts of a release take a process start, its vLLM import and a 1 M-row table of their own.
 
     python -m tierstore.bench.gpu_check_engines --cpu-smoke --out DIR
 
@@ -63,11 +75,12 @@ CUDA_VISIBLE_DEVICES="" (vLLM keeps its Triton kernels real without a driver) an
 CPU platform (VLLM_TARGET_DEVICE=cpu). The sidecars, shared memory and clients are the
 real ones; the engines' kernels run under the interpreter over CPU tensors. Stand-ins, on
 CPU only: a device view of a host tensor is the tensor itself (vLLM's UVA views), the SM
-count is 4, a captured graph's replay runs its work again, side-stream work runs inline.
-What has no CPU equivalent (registration, sglang's engram_gather, which takes CUDA ids
-only, the upload's overlap, the interpreter's NaN decode) is recorded as "skipped on CPU:
-<why>"; part 7's ratio at 1/8000 as skipped too (too small to mean anything). Timings
-are the interpreter's and mean nothing.
+count is 4, a captured graph's replay runs its work again, side-stream work runs inline,
+vLLM's V2 runner buffers are host tensors (its UVA buffers need pinned memory). What has
+no CPU equivalent (registration, sglang's engram_gather, which takes CUDA ids only, the
+upload's overlap, the interpreter's NaN decode, the pinned token history) is recorded as
+"skipped on CPU: <why>"; part 8's ratio at 1/8000 as skipped too (too small to mean
+anything). Timings are the interpreter's and mean nothing.
 """
 from __future__ import annotations
 
@@ -90,12 +103,14 @@ from tierstore.bench.gpu_check import device_name, smoke_env, synchronize
 
 HEADS, DIM = 24, 256
 GRAPH_TOKENS = 64  # tokens of the largest captured graph in part 4 (its persistent staging buffers)
-GRAPH_BATCH = 64  # requests of the largest captured decode graph in part 6
-PARTS = ("split arena", "vllm", "sglang", "vllm staged", "sglang stager", "sglang graph staging", "restart")
+GRAPH_BATCH = 64  # requests of the largest captured decode graph in part 7
+PARTS = ("split arena", "vllm", "sglang", "vllm staged", "vllm runner", "sglang stager", "sglang graph staging",
+         "restart")
+VLLM_PARTS = ("vllm", "vllm staged", "vllm runner")  # run once per vLLM release, each in a child process
 # What --cpu-smoke adds to gpu_check.SMOKE_ENV: vLLM's CPU platform, resolved when vLLM is first imported.
 SMOKE_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 SKIP_NO_CUDA = "skipped on CPU: "
-# Part 7's ratio is judged at this layout (V4.1's / 160, the smallest docs/benchmarks.md measured it at)
+# Part 8's ratio is judged at this layout (V4.1's / 160, the smallest docs/benchmarks.md measured it at)
 # or larger; at smaller ones (--quick's 1/8000) the layers' build and the client's connection dominate it.
 RESTART_JUDGED_AT = 160
 
@@ -106,10 +121,10 @@ class Sizes:
 
     rows: int  # the table's rows (--rows)
     tokens: int  # [tokens, HEADS] ids a step (--tokens); at least GRAPH_TOKENS and GRAPH_BATCH
-    restart_scale: int  # part 7's V4.1 layout divided by this (--restart-scale)
+    restart_scale: int  # part 8's V4.1 layout divided by this (--restart-scale)
     restart_rounds: int
     lookup_rounds: int  # timed lookups (parts 2 and 4)
-    forward_dim: int  # part 5's stand-in forward: bf16 [forward_dim, forward_dim] matmuls
+    forward_dim: int  # part 6's stand-in forward: bf16 [forward_dim, forward_dim] matmuls
 
 
 GPU_SIZES = Sizes(rows=1 << 20, tokens=4096, restart_scale=96, restart_rounds=3, lookup_rounds=20, forward_dim=4096)
@@ -361,9 +376,68 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
     return res
 
 
+def check_vllm_runner(device: torch.device, tokens: int) -> dict:
+    """Part 5 (not yet run on a GPU): the staged step hook's device path through vLLM's V2 runner
+    state: its RequestState (the token history: pinned host memory the GPU writes over UVA), the
+    prompts written by vLLM's own kernel (apply_staged_writes), the step's sampled tokens by
+    vLLM's own post_update, read at once by vllm_stager.token_table (which waits for the stream
+    that wrote them) and gathered into the step's windows (vllm_stager.windows) for an InputBatch
+    of the requests: every window the host expects."""
+    try:
+        from vllm.v1.worker.gpu import buffer_utils
+        from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers, post_update
+        from vllm.v1.worker.gpu.states import RequestState
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"vLLM's V2 runner modules do not import here: {type(e).__name__}: {e}"}
+    import dataclasses
+
+    from tierstore.client.engines import vllm_stager
+
+    reqs, depth = 64, 4
+    prompt = max(8, tokens // reqs)
+    rng = np.random.default_rng(5)
+    prompts = rng.integers(0, 1 << 17, (reqs, prompt)).astype(np.int32)
+    res: dict = {}
+    with contextlib.ExitStack() as stack:
+        if device.type != "cuda":  # the GPU runner's UVA buffers need pinned memory: host tensors on CPU
+            stack.enter_context(mock.patch.object(buffer_utils, "is_uva_available", lambda: False))
+        req_states = RequestState(reqs, prompt + 8, reqs * prompt, 0, 1 << 17, device)
+        buffers = InputBuffers(reqs, reqs * prompt, device)
+    history = req_states.all_token_ids
+    res["token history is pinned host memory (UVA)"] = (
+        getattr(history, "_uva_buf", None) is not None and bool(history._uva_buf.cpu.is_pinned())
+        if device.type == "cuda" else SKIP_NO_CUDA + "the history is a host tensor on a CPU device")
+    for r in range(reqs):
+        req_states.add_request(f"r{r}", prompt, prompts[r].tolist(), 0, 8)
+    req_states.apply_staged_writes()  # vLLM's kernel writes the prompts through the device
+    t0 = time.perf_counter()
+    table = vllm_stager.token_table(req_states)  # read at once: only the wait makes the writes visible
+    res["token_table wait s"] = time.perf_counter() - t0
+    idx = np.array([req_states.req_id_to_index[f"r{r}"] for r in range(reqs)])
+    res["token_table == the prompts vLLM's kernel wrote"] = bool(np.array_equal(table[idx, :prompt], prompts))
+    sampled = rng.integers(0, 1 << 17, (reqs, 1))
+    idx_dev = torch.from_numpy(idx.astype(np.int64)).to(device)
+    post_update(idx_dev, req_states.num_computed_tokens.gpu, req_states.last_sampled_tokens, None,
+                torch.from_numpy(sampled).to(device), torch.ones(reqs, dtype=torch.int32, device=device),
+                torch.zeros(reqs, dtype=torch.int32, device=device), None, history.gpu, req_states.total_len.gpu)
+    table = vllm_stager.token_table(req_states)
+    res["token_table == the tokens vLLM's post_update sampled"] = bool(np.array_equal(table[idx, prompt],
+                                                                                      sampled[:, 0]))
+    # a decode step of every request: the window of its sampled token, as the hook gathers it
+    counts = np.ones(reqs, dtype=np.int32)
+    computed = np.full(reqs, prompt, dtype=np.int32)
+    batch = dataclasses.replace(InputBatch.make_dummy(reqs, reqs, buffers), req_ids=[f"r{r}" for r in range(reqs)],
+                                idx_mapping_np=idx, num_scheduled_tokens=counts, num_computed_tokens_np=computed)
+    got = vllm_stager.windows(vllm_stager.token_table(req_states), batch.num_computed_tokens_np.astype(np.int64),
+                              batch.num_scheduled_tokens.astype(np.int64), depth, rows=batch.idx_mapping_np)
+    want = np.concatenate([sampled, prompts[:, ::-1][:, :depth - 1]], axis=1)
+    res["the step's windows (sampled token, then its predecessors)"] = bool(np.array_equal(got, want))
+    return res
+
+
 def check_sglang_stager(socket: str, table: str, ids: np.ndarray, want_packed: np.ndarray,
                         device: torch.device, sizes: Sizes) -> dict:
-    """Part 5 (not yet run on a GPU): the stager's side-stream upload overlapping a forward."""
+    """Part 6 (not yet run on a GPU): the stager's side-stream upload overlapping a forward."""
     from tierstore.client.client import Client
     from tierstore.client.engines.sglang_stager import StagedTable, upload
 
@@ -406,7 +480,7 @@ def check_sglang_stager(socket: str, table: str, ids: np.ndarray, want_packed: n
 
 
 def check_sglang_graph_staging(socket: str, table: str, ids: np.ndarray, device: torch.device) -> dict:
-    """Part 6 (not yet run on a GPU): a CUDA graph over the persistent staging buffers,
+    """Part 7 (not yet run on a GPU): a CUDA graph over the persistent staging buffers,
     replayed after each batch is staged into them, against the CPU path bit for bit."""
     from tierstore.client.client import Client
     from tierstore.client.engines.sglang_stager import StagedTable, dequant_rows
@@ -463,7 +537,7 @@ def check_sglang(ids: np.ndarray, want: torch.Tensor, split, device: torch.devic
 
 
 def check_restart(work: Path, scale: int, rounds: int) -> dict:
-    """Part 7: the restart cell of `tierstore bench engines` at V4.1's layout / `scale`."""
+    """Part 8: the restart cell of `tierstore bench engines` at V4.1's layout / `scale`."""
     from tierstore.bench.engines import restart_cell
 
     if not scale:
@@ -478,6 +552,43 @@ def check_restart(work: Path, scale: int, rounds: int) -> dict:
     return {**r, "filtered restart within 1.2x of no Engram": within}
 
 
+def _vllm_releases(paths: list[str]) -> list[tuple[str, str | None]]:
+    """(version, directory) of each vLLM to check: the one this environment imports (directory
+    None), then the release in each of `paths` (a `pip install --no-deps --target DIR` of it)."""
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    out = []
+    try:
+        out.append((version("vllm"), None))
+    except PackageNotFoundError:
+        pass
+    for p in paths:
+        found = [d.version for d in distributions(path=[p]) if d.metadata["Name"] == "vllm"]
+        if not found:
+            raise SystemExit(f"gpu_check_engines: --vllm-path {p} holds no vLLM (pip install --no-deps --target {p} "
+                             f"vllm==VERSION)")
+        out.append((found[0], p))
+    return out
+
+
+def _vllm_child(directory: str | None, out: Path, args) -> dict:
+    """The vLLM parts run in a child process under the vLLM of `directory` (first on PYTHONPATH;
+    None: this environment's): {part: {check: value}}, or an error part saying why not."""
+    import subprocess
+
+    env = dict(os.environ)
+    if directory is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (directory, env.get("PYTHONPATH"))))
+    cmd = [sys.executable, "-m", "tierstore.bench.gpu_check_engines", "--vllm-only", "--out", str(out),
+           *(["--cpu-smoke"] if args.cpu_smoke else []), *(["--rows", str(args.rows)] if args.rows else []),
+           *(["--tokens", str(args.tokens)] if args.tokens else [])]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    report = out / "gpu_check_engines.json"
+    if not report.exists():
+        return {part: {"error": f"the vLLM child exited {run.returncode}: {run.stderr[-2000:]}"} for part in VLLM_PARTS}
+    return {part: json.loads(report.read_text())[part] for part in VLLM_PARTS}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -486,8 +597,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help=f"tokens a step (default {GPU_SIZES.tokens}; smoke "
                                                              f"{SMOKE_SIZES.tokens}; at least {GRAPH_TOKENS})")
     ap.add_argument("--restart-scale", type=int, default=None,
-                    help=f"part 7's V4.1 layout divided by this (default {GPU_SIZES.restart_scale}: 2 x 4 M rows, "
+                    help=f"part 8's V4.1 layout divided by this (default {GPU_SIZES.restart_scale}: 2 x 4 M rows, "
                          f"2.1 GB; smoke {SMOKE_SIZES.restart_scale}; 0 skips it)")
+    ap.add_argument("--vllm-path", action="append", default=[], metavar="DIR",
+                    help="a directory holding another vLLM release (`pip install --no-deps --target DIR "
+                         "vllm==0.33.0`): the vLLM parts run again under it; repeatable")
+    ap.add_argument("--vllm-only", action="store_true", help=argparse.SUPPRESS)  # a child: the vLLM parts only
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every part's plumbing on CPU at tiny sizes (Triton's interpreter); see the docstring")
     args = ap.parse_args(argv)
@@ -513,8 +628,12 @@ def main(argv=None) -> int:
     report: dict = {"device": device_name(device), "torch": torch.__version__, "rows": rows, "smoke": args.cpu_smoke}
     failed: list[str] = []
     parts: dict = {}
+    vllm_only = args.vllm_only
+    releases = [] if vllm_only else _vllm_releases(args.vllm_path)
 
     def run(name: str, fn) -> None:
+        if vllm_only != (name in VLLM_PARTS):
+            return
         try:
             parts[name] = fn()
         except Exception as e:  # noqa: BLE001 - report every part, then fail
@@ -536,12 +655,27 @@ def main(argv=None) -> int:
         with SidecarProcess(d, dram_budget=rows * 264 // 4 + (1 << 20)) as sc:  # cache mode
             run("vllm staged", lambda: check_vllm_staged(str(sc.socket), "l1", rows, ids, want, want_packed, device,
                                                          sizes))
+            run("vllm runner", lambda: check_vllm_runner(device, tokens))
             run("sglang stager", lambda: check_sglang_stager(str(sc.socket), "l1", ids, want_packed, device, sizes))
             run("sglang graph staging", lambda: check_sglang_graph_staging(str(sc.socket), "l1", ids, device))
         run("restart", lambda: check_restart(Path(d), restart_scale, sizes.restart_rounds))
-    for name in PARTS:
+    if vllm_only:
+        from importlib.metadata import version
+
+        report["vllm"] = version("vllm")
+    else:  # each vLLM release's parts in a process of its own (a process imports one vLLM)
+        for name in VLLM_PARTS:
+            parts[name] = {} if releases else {"skipped": "vLLM is not installed here (and no --vllm-path)"}
+        for i, (ver, directory) in enumerate(releases):
+            for name, part in _vllm_child(directory, Path(args.out) / f"vllm-{i}", args).items():
+                parts[name].update({f"vLLM {ver}: {k}": v for k, v in part.items()})
+        from tierstore.client.engines.checks import SUPPORTED
+
+        report["vllm releases"] = [ver for ver, _ in releases]
+        report["supported vLLM releases not checked"] = sorted(set(SUPPORTED["vllm"][1]) - {v for v, _ in releases})
+    for name in (VLLM_PARTS if vllm_only else PARTS):
         report[name] = part = parts[name]
-        failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error"]
+        failed += [f"{name}: {k}" for k, v in part.items() if v is False or k == "error" or k.endswith(": error")]
     report["failed"] = failed
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check_engines.json").write_text(json.dumps(report, indent=1, default=float))

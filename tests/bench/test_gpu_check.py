@@ -101,7 +101,8 @@ def _stop_group(pgid: int) -> bool:
 def _assert_passed(report: dict, parts: tuple[str, ...]) -> None:
     """Every part in order, no check failed, every skip with its reason."""
     assert [k for k in report if k in parts] == list(parts)  # every part, in order: none dropped
-    bad = [f"{p}: {k} = {v}" for p in parts for k, v in report[p].items() if v is False or k == "error"]
+    bad = [f"{p}: {k} = {v}" for p in parts for k, v in report[p].items()
+           if v is False or k == "error" or k.endswith(": error")]
     assert not bad and report["failed"] == [], bad or report["failed"]
     skips = [(p, v) for p in parts for v in report[p].values() if isinstance(v, str) and v.startswith("skipped")]
     assert all(": " in v and v.split(": ", 1)[1] for _, v in skips), f"a skip without its reason: {skips}"
@@ -119,24 +120,33 @@ def test_gpu_check_smoke_runs_both_parts(tmp_path):
     assert report["arena"]["arena pinned (registered)"].startswith("skipped on CPU: ")
 
 
-def test_gpu_check_engines_smoke_runs_all_seven_parts(tmp_path):
+def test_gpu_check_engines_smoke_runs_all_eight_parts(tmp_path):
+    """Every part, the vLLM ones (2, 4, 5) in a child process under the installed vLLM, their
+    checks named by its version; `make test-engines` runs this under each supported release."""
+    from importlib.metadata import version
+
     missing = [f"{name} is not installed" for name in ("vllm", "sglang") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{'; '.join(missing)} (make engine-deps installs both without CUDA)")
-    report = _smoke("tierstore.bench.gpu_check_engines", tmp_path)
+    report = _smoke("tierstore.bench.gpu_check_engines", tmp_path, timeout=420)
     _assert_passed(report, gpu_check_engines.PARTS)
     # both engines are installed: no part may have stepped aside
-    assert not {p: report[p]["skipped"] for p in gpu_check_engines.PARTS if "skipped" in report[p]}
+    assert not {p: k for p in gpu_check_engines.PARTS for k in report[p] if k.endswith("skipped")}
+    v = version("vllm")
+    assert report["vllm releases"] == [v] and v not in report["supported vLLM releases not checked"]
     assert report["split arena"]["tensors are the mapping, scales right after the weights"] is True
     vllm = report["vllm"]
-    assert "module route" not in vllm, vllm["module route"]  # vLLM's real layer was built, not only its kernel
-    assert vllm["ParallelEngramEmbedding.lookup bf16 == CPU path"] is True
-    assert vllm["_engram_lookup_kernel packed == CPU path"] is True
+    assert f"vLLM {v}: module route" not in vllm, vllm  # vLLM's real layer was built, not only its kernel
+    assert vllm[f"vLLM {v}: ParallelEngramEmbedding.lookup bf16 == CPU path"] is True
+    assert vllm[f"vLLM {v}: _engram_lookup_kernel packed == CPU path"] is True
     # sglang's engram_gather takes CUDA ids only: part 3 has nothing to run here but its import
     assert list(report["sglang"].values()) == ["skipped on CPU: engram_gather takes CUDA ids only (it asserts so)"]
     staged = report["vllm staged"]
-    assert staged["graph replays read each step's staged rows (bf16 == CPU path)"] is True
-    assert staged["eager staged lookup packed == tierstore rows"] is True
+    assert staged[f"vLLM {v}: graph replays read each step's staged rows (bf16 == CPU path)"] is True
+    assert staged[f"vLLM {v}: eager staged lookup packed == tierstore rows"] is True
+    runner = report["vllm runner"]
+    assert runner[f"vLLM {v}: token_table == the tokens vLLM's post_update sampled"] is True
+    assert runner[f"vLLM {v}: the step's windows (sampled token, then its predecessors)"] is True
     assert report["sglang stager"]["staged rows on the device == tierstore rows"] is True
     assert report["sglang graph staging"]["replay of 33 requests == CPU path"] is True
     assert report["sglang graph staging"]["buffers kept their addresses"] is True
