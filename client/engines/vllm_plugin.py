@@ -38,10 +38,11 @@ the loader checks the checkpoint's rows against tierstore's (Client.lookup) and 
 nothing, and the patched `ParallelEngramEmbedding.lookup` reads the rows tierstore
 staged for the step: the wrapped `DeepseekV41ModelState.prepare_inputs` (the V2 model
 runner builds every forward's inputs through it, dummy ones too) and
-`prepare_dummy_inputs` (a graph capture's) stage each step before its forward. `_storage()` of a staged layer raises: nothing can
-read its rows in place. The wrapped `Scheduler.add_request` hints each queued prompt's
-rows to the sidecar (vllm_stager.QueueHints, in the scheduler's process, whether or not
-it runs the model), as sglang's plugin does.
+`prepare_dummy_inputs` (a graph capture's) stage each step before its forward.
+`_storage()` of a staged layer raises: nothing can read its rows in place. The wrapped
+`Scheduler.add_request` hints each queued prompt's rows to the sidecar
+(vllm_stager.QueueHints, in the scheduler's process, whether or not it runs the model),
+as sglang's plugin does.
 
 Invariants (mapped layers):
 - Zero copies: the parameters are views of the mapping; a rank's head shard
@@ -300,7 +301,7 @@ def _patch(engram) -> None:
     def _allocate_weights(self):
         import torch
 
-        if torch.get_default_device().type == "meta":  # the ipc_cache loader's build: its daemon's tensors replace these
+        if torch.get_default_device().type == "meta":  # ipc_cache's build: its daemon's tensors replace these
             log.info("a ParallelEngramEmbedding built on the meta device is vLLM's own (its weight cache loader's): "
                      "tierstore serves none of its rows")
             return alloc(self)

@@ -162,13 +162,7 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
         hash_ids = hasher(input_ids, fb)  # the forward's own hash (and history commit)
         x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
                         generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
-        for k, L in enumerate(LAYERS):
-            own, fed = modules[L]
-            with torch.no_grad():
-                fb.engram_staged_rows = None
-                a = own(x, hash_ids[:, k], fb, input_ids=input_ids)
-                fb.engram_staged_rows = staged_rows
-                b = fed(x, hash_ids[:, k], fb, input_ids=input_ids)
+        for L, a, b in _own_and_staged(modules, x, hash_ids, fb, input_ids, staged_rows):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}, layer {L}"
             assert not torch.equal(a, x)  # the gate opened: rows were read
         if step == 0:  # let the sidecar promote the extend's misses before the decode steps read
@@ -180,6 +174,18 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
         assert s["hits"] > 0 and s["misses"] > 0, s
         local = stager.layers[LAYERS.index(L)][1].client.handle(f"l{L}").local_reads
         assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
+
+
+def _own_and_staged(modules, x, hash_ids, fb, input_ids, staged_rows):
+    """(layer, sglang's own module's output, the staged module's over `staged_rows`) of each layer
+    for one forward batch `fb`."""
+    for k, L in enumerate(LAYERS):
+        own, fed = modules[L]
+        with torch.no_grad():
+            fb.engram_staged_rows = None
+            a = own(x, hash_ids[:, k], fb, input_ids=input_ids)
+            fb.engram_staged_rows = staged_rows
+            yield L, a, fed(x, hash_ids[:, k], fb, input_ids=input_ids)
 
 
 GRAPH_SIZES = [1, 2, 4]  # the decode graph batch sizes here, set in sglang's own CudaGraphConfig
@@ -301,13 +307,8 @@ def test_a_decode_batchs_buffered_rows_are_served_only_while_the_buffers_hold_th
             input_ids, fb = _forward_batches(reqs, lens, step)
             hash_ids = hasher(input_ids, fb)
             x = torch.ones(len(input_ids), text["hc_mult"], text["hidden_size"], dtype=torch.bfloat16)
-            for k, L in enumerate(LAYERS):
-                own, fed = modules[L]
-                with torch.no_grad():
-                    fb.engram_staged_rows = None
-                    want = own(x, hash_ids[:, k], fb, input_ids=input_ids)
-                    fb.engram_staged_rows = rows
-                    yield want, fed(x, hash_ids[:, k], fb, input_ids=input_ids)
+            for _, want, got in _own_and_staged(modules, x, hash_ids, fb, input_ids, rows):
+                yield want, got
 
         first = decode(1)
         for want, got in forwards(1, first):

@@ -506,7 +506,7 @@ def test_the_windows_hash_as_whole_sequences_do(plugin, vllm_world):
         got = stager._hash(w)
         req = np.repeat(np.arange(counts.size), counts)
         pos = starts[req] + np.arange(req.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        assert np.array_equal(w[:, 0], table[req, pos])  # the tokens vLLM's _prepare_inputs gathers
+        assert np.array_equal(w[:, 0], table[req, pos])  # each scheduled token at its position
         for L in LAYERS:
             want = np.stack([h.hash(h.map_raw(table[r, :p + 1]), L, dead=table[r, :p + 1] == IMAGE_TOKEN)[-1]
                              for r, p in zip(req, pos)])
@@ -549,7 +549,8 @@ def test_the_lookup_never_reads_the_device_ids(plugin, vllm_world):
 @parent
 def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_world):
     """Engram DP-sharded tables (an Engram DP group of 2) stop the layer's build with the fix
-    (the other refusals read vLLM's config: test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix)."""
+    (the other refusals read vLLM's config:
+    test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix)."""
     with pytest.raises(checks.EngineRefused, match="refuses Engram DP-sharded tables .*embedding_across_dp\\\": "
                                                    "false"):
         vllm_world.embedding(vllm_engram.layout(CONFIG), 0, 1, engram_dp=2)
