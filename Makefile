@@ -125,7 +125,7 @@ SGLANG_TESTS := tests/client/engines/test_sglang.py tests/client/engines/test_sg
   tests/client/engines/test_weight_filter.py
 test-engines: $(STAMP)
 	@set -e; for v in $(VLLM_VERSIONS); do \
-	  d=$(VENV)/engines/vllm-$$v; \
+	  d=$(abspath $(VENV))/engines/vllm-$$v; \
 	  if ! test -f $$d/.installed; then rm -rf $$d; \
 	    $(PIP) install -q --no-deps $(ENGINE_LINKS) --target $$d "vllm==$$v" && touch $$d/.installed; fi; \
 	  echo "== vLLM $$v"; \

@@ -153,6 +153,9 @@ _SGLANG = (
     *_seams("sglang.srt.model_executor.cuda_graph_config", "CudaGraphConfig.decode", "PhaseConfig.backend",
             "PhaseConfig.bs", "PhaseConfig.max_bs"),
     *_seams("sglang.srt.runtime_context", ("get_parallel",), ("get_schedule",), ("get_exec",)),
+    *_seams("sglang.srt.arg_groups.fields.exec_", "ExecGraph.cuda_graph_config"),
+    *_seams("sglang.kernels.ops.embeddings.engram_gather",
+            ("engram_gather", "weight_ptr", "scale_ptr", "ids", "out", "dim", "block_size", "row_lo", "row_hi")),
     # the settings sglang.py refuses or reads at start
     *_seams("sglang.srt.server_args", ("ServerArgs.check_server_args", "self")),
     *_seams("sglang.srt.arg_groups.fields.spec", "Spec.speculative_algorithm"),
