@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tierstore.tiers.dram import huge_page_bytes
+from tierstore.tiers.pages import huge_page_bytes
 
 __all__ = ["gather_rate"]
 

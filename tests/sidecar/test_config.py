@@ -31,6 +31,7 @@ def test_bad_lease_ttl_is_refused(base, ttl):
     ("verify_sample", float("nan"), "--verify-sample"), ("verify_sample", 1.5, "--verify-sample"),
     ("receive_timeout_s", float("inf"), "--receive-timeout"), ("policy", "lfu2", "policy kind 'lfu2'"),
     ("hot_set_interval_s", -1.0, "--hot-set-interval"), ("hot_set_interval_s", float("nan"), "--hot-set-interval"),
+    ("arena_pages", "2M", "--arena-pages .*'2M': one of auto, huge, small"),
 ])
 def test_bad_numbers_are_refused(base, field, value, flag):
     with pytest.raises(ValueError, match=flag):
@@ -80,6 +81,13 @@ def test_warm_start_flags_and_environment_map_onto_the_config(base, monkeypatch)
     cfg = ServeConfig.from_env(**base)
     assert cfg.warm_start is False and cfg.hot_set_interval_s == 12.5
     assert ServeConfig.from_env(**base, hot_set_interval_s=0.0).hot_set_interval_s == 0.0  # a flag wins
+
+
+def test_arena_pages_from_the_environment(base, monkeypatch):
+    assert ServeConfig(**base).arena_pages == "auto"  # huge pages by default, where the host gives them
+    monkeypatch.setenv("TIERSTORE_ARENA_PAGES", "small")
+    assert ServeConfig.from_env(**base).arena_pages == "small"
+    assert ServeConfig.from_env(**base, arena_pages="huge").arena_pages == "huge"  # a flag wins
 
 
 def test_cli_serve_refuses_an_unknown_startup_pause_point_with_exit_2(cli, tmp_path, monkeypatch):

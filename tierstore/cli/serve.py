@@ -42,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="gRPC worker threads (per transport: unix socket, TCP)")
     p.add_argument("--receive-timeout", type=float, dest="receive_timeout_s",
                    help="seconds a TCP caller has to send its request message (default 30)")
-    p.add_argument("--shm-dir", help="directory for the arenas (default /dev/shm); a tmpfs mounted huge=within_size "
-                                     "or a hugetlbfs mount gives them huge pages")
+    p.add_argument("--shm-dir", help="a tmpfs for the sidecar's shared files (default /dev/shm), its arenas too "
+                                     "unless they go on hugetlbfs; mounted huge=within_size it gives arenas huge pages")
+    p.add_argument("--arena-pages", choices=("auto", "huge", "small"),
+                   help="auto (default): arenas on huge pages where the host gives them (--shm-dir's mount, else a "
+                        "hugetlbfs mount with free pages), else 4 KiB pages and a warning saying what to set; huge: "
+                        "fail at start without them; small: 4 KiB pages")
     p.add_argument("--persist-arena", action="store_true", default=None,
                    help="leave arenas in /dev/shm on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")

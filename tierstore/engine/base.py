@@ -20,6 +20,7 @@ from tierstore.errors import ChecksumError
 from tierstore.cache.leases import LeaseTable
 from tierstore.tiers.base import ColdTier, check_ids
 from tierstore.tiers.dram import Arena
+from tierstore.tiers.pages import huge_page_bytes
 from tierstore.engine.verifier import VerifyCounters
 
 __all__ = ["TableEngine", "Placement", "Counters"]
@@ -166,4 +167,6 @@ class TableEngine:
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
                     notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
                     note_rows_placed=c.note_rows_placed, note_rows_refused=c.note_rows_refused,
-                    steps_copied=c.steps_copied, metadata_bytes=self.metadata_bytes())
+                    steps_copied=c.steps_copied, metadata_bytes=self.metadata_bytes(),
+                    arena_page_bytes=self.arena.backing.page,
+                    arena_huge_bytes=huge_page_bytes(self.arena.path, max_age=1.0)[0])

@@ -29,7 +29,8 @@ from tierstore.store.catalog import BlockChecksums
 from tierstore.sidecar.config import ServeConfig
 from tierstore.engine import TableEngine, make_engine
 from tierstore.errors import InvalidArgument, ResourceExhausted, TierstoreError
-from tierstore.tiers.dram import Arena, huge_page_bytes, own_files, page_backing, retire_file, shm_free_bytes
+from tierstore.tiers.dram import Arena, own_files, retire_file, shm_free_bytes
+from tierstore.tiers.pages import SMALL_PAGE, PageBacking, arena_backing, huge_page_bytes
 from tierstore.tiers.nvme.reader import SegmentReader
 from tierstore.sidecar.startup import pause, shm_tag
 
@@ -59,9 +60,11 @@ class EngineBuilder:
             self.recorder = TraceRecorder(config.record_trace)
 
     # ---- names and stale files ---------------------------------------------
-    def new_name(self, what: str) -> Path:
-        """A fresh shm path of this sidecar's tag for `what` (an arena, an index, the lease board)."""
-        return self.config.shm_dir / f"tierstore.{os.getuid()}.{self.tag}.{secrets.token_hex(6)}.{what}"
+    def new_name(self, what: str, directory: Path | None = None) -> Path:
+        """A fresh shm path of this sidecar's tag for `what` (an arena, an index, the lease board),
+        in `directory` (an arena's: its PageBacking's) or the shm directory."""
+        name = f"tierstore.{os.getuid()}.{self.tag}.{secrets.token_hex(6)}.{what}"
+        return (directory or self.config.shm_dir) / name
 
     def take_stale_files(self) -> dict:
         """Retire and remove what an earlier sidecar of this identity left (killed, or
@@ -93,17 +96,21 @@ class EngineBuilder:
 
     # ---- sizing ----------------------------------------------------------------
     def prepare(self, catalog, leases) -> None:
-        """Check the DRAM budget against the shm directory (ResourceExhausted), choose the
-        arenas' page backing and load --profile; catalog and leases serve every build."""
+        """Choose where the arenas live and on what pages (tiers/pages.arena_backing: the
+        errors of --arena-pages), check the DRAM budget against a tmpfs that holds them
+        (ResourceExhausted; a hugetlbfs pool was checked by the choice) and load --profile;
+        catalog and leases serve every build."""
         cfg = self.config
         self.catalog, self.leases = catalog, leases
-        free = shm_free_bytes(cfg.shm_dir)
-        if cfg.dram_budget > free:
-            raise ResourceExhausted(
-                f"--dram-budget {cfg.dram_budget / 2**20:.0f} MiB is more than {cfg.shm_dir} can hold "
-                f"({free / 2**20:.0f} MiB free); lower the budget or enlarge {cfg.shm_dir}")
-        self.backing = page_backing(cfg.shm_dir)
-        (log.info if self.backing.huge else log.warning)("%s", self.backing.why)
+        self.backing = arena_backing(cfg.shm_dir, cfg.dram_budget, cfg.arena_pages)
+        if self.backing.how != "hugetlbfs":
+            free = shm_free_bytes(cfg.shm_dir)
+            if cfg.dram_budget > free:
+                raise ResourceExhausted(
+                    f"--dram-budget {cfg.dram_budget / 2**20:.0f} MiB is more than {cfg.shm_dir} can hold "
+                    f"({free / 2**20:.0f} MiB free); lower the budget or enlarge {cfg.shm_dir}")
+        quiet = self.backing.huge or cfg.arena_pages == "small"
+        (log.info if quiet else log.warning)("%s", self.backing.why)
         if cfg.profile is not None:
             from tierstore.table.profile import Profile
             self.profile = Profile.load(cfg.profile)
@@ -142,12 +149,15 @@ class EngineBuilder:
         On any error nothing it made is left (the arena is unlinked, the reader closed)."""
         full, slots = self._layout(v, versions)
         split = self._split(v, full)
+        if reuse is not None and Path(reuse).parent != self.backing.dir:
+            log.info("table %s v%d: not re-attaching %s: arenas now live in %s", v.table, v.number, reuse,
+                     self.backing.dir)
+            self.remove_stale(reuse)
+            reuse = None
         checksums = self._checksums(v, full)
         reader = self._reader(v, checksums)
-        path = reuse if (reuse is not None and full) else self.new_name(f"{v.table}.v{v.number}")
         try:
-            arena = Arena(path, slots, v.row_bytes, reuse=reuse is not None and full, backing=self.backing,
-                          split=split)
+            arena = self._arena(v, slots, split, reuse if full else None)
         except BaseException:
             reader.close()
             raise
@@ -187,13 +197,32 @@ class EngineBuilder:
             reader.close()
             raise
         huge, mapped = huge_page_bytes(arena.path)
-        log.info("table %s v%d: %s mode%s, %d slots x %d B (%.1f MiB, %.0f%% of it on %s pages) + %.1f MiB of "
-                 "checksums, maps and policy, ready in %.2fs", v.table, v.number, "full" if full else "cache",
-                 f" (split: {split} B weights, then scales)" if split else "", slots,
-                 v.row_bytes, slots * v.row_bytes / 2**20, 100 * huge / max(mapped, 1),
+        log.info("table %s v%d: %s mode%s, %d slots x %d B (%.1f MiB in %s, %.0f%% of it on %s pages by "
+                 "/proc/self/smaps) + %.1f MiB of checksums, maps and policy, ready in %.2fs", v.table, v.number,
+                 "full" if full else "cache", f" (split: {split} B weights, then scales)" if split else "", slots,
+                 v.row_bytes, slots * v.row_bytes / 2**20, arena.path.parent, 100 * huge / max(mapped, 1),
                  f"{arena.backing.page >> 20} MiB" if arena.backing.huge else "huge", engine.metadata_bytes() / 2**20,
                  time.monotonic() - t0)
         return engine
+
+    def _arena(self, v, slots: int, split: int, reuse: Path | None) -> Arena:
+        """Version v's arena: `reuse` re-attached, else a new one where the backing says. Under
+        --arena-pages auto, an arena the hugetlbfs pool has no pages left for (another process
+        took them, or a reload's new arena beside the old) goes on 4 KiB pages in the shm
+        directory, with a warning; otherwise ResourceExhausted naming the fix."""
+        backing = self.backing
+        path = reuse or self.new_name(f"{v.table}.v{v.number}", backing.dir)
+        try:
+            return Arena(path, slots, v.row_bytes, reuse=reuse is not None, backing=backing, split=split)
+        except ResourceExhausted as e:
+            if backing.how != "hugetlbfs" or self.config.arena_pages != "auto" or reuse is not None:
+                raise
+            small = PageBacking(SMALL_PAGE, "4k", f"{backing.dir} has no pages left for it", self.config.shm_dir)
+            log.warning("table %s v%d: %s; this arena goes on 4 KiB pages in %s: reserve more pages "
+                        "(vm.nr_hugepages; a live reload needs the old arena's beside the new)", v.table, v.number,
+                        e, small.dir)
+            return Arena(self.new_name(f"{v.table}.v{v.number}", small.dir), slots, v.row_bytes, backing=small,
+                         split=split)
 
     def _checksums(self, v, full: bool):
         """Version v's block checksums for its reader: the array (8 B a block) where blocks are

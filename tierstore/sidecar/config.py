@@ -18,6 +18,7 @@ from tierstore.cache.leases import MAX_LEASES
 from tierstore.errors import InvalidArgument
 from tierstore.proto import MAX_REQUEST_IDS
 from tierstore.sidecar.startup import PAUSE_POINTS
+from tierstore.tiers.pages import MODES
 
 __all__ = ["ServeConfig", "parse_size", "MAX_SIZE", "MAX_LEASE_TTL_S", "MAX_WORKERS"]
 
@@ -89,7 +90,9 @@ class ServeConfig:
     max_request_ids: int = MAX_REQUEST_IDS
     workers: int = 8
     receive_timeout_s: float = 30.0     # a TCP caller's time to deliver its request message
-    shm_dir: Path = Path("/dev/shm")
+    shm_dir: Path = Path("/dev/shm")     # the sidecar's shared files; its arenas too, unless on hugetlbfs
+    arena_pages: str = "auto"           # auto: huge pages where the host gives them, else 4 KiB and a warning;
+                                        # huge: or fail at start; small: 4 KiB (tiers/pages.py)
     persist_arena: bool = False         # leave arenas in /dev/shm on shutdown for re-attach
     verify_sample: float = 0.001        # fraction of served rows re-checked off the hot path (0 = off)
     policy: str = "s3fifo"
@@ -175,6 +178,9 @@ class ServeConfig:
         self.split_layout = tuple(self.split_layout)
         if "all" in self.split_layout and len(self.split_layout) > 1:
             raise ValueError(f"--split-layout is 'all' or a list of tables, not both: {','.join(self.split_layout)}")
+        if self.arena_pages not in MODES:
+            raise InvalidArgument(f"--arena-pages (TIERSTORE_ARENA_PAGES) {str(self.arena_pages)[:40]!r}: one of "
+                                  f"{', '.join(MODES)} (auto: huge pages where the host gives them)")
         self.startup_pause = self.startup_pause or None  # set but empty: no pause, as unset
         if self.startup_pause is not None and self.startup_pause not in PAUSE_POINTS:
             raise InvalidArgument(f"TIERSTORE_STARTUP_PAUSE={self.startup_pause[:40]!r} names no point of start-up; "

@@ -21,13 +21,11 @@ header records W (0: interleaved), so a client never reads one layout as the
 other. Either way the engine and `Client.lookup` see interleaved rows
 (`SplitRows.take`).
 
-Pages: random gathers from an arena past the TLB's reach (a few MiB of 4 KiB
-pages) spend most of their time walking page tables, and a GPU reading it over
-UVA suffers more. An arena gets huge pages wherever its directory's mount gives
-them (`page_backing`): a hugetlbfs mount (reserved pages), or a tmpfs mounted
-`huge=always|within_size` (transparent huge pages at allocation) or
-`huge=advise` (asked for with madvise, populated through the mapping). Elsewhere
-it stays on 4 KiB pages and the sidecar says, once, what to set.
+Pages: an arena is made in the directory its PageBacking names
+(tiers/pages.py): huge pages wherever the host gives them (by default), else
+4 KiB. On hugetlbfs a file is whole huge pages and takes no write(): the file is
+rounded up, and every map and unmap of it (the sidecar's, a client's, a retire)
+covers whole pages, so an unmap never fails and leaves pool pages held.
 
 Names are unpredictable (`tierstore.<uid>.<tag>.<random>.<table>.v<N>`):
 `tag` is derived from the sidecar's resolved data directory and socket, so two
@@ -41,20 +39,17 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.errors import ResourceExhausted, StaleArena
+from tierstore.tiers.pages import MADV_HUGEPAGE, MADV_POPULATE_WRITE, PageBacking, hugetlbfs_mounts, page_backing
 
-__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "PageBacking", "SplitRows", "arena_tag", "host_id",
-           "huge_page_bytes", "map_file_readonly", "map_readonly", "map_split_readonly", "own_files", "page_backing",
-           "retire_file", "shm_free_bytes"]
+__all__ = ["Arena", "ArenaHeader", "HEADER_BYTES", "SplitRows", "arena_tag", "host_id", "map_file_readonly",
+           "map_readonly", "map_split_readonly", "own_files", "retire_file", "shm_free_bytes"]
 
 HEADER_BYTES = 4096
-SMALL_PAGE = 4096
-MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # Linux; mmap exposes the first only from 3.8 on some builds
 _MAGIC = b"TSARENA1"
 # magic, retired, full, instance (16 ascii), version, slots, row_bytes, host (16), table (64),
 # split (bytes of a row's leading part stored for all rows first; 0: interleaved)
@@ -76,110 +71,23 @@ def arena_tag(data_dir: Path, address: str) -> str:
 
 
 def own_files(shm_dir: Path, tag: str) -> list[Path]:
-    """Files in shm_dir that a sidecar with this tag (and uid) created, live or stale."""
-    return sorted(Path(shm_dir).glob(f"tierstore.{os.getuid()}.{tag}.*"))
+    """Files that a sidecar with this tag (and uid) created, live or stale: in shm_dir and in
+    every hugetlbfs mount, where its arenas may be (tiers/pages.py)."""
+    dirs = dict.fromkeys([Path(shm_dir), *(m[0] for m in hugetlbfs_mounts())])
+    return sorted(p for d in dirs for p in d.glob(f"tierstore.{os.getuid()}.{tag}.*"))
+
+
+def _whole_pages(size: int, st: os.stat_result) -> int:
+    """The length to map the first `size` bytes of the file `st` describes with: on hugetlbfs
+    (st_blksize, its page, above 4 KiB) rounded up to whole pages, the file's own length
+    at most; munmap fails on a part of a huge page, leaving the mapping and its pages held."""
+    page = st.st_blksize if st.st_blksize > HEADER_BYTES else 1
+    return min(-(-size // page) * page, max(st.st_size, size))
 
 
 def shm_free_bytes(shm_dir: Path) -> int:
     st = os.statvfs(shm_dir)
     return st.f_bavail * st.f_frsize
-
-
-@dataclass(frozen=True)
-class PageBacking:
-    """How arenas in one directory are paged.
-
-    page: the page size its files get (4096 unless huge); how: "hugetlbfs",
-    "thp" (the mount allocates huge pages), "thp-advise" (asked per mapping) or
-    "4k"; why: one line for the operator (what to set, when 4k)."""
-
-    page: int
-    how: str
-    why: str
-
-    @property
-    def huge(self) -> bool:
-        return self.page > SMALL_PAGE
-
-
-def _mount_of(path: Path) -> tuple[str, list[str]]:
-    """(filesystem type, super options) of the mount holding `path` (/proc/self/mountinfo)."""
-    target, best, found = str(Path(path).resolve()), -1, ("", [])
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) < 5 or len(tail) < 3:
-            continue
-        point = fields[4].replace("\\040", " ")
-        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > best:
-            best, found = len(point), (tail[0], tail[2].split(","))
-    return found
-
-
-def _meminfo_kib(key: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def page_backing(shm_dir: Path) -> PageBacking:
-    """The pages an arena created in `shm_dir` will get (see the module docstring)."""
-    fstype, opts = _mount_of(shm_dir)
-    if fstype == "hugetlbfs":
-        size = next((o.split("=", 1)[1] for o in opts if o.startswith("pagesize=")), "")
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        page = int(size[:-1]) * units[size[-1].upper()] if size[:-1].isdigit() and size[-1:].upper() in units \
-            else _meminfo_kib("Hugepagesize") << 10
-        return PageBacking(page or 2 << 20, "hugetlbfs", f"{shm_dir} is hugetlbfs: arenas take its reserved pages")
-    huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), "never")
-    try:
-        forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    except OSError:
-        forced = False
-    thp = (_meminfo_kib("Hugepagesize") << 10) or (2 << 20)
-    if fstype == "tmpfs" and (huge in ("always", "within_size") or forced):
-        return PageBacking(thp, "thp", f"{shm_dir} is tmpfs huge={huge}: arenas get transparent huge pages")
-    if fstype == "tmpfs" and huge == "advise":
-        return PageBacking(thp, "thp-advise", f"{shm_dir} is tmpfs huge=advise: each arena asks for huge pages")
-    return PageBacking(SMALL_PAGE, "4k",
-                       f"arenas in {shm_dir} ({fstype or 'unknown fs'}, huge={huge}) use 4 KiB pages: random row "
-                       f"gathers from a large arena run faster on huge pages; as root, `mount -o remount,"
-                       f"huge=within_size {shm_dir}`, or serve --shm-dir on a hugetlbfs mount with reserved pages")
-
-
-def huge_page_bytes(path: str | Path) -> tuple[int, int]:
-    """(bytes mapped on huge pages, bytes mapped) of this process's mappings of the file `path`
-    (/proc/self/smaps): what a page-size claim is checked against."""
-    want, huge, total, inside = str(path), 0, 0, False
-    try:
-        text = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return 0, 0
-    page = SMALL_PAGE
-    for line in text.splitlines():
-        head = line.split(None, 1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms offset dev inode path
-            inside = line.rstrip().endswith(want) or line.rstrip().endswith(want + " (deleted)")
-            page = SMALL_PAGE
-        elif inside:
-            key, _, rest = line.partition(":")
-            kib = int(rest.split()[0]) << 10 if rest.split() and rest.split()[0].isdigit() else 0
-            if key == "KernelPageSize":  # listed before Rss; above 4 KiB: hugetlbfs, all of it huge
-                page = kib
-            elif key == "Rss":
-                total += kib
-                huge += kib if page > SMALL_PAGE else 0
-            elif key in ("ShmemPmdMapped", "FilePmdMapped"):
-                huge += kib
-    return huge, total
 
 
 class ArenaHeader:
@@ -386,7 +294,8 @@ class Arena:
 
 def retire_file(path: Path) -> bool:
     """Set the retired flag of a stale arena file of ours (a killed sidecar's), so clients
-    still mapping it switch at their next step; False when it is not an arena of ours."""
+    still mapping it switch at their next step; False when it is not an arena of ours.
+    Through a map, not pwrite: hugetlbfs takes no write()."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -395,9 +304,10 @@ def retire_file(path: Path) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < HEADER_BYTES:
             return False
-        if os.pread(fd, 8, 0) != _MAGIC:
-            return False
-        os.pwrite(fd, b"\x01", 8)
+        with mmap.mmap(fd, _whole_pages(HEADER_BYTES, st), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            if m[:len(_MAGIC)] != _MAGIC:
+                return False
+            m[8] = 1
         return True
     finally:
         os.close(fd)
@@ -405,8 +315,9 @@ def retire_file(path: Path) -> bool:
 
 def map_file_readonly(path: str | Path, size: int, what: str, gone_because: str) -> mmap.mmap:
     """A read-only shared map of the first `size` bytes of the regular file at `path` (never
-    through a link). StaleArena naming `what` when the file is gone (`gone_because`: why
-    that happens), not a regular file, or smaller."""
+    through a link; on hugetlbfs whole pages, so it may be longer: _whole_pages). StaleArena
+    naming `what` when the file is gone (`gone_because`: why that happens), not a regular
+    file, or smaller."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -416,7 +327,7 @@ def map_file_readonly(path: str | Path, size: int, what: str, gone_because: str)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size < size:
             raise StaleArena(f"{what} {path} holds {st.st_size} bytes, expected {size}; describe the table again")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return mmap.mmap(fd, _whole_pages(size, st), mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
 
