@@ -15,7 +15,9 @@ Competitors, all reading the same table and the same id batches:
   arena-cache-prefetch  lookup, each batch's ids handed to the sidecar one
                batch ahead (Client.prefetch)
   arena-huge   arena, its arena on huge pages (--huge-shm-dir: a tmpfs mounted
-               huge=within_size or a hugetlbfs mount)
+               huge=within_size; the sidecar runs with --arena-pages huge). `arena`
+               gets what the host gives by default (tiers/pages.py): the config's
+               `pages` says what each read through
   inline       tierstore Lookup RPC, rows inside the gRPC reply
   mmap, lmdb, redis   the baselines of bench/baselines.py
 
@@ -338,6 +340,7 @@ def run_lookup_bench(data_dir, out_dir, options: LookupOptions | None = None, lo
                 for batch in o.batches:
                     cells.append(comps.cell(dist, batch, bar))
                     log(line_for(cells[-1]))
+        comps.meta["pages"] = comps.pages()
     finally:
         close_all(closers)
     return {"table": t.name, "version": version.number, "rows": version.rows, "row_bytes": version.row_bytes,
@@ -399,6 +402,7 @@ class _Competitors:
         from tierstore.bench import baselines as bl
 
         self.t, self.o, self.fns, self.meta = t, o, {}, {}
+        self.arena_clients: dict = {}  # arena, arena-huge: the clients whose maps pages() reads
         self.table_np = bl.load_table(t.data_dir, t.version)
         want, self.skipped = self._wanted()
         ceiling = CompiledGather(self.table_np)
@@ -430,11 +434,14 @@ class _Competitors:
             _, client = start_sidecar(t.data_dir, closers, full_budget)
             if "arena" in want:
                 self.fns["arena"] = _Arena(client, table).get
+                self.arena_clients["arena"] = client
             if "inline" in want:
                 self.fns["inline"] = _Inline(client, table, t.version.row_bytes).get
         if self.o.huge_shm_dir is not None and (self.o.competitors is None or "arena-huge" in want):
-            huge, hclient = start_sidecar(t.data_dir, closers, full_budget, ["--shm-dir", self.o.huge_shm_dir])
+            huge, hclient = start_sidecar(t.data_dir, closers, full_budget,
+                                          ["--shm-dir", self.o.huge_shm_dir, "--arena-pages", "huge"])
             self.fns["arena-huge"] = _Arena(hclient, table).get
+            self.arena_clients["arena-huge"] = hclient
             self.meta["arena_huge"] = {"shm_dir": str(self.o.huge_shm_dir),
                                        "log": [ln for ln in huge.log().splitlines() if "pages" in ln][-3:]}
         if "arena-cache" not in want:
@@ -451,6 +458,20 @@ class _Competitors:
                 _, vclient = start_sidecar(t.data_dir, closers, budget)
                 self.fns[name] = kind(vclient, table, piece=max(1, cap // 2)).get
         return cclient
+
+    def pages(self) -> dict:
+        """What arena and arena-huge read through, after the rounds: the page size their
+        sidecar's Stats report, and of this process's (the client's) map of the arena, the
+        bytes on huge pages and the bytes mapped (/proc/self/smaps)."""
+        from tierstore.tiers.pages import huge_page_bytes
+
+        out = {}
+        for name, client in self.arena_clients.items():
+            st = next(s for s in client.stats()["tables"] if s["table"] == self.t.name)
+            huge, mapped = huge_page_bytes(client.handle(self.t.name)._arena_path)
+            out[name] = {"page_bytes": int(st["arena_page_bytes"]), "client_huge_bytes": huge,
+                         "client_mapped_bytes": mapped}
+        return out
 
     def _open_baselines(self, want: set, out_dir, closers: list, log) -> None:
         from tqdm import tqdm

@@ -39,6 +39,31 @@ def make_table(data_dir):
 
 
 @pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(huge) -> a fresh tmpfs of 256 MiB mounted with huge=`huge` (never, always,
+    within_size, advise), unmounted afterwards; skipped without root, as `mount` needs it."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    mounted = []
+
+    def mount(huge: str):
+        point = tmp_path / f"shm-{huge}"
+        point.mkdir(mode=0o700)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=256m,mode=0700,huge={huge}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture
 def cli(capsys):
     """cli(*argv) -> (exit code, stdout, stderr) of the `tierstore` command, run in-process."""
     from tierstore.cli import main

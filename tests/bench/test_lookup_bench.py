@@ -41,6 +41,19 @@ def test_lookup_scenario_numbers_are_sane(make_table, data_dir, tmp_path):
     assert (tmp_path / "out" / "baselines" / f"lmdb-t-v{tv.number}").is_dir()
 
 
+def test_arena_huge_reads_huge_pages_and_the_run_says_what_each_arena_read_through(make_table, data_dir, tmp_path,
+                                                                                     tmpfs):
+    make_table("t", rows=24 * 1024, row_bytes=256)  # 6 MiB: three huge pages
+    res = run_lookup_bench(data_dir, tmp_path / "out", LookupOptions(
+        batches=(256,), dists=("uniform",), rounds=1, rows_per_pass=768, competitors=("arena", "arena-huge"),
+        huge_shm_dir=str(tmpfs("within_size")), progress=False), log=lambda *_: None)
+    assert set(res["cells"][0]["competitors"]) == {"ceiling", "arena", "arena-huge"}
+    pages = res["config"]["pages"]
+    assert pages["arena-huge"]["page_bytes"] == 2 << 20 and pages["arena-huge"]["client_mapped_bytes"] >= 6 << 20
+    if pages["arena"]["page_bytes"] == 4096:  # this host's default: the client maps no huge page of it
+        assert pages["arena"]["client_huge_bytes"] == 0
+
+
 def test_interleaved_rounds_time_every_competitor():
     calls = []
     fns = {"a": lambda b: calls.append("a"), "b": lambda b: calls.append("b")}

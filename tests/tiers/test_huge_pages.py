@@ -1,7 +1,7 @@
 """Arenas on huge pages by default wherever the host gives them; 4 KiB and one line saying what to set elsewhere.
 
 The mounts and pages are real, and need root (as `mount` does; skipped otherwise):
-- a tmpfs mounted here with each `huge=` option, given to the sidecar as --shm-dir;
+- a tmpfs mounted here with each `huge=` option (tests/conftest.py), given to the sidecar as --shm-dir;
 - a hugetlbfs mount the sidecar finds by itself, made in a private mount namespace
   (`unshare --mount`: no other process on the host sees it, and it goes with the
   namespace), its pages from the host's 2 MiB pool, which the `pool` fixture lets
@@ -36,27 +36,6 @@ POOL_PAGES = 64  # 128 MiB at most, allocated only while a namespace's arenas ho
 def _root_or_skip() -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a filesystem needs root")
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """tmpfs(huge) -> a fresh tmpfs of 256 MiB mounted with huge=`huge`, unmounted afterwards."""
-    _root_or_skip()
-    mounted = []
-
-    def mount(huge: str):
-        point = tmp_path / f"shm-{huge}"
-        point.mkdir(mode=0o700)
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=256m,mode=0700,huge={huge}", "tmpfs", str(point)],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], check=False)
 
 
 def _table(data_dir: Path, rows: int, row_bytes: int = 256, seed: int = 0) -> np.ndarray:

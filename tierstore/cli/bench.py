@@ -86,7 +86,7 @@ def _lookup(add):
     add("--rounds", type=int, help="timed interleaved rounds per cell (default 5, quick 3)")
     add("--competitors", type=_csv(str), help="run only these, e.g. arena,arena-huge (the ceiling always)")
     add("--huge-shm-dir", help="also run arena-huge: a full-resident sidecar whose arenas live in DIR "
-        "(a tmpfs mounted huge=within_size, or hugetlbfs): huge pages vs arena's")
+        "(a tmpfs mounted huge=within_size; --arena-pages huge): huge pages vs arena's")
 
 
 def _run_lookup(args, out: Path, suite: bool) -> dict:
