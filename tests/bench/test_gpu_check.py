@@ -108,7 +108,7 @@ def _assert_passed(report: dict, parts: tuple[str, ...]) -> None:
     assert all(": " in v and v.split(": ", 1)[1] for _, v in skips), f"a skip without its reason: {skips}"
 
 
-def test_gpu_check_smoke_runs_both_parts(tmp_path):
+def test_gpu_check_smoke_runs_every_part(tmp_path):
     report = _smoke("tierstore.bench.gpu_check", tmp_path)
     _assert_passed(report, gpu_check.PARTS)
     assert report["smoke"] is True and report["device"].startswith("cpu")
@@ -118,6 +118,18 @@ def test_gpu_check_smoke_runs_both_parts(tmp_path):
     assert kernels["gate fp32 within 1e-5"] is True
     assert report["arena"]["UVA gather == HBM gather"] is True
     assert report["arena"]["arena pinned (registered)"].startswith("skipped on CPU: ")
+    # the 4 KiB vs 2 MB A/B: both sides served at once, read by the same kernel, the same rows
+    pages = report["pages"]
+    assert pages["4 KiB: page size the sidecar reports"] == 4096 and pages["4 KiB: no huge page mapped"] is True
+    assert pages["gather_rows: same rows on every side"] is True
+    assert pages["engines' kernels"].startswith("skipped on CPU: ")
+    if "2 MB side" in pages:  # a host with no huge pages for it, and no root to mount some: it says why
+        assert pages["2 MB side"].startswith("skipped: the host gives no huge pages")
+        assert set(pages["gather_rows over UVA"]) == {"rows/s 4 KiB"}
+    else:
+        assert pages["2 MB: page size the sidecar reports"] == 2 << 20
+        assert pages["2 MB: most of it on huge pages"] is True
+        assert set(pages["gather_rows over UVA"]) == {"rows/s 4 KiB", "rows/s 2 MB", "2 MB / 4 KiB"}
 
 
 def test_gpu_check_engines_smoke_runs_all_eight_parts(tmp_path):

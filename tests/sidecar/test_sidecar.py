@@ -262,10 +262,13 @@ def test_metrics_endpoint_counts_per_tier(table_dir):
         with c.plan("t32", np.arange(500)) as step:  # planned: counted by the time the reply comes
             step.rows()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        c_stats = c.stats()["tables"]
     assert 'tierstore_misses_total{table="t32",tier="dram"} 500.0' in text
     assert 'tierstore_bytes_read_total{table="t32",tier="nvme"}' in text
     assert "tierstore_rpc_seconds_bucket" in text and "tierstore_evictions_total" in text
     assert 'tierstore_metadata_bytes{table="t32"}' in text
+    st = next(t for t in c_stats if t["table"] == "t32")  # what Stats says, the endpoint says
+    assert f'tierstore_arena_page_bytes{{table="t32"}} {float(st["arena_page_bytes"])}' in text
 
 
 def test_tcp_needs_an_explicit_flag_and_the_token(table_dir, tmp_path):

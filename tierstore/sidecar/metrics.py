@@ -45,12 +45,10 @@ class _EngineCollector:
             "metadata_bytes": GaugeMetricFamily("tierstore_metadata_bytes",
                                                 "DRAM held beyond the arena rows: checksums, id/slot maps, "
                                                 "cache policy state", labels=["table"]),
-            "arena_page_bytes": GaugeMetricFamily("tierstore_arena_page_bytes",
-                                                  "Page size of the arena's filesystem (4096, or huge)",
-                                                  labels=["table"]),
-            "arena_huge_bytes": GaugeMetricFamily("tierstore_arena_huge_bytes",
-                                                  "Bytes of the arena the sidecar maps on huge pages (smaps)",
-                                                  labels=["table"]),
+            "arena_page_bytes": GaugeMetricFamily("tierstore_arena_page_bytes", "Page size the arena's filesystem "
+                                                  "gives (4096, or huge)", labels=["table"]),
+            "arena_huge_bytes": GaugeMetricFamily("tierstore_arena_huge_bytes", "Bytes of the arena the sidecar "
+                                                  "maps on huge pages (/proc/self/smaps)", labels=["table"]),
         }
         checked = CounterMetricFamily("tierstore_verified_rows", "Served rows re-checked by online verification",
                                       labels=["table", "tier"])
