@@ -4,8 +4,8 @@ A signal while it starts ends the start-up: exit 128 + signum, no traceback, and
 left in the shm directory (tierstore/sidecar/startup.py), however many signals follow.
 
 On a clean stop the socket is removed and the arenas are unlinked, unless
---persist-arena leaves them in /dev/shm for the next sidecar to re-attach
-(after verifying every block). Clients that still map an arena keep a valid
+--persist-arena leaves them where they live (--shm-dir, or the hugetlbfs mount
+they went on) for the next sidecar to re-attach (after verifying every block). Clients that still map an arena keep a valid
 mapping either way: unlinking a shm file never pulls pages from under a reader.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hugetlbfs mount with free pages), else 4 KiB pages and a warning saying what to set; huge: "
                         "fail at start without them; small: 4 KiB pages")
     p.add_argument("--persist-arena", action="store_true", default=None,
-                   help="leave arenas in /dev/shm on shutdown for re-attach")
+                   help="leave arenas (in /dev/shm, or on hugetlbfs) on shutdown for re-attach")
     p.add_argument("--verify-sample", type=float, help="fraction of served rows re-verified off the hot path")
     p.add_argument("--policy", help="cache policy: s3fifo (default: S3-FIFO queues with a TinyLFU sketch), lru, random")
     p.add_argument("--profile", help="hot-set profile from `tierstore profile`: seeds the cache policy")
