@@ -140,7 +140,7 @@ def test_arena_pages_small_asks_for_none(tmpfs, make_table, data_dir):
         assert np.array_equal(c.lookup("t", [5, 7]), rows[[5, 7]])
         assert _reported(sc, c)[:3] == (4096, 0, 0)  # no madvise: the advise mount gives none
         assert "use 4 KiB pages" not in sc.log()
-    with pytest.raises(ValueError, match="--arena-pages small: .* is tmpfs huge=always"):
+    with pytest.raises(ValueError, match="--arena-pages small: .* is tmpfs, huge=always"):
         arena_backing(always, 64 << 20, "small")
 
 

@@ -165,8 +165,8 @@ def page_backing(directory: Path) -> PageBacking:
     huge, shmem = _option(opts, "huge", "never"), _shmem_enabled()
     thp = (_meminfo_kib("Hugepagesize") << 10) or (2 << 20)
     if fstype == "tmpfs" and shmem != "deny" and (huge in ("always", "within_size") or shmem == "force"):
-        return PageBacking(thp, "thp", f"{directory} is tmpfs huge={huge}: arenas get transparent huge pages",
-                           directory)
+        how = "shmem_enabled is force" if shmem == "force" else f"huge={huge}"
+        return PageBacking(thp, "thp", f"{directory} is tmpfs, {how}: arenas get transparent huge pages", directory)
     if fstype == "tmpfs" and shmem != "deny" and huge == "advise":
         return PageBacking(thp, "thp-advise", f"{directory} is tmpfs huge=advise: each arena asks for huge pages",
                            directory)
