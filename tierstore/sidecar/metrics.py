@@ -1,11 +1,14 @@
 """Prometheus text endpoint: per-table, per-tier counters and RPC latency.
 
 Counters live as plain ints in each TableEngine (no locking on the hot path);
-a collector reads them at scrape time. RPC latency is a real histogram.
+a collector reads them at scrape time. RPC latency is a real histogram. The
+endpoint's HTTP server is ScrapeServer (scrape_server.py: bounded in connections
+and time, since every user of the host can reach it).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Metrics", "LATENCY_BUCKETS"]
@@ -93,13 +96,19 @@ class Metrics:
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import start_http_server
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The registry in the format a scraper's Accept header asks for, and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
 
-        self._http = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve the endpoint on addr:port (OSError when the port is taken)."""
+        from tierstore.sidecar.scrape_server import ScrapeServer
+
+        self._http = ScrapeServer(self.render, port, addr)
+        self._http.start()
 
     def close(self) -> None:
         if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
+            self._http.close()
             self._http = None
