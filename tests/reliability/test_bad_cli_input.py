@@ -140,3 +140,54 @@ def test_tierstore_serve_refuses_a_bad_bound_by_name_and_makes_nothing(tmp_path,
     assert "Traceback" not in done.stderr and says in done.stderr, done.stderr[-2000:]
     assert f"{flag}" in done.stderr.splitlines()[-1], done.stderr[-2000:]
     assert not sock.exists() and list(shm.iterdir()) == [] and _snapshot(d) == before
+
+
+def _serve(d, tmp_path, sock) -> subprocess.CompletedProcess:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "tierstore", "serve", "--data", str(d), "--socket", str(sock),
+                           "--shm-dir", str(shm), "--dram-budget", "1MiB"], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_tierstore_serve_refuses_a_percent_escape_that_would_take_a_live_sidecars_socket(tmp_path, rel, sock_dir):
+    """gRPC decodes %XX in a unix socket path: `live%2Fs.sock` would bind `live/s.sock`, replacing
+    the socket a live sidecar serves on. Refused by name before anything binds; the live one
+    keeps its socket and serves on."""
+    d = tmp_path / "data"
+    expected = rel.write_table(d, "t", 1000, dim=16)
+    (sock_dir / "live").mkdir()
+    with SidecarProcess(d, sock_dir / "live" / "s.sock", dram_budget="1MiB") as live:
+        ino = os.stat(live.socket).st_ino
+        before = sorted(p.name for p in sock_dir.iterdir())
+        done = _serve(d, tmp_path, sock_dir / "live%2Fs.sock")
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and "it decodes each %XX escape" in done.stderr, done.stderr[-2000:]
+        assert "--socket" in done.stderr.splitlines()[-1]
+        assert sorted(p.name for p in sock_dir.iterdir()) == before and os.stat(live.socket).st_ino == ino
+        with Client(live.socket, timeout=10) as c:
+            assert np.array_equal(c.lookup("t", [0, 999]), expected[[0, 999]])
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+SOCKET_PATHS = [  # (--socket in a fresh directory, what the error line must say)
+    ("x,y.sock", "a client splits the path into several addresses at each ','"),
+    ("x?y.sock", "a client ends the path at '?'"),
+    ("x#y.sock", "a client ends the path at '#'"),
+    ("//x.sock", "a client reads what follows a leading // as a host"),
+]
+
+
+@pytest.mark.parametrize("name, says", SOCKET_PATHS, ids=[n for n, _ in SOCKET_PATHS])
+def test_tierstore_serve_refuses_a_socket_no_client_could_reach_and_binds_nothing(tmp_path, rel, sock_dir, name,
+                                                                                   says):
+    """A gRPC client splits `unix:` paths at commas, ends them at ? or #, and reads a leading //
+    as a host: a sidecar bound there would serve nobody. Refused by name; nothing is bound."""
+    d = tmp_path / "data"
+    rel.write_table(d, "t", 1000, dim=16)
+    sock = f"/{sock_dir}/x.sock" if name.startswith("//") else sock_dir / name
+    done = _serve(d, tmp_path, sock)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and says in done.stderr, done.stderr[-2000:]
+    assert "no client could reach this sidecar" in done.stderr and "--socket" in done.stderr.splitlines()[-1]
+    assert list(sock_dir.iterdir()) == [] and list((tmp_path / "shm").iterdir()) == []

@@ -14,7 +14,8 @@ from pathlib import Path
 from tierstore.errors import InvalidArgument
 from tierstore.proto.frames import step_socket_path
 
-__all__ = ["claim_socket", "check_socket", "socket_answers", "check_tcp", "check_port", "check_tls", "UNIX_PATH_MAX"]
+__all__ = ["claim_socket", "check_socket", "grpc_uri_misread", "socket_answers", "check_tcp", "check_port", "check_tls",
+           "UNIX_PATH_MAX"]
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
@@ -31,8 +32,13 @@ def check_socket(path: Path) -> bool:
     when a stale socket is there (claim_socket removes it), False when nothing is.
 
     A live socket means another sidecar serves there; a regular file, directory or
-    anything else is not ours to delete (`--socket DATA/catalog/data.mdb`).
+    anything else is not ours to delete (`--socket DATA/catalog/data.mdb`). A path gRPC
+    would read as something else (grpc_uri_misread) is refused before anything is looked at.
     """
+    misread = grpc_uri_misread(str(path))
+    if misread:
+        raise InvalidArgument(f"--socket {path}: gRPC reads a unix socket path as a URI, and {misread}; "
+                              f"choose a path without % , ? or # that does not start with //")
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise InvalidArgument(f"--socket {path} is {len(os.fsencode(path))} bytes long; unix socket paths "
                               f"are limited to {UNIX_PATH_MAX}: choose a shorter path")
@@ -54,6 +60,27 @@ def check_socket(path: Path) -> bool:
         raise InvalidArgument(f"--socket {path}: another sidecar is serving on it (or it is another user's "
                               f"socket); stop that one first or choose another path")
     return True
+
+
+def grpc_uri_misread(path: str) -> str | None:
+    """How gRPC would read `unix:{path}` as another path than `path` (None: it reads it as
+    written). The sidecar binds `unix:{path}` and clients dial it, but the step socket and
+    these checks use the path itself, so every difference is one of these:
+    - the server and the client decode each %XX escape (`a%2Fb.sock` binds `a/b.sock`,
+      replacing whatever socket serves there);
+    - a client splits the path into addresses at each `,`, and ends it at `?` (a query) or `#`
+      (a fragment): the sidecar would bind a socket no client reaches;
+    - a client reads what follows a leading `//` up to the next `/` as a host, and refuses it.
+    """
+    if "%" in path:
+        return "it decodes each %XX escape (a%2Fb.sock binds a/b.sock, where another sidecar may serve)"
+    for c, why in ((",", "a client splits the path into several addresses at each ','"),
+                   ("?", "a client ends the path at '?'"), ("#", "a client ends the path at '#'")):
+        if c in path:
+            return f"{why}: no client could reach this sidecar"
+    if path.startswith("//"):
+        return "a client reads what follows a leading // as a host: no client could reach this sidecar"
+    return None
 
 
 def socket_answers(path: Path) -> bool:
