@@ -29,18 +29,41 @@ stores, and on x86-64 loads keep order: a reader that sees the even word and,
 after its copy, the same word, copied the whole row). Only then does it wait on
 the rows others claimed, so no two clients ever wait on each other.
 
-What a copied row is trusted for: nothing. Each is checked, as it is copied
-out, against its row sum (the record's own, or the mapped row-sum file's) for
-the id it is copied as; a row that fails, or whose word changed during the
-copy, is read from the device. So a torn, stale or forged entry costs a read,
-never a wrong row.
+Each copied row is checked, as it is copied out, against its row sum (the record's
+own, or the mapped row-sum file's) for the id it is copied as, and its word again
+after the copy; a row that fails, or whose word changed during the copy, is read
+from the device.
 
 A reader that dies leaks nothing: a waiter whose entries make no progress for
 DEAD_CHECK_S asks whether their claimers' pids still live and takes over the
-dead ones' entries at once; an entry that makes no progress for WAIT_S (a
-claimer stalled, or its pid unknowable from here) is taken over anyway. A
-taken-over entry is swapped back to empty (the late claimer's own swap then
-fails, so it publishes nothing) and its row read by the waiter itself.
+dead ones' entries at once. And a waiter waits WAIT_S at most, from when its wait
+began (after its own reads): every entry still unpublished then is taken over,
+whoever holds it (a claimer stalled, its pid unknowable from here, or a peer that
+holds claims on purpose). The bound is one for the whole wait, not one per entry
+renewed by any entry's change: a peer holding N of a lookup's rows, giving one up
+just inside the bound each time, delays it WAIT_S, not N x WAIT_S. A taken-over
+entry is swapped back to empty (the late claimer's own swap then fails, so it
+publishes nothing) and its row read by the waiter itself. (An honest claimer whose
+parts take longer than WAIT_S in all, a slow disk's, loses its later rows'
+sharing: its waiters read them too.)
+
+What is promised, and to whom. The file is 0600 and the sidecar's uid's, so the
+boundary is the uid:
+- another uid cannot open it (tests/reliability/test_miss_flights_peer.py): it
+  can neither read a row nor change a claim, and costs nobody a wait;
+- a crashed client (killed mid-read, its claims left odd) costs its waiters
+  DEAD_CHECK_S, or WAIT_S where its pid cannot be asked, and no wrong row (a row
+  it did not finish is never published: its word stays odd);
+- a buggy client (a torn, stale or misplaced entry, another id's row) costs a
+  device read, never a wrong row: the sum binds the row to its id
+  (tiers/nvme/rowsum.py), missing such a mix-up with probability about 2^-64;
+- a hostile client of the sidecar's uid is not kept out, and no row copied from
+  the file is promised right against it: the row sum is a checksum, not a MAC
+  (its salt is in the manifest), so such a peer can publish a wrong row with a
+  sum that passes, and it is served. Nothing is lost by the file: a process of
+  that uid can already write the arena, the slot index and the segment files,
+  and signal or trace the sidecar. What is promised against it is the time
+  bound: it delays another client's lookup WAIT_S at most, whatever it holds.
 
 numba is required (the compare-and-swap is an LLVM cmpxchg); without it, or
 with TIERSTORE_MISS_FLIGHTS=0 in a client, every client reads its own misses
@@ -229,27 +252,30 @@ class MissFlights:
         return at[~same]
 
     def _wait(self, ids, waited, entry, seen, out, reader) -> np.ndarray:
-        """Wait for the entries others are reading (bounded: the module docstring), copying
-        each as it is published; returns the positions this client must read itself."""
+        """Wait for the entries others are reading, copying each as it is published; returns
+        the positions this client must read itself. Bounded (the module docstring): every entry
+        still waited on WAIT_S after the wait began is taken over, so a change of one entry
+        never extends the wait on another."""
         poll = _POLL.compiled()
         mine: list[np.ndarray] = []
         pending = waited.copy()
         state = np.full(ids.size, _WAIT, dtype=np.int8)
-        last = time.monotonic()
+        last = time.monotonic()  # the last progress, for the dead-claimer check
+        deadline = last + WAIT_S
         checked = False
         nap = POLL_S
         while pending.size:
+            now = time.monotonic()
             if poll(self.words, ids, pending, entry, seen, state):
                 done = pending[state[pending] != _WAIT]
                 mine.append(done[state[done] == _SELF])
                 mine.append(self._copy(ids, done[state[done] == _READY], entry, seen, out, reader))
                 pending = pending[state[pending] == _WAIT]
-                last, checked, nap = time.monotonic(), False, POLL_S
-                continue
-            idle = time.monotonic() - last
-            if idle >= WAIT_S:
-                lost = pending  # stalled: taken over whoever holds it
-            elif idle >= DEAD_CHECK_S and not checked:
+                last, checked, nap = now, False, POLL_S
+                lost = pending if now >= deadline else pending[:0]
+            elif now >= deadline:
+                lost = pending  # stalled, or kept busy: taken over whoever holds it
+            elif now - last >= DEAD_CHECK_S and not checked:
                 checked = True
                 holders = self.pids[entry[pending]]
                 dead = [p for p in np.unique(holders).tolist() if not _alive(p)]
