@@ -50,6 +50,16 @@ def test_a_directory_at_socket_is_refused(cli, data, tmp_path):
     assert code == 2 and "is a directory" in err and tmp_path.is_dir()
 
 
+@pytest.mark.parametrize("name, says", [("a%2Fs.sock", "it decodes each %XX escape"),
+                                         ("a,b.sock", "at each ','"), ("a?b.sock", "at '?'"), ("a#b.sock", "at '#'")])
+def test_a_socket_path_grpc_would_read_as_another_is_refused(cli, data, tmp_path, name, says):
+    (tmp_path / "a").mkdir()
+    code, err = serve(cli, data, "--socket", tmp_path / name)
+    assert code == 2 and "gRPC reads a unix socket path as a URI" in err and says in err, err
+    assert "choose a path without % , ? or #" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "data"] and not list((tmp_path / "a").iterdir())
+
+
 def test_a_live_sidecar_is_never_taken_over(data, tmp_path):
     with SidecarProcess(data, tmp_path / "s.sock", dram_budget="1MiB") as a:
         ino = os.stat(a.socket).st_ino
