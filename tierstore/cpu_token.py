@@ -13,24 +13,58 @@ waits for something outside the process (reads in flight on the device, the
 remote store, another plan's fill): a plan waiting on the disk never holds up
 the plans whose rows are in DRAM. Re-entrant per thread; never held while a
 thread waits for the token's holder.
+
+Work off the steps' path (the learner's notes, prefetch hints, a warm start, online
+verification) takes the token as `background()`, one bounded chunk at a time, and
+only once no plan waits for it: a plan that asks while a chunk runs computes as soon
+as that chunk ends, so it waits for at most one chunk of background work, never for
+a sequence of them (a plain lock would let the thread that releases it take it again
+before the woken plan runs). Background work waits while plans keep arriving: it is
+bookkeeping, and the steps come first.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
 
-__all__ = ["hold", "waiting"]
+__all__ = ["hold", "background", "waiting"]
 
 _TOKEN = threading.Lock()
-_depth = threading.local()
+_depth = threading.local()  # n: this thread's nested holds; behind: the outermost is background()
+_plans = threading.Condition(threading.Lock())  # guards _waiting; notified when it drops to 0
+_waiting = 0  # plans blocked on the token now (background work takes it only at 0)
+
+
+def _take(behind: bool) -> None:
+    """The token, for a plan (at once when free) or for background work (once no plan waits)."""
+    global _waiting
+    if behind:
+        while True:
+            with _plans:
+                while _waiting:
+                    _plans.wait()
+            _TOKEN.acquire()
+            if not _waiting:
+                return
+            _TOKEN.release()  # a plan began waiting meanwhile: it goes first
+    elif not _TOKEN.acquire(blocking=False):  # the common case: free, and no bookkeeping here
+        with _plans:
+            _waiting += 1
+        try:
+            _TOKEN.acquire()
+        finally:
+            with _plans:
+                _waiting -= 1
+                if not _waiting:
+                    _plans.notify_all()
 
 
 @contextmanager
-def hold():
-    """Run the block as this process's one computing plan (nested: a no-op)."""
+def _held(behind: bool):
     d = getattr(_depth, "n", 0)
     if d == 0:
-        _TOKEN.acquire()
+        _take(behind)
+        _depth.behind = behind
     _depth.n = d + 1
     try:
         yield
@@ -40,9 +74,22 @@ def hold():
             _TOKEN.release()
 
 
+def hold():
+    """Run the block as this process's one computing plan (nested: a no-op)."""
+    return _held(False)
+
+
+def background():
+    """Run one bounded chunk of work off the steps' path as the computing thread, once no plan
+    waits for the token (nested in a hold: a no-op). Keep the chunk short: a plan that asks
+    meanwhile waits for the rest of it."""
+    return _held(True)
+
+
 @contextmanager
 def waiting():
-    """Give the token up while the block waits on I/O or another thread (if held)."""
+    """Give the token up while the block waits on I/O or another thread (if held); take it
+    back as it was taken (background work after the plans waiting by then)."""
     d = getattr(_depth, "n", 0)
     if d == 0:
         yield
@@ -52,5 +99,5 @@ def waiting():
     try:
         yield
     finally:
-        _TOKEN.acquire()
+        _take(_depth.behind)
         _depth.n = d

@@ -95,6 +95,26 @@ def test_plans_do_not_wait_behind_another_steps_disk_reads(engine):
     assert took < 0.5, f"a plan of resident rows waited {took:.2f}s behind another step's reads"
 
 
+def test_plans_do_not_wait_for_a_long_note_of_one_id_steps(engine):
+    """A note costs the policy's work per step, even of one id: it is learned a chunk of
+    NOTE_CHUNK_STEPS steps at a time, so a plan computes between two chunks, never after the
+    whole note."""
+    eng, data = engine
+    _plan(eng, np.arange(0, 300), b"warm")
+    n = 1 << 16
+    note = threading.Thread(target=eng.note_access, args=(np.full(n, 7, np.int64), np.arange(1, n + 1)),
+                            kwargs=dict(source=b"flood"))
+    note.start()
+    while eng.counters.local_steps == 0:
+        time.sleep(0.001)
+    res, rows = _plan(eng, np.arange(0, 300), b"fast")
+    learned, learning = eng.counters.local_steps, note.is_alive()
+    note.join()
+    assert np.array_equal(rows, data[:300]) and res.hits == 300
+    assert learning and learned < n, f"the plan waited for {learned} of the note's {n} steps"
+    assert eng.counters.local_steps == n
+
+
 def test_a_refused_lease_changes_nothing(engine):
     eng, _ = engine
     eng.leases.max_per_client = 1

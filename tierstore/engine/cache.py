@@ -39,9 +39,11 @@ log = logging.getLogger("tierstore.engine.cache")
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
-# access notes are learned this many ids per hold of the table lock (note_access)
+# access notes are learned at most this many ids, and this many steps, per hold of the table
+# lock and the CPU token (note_access): a step costs the policy's work even when it has one id
 NOTE_CHUNK_IDS = 16384
-# prefetch hints are taken this many ids per hold of the table lock and the CPU token
+NOTE_CHUNK_STEPS = 16
+# prefetch hints are taken this many ids per hold of the table lock and the CPU token (background work)
 HINT_CHUNK_IDS = 16384
 # a warm start promotes this many rows per step of its own (warm); a hot set is read this
 # many slots per hold of the lock (hot_set): planned steps wait on the lock and the CPU token
@@ -185,7 +187,8 @@ class CacheEngine(TableEngine):
 
         A hint costs O(its ids), whatever is pending, and at most
         HINT_CHUNK_IDS ids are hinted per hold of the table lock and the CPU
-        token, so other steps' plans never wait behind a long hint; its first
+        token, taken as background work (cpu_token.background), so a plan waits
+        for at most one chunk of a hint, never behind a long one; its first
         2 x capacity ids are used (more could not all be kept). conn_id: the hinting client's id;
         its pending ids are bounded per client (PolicyConfig.pending_client_share)."""
         ids, steps = self.check_prefetch(ids, steps)
@@ -195,7 +198,7 @@ class CacheEngine(TableEngine):
         try:
             read_in = 0
             for a in range(0, ids.size, HINT_CHUNK_IDS):
-                with cpu_token.hold():
+                with cpu_token.background():
                     read_in += self._prefetch_unique(np.unique(ids[a:a + HINT_CHUNK_IDS]), read, steps, conn_id)
             return read_in
         finally:
@@ -263,21 +266,24 @@ class CacheEngine(TableEngine):
         full of leased rows, the misses that do not fit are skipped. source: the client (its
         conn_id): a step another client sent already, the same batch read by another TP rank,
         is not learned again (StepCopies); its misses are still promoted. Returns rows
-        promoted. InvalidArgument for bad ids, step ends or rows (nothing is learned then)."""
+        promoted. InvalidArgument for bad ids, step ends or rows (nothing is learned then).
+
+        Bookkeeping, off the steps' path: learned at most NOTE_CHUNK_IDS ids and
+        NOTE_CHUNK_STEPS steps per hold of the lock and the CPU token, each hold taken as
+        background work (cpu_token.background), so a plan waits for at most one chunk of
+        a note, however many steps it has."""
         ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
-        if ids.size == 0:
-            return 0
-        with cpu_token.hold():
-            if not self.enter():
-                return 0  # freed meanwhile (a version swap): nothing to learn
-            try:
-                carried = None
-                if row_ids is not None and row_ids.size and self._takes(rows):
+        if ids.size == 0 or not self.enter():
+            return 0  # nothing to learn, or freed meanwhile (a version swap)
+        try:
+            carried = None
+            if row_ids is not None and row_ids.size and self._takes(rows):
+                with cpu_token.background():
                     have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
-                    carried = (have, first.astype(np.int64, copy=False), rows)
-                return self._note_access(ids, ends, carried, source)
-            finally:
-                self.leave()
+                carried = (have, first.astype(np.int64, copy=False), rows)
+            return self._note_access(ids, ends, carried, source)
+        finally:
+            self.leave()
 
     def _takes(self, rows: np.ndarray) -> bool:
         """Rows a note carries are of the form this table's reader places (carried_form)."""
@@ -305,13 +311,16 @@ class CacheEngine(TableEngine):
         return ids, ends, row_ids, rows
 
     def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
-        """note_access after its checks, a few steps at a time (the lock is held for at most
-        NOTE_CHUNK_IDS ids: planned steps of other workers wait on it)."""
+        """note_access after its checks, a few steps at a time: the lock and the CPU token are
+        held for at most NOTE_CHUNK_STEPS steps of at most NOTE_CHUNK_IDS ids (or one longer
+        step), as background work (planned steps of every worker wait on both)."""
         read, a = 0, 0
         while a < ends.size:
             start = int(ends[a - 1]) if a else 0
-            b = max(a + 1, int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right")))
-            read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried, source)
+            b = int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right"))
+            b = max(a + 1, min(a + NOTE_CHUNK_STEPS, b))
+            with cpu_token.background():
+                read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried, source)
             a = b
         return read
 
@@ -357,7 +366,7 @@ class CacheEngine(TableEngine):
         st = self.slots
         ids, counts = [], []
         for a in range(0, self.capacity, HOT_SET_CHUNK_SLOTS):
-            with cpu_token.hold(), self._lock:
+            with cpu_token.background(), self._lock:
                 b = min(self.capacity, a + HOT_SET_CHUNK_SLOTS)
                 got = st.id_of[a:b][st.is_ready(slice(a, b))].astype(np.int64)
                 ids.append(got)
@@ -379,7 +388,8 @@ class CacheEngine(TableEngine):
         treated as one-hit wonders. Rows come from the cold tier, verified as any miss
         (a chunk whose read fails is skipped: a step reading those rows reports it).
         Planned steps never wait for the warm-up: each chunk holds the lock and the CPU
-        token as a step's own promotion would. InvalidArgument for ids out of range."""
+        token as background work (cpu_token.background), as a step's own promotion would,
+        after the plans waiting for them. InvalidArgument for ids out of range."""
         ids = self.check_ids(ids)
         if counts is not None:
             counts = np.asarray(counts, dtype=np.int64).ravel()
@@ -389,7 +399,7 @@ class CacheEngine(TableEngine):
         while a < ids.size:
             if self.retired or (stop is not None and stop.is_set()):
                 break
-            with cpu_token.hold():
+            with cpu_token.background():
                 if not self.enter():
                     break
                 try:

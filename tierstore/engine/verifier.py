@@ -107,10 +107,10 @@ class Verifier:
             except queue.Empty:
                 break
             queued.setdefault(engine, []).append((ids, slots))
-        for engine, parts in queued.items():  # one read per engine, computed in turn with the plans
+        for engine, parts in queued.items():  # one read per engine, computed after the plans waiting
             ids = np.concatenate([p[0] for p in parts])
             slots = np.concatenate([p[1] for p in parts])
-            with cpu_token.hold():
+            with cpu_token.background():
                 found = engine.verify_rows(ids, slots)
             self._report(engine, found)
         for engine in self.engines:
@@ -118,7 +118,7 @@ class Verifier:
                 nb = engine.version.n_blocks
                 k = max(1, int(round(nb * self.fraction)))
                 blocks = self._rng.choice(nb, size=min(k, nb), replace=False)
-                with cpu_token.hold():
+                with cpu_token.background():
                     found = engine.scrub_blocks(blocks)
                 self._report(engine, found)
 
