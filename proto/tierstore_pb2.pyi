@@ -144,7 +144,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans", "prefetched", "fill_waits", "local_steps", "notes_dropped", "metadata_bytes", "notes_refused", "warmed", "note_rows_placed", "note_rows_refused", "steps_copied", "arena_page_bytes", "arena_huge_bytes")
+    __slots__ = ("table", "version", "mode", "capacity", "resident", "hits", "misses", "promotions", "evictions", "leases_active", "leased_slots", "lease_refusals", "bytes_read", "plans", "prefetched", "fill_waits", "local_steps", "notes_dropped", "metadata_bytes", "notes_refused", "warmed", "note_rows_placed", "note_rows_refused", "steps_copied", "arena_page_bytes", "arena_huge_bytes", "notes_over_share")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class TableStats(_message.Message):
     STEPS_COPIED_FIELD_NUMBER: _ClassVar[int]
     ARENA_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_HUGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOTES_OVER_SHARE_FIELD_NUMBER: _ClassVar[int]
     table: str
     version: int
     mode: str
@@ -197,7 +198,8 @@ class TableStats(_message.Message):
     steps_copied: int
     arena_page_bytes: int
     arena_huge_bytes: int
-    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ..., prefetched: _Optional[int] = ..., fill_waits: _Optional[int] = ..., local_steps: _Optional[int] = ..., notes_dropped: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., notes_refused: _Optional[int] = ..., warmed: _Optional[int] = ..., note_rows_placed: _Optional[int] = ..., note_rows_refused: _Optional[int] = ..., steps_copied: _Optional[int] = ..., arena_page_bytes: _Optional[int] = ..., arena_huge_bytes: _Optional[int] = ...) -> None: ...
+    notes_over_share: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., capacity: _Optional[int] = ..., resident: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., promotions: _Optional[int] = ..., evictions: _Optional[int] = ..., leases_active: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_refusals: _Optional[int] = ..., bytes_read: _Optional[int] = ..., plans: _Optional[int] = ..., prefetched: _Optional[int] = ..., fill_waits: _Optional[int] = ..., local_steps: _Optional[int] = ..., notes_dropped: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., notes_refused: _Optional[int] = ..., warmed: _Optional[int] = ..., note_rows_placed: _Optional[int] = ..., note_rows_refused: _Optional[int] = ..., steps_copied: _Optional[int] = ..., arena_page_bytes: _Optional[int] = ..., arena_huge_bytes: _Optional[int] = ..., notes_over_share: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "uptime_s", "leases_active")

@@ -48,7 +48,10 @@ class Counters:
     fill_waits: int = 0
     prefetched: int = 0
     local_steps: int = 0  # steps clients on the host read themselves, told by note_access
-    notes_dropped: int = 0  # of those, steps the sidecar dropped unlearned (it was behind)
+    # of those, steps the sidecar dropped unlearned (learner.py): it was behind, or their client held the
+    # most of the learner's queue while others' notes waited (Stats notes_dropped: the two together)
+    notes_behind: int = 0
+    notes_over_share: int = 0
     notes_refused: int = 0  # notes refused as malformed (ids out of range, bad step ends)
     warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
     note_rows_placed: int = 0  # promoted from the rows a note carried (no disk read)
@@ -159,14 +162,15 @@ class TableEngine:
     def stats(self) -> dict:
         c = self.counters
         resident, leased = self._occupancy()
+        over_share = c.notes_over_share  # read once: notes_dropped less it is a counter too (metrics.py)
         return dict(table=self.table, version=self.version.number, mode="full" if self.full else "cache",
                     capacity=self.capacity, resident=resident, hits=c.hits, misses=c.misses,
                     promotions=c.promotions, evictions=c.evictions, leases_active=self.leases.count_for(self),
                     leased_slots=leased, lease_refusals=c.lease_refusals,
                     bytes_read=int(self.reader.bytes_read), plans=c.plans,
                     prefetched=c.prefetched, fill_waits=c.fill_waits, local_steps=c.local_steps,
-                    notes_dropped=c.notes_dropped, notes_refused=c.notes_refused, warmed=c.warmed,
+                    notes_dropped=c.notes_behind + over_share, notes_refused=c.notes_refused, warmed=c.warmed,
                     note_rows_placed=c.note_rows_placed, note_rows_refused=c.note_rows_refused,
-                    steps_copied=c.steps_copied, metadata_bytes=self.metadata_bytes(),
+                    steps_copied=c.steps_copied, notes_over_share=over_share, metadata_bytes=self.metadata_bytes(),
                     arena_page_bytes=self.arena.backing.page,
                     arena_huge_bytes=huge_page_bytes(self.arena.path, max_age=1.0)[0])

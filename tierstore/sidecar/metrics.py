@@ -35,6 +35,10 @@ class _EngineCollector:
             "notes_refused": CounterMetricFamily("tierstore_access_notes_refused",
                                                  "Access notes from clients on the host refused as malformed",
                                                  labels=["table"]),
+            "notes_dropped": CounterMetricFamily("tierstore_access_notes_dropped",
+                                                 "Steps of access notes dropped unlearned: the learner was behind "
+                                                 "(behind), or their client held the most of its queue while other "
+                                                 "clients' notes waited (over_share)", labels=["table", "reason"]),
             "steps_copied": CounterMetricFamily("tierstore_steps_copied",
                                                 "Steps another client sent first (a TP rank's copy): not learned again",
                                                 labels=["table"]),
@@ -72,6 +76,8 @@ class _EngineCollector:
             fams["bytes_read"].add_metric([t, "nvme"], s["bytes_read"])
             for k in ("promotions", "evictions", "lease_refusals", "plans", "notes_refused", "steps_copied"):
                 fams[k].add_metric([t], s[k])
+            fams["notes_dropped"].add_metric([t, "behind"], s["notes_dropped"] - s["notes_over_share"])
+            fams["notes_dropped"].add_metric([t, "over_share"], s["notes_over_share"])
             for k, g in gauges.items():
                 g.add_metric([t], s[k])
         yield from fams.values()

@@ -5,7 +5,7 @@ talk to. It composes one part per job:
     versions.py    ServedVersions    which engine serves each table; the live version swap
     reaper.py      LeaseReaper       expired leases ended, retired versions freed (a thread)
     prefetcher.py  Prefetcher        prefetch hints on a bounded queue (a thread pool)
-    learner.py     Learner           local reads' notes on a bounded queue (a thread)
+    learner.py     Learner           local reads' notes, a bounded queue per client (a thread)
     warm_start.py  WarmStart         hot sets recorded and promoted (a thread)
 
 and the lease table, the catalog and the verifier they share.
