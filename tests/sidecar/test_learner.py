@@ -100,14 +100,16 @@ def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine
     """The carried rows' budget is shared the same way: client a's rows fill it, client b's
     note keeps its rows and a's oldest note goes without (its ids learned, read from disk)."""
     eng, data = engine
-    width = data.shape[1]
+    assert eng.reader.carried_form == "records"
+    carried = lambda i: eng.reader.carried_records(i, data[i])  # noqa: E731  (what a peer of the sidecar's uid carries)
+    width = carried(np.arange(1)).shape[1]
     monkeypatch.setattr(learner_mod, "BOUNDS", (1 << 14, 1 << 18, 250 * width))
     a = [np.arange(k * 100, k * 100 + 100, dtype=np.int64) for k in range(3)]
     b_ids = np.arange(5000, 5100, dtype=np.int64)
     with cpu_token.hold():
-        for ids in a:  # 100 rows each, 250 rows' bytes in the budget
-            assert learner.note(eng, ids, np.array([ids.size]), ids, data[ids], source=b"a")
-        assert learner.note(eng, b_ids, np.array([b_ids.size]), b_ids, data[b_ids], source=b"b")
+        for ids in a:  # 100 records each, 250 records' bytes in the budget
+            assert learner.note(eng, ids, np.array([ids.size]), ids, carried(ids), trusted=True, source=b"a")
+        assert learner.note(eng, b_ids, np.array([b_ids.size]), b_ids, carried(b_ids), trusted=True, source=b"b")
     _until(lambda: eng.counters.local_steps == 4)
     _until(lambda: (eng.slots.lookup(np.concatenate(a + [b_ids])) >= 0).all())
     # a's first note may be the learner's already (its rows no longer in the budget): then a's
