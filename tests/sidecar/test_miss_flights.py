@@ -17,6 +17,8 @@ import pytest
 
 from tierstore.client.client import Client
 from tierstore.ingest.writer import write_version
+from tierstore.store.catalog import Catalog
+from tierstore.tiers.nvme import rowsum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from direct_sidecar import direct_sidecar  # noqa: E402
@@ -25,7 +27,9 @@ ROWS, WIDTH = 50_000, 64
 CLIENTS = 4
 
 # one client process: describe and warm up (its reader, the kernels) on ids of its own, wait for
-# the start file, look the batch up, and say what it read: rows to OUT.npy, counts as JSON
+# the start file, look the batch up, and say what it read: rows to OUT.npy, counts as JSON, and
+# what its notes carried for its misses (the ids and records each step handed its step channel,
+# the warm-up's too) to OUT.notes.npz
 _CLIENT = r"""
 import json, os, sys, time
 import numpy as np
@@ -33,21 +37,18 @@ from tierstore.client.client import Client
 
 sock, table, ids_path, warm, go, out = sys.argv[1:7]
 ids = np.load(ids_path)
-# the records this client's note carries for its misses, read here or copied from another client's,
-# checked against the ones made from the rows (a record the sidecar would refuse is caught here,
-# though the sidecar may never look at it: another client's note can promote the row first)
-from tierstore.cache.miss_flights import MissFlights
-_read, checked = MissFlights.read, []
-def read(self, want, got, reader, records=None):
-    _read(self, want, got, reader, records)
-    checked.append(records is not None and np.array_equal(records, reader.carried_records(want, got)))
-MissFlights.read = read
 
 def read_bytes():
     with open("/proc/self/io") as f:
         return int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
 
 with Client(sock) as c:
+    noted, send = [], c.step_channel.note
+    def note(table, version, ids, row_ids=None, rows=None):
+        if row_ids is not None:
+            noted.append((row_ids.copy(), rows.copy()))
+        send(table, version, ids, row_ids, rows)
+    c.step_channel.note = note  # before the table's first read: its local reads note through it
     c.lookup(table, np.array([int(warm)]))
     local = c.handle(table).local_reads
     device, before = local.distinct_device, read_bytes()
@@ -58,9 +59,10 @@ with Client(sock) as c:
     rows = c.lookup(table, ids)
     took = time.monotonic() - t0
     np.save(out, rows)
+    np.savez(out + ".notes.npz", ids=np.concatenate([i for i, _ in noted] or [np.zeros(0, np.int64)]),
+             records=np.concatenate([r for _, r in noted] or [np.zeros((0, 0), np.uint8)]))
     print(json.dumps(dict(read_bytes=read_bytes() - before, device=local.distinct_device - device,
-                          cold=local.distinct_cold, seconds=took, records_ok=all(checked),
-                          shared=local._flights.rows_shared)), flush=True)
+                          misses=local.distinct_cold, seconds=took, shared=local._flights.rows_shared)), flush=True)
 """
 
 # a reader that claims rows and dies (or stalls) before it has read them
@@ -123,6 +125,8 @@ def _stage(sc, tmp_path, table: str, ids: np.ndarray, n: int, env=None) -> list[
             r = json.loads(p.stdout.readline())
             assert p.wait(timeout=60) == 0
             r["rows"] = np.load(out)
+            with np.load(f"{out}.notes.npz") as notes:
+                r["noted_ids"], r["noted"] = notes["ids"], notes["records"]
             res.append(r)
         return res
     finally:
@@ -135,7 +139,8 @@ def _stage(sc, tmp_path, table: str, ids: np.ndarray, n: int, env=None) -> list[
 def test_clients_missing_the_same_rows_read_each_from_the_device_once(direct, tmp_path):
     """CLIENTS processes stage the same batch of misses: every one gets every row bit-exact,
     and together they read the device for about the bytes one process alone reads for the
-    same batch (of table u, its rows identical), not CLIENTS times that (/proc/<pid>/io)."""
+    same batch (of table u, its rows identical), not CLIENTS times that (/proc/<pid>/io); and
+    each one's notes carry the table's own record of every row it missed, copied or read."""
     sc, data = direct
     ids = np.random.default_rng(1).choice(ROWS - 16, 3000, replace=False)
     alone = _stage(sc, tmp_path, "u", ids, 1)[0]
@@ -146,9 +151,16 @@ def test_clients_missing_the_same_rows_read_each_from_the_device_once(direct, tm
     per_miss = sum(r["read_bytes"] for r in together) / alone["read_bytes"]
     assert per_miss <= 1.05, f"{CLIENTS} clients read the device {per_miss:.2f}x per distinct miss"
     assert sum(r["device"] for r in together) <= 1.05 * ids.size
-    # every client's note carries a record for each of its misses, read or copied from another's,
-    # each the one made from its row; the sidecar takes them (none refused and read again)
-    assert all(r["records_ok"] for r in together) and sum(r["shared"] for r in together) > 0
+    # every client's notes carry a record for each of its misses (warm-up and batch), read or copied
+    # from another client's, each the table's own record of that row (its bytes and its row sum under
+    # the version's salt); the sidecar takes them (none refused and read again)
+    with Catalog(tmp_path / "data", readonly=True) as cat:
+        key = rowsum.RowKey.of(cat.current("t").row_salt)
+    assert sum(r["shared"] for r in together) > 0
+    for r in together:
+        assert r["noted_ids"].size == r["misses"] > 0, "a miss went unnoted, or its note carried no records"
+        want = rowsum.records(data[r["noted_ids"]], r["noted_ids"], key)
+        assert np.array_equal(r["noted"], want), "a note carried a record other than the row's own"
     with Client(sc.socket) as c:
         deadline = time.monotonic() + 10
         while True:
