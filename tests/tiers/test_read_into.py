@@ -29,8 +29,16 @@ def mode(request, tmp_path, odirect, monkeypatch):
         if why:
             pytest.skip(why)
     if request.param == "direct-pread":
-        from tierstore.tiers.nvme import direct_io
-        monkeypatch.setattr(direct_io, "thread_ring", lambda: None)
+        import threading
+
+        from tierstore.tiers.nvme import direct_io, reader
+
+        class NoRing(threading.local):  # every thread's ring, whoever asks: as where io_uring is refused
+            ring, tried = None, True
+
+        # the rings' state, not thread_ring itself: modules bind that name on import (reader.py does)
+        monkeypatch.setattr(direct_io, "_RINGS", NoRing())
+        assert reader.thread_ring() is None
     return request.param != "page-cache"
 
 
