@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tierstore.cache.leases import RESERVE, LeaseTable
+from tierstore.cache.leases import RESERVE, LeaseTable, arena_for_step, sole_client_slots
 from tierstore.engine import make_engine
 from tierstore.errors import ResourceExhausted
 from tierstore.store.catalog import Catalog
@@ -23,16 +23,16 @@ ALONE = SLOTS - SLOTS // RESERVE  # all but the reserve
 
 @pytest.fixture
 def engine(make_table, data_dir):
-    """engine(contention_s=30) -> a cache-mode engine of SLOTS slots over table t, its leases at
+    """engine(contention_s=30, slots=SLOTS) -> a cache-mode engine of `slots` slots over table t, its leases at
     client share SHARE; arenas and readers are closed after the test."""
     tv, _ = make_table("t", rows=ROWS, row_bytes=64)
     with Catalog(data_dir, readonly=True) as cat:
         sums = cat.checksums("t", tv.number)
     made = []
 
-    def make(contention_s: float = 30.0):
+    def make(contention_s: float = 30.0, slots: int = SLOTS):
         cold = SegmentReader(data_dir, tv, sums)
-        arena = Arena(Path("/dev/shm") / f"tierstore-test-leases.{time.monotonic_ns()}", SLOTS, tv.row_bytes)
+        arena = Arena(Path("/dev/shm") / f"tierstore-test-leases.{time.monotonic_ns()}", slots, tv.row_bytes)
         made.append((arena, cold))
         leases = LeaseTable(64, client_share=SHARE, contention_s=contention_s)
         return make_engine(tv, cold, arena, leases=leases, full=False)
@@ -59,6 +59,20 @@ def test_a_client_alone_leases_all_but_the_reserve(engine):
     with pytest.raises(ResourceExhausted, match="plan smaller steps"):
         _plan(eng, b"a", SLOTS)  # a whole arena in one plan, alone
     assert eng.slots.n_pinned == 0 and len(eng.leases) == 0
+
+
+@pytest.mark.parametrize("step", [1, 7, 8, 500, 2801])
+def test_an_arena_sized_for_a_step_leases_that_step_to_a_client_alone(engine, step):
+    """arena_for_step: the arena a user sizes for one client's largest step serves it whole,
+    and sole_client_slots is the bound the refusal applies: all of it leased, one slot more refused."""
+    eng = engine(slots=arena_for_step(step))
+    alone = sole_client_slots(eng.capacity, SHARE)
+    assert step <= alone == eng.capacity - eng.capacity // RESERVE
+    assert _plan(eng, b"a", step).unique == step
+    if alone > step:
+        assert _plan(eng, b"a", alone - step, first=step).unique == alone - step
+    with pytest.raises(ResourceExhausted, match=f"to itself may lease {alone},"):
+        _plan(eng, b"a", 1, first=alone)
 
 
 def test_another_client_planning_binds_the_first_to_its_share(engine):

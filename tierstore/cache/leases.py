@@ -52,7 +52,7 @@ from tierstore.errors import InvalidArgument, ResourceExhausted
 from tierstore.tiers.shm_file import create_shm_file
 
 __all__ = ["Lease", "LeaseBoard", "LeaseTable", "LeasedEngine", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE",
-           "requested_ttl"]
+           "requested_ttl", "sole_client_slots", "arena_for_step"]
 
 INDEX_BITS = 24
 INDEX_MASK = (1 << INDEX_BITS) - 1
@@ -62,6 +62,22 @@ PIN_HEADROOM = 4095
 MAX_LEASES = PIN_MAX - PIN_HEADROOM  # live leases in all, at most: a row's pins never saturate
 RESERVE = 8  # the last 1/RESERVE of the leases, and of a table's slots, is kept for clients under their fair share
 _RANDOM_BATCH = 512  # lease ids' random bits drawn at once: one getrandom call per 512 leases, not per lease
+
+
+def sole_client_slots(capacity: int, client_share: float) -> int:
+    """The most of a table's `capacity` arena slots one client's leases may hold while no other
+    client contends the table: all but the last 1/RESERVE, kept for the next client, or
+    client_share of them where that is more; every slot at client_share 1 (no bound)."""
+    if client_share >= 1.0:
+        return capacity
+    return max(max(1, int(capacity * client_share)), capacity - capacity // RESERVE)
+
+
+def arena_for_step(slots: int) -> int:
+    """Arena slots of which a client with the table to itself may lease a step of `slots`
+    distinct slots, whatever the client share (sole_client_slots of it is at least `slots`):
+    a cache-mode arena sized for the largest step its one client plans."""
+    return slots + -(-slots // (RESERVE - 1))
 
 
 class LeasedEngine(Protocol):
@@ -255,7 +271,7 @@ class LeaseTable:
             mine = of_table.get(conn_id, 0)
             if freed and retried.engine is engine:
                 mine -= retried.slots.size
-            alone = max(share, capacity - capacity // RESERVE)  # the most an uncontended client may hold
+            alone = sole_client_slots(capacity, self.client_share)
             wanted = mine + n_slots
             if wanted > share and self._contended(engine, conn_id, of_table):
                 return ResourceExhausted(
