@@ -78,14 +78,19 @@ class Audit:
         return self._rec.hot_ids(table)
 
     def _budgets(self) -> dict[str, int]:
-        """DRAM budgets: full fits everything; cold fits 1.2x the largest step; cache ~25% of the tables."""
+        """DRAM budgets: full fits every table; cold gives each table the arena its largest step
+        needs, as a user sizes one for a single client (leases.arena_for_step: the step, and the
+        reserve a client alone may not lease), no more; cache about 25% of the tables."""
+        from tierstore.cache.leases import arena_for_step
         from tierstore.store.catalog import Catalog
 
         with Catalog(self.data_dir, readonly=True) as cat:
             sizes = {t: (cat.current(t).rows, cat.current(t).row_bytes) for t in cat.tables()}
         total = sum(r * b for r, b in sizes.values())
-        frac = max(self._rec.largest_plan(t) / sizes[t][0] for t in self._rec.asked)
-        cold = int(1.2 * frac * total) + 2 * max(b for _, b in sizes.values()) * len(sizes)
+        # the sidecar splits its budget by the tables' bytes: table t gets budget * rows_t / total
+        # slots, rounded down (one more slot asked for the rounding)
+        cold = max(-(-(arena_for_step(self._rec.largest_plan(t)) + 1) * total // sizes[t][0])
+                   for t in self._rec.asked)
         return {"full": total + (1 << 20), "cold": cold, "cache": max(int(0.25 * total), 2 * cold)}
 
     def config(self) -> dict:
@@ -104,14 +109,14 @@ class Audit:
         try:
             model = self.build(source_fn())
             extra = mutate(model) if mutate else None
-            before = self.sidecars.counts(sidecar)
+            served: dict = {}  # what the sidecar served the two runs (not what before_run asked of it)
             with ctx() if ctx else nullcontext():
                 runs = []
                 for _ in range(2):
                     if before_run:
                         before_run()
-                    runs.append(execute(model, self.ids, self.decode_ids)[0])
-                after = self.sidecars.counts(sidecar)
+                    runs.append(self.sidecars.served(sidecar, lambda: execute(model, self.ids, self.decode_ids)[0],
+                                                     served))
                 labels = ["run 2 (same process, same inputs: a kernel whose reduction order varies run to run, "
                           "e.g. GPU atomics or thread scheduling)"]
                 if sidecar and restart and self.restart:
@@ -127,7 +132,7 @@ class Audit:
                 f"{lab} differs from run 1 (logits max abs {compare(r, runs[0])['logits_max_abs']:.3g})"
                 for lab, r in bad)
             self._outs[name] = runs[0]
-            notes = [note, tier_note(before, after) if sidecar else "", extra() if callable(extra) else extra or ""]
+            notes = [note, tier_note(served) if sidecar else "", extra() if callable(extra) else extra or ""]
             res.note = "; ".join(n for n in notes if n)
         except Exception as e:  # a failing path is reported, the others still run
             res.error = f"{type(e).__name__}: {e}"

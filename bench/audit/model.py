@@ -25,7 +25,8 @@ class RecordingSource(RowSource):
         return self.source.table_info(table)
 
     def largest_plan(self, table) -> int:
-        return max((a.size for a in self.asked.get(table, [])), default=0)
+        """Distinct ids of the largest plan of `table`: the slots its lease holds."""
+        return max((np.unique(a).size for a in self.asked.get(table, [])), default=0)
 
     def hot_ids(self, table) -> np.ndarray:
         """Ids asked for, most steps first (ties by id)."""
