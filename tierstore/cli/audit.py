@@ -6,14 +6,18 @@ row formats, bf16 compute, another thread count, Triton kernels) and compares
 the Engram layer outputs and logits with the in-process fp32 reference.
 Prints a table, writes OUT/audit.json and OUT/audit.png. Exit code 1 when a
 path that must be bit-exact (sidecar-full, sidecar-cache, sidecar-cold,
-hbm-cache, late-plan) is not, naming it.
+hbm-cache, late-plan) is not, naming it. --quick runs every path on a small
+input (QUICK: a small demo table when --data holds none, one short sequence).
 """
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments", "run", "format_table", "rows", "plot", "COLUMNS"]
+__all__ = ["add_arguments", "run", "format_table", "rows", "plot", "COLUMNS", "SIZES", "QUICK"]
 
+# the input's sizes: a full run, and --quick's (every path still runs); a flag given wins
+SIZES = {"batch": 2, "seq": 128, "decode_tokens": 8, "d_model": 256, "scale": 64}
+QUICK = {"batch": 1, "seq": 16, "decode_tokens": 1, "d_model": 64, "scale": 512}
 COLUMNS = ("path", "bit-exact", "max abs err engram", "max rel err engram", "max abs err logits",
            "top-1 agree", "deterministic", "note")
 
@@ -24,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="data directory; a demo table is created if it holds none")
     p.add_argument("--out", default="audit", help="folder for audit.json and audit.png (default ./audit)")
     p.add_argument("--json", help="also write the JSON report to this file")
-    p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence in the prefill (default 128)")
-    p.add_argument("--decode-tokens", type=int, default=8, help="decode steps after the prefill (default 8)")
+    p.add_argument("--quick", action="store_true", help="every path on a small input (about a minute)")
+    p.add_argument("--batch", type=int, help="sequences (default 2, quick 1)")
+    p.add_argument("--seq", type=int, help="tokens per sequence in the prefill (default 128, quick 16)")
+    p.add_argument("--decode-tokens", type=int, help="decode steps after the prefill (default 8, quick 1)")
     p.add_argument("--paths", nargs="+", choices=PATHS, metavar="PATH",
                    help=f"paths to run (default all): {', '.join(PATHS)}")
     p.add_argument("--module", help="pkg.mod:factory, factory(row_source) -> model (default: the demo model)")
@@ -35,10 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--data holds no tables)")
     p.add_argument("--tokens", help=".npy of int token ids [B, T] or [T] (default: Zipf tokens from --seed)")
     p.add_argument("--seed", type=int, default=0, help="token and demo-model weight seed")
-    p.add_argument("--d-model", type=int, default=256, help="demo model width (default 256)")
+    p.add_argument("--d-model", type=int, help="demo model width (default 256, quick 64)")
     p.add_argument("--no-restart", action="store_true", help="skip re-running sidecar paths on a restarted sidecar")
     p.add_argument("--preset", default="engram-paper-demo", help="demo table preset when --data is empty")
-    p.add_argument("--scale", type=int, default=64, help="demo table scale when --data is empty")
+    p.add_argument("--scale", type=int, help="demo table scale when --data is empty (default 64, quick 512)")
 
 
 def _num(x) -> str:
@@ -118,6 +123,9 @@ def run(args) -> int:
     from tierstore.bench.audit import Audit
     from tierstore.cli.demo import ensure_demo_table
 
+    for name, size in (QUICK if args.quick else SIZES).items():
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     if args.module and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a console script does not put the working directory on sys.path
     module, kwargs = args.module, None if args.module else {"d_model": args.d_model}
