@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __all__ = ["ERROR_METADATA_KEY", "TierstoreError", "InvalidArgument", "BadJSON", "IdOutOfRange", "SpecMismatch", "NotFound",
            "TableNotFound", "VersionNotFound", "ResourceExhausted", "DataLoss", "ChecksumError", "Unavailable",
-           "StaleRows", "StaleArena", "Unauthenticated", "wire_name"]
+           "StaleRows", "StaleArena", "Unauthenticated", "BrokenInvariant", "wire_name"]
 
 # gRPC trailing-metadata key whose value is the error's class name
 ERROR_METADATA_KEY = "tierstore-error"
@@ -92,6 +92,19 @@ class StaleArena(StaleRows):
 
 class Unauthenticated(TierstoreError):
     GRPC_CODE = "UNAUTHENTICATED"
+
+
+class BrokenInvariant(TierstoreError, AssertionError):
+    """A shared structure's check() found one of its invariants false (the slot table, the lease
+    table, the slot index): a tierstore bug, never a caller's input, so nothing retries it.
+    An AssertionError (raised, not `assert`ed: python -O keeps it) so a test or a debug run
+    fails as on an assert. `structure` and `invariant` name the rule as the structure's
+    docstring states it, `at` the slot, lease or id that breaks it."""
+
+    def __init__(self, structure: str, invariant: str, at: str, detail: str = ""):
+        self.structure, self.invariant, self.at = structure, invariant, at
+        super().__init__(f"{structure}: {invariant}, broken at {at}" + (f" ({detail})" if detail else "")
+                         + "; a tierstore bug: report it with the operations that led here")
 
 
 def wire_name(e: BaseException) -> str:

@@ -8,11 +8,14 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from tierstore import errors, jit
 from tierstore.client import local_reads
 from tierstore.cache.slot_index import SlotIndexFile, map_index
-from tierstore.cache.slot_table import SlotTable
+from tierstore.cache.slot_table import Fill, SlotTable
+from tierstore.errors import BrokenInvariant
 
 CAP, ROWS, WIDTH = 64, 1000, 16
 
@@ -267,3 +270,162 @@ def test_rows_read_while_a_writer_process_rewrites_them_are_whole_and_their_own(
     assert np.array_equal(where, ref) and 0 < where.size < ids.size
     assert np.array_equal(np.sort(kept), ref_kept)
     assert np.array_equal(got[0][hit], got[1][hit]) and (got[0][hit] == ids[hit, None]).all()
+
+
+# ---- check(): the index published and retired as the engine does, read by a client's mapping ----
+M_CAP, M_ROWS = 12, 48
+# deterministic (a seed from the test's name, no example database), short, no deadline on a loaded host
+MACHINE = settings(max_examples=30, stateful_step_count=25, deadline=None, derandomize=True, database=None)
+
+
+def _row(ids) -> np.ndarray:
+    """The bytes of rows `ids`: each byte its id (ids < 256)."""
+    return np.repeat(np.asarray(ids, np.uint8)[:, None], WIDTH, axis=1)
+
+
+class SlotIndexMachine(RuleBasedStateMachine):
+    """The sidecar's side publishes rows into the shared index (a fill: slots claimed, free ones
+    first and then victims; mapped; written; READY), retires them (evicted for a fill, or the
+    fill failed), rewrites READY rows in place and marks rows of a bad block, each stage its
+    own rule as the engine's lock holds go; a client maps the same file read-only. After each
+    rule check() holds, and the client's probe and seqlock read keep exactly the READY rows,
+    each its own bytes: a row being filled or rewritten, or marked bad, is a miss."""
+
+    folder = None  # a tmp_path, set by the test
+
+    def __init__(self):
+        super().__init__()
+        self.path = self.folder / f"m{time.monotonic_ns()}.index"
+        self.st = SlotTable(M_CAP, M_ROWS, SlotIndexFile(self.path, M_CAP, M_ROWS, "inst0"))
+        self.arena = np.zeros((M_CAP, WIDTH), np.uint8)
+        self.gen, self.id_of, self.map = map_index(self.path, M_CAP, M_ROWS, "inst0")
+        self.ready: dict[int, int] = {}  # READY rows: id -> slot
+        self.fills: list[Fill] = []
+        self.writing: list[int] = []     # slots being rewritten in place
+        self.bad: dict[int, int] = {}    # rows of a bad block: id -> slot
+
+    def teardown(self):
+        self.gen = self.id_of = self.map = None
+        self.st.close()
+
+    @rule(data=st.data(), n=st.integers(1, 5))
+    def fill(self, data, n):
+        """Stage 1 (lock held): claim n slots (free first, then victims among READY and bad rows
+        nobody is writing), map the missing ids to them; the fill writes half of each row."""
+        resident = set(self.ready) | set(self.bad) | {int(x) for f in self.fills for x in f.ids}
+        ids = data.draw(st.lists(st.integers(0, M_ROWS - 1).filter(lambda x: x not in resident), min_size=n,
+                                 max_size=n, unique=True))
+        got = self.st.take_free(n)
+        victims = {x: s for x, s in (self.ready | self.bad).items() if s not in self.writing}
+        need = min(n - got.size, len(victims))
+        if need:
+            out = data.draw(st.lists(st.sampled_from(sorted(victims)), min_size=need, max_size=need, unique=True))
+            gone = np.array([victims[x] for x in out], np.int64)
+            self.st.unmap(gone)
+            for x in out:
+                (self.ready if x in self.ready else self.bad).pop(x)
+            got = np.concatenate([got, gone])
+        if not got.size:
+            return
+        ids = np.array(ids[:got.size], np.int64)  # as many as there were slots to claim
+        self.st.assign(got, ids)
+        self.st.pin(got)
+        self.arena[got, :WIDTH // 2] = _row(ids)[:, :WIDTH // 2]
+        self.fills.append(Fill(len(self.fills) + 1, ids, got))
+
+    @precondition(lambda self: self.fills)
+    @rule(data=st.data(), ok=st.booleans())
+    def finish(self, data, ok):
+        """Stage 3 (lock held): the fill's rows are whole and READY; or its read failed and its
+        slots go back to the free stack, unmapped."""
+        fill = self.fills.pop(data.draw(st.integers(0, len(self.fills) - 1)))
+        if ok:
+            self.arena[fill.slots] = _row(fill.ids)
+            self.st.ready(fill.slots)
+            self.ready |= dict(zip(fill.ids.tolist(), fill.slots.tolist()))
+        else:
+            self.st.unmap(fill.slots)
+            self.st.put_free(fill.slots)
+        self.st.unpin(fill.slots)
+
+    @precondition(lambda self: set(self.ready.values()) - set(self.writing))
+    @rule(data=st.data())
+    def begin_rewrite(self, data):
+        """A repair in place (verify_rows): gen odd, then other bytes for a while."""
+        s = data.draw(st.sampled_from(sorted(set(self.ready.values()) - set(self.writing))))
+        self.st.begin_write(np.array([s]))
+        self.arena[s] = 255
+        self.writing.append(s)
+
+    @precondition(lambda self: self.writing)
+    @rule()
+    def end_rewrite(self):
+        slots = np.array(self.writing, np.int64)
+        self.arena[slots] = _row(self.st.id_of[slots])
+        self.st.end_write(slots)
+        self.writing = []
+
+    @precondition(lambda self: set(self.ready.values()) - set(self.writing))
+    @rule(data=st.data())
+    def mark_bad(self, data):
+        """A READY row of a cold block found bad: gen odd (the engine's _mark_bad), mapped still."""
+        x = data.draw(st.sampled_from(sorted(x for x, s in self.ready.items() if s not in self.writing)))
+        self.st.gen[self.ready[x]] |= np.uint32(1)
+        self.bad[x] = self.ready.pop(x)
+
+    @invariant()
+    def a_client_reads_exactly_the_ready_rows(self):
+        self.st.check(self.fills)
+        ids = np.arange(M_ROWS, dtype=np.int64)
+        slots = self.map.find(ids)
+        held = self.ready | self.bad | {int(x): int(s) for f in self.fills for x, s in zip(f.ids, f.slots)}
+        assert slots.tolist() == [held.get(x, -1) for x in range(M_ROWS)], "the client's probe is not the index"
+        out = np.zeros((M_ROWS, WIDTH), np.uint8)
+        where, kept = local_reads._read_hits(ids, slots, self.gen, self.id_of, self.arena, out,
+                                             local_reads._seen_bitmap(M_CAP))
+        want = sorted(x for x, s in self.ready.items() if s not in self.writing)
+        assert sorted(kept.tolist()) == want, "a client kept a row not READY, or missed a READY one"
+        hit = np.setdiff1d(ids, ids[where])
+        assert np.array_equal(out[hit], _row(hit)), "a client kept another row's bytes"
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_a_client_reads_the_ready_rows_of_an_index_published_and_retired_as_the_engine_does(tmp_path, path,
+                                                                                              numpy_path):
+    if path == "numpy":
+        numpy_path(local_reads, "_READ")
+    SlotIndexMachine.folder = tmp_path
+    run_state_machine_as_test(SlotIndexMachine, settings=MACHINE)
+    assert not list(tmp_path.iterdir()), "an index file was left behind"
+
+
+def _header(path, offset: int, value: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(value)
+
+
+@pytest.mark.parametrize("offset, value", [(0, b"TSINDEX2"), (16, (CAP + 1).to_bytes(8, "little")),
+                                           (24, (ROWS * 2).to_bytes(8, "little")), (32, b"inst1")],
+                         ids=["format", "slots", "rows", "instance"])
+def test_check_names_a_header_that_does_not_describe_the_file(table, offset, value):
+    st_, arena, path = table
+    _fill(st_, arena, [1, 2])
+    st_.index.check()
+    _header(path, offset, value)
+    with pytest.raises(BrokenInvariant) as e:
+        st_.check()
+    assert (e.value.structure, e.value.invariant, e.value.at) == ("slot index", "the header describes the file",
+                                                                 "the header")
+
+
+def test_check_names_a_broken_invariant_of_the_index_as_a_client_sees_it(table):
+    """The index's own arrays: an EMPTY slot gen even, through the writer's file."""
+    st_, arena, path = table
+    slots = _fill(st_, arena, [1, 2])
+    st_.unmap(slots[:1])
+    st_.put_free(slots[:1])
+    st_.gen[slots[0]] = 4
+    with pytest.raises(BrokenInvariant, match=f"slot index: a slot holding no row has an odd gen, broken at slot "
+                                              f"{slots[0]} "):
+        st_.index.check()

@@ -31,6 +31,12 @@ slot_map.py says why that is only ever a miss), is read like a miss. Other
 architectures need load fences here, so `supported()` is False there and
 clients ask the sidecar instead.
 
+Invariants (check_slots states them as code; SlotIndexFile.check and SlotTable.check call
+it): a slot holding no row has an odd gen (so a row assigned to it is FILLING until ready()
+makes it even); every row id held is below the table's rows and held by one slot; every map
+entry names a slot below capacity that holds a row, one entry a slot; every row held is
+found by a probe from its home entry (a reader of a quiescent index misses no resident row).
+
 The file: one 4 KiB header (magic and format version, element widths, slots,
 rows, the sidecar instance) and the three arrays, each 64-byte aligned.
 Created 0600 under an unpredictable name beside the arena, removed with it.
@@ -44,12 +50,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.errors import StaleArena
+from tierstore.errors import BrokenInvariant, StaleArena
 from tierstore.cache.slot_map import SlotMap, entry_dtype, map_size
 from tierstore.tiers.dram import map_file_readonly
 from tierstore.tiers.shm_file import create_shm_file
 
-__all__ = ["SlotIndexFile", "map_index", "supported", "id_dtype", "FORMAT"]
+__all__ = ["SlotIndexFile", "map_index", "check_slots", "supported", "id_dtype", "FORMAT"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"TSINDEX"  # + the format version, one ASCII digit
@@ -90,7 +96,7 @@ class SlotIndexFile:
     views of it, initialised empty (gen 1, ids -1, entries all ones)."""
 
     def __init__(self, path: Path, capacity: int, rows: int, instance: str = ""):
-        self.path = Path(path)
+        self.path, self.capacity, self.rows, self.instance = Path(path), int(capacity), int(rows), instance
         size = _layout(capacity, rows)[3]
         self._mmap = create_shm_file(self.path, size, "the slot index")
         self.gen, self.id_of, self.table = _views(self._mmap, capacity, rows)
@@ -99,6 +105,19 @@ class SlotIndexFile:
         self.table[:] = np.iinfo(self.table.dtype).max
         self._mmap[:_LAYOUT.size] = _LAYOUT.pack(_MAGIC + str(FORMAT).encode(), self.id_of.itemsize,
                                                  self.table.itemsize, capacity, rows, instance.encode()[:16])
+
+    def check(self) -> None:
+        """BrokenInvariant unless the header describes this file (format, widths, slots, rows,
+        instance) and its arrays keep check_slots' invariants. Call it with the engine's lock
+        held (the writer's): O(slots), vectorised; never from a client racing the writer."""
+        magic, iw, ew, cap, rows, inst = _LAYOUT.unpack_from(self._mmap)
+        head = (magic, iw, ew, cap, rows, inst.rstrip(b"\0"))
+        want = (_MAGIC + str(FORMAT).encode(), self.id_of.itemsize, self.table.itemsize, self.capacity, self.rows,
+                self.instance.encode()[:16])
+        if head != want:
+            raise BrokenInvariant("slot index", "the header describes the file", "the header",
+                                  f"reads {head}, the file is {want}")
+        check_slots("slot index", self.gen, self.id_of, SlotMap(self.table, self.id_of, self.capacity), self.rows)
 
     def close(self) -> None:
         """Remove the file; mappings (ours until our views go, clients') stay valid."""
@@ -129,3 +148,45 @@ def map_index(path: str | Path, capacity: int, rows: int, instance: str | None =
                          f"instance {instance}); describe the table again")
     gen, id_of, table = _views(mm, capacity, rows)
     return gen, id_of, SlotMap(table, id_of, capacity)
+
+
+def check_slots(structure: str, gen: np.ndarray, id_of: np.ndarray, slot_map: SlotMap, rows: int) -> None:
+    """BrokenInvariant (naming `structure`) unless gen, id_of and the map keep the invariants a
+    reader relies on (the module docstring). O(slots) vectorised, and one probe of each id held.
+    Quiescent only: the writer's lock held, or no writer."""
+    capacity = id_of.shape[0]
+    held = id_of >= 0
+    bad = np.flatnonzero(~held & ((gen & 1) == 0))
+    if bad.size:
+        raise BrokenInvariant(structure, "a slot holding no row has an odd gen", f"slot {bad[0]}",
+                              f"gen {gen[bad[0]]}: a row assigned to it would read READY before it is written")
+    slots = np.flatnonzero(held)
+    ids = id_of[slots].astype(np.int64)
+    bad = np.flatnonzero(ids >= rows)
+    if bad.size:
+        raise BrokenInvariant(structure, "every row id held is below the table's rows", f"slot {slots[bad[0]]}",
+                              f"id {ids[bad[0]]}, rows {rows}")
+    table = slot_map.table
+    full = np.flatnonzero(table != np.iinfo(table.dtype).max)
+    named = (table[full].astype(np.uint64) & np.uint64((1 << slot_map.slot_bits) - 1)).astype(np.int64)
+    bad = np.flatnonzero(named >= capacity)
+    if bad.size:
+        raise BrokenInvariant(structure, "each map entry names a slot below capacity", f"entry {full[bad[0]]}",
+                              f"slot {named[bad[0]]}, capacity {capacity}")
+    bad = np.flatnonzero(~held[named])
+    if bad.size:
+        raise BrokenInvariant(structure, "each map entry names a slot holding a row", f"entry {full[bad[0]]}",
+                              f"slot {named[bad[0]]} holds none")
+    bad = np.flatnonzero(np.bincount(named, minlength=capacity) > 1)
+    if bad.size:
+        raise BrokenInvariant(structure, "one map entry per slot", f"slot {bad[0]}",
+                              f"entries {full[named == bad[0]].tolist()}")
+    found = slot_map.find(ids)  # an id held twice is found at one slot at most: not at the other
+    bad = np.flatnonzero(found != slots)
+    if bad.size:
+        x, s, f = ids[bad[0]], slots[bad[0]], found[bad[0]]
+        if f >= 0 and id_of[f] == x:
+            raise BrokenInvariant(structure, "one slot per id", f"id {x}",
+                                  f"held by slots {min(s, f)} and {max(s, f)}")
+        raise BrokenInvariant(structure, "every row held is found by a probe from its home entry", f"id {x}",
+                              f"held by slot {s}, the probe found {f}")

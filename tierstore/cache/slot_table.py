@@ -37,6 +37,15 @@ served again, from the arena or the disk).
 unmap() makes it odd before the slot's id or bytes change; ready() makes it
 even once the new row is in place; begin_write()/end_write() bracket a
 rewrite of a READY row in place.
+
+check() states these invariants as code: the index's (slot_index.check_slots: an EMPTY slot's
+gen odd, one slot per id, the map finds every row held); the free stack a chain of exactly
+n_free slots from its top to its bottom, through every slot that threads it; an EMPTY slot off
+it only while a caller has claimed it (taken or unmapped, not yet assigned or put back: none
+lost); n_pinned the slots with pins; a fill's slots FILLING with its ids and pinned, in one
+fill each. Pins on an EMPTY slot are allowed: a failed fill's slots go back on the free stack
+while the steps that wanted them (its own and its waiters) still hold their pins, until each
+releases them in the same call; a pin only ever over-protects a slot.
 """
 from __future__ import annotations
 
@@ -45,9 +54,9 @@ import threading
 import numpy as np
 
 from tierstore.cache import prefault
-from tierstore.errors import ResourceExhausted
+from tierstore.errors import BrokenInvariant, ResourceExhausted
 from tierstore.jit import Kernel
-from tierstore.cache.slot_index import SlotIndexFile, id_dtype
+from tierstore.cache.slot_index import SlotIndexFile, check_slots, id_dtype
 from tierstore.cache.slot_map import SlotMap
 
 __all__ = ["SlotTable", "Fill", "PinsSaturated", "PINS", "PIN_MAX"]
@@ -227,6 +236,75 @@ class SlotTable:
         self.id_of[slots] = ids
         self.map.insert(ids, slots)
 
+    def check(self, fills=(), claimed=()) -> None:
+        """BrokenInvariant unless the table keeps the invariants of the module docstring.
+
+        fills: the fills in flight (Fill; the engine's, all of them or some). claimed: the EMPTY
+        slots the caller holds off the free stack (taken, or unmapped, and not yet assigned or put
+        back); any other EMPTY slot off the stack is lost. Call it with the engine's lock held
+        (every writer holds it), between operations: O(capacity) vectorised, and one compiled
+        walk of the free stack. Holding the lock that long, it is a test's and a debug run's
+        check, not one per step."""
+        if self.index is not None:
+            self.index.check()
+        else:
+            check_slots("slot table", self.gen, self.id_of, self.map, self.rows)
+        on_stack = self._check_free_stack()
+        mine = np.zeros(self.capacity, bool)
+        mine[np.asarray(claimed, np.int64)] = True
+        lost = (self.id_of < 0) & ~on_stack
+        bad = np.flatnonzero(lost & ~mine)
+        if bad.size:
+            raise BrokenInvariant("slot table", "an EMPTY slot off the free stack is claimed", f"slot {bad[0]}",
+                                  "taken or unmapped, then neither assigned nor put back: lost")
+        bad = np.flatnonzero(mine & ~lost)
+        if bad.size:
+            raise BrokenInvariant("slot table", "a claimed slot is EMPTY and off the free stack", f"slot {bad[0]}",
+                                  f"id_of {self.id_of[bad[0]]}, on the free stack: {bool(on_stack[bad[0]])}")
+        pinned = int(np.count_nonzero(self.pins))
+        if pinned != self.n_pinned:
+            raise BrokenInvariant("slot table", "n_pinned counts the slots with pins", f"n_pinned {self.n_pinned}",
+                                  f"{pinned} slots have pins")
+        fills = list(fills)
+        if fills:
+            self._check_fills(fills)
+
+    def _check_free_stack(self) -> np.ndarray:
+        """(check) The free stack is a chain of n_free slots from the top to the bottom, through
+        every slot threading it (id_of <= -2); returns which slots are on it."""
+        cap, id_of = self.capacity, self.id_of
+        on_stack = np.zeros(cap, bool)
+        walked, stop = (_STACK.compiled() or _stack_loop)(id_of, self._free_top, self.n_free, on_stack)
+        if walked < self.n_free or stop != -1:
+            at = f"slot {stop}" if 0 <= stop < cap else "the bottom" if stop == -1 else f"next {stop}"
+            raise BrokenInvariant("slot table", "the free stack is a chain of n_free slots from its top to its bottom",
+                                  at, f"{walked} slots down from the top {self._free_top}, n_free {self.n_free}")
+        bad = np.flatnonzero((id_of <= -2) & ~on_stack)
+        if bad.size:
+            raise BrokenInvariant("slot table", "every slot threading the free stack is on it", f"slot {bad[0]}",
+                                  f"it names slot {-2 - int(id_of[bad[0]])} next, the chain from the top passes it by")
+        return on_stack
+
+    def _check_fills(self, fills: list[Fill]) -> None:
+        """(check) Each fill's slots FILLING with its ids and pinned, no slot in two fills."""
+        slots = np.concatenate([np.asarray(f.slots, np.int64) for f in fills])
+        ids = np.concatenate([np.asarray(f.ids, np.int64) for f in fills])
+        of = np.repeat(np.arange(len(fills)), [np.size(f.slots) for f in fills])
+        bad = np.flatnonzero(np.bincount(slots, minlength=self.capacity) > 1)
+        if bad.size:
+            raise BrokenInvariant("slot table", "a slot is in one fill at most", f"slot {bad[0]}",
+                                  f"fills {sorted({fills[i].fill_id for i in of[slots == bad[0]]})}")
+        bad = np.flatnonzero((self.id_of[slots] != ids) | ((self.gen[slots] & 1) == 0))
+        if bad.size:
+            s = slots[bad[0]]
+            raise BrokenInvariant("slot table", "a fill's slots are FILLING with its ids", f"slot {s}",
+                                  f"fill {fills[of[bad[0]]].fill_id} reads id {ids[bad[0]]} into it; it holds "
+                                  f"{self.id_of[s]}, gen {self.gen[s]}")
+        bad = np.flatnonzero(self.pins[slots] == 0)
+        if bad.size:
+            raise BrokenInvariant("slot table", "a fill's slots are pinned (by the fill)", f"slot {slots[bad[0]]}",
+                                  f"fill {fills[of[bad[0]]].fill_id}")
+
 
 # ---- compiled loops (tierstore/jit.py); the numpy code above is their reference ----
 def _pin_loop(pins, slots, times, most):
@@ -280,4 +358,18 @@ def _put_loop(id_of, top, slots):
     return top
 
 
-_PIN, _LOOKUP_PIN, _TAKE, _PUT = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _take_loop, _put_loop))
+def _stack_loop(id_of, top, n, seen):
+    """Walk the free stack down from `top` for at most n slots, marking each in `seen`; returns
+    (slots walked, where the walk stopped: -1 past the bottom, else the slot or next that ends it:
+    out of range, met twice, or holding a row). A sequential walk: the Python loop is the reference."""
+    s = np.int64(top)
+    for k in range(n):
+        if s < 0 or s >= id_of.shape[0] or seen[s] or id_of[s] >= 0:
+            return k, s
+        seen[s] = True
+        s = -2 - np.int64(id_of[s])
+    return n, s
+
+
+_PIN, _LOOKUP_PIN, _TAKE, _PUT, _STACK = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _take_loop, _put_loop,
+                                                               _stack_loop))
