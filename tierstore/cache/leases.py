@@ -33,6 +33,16 @@ to clients holding less than their fair share (what is left before the
 reserve, over the clients holding some; of leases, at most max_per_client /
 RESERVE): a client that took more is refused there (ResourceExhausted, saying
 so), and a client below its share is refused only when the reserve too is spent.
+
+check() states the table's invariants as code: at most max_leases live, each under a
+lease id whose low bits are its board index (1..max_leases as built, held by one lease; the
+others free, and the board showing each live id at its index, 0 elsewhere); each client's count,
+every table's per-client slot entries and the slots held equal what its live leases hold,
+within max_per_client, max_slots and (client_share below 1) all but the table's reserve; a
+retried Plan's request id names its live lease, and only it; every live lease waits on the
+expiry heap at its deadline; a lease's slots are unique and below its arena's capacity, and
+each pinned at least once for each live lease that holds it (the engine unpins only after a
+lease has ended).
 """
 from __future__ import annotations
 
@@ -43,12 +53,12 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
 from tierstore.cache.slot_table import PIN_MAX
-from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.errors import BrokenInvariant, InvalidArgument, ResourceExhausted
 from tierstore.tiers.shm_file import create_shm_file
 
 __all__ = ["Lease", "LeaseBoard", "LeaseTable", "LeasedEngine", "INDEX_BITS", "INDEX_MASK", "MAX_LEASES", "RESERVE",
@@ -97,7 +107,7 @@ class Lease:
     engine: LeasedEngine   # whose pins hold these slots
     conn_id: bytes         # the client that took it (its connection's id): only it may release it
     slots: np.ndarray      # unique slots (int32 when the arena allows: half the memory)
-    expires: float         # time.monotonic() deadline
+    expires: float         # deadline on the table's clock (time.monotonic)
     request_id: int = 0
 
 
@@ -130,11 +140,13 @@ class LeaseTable:
     counts twice. contention_s: how long a client's plan into a table's reserve makes
     the table contended for the others (the sidecar passes --lease-ttl); a closed
     client's plans stop counting at once (release_client). board_path: where the lease
-    board lives (None: no board, tests only).
+    board lives (None: no board, tests only). clock: seconds, monotonic: what deadlines
+    and contention are measured on (time.monotonic; a test's own clock steps through TTLs).
     """
 
     def __init__(self, max_leases: int, *, max_per_client: int | None = None, max_slots: int = 1 << 26,
-                 client_share: float = 1.0, contention_s: float = 30.0, board_path: Path | None = None):
+                 client_share: float = 1.0, contention_s: float = 30.0, board_path: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if isinstance(max_leases, bool) or not 1 <= max_leases <= MAX_LEASES:
             raise InvalidArgument(f"max_leases must be in 1..{MAX_LEASES}, got {max_leases}")
         max_per_client = max_leases if max_per_client is None else max_per_client
@@ -149,6 +161,7 @@ class LeaseTable:
         self.max_slots = max_slots
         self.client_share = client_share
         self.contention_s = contention_s
+        self.clock = clock
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
         self._per_client: dict[bytes, int] = {}
@@ -159,6 +172,7 @@ class LeaseTable:
         self._pressed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._slots_held = 0
         self._free_index = list(range(max_leases, 0, -1))  # index 0 is never used: lease id 0 means "none"
+        self._indexes = max_leases  # board indexes 1.._indexes, fixed here (tests lower max_leases later)
         self.board = LeaseBoard(board_path, max_leases + 1) if board_path is not None else None
         self._lock = threading.Lock()
         self._random: list[int] = []
@@ -191,7 +205,7 @@ class LeaseTable:
                 self._end(retried)
             index = self._free_index.pop()
             lease_id = (self._random.pop() or 1) << INDEX_BITS | index
-            lease = Lease(lease_id, engine, conn_id, slots, time.monotonic() + ttl_s, request_id)
+            lease = Lease(lease_id, engine, conn_id, slots, self.clock() + ttl_s, request_id)
             self._leases[lease_id] = lease
             self._per_client[conn_id] = n_client + 1
             self._slots_held += slots.size
@@ -218,7 +232,7 @@ class LeaseTable:
         pressing = bool(capacity) and self.client_share < 1.0 and pinned + n_slots > calm
         with self._lock:
             if pressing:
-                self._pressed.setdefault(engine, {})[conn_id] = time.monotonic()
+                self._pressed.setdefault(engine, {})[conn_id] = self.clock()
             retried = self._leases.get(self._by_request.get((conn_id, request_id), 0)) if request_id else None
             refused = self._refusal(engine, conn_id, n_slots, retried)
             if refused is not None:
@@ -293,7 +307,7 @@ class LeaseTable:
         plan past the client's share."""
         if len(of_table) > (conn_id in of_table):
             return True
-        since = time.monotonic() - self.contention_s
+        since = self.clock() - self.contention_s
         return any(when >= since for other, when in self._pressed.get(engine, {}).items() if other != conn_id)
 
     def _end(self, lease: Lease) -> None:
@@ -346,8 +360,8 @@ class LeaseTable:
         return self.release(ids, conn_id)
 
     def reap(self, now: float | None = None) -> int:
-        """End every lease past its deadline."""
-        now = time.monotonic() if now is None else now
+        """End every lease past its deadline (at `now`, on the table's clock: now when None)."""
+        now = self.clock() if now is None else now
         expired = []
         with self._lock:
             while self._expiry and self._expiry[0][0] <= now:
@@ -363,6 +377,130 @@ class LeaseTable:
     def count_for(self, engine: LeasedEngine) -> int:
         with self._lock:
             return sum(1 for lease in self._leases.values() if lease.engine is engine)
+
+    def check(self, pins: dict | None = None) -> None:
+        """BrokenInvariant unless the table keeps the invariants of the module docstring.
+
+        pins: {engine: its slot table's pin counts} to check the leases of those engines
+        against; read as they are, so pass it only when no step of theirs is in flight (a
+        test, or a debug run between steps). Takes the table's lock for O(live leases' slots),
+        vectorised: a test's and a debug run's check, not one per plan."""
+        with self._lock:
+            self._check(pins or {})
+
+    def _check(self, pins: dict) -> None:
+        def broken(invariant: str, at: str, detail: str = ""):
+            return BrokenInvariant("lease table", invariant, at, detail)
+
+        leases = list(self._leases.values())
+        n = len(leases)
+        if n > self.max_leases:
+            raise broken("at most max_leases leases are live", f"{n} leases", f"max_leases {self.max_leases}")
+        ids = np.array([lease.lease_id for lease in leases], np.int64)
+        bad = np.flatnonzero(np.fromiter(self._leases, np.int64, n) != ids)
+        if bad.size:
+            raise broken("a lease is filed under its own id", f"lease {ids[bad[0]]:#x}")
+        index = ids & INDEX_MASK
+        bad = np.flatnonzero((index < 1) | (index > self._indexes) | ((ids >> INDEX_BITS) == 0))
+        if bad.size:
+            raise broken("a lease id is random bits above a board index", f"lease {ids[bad[0]]:#x}")
+        free = np.array(self._free_index, np.int64)
+        held = np.bincount(np.concatenate([index, free]), minlength=self._indexes + 1)
+        at = np.arange(held.size)
+        bad = np.flatnonzero(held != ((at >= 1) & (at <= self._indexes)))
+        if bad.size:
+            i = int(bad[0])
+            live, freed = int(np.count_nonzero(index == i)), int(np.count_nonzero(free == i))
+            raise broken("each board index is held by one live lease or free, once", f"index {i}",
+                         f"{live} live leases, free {freed} times")
+        if self.board is not None:
+            want = np.zeros(self.board.n, np.uint64)
+            want[index] = ids.astype(np.uint64)
+            bad = np.flatnonzero(self.board.ids != want)
+            if bad.size:
+                raise broken("the board shows each live lease id at its index, 0 elsewhere", f"index {bad[0]}",
+                             f"the board holds {int(self.board.ids[bad[0]]):#x}, the lease {int(want[bad[0]]):#x}")
+        per_client: dict[bytes, int] = {}
+        per_table: dict[tuple, int] = {}
+        for lease in leases:
+            per_client[lease.conn_id] = per_client.get(lease.conn_id, 0) + 1
+            key = (lease.engine, lease.conn_id)
+            per_table[key] = per_table.get(key, 0) + lease.slots.size
+        for conn in per_client.keys() | self._per_client.keys():
+            if per_client.get(conn) != self._per_client.get(conn):
+                raise broken("each client's lease count is its live leases", f"client {conn!r}",
+                             f"counted {self._per_client.get(conn)}, it holds {per_client.get(conn)}")
+            if per_client[conn] > self.max_per_client:
+                raise broken("a client holds at most max_per_client leases", f"client {conn!r}",
+                             f"{per_client[conn]} leases, max_per_client {self.max_per_client}")
+        counted = {(engine, conn): k for engine, of_table in self._table_slots.items() for conn, k in of_table.items()}
+        for engine, conn in per_table.keys() | counted.keys():
+            k = per_table.get((engine, conn))
+            if k != counted.get((engine, conn)):
+                raise broken("each table's per-client slot entries are its live leases'",
+                             f"table {engine.table!r}, client {conn!r}",
+                             f"counted {counted.get((engine, conn))}, its leases hold {k}")
+            cap = engine.capacity
+            alone = max(max(1, int(cap * self.client_share)), cap - cap // RESERVE)
+            if cap and self.client_share < 1.0 and k > alone:
+                raise broken("a client's leases of a table hold at most all but its reserve",
+                             f"table {engine.table!r}, client {conn!r}", f"{k} of {cap} slots, at most {alone}")
+        sizes = np.array([lease.slots.size for lease in leases], np.int64)
+        if int(sizes.sum()) != self._slots_held or self._slots_held > self.max_slots:
+            raise broken("the slots held are the live leases' and at most max_slots", f"{self._slots_held} slots held",
+                         f"the leases hold {int(sizes.sum())}, max_slots {self.max_slots}")
+        asked = {(lease.conn_id, lease.request_id): lease.lease_id for lease in leases if lease.request_id}
+        for key in asked.keys() | self._by_request.keys():
+            named, live = self._by_request.get(key, 0), asked.get(key, 0)
+            if named != live:
+                raise broken("a retried Plan's request id names its client's live lease",
+                             f"client {key[0]!r}, request {key[1]}",
+                             f"names lease {named:#x}, the live one is {live:#x}")
+        self._check_expiry(leases, broken)
+        self._check_slots(leases, sizes, pins, broken)
+
+    def _check_expiry(self, leases: list, broken) -> None:
+        """(lock held) The expiry heap is a heap, holding every live lease at its deadline."""
+        due = np.array([e for e, _ in self._expiry], np.float64)
+        lid = np.array([i for _, i in self._expiry], np.int64)
+        k = np.arange(1, due.size)
+        up = (k - 1) // 2
+        bad = np.flatnonzero((due[k] < due[up]) | ((due[k] == due[up]) & (lid[k] < lid[up])))
+        if bad.size:
+            raise broken("the expiry heap is a heap", f"entry {k[bad[0]]}", f"{self._expiry[k[bad[0]]]} under "
+                         f"{self._expiry[up[bad[0]]]}")
+        waiting = set(self._expiry)
+        for lease in leases:
+            if (lease.expires, lease.lease_id) not in waiting:
+                raise broken("every live lease waits on the expiry heap at its deadline", f"lease {lease.lease_id:#x}",
+                             f"deadline {lease.expires}")
+
+    @staticmethod
+    def _check_slots(leases: list, sizes: np.ndarray, pins: dict, broken) -> None:
+        """(lock held) Each lease's slots unique and below capacity; each pinned for every lease holding it."""
+        if not leases:
+            return
+        slots = np.concatenate([lease.slots.astype(np.int64, copy=False) for lease in leases])
+        of = np.repeat(np.arange(len(leases)), sizes)
+        cap = np.array([lease.engine.capacity for lease in leases], np.int64)
+        bad = np.flatnonzero((slots < 0) | (slots >= cap[of]))
+        if bad.size:
+            lease = leases[of[bad[0]]]
+            raise broken("a lease's slots are below its arena's capacity", f"lease {lease.lease_id:#x}",
+                         f"slot {slots[bad[0]]}, capacity {lease.engine.capacity}")
+        key = np.sort(of * int(cap.max()) + slots)  # (lease, slot), one sort
+        bad = np.flatnonzero(key[1:] == key[:-1])
+        if bad.size:
+            i, s = divmod(int(key[bad[0]]), int(cap.max()))
+            raise broken("a lease's slots are unique", f"lease {leases[i].lease_id:#x}", f"slot {s} twice")
+        for engine, counts in pins.items():
+            mine = np.isin(of, [i for i, lease in enumerate(leases) if lease.engine is engine])
+            need = np.bincount(slots[mine], minlength=counts.shape[0])
+            bad = np.flatnonzero(need > counts)
+            if bad.size:
+                raise broken("each slot a lease holds is pinned once for every live lease holding it",
+                             f"slot {bad[0]} of table {engine.table!r}",
+                             f"{need[bad[0]]} live leases hold it, {counts[bad[0]]} pins")
 
     def close(self) -> None:
         if self.board is not None:
