@@ -57,7 +57,7 @@ _I8 = np.dtype("<i8")
 # the first table's read is to take LOOKUP_STAGGER_FROM_S or more (its ids at the last
 # overlapped call's seconds an id): each table's note leaves about half a table's read before
 # the next step probes it (the sidecar promotes a prefill table's misses in ~25 ms; begun
-# together, the next step probed before they landed: docs/benchmarks.md). Tables read in
+# together, the next step probed before they landed: docs/decisions.md). Tables read in
 # less are begun at once: a decode step's notes are learned in 2-3 ms and cost no hits begun
 # at once, where a stagger cost it 2-10% of its rows/s
 LOOKUP_STAGGER, LOOKUP_STAGGER_FROM_S = 0.5, 0.1

@@ -1,7 +1,7 @@
 """RowScratch: a buffer of rows reused read after read, for Client.lookup(out=).
 
 A read into a fresh array pays that array's page faults and cold cache lines every
-step, about as much as reading the rows (docs/benchmarks.md: "A caller's buffer");
+step, about as much as reading the rows (docs/decisions.md, "A caller's buffer");
 a step loop reads into one buffer instead, as a gather kernel's staging buffer is
 reused. The engines' stagers keep one per staged layer.
 """

@@ -154,7 +154,7 @@ def gather_layers(tables: list, ids: list, weights: list, scales: list) -> None:
     position (a lookup takes repeats, and tells the sidecar each step's distinct ids), then split
     into the two buffers. Not the distinct rows first: that costs a unique_inverse of every
     position, more than the repeats save, since Engram's hashed n-grams of real text repeat little
-    within a step (docs/benchmarks.md)."""
+    within a step (docs/decisions.md, "The stagers read every position")."""
     got = read_layers(tables, ids, [t.scratch.take(np.size(i)) for t, i in zip(tables, ids)])
     for rows, weight, scale in zip(got, weights, scales):
         _split(rows, weight, scale)

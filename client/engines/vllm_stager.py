@@ -154,7 +154,7 @@ class StagedEngramTable:
         len(mine) for a padded head or an id outside the rank's rows (they read the zero row
         the scratch keeps after the rows: what `_engram_lookup_kernel` writes for them). Not
         the distinct rows: a unique_inverse of every position costs more than the repeats of
-        real text's n-grams save (a lookup takes repeats: docs/benchmarks.md)."""
+        real text's n-grams save (a lookup takes repeats: docs/decisions.md, "The stagers read every position")."""
         tokens = ids.shape[0]
         heads = np.full((tokens, self.part), -1, dtype=np.int64)  # padded heads stay unowned
         cols = ids[:, self.head_start:min(self.head_start + self.part, self.n_hash_cols)]

@@ -13,7 +13,7 @@ tombstones), at most MAX_LOAD of the entries full, so every probe of a
 consistent table ends at an empty entry. MAX_LOAD is 4/5 (5 B a slot with
 4-byte entries): linear probing then reads 3 entries for a hit and 13 for a
 miss on average (2 and 5 at 2/3, 6 B a slot), 16 entries a cache line, and a
-probe reads `id_of` only on a tag match (docs/benchmarks.md: what it costs).
+probe reads `id_of` only on a tag match (docs/decisions.md, "The slot map's load").
 
 Writers hold the engine's lock (one writer). Readers (a client on the host, see
 slot_index.py) read the table with no lock while the writer inserts and

@@ -50,7 +50,7 @@ NOTE_TURN_STEPS = 64
 NOTE_TURN_IDS = 1 << 14
 # The learner thread's nice value (Linux: per thread): on a host with fewer cores than local
 # readers, bookkeeping yields the CPU to the readers and the policy learns from the notes it
-# gets to (a sample of the steps learns about as well as all of them: docs/benchmarks.md)
+# gets to (a sample of the steps learns about as well as all of them: docs/decisions.md)
 LEARNER_NICE = 5
 
 STEPS, IDS, ROW_BYTES = 0, 1, 2  # what a note holds of each bound, in this order

@@ -2,7 +2,7 @@
 
 A decode step's Plan must cost a small fraction of the step, and a Python gRPC
 unary call costs far more than a framed exchange over a unix socket
-(docs/benchmarks.md, "Why these constants"). Local clients therefore also reach
+(docs/decisions.md, "The step socket"). Local clients therefore also reach
 the sidecar over a plain unix stream socket next to the gRPC one (`<grpc
 socket>.steps`, 0600) with the binary framing of proto/frames.py. One thread per connection: a
 blocking recv wakes exactly the thread that serves that client, with no poll

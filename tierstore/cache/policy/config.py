@@ -35,11 +35,11 @@ class PolicyConfig:
         under first_out_ratio times it, seen for the first time, enters probation
         at its head (the next victim unless hit first). Off by default: it gains
         on the replays of `bench cache` but cost `bench large --quick`'s sidecar
-        its steady hit ratio's lead over LRU (docs/benchmarks.md, the policy's
-        structure on real text). class_decay: each step's counts weigh this
+        its steady hit ratio's lead over LRU (docs/decisions.md, the per-class
+        prior). class_decay: each step's counts weigh this
         much less the next step (a memory of about 1 / (1 - class_decay) steps).
-        Chosen on the text and aws-docs traces (docs/benchmarks.md, the policy's
-        structure on real text).
+        Chosen on the text and aws-docs traces (docs/decisions.md, the per-class
+        prior).
     max_hits: CLOCK hit budget of a main-queue row (extra passes it survives), at most
         MAX_HITS (31: a slot's hits share its queue's byte, policy/queues.py).
     expect_steps: how long an `expect` hint lasts when its caller does not say:
@@ -62,7 +62,7 @@ class PolicyConfig:
         the slots (a read-ahead id whose entry found no room is not protected,
         and is evicted before its request runs); pending_min keeps twice the
         capacity up to 64 Ki slots, and in large arenas the share leaves room for
-        deeper queues (docs/benchmarks.md, cache-mode memory).
+        deeper queues (docs/decisions.md, the pending hints' bound).
     pending_client_share: the share of those one client (by its conn_id) may hold,
         so one client's deep queue leaves room for the others' hints (by default
         half: as many ids as the arena has slots in arenas up to 64 Ki slots).
@@ -83,7 +83,7 @@ class PolicyConfig:
         8 B (2 x 8 four-bit counters, TinyLFU's sizing of a few counters a slot),
         keeps a cached table's state within its per-slot budget
         (docs/architecture.md); half of it loses hit ratio on real text in small
-        arenas, more gains little (docs/benchmarks.md, the sketch).
+        arenas, more gains little (docs/decisions.md, the sketch's size).
     sketch_depth: hash rows of the sketch.
     counter_max: sketch counter saturation (15 = TinyLFU's 4-bit counters, packed two a
         byte; more takes a byte a counter).
