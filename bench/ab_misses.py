@@ -17,7 +17,7 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
                8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
   publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
 `--pair depth`:
-  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 512 on main since session 20)
+  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 512 on main)
 `--pair tables`:
   together     a step's two tables read overlapped (Client.lookup_many: each begun in turn,
                its misses in flight on the calling thread's ring while the next table's
@@ -26,13 +26,13 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
   apart        one Client.lookup a table, in turn (each table's ring drains before the next)
 `--pair stagger`:
   staggered    the tables read through Client.lookup_many, table k begun once LOOKUP_STAGGER
-               of table k-1's reads have landed (main since session 18, in one thread since 20)
+               of table k-1's reads have landed (main's way, in one thread)
   atonce       all started at once (LOOKUP_STAGGER 0: before it; each table's note then
                leaves as the step ends, and the next step probes before the sidecar promotes)
 `--pair notes`:
   flusher      a step's note (its ids and the misses' records) sent by the client's flusher
                thread while the step reads on, unless an earlier note is still being sent
-               (StepChannel._behind, main since session 18)
+               (StepChannel._behind, main's way)
   step         sent by the step itself whenever NOTE_BACKLOG_IDS ids wait (before it: every
                prefill step, whose ~63 k ids a table are past the bound, waited on the socket)
 

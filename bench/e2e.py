@@ -156,7 +156,7 @@ def run_e2e(data_dir, *, batch: int = 4, seq: int = 256, decode_tokens: int = 8,
         reference = None
         exact = {}
         times = {name: [] for name in sources}
-        for r in range(rounds + 1):  # round 0 is the warm-up
+        for r in range(rounds + 1):  # the first round is the warm-up
             for name, src in sources.items():
                 model.set_source(src)
                 t0 = time.perf_counter()

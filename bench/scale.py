@@ -99,7 +99,7 @@ def run_scale_bench(out_dir, *, quick: bool = False, seed: int = 0, small: int =
         rng = np.random.default_rng(seed)
         fresh = rng.permutation(np.arange(large, rows, dtype=np.int64))  # resident in neither arena
         times = {f"{kind}_{name}": [] for kind in ("miss", "hit") for name in engines}
-        for r in range(rounds + 1):  # round 0 warms up
+        for r in range(rounds + 1):  # the first round warms up
             miss = np.sort(fresh[r * step:(r + 1) * step])
             for name in (("small", "large") if r % 2 else ("large", "small")):
                 eng = engines[name]

@@ -254,7 +254,7 @@ def test_the_policy_keeps_its_hit_ratio_on_real_text(text_traces, kind, size):
 
 @pytest.mark.parametrize("kind", ["text", "docstrings"])
 def test_the_schedulers_hints_put_the_policy_clear_of_arc_and_lru_on_real_text(text_traces, kind, tmp_path):
-    """Item 2 of the policy issue with the scheduler's hints (`bench cache`'s ours+queue16):
+    """The policy's target on real text, reached with the scheduler's hints (`bench cache`'s ours+queue16):
     each step's rows hinted once, when its request is queued, QUEUE_STEPS steps before it runs,
     for that wait. Without hints no frequency-and-recency policy reaches these margins on our
     traces (docs/benchmarks.md, the freq-oracle); with them ours is ARC + 0.03 and LRU + 0.05 at

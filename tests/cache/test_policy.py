@@ -289,7 +289,7 @@ def test_a_hint_that_ended_long_ago_never_reads_live_again():
 
 def test_a_pending_hint_that_ended_long_ago_never_reads_live_again():
     """Pending ids' ends are 2 B too (pending.py): made just before the step count wraps,
-    they end on time, and the sweep keeps every ended one from coming round 2^16 steps later."""
+    they end on time, and the sweep keeps every ended one from coming back live 2^16 steps later."""
     p = make_policy(1000, 50_000, PolicyConfig(max_expect_steps=100))
     start = 2**16 - 50
     p._steps, p._until[:] = start, (start - 1) & 0xFFFF  # as if `start` steps had run

@@ -9,8 +9,8 @@ The V4.1 gate, as pinned from public code (read, not copied):
   out = h + gate*value; eps = config.rms_norm_eps, q/k = q_weight/k_weight [hc, D].
 - The same file's `_hash_ids_kernel`: walking back from t, once a position is
   before the sequence or dead (image span), it and all older ones read the pad id.
-- ds4 (DeepSeek's reference, rev bd66c402) as summarised in halo-box/strix-llama.cpp
-  issue #48: the same gate formula; image positions masked, residual unmodified.
+- ds4 (DeepSeek's reference, rev bd66c402) as summarised in the GitHub issue
+  halo-box/strix-llama.cpp#48: the same gate formula; image positions masked, residual unmodified.
 The reference rounds kv and the output to BF16; this layer computes in its
 compute_dtype (fp32 here), so the check below is at fp32 tolerance.
 """

@@ -42,7 +42,7 @@ _ALIGNS = (512, 4096)
 # one ring (Client.lookup_many), and the device's queue must outlast the CPU work between its
 # waits (the next table's hits copied, a landed part placed). 512 against 256 in ab_misses
 # blocks, both orders: prefill misses/s +0.8% / 0.0%, decode +2.6% / +0.8% (at 256 prefill lost
-# 2-2.5% to the threaded reads it replaced); for the threaded reads 512 was the noise (session 19)
+# 2-2.5% to the threaded reads it replaced); for the threaded reads 512 was within the noise
 READ_DEPTH = 512
 
 
