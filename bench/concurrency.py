@@ -44,10 +44,12 @@ def _worker(a: dict) -> None:
 
         for b in batches[:4]:  # warm-up: connect, map the arena
             read(b)
-        while time.time() < a["start"]:
+        print("ready", flush=True)
+        start = float(sys.stdin.readline())  # the round's start, once every worker is ready
+        while time.time() < start:
             time.sleep(0.001)
         n, k = 0, 0
-        while time.time() < a["start"] + a["seconds"]:
+        while time.time() < start + a["seconds"]:
             n += read(batches[k % len(batches)])
             k += 1
     print(json.dumps({"rows": n}), flush=True)
@@ -55,11 +57,20 @@ def _worker(a: dict) -> None:
 
 def _round(sock: str, table: str, rows: int, clients: int, seconds: float, seed: int, batch: int, dist: str,
            read: str) -> float:
-    start = time.time() + 2.0  # every worker imports and warms up first
     procs = [subprocess.Popen([sys.executable, "-m", "tierstore.bench.concurrency", "--worker", json.dumps(dict(
-        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, hot_seed=seed, start=start,
+        sock=sock, table=table, rows=rows, batch=batch, dist=dist, seed=seed + i, hot_seed=seed,
         seconds=seconds, read=read))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/") for i in range(clients)]
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/") for i in range(clients)]
+    # every worker imports, connects and warms up before the round starts: on a loaded host a
+    # fixed head start left late workers no time in the round (a round of 0 rows/s)
+    for p in procs:
+        if p.stdout.readline().strip() != b"ready":
+            p.wait(timeout=60)
+            raise RuntimeError(f"concurrency worker failed before the round: {p.stderr.read().decode()[-2000:]}")
+    start = f"{time.time() + 0.05!r}\n".encode()
+    for p in procs:
+        p.stdin.write(start)
+        p.stdin.flush()
     total = 0
     for p in procs:
         out, err = p.communicate(timeout=seconds + 120)
