@@ -36,10 +36,11 @@ check. A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) spli
    must equal `_engram_lookup_kernel` on the GPU for every e4m3 x ue8m0 byte pair (NaN equal
    to NaN: what the CPU test could not check under Triton's interpreter).
 5. vLLM runner (each release; NOT YET RUN): the staged step hook's device path through
-   vLLM's V2 runner state: its RequestState's token history (pinned host memory the GPU
-   writes over UVA), the prompts written by vLLM's own kernel and a step's sampled tokens by
-   vLLM's own post_update, read at once by vllm_stager.token_table (which waits for the
-   stream first) and gathered into the step's windows: every window the host expects.
+   vLLM's V2 runner state (the simple form at vLLM's defaults): the prompts written by
+   vLLM's own kernel, a step's sampled tokens by its post_update, the next step's inputs by
+   its own prepare kernels (a verify block: the sampled token, then drafts) and look-back
+   windows, read by vllm_stager.step_windows after its one stream wait: every window the
+   host expects.
 6. sglang's row stager (NOT YET RUN): the same cache-mode sidecar's rows gathered by
    StagedTable (local reads, verified misses) into pinned split buffers and uploaded on a
    side stream (sglang_stager.upload, what RowStager does per layer) while a stand-in
@@ -286,8 +287,7 @@ def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: in
 
     vllm_plugin.uninstall()  # a plugin installed for another sidecar keeps its tables otherwise
     vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}, stage=stage))
-    config = VllmConfig()
-    config.scheduler_config.async_scheduling = False  # --no-async-scheduling: a staged layer refuses it at build
+    config = VllmConfig()  # vLLM's defaults: async scheduling where the platform has it
     with set_current_vllm_config(config):
         if not ps.model_parallel_is_initialized():
             ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -378,14 +378,20 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
 
 def check_vllm_runner(device: torch.device, tokens: int) -> dict:
     """Part 5 (not yet run on a GPU): the staged step hook's device path through vLLM's V2 runner
-    state: its RequestState (the token history: pinned host memory the GPU writes over UVA), the
-    prompts written by vLLM's own kernel (apply_staged_writes), the step's sampled tokens by
-    vLLM's own post_update, read at once by vllm_stager.token_table (which waits for the stream
-    that wrote them) and gathered into the step's windows (vllm_stager.windows) for an InputBatch
-    of the requests: every window the host expects."""
+    state, the simple form at vLLM's defaults: the prompts written into the token history by
+    vLLM's own kernel (apply_staged_writes), a step's sampled tokens by vLLM's own post_update
+    (as the last step's sampling writes them, still running under async scheduling), then the
+    next step's inputs as vLLM's prepare_inputs writes them on the device (prepare_pos_seq_lens,
+    combine_sampled_and_draft_tokens: the sampled token and a verify block's drafts from
+    `draft_tokens`) and its look-back windows (DeepseekV41ModelState's _gather_lookback_kernel);
+    vllm_stager.step_windows reads them after its one stream wait: every window the host
+    expects, drafts included."""
     try:
+        from vllm.models.deepseek_v41.nvidia.model_state import _gather_lookback_kernel
+        from vllm.triton_utils import triton
         from vllm.v1.worker.gpu import buffer_utils
-        from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers, post_update
+        from vllm.v1.worker.gpu.input_batch import (InputBatch, InputBuffers, combine_sampled_and_draft_tokens,
+                                                    post_update, prepare_pos_seq_lens)
         from vllm.v1.worker.gpu.states import RequestState
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"vLLM's V2 runner modules do not import here: {type(e).__name__}: {e}"}
@@ -393,7 +399,7 @@ def check_vllm_runner(device: torch.device, tokens: int) -> dict:
 
     from tierstore.client.engines import vllm_stager
 
-    reqs, depth = 64, 4
+    reqs, depth, drafts = 64, 4, 2
     prompt = max(8, tokens // reqs)
     rng = np.random.default_rng(5)
     prompts = rng.integers(0, 1 << 17, (reqs, prompt)).astype(np.int32)
@@ -401,37 +407,45 @@ def check_vllm_runner(device: torch.device, tokens: int) -> dict:
     with contextlib.ExitStack() as stack:
         if device.type != "cuda":  # the GPU runner's UVA buffers need pinned memory: host tensors on CPU
             stack.enter_context(mock.patch.object(buffer_utils, "is_uva_available", lambda: False))
-        req_states = RequestState(reqs, prompt + 8, reqs * prompt, 0, 1 << 17, device)
+        req_states = RequestState(reqs, prompt + 8, reqs * prompt, drafts, 1 << 17, device)
         buffers = InputBuffers(reqs, reqs * prompt, device)
     history = req_states.all_token_ids
-    res["token history is pinned host memory (UVA)"] = (
-        getattr(history, "_uva_buf", None) is not None and bool(history._uva_buf.cpu.is_pinned())
-        if device.type == "cuda" else SKIP_NO_CUDA + "the history is a host tensor on a CPU device")
     for r in range(reqs):
         req_states.add_request(f"r{r}", prompt, prompts[r].tolist(), 0, 8)
     req_states.apply_staged_writes()  # vLLM's kernel writes the prompts through the device
-    t0 = time.perf_counter()
-    table = vllm_stager.token_table(req_states)  # read at once: only the wait makes the writes visible
-    res["token_table wait s"] = time.perf_counter() - t0
     idx = np.array([req_states.req_id_to_index[f"r{r}"] for r in range(reqs)])
-    res["token_table == the prompts vLLM's kernel wrote"] = bool(np.array_equal(table[idx, :prompt], prompts))
-    sampled = rng.integers(0, 1 << 17, (reqs, 1))
     idx_dev = torch.from_numpy(idx.astype(np.int64)).to(device)
+    req_states.num_computed_tokens.gpu[idx_dev] = prompt  # the prefill ran: the sampled token is the next input
+    sampled = rng.integers(0, 1 << 17, (reqs, 1))
+    proposed = rng.integers(0, 1 << 17, (reqs, drafts))
     post_update(idx_dev, req_states.num_computed_tokens.gpu, req_states.last_sampled_tokens, None,
                 torch.from_numpy(sampled).to(device), torch.ones(reqs, dtype=torch.int32, device=device),
                 torch.zeros(reqs, dtype=torch.int32, device=device), None, history.gpu, req_states.total_len.gpu)
-    table = vllm_stager.token_table(req_states)
-    res["token_table == the tokens vLLM's post_update sampled"] = bool(np.array_equal(table[idx, prompt],
-                                                                                      sampled[:, 0]))
-    # a decode step of every request: the window of its sampled token, as the hook gathers it
-    counts = np.ones(reqs, dtype=np.int32)
-    computed = np.full(reqs, prompt, dtype=np.int32)
-    batch = dataclasses.replace(InputBatch.make_dummy(reqs, reqs, buffers), req_ids=[f"r{r}" for r in range(reqs)],
-                                idx_mapping_np=idx, num_scheduled_tokens=counts, num_computed_tokens_np=computed)
-    got = vllm_stager.windows(vllm_stager.token_table(req_states), batch.num_computed_tokens_np.astype(np.int64),
-                              batch.num_scheduled_tokens.astype(np.int64), depth, rows=batch.idx_mapping_np)
-    want = np.concatenate([sampled, prompts[:, ::-1][:, :depth - 1]], axis=1)
-    res["the step's windows (sampled token, then its predecessors)"] = bool(np.array_equal(got, want))
+    req_states.draft_tokens[idx_dev] = torch.from_numpy(proposed).to(req_states.draft_tokens)
+    # the verify step: each request's sampled token and its drafts, at the positions the device counts
+    per = 1 + drafts
+    start = np.arange(reqs + 1, dtype=np.int32) * per
+    query_start_loc = torch.from_numpy(start).to(device)
+    dummy = InputBatch.make_dummy(reqs, reqs * per, buffers)
+    prepare_pos_seq_lens(idx_dev, query_start_loc, req_states.num_computed_tokens.gpu, buffers.positions,
+                         buffers.seq_lens)
+    combine_sampled_and_draft_tokens(buffers.input_ids, idx_dev, req_states.last_sampled_tokens, query_start_loc,
+                                     buffers.seq_lens[:reqs], req_states.prefill_len.gpu, req_states.draft_tokens,
+                                     query_start_loc, reqs * per)
+    lookback = torch.full((reqs, depth - 1), -1, dtype=torch.int32, device=device)
+    _gather_lookback_kernel[(reqs,)](lookback, idx_dev, query_start_loc, buffers.positions, history.gpu,
+                                     history.gpu.stride(0), reqs, DEPTH=depth - 1,
+                                     BLOCK_DEPTH=triton.next_power_of_2(depth - 1))
+    batch = dataclasses.replace(dummy, req_ids=[f"r{r}" for r in range(reqs)], idx_mapping=idx_dev,
+                                idx_mapping_np=idx, query_start_loc=query_start_loc, query_start_loc_np=start,
+                                input_ids=buffers.input_ids[:reqs * per], positions=buffers.positions[:reqs * per])
+    t0 = time.perf_counter()
+    got = vllm_stager.step_windows(batch, lookback, depth)  # one wait, then the copies
+    res["step_windows s (its one wait included)"] = time.perf_counter() - t0
+    seq = np.concatenate([prompts, sampled, proposed], axis=1)  # each request's tokens through its drafts
+    pos = prompt + np.arange(per)  # the block's positions: the sampled token's, then the drafts'
+    want = np.stack([seq[:, p - np.arange(depth)] for p in pos], axis=1).reshape(reqs * per, depth)
+    res["the verify step's windows (sampled token, drafts, their predecessors)"] = bool(np.array_equal(got, want))
     return res
 
 

@@ -72,13 +72,10 @@ FEATURES = (
     Feature("sglang", "CUDA forward (engram_gather over the registered arena, UVA)", NO_GPU, NO_GPU),
     Feature("sglang", "ROCm forward (device address from hipHostGetDevicePointer)", NO_GPU, NO_GPU),
     Feature("sglang", "tensor parallelism, shared host-table layout", WORKS, WORKS),
-    Feature("sglang", "the overlap scheduler (sglang's default)", NO_GPU, REFUSED,
-            "a staged batch's rows are read from its tokens on the host, and the overlap scheduler builds a decode "
-            "batch before the last step's sampled tokens reach the host: start sglang with --disable-overlap-schedule "
-            "(decode CUDA graphs stay on), or serve the tables split-layout with RAM for them"),
-    Feature("sglang", "speculative decoding (--speculative-algorithm)", REFUSED, REFUSED,
-            "tierstore's Engram rows serve extend and decode batches only, not target-verify or draft "
-            "batches: start sglang without --speculative-algorithm, or unset TIERSTORE_SGLANG_SOCKET"),
+    Feature("sglang", "the overlap scheduler (sglang's default; staged: a decode batch's rows staged at its "
+            "ForwardBatch, after one stream wait)", NO_GPU, WORKS),
+    Feature("sglang", "speculative decoding (--speculative-algorithm DSPARK, the one V4.1 runs; staged: the "
+            "target-verify batch's rows staged at its ForwardBatch, after one stream wait)", NO_GPU, WORKS),
     Feature("sglang", "--load-format dummy", REFUSED, REFUSED,
             "the dummy initialiser writes every parameter and tierstore's arena is mapped read-only: "
             "unset TIERSTORE_SGLANG_SOCKET for dummy-weight runs"),
@@ -96,21 +93,18 @@ FEATURES = (
     Feature("vllm", "CPU loading (allocation, weight loader, checkpoint check)", WORKS, WORKS),
     Feature("vllm", "CUDA lookup (_storage() UVA views / staged rows copied on a side stream)", NO_GPU, NO_GPU),
     Feature("vllm", "staged rows hashed on the host before the forward (the V2 model runner's "
-            "DeepseekV41ModelState.prepare_inputs, its host token history)", "n/a (vLLM hashes)", WORKS),
+            "DeepseekV41ModelState.prepare_inputs: the step's input ids, positions and look-back windows, after one "
+            "stream wait)", "n/a (vLLM hashes)", WORKS),
     Feature("vllm", "CUDA graphs, cudagraph_mode FULL_AND_PIECEWISE (vLLM's default; staged: persistent buffers "
             "sized from the resolved capture sizes)", NO_GPU, NO_GPU),
-    Feature("vllm", "async scheduling (vLLM's default)", NO_GPU, REFUSED,
-            "a staged step's rows are read from its tokens on the host before the forward, and async scheduling "
-            "prepares a step before the last step's sampled tokens reach the host: start vLLM with "
-            "--no-async-scheduling (CUDA graphs stay on), or serve the tables split-layout with RAM for them"),
+    Feature("vllm", "async scheduling (vLLM's default; staged: the step's inputs read after one stream wait)", NO_GPU,
+            WORKS),
     Feature("vllm", "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33)", NO_GPU, REFUSED,
             "tierstore stages a step where the V2 model runner (vLLM's default, its only runner from 0.34) builds "
             "the forward's inputs, from its token history in pinned host memory: unset VLLM_USE_V2_MODEL_RUNNER, "
             "or serve the tables split-layout with RAM for them", ("0.33.0",)),
-    Feature("vllm", "speculative decoding (--speculative-config)", NO_GPU, REFUSED,
-            "a staged step's rows are read from its tokens on the host before the forward, and draft tokens are "
-            "proposed on the device: start vLLM without --speculative-config, or serve the tables split-layout "
-            "with RAM for them"),
+    Feature("vllm", "speculative decoding (--speculative-config; DSpark for V4.1: staged, the verify step's drafts "
+            "read from its input ids)", NO_GPU, WORKS),
     Feature("vllm", "micro-batching (--enable-dbo, --ubatch-size)", NO_GPU, REFUSED,
             "a staged step's rows are the whole batch's, in its order, and each micro-batch's forward looks up a "
             "part of it: start vLLM without --enable-dbo and --ubatch-size, or serve the tables split-layout with "

@@ -78,11 +78,12 @@ STAGER_TARGET = "sglang.srt.layers.engram_staging.EngramRowStager.from_model"
 DEQUANT_TARGET = "sglang.srt.layers.engram.EngramEmbedding.dequant_staged"
 ENQUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 ARGS_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
+FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 LOADER_TARGETS = ("sglang.srt.model_loader.weight_utils.safetensors_weights_iterator",
                   "sglang.srt.model_loader.weight_utils.buffered_multi_thread_safetensors_weights_iterator")
-REQUIRED = (HOOK_TARGET, ARGS_TARGET, STAGER_TARGET, DEQUANT_TARGET)  # the start is refused without any of them
+# the start is refused without any of them
+REQUIRED = (HOOK_TARGET, ARGS_TARGET, STAGER_TARGET, DEQUANT_TARGET, FORWARD_BATCH_TARGET)
 # checks.FEATURES rows this module refuses
-SPECULATIVE = "speculative decoding (--speculative-algorithm)"
 DUMMY = "--load-format dummy"
 PEER_SHARDS = "peer shards (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS)"
 PER_RANK = "per_rank host-table layout (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT)"
@@ -232,7 +233,9 @@ def plugin() -> None:
     settings refused at start, and that every hook was applied); the seams of staged layers
     (sglang_stager.py), each a no-op where no layer is staged: EngramRowStager.from_model
     (AROUND: tierstore's RowStager), EngramEmbedding.dequant_staged (AROUND: its CPU twin where
-    the staged rows are on the host). Optional, a warning where the target does not import
+    the staged rows are on the host), ForwardBatch.init_new (AROUND: the rows of a batch whose
+    tokens were still on the device when it was scheduled, the overlap scheduler's and
+    speculative decoding's, staged once they are final). Optional, a warning where the target does not import
     (OPTIONAL says what is lost): Scheduler._add_request_to_queue (AFTER: prefetch a queued
     request's rows); weight_utils' two safetensors iterators (AROUND: weights_iterator, the
     restart reads only the checked rows of the Engram tables; weight_filter.py)."""
@@ -268,6 +271,7 @@ def _start() -> None:
     hooks = {HOOK_TARGET: (init_host_table, HookType.AROUND), ARGS_TARGET: (check_server_args, HookType.BEFORE),
              STAGER_TARGET: (sglang_stager.from_model, HookType.AROUND),
              DEQUANT_TARGET: (sglang_stager.dequant_staged, HookType.AROUND),
+             FORWARD_BATCH_TARGET: (sglang_stager.init_forward_batch, HookType.AROUND),
              ENQUEUE_TARGET: (sglang_stager.on_enqueue, HookType.AFTER),
              **{t: (weights_iterator, HookType.AROUND) for t in LOADER_TARGETS}}
     for target, (hook, kind) in hooks.items():
@@ -330,27 +334,8 @@ def check_server_args(server_args) -> None:
             f"sglang's HookRegistry did not apply tierstore's hooks on {', '.join(unapplied)} (its log says why), so "
             f"sglang would load its own full Engram host tables: run sglang "
             f"{', '.join(checks.SUPPORTED['sglang'][1])}, or unset TIERSTORE_SGLANG_SOCKET")
-    if server_args.speculative_algorithm is not None:
-        raise checks.EngineRefused.of("sglang", SPECULATIVE,
-                                      f"--speculative-algorithm {server_args.speculative_algorithm}")
     if str(server_args.load_format) == "dummy":
         raise checks.EngineRefused.of("sglang", DUMMY, "--load-format dummy")
-    if not server_args.disable_overlap_schedule:
-        from tierstore.client.engines.sglang_stager import OVERLAP
-
-        staged = _staged_tables(SglangConfig.from_env())
-        if staged:
-            raise checks.EngineRefused.of("sglang", OVERLAP, f"tables {', '.join(staged)} are staged, "
-                                          f"--disable-overlap-schedule is not given")
-
-
-def _staged_tables(config: SglangConfig) -> list[str]:
-    """The sidecar's tables named {prefix}l* that the row stager would serve (see `_staged`)."""
-    if config.stage == "off":
-        return []
-    with _sidecar(config, f"{config.prefix}l*") as c:
-        named = sorted(t["table"] for t in c.tables() if t["table"].startswith(f"{config.prefix}l"))
-        return named if config.stage == "on" else [t for t in named if not c.handle(t).split]
 
 
 _TABLES: dict[tuple[str, str], object] = {}  # (socket, table) -> SplitTable, one per process

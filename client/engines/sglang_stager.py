@@ -42,17 +42,32 @@ the staged layer's forward reads them (`UnstagedForward`), and before each
 replay `stage` refills them (rows past the batch's zero, so padded slots read
 zero rows). Larger decode batches, and extend batches, are staged per batch.
 
+At sglang's defaults (the simple form: one sync a step). The overlap scheduler
+(on by default) builds decode batch N+1 before batch N's sampled tokens reach the
+host, and speculative decoding (DSpark, the algorithm sglang serves V4.1 with)
+verifies draft tokens proposed on the device inside the step. `stage` returns
+DEFERRED for such a batch, and its rows are staged at its ForwardBatch
+(`stage_forward`, from the plugin's AROUND hook on `ForwardBatch.init_new`, which
+builds every forward's batch: a decode's after its input ids are resolved on the
+device, a verify's after its drafts are, before any graph replays): one wait on
+the current stream, then the batch's input ids, positions and each request's
+committed history (sglang's own `EngramHasher.history`, what its forward hashes
+from) copied to the host and hashed there by sglang's own
+`EngramHasher._torch_hash_ids` (the host twin of its kernel), then read and put
+into the buffers (decode and verify graphs, sized for the largest captured batch
+of either) or tensors of their own. DSpark's draft model has no Engram layer: its
+forwards (a draft worker's model runner) stage nothing. A DEFERRED entry read by
+a layer (the hook missing) raises StagingError.
+
 A step never uses rows it could not verify: a lookup that fails (DATA_LOSS, a
 sidecar that cannot plan a miss, ...) raises StagingError from `stage`, in the
 scheduler, before the forward; a table the sidecar now serves at another
 version raises too (restart sglang; the model never mixes versions).
 
 Not staged, and so refused with the fix where a staged layer would need it:
-batches whose newest token is still on the device (the overlap scheduler, on
-by default: it builds decode batch N+1 before batch N's sampled tokens reach
-the host, so no row of N+1 can be read before N's forward ends; refused at start
-with checks.FEATURES' fix), speculative decoding,
-beam search rows and prefill context parallelism.
+beam search rows and prefill context parallelism; an extend batch whose tokens are
+still on the device (sglang's --enable-mixed-chunk under the overlap scheduler)
+raises StagingError naming the flag.
 """
 from __future__ import annotations
 
@@ -71,11 +86,24 @@ from tierstore.client.row_scratch import RowScratch
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
            "process_client", "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue",
-           "close"]
+           "init_forward_batch", "Deferred", "DEFERRED", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
-# the checks.FEATURES row refused for staged tables (here and at sglang's start, sglang.check_server_args)
-OVERLAP = "the overlap scheduler (sglang's default)"
+
+
+class Deferred:
+    """What `stage` hands a batch whose newest tokens are still on the device when it is
+    scheduled (the overlap scheduler's decode batches, speculative decoding's): its rows are
+    staged at its ForwardBatch (`init_forward_batch` -> RowStager.stage_forward). A layer that
+    reads it instead of staged rows (the ForwardBatch was built without the hook) raises."""
+
+    def __getitem__(self, layer):
+        raise StagingError("this batch's Engram rows were to be staged at its ForwardBatch (tierstore's hook on "
+                           "sglang's ForwardBatch.init_new), which did not run: no rows are served in place of its "
+                           "own; restart sglang with tierstore's plugin loaded (TIERSTORE_SGLANG_SOCKET set)")
+
+
+DEFERRED = Deferred()
 
 
 # ---- one layer's table ----------------------------------------------------------------------------
@@ -200,16 +228,17 @@ class UnstagedForward:
             if mode is not None and mode.is_extend_without_speculative():
                 return self.embed.new_rows(indices).zero_()  # the replay's eager segment reads its staged rows
             stager = RowStager.current
-            if mode is not None and mode.is_decode() and stager is not None and stager.buffers is not None:
+            graph = mode is not None and (mode.is_decode() or mode.is_target_verify())
+            if graph and stager is not None and stager.buffers is not None:
                 return stager.graph_rows(self.embed, indices)
             raise StagingError(f"sglang's Engram table {self.table} is staged by tierstore, which stages a captured "
-                               f"graph's rows for decode batches only, into buffers sized from sglang's decode "
-                               f"graph batch sizes; this {getattr(mode, 'name', 'unknown')} capture has none: run "
-                               f"sglang without speculative decoding")
+                               f"graph's rows for decode and target-verify batches, into buffers sized from "
+                               f"sglang's decode graph batch sizes; this {getattr(mode, 'name', 'unknown')} "
+                               f"capture has none")
         raise StagingError(f"sglang's Engram table {self.table} is staged per batch by tierstore, and this "
-                           f"{getattr(mode, 'name', 'unknown')} batch's rows were not staged: tierstore stages "
-                           f"extend and decode batches whose tokens are on the host (run sglang with "
-                           f"--disable-overlap-schedule; no speculative decoding)")
+                           f"{getattr(mode, 'name', 'unknown')} batch's rows were not staged (a forward that "
+                           f"neither sglang's prepare_for_forward nor its ForwardBatch.init_new staged); no rows "
+                           f"are served in place of its own")
 
 
 def _capturing() -> bool:
@@ -225,22 +254,25 @@ class RowStager:
     """EngramRowStager's contract over tierstore: `stage(batch)` -> per Engram layer (by its
     layer_hash_index) (fp8 rows uint8 [n, dim], ue8m0 scales uint8 [n, dim / 32], the copy's
     CUDA event or None on the host), n = tokens x hash columns in the forward's order; None
-    for a batch with nothing to stage (idle, empty, a mode the forward stages itself).
+    for a batch with nothing to stage (idle, empty, a mode the forward stages itself); DEFERRED
+    for a decode batch whose newest tokens are still on the device (the overlap scheduler,
+    speculative decoding), whose rows `stage_forward` stages at its ForwardBatch.
 
     Every Engram layer of the model is staged (from_model refuses a mix). Raises
-    StagingError when rows cannot be had or the batch's tokens are not all on the host.
+    StagingError when rows cannot be had.
 
-    graph_batch: the largest decode batch (requests) a captured decode graph runs, 0 when
-    decode runs eagerly (decode_graph_batch). With it, decode batches of up to that many
-    requests are staged into `buffers` (StagingBuffers, graph_batch x hash columns rows a
-    layer), whose entries `stage` returns and `graph_rows` reads at capture. Batches are
+    graph_tokens: the largest batch (tokens) a captured decode or target-verify graph runs, 0
+    when decode runs eagerly (decode_graph_batch's requests x the tokens each verifies). With
+    it, decode and verify batches of up to that many tokens are staged into `buffers`
+    (StagingBuffers, graph_tokens x hash columns rows a layer), whose entries `stage` and
+    `stage_forward` return and `graph_rows` reads at capture. Batches are
     numbered (`step`); an entry of the buffers carries its batch's number (`tierstore_step` on
     its rows), and `dequant_staged` serves it only while the layer's buffer still holds that
     batch's rows (StagingBuffers.rows: StagingError otherwise, never another batch's rows)."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
-    def __init__(self, hasher, engrams: list, device, graph_batch: int = 0):
+    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
@@ -252,8 +284,8 @@ class RowStager:
         self.cuda = self.device.type == "cuda"
         # the schedule stream waits on the running forward; a side stream's copies overlap it
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.buffers = (StagingBuffers(len(self.layers), graph_batch * self.cols, self.dim, FP8_BLOCK, self.device)
-                        if graph_batch > 0 else None)
+        self.buffers = (StagingBuffers(len(self.layers), graph_tokens * self.cols, self.dim, FP8_BLOCK, self.device)
+                        if graph_tokens > 0 else None)
         self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
         self.step = 0  # the number of the last batch staged into the buffers
 
@@ -261,7 +293,7 @@ class RowStager:
     def from_model(cls, model, hasher, device) -> "RowStager | None":
         """A RowStager when any Engram layer of `model` is staged by tierstore, else None."""
         from sglang.srt.layers.engram import Engram
-        from sglang.srt.runtime_context import get_parallel, get_schedule
+        from sglang.srt.runtime_context import get_parallel, get_spec, max_speculative_num_draft_tokens
 
         engrams = sorted((m for m in model.modules() if isinstance(m, Engram)), key=lambda m: m.layer_hash_index)
         staged = [getattr(m.embed, "tierstore_table", None) is not None for m in engrams]
@@ -275,16 +307,16 @@ class RowStager:
             cp = get_parallel().attn_cp_size
         except ValueError:  # no parallel config published: a module built outside a server (tests, bench)
             cp = 1
-        try:
-            disable_overlap = get_schedule().disable_overlap_schedule
-        except ValueError:  # no schedule published: a module built outside a server (tests, bench)
-            disable_overlap = True
-        graph_batch = decode_graph_batch(disable_overlap, _published_graph_config())
+        try:  # a verify graph runs each request's draft tokens: the buffers hold the largest such batch
+            per_request = (max_speculative_num_draft_tokens() or 1) if get_spec().speculative_algorithm else 1
+        except ValueError:  # no spec published: a module built outside a server (tests, bench)
+            per_request = 1
+        graph_tokens = decode_graph_batch(_published_graph_config()) * per_request
         if cp > 1:
             raise StagingError("tierstore's row stager does not serve prefill context parallelism (each rank "
                                "hashes the whole prompt): run sglang without it, or serve the tables "
                                "split-layout (tierstore serve --split-layout all) with RAM for them")
-        stager = cls(hasher, engrams, device, graph_batch)
+        stager = cls(hasher, engrams, device, graph_tokens)
         RowStager.current = stager
         return stager
 
@@ -294,6 +326,9 @@ class RowStager:
         if mode is None or mode.is_idle() or not batch.reqs:
             return None
         if mode.is_decode():
+            spec = getattr(batch, "spec_algorithm", None)
+            if (spec is not None and not spec.is_none()) or not self._on_host(batch):
+                return DEFERRED  # staged at its ForwardBatch, once its tokens are final on the device
             tokens, positions = self._decode_windows(batch)
         elif mode.is_extend_without_speculative():
             tokens, positions = self._extend_windows(batch)
@@ -301,9 +336,43 @@ class RowStager:
             return None  # target-verify, draft and prebuilt batches: a staged layer's forward refuses them
         if tokens.shape[0] == 0:
             return None
-        ids = self._hash(tokens, positions)
+        return self._stage_ids(self._hash(tokens, positions), graph=mode.is_decode())
+
+    def stage_forward(self, forward_batch) -> list:
+        """The rows of a decode or target-verify ForwardBatch whose batch `stage` DEFERRED: one
+        wait on the current stream (the last step's sampled tokens, a verify block's drafts and
+        the history its commit wrote are all enqueued there before this batch's forward), its
+        input ids, positions and requests' history rows (sglang's EngramHasher.history, what its
+        forward hashes from) copied to the host, hashed there by sglang's own
+        `_torch_hash_ids`, read, and staged as `stage` stages a decode batch."""
+        import torch
+        from sglang.srt.layers import engram
+
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify():
+            kmode, block = engram.MODE_VERIFY, int(forward_batch.spec_info.draft_token_num)
+        elif mode.is_decode():
+            kmode, block = engram.MODE_DECODE, 1
+        else:
+            raise StagingError(f"a {mode.name} batch's Engram rows were deferred to its forward: tierstore stages "
+                               f"decode and target-verify batches there")
+        input_ids = forward_batch.input_ids
+        if input_ids.is_cuda:
+            torch.cuda.current_stream(input_ids.device).synchronize()
+        slots = forward_batch.req_pool_indices
+        tokens, reqs = int(input_ids.shape[0]), int(slots.shape[0])
+        if tokens != reqs * block:
+            raise StagingError(f"a target-verify batch of {reqs} requests has {tokens} tokens, not {block} each (a "
+                               f"ragged verify): sglang's Engram hash takes equal blocks; run DSpark's static verify")
+        ids, _ = self.hasher._torch_hash_ids(input_ids.cpu(), forward_batch.positions.cpu(), kmode,
+                                             self.hasher.history[slots].cpu(), tokens, block, None, None)
+        return self._stage_ids(ids.numpy(), graph=True)
+
+    def _stage_ids(self, ids: np.ndarray, graph: bool) -> list:
+        """Stage hash ids `ids` [tokens, layers, hash columns]: into the persistent buffers for a
+        batch a captured graph may run (`graph`) that fits them, else into tensors of its own."""
         staged = [None] * self.n_layers
-        if mode.is_decode() and self.buffers is not None and self.buffers.fits(ids.shape[0] * self.cols):
+        if graph and self.buffers is not None and self.buffers.fits(ids.shape[0] * self.cols):
             return self._stage_graph(ids, staged)
         return self._stage_layers(ids, staged)
 
@@ -393,6 +462,13 @@ class RowStager:
                                f"tierstore's row stager does not stage those")
         return self._windows([(req, s - 1, 1) for req, s in zip(batch.reqs, seq)], "decode")
 
+    @staticmethod
+    def _on_host(batch) -> bool:
+        """Whether every request's newest token of decode batch `batch` is on the host (its ids
+        reach seq_len): not under the overlap scheduler, whose batch N+1 is built before N's
+        sampled tokens are processed."""
+        return all(int(s) <= _fill_len(req) for req, s in zip(batch.reqs, batch.seq_lens_cpu.tolist()))
+
     def _windows(self, spans, what: str) -> tuple[np.ndarray, np.ndarray]:
         """spans: (request, first position, tokens) in the forward's order. One slice of each
         request's ids (its look-back and its tokens), then one vectorised gather."""
@@ -405,8 +481,9 @@ class RowStager:
             seg = _slice_ids(req, lo, start + length)
             if seg.size < start + length - lo:
                 raise StagingError(f"a {what} batch's newest token of request {req.rid} is still on the device "
-                                   f"(sglang's overlap scheduler): tierstore stages rows from the tokens on the "
-                                   f"host; run sglang with --disable-overlap-schedule")
+                                   f"(a decode request mixed into an extend batch under the overlap scheduler): "
+                                   f"tierstore stages an extend batch from its tokens on the host; run sglang "
+                                   f"without --enable-mixed-chunk")
             segs.append(np.zeros(lookback - (start - lo), np.int64))
             segs.append(seg)
             lens.append(length)
@@ -438,16 +515,11 @@ class RowStager:
                                           run_steps, req.rid)
 
 
-def decode_graph_batch(disable_overlap_schedule: bool, cuda_graph_config) -> int:
+def decode_graph_batch(cuda_graph_config) -> int:
     """The largest decode batch (requests) sglang replays in a captured decode graph under its
-    `disable_overlap_schedule` (ServerArgs) and resolved `cuda_graph_config` (CudaGraphConfig;
-    None: no graphs), 0 when decode runs eagerly: what the persistent staging buffers hold.
-
-    EngineRefused under the overlap scheduler (sglang's default; checks.FEATURES has why and the
-    fix): sglang's start refuses it first (sglang.check_server_args), this is the same refusal for
-    a model built without that check (tests, bench)."""
-    if not disable_overlap_schedule:
-        raise checks.EngineRefused.of("sglang", OVERLAP, "a staged table's decode graphs are being sized")
+    resolved `cuda_graph_config` (CudaGraphConfig; None: no graphs), 0 when decode runs eagerly:
+    with the tokens each request verifies under speculative decoding, what the persistent
+    staging buffers hold."""
     decode = None if cuda_graph_config is None else cuda_graph_config.decode
     if decode is None or decode.backend == "disabled":
         return 0
@@ -552,6 +624,19 @@ def dequant_staged(original, embed, rows, scales, copied, hash_shape):
     if rows.is_cuda:
         return original(embed, rows, scales, copied, hash_shape)
     return dequant_rows(embed, rows, scales, hash_shape)
+
+
+def init_forward_batch(original, cls, batch, model_runner, **kwargs):
+    """AROUND ForwardBatch.init_new (every forward's batch is built by it, before the forward or
+    its graph replay): a target model's batch whose rows `stage` DEFERRED gets them here
+    (RowStager.stage_forward), once its tokens are final on the device. A draft worker's
+    forwards (DSpark's draft model has no Engram layer) and every other batch pass untouched."""
+    forward_batch = original(cls, batch, model_runner, **kwargs)
+    stager = RowStager.current
+    if (stager is not None and forward_batch.engram_staged_rows is DEFERRED
+            and not model_runner.is_draft_worker):
+        forward_batch.engram_staged_rows = stager.stage_forward(forward_batch)
+    return forward_batch
 
 
 def on_enqueue(result, scheduler, req, is_retracted: bool = False):

@@ -13,25 +13,24 @@ before the forward.
 The step. vLLM's V2 model runner (its only runner from 0.34, the default before)
 builds every forward's model inputs through the model's state,
 `DeepseekV41ModelState.prepare_inputs(input_batch, req_states)`, on the host before
-`execute_model` runs the forward, and keeps every request's token history in
-`req_states.all_token_ids`: pinned host memory that the GPU reads and writes over
-UVA (a plain host tensor on a CPU device). The plugin (client/engines/vllm_plugin.py)
-wraps that method; `stage_runner_step` waits for the stream that wrote the table
-(the new requests' prompts and the last step's sampled tokens are written by vLLM's
-kernels: one host wait a step, on input-preparation kernels only, since without
-async scheduling the last forward is over), gathers each scheduled token's n-gram
-window from the table (`windows`, request r's tokens from `num_computed_tokens_np[r]`
-on, its row `idx_mapping_np[r]`), and `StepStager.stage` hashes them on the host
-(tierstore's NgramHasher over vLLM's own compression map, checked against vLLM's
-multipliers; it agrees with `_hash_ids_kernel`, tests/client/engines/test_hash_agreement_vllm.py),
-reads each staged layer's rows through tierstore's client, every layer's in one call
-(Client.lookup_many, step_reads.py: under `serve --direct-io` the layers' tables read
-overlapped; resident rows copied from the cache arena under its seqlock, misses read
-from the segment files and verified by their row sums) and copies them to the device
-on a side stream, the forward's stream waiting for the copy. The layer's lookup only
-reads them: no `.cpu()`, no device sync, nothing a CUDA graph cannot capture. A dummy
-forward (vLLM's profile run, a data-parallel rank's padding run, a graph capture: its
-requests are none the runner holds) is a step of zero rows.
+`execute_model` runs the forward: its kernels write the step's input ids (the last step's
+sampled tokens and, under speculative decoding, the drafts, both from device state),
+positions and each request's look-back window (`lookback_token_ids`, gathered from the
+token history), which vLLM's hash (`_hash_ids_kernel`) reads. The plugin
+(client/engines/vllm_plugin.py) wraps that method; `stage_runner_step` waits once for the
+stream that writes them (the simple form at vLLM's defaults: under async scheduling the
+step is prepared while the last one still runs, so this wait is for its sampled tokens),
+copies them to the host and builds each token's n-gram window from them (`step_windows`),
+and `StepStager.stage` hashes them on the host (tierstore's NgramHasher over vLLM's own
+compression map, checked against vLLM's multipliers; it agrees with `_hash_ids_kernel`,
+tests/client/engines/test_hash_agreement_vllm.py), reads each staged layer's rows through
+tierstore's client, every layer's in one call (Client.lookup_many, step_reads.py: under
+`serve --direct-io` the layers' tables read overlapped; resident rows copied from the cache
+arena under its seqlock, misses read from the segment files and verified by their row sums)
+and copies them to the device on a side stream, the forward's stream waiting for the copy.
+The layer's lookup only reads them: no `.cpu()`, no device sync, nothing a CUDA graph
+cannot capture. A dummy forward (vLLM's profile run, a data-parallel rank's padding run, a
+graph capture: its requests are none the runner holds) is a step of zero rows.
 
 CUDA graphs (vLLM's default FULL_AND_PIECEWISE: FULL graphs for uniform decode
 batches, which record the lookup itself). A step of at most `graph_tokens`
@@ -41,12 +40,12 @@ storage every step, rows past the step's zero, so a graph captured at any size
 reads the step's rows, then zero rows for its padding. Larger steps (prefill
 chunks past the largest graph: eager) get tensors of their own.
 
-Refused at start (check_engine, checks.FEATURES): async scheduling (vLLM's
-default: it prepares step N+1 before step N's sampled tokens reach the host, so
-the newest token is on the device only), speculative decoding (its draft tokens
-are proposed on the device), micro-batching and prefill context parallelism (a
-forward that looks up part of the step), Engram DP-sharded tables (a rank's lookup
-reads the other ranks' gathered hash ids) and, on vLLM 0.33, the V1 model runner
+Served at vLLM's defaults: async scheduling and speculative decoding (DSpark, the method
+vLLM serves V4.1 with; its draft model has no Engram layer, and the verify step's drafts
+are read from its input ids) are staged from the step's own inputs, as above. Refused at
+start (check_engine, checks.FEATURES): micro-batching and prefill context parallelism (a
+forward that looks up part of the step), Engram DP-sharded tables (a rank's lookup reads
+the other ranks' gathered hash ids) and, on vLLM 0.33, the V1 model runner
 (VLLM_USE_V2_MODEL_RUNNER=0: the plugin stages from the V2 runner's seam).
 
 Invariants:
@@ -83,14 +82,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StagedEngramTable", "StepStager", "dequantize", "dequantize_split", "graph_tokens", "check_engine",
-           "windows", "token_table", "stage_runner_step", "hash_windows", "hasher_of", "QueueHints", "ROW_FORMAT"]
+           "windows", "step_windows", "stage_runner_step", "hash_windows", "hasher_of", "QueueHints", "ROW_FORMAT"]
 
 log = logging.getLogger("tierstore.client.engines.vllm")
 ROW_FORMAT = "fp8-e4m3-ue8m0"
 # checks.FEATURES rows this module refuses
-ASYNC_SCHEDULING = "async scheduling (vLLM's default)"
 RUNNER_V1 = "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33)"
-SPECULATIVE = "speculative decoding (--speculative-config)"
 MICRO_BATCHES = "micro-batching (--enable-dbo, --ubatch-size)"
 CONTEXT_PARALLEL = "prefill context parallelism (--prefill-context-parallel-size)"
 ENGRAM_DP = "Engram DP-sharded tables (embedding_across_dp)"
@@ -241,22 +238,17 @@ def graph_tokens(vllm_config) -> int:
 
 def check_engine(vllm_config, emb, layer_id: int) -> None:
     """EngineRefused (at model build, vLLM's start) for the settings under which the stager cannot
-    have a step's rows before its forward: async scheduling (vLLM's default: step N+1 is
-    prepared while step N's sampled tokens are still on the device), speculative decoding (draft
-    tokens are proposed on the device), micro-batching and prefill context parallelism (a
+    stage a step's rows for its forward: micro-batching and prefill context parallelism (a
     forward that looks up part of the step's tokens), Engram DP-sharded tables (a rank's lookup
-    reads the other ranks' gathered hash ids, whose tokens it does not hold), and vLLM 0.33's V1
-    model runner (the step hook is the V2 runner's). None: nothing to check (a model built
-    outside vLLM's engine)."""
+    reads the other ranks' gathered hash ids, whose tokens it does not hold), and vLLM 0.33's
+    V1 model runner (the step hook is the V2 runner's). Async scheduling and speculative
+    decoding are served (stage_runner_step). None: nothing to check (a model built outside
+    vLLM's engine)."""
     found = f"Engram layer {layer_id}"
     if emb.dp_size > 1:
         raise checks.EngineRefused.of("vllm", ENGRAM_DP, f"{found}: Engram DP of {emb.dp_size}")
     if vllm_config is None:
         return
-    if vllm_config.scheduler_config.async_scheduling:
-        raise checks.EngineRefused.of("vllm", ASYNC_SCHEDULING, f"{found}: async_scheduling on")
-    if vllm_config.speculative_config is not None:
-        raise checks.EngineRefused.of("vllm", SPECULATIVE, f"{found}: {vllm_config.speculative_config.method}")
     parallel = vllm_config.parallel_config
     if parallel.enable_dbo or parallel.ubatch_size > 1:
         raise checks.EngineRefused.of("vllm", MICRO_BATCHES, f"{found}: enable_dbo {parallel.enable_dbo}, "
@@ -437,46 +429,57 @@ def windows(token_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, n: in
     return out
 
 
-def token_table(req_states) -> np.ndarray:
-    """The V2 runner's token history `req_states.all_token_ids` [max requests, max_model_len]
-    int32 as host memory, once vLLM's writes to it are done: the pinned host buffer the GPU
-    reads and writes over UVA (vLLM's default), or the tensor itself on a CPU device. vLLM
-    writes it with kernels on the current stream (a new request's prompt, the last step's
-    sampled token), so on CUDA the host waits for that stream first: the input preparation of
-    this step (without async scheduling the last forward is over). StagingError where the
-    history is device memory only (vLLM keeps it dense on the GPU for ngram and suffix
-    speculative decoding, which the stager refuses at start)."""
-    table = req_states.all_token_ids
-    if table.gpu.device.type == "cpu":
-        return table.gpu.numpy()
-    uva = getattr(table, "_uva_buf", None)  # set only where the history is UVA-mapped host memory
-    if uva is None:
-        raise StagingError("vLLM keeps this runner's token history in device memory only (dense, for speculative "
-                           "decoding): tierstore stages a step from the host copy; start vLLM without "
-                           "--speculative-config")
+def step_windows(input_batch, lookback_token_ids: "torch.Tensor", n: int) -> np.ndarray:
+    """int64 [tokens, n]: the n-gram windows of the step vLLM's V2 runner prepared, in the
+    forward's order, from the inputs its hash reads (`_hash_ids_kernel`): `input_batch`'s
+    input ids, positions and query_start_loc and the model state's `lookback_token_ids` (each
+    request's n - 1 tokens before its chunk, gathered on the device from the token history).
+    Column s is the s-th predecessor: a token of the request's chunk, else its look-back
+    window's, -1 before the sequence's start (and where the window holds none, which the
+    kernel also reads as the pad id).
+
+    One wait on the current stream first, then the copies: vLLM writes these inputs with
+    kernels (the last step's sampled tokens, under async scheduling still being sampled when
+    the step is prepared; draft tokens proposed on the device under speculative decoding; the
+    positions from the device's computed-token counts), so the host reads them once they are
+    final. The simple form of staging at vLLM's defaults: one sync a step."""
     import torch
 
-    torch.cuda.current_stream(table.gpu.device).synchronize()
-    return uva.np
+    tokens, reqs = int(input_batch.num_tokens), int(input_batch.num_reqs)
+    device = input_batch.input_ids.device
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    ids = input_batch.input_ids[:tokens].cpu().numpy().astype(np.int64)
+    pos = input_batch.positions[:tokens].cpu().numpy().astype(np.int64)
+    starts = input_batch.query_start_loc[:reqs + 1].cpu().numpy().astype(np.int64)
+    back = lookback_token_ids[:reqs].cpu().numpy().astype(np.int64)
+    t = np.arange(tokens)
+    req = np.searchsorted(starts[1:], t, side="right")  # each token's request
+    chunk = pos[starts[req]]  # the position of its request's first token this step
+    shift = np.arange(n)
+    q = pos[:, None] - shift  # the predecessor's position
+    in_chunk = q >= chunk[:, None]
+    col = np.clip(chunk[:, None] - 1 - q, 0, back.shape[1] - 1)  # its column of the look-back window
+    out = np.where(in_chunk, ids[np.maximum(t[:, None] - shift, 0)], back[req[:, None], col])
+    out[q < 0] = -1
+    return out
 
 
 def stage_runner_step(stager: "StepStager", model_state, input_batch, req_states) -> None:
     """Stage the step vLLM's V2 runner prepared (the plugin calls it from
-    `DeepseekV41ModelState.prepare_inputs`, before `execute_model` runs the forward): request r
-    of `input_batch` is row `idx_mapping_np[r]` of the host token table (`token_table`), its
-    `num_scheduled_tokens[r]` tokens from `num_computed_tokens_np[r]` on, in the forward's
-    order. A batch of requests the runner does not hold (`InputBatch.make_dummy`'s: a profile
-    or padding run) is a step of no rows. The hasher is made at the first step."""
+    `DeepseekV41ModelState.prepare_inputs`, after vLLM's own, before `execute_model` runs the
+    forward): the step's windows from the inputs vLLM's hash reads (`step_windows`, one wait
+    on the stream that writes them), so a step of tokens still on the device when it was
+    scheduled (async scheduling, draft tokens) is staged as vLLM hashes it. A batch of requests
+    the runner does not hold (`InputBatch.make_dummy`'s: a profile or padding run) is a step of
+    no rows. The hasher is made at the first step."""
     count = input_batch.num_reqs
     if count == 0 or input_batch.req_ids[0] not in req_states.req_id_to_index:
         stager.stage_none()
         return
     if stager.hasher is None:
         stager.hasher = hasher_of(model_state.model, model_state.vllm_config)
-    table = token_table(req_states)
-    stager.stage(windows(table, input_batch.num_computed_tokens_np[:count].astype(np.int64),
-                         np.asarray(input_batch.num_scheduled_tokens[:count], dtype=np.int64), stager.hasher.order,
-                         rows=input_batch.idx_mapping_np[:count]))
+    stager.stage(step_windows(input_batch, model_state.lookback_token_ids, stager.hasher.order))
 
 
 def hash_windows(hasher, windows: np.ndarray, layer_ids) -> dict[int, np.ndarray]:

@@ -80,44 +80,37 @@ def test_engram_settings_that_would_bypass_tierstore_stop_the_start(sglang_engra
     assert f"refuses {feature}" in msg and checks.feature("sglang", feature).fix in msg
 
 
-@pytest.mark.parametrize("args, feature", [
-    ({"speculative_algorithm": "DSPARK"}, "speculative decoding (--speculative-algorithm)"),
-    ({"load_format": "dummy"}, "--load-format dummy"),
-])
-def test_server_settings_tierstore_does_not_serve_are_refused_at_start(sglang_engram, tmp_path, args, feature):
+def test_dummy_weights_are_refused_at_start(sglang_engram, tmp_path):
     """sglang's start checks its ServerArgs before it spawns a process: the plugin refuses there
-    (before sglang's own checks), so neither a verify batch nor the dummy initialiser ever runs."""
+    (before sglang's own checks), so the dummy initialiser never writes the read-only arena."""
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=str(tmp_path), **args)
+    server_args = ServerArgs(model_path=str(tmp_path), load_format="dummy")
     with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=tmp_path / "ts.sock"):
-        with pytest.raises(checks.EngineRefused, match="refuses " + feature.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(checks.EngineRefused, match="refuses --load-format dummy"):
             server_args.check_server_args()
 
 
-def test_the_overlap_scheduler_is_refused_at_start_only_where_a_table_is_staged(sglang_engram, tmp_path):
-    """sglang's overlap scheduler (on by default) builds a decode batch before the last step's
-    tokens reach the host, so a staged table's rows cannot be read ahead of it: sglang's start is
-    refused with the one flag that turns it off. Split-layout (mapped) tables run with it."""
+def test_sglangs_defaults_start_with_staged_tables(sglang_engram, tmp_path):
+    """sglang's defaults, the overlap scheduler on, and speculative decoding (DSpark, what V4.1
+    runs) pass the plugin's start check with every table staged (cache mode) or mapped: a batch
+    whose tokens are on the device is staged at its ForwardBatch (test_sglang_stager.py). The
+    hook that does so, on ForwardBatch.init_new, is one of those the start requires applied."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
-
-    from tierstore.client.engines import sglang_stager
 
     write_checkpoint(tmp_path / "ckpt")
     ingest_checkpoint(tmp_path / "ckpt", tmp_path / "data", progress=False, layers=[1])
     socket = tmp_path / "ts.sock"
-    fix = checks.feature("sglang", sglang_stager.OVERLAP).fix
-    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB"):
-        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
-            with pytest.raises(checks.EngineRefused, match="refuses the overlap scheduler") as e:
-                ServerArgs(model_path=str(tmp_path)).check_server_args()
-            assert fix in str(e.value) and "tables l1 are staged" in str(e.value)
-            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path), disable_overlap_schedule=True))
-        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket, TIERSTORE_SGLANG_STAGE="off"):
-            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path)))
-    with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB", extra_args=("--split-layout", "all")):
-        with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
-            ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path)))
+    for extra in ((), ("--split-layout", "all")):
+        with SidecarProcess(tmp_path / "data", socket, dram_budget="64MiB", extra_args=extra):
+            with sglang_plugins.loaded(TIERSTORE_SGLANG_SOCKET=socket):
+                assert ts_sglang.FORWARD_BATCH_TARGET in ts_sglang.REQUIRED
+                assert ts_sglang.FORWARD_BATCH_TARGET in HookRegistry._patched
+                defaults = ServerArgs(model_path=str(tmp_path))
+                assert not defaults.disable_overlap_schedule
+                ts_sglang.check_server_args(defaults)
+                ts_sglang.check_server_args(ServerArgs(model_path=str(tmp_path), speculative_algorithm="DSPARK"))
 
 
 def test_a_sidecar_restart_costs_one_describe_not_one_per_forward(tmp_path, sglang_engram, monkeypatch):

@@ -214,7 +214,7 @@ def test_staged_decode_under_cuda_graphs_reads_the_persistent_buffers_bit_identi
 
     hasher, modules = staged["hasher"], staged["modules"]
     fed_layers = [modules[L][1] for L in LAYERS]
-    stager = RowStager(hasher, fed_layers, "cpu", graph_batch=decode_graph_batch(True, _graph_config()))
+    stager = RowStager(hasher, fed_layers, "cpu", graph_tokens=decode_graph_batch(_graph_config()))
     buffers, cols = stager.buffers, stager.cols
     assert buffers is not None and buffers.capacity == max(GRAPH_SIZES) * cols
     base = (buffers.weight.data_ptr(), buffers.scale.data_ptr())
@@ -283,7 +283,7 @@ def test_a_decode_batchs_buffered_rows_are_served_only_while_the_buffers_hold_th
 
     hasher, modules = staged["hasher"], staged["modules"]
     fed_layers = [modules[L][1] for L in LAYERS]
-    stager = RowStager(hasher, fed_layers, "cpu", graph_batch=decode_graph_batch(True, _graph_config()))
+    stager = RowStager(hasher, fed_layers, "cpu", graph_tokens=decode_graph_batch(_graph_config()))
     text = cache_model["text"]
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, 512, n).tolist() for n in (11, 7)]
@@ -325,25 +325,19 @@ def test_a_decode_batchs_buffered_rows_are_served_only_while_the_buffers_hold_th
         RowStager.current = previous
 
 
-def test_sglangs_default_schedule_and_graphs_are_checked_through_its_own_config():
-    """sglang's defaults as its own config code makes them (ServerArgs, CudaGraphConfig):
-    decode graphs on (staged into buffers for the largest captured batch), the overlap
-    scheduler on (refused, naming the one flag that turns it off); graphs off or unpublished
-    stage decode per batch."""
-    from sglang.srt.server_args import ServerArgs
-
+def test_sglangs_default_graphs_size_the_buffers_through_its_own_config():
+    """sglang's defaults as its own config code makes them (CudaGraphConfig): decode graphs on
+    (staged into buffers for the largest captured batch), graphs off or unpublished stage
+    decode per batch."""
     from tierstore.client.engines import StagingError
     from tierstore.client.engines.sglang_stager import decode_graph_batch
 
-    defaults = ServerArgs(model_path="dummy")
-    with pytest.raises(checks.EngineRefused, match=r"--disable-overlap-schedule \(decode CUDA graphs stay on\)"):
-        decode_graph_batch(defaults.disable_overlap_schedule, _graph_config())
-    assert decode_graph_batch(True, _graph_config()) == max(GRAPH_SIZES)  # the default decode backend captures
-    assert decode_graph_batch(True, _graph_config(backend="breakable")) == max(GRAPH_SIZES)
-    assert decode_graph_batch(True, _graph_config(backend="disabled")) == 0
-    assert decode_graph_batch(True, None) == 0
+    assert decode_graph_batch(_graph_config()) == max(GRAPH_SIZES)  # the default decode backend captures
+    assert decode_graph_batch(_graph_config(backend="breakable")) == max(GRAPH_SIZES)
+    assert decode_graph_batch(_graph_config(backend="disabled")) == 0
+    assert decode_graph_batch(None) == 0
     with pytest.raises(StagingError, match="--cuda-graph-max-bs-decode"):
-        decode_graph_batch(True, _graph_config(bs=None))
+        decode_graph_batch(_graph_config(bs=None))
 
 
 def _readme_staged_commands() -> dict:
@@ -362,7 +356,7 @@ def test_the_readmes_staged_sglang_commands_serve_and_pass_the_stagers_check(cac
     socket and a budget that makes this small table cache mode here), serving every table in
     cache mode, none split-layout (so the plugin stages them); its sglang
     arguments parsed by sglang's own CLI parser (ServerArgs) and fed, with sglang's default
-    graph config, to the stager's start-up check: accepted, decode graphs on."""
+    graph config, to the stager's start-up check: accepted, decode graphs and the overlap scheduler on."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -383,8 +377,8 @@ def test_the_readmes_staged_sglang_commands_serve_and_pass_the_stagers_check(cac
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(engine_args))
-    assert args.cuda_graph_backend_decode is None  # sglang's default decode graphs: nothing else turned off
-    assert decode_graph_batch(args.disable_overlap_schedule, _graph_config()) == max(GRAPH_SIZES)
+    assert args.cuda_graph_backend_decode is None and not args.disable_overlap_schedule  # sglang's defaults
+    assert decode_graph_batch(_graph_config()) == max(GRAPH_SIZES)
 
 
 def test_a_queued_requests_rows_are_prefetched_by_the_sidecar(cache_model, staged):
@@ -401,11 +395,15 @@ def test_a_queued_requests_rows_are_prefetched_by_the_sidecar(cache_model, stage
     assert all(now[t]["prefetched"] > before[t] for t in before), (before, now)
 
 
-def test_an_unstaged_batch_or_a_token_still_on_the_device_is_refused_not_guessed(cache_model, staged):
+def test_an_unstaged_batch_or_a_deferred_one_never_staged_is_refused_not_guessed(cache_model, staged):
+    """A batch that reaches a staged layer without rows raises; so does a decode batch `stage`
+    deferred (its newest token still on the device, as under the overlap scheduler) whose
+    ForwardBatch was built without the hook that stages it."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from tierstore.client.engines import StagingError
+    from tierstore.client.engines.sglang_stager import DEFERRED
 
     req = _req("late", [5, 6, 7, 8])
     input_ids, fb = _forward_batches([req], [4], 0)
@@ -415,8 +413,10 @@ def test_an_unstaged_batch_or_a_token_still_on_the_device_is_refused_not_guessed
         fed(x, torch.zeros(4, 9, dtype=torch.int64), fb, input_ids=input_ids)
     # overlap scheduling: the decode step's token has not reached req.output_ids yet
     batch = ScheduleBatch(reqs=[req], forward_mode=ForwardMode.DECODE, seq_lens_cpu=torch.tensor([5]))
-    with pytest.raises(StagingError, match="--disable-overlap-schedule"):
-        staged["stager"].stage(batch)
+    assert staged["stager"].stage(batch) is DEFERRED
+    fb.engram_staged_rows = DEFERRED
+    with pytest.raises(StagingError, match=r"ForwardBatch.init_new\), which did not run"):
+        fed(x, torch.zeros(4, 9, dtype=torch.int64), fb, input_ids=input_ids)
 
 
 def test_a_checkpoint_that_differs_from_the_sidecars_rows_is_refused_at_load(cache_model, staged):
@@ -624,3 +624,152 @@ def test_windows_of_any_span_are_the_whole_sequences_windows(staged):
         assert np.array_equal(whole[:, 0], seq[3:]) and np.array_equal(whole[:, 3], seq[:-3])
 
     check()
+
+
+def _verify_batch(reqs, ids_2d: torch.Tensor, positions_2d: torch.Tensor):
+    """sglang's target-verify ForwardBatch of `reqs` (slots 0..bs-1): DSpark's verify block of each
+    request (its anchor, then its drafts) as DFlashVerifyInput.prepare_for_verify hands it over."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    bs, block = ids_2d.shape
+    ids, pos = ids_2d.reshape(-1), positions_2d.reshape(-1)
+    seq = positions_2d[:, -1] + 1
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=ids, req_pool_indices=torch.arange(bs),
+        seq_lens=seq, out_cache_loc=torch.arange(ids.numel()) + 1, seq_lens_sum=int(seq.sum()), positions=pos,
+        spec_info=DFlashVerifyInput(draft_token=ids, positions=pos, draft_token_num=block))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_overlap_schedulers_decode_batches_are_staged_at_their_forward_batch(cache_model, staged, graphs):
+    """The overlap scheduler builds decode batch N+1 before N's sampled token reaches the host:
+    `stage` defers it, and the ForwardBatch hook (init_forward_batch, around sglang's
+    ForwardBatch.init_new) stages it from the batch's input ids and sglang's own history once
+    they are final, before the forward. Bit-identical to sglang's own module every step, eager
+    and into the decode graphs' persistent buffers; a draft worker's batch passes untouched."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from tierstore.client.engines.sglang_stager import DEFERRED, RowStager, decode_graph_batch, init_forward_batch
+
+    hasher, modules = staged["hasher"], staged["modules"]
+    stager = RowStager(hasher, [modules[L][1] for L in LAYERS], "cpu",
+                       graph_tokens=decode_graph_batch(_graph_config()) if graphs else 0)
+    text = cache_model["text"]
+    rng = np.random.default_rng(31)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (17, 8, 12)]
+    reqs = [_req(f"o{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    target, draft = SimpleNamespace(is_draft_worker=False), SimpleNamespace(is_draft_worker=True)
+    previous, RowStager.current = RowStager.current, stager
+    try:
+        extend = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * 3, extend_lens=lens)
+        rows = stager.stage(extend)
+        input_ids, fb = _forward_batches(reqs, lens, 0)
+        hasher(input_ids, fb)
+        pending = None  # the token the last step sampled: on the device only, until its result is processed
+        for step in range(1, DECODE_STEPS + 1):
+            if pending is not None:  # the step before last's result, processed a step late
+                for r, t in zip(reqs, pending):
+                    r.output_ids.append(t)
+            pending = rng.integers(0, 512, len(reqs)).tolist()
+            batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE,
+                                  seq_lens_cpu=torch.tensor([n + step for n in lens]))
+            assert stager.stage(batch) is DEFERRED  # prepare_for_forward, before the token is on the host
+            seq = [n + step for n in lens]
+            fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=3, input_ids=torch.tensor(pending),
+                              req_pool_indices=torch.arange(3), seq_lens=torch.tensor(seq),
+                              out_cache_loc=torch.arange(3) + 1000 * step, seq_lens_sum=sum(seq),
+                              positions=torch.tensor(seq) - 1, engram_staged_rows=DEFERRED)
+            assert init_forward_batch(lambda cls, b, mr: fb, ForwardBatch, batch, draft) is fb
+            assert fb.engram_staged_rows is DEFERRED  # a draft worker's forward: DSpark's draft has no Engram
+            assert init_forward_batch(lambda cls, b, mr: fb, ForwardBatch, batch, target) is fb
+            rows = fb.engram_staged_rows
+            assert rows is not DEFERRED
+            if graphs:
+                assert rows[0][0].data_ptr() == stager.buffers.weight[0].data_ptr()
+            hash_ids = hasher(fb.input_ids, fb)  # the forward's own hash, after the stage (it commits history)
+            x = torch.randn(3, text["hc_mult"], text["hidden_size"],
+                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            for L, a, b in _own_and_staged(modules, x, hash_ids, fb, fb.input_ids, rows):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (step, L)
+    finally:
+        RowStager.current = previous
+
+
+BLOCK = 4  # DSpark's verify window: an anchor and 3 drafts (gamma + 1)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_dspark_target_verify_batches_are_bit_identical_to_sglangs_own_lookup(cache_model, staged, graphs):
+    """Speculative decoding as sglang runs it for V4.1 (DSpark): after the prefill, each step's
+    target-verify batch holds every request's anchor (the bonus token) and its drafts, proposed
+    on the device; its rows are staged at its ForwardBatch from those ids and sglang's own
+    committed history, then sglang's own commit_after_verify keeps the accepted drafts. The
+    staged module's output is sglang's own module's over its own table, bit for bit, every
+    step (eager, and into the verify graphs' buffers: bs x BLOCK tokens, with the capture's
+    read of them at a padded size zero past the batch)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner_utils.capture_mode import model_capture_mode
+
+    from tierstore.client.engines.sglang_stager import DEFERRED, RowStager, decode_graph_batch
+
+    hasher, modules = staged["hasher"], staged["modules"]
+    fed_layers = [modules[L][1] for L in LAYERS]
+    graph_tokens = decode_graph_batch(_graph_config()) * BLOCK if graphs else 0
+    stager = RowStager(hasher, fed_layers, "cpu", graph_tokens=graph_tokens)
+    text = cache_model["text"]
+    rng = np.random.default_rng(41)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (15, 9, 22)]
+    reqs = [_req(f"v{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    bs = len(reqs)
+    previous, RowStager.current = RowStager.current, stager
+    try:
+        extend = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * bs, extend_lens=lens)
+        stager.stage(extend)
+        input_ids, fb = _forward_batches(reqs, lens, 0)
+        hasher(input_ids, fb)  # commits each request's history, as the prefill's forward does
+        anchor = torch.tensor(rng.integers(0, 512, bs))  # the prefill's sampled token
+        start = torch.tensor(lens)  # the anchor's position
+        for step in range(1, DECODE_STEPS + 1):
+            decode = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE,
+                                   seq_lens_cpu=torch.tensor(lens), spec_algorithm=_dspark())
+            assert stager.stage(decode) is DEFERRED  # the verify block is built inside the worker
+            ids_2d = torch.cat([anchor[:, None], torch.tensor(rng.integers(0, 512, (bs, BLOCK - 1)))], dim=1)
+            pos_2d = start[:, None] + torch.arange(BLOCK)
+            fb = _verify_batch(reqs, ids_2d, pos_2d)
+            rows = stager.stage_forward(fb)  # what the init_new hook does for the target's verify batch
+            if graphs:
+                assert rows[0][0].data_ptr() == stager.buffers.weight[0].data_ptr()
+            hash_ids = hasher(fb.input_ids, fb)  # sglang's own verify hash (history + the block)
+            x = torch.randn(bs * BLOCK, text["hc_mult"], text["hidden_size"],
+                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            for L, a, b in _own_and_staged(modules, x, hash_ids, fb, fb.input_ids, rows):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (step, L)
+            if graphs:  # the verify graph captured at 4 requests reads the buffers: the batch, then zeros
+                pad = (max(GRAPH_SIZES) - bs) * BLOCK
+                hash_pad = torch.cat([hash_ids, torch.zeros((pad, *hash_ids.shape[1:]), dtype=hash_ids.dtype)])
+                for i, L in enumerate(LAYERS):
+                    own, fed = modules[L]
+                    with torch.no_grad(), model_capture_mode():
+                        got = fed.embed(hash_pad[:, i], _verify_batch(reqs, ids_2d, pos_2d))
+                    want = own.embed(hash_ids[:, i])
+                    assert torch.equal(got[:bs * BLOCK].view(torch.int16), want.view(torch.int16)), (step, L)
+                    assert not got[bs * BLOCK:].view(torch.int16).any()
+            accepted = torch.tensor(rng.integers(0, BLOCK, bs))  # drafts the target kept
+            hasher.commit_after_verify(ids_2d, torch.arange(bs), accepted + 1)  # sglang's own commit
+            anchor = torch.tensor(rng.integers(0, 512, bs))  # the bonus token: the next block's anchor
+            start = start + accepted + 1
+    finally:
+        RowStager.current = previous
+
+
+def _dspark():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SpeculativeAlgorithm.from_string("DSPARK")

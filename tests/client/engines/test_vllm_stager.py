@@ -256,8 +256,9 @@ def test_interp_a_step_staged_through_vllms_v2_runner_is_vllms_own_lookup(cache_
     built as vLLM's model builds them (`Engram._create_embedding` -> `ParallelEngramEmbedding.__init__`)
     and staged; vLLM's V2 runner state (RequestState holding the requests' tokens, written by vLLM's
     own kernel; DeepseekV41ModelState, the model's NgramHashState built from the tokenizer) runs
-    steps of prefill chunks, fresh prompts and decode tokens through its `prepare_inputs`, where the
-    plugin stages each step. vLLM's own hash of the step (NgramHashState.forward over the
+    steps of prefill chunks, fresh prompts, decode tokens and speculative verify blocks (drafts in the
+    step's input ids, not in the token history) through its `prepare_inputs`, where the plugin stages
+    each step from the inputs vLLM's hash reads. vLLM's own hash of the step (NgramHashState.forward over the
     `lookback_token_ids` that prepare_inputs gathered) looked up by vLLM's own kernel over the table
     in memory is, bit for bit, what each staged layer's lookup returns, bf16 and packed. A dummy
     batch (vLLM's profile and padding runs) stages no rows: zeros."""
@@ -296,12 +297,18 @@ def test_interp_a_step_staged_through_vllms_v2_runner_is_vllms_own_lookup(cache_
         req_states.apply_staged_writes()  # vLLM's kernel writes the token history
         forward = inspect.signature(engram.NgramHashState.forward).parameters
         v1_args = (None, None) if "slot_mapping" in forward else ()  # 0.33's forward takes the V1 slot cache
+        # a verify step's drafts (DSpark's, proposed on the device) follow each request's last token in the
+        # step's input ids only: the token history holds none of them (as under async scheduling it does not
+        # yet hold the token the last step is still sampling)
+        drafted = {r: t + rng.integers(0, 499, 2).tolist() for r, t in seqs.items()}
         # (request, tokens computed, tokens scheduled): a prefill chunk, a fresh prompt, chunks mid-way
-        # through a resumed request, decode tokens; batches up to and past the 16 graph tokens
-        for step, plan in enumerate([[("r0", 0, 12), ("r1", 0, 4)], [("r0", 12, 20), ("r2", 0, 2)],
-                                     [("r0", 39, 1), ("r1", 4, 8), ("r2", 2, 27), ("r3", 0, 9)],
-                                     [("r2", 29, 1), ("r3", 8, 1)]]):
-            batch = vllm_engram.input_batch(buffers, req_states, plan, seqs)
+        # through a resumed request, decode tokens, verify blocks; batches up to and past the 16 graph tokens
+        for step, (plan, tokens) in enumerate([([("r0", 0, 12), ("r1", 0, 4)], seqs),
+                                               ([("r0", 12, 20), ("r2", 0, 2)], seqs),
+                                               ([("r0", 39, 1), ("r1", 4, 8), ("r2", 2, 27), ("r3", 0, 9)], seqs),
+                                               ([("r2", 29, 1), ("r3", 8, 1)], seqs),
+                                               ([("r2", 29, 3), ("r3", 8, 3), ("r1", 11, 3)], drafted)]):
+            batch = vllm_engram.input_batch(buffers, req_states, plan, tokens)
             for packed in (False, True):  # two forwards of the batch, each through prepare_inputs
                 inputs = state.prepare_inputs(batch, req_states)
                 dead = torch.zeros_like(batch.input_ids, dtype=torch.bool)
@@ -550,7 +557,7 @@ def test_the_lookup_never_reads_the_device_ids(plugin, vllm_world):
 def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_world):
     """Engram DP-sharded tables (an Engram DP group of 2) stop the layer's build with the fix
     (the other refusals read vLLM's config:
-    test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix)."""
+    test_vllms_defaults_build_and_what_looks_up_part_of_a_step_is_refused_with_the_fix)."""
     with pytest.raises(checks.EngineRefused, match="refuses Engram DP-sharded tables .*embedding_across_dp\\\": "
                                                    "false"):
         vllm_world.embedding(vllm_engram.layout(CONFIG), 0, 1, engram_dp=2)
@@ -660,19 +667,22 @@ def test_graph_tokens_are_vllms_resolved_largest_capture():
 
 
 @parent
-def test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fix(vllm_world, monkeypatch):
-    """A staged layer built under vLLM's config with async scheduling on, speculative decoding,
-    micro-batching or prefill context parallelism stops the build (vLLM's start) with the fix,
-    and on vLLM 0.33 the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) too; vLLM's CPU-platform config
-    (the V2 runner, none of them) builds."""
+def test_vllms_defaults_build_and_what_looks_up_part_of_a_step_is_refused_with_the_fix(vllm_world, monkeypatch):
+    """vLLM's defaults build a staged layer: async scheduling on and speculative decoding (DSpark,
+    and a method keeping the token history on the device) pass the engine checks, since the stager
+    reads each step's own inputs after one stream wait (test_interp_a_step_staged_through_vllms_v2_
+    runner_is_vllms_own_lookup). Micro-batching or prefill context parallelism stops the build
+    (vLLM's start) with the fix, and on vLLM 0.33 the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) too."""
     from types import SimpleNamespace
 
     emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, None, cpu_offload=False)  # vLLM's own
     config = vllm_engram.vllm_config()
-    assert not config.scheduler_config.async_scheduling  # the CPU platform's
     vllm_stager.check_engine(config, emb, 1)
-    refused = [("scheduler_config", "async_scheduling", True, "refuses async scheduling .*--no-async-scheduling"),
-               ("parallel_config", "enable_dbo", True, "refuses micro-batching .*without --enable-dbo"),
+    monkeypatch.setattr(config.scheduler_config, "async_scheduling", True)  # vLLM's default on a GPU
+    for method in ("dspark", "ngram"):
+        monkeypatch.setattr(config, "speculative_config", SimpleNamespace(method=method))
+        vllm_stager.check_engine(config, emb, 1)
+    refused = [("parallel_config", "enable_dbo", True, "refuses micro-batching .*without --enable-dbo"),
                ("parallel_config", "ubatch_size", 2, "refuses micro-batching"),
                ("parallel_config", "prefill_context_parallel_size", 2,
                 "refuses prefill context parallelism .*--prefill-context-parallel-size 1")]
@@ -682,11 +692,6 @@ def test_settings_that_keep_a_steps_tokens_from_the_host_are_refused_with_the_fi
         with pytest.raises(checks.EngineRefused, match=match):
             vllm_stager.check_engine(config, emb, 1)
         setattr(getattr(config, part), name, saved)
-    monkeypatch.setattr(config, "speculative_config", SimpleNamespace(method="ngram"))
-    with pytest.raises(checks.EngineRefused, match="refuses speculative decoding .*: ngram\\): .*without "
-                                                   "--speculative-config"):
-        vllm_stager.check_engine(config, emb, 1)
-    monkeypatch.setattr(config, "speculative_config", None)
     if "use_v2_model_runner" in dir(config):  # vLLM 0.33: the V1 runner is still there
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
         with pytest.raises(checks.EngineRefused, match="refuses the V1 model runner .*unset VLLM_USE_V2_MODEL_RUNNER"):
@@ -698,7 +703,7 @@ def _readme_staged_vllm_command() -> tuple[dict, list]:
     import shlex
 
     text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    block = text.split("**vLLM 0.33 and 0.34**", 1)[1].split("refused at start with this fix):", 1)[1]
+    block = text.split("**vLLM 0.33 and 0.34**", 1)[1].split("speculative decoding\n(DSpark) included:", 1)[1]
     argv = shlex.split(block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " "), comments=True)
     env = {}
     while "=" in argv[0] and not argv[0].startswith("-"):
@@ -715,8 +720,9 @@ def test_the_readmes_staged_vllm_command_is_one_vllm_accepts_and_the_stager_serv
     own EngineArgs.create_engine_config for the checkpoint, under the command's environment (its
     socket this module's cache-mode sidecar's): vLLM validates the command's VLLM_* variables there
     (0.34 stops at VLLM_USE_V2_MODEL_RUNNER=0) and loads its general plugins, tierstore's among them
-    (version, seams and sidecar checked); async scheduling is off as the command asks (vLLM's
-    default on a GPU), the Engram tables on the host, and the stager's start-up check passes."""
+    (version, seams and sidecar checked); the command leaves vLLM's scheduling as vLLM sets it
+    (async scheduling is its default on a GPU), the Engram tables on the host, and the stager's
+    start-up check passes."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -730,7 +736,7 @@ def test_the_readmes_staged_vllm_command_is_one_vllm_accepts_and_the_stager_serv
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     args.model = args.model_tag  # what `vllm serve` does with its positional model
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    assert engine_args.async_scheduling is False
+    assert engine_args.async_scheduling is None  # vLLM's default: resolved on at a GPU's start
     # the checkpoint here: its tokenizer, and the text model's architecture, which vLLM's EngramConfig checks
     engine_args.tokenizer = str(_tokenizer(tmp_path / "tok", CONFIG["engram_compressed_vocab_size"]))
     engine_args.hf_overrides = {"architectures": ["DeepseekV41ForCausalLM"]}
@@ -740,7 +746,7 @@ def test_the_readmes_staged_vllm_command_is_one_vllm_accepts_and_the_stager_serv
         assert vllm_plugin.staged_tables() is None and "config" in vllm_plugin._STATE  # installed, nothing built
     finally:
         vllm_plugin.uninstall()
-    assert config.engram_config.cpu_offload and not config.scheduler_config.async_scheduling
+    assert config.engram_config.cpu_offload
     emb = vllm_world.embedding(vllm_engram.layout(CONFIG), 0, None, cpu_offload=False)  # vLLM's own
     vllm_stager.check_engine(config, emb, 1)
 
