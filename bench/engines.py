@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_engines_bench", "engines_line", "tp_cell", "restart_cell"]
+__all__ = ["run_engines_bench", "engines_line", "tp_cell", "restart_cell", "defaults_cell"]
 
 REQUESTS = 4  # requests of a cache-mode round: the extend's tokens split among them
 CACHE_SHARE = 4  # the cache-mode sidecar's DRAM budget: 1 / CACHE_SHARE of the table's bytes
@@ -73,44 +73,52 @@ HOST_TABLE_VARS = ("TIERSTORE_SGLANG_SOCKET", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_T
                    "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
 
 
-def _spec(vocab: int, hidden: int):
+def _spec(vocab: int, hidden: int, layers: tuple[int, ...] = (1,)):
     from tierstore.table.spec import EngramSpec
 
     # compressed_vocab_size: the DeepSeek-V4 tokenizer's C, which sglang's EngramHasher checks
-    return EngramSpec(name="bench-engines", layer_ids=(1,), max_ngram=4, n_heads=8, engram_vocab_size=vocab,
+    return EngramSpec(name="bench-engines", layer_ids=layers, max_ngram=4, n_heads=8, engram_vocab_size=vocab,
                       compressed_vocab_size=99_092, row_dim=256, row_format="fp8-e4m3-ue8m0", hidden_size=hidden,
                       hc_mult=4, use_conv=False, rms_norm_eps=1e-20)
 
 
 def _write_shard(path: Path, rows: int, spec, rng) -> tuple[np.ndarray, np.ndarray]:
-    """embed.weight / embed.scale of layer 1 (valid e4m3 and ue8m0 bytes) plus wkv, q, k, as safetensors."""
+    """embed.weight / embed.scale of each layer of `spec` (valid e4m3 and ue8m0 bytes; `rows` for
+    the first, spec.rows(L) for the others) plus wkv, q, k, as safetensors; the first layer's
+    (weights, scales)."""
     import torch
     from safetensors.torch import save_file
 
-    w = rng.integers(0, 0x7E, (rows, 256), dtype=np.uint8)
-    s = rng.integers(120, 130, (rows, 8), dtype=np.uint8)
     D, hc, E = spec.hidden_size, spec.hc_mult, spec.columns * 256
-    p = "layers.1.engram."
-    save_file({p + "embed.weight": torch.from_numpy(w).view(torch.float8_e4m3fn),
-               p + "embed.scale": torch.from_numpy(s).view(torch.float8_e8m0fnu),
-               p + "wkv.weight": (0.02 * torch.randn((hc + 1) * D, E)).to(torch.bfloat16),
-               p + "q_weight": torch.ones(hc, D, dtype=torch.bfloat16),
-               p + "k_weight": torch.ones(hc, D, dtype=torch.bfloat16)}, str(path))
-    return w, s
+    tensors, first = {}, None
+    for L in spec.layer_ids:
+        n = rows if first is None else spec.rows(L)
+        w = rng.integers(0, 0x7E, (n, 256), dtype=np.uint8)
+        s = rng.integers(120, 130, (n, 8), dtype=np.uint8)
+        first = first or (w, s)
+        p = f"layers.{L}.engram."
+        tensors.update({p + "embed.weight": torch.from_numpy(w).view(torch.float8_e4m3fn),
+                        p + "embed.scale": torch.from_numpy(s).view(torch.float8_e8m0fnu),
+                        p + "wkv.weight": (0.02 * torch.randn((hc + 1) * D, E)).to(torch.bfloat16),
+                        p + "q_weight": torch.ones(hc, D, dtype=torch.bfloat16),
+                        p + "k_weight": torch.ones(hc, D, dtype=torch.bfloat16)})
+    save_file(tensors, str(path))
+    return first
 
 
 def _config(spec):
     from transformers import PretrainedConfig
 
-    return PretrainedConfig(engram_layer_ids=[1], engram_max_ngram_size=spec.max_ngram, engram_n_heads=spec.n_heads,
-                            engram_vocab_size=spec.engram_vocab_size[0], engram_num_embeddings=[spec.rows(1)],
+    return PretrainedConfig(engram_layer_ids=list(spec.layer_ids), engram_max_ngram_size=spec.max_ngram,
+                            engram_n_heads=spec.n_heads, engram_vocab_size=spec.engram_vocab_size[0],
+                            engram_num_embeddings=[spec.rows(L) for L in spec.layer_ids],
                             engram_head_dim=256, engram_pad_token_id=spec.pad_id,
                             engram_compressed_vocab_size=spec.compressed_vocab_size,
                             hidden_size=spec.hidden_size, hc_mult=spec.hc_mult, rms_norm_eps=spec.rms_norm_eps)
 
 
-def _build(engram, spec, shard: Path):
-    """sglang's Engram for layer 1, loaded from the shard through sglang's loaders; (module, seconds)."""
+def _build(engram, spec, shard: Path, layer: int = 1):
+    """sglang's Engram for `layer`, loaded from the shard through sglang's loaders; (module, seconds)."""
     import torch
     from safetensors import safe_open
 
@@ -119,10 +127,10 @@ def _build(engram, spec, shard: Path):
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        m = engram.Engram(config, 1, engram.EngramLayout.from_config(config))
+        m = engram.Engram(config, layer, engram.EngramLayout.from_config(config))
     finally:
         torch.set_default_dtype(before)
-    p = "layers.1.engram."
+    p = f"layers.{layer}.engram."
     with safe_open(str(shard), "pt") as f:
         m.embed.weight.weight_loader(m.embed.weight, f.get_tensor(p + "embed.weight"))
         m.embed.scale.weight_loader(m.embed.scale, f.get_tensor(p + "embed.scale"))
@@ -130,11 +138,11 @@ def _build(engram, spec, shard: Path):
         with torch.no_grad():
             m.q_weight.copy_(f.get_tensor(p + "q_weight"))
             m.k_weight.copy_(f.get_tensor(p + "k_weight"))
-    m.embed.finish_load("layer 1")
+    m.embed.finish_load(f"layer {layer}")
     return m.eval(), time.perf_counter() - t0
 
 
-def _build_fed(engram, spec, shard: Path, socket: Path):
+def _build_fed(engram, spec, shard: Path, socket: Path, layer: int = 1):
     """_build with the sglang plugin on, fed by the sidecar at `socket` (mapped or staged, as
     the plugin decides from what the sidecar serves)."""
     from tierstore.client.engines import sglang as ts_sglang
@@ -142,7 +150,7 @@ def _build_fed(engram, spec, shard: Path, socket: Path):
     os.environ["TIERSTORE_SGLANG_SOCKET"] = str(socket)
     try:
         ts_sglang.install()
-        return _build(engram, spec, shard)
+        return _build(engram, spec, shard, layer)
     finally:
         for var in HOST_TABLE_VARS:
             os.environ.pop(var, None)
@@ -219,6 +227,8 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
     res["bit_exact"] = bool(exact)
     res["cache"] = _cache_cell(engram, spec, shard, work, own, tokens=tokens, rounds=rounds,
                                decode_steps=decode_steps, warmup_tokens=warmup_tokens, seed=seed, log=log)
+    res["defaults"] = defaults_cell(engram, work, vocab=vocab, rounds=rounds, decode_steps=decode_steps, seed=seed,
+                                    log=log)
     res["tp"] = tp_cell(work / "data", "l1", rows, batch=tokens * spec.columns, batches=rounds, seed=seed, log=log)
     res["restart"] = restart_cell(work, scale=RESTART_SCALE_QUICK if quick else RESTART_SCALE, rounds=1 if quick else 3,
                                   seed=seed, log=log)
@@ -421,6 +431,190 @@ def _settled_stats(socket, client, timeout: float = 10.0, quiet: float = 0.3) ->
         time.sleep(0.02)
 
 
+# ---- the engines' defaults cell ------------------------------------------------------------------
+DEFAULTS_LAYERS = (1, 14)  # V4.1's two Engram layers
+MID_MS = 4.0  # the device time of the decoder layers between them (2..13) at a decode step, modelled
+BLOCK = 4  # DSpark's verify window: an anchor and 3 drafts
+VARIANTS = ("before", "behind")  # the later layer read before the forward, or behind layers 1..13
+
+
+def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: int, mid_ms: float = MID_MS,
+                  seed: int = 0, log=print) -> dict:
+    """Staging at the engines' defaults, sglang's real Engram layers 1 and 14 staged from one
+    cache-mode sidecar (a quarter of both tables' rows), real text, sglang's own hasher:
+
+    - features off: decode batches whose tokens are on the host, staged in `stage` (as
+      prepare_for_forward stages them without the overlap scheduler);
+    - the overlap scheduler on (the simple form): the same decode batches DEFERRED by `stage`
+      and staged at their ForwardBatch (init_forward_batch -> stage_forward: the stream wait,
+      sglang's own history and input ids copied to the host, its _torch_hash_ids);
+    - DSpark on (the simple form): target-verify batches of BLOCK tokens a request (the text's
+      next tokens as the anchor and drafts, all accepted: sglang's commit_after_verify), staged
+      at their ForwardBatch.
+
+    Each as the stager reads it before the forward (`before`: both layers) and with layer 14
+    read on the stager's host thread while the forward runs layer 1 and the layers between
+    (`behind`). A step is its stage (timed: the exposed part) plus its forward: layer 1's
+    module, the decoder layers 2..13 between them modelled as `mid_ms` of device time (the host
+    sleeps: on a GPU host it waits for them), layer 14's module (its lookup waits for its rows:
+    RowStager.waited, exposed too). Every variant of a step runs back to back, their order
+    rotated step by step (the first to read a step's rows pays its misses); the outputs of a
+    step's variants are compared bit for bit. Medians per step: steps/s (1 / (stage +
+    forward)), stage ms, exposed staging ms (stage + the wait at layer 14)."""
+    import torch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tierstore.client.engines import sglang_stager
+    from tierstore.client.engines.sglang_stager import DEFERRED, RowStager, init_forward_batch
+    from tierstore.errors import NotFound
+    from tierstore.ingest.writer import write_version
+    from tierstore.sidecar.launcher import SidecarProcess
+
+    spec = _spec(vocab, 256, DEFAULTS_LAYERS)
+    try:
+        hasher, tokenizer = _hasher(engram, spec)
+    except NotFound as e:
+        log(f"bench engines: defaults cell skipped: {e}")
+        return {"skipped": str(e)}
+    rng = np.random.default_rng([seed, 54])
+    root = work / "defaults"
+    root.mkdir()
+    shard = root / "model-00001-of-00001.safetensors"
+    _write_shard(shard, spec.rows(1), spec, rng)
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(shard), "pt") as f:
+        for L in DEFAULTS_LAYERS:
+            p = f"layers.{L}.engram."
+            packed = np.concatenate([f.get_tensor(p + "embed.weight").view(torch.uint8).numpy(),
+                                     f.get_tensor(p + "embed.scale").view(torch.uint8).numpy()], axis=1)
+            write_version(root / "data", f"l{L}", [packed], rows=packed.shape[0], row_format=spec.row_format,
+                          row_dim=256, spec=spec.to_dict(), layer_id=L)
+            total += packed.nbytes
+    prompt, per_req = 16, 16 + decode_steps * BLOCK + 1
+    text, _ = _text_tokens(tokenizer, rounds * REQUESTS * per_req, seed)
+    text = text.reshape(rounds, REQUESTS, per_req)
+    res: dict = {"layers": list(DEFAULTS_LAYERS), "rows": [spec.rows(L) for L in DEFAULTS_LAYERS],
+                 "dram_budget_bytes": total // CACHE_SHARE, "requests": REQUESTS, "mid_ms": mid_ms,
+                 "block": BLOCK, "decode_steps": decode_steps, "rounds": rounds}
+    kinds = ("off", "overlap", "dspark")
+    times = {(k, v): {"step": [], "stage": [], "exposed": []} for k in kinds for v in VARIANTS}
+    exact = True
+    slots = torch.arange(REQUESTS)
+    with SidecarProcess(root / "data", dram_budget=str(total // CACHE_SHARE)) as sc:
+        fed = [_build_fed(engram, spec, shard, sc.socket, L)[0] for L in DEFAULTS_LAYERS]
+        stagers = {v: RowStager(hasher, fed, "cpu", behind=(v == "behind")) for v in VARIANTS}
+        try:
+            for r in range(rounds):
+                seqs = text[r]
+                batch = _extend_batch(f"d{r}", seqs, prompt, per_req)
+                stagers["before"].stage(batch)  # the prefill: staged once, not timed
+                input_ids, fb = _forward_batch(seqs, prompt, 0)
+                hasher(input_ids, fb)  # commits each request's history
+                history = hasher.history.clone()
+                for kind in kinds:
+                    hasher.history.copy_(history)  # each kind decodes the same text from the prefill on
+                    for j, req in enumerate(batch.reqs):
+                        del req.output_ids[:]
+                    pos = prompt
+                    for step in range(decode_steps):
+                        if kind == "dspark":
+                            ids_2d = torch.from_numpy(np.ascontiguousarray(seqs[:, pos:pos + BLOCK]))
+                            pos_2d = torch.full((REQUESTS, 1), pos) + torch.arange(BLOCK)
+                            step_fb = _verify_forward_batch(ids_2d, pos_2d)
+                        else:
+                            for j, req in enumerate(batch.reqs):  # the last token: on the host when off
+                                req.output_ids.append(int(seqs[j, pos]))
+                            batch.forward_mode = ForwardMode.DECODE
+                            batch.seq_lens_cpu = torch.full((REQUESTS,), pos + 1)
+                            _, step_fb = _forward_batch(seqs[:, :pos + 1], pos, 1)
+                        before_step = hasher.history.clone()
+                        order = VARIANTS if (r + step) % 2 == 0 else VARIANTS[::-1]
+                        outs = {}
+                        for v in order:
+                            hasher.history.copy_(before_step)
+                            stager = stagers[v]
+                            RowStager.current = stager
+                            waited = stager.waited
+                            t = time.perf_counter()
+                            if kind == "off":
+                                rows = stager.stage(batch)
+                            else:  # DEFERRED by `stage`, staged at the ForwardBatch
+                                step_fb.engram_staged_rows = DEFERRED
+                                rows = init_forward_batch(lambda cls, b, mr: step_fb, None, batch,
+                                                          _TARGET_RUNNER).engram_staged_rows
+                            staged_at = time.perf_counter()
+                            step_fb.engram_staged_rows = rows
+                            outs[v] = _two_layer_forward(fed, step_fb, spec, mid_ms, r * 1000 + step)
+                            done = time.perf_counter()
+                            times[(kind, v)]["step"].append(done - t)
+                            times[(kind, v)]["stage"].append(staged_at - t)
+                            times[(kind, v)]["exposed"].append(staged_at - t + stager.waited - waited)
+                        exact &= torch.equal(outs["before"].view(torch.int16), outs["behind"].view(torch.int16))
+                        if kind == "dspark":
+                            hasher.commit_after_verify(ids_2d, slots, torch.full((REQUESTS,), BLOCK))
+                            pos += BLOCK
+                        else:
+                            hasher.history.copy_(before_step)
+                            hasher(step_fb.input_ids, step_fb)  # the decode's own commit
+                            pos += 1
+        finally:
+            for stager in stagers.values():
+                stager.close()
+            sglang_stager.close()
+    for (kind, v), t in times.items():
+        res[f"{kind}_{v}"] = {"steps_per_s": 1 / statistics.median(t["step"]),
+                              "stage_ms": 1e3 * statistics.median(t["stage"]),
+                              "exposed_ms": 1e3 * statistics.median(t["exposed"])}
+    res["bit_exact"] = bool(exact)
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+class _TargetRunner:
+    """What init_forward_batch reads of sglang's ModelRunner: a target model's (not a draft's)."""
+
+    is_draft_worker = False
+
+
+_TARGET_RUNNER = _TargetRunner()
+
+
+def _verify_forward_batch(ids_2d, positions_2d):
+    """sglang's target-verify ForwardBatch of DSpark blocks `ids_2d` [requests, BLOCK] (pool slots
+    0..n-1), as DFlashVerifyInput.prepare_for_verify hands it over."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    bs, block = ids_2d.shape
+    ids, pos = ids_2d.reshape(-1), positions_2d.reshape(-1)
+    seq = positions_2d[:, -1] + 1
+    return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=ids,
+                        req_pool_indices=torch.arange(bs), seq_lens=seq, out_cache_loc=torch.arange(ids.numel()) + 1,
+                        seq_lens_sum=int(seq.sum()), positions=pos,
+                        spec_info=DFlashVerifyInput(draft_token=ids, positions=pos, draft_token_num=block))
+
+
+def _two_layer_forward(fed: list, fb, spec, mid_ms: float, seed: int):
+    """Layer 1's staged module, `mid_ms` of the decoder layers between (the device's time, which
+    the host waits out), layer 14's: its output. The hash ids are unread by a staged layer."""
+    import torch
+
+    tokens = fb.input_ids.shape[0]
+    x = torch.randn(tokens, spec.hc_mult, spec.hidden_size,
+                    generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    unread = torch.zeros(tokens, spec.columns, dtype=torch.int64)
+    with torch.no_grad():
+        x = fed[0](x, unread, fb, input_ids=fb.input_ids)
+        time.sleep(mid_ms / 1e3)
+        return fed[1](x, unread, fb, input_ids=fb.input_ids)
+
+
 # ---- the TP cell ---------------------------------------------------------------------------------
 # one TP rank: StagedTable.gather (the sglang stager's read, Client.lookup) of each batch, after a warm-up
 # on an id of its own; every batch starts together (a start file per batch, as a collective would)
@@ -547,6 +741,14 @@ def engines_line(res: dict) -> str:
                  f"of warm-up): {_step_part(c, 'extend')}, "
                  f"{_step_part(c, 'decode')}, hit ratio {c['hit_ratio']:.3f}, bit-exact {c['bit_exact']}, "
                  f"start-up {c['start_s']:.3f} s")
+    d = res.get("defaults") or {}
+    if "skipped" in d:
+        line += f"; defaults cell skipped: {d['skipped']}"
+    elif d:
+        line += "; at the engines' defaults (layers 1 and 14 staged, decode): " + ", ".join(
+            f"{kind} {d[f'{kind}_before']['steps_per_s']:.0f} steps/s (stage {d[f'{kind}_before']['stage_ms']:.2f} "
+            f"ms), exposed staging {d[f'{kind}_before']['exposed_ms']:.2f} -> {d[f'{kind}_behind']['exposed_ms']:.2f} "
+            f"ms with layer 14 behind" for kind in ("off", "overlap", "dspark")) + f", bit-exact {d['bit_exact']}"
     r = res.get("restart") or {}
     if r:
         line += (f"; restart ({r['layout']}, dense stand-in as large as the tables): {r['filtered']['s']:.2f} s with "

@@ -86,7 +86,7 @@ from tierstore.client.row_scratch import RowScratch
 
 __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather_layers", "UnstagedForward", "upload",
            "process_client", "decode_graph_batch", "dequant_rows", "from_model", "dequant_staged", "on_enqueue",
-           "init_forward_batch", "Deferred", "DEFERRED", "close"]
+           "init_forward_batch", "Deferred", "DEFERRED", "PendingRows", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
 
@@ -128,6 +128,8 @@ def close() -> None:
     with _LOCK:
         clients = list(_CLIENTS.values())
         _CLIENTS.clear()
+    if RowStager.current is not None:
+        RowStager.current.close()
     RowStager.current = None
     for c in clients:
         c.close()
@@ -250,6 +252,25 @@ def _capturing() -> bool:
 
 
 # ---- the stager -------------------------------------------------------------------------------------
+class PendingRows:
+    """A later layer's staged rows, being read on the stager's host thread while the forward
+    runs the layers before it: `wait()` (the layer's lookup, dequant_staged) gives its (rows,
+    scales, copied) once read, or raises the read's StagingError; the seconds it blocked are
+    the stager's `waited` (the part of the layer's read the forward did not hide)."""
+
+    def __init__(self, stager: "RowStager", future):
+        self.stager, self.future = stager, future
+
+    def wait(self) -> tuple:
+        import time
+
+        t = time.perf_counter()
+        try:
+            return self.future.result()[0]
+        finally:
+            self.stager.waited += time.perf_counter() - t
+
+
 class RowStager:
     """EngramRowStager's contract over tierstore: `stage(batch)` -> per Engram layer (by its
     layer_hash_index) (fp8 rows uint8 [n, dim], ue8m0 scales uint8 [n, dim / 32], the copy's
@@ -272,7 +293,7 @@ class RowStager:
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
-    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0):
+    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: bool = True):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
@@ -288,6 +309,12 @@ class RowStager:
                         if graph_tokens > 0 else None)
         self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
         self.step = 0  # the number of the last batch staged into the buffers
+        # the later layers read on a host thread behind the forward (False: every layer before it,
+        # the bench's baseline); the thread, made at the first such batch; their fills not yet waited
+        self.behind = behind
+        self._pool = None
+        self._pending: list[PendingRows] = []
+        self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
 
     @classmethod
     def from_model(cls, model, hasher, device) -> "RowStager | None":
@@ -370,31 +397,67 @@ class RowStager:
 
     def _stage_ids(self, ids: np.ndarray, graph: bool) -> list:
         """Stage hash ids `ids` [tokens, layers, hash columns]: into the persistent buffers for a
-        batch a captured graph may run (`graph`) that fits them, else into tensors of its own."""
-        staged = [None] * self.n_layers
-        if graph and self.buffers is not None and self.buffers.fits(ids.shape[0] * self.cols):
-            return self._stage_graph(ids, staged)
-        return self._stage_layers(ids, staged)
+        batch a captured graph may run (`graph`) that fits them, else into tensors of its own.
 
-    def _layer_ids(self, ids: np.ndarray) -> list[np.ndarray]:
-        return [np.ascontiguousarray(ids[:, k].reshape(-1)) for k, _ in self.layers]
-
-    def _stage_graph(self, ids: np.ndarray, staged: list) -> list:
-        """A decode batch a captured graph may run: every layer's rows read, then into the
-        persistent buffers (rows past them zeroed), copied once on the side stream; each entry's
-        rows carry the batch's number."""
+        The first layer's rows are read now; each later layer's (`behind`) on the stager's host
+        thread while the forward runs the layers before it, its entry a PendingRows that the
+        layer's lookup waits for (dequant_staged): only the first layer's reads are exposed. A
+        batch a CUDA graph replays (buffers on CUDA) has every layer read now: a replay runs no
+        host code between its layers."""
+        self._drain()
         n = ids.shape[0] * self.cols
-        tables = [t for _, t in self.layers]
-        got = read_layers(tables, self._layer_ids(ids), [t.scratch.take(n) for t in tables])
-        self.step += 1
-        for i, rows in enumerate(got):
+        buffered = graph and self.buffers is not None and self.buffers.fits(n)
+        fill = self._fill_buffers if buffered else self._fill_own
+        if buffered:
+            self.step += 1
+        slots = list(range(len(self.layers)))
+        now = slots if not self.behind or (buffered and self.cuda) else slots[:1]
+        staged = [None] * self.n_layers
+        for i, entry in zip(now, fill(ids, now, n)):
+            staged[self.layers[i][0]] = entry
+        for i in slots[len(now):]:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-stage")
+            pending = PendingRows(self, self._pool.submit(fill, ids, [i], n))
+            self._pending.append(pending)
+            staged[self.layers[i][0]] = (pending, None, None)
+        return staged
+
+    def _drain(self) -> None:
+        """Wait for the later layers' fills still running (a forward that never reached them:
+        their buffers must not be written by two steps at once); their errors were the
+        forward's to raise."""
+        for pending in self._pending:
+            pending.future.exception()
+        self._pending.clear()
+
+    def _layer_ids(self, ids: np.ndarray, slots: list[int]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(ids[:, self.layers[i][0]].reshape(-1)) for i in slots]
+
+    def _fill_buffers(self, ids: np.ndarray, slots: list[int], n: int) -> list:
+        """Layers `slots` of a batch a captured graph may run: their rows read, then into the
+        persistent buffers (rows past them zeroed), copied on the side stream; each entry's rows
+        carry the batch's number."""
+        tables = [self.layers[i][1] for i in slots]
+        got = read_layers(tables, self._layer_ids(ids, slots), [t.scratch.take(n) for t in tables])
+        for i, rows in zip(slots, got):
             self.buffers.fill(i, n, lambda weight, scale, rows=rows: _split(rows, weight, scale))
-        _, _, copied = self.buffers.publish(n, self.step, self.copy_stream)
-        for i, (k, _) in enumerate(self.layers):
+        _, _, copied = self.buffers.publish(n, self.step, self.copy_stream, layers=slots)
+        out = []
+        for i in slots:
             weight, scale = self.buffers.rows(i, n, self.step)
             weight.tierstore_step = self.step
-            staged[k] = (weight, scale, copied)
-        return staged
+            out.append((weight, scale, copied))
+        return out
+
+    def close(self) -> None:
+        """Wait for the later layers' fills and stop the stager's host thread."""
+        self._drain()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def check(self, embed, rows) -> None:
         """StagingError unless staged rows `rows` that layer `embed` reads are still its batch's:
@@ -416,21 +479,19 @@ class RowStager:
         i = self._slot[id(embed.tierstore_table)]
         return dequant_rows(embed, self.buffers.weight[i, :n], self.buffers.scale[i, :n], indices.shape)
 
-    def _stage_layers(self, ids: np.ndarray, staged: list) -> list:
-        """A batch staged into buffers of its own: every layer's rows read at once, then one
-        copy to the device on the side stream (each layer's entry a view of it)."""
+    def _fill_own(self, ids: np.ndarray, slots: list[int], n: int) -> list:
+        """Layers `slots` of a batch staged into buffers of its own: their rows read at once, then
+        one copy to the device on the side stream (each layer's entry a view of it)."""
         import torch
 
-        n, layers = ids.shape[0] * self.cols, len(self.layers)
-        weight = torch.empty((layers, n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
-        scale = torch.empty((layers, n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
-        gather_layers([t for _, t in self.layers], self._layer_ids(ids), list(weight.numpy()), list(scale.numpy()))
+        weight = torch.empty((len(slots), n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
+        scale = torch.empty((len(slots), n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
+        gather_layers([self.layers[i][1] for i in slots], self._layer_ids(ids, slots), list(weight.numpy()),
+                      list(scale.numpy()))
         copied = None
         if self.cuda:
             weight, scale, copied = upload(weight, scale, self.device, self.copy_stream)
-        for i, (k, _) in enumerate(self.layers):
-            staged[k] = (weight[i], scale[i], copied)
-        return staged
+        return [(weight[j], scale[j], copied) for j in range(len(slots))]
 
     def _hash(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """sglang's own hash of predecessor windows (EngramHasher.hash_windows, on the host):
@@ -619,6 +680,8 @@ def dequant_staged(original, embed, rows, scales, copied, hash_shape):
     dequantised by `dequant_rows` (sglang's CPU lookup's arithmetic). Rows past the staged
     ones are 0. Rows of the persistent buffers are checked to be still their batch's first
     (RowStager.check)."""
+    if isinstance(rows, PendingRows):  # a later layer's rows, read while the layers before it ran
+        rows, scales, copied = rows.wait()
     if RowStager.current is not None:
         RowStager.current.check(embed, rows)
     if rows.is_cuda:

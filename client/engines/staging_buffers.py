@@ -13,12 +13,14 @@ Invariants:
   the current batch.
 - Each layer's buffer carries the step it was filled for (`steps`): `fill(layer,
   n, write)` writes it and `publish(n, step)` stamps every layer filled since the
-  last publish with `step`. `rows(layer, n, step)`, the only read the stagers
+  last publish with `step` (`publish(..., layers=[k])`: layer k alone, so a
+  step's later layers can be filled and published after its first, from another
+  thread; each layer's state is its own). `rows(layer, n, step)`, the only read the stagers
   make, raises StagingError for a layer not filled for `step` (a fill skipped, a
   step that failed half way): a layer never reads zeros, or another step's rows,
   in place of its own.
 - After `publish(n, step)`, device rows [0, n) of every layer filled for `step`
-  are the batch's and rows [n, capacity) of every layer are zero: a graph captured
+  are the batch's and rows [n, capacity) of those layers are zero: a graph captured
   at a padded size reads the batch, then zero rows for its padding (what the
   kernels write for them is 0).
 - The copies (two a layer, of the rows that changed) run on the stager's side
@@ -61,10 +63,10 @@ class StagingBuffers:
             self.scale = torch.zeros_like(self.host_scale, device=self.device)
         else:
             self.weight, self.scale = self.host_weight, self.host_scale
-        self.filled = 0  # rows [filled, capacity) of every layer are zero, on the host and the device
+        self.filled = np.zeros(layers, dtype=np.int64)  # rows [filled[k], capacity) of layer k are zero
         self.steps = np.full(layers, -1, dtype=np.int64)  # the step each layer's rows were filled for
-        self.copied = None  # the event of the last copies (CUDA)
-        self._written: set[int] = set()  # layers filled since the last publish
+        self.copied: list = [None] * layers  # the event of each layer's last copies (CUDA)
+        self._written: set[int] = set()  # layers filled since their last publish
 
     def fits(self, rows: int) -> bool:
         return rows <= self.capacity
@@ -75,42 +77,51 @@ class StagingBuffers:
         (`publish(n, step)`). Waits for the previous copies (they read these buffers) first."""
         if not self.fits(n):
             raise ValueError(f"{n} staged rows do not fit the {self.capacity}-row staging buffers")
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
+        self._copies_done(layer)
         self._written.discard(layer)
         write(self.host_weight[layer, :n].numpy(), self.host_scale[layer, :n].numpy())
         self._written.add(layer)
 
-    def publish(self, n: int, step: int, stream=None):
-        """Every layer filled since the last publish holds `step`'s rows [0, n): zero the rows
-        past n that the last batch left, copy the changed prefix to the device on `stream` (the
-        side stream), make the current stream wait for the copies, and stamp those layers with
-        `step`. Returns (weights, scales, event): views [layers, n, ...] of the device buffers
-        and the copies' event (None on CPU)."""
+    def publish(self, n: int, step: int, stream=None, layers=None):
+        """Every layer filled since the last publish (or those of `layers` that were) holds
+        `step`'s rows [0, n): zero the rows past n that the last batch left, copy the changed
+        prefix to the device on `stream` (the side stream), make the current stream wait for the
+        copies, and stamp those layers with `step`. Returns (weights, scales, event): views
+        [layers, n, ...] of the device buffers and the copies' event (None on CPU)."""
         import torch
 
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
-        stale = max(self.filled, n)
-        if self.filled > n:
-            self.host_weight[:, n:self.filled] = 0
-            self.host_scale[:, n:self.filled] = 0
-        self.filled = n
+        # a layer of `layers` not filled (its fill failed or was skipped) keeps its last step's stamp
+        layers = sorted(self._written if layers is None else self._written.intersection(layers))
+        stale = {}
+        for k in layers:
+            self._copies_done(k)
+            stale[k] = int(max(self.filled[k], n))
+            if self.filled[k] > n:
+                self.host_weight[k, n:self.filled[k]] = 0
+                self.host_scale[k, n:self.filled[k]] = 0
+            self.filled[k] = n
+        copied = None
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
             stream.wait_stream(current)  # the forwards enqueued so far read the rows overwritten here
             with torch.cuda.stream(stream):
-                for k in range(self.layers):  # each layer's prefix is contiguous: one DMA each
-                    self.weight[k, :stale].copy_(self.host_weight[k, :stale], non_blocking=True)
-                    self.scale[k, :stale].copy_(self.host_scale[k, :stale], non_blocking=True)
-                self.copied = torch.cuda.Event()
-                self.copied.record(stream)
-            current.wait_event(self.copied)
-        self.steps[sorted(self._written)] = step
-        self._written.clear()
-        return self.weight[:, :n], self.scale[:, :n], self.copied
+                for k in layers:  # each layer's prefix is contiguous: one DMA each
+                    self.weight[k, :stale[k]].copy_(self.host_weight[k, :stale[k]], non_blocking=True)
+                    self.scale[k, :stale[k]].copy_(self.host_scale[k, :stale[k]], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            current.wait_event(copied)
+            for k in layers:
+                self.copied[k] = copied
+        self.steps[layers] = step
+        self._written.difference_update(layers)
+        return self.weight[:, :n], self.scale[:, :n], copied
+
+    def _copies_done(self, layer: int) -> None:
+        """Wait for the last copies that read layer `layer`'s host buffers (CUDA)."""
+        if self.copied[layer] is not None:
+            self.copied[layer].synchronize()
+            self.copied[layer] = None
 
     def rows(self, layer: int, n: int, step: int):
         """(weights [n, dim], scales [n, dim / block]): views of layer `layer`'s device rows

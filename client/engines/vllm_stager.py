@@ -51,8 +51,10 @@ the other ranks' gathered hash ids) and, on vLLM 0.33, the V1 model runner
 Invariants:
 - A step never reads rows that were not verified: a checksum failure
   (DATA_LOSS), a sidecar that is away or cannot plan a miss, or a table now
-  served at another version raises StagingError naming the layer from `stage`,
-  before the forward, and nothing of the step is staged.
+  served at another version raises StagingError naming the layer, from `stage`
+  for the first layer (before the forward, nothing of the step staged) and from
+  its lookup for a later one (read on the stager's thread behind the forward:
+  `StepStager.stage_ids`), before any of its rows are used.
 - The output is what `_engram_lookup_kernel` writes for the same table: ids
   outside [vocab_start_idx, vocab_end_idx) and padded heads (head >=
   n_hash_cols) give zero rows; bf16 rows are fp32(e4m3) x 2^(ue8m0 - 127),
@@ -66,6 +68,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -300,7 +303,13 @@ class StepStager:
         self.step = 0  # the current step's number: 0 before the first
         self.real = False  # whether the current step has tokens (not a dummy forward's)
         self.tokens = 0  # tokens of the current step
-        self._own = None  # (weights, scales) [layers, tokens x part, ...] of a step past capacity
+        self._own = None  # per layer (weights, scales, copied) [tokens x part, ...] of a step past capacity
+        # the later layers read on a host thread behind the forward (False: every layer before it,
+        # the bench's baseline); the thread, made at the first such step; each later layer's fill
+        self.behind = True
+        self._pool = None
+        self._pending: dict = {}
+        self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         self._read = np.zeros(len(self.tables), dtype=np.int64)  # the real step each layer last read
 
     def stage(self, windows: np.ndarray) -> None:
@@ -313,38 +322,79 @@ class StepStager:
 
     def stage_ids(self, ids: dict[int, np.ndarray]) -> None:
         """`stage` of hash ids already made: {layer id: table row ids [tokens, n_hash_cols]} of
-        every staged layer, one token count."""
-        import torch
-
+        every staged layer, one token count. The first layer's rows are read now; each later
+        layer's (`behind`) on the stager's host thread while the forward runs the layers before
+        it, waited for at its lookup (`rows`). A step a CUDA graph may replay (persistent buffers
+        on CUDA) has every layer read now: a replay runs no host code between layers."""
+        self._drain()
         self._begin(real=True)
         tokens = next(iter(ids.values())).shape[0]
-        wanted = [t.want(ids[t.layer_id]) for t in self.tables]
-        rows = [t.scratch.take(mine.size) for t, (mine, _) in zip(self.tables, wanted)]  # then a zero row
-        # every layer's read at once, before any write, into its scratch (RowScratch)
-        read_layers(self.tables, [mine for mine, _ in wanted], [r[:-1] for r in rows])
-        fetched = [(r, where) for r, (_, where) in zip(rows, wanted)]
         n = tokens * self.part
-        if self.buffers is not None and self.buffers.fits(n):
-            for i, t in enumerate(self.tables):
-                self.buffers.fill(i, n, lambda weight, scale, t=t, got=fetched[i]: t.fill(got, weight, scale))
-            self.buffers.publish(n, self.step, self.copy_stream)
-        else:
-            weight = torch.empty((len(self.tables), n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
-            scale = torch.empty((len(self.tables), n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
-            for i, t in enumerate(self.tables):
-                t.fill(fetched[i], weight[i].numpy(), scale[i].numpy())
+        buffered = self.buffers is not None and self.buffers.fits(n)
+        wanted = [t.want(ids[t.layer_id]) for t in self.tables]
+        slots = list(range(len(self.tables)))
+        now = slots if not self.behind or (buffered and self.cuda) else slots[:1]
+        self._own = [None] * len(self.tables)
+        for i, own in zip(now, self._fill(wanted, now, n, buffered)):
+            self._own[i] = own
+        for i in slots[len(now):]:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-stage")
+            self._pending[i] = self._pool.submit(self._fill, wanted, [i], n, buffered)
+        self.tokens = tokens
+
+    def _fill(self, wanted: list, slots: list[int], n: int, buffered: bool) -> list:
+        """Layers `slots` of the step: their rows read at once, before any write, into their
+        scratch (RowScratch), then into the persistent buffers (published for the step) or
+        tensors of their own (copied on the side stream on CUDA). Returns each layer's own
+        (weight, scale, copied), None for a buffered one."""
+        import torch
+
+        tables = [self.tables[i] for i in slots]
+        rows = [t.scratch.take(wanted[i][0].size) for i, t in zip(slots, tables)]  # then a zero row
+        read_layers(tables, [wanted[i][0] for i in slots], [r[:-1] for r in rows])
+        out = []
+        for i, t, r in zip(slots, tables, rows):
+            got = (r, wanted[i][1])
+            if buffered:
+                self.buffers.fill(i, n, lambda weight, scale, t=t, got=got: t.fill(got, weight, scale))
+                out.append(None)
+                continue
+            weight = torch.empty((n, self.dim), dtype=torch.uint8, pin_memory=self.cuda)
+            scale = torch.empty((n, self.dim // FP8_BLOCK), dtype=torch.uint8, pin_memory=self.cuda)
+            t.fill(got, weight.numpy(), scale.numpy())
+            copied = None
             if self.cuda:
                 from tierstore.client.engines.sglang_stager import upload
 
                 weight, scale, copied = upload(weight, scale, self.device, self.copy_stream)
-                torch.cuda.current_stream(self.device).wait_event(copied)
-            self._own = (weight, scale)
-        self.tokens = tokens
+            out.append((weight, scale, copied))
+        if buffered:
+            self.buffers.publish(n, self.step, self.copy_stream, layers=slots)
+        return out
+
+    def _drain(self) -> None:
+        """Wait for the later layers' fills still running (a forward that never reached them:
+        the buffers must not be written by two steps at once); their errors were the
+        forward's to raise."""
+        for future in self._pending.values():
+            future.exception()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Wait for the later layers' fills and stop the stager's host thread."""
+        self._drain()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def stage_none(self) -> None:
         """A forward whose rows nothing reads (vLLM's profile and dummy runs, a graph capture's):
         a step of no tokens, every layer's lookup zero rows (the persistent buffers zeroed, so a
         graph replayed for it reads zeros too)."""
+        self._drain()
         self._begin(real=False)
         if self.buffers is not None:
             for i in range(len(self.tables)):
@@ -382,8 +432,17 @@ class StepStager:
                     f"ran a forward whose rows tierstore did not stage (a runner path that bypasses "
                     f"DeepseekV41ModelState.prepare_inputs); no rows are served in place of its own")
             self._read[i] = self.step
-        if self._own is not None:
-            weight, scale = self._own[0][i], self._own[1][i]
+        if i in self._pending:  # a later layer's rows, read while the layers before it ran
+            t = time.perf_counter()
+            try:
+                self._own[i] = self._pending.pop(i).result()[0]
+            finally:
+                self.waited += time.perf_counter() - t
+        own = None if self._own is None else self._own[i]
+        if own is not None:
+            weight, scale, copied = own
+            if copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(copied)
         elif self.buffers is not None:  # rows past the step's are zero up to the capacity
             weight, scale = self.buffers.rows(i, min(n, self.buffers.capacity), self.step)
         elif self.step == 0:

@@ -37,6 +37,13 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
         assert cache["warmup_tokens"] == 8192 and cache["warmup_resident"] == cache["slots"]
         assert "8192 tokens of warm-up" in out
         assert "cache mode (25% of rows in DRAM" in out
+    defaults = res["defaults"]  # layers 1 and 14 staged: features off, the overlap scheduler, DSpark; 14 behind
+    if "skipped" not in defaults:
+        assert defaults["bit_exact"] is True and "at the engines' defaults" in out
+        for kind in ("off", "overlap", "dspark"):
+            for variant in ("before", "behind"):
+                cell = defaults[f"{kind}_{variant}"]
+                assert cell["steps_per_s"] > 0 and 0 < cell["stage_ms"] <= cell["exposed_ms"]
     tp = res["tp"]
     if "skipped" not in tp:  # 8 ranks staging the same batches under --direct-io, from the kernel's read_bytes
         from tierstore.bench.engines import TP_RANKS

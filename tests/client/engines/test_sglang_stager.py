@@ -176,6 +176,14 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
         assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
 
 
+def _ready(staged: list) -> list:
+    """A batch's staged entries with every later layer's (read on the stager's thread behind the
+    forward: a PendingRows) waited for, as its layer's lookup waits for it."""
+    from tierstore.client.engines.sglang_stager import PendingRows
+
+    return [e[0].wait() if e is not None and isinstance(e[0], PendingRows) else e for e in staged]
+
+
 def _own_and_staged(modules, x, hash_ids, fb, input_ids, staged_rows):
     """(layer, sglang's own module's output, the staged module's over `staged_rows`) of each layer
     for one forward batch `fb`."""
@@ -229,14 +237,14 @@ def test_staged_decode_under_cuda_graphs_reads_the_persistent_buffers_bit_identi
         rows = stager.stage(extend)  # staged per batch: extend batches do not replay decode graphs
         input_ids, fb = _forward_batches(reqs, lens, 0)
         hasher(input_ids, fb)
-        assert all(r[0].data_ptr() != buffers.weight.data_ptr() for r in rows if r is not None)
+        assert all(r[0].data_ptr() != buffers.weight.data_ptr() for r in _ready(rows) if r is not None)
         for step, b in enumerate((4, 3, 3, 2, 1), start=1):
             live = reqs[:b]
             for r in live:
                 r.output_ids.append(int(rng.integers(0, 512)))
             batch = ScheduleBatch(reqs=live, forward_mode=ForwardMode.DECODE,
                                   seq_lens_cpu=torch.tensor([n + step for n in lens[:b]]))
-            rows = stager.stage(batch)  # before the replay, as prepare_for_forward runs it
+            rows = _ready(stager.stage(batch))  # before the replay, as prepare_for_forward runs it
             assert (buffers.weight.data_ptr(), buffers.scale.data_ptr()) == base
             for i, L in enumerate(LAYERS):
                 k = fed_layers[i].layer_hash_index
@@ -320,7 +328,7 @@ def test_a_decode_batchs_buffered_rows_are_served_only_while_the_buffers_hold_th
         monkeypatch.setattr(stager.buffers, "fill", lambda layer, n, write: None if layer == 1 else fill(layer, n,
                                                                                                          write))
         with pytest.raises(StagingError, match="slot 1 holds the rows of step 2, and the forward of step 3"):
-            decode(3)
+            _ready(decode(3))  # layer 1's rows, read behind the forward, raise at its lookup
     finally:
         RowStager.current = previous
 
@@ -491,9 +499,10 @@ def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sg
 
 def test_a_batchs_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_path, sglang_engram, staged,
                                                                             monkeypatch):
-    """Under `serve --direct-io` the stager reads a batch's two layers in one Client.lookup_many,
-    overlapped (the client's `overlapped` counts the batches), each layer's staged rows exactly
-    its own table's rows of its hash ids; a bad row stops the batch naming its own table."""
+    """Under `serve --direct-io` a stager that reads every layer before the forward reads a batch's
+    two layers in one Client.lookup_many, overlapped (the client's `overlapped` counts the
+    batches), each layer's staged rows exactly its own table's rows of its hash ids; a bad row
+    stops the batch naming its own table."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from torch import nn
@@ -520,6 +529,7 @@ def test_a_batchs_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_
             for var in HOST_TABLE_VARS:
                 os.environ.pop(var, None)
         stager = EngramRowStager.from_model(nn.ModuleList(fed), staged["hasher"], torch.device("cpu"))
+        stager.behind = False  # every layer before the forward: one read of both (the later one behind: below)
         client = stager.layers[0][1].client
         rng = np.random.default_rng(5)
         prompts = [rng.integers(0, 512, 48).tolist(), rng.integers(0, 512, 20).tolist()]
@@ -535,7 +545,7 @@ def test_a_batchs_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_
                 batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
             windows = stager._decode_windows(batch) if step else stager._extend_windows(batch)
             ids = stager._hash(*windows)
-            got = stager.stage(batch)
+            got = _ready(stager.stage(batch))
             for k, L in enumerate(LAYERS):
                 want = ids[:, k].reshape(-1)
                 weight, scale, _ = got[k]

@@ -456,9 +456,10 @@ def test_every_step_size_lands_at_its_offsets_in_the_same_buffers_zero_padded(pl
                 emb.lookup(torch.zeros((padded, emb.n_hash_cols), dtype=torch.int32), got)
                 assert torch.equal(got[:size].view(torch.int16), want.view(torch.int16)), (L, size, padded)
                 assert (got[size:] == 0).all(), (L, size, padded)
-        if size <= 24:
-            assert stager._own is None and stager.buffers.filled == size * embs[0].part_n_hash_cols
-            assert not stager.buffers.host_weight[:, stager.buffers.filled:].any()
+        if size <= 24:  # in the buffers (no tensors of its own), zero past the step in every layer
+            filled = size * embs[0].part_n_hash_cols
+            assert stager._own == [None, None] and (stager.buffers.filled == filled).all()
+            assert not stager.buffers.host_weight[:, filled:].any()
 
 
 @parent
@@ -565,8 +566,9 @@ def test_settings_the_stager_cannot_serve_are_refused_at_build(plugin, vllm_worl
 
 @parent
 def test_a_steps_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_path, vllm_world, monkeypatch):
-    """Under `serve --direct-io` a step's two staged layers are read in one Client.lookup_many,
-    overlapped (the client's `overlapped` counts the steps), and each layer's lookup still gets
+    """Under `serve --direct-io` a stager that reads every layer before the forward reads a step's
+    two staged layers in one Client.lookup_many, overlapped (the client's `overlapped` counts the
+    steps), and each layer's lookup still gets
     exactly its own table's rows; a bad row names its own layer, not the other."""
     from direct_sidecar import direct_sidecar
     from tierstore.store.catalog import Catalog
@@ -582,6 +584,7 @@ def test_a_steps_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_p
         layout = vllm_engram.layout(CONFIG)
         embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
         stager = _stager(served, embs, capacity=24)
+        stager.behind = False  # every layer before the forward: one read of both (the later one behind: elsewhere)
         client = stager.tables[0].client
         sizes = [16, 3, 24, 40, 1, 8]
         table, steps = _token_steps(np.random.default_rng(11), sizes)
