@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 
 WORKER = Path(__file__).with_name("_worker.py")
+NOBODY = 65534
 
 
 def write_table(data_dir: Path, name: str, rows: int, dim: int = 32, fmt: str = "fp32", seed: int = 0,
@@ -118,6 +120,124 @@ class Workers:
             p.status_path.unlink(missing_ok=True)
 
 
+# ---- slow peers: many connections to a TCP port that never finish a request ----------------------
+# n connections to 127.0.0.1:port held for `seconds`, each dribbling `line` (hex) and never ending
+# it: even ones all but idle (a byte every 3 s), odd ones a slowloris (a byte every 0.2 s); one the
+# server closes (or never took) is opened again, at most 250 a second. Prints
+# {"open": now, "opened": in all, "closed": by the server} every 0.1 s.
+SLOW_PEERS = r"""
+import json, resource, selectors, socket, sys, time
+port, n, seconds, line = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), bytes.fromhex(sys.argv[4])
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (n + 64, hard))  # its own soft limit (the test checked the hard one)
+sel = selectors.DefaultSelector()
+socks, up, sent, due = [None] * n, [False] * n, [0] * n, [0.0] * n
+opened = closed = 0
+end = time.monotonic() + seconds
+next_print = next_connect = time.monotonic()
+
+
+def drop(i):
+    global closed
+    closed += up[i]
+    sel.unregister(socks[i])
+    socks[i].close()
+    socks[i], up[i] = None, False
+
+
+while time.monotonic() < end:
+    for i in range(n):
+        if socks[i] is None and time.monotonic() >= next_connect:
+            # paced: a burst past the server's listen backlog would wait in the kernel, not in it
+            next_connect = max(next_connect + 0.004, time.monotonic() - 0.02)
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks[i], sent[i] = s, 0
+            sel.register(s, selectors.EVENT_WRITE, i)
+    now = time.monotonic()
+    for i in range(n):
+        if up[i] and now >= due[i] and sent[i] < len(line):  # a byte of a request that never ends (a
+            due[i] = now + (0.2 if i % 2 else 3.0)  # connection the server never took answers with a reset)
+            try:
+                sent[i] += socks[i].send(line[sent[i]:sent[i] + 1])
+            except OSError:
+                drop(i)
+    for key, ev in sel.select(0.05):
+        i = key.data
+        if not up[i]:
+            if socks[i].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                drop(i)
+                continue
+            up[i], due[i] = True, time.monotonic()
+            opened += 1
+            sel.modify(socks[i], selectors.EVENT_READ, i)
+            continue
+        try:
+            gone = not socks[i].recv(65536)
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            drop(i)
+    if time.monotonic() >= next_print:
+        next_print = time.monotonic() + 0.1
+        print(json.dumps(dict(open=sum(up), opened=opened, closed=closed)), flush=True)
+"""
+HTTP_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4096  # longer than any test dribbles: never ends
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a gRPC client sends first, then its SETTINGS
+
+
+class SlowPeers:
+    """SLOW_PEERS run as `nobody` (the system python: ours may live where only root may enter), or
+    as this user where we are not root (a TCP port is open to every uid alike); `status` its last
+    line."""
+
+    def __init__(self, port: int, n: int, seconds: float, line: bytes = HTTP_REQUEST):
+        py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else None
+        kw = dict(user=NOBODY, group=NOBODY) if os.geteuid() == 0 and py else {}
+        self.proc = subprocess.Popen([py or sys.executable, "-I", "-c", SLOW_PEERS, str(port), str(n), str(seconds),
+                                      line.hex()],
+                                     cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+        self.status: dict = {}
+        self._reader = threading.Thread(target=self._read)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.status = json.loads(line)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._reader.join(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def sockets_of(pid: int) -> int:
+    """A process's open sockets (what connections hold; its other fds, e.g. a read thread's
+    io_uring opened on its first miss, come and go with its own work)."""
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # closed since listed
+            pass
+    return held
+
+
+def timed(fn) -> tuple[float, str]:
+    """(seconds, "ok" or the error) of fn()."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        return time.monotonic() - t0, "ok"
+    except Exception as e:  # noqa: BLE001 - what a user would see is the finding
+        return time.monotonic() - t0, repr(e)[:200]
+
+
 @pytest.fixture
 def workers(tmp_path):
     w = Workers(tmp_path)
@@ -149,4 +269,6 @@ def rel():
     from types import SimpleNamespace
 
     return SimpleNamespace(write_table=write_table, proc_status=proc_status, reset_peak_rss=reset_peak_rss,
-                           mappers_of=mappers_of, my_shm_segments=my_shm_segments)
+                           mappers_of=mappers_of, my_shm_segments=my_shm_segments, SlowPeers=SlowPeers,
+                           sockets_of=sockets_of, timed=timed, HTTP_REQUEST=HTTP_REQUEST,
+                           HTTP2_PREFACE=HTTP2_PREFACE)

@@ -4,11 +4,7 @@ descriptors the sidecar's clients need: while they are held, a connected client'
 succeeding, a new client connects, and an honest scrape is answered."""
 from __future__ import annotations
 
-import json
-import os
 import resource
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,121 +15,7 @@ import pytest
 from tierstore.client.client import Client
 
 pytestmark = pytest.mark.reliability
-NOBODY = 65534
 ROWS = 4000
-
-# n connections to 127.0.0.1:port held for `seconds`, each sending a request that never ends: even
-# ones all but idle (a byte every 3 s), odd ones a slowloris (a byte every 0.2 s); one the server
-# closes (or never took) is opened again, at most 250 a second. Prints
-# {"open": now, "opened": in all, "closed": by the server} every 0.1 s.
-ATTACK = r"""
-import json, resource, selectors, socket, sys, time
-port, n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-resource.setrlimit(resource.RLIMIT_NOFILE, (n + 64, hard))  # its own soft limit (the test checked the hard one)
-LINE = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100000
-sel = selectors.DefaultSelector()
-socks, up, sent, due = [None] * n, [False] * n, [0] * n, [0.0] * n
-opened = closed = 0
-end = time.monotonic() + seconds
-next_print = next_connect = time.monotonic()
-
-
-def drop(i):
-    global closed
-    closed += up[i]
-    sel.unregister(socks[i])
-    socks[i].close()
-    socks[i], up[i] = None, False
-
-
-while time.monotonic() < end:
-    for i in range(n):
-        if socks[i] is None and time.monotonic() >= next_connect:
-            # paced: a burst past the server's listen backlog would wait in the kernel, not in it
-            next_connect = max(next_connect + 0.004, time.monotonic() - 0.02)
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            socks[i], sent[i] = s, 0
-            sel.register(s, selectors.EVENT_WRITE, i)
-    now = time.monotonic()
-    for i in range(n):
-        if up[i] and now >= due[i]:  # a byte of a request that never ends (a connection the server
-            due[i] = now + (0.2 if i % 2 else 3.0)  # never took answers it with a reset)
-            try:
-                sent[i] += socks[i].send(LINE[sent[i]:sent[i] + 1])
-            except OSError:
-                drop(i)
-    for key, ev in sel.select(0.05):
-        i = key.data
-        if not up[i]:
-            if socks[i].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                drop(i)
-                continue
-            up[i], due[i] = True, time.monotonic()
-            opened += 1
-            sel.modify(socks[i], selectors.EVENT_READ, i)
-            continue
-        try:
-            gone = not socks[i].recv(65536)
-        except BlockingIOError:
-            gone = False
-        except OSError:
-            gone = True
-        if gone:
-            drop(i)
-    if time.monotonic() >= next_print:
-        next_print = time.monotonic() + 0.1
-        print(json.dumps(dict(open=sum(up), opened=opened, closed=closed)), flush=True)
-"""
-
-
-class Attack:
-    """ATTACK run as `nobody` (the system python: ours may live where only root may enter), or as
-    this user where we are not root (the port is open to every uid alike); `status` its last line."""
-
-    def __init__(self, port: int, n: int, seconds: float):
-        py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else None
-        kw = dict(user=NOBODY, group=NOBODY) if os.geteuid() == 0 and py else {}
-        self.proc = subprocess.Popen([py or sys.executable, "-I", "-c", ATTACK, str(port), str(n), str(seconds)],
-                                     cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-        self.status: dict = {}
-        self._reader = threading.Thread(target=self._read)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.status = json.loads(line)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._reader.join(10)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-
-
-def _fds(pid: int) -> int:
-    """The sidecar's open sockets (what connections hold; its other fds, e.g. a read thread's
-    io_uring opened on its first miss, come and go with its own work)."""
-    held = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-        except FileNotFoundError:  # closed since listed
-            pass
-    return held
-
-
-def _timed(fn) -> tuple[float, str]:
-    """(seconds, "ok" or the error) of fn()."""
-    t0 = time.monotonic()
-    try:
-        fn()
-        return time.monotonic() - t0, "ok"
-    except Exception as e:  # noqa: BLE001 - what a user would see is the finding
-        return time.monotonic() - t0, repr(e)[:200]
 
 
 @pytest.mark.parametrize("conns,soft", [(300, 256), (1100, 1024)])
@@ -184,20 +66,20 @@ def test_idle_and_slowloris_connections_to_the_metrics_port_take_nothing_clients
     try:
         while plans[0] == 0 and not failures:
             time.sleep(0.01)
-        before = _fds(pid)
-        attack = Attack(port, conns, 120)
+        before = rel.sockets_of(pid)
+        attack = rel.SlowPeers(port, conns, 120)
         deadline = time.monotonic() + 15  # (a server out of fds takes no more)
         while attack.status.get("opened", 0) < conns and time.monotonic() < deadline:
             assert attack.proc.poll() is None, attack.proc.stderr.read()
             time.sleep(0.05)
         time.sleep(2.0)  # the attack held a while
-        held = _fds(pid) - before
-        joined, scraped = _timed(new_client), _timed(scrape)
+        held = rel.sockets_of(pid) - before
+        joined, scraped = rel.timed(new_client), rel.timed(scrape)
         time.sleep(1.0)
         during = dict(attack.status)
         attack.stop()
         time.sleep(REQUEST_TIMEOUT_S + 0.5)
-        after = _fds(pid) - before
+        after = rel.sockets_of(pid) - before
     finally:
         stop.set()
         planner.join(30)

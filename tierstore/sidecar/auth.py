@@ -18,6 +18,16 @@ server therefore runs with PRE_AUTH_OPTIONS: a fixed stream window of
 PRE_AUTH_WINDOW_BYTES, so a call holds at most that much until it is refused. An
 accepted call loses nothing: once its handler reads the message, gRPC opens the
 window to the message's declared size.
+
+Connections before the check: any peer that reaches the port may open connections and never
+finish their HTTP/2 (or TLS) handshake, or finish it and never call. gRPC's own defaults hold
+each such connection (an fd) for 120 s, or for good once handshaken, so a few hundred of them
+would take the file descriptors the sidecar's clients on the unix socket need. `tcp_options`
+bounds them: at most `max_tcp_connections` at once (a quarter of the sidecar's fd limit, at
+most 1,024: further ones are closed as they arrive), a handshake not done in
+HANDSHAKE_TIMEOUT_S is closed, and a connection without a call for IDLE_TIMEOUT_S is closed
+(a client's channel reconnects on its next call). A peer that fills the cap denies other TCP
+callers while it holds it; it takes nothing from the unix socket's clients.
 """
 from __future__ import annotations
 
@@ -30,13 +40,34 @@ import time
 import grpc
 
 __all__ = ["TokenInterceptor", "TOKEN_HEADER", "RECEIVE_TIMEOUT_S", "OPEN_METHODS", "PRE_AUTH_WINDOW_BYTES",
-           "PRE_AUTH_OPTIONS"]
+           "PRE_AUTH_OPTIONS", "HANDSHAKE_TIMEOUT_S", "IDLE_TIMEOUT_S", "max_tcp_connections", "tcp_options"]
 
 TOKEN_HEADER = "x-tierstore-token"
 RECEIVE_TIMEOUT_S = 30.0  # 64 MiB (the request limit) at ~2 MB/s
 PRE_AUTH_WINDOW_BYTES = 64 << 10  # HTTP/2's own default stream window
 # options of the TCP server (see above): no window growth before a handler reads
 PRE_AUTH_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", PRE_AUTH_WINDOW_BYTES)]
+HANDSHAKE_TIMEOUT_S = 10.0  # a TCP (and TLS) handshake unfinished by then is closed
+IDLE_TIMEOUT_S = 300.0  # a TCP connection with no call for this long is closed
+
+
+def max_tcp_connections(fd_limit: int | None = None) -> int:
+    """The TCP connections the sidecar holds at once: a quarter of its soft fd limit (the
+    rest for segments, arenas and the unix socket's clients), between 8 and 1,024."""
+    if fd_limit is None:
+        import resource
+
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if fd_limit == resource.RLIM_INFINITY:
+            fd_limit = 1 << 20
+    return max(8, min(1024, fd_limit // 4))
+
+
+def tcp_options(fd_limit: int | None = None) -> list[tuple[str, int]]:
+    """The TCP server's gRPC options: PRE_AUTH_OPTIONS and the connection bounds above."""
+    return PRE_AUTH_OPTIONS + [("grpc.max_allowed_incoming_connections", max_tcp_connections(fd_limit)),
+                               ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+                               ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000))]
 
 
 # Load balancers probe health without the token; Health/Watch holds a worker

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstore.sidecar.auth import PRE_AUTH_OPTIONS, TOKEN_HEADER, TokenInterceptor
+from tierstore.sidecar.auth import TOKEN_HEADER, TokenInterceptor, tcp_options
 from tierstore.proto import MAX_INLINE_BYTES, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from tierstore.sidecar.config import ServeConfig
 from tierstore.errors import (ERROR_METADATA_KEY, InvalidArgument, ResourceExhausted, TierstoreError, Unauthenticated,
@@ -257,7 +257,7 @@ class Server:
             self._socket_id = (st.st_dev, st.st_ino)  # stop() removes this socket and no other
             self.addresses.append(f"unix:{config.socket}")
         if config.listen is not None:
-            tcp = self._grpc_server(config, service, "tcp", (self.guard,), PRE_AUTH_OPTIONS)
+            tcp = self._grpc_server(config, service, "tcp", (self.guard,), tcp_options())
             if pem:
                 creds = grpc.ssl_server_credentials([(pem[1], pem[0])])
                 self._bind(lambda a: tcp.add_secure_port(a, creds), config.listen, "--listen")
