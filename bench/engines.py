@@ -232,6 +232,12 @@ def run_engines_bench(out_dir, *, vocab: int | None = None, tokens: int = 512, r
                                decode_steps=decode_steps, warmup_tokens=warmup_tokens, seed=seed, log=log)
     res["defaults"] = defaults_cell(engram, work, vocab=vocab, rounds=rounds, decode_steps=decode_steps, seed=seed,
                                     log=log)
+    try:  # the same with misses read from the device (O_DIRECT): where reading layer 14 behind must pay
+        res["defaults_direct"] = defaults_cell(engram, work, vocab=vocab, rounds=rounds, decode_steps=decode_steps,
+                                               direct_io=True, seed=seed, log=log)
+    except Exception as e:  # noqa: BLE001 - a filesystem that refuses O_DIRECT: the cell says why
+        log(f"bench engines: the --direct-io defaults cell skipped: {e}")
+        res["defaults_direct"] = {"skipped": f"serve --direct-io failed here: {e}"}
     res["tp"] = tp_cell(work / "data", "l1", rows, batch=tokens * spec.columns, batches=rounds, seed=seed, log=log)
     res["restart"] = restart_cell(work, scale=RESTART_SCALE_QUICK if quick else RESTART_SCALE, rounds=1 if quick else 3,
                                   seed=seed, log=log)
@@ -438,11 +444,13 @@ def _settled_stats(socket, client, timeout: float = 10.0, quiet: float = 0.3) ->
 DEFAULTS_LAYERS = (1, 14)  # V4.1's two Engram layers
 MID_MS = 4.0  # the device time of the decoder layers between them (2..13) at a decode step, modelled
 BLOCK = 4  # DSpark's verify window: an anchor and 3 drafts
-VARIANTS = ("before", "behind")  # the later layer read before the forward, or behind layers 1..13
+# the later layer read before the forward, behind layers 1..13, or behind only when its probe finds misses
+# (the stagers' default): each variant's stager `behind` (step_reads.BEHIND)
+VARIANTS = {"before": "never", "behind": "always", "auto": "misses"}
 
 
 def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: int, mid_ms: float = MID_MS,
-                  seed: int = 0, log=print) -> dict:
+                  direct_io: bool = False, seed: int = 0, log=print) -> dict:
     """Staging at the engines' defaults, sglang's real Engram layers 1 and 14 staged from one
     cache-mode sidecar (a quarter of both tables' rows), real text, sglang's own hasher:
 
@@ -455,9 +463,11 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
       next tokens as the anchor and drafts, all accepted: sglang's commit_after_verify), staged
       at their ForwardBatch.
 
-    Each as the stager reads it before the forward (`before`: both layers) and with layer 14
+    Each as the stager reads it before the forward (`before`: both layers), with layer 14
     read on the stager's host thread while the forward runs layer 1 and the layers between
-    (`behind`). A step is its stage (timed: the exposed part) plus its forward: layer 1's
+    (`behind`), and as the stagers do by default (`auto`: behind only when layer 14's slot-index
+    probe finds misses, step_reads.read_now). `direct_io`: the sidecar serves `--direct-io`
+    (misses read with O_DIRECT from the device, not the page cache: the reads behind hides). A step is its stage (timed: the exposed part) plus its forward: layer 1's
     module, the decoder layers 2..13 between them modelled as `mid_ms` of device time (the host
     sleeps: on a GPU host it waits for them), layer 14's module (its lookup waits for its rows:
     RowStager.waited, exposed too). Every variant of a step runs back to back, their order
@@ -481,7 +491,7 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
         log(f"bench engines: defaults cell skipped: {e}")
         return {"skipped": str(e)}
     rng = np.random.default_rng([seed, 54])
-    root = work / "defaults"
+    root = work / ("defaults-direct" if direct_io else "defaults")
     root.mkdir()
     shard = root / "model-00001-of-00001.safetensors"
     _write_shard(shard, spec.rows(1), spec, rng)
@@ -501,14 +511,15 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
     text = text.reshape(rounds, REQUESTS, per_req)
     res: dict = {"layers": list(DEFAULTS_LAYERS), "rows": [spec.rows(L) for L in DEFAULTS_LAYERS],
                  "dram_budget_bytes": total // CACHE_SHARE, "requests": REQUESTS, "mid_ms": mid_ms,
-                 "block": BLOCK, "decode_steps": decode_steps, "rounds": rounds}
+                 "block": BLOCK, "decode_steps": decode_steps, "rounds": rounds, "direct_io": direct_io}
     kinds = ("off", "overlap", "dspark")
     times = {(k, v): {"step": [], "stage": [], "exposed": []} for k in kinds for v in VARIANTS}
     exact = True
     slots = torch.arange(REQUESTS)
-    with SidecarProcess(root / "data", dram_budget=str(total // CACHE_SHARE)) as sc:
+    with SidecarProcess(root / "data", dram_budget=str(total // CACHE_SHARE),
+                        extra_args=("--direct-io",) if direct_io else ()) as sc:
         fed = [_build_fed(engram, spec, shard, sc.socket, L)[0] for L in DEFAULTS_LAYERS]
-        stagers = {v: RowStager(hasher, fed, "cpu", behind=(v == "behind")) for v in VARIANTS}
+        stagers = {v: RowStager(hasher, fed, "cpu", behind=b) for v, b in VARIANTS.items()}
         try:
             for r in range(rounds):
                 seqs = text[r]
@@ -534,7 +545,7 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
                             batch.seq_lens_cpu = torch.full((REQUESTS,), pos + 1)
                             _, step_fb = _forward_batch(seqs[:, :pos + 1], pos, 1)
                         before_step = hasher.history.clone()
-                        order = VARIANTS if (r + step) % 2 == 0 else VARIANTS[::-1]
+                        order = list(VARIANTS)[(r + step) % len(VARIANTS):] + list(VARIANTS)[:(r + step) % len(VARIANTS)]
                         outs = {}
                         for v in order:
                             hasher.history.copy_(before_step)
@@ -555,7 +566,8 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
                             times[(kind, v)]["step"].append(done - t)
                             times[(kind, v)]["stage"].append(staged_at - t)
                             times[(kind, v)]["exposed"].append(staged_at - t + stager.waited - waited)
-                        exact &= torch.equal(outs["before"].view(torch.int16), outs["behind"].view(torch.int16))
+                        exact &= all(torch.equal(outs["before"].view(torch.int16), o.view(torch.int16))
+                                     for o in outs.values())
                         if kind == "dspark":
                             hasher.commit_after_verify(ids_2d, slots, torch.full((REQUESTS,), BLOCK))
                             pos += BLOCK
@@ -744,14 +756,16 @@ def engines_line(res: dict) -> str:
                  f"of warm-up): {_step_part(c, 'extend')}, "
                  f"{_step_part(c, 'decode')}, hit ratio {c['hit_ratio']:.3f}, bit-exact {c['bit_exact']}, "
                  f"start-up {c['start_s']:.3f} s")
-    d = res.get("defaults") or {}
-    if "skipped" in d:
-        line += f"; defaults cell skipped: {d['skipped']}"
-    elif d:
-        line += "; at the engines' defaults (layers 1 and 14 staged, decode): " + ", ".join(
-            f"{kind} {d[f'{kind}_before']['steps_per_s']:.0f} steps/s (stage {d[f'{kind}_before']['stage_ms']:.2f} "
-            f"ms), exposed staging {d[f'{kind}_before']['exposed_ms']:.2f} -> {d[f'{kind}_behind']['exposed_ms']:.2f} "
-            f"ms with layer 14 behind" for kind in ("off", "overlap", "dspark")) + f", bit-exact {d['bit_exact']}"
+    for key, what in (("defaults", "page cache"), ("defaults_direct", "--direct-io")):
+        d = res.get(key) or {}
+        if "skipped" in d:
+            line += f"; defaults cell ({what}) skipped: {d['skipped']}"
+        elif d:
+            line += f"; at the engines' defaults (layers 1 and 14 staged, decode, misses from the {what}): " + ", ".join(
+                f"{kind} {d[f'{kind}_before']['steps_per_s']:.0f} steps/s (stage {d[f'{kind}_before']['stage_ms']:.2f} "
+                f"ms), exposed staging ms layer 14 before/behind/auto {d[f'{kind}_before']['exposed_ms']:.2f}/"
+                f"{d[f'{kind}_behind']['exposed_ms']:.2f}/{d[f'{kind}_auto']['exposed_ms']:.2f}"
+                for kind in ("off", "overlap", "dspark")) + f", bit-exact {d['bit_exact']}"
     r = res.get("restart") or {}
     if r:
         line += (f"; restart ({r['layout']}, dense stand-in as large as the tables): {r['filtered']['s']:.2f} s with "

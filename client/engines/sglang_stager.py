@@ -79,6 +79,7 @@ import numpy as np
 
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
+from tierstore.client.engines.slot_probe import SlotProbe
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
 from tierstore.client.engines.step_reads import PREFETCH_TOKENS
@@ -151,6 +152,7 @@ class StagedTable:
         self.checkpoint = h.checkpoint  # the tensors the rows were ingested from (CheckpointCheck)
         self.full_resident = h.full_resident
         self.scratch = RowScratch(h.row_bytes)  # a batch's distinct rows land here (gather_layers)
+        self.probe = SlotProbe(client, table)  # which of a batch's ids are resident (a later layer read behind)
 
     def shape(self, which: str) -> tuple[int, int]:
         return (self.rows, self.dim if which == "weight" else self.dim // FP8_BLOCK)
@@ -293,7 +295,7 @@ class RowStager:
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
-    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: bool = True):
+    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: str = "misses"):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
@@ -309,9 +311,9 @@ class RowStager:
                         if graph_tokens > 0 else None)
         self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
         self.step = 0  # the number of the last batch staged into the buffers
-        # the later layers read on a host thread behind the forward (False: every layer before it,
-        # the bench's baseline); the thread, made at the first such batch; their fills not yet waited
-        self.behind = behind
+        # which later layers are read on a host thread behind the forward (step_reads.BEHIND); the
+        # thread, made at the first such batch; their fills not yet waited
+        self.behind = step_reads.check_behind(behind)
         self._pool = None
         self._pending: list[PendingRows] = []
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
@@ -399,11 +401,12 @@ class RowStager:
         """Stage hash ids `ids` [tokens, layers, hash columns]: into the persistent buffers for a
         batch a captured graph may run (`graph`) that fits them, else into tensors of its own.
 
-        The first layer's rows are read now; each later layer's (`behind`) on the stager's host
-        thread while the forward runs the layers before it, its entry a PendingRows that the
-        layer's lookup waits for (dequant_staged): only the first layer's reads are exposed. A
-        batch a CUDA graph replays (buffers on CUDA) has every layer read now: a replay runs no
-        host code between its layers."""
+        The first layer's rows are read now; a later layer's (step_reads.read_now, by `behind`:
+        by default one whose ids the slot index does not all hold) on the stager's host thread while
+        the forward runs the layers before it, its entry a PendingRows that the layer's lookup
+        waits for (dequant_staged): only the first layer's misses are exposed. A batch a CUDA
+        graph replays (buffers on CUDA) has every layer read now: a replay runs no host code
+        between its layers."""
         self._drain()
         n = ids.shape[0] * self.cols
         buffered = graph and self.buffers is not None and self.buffers.fits(n)
@@ -411,11 +414,12 @@ class RowStager:
         if buffered:
             self.step += 1
         slots = list(range(len(self.layers)))
-        now = slots if not self.behind or (buffered and self.cuda) else slots[:1]
+        tables = [t for _, t in self.layers]
+        now = slots if buffered and self.cuda else step_reads.read_now(self.behind, tables, self._layer_ids(ids, slots))
         staged = [None] * self.n_layers
         for i, entry in zip(now, fill(ids, now, n)):
             staged[self.layers[i][0]] = entry
-        for i in slots[len(now):]:
+        for i in (i for i in slots if i not in now):
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 

@@ -20,12 +20,16 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.engines import StagingError
 
-__all__ = ["read_step", "read_layers", "prefetch_layers", "queued_hint", "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
+__all__ = ["read_step", "read_layers", "read_now", "check_behind", "prefetch_layers", "queued_hint", "BEHIND",
+           "PREFETCH_TOKENS", "READ_AHEAD_STEPS"]
 
 log = logging.getLogger("tierstore.client.engines")
 
 READ_AHEAD_STEPS = 4  # a queued request expected to run within this many steps has its misses read now
 PREFETCH_TOKENS = 8192  # tokens of a queued prompt hinted: about its first prefill chunk
+# which of a step's later Engram layers a stager reads behind the forward (docs/decisions.md, "Later Engram
+# layers read behind the forward"): those with misses to read (the default), every one, or none
+BEHIND = ("misses", "always", "never")
 
 
 def read_step(asks: list, outs: list | None = None) -> list[np.ndarray]:
@@ -73,6 +77,28 @@ def read_layers(layers: list, ids: list, outs: list | None, *, failed: Callable[
         if v != t.version:
             raise StagingError(moved(t, v))
     return got
+
+
+def check_behind(behind: str) -> str:
+    """`behind` if it is one of BEHIND; ValueError naming them otherwise."""
+    if behind not in BEHIND:
+        raise ValueError(f"behind={behind!r}: a stager reads its later Engram layers behind the forward by one of "
+                         f"{', '.join(BEHIND)}")
+    return behind
+
+
+def read_now(behind: str, layers: list, ids: list) -> list[int]:
+    """The layers (indices into `layers`, staged tables with a .probe: SlotProbe) whose ids[i] a
+    stager reads before the forward: the first always; a later one unless `behind` is "always",
+    or is "misses" and its probe finds ids the slot index does not hold (a read to hide). A
+    later layer whose rows are all resident costs less read with the first, in one call, than a
+    call of its own on another thread (docs/decisions.md, "Later Engram layers read behind the
+    forward")."""
+    if behind == "never":
+        return list(range(len(layers)))
+    if behind == "always":
+        return [0]
+    return [0] + [i for i in range(1, len(layers)) if layers[i].probe.misses(ids[i]) == 0]
 
 
 def queued_hint(wait_steps: int, run_steps: int = 1, read: bool | None = None) -> tuple[bool, int]:

@@ -76,6 +76,7 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
+from tierstore.client.engines.slot_probe import SlotProbe
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
 from tierstore.client.engines.step_reads import PREFETCH_TOKENS
@@ -124,6 +125,7 @@ class StagedEngramTable:
         self.part = None  # the rank's heads, set by `bind`
         # a step's rows land here (every owned position), then the zero row a padded head reads
         self.scratch = RowScratch(h.row_bytes, spare=1)
+        self.probe = SlotProbe(client, table)  # which of a step's ids are resident (a later layer read behind)
 
     def check(self, start: int, end: int, verify: str) -> checks.CheckpointCheck:
         """The weight loader of this layer's two placeholders: the checkpoint's rows [start, end)
@@ -304,9 +306,9 @@ class StepStager:
         self.real = False  # whether the current step has tokens (not a dummy forward's)
         self.tokens = 0  # tokens of the current step
         self._own = None  # per layer (weights, scales, copied) [tokens x part, ...] of a step past capacity
-        # the later layers read on a host thread behind the forward (False: every layer before it,
-        # the bench's baseline); the thread, made at the first such step; each later layer's fill
-        self.behind = True
+        # which later layers are read on a host thread behind the forward (step_reads.BEHIND); the
+        # thread, made at the first such step; each later layer's fill
+        self.behind = "misses"
         self._pool = None
         self._pending: dict = {}
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
@@ -322,9 +324,10 @@ class StepStager:
 
     def stage_ids(self, ids: dict[int, np.ndarray]) -> None:
         """`stage` of hash ids already made: {layer id: table row ids [tokens, n_hash_cols]} of
-        every staged layer, one token count. The first layer's rows are read now; each later
-        layer's (`behind`) on the stager's host thread while the forward runs the layers before
-        it, waited for at its lookup (`rows`). A step a CUDA graph may replay (persistent buffers
+        every staged layer, one token count. The first layer's rows are read now; a later layer's
+        (step_reads.read_now, by `behind`: by default one whose ids the slot index does not all
+        hold) on the stager's host thread while the forward runs the layers before it, waited
+        for at its lookup (`rows`). A step a CUDA graph may replay (persistent buffers
         on CUDA) has every layer read now: a replay runs no host code between layers."""
         self._drain()
         self._begin(real=True)
@@ -333,11 +336,12 @@ class StepStager:
         buffered = self.buffers is not None and self.buffers.fits(n)
         wanted = [t.want(ids[t.layer_id]) for t in self.tables]
         slots = list(range(len(self.tables)))
-        now = slots if not self.behind or (buffered and self.cuda) else slots[:1]
+        now = slots if buffered and self.cuda else step_reads.read_now(self.behind, self.tables,
+                                                                         [w[0] for w in wanted])
         self._own = [None] * len(self.tables)
         for i, own in zip(now, self._fill(wanted, now, n, buffered)):
             self._own[i] = own
-        for i in slots[len(now):]:
+        for i in (i for i in slots if i not in now):
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 

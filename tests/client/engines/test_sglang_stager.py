@@ -529,7 +529,7 @@ def test_a_batchs_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_
             for var in HOST_TABLE_VARS:
                 os.environ.pop(var, None)
         stager = EngramRowStager.from_model(nn.ModuleList(fed), staged["hasher"], torch.device("cpu"))
-        stager.behind = False  # every layer before the forward: one read of both (the later one behind: below)
+        stager.behind = "never"  # every layer before the forward: one read of both (the later one behind: below)
         client = stager.layers[0][1].client
         rng = np.random.default_rng(5)
         prompts = [rng.integers(0, 512, 48).tolist(), rng.integers(0, 512, 20).tolist()]

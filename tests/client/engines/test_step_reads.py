@@ -87,3 +87,82 @@ def _tables_a_and_b(data_dir, seed: int) -> np.ndarray:
 def _layers(c: Client, tables) -> list:
     """A staged layer on each table, as an engine's stager holds one: checked against the version served now."""
     return [SimpleNamespace(client=c, table=t, version=c.handle(t).version) for t in tables]
+
+
+def test_a_stagers_thread_and_the_schedulers_share_one_client(tmp_path):
+    """A later layer read on the stager's thread (read_layers) while the scheduler's thread uses the
+    same Client (prefetch hints, another table's lookups, slot-index probes), against a real sidecar
+    whose cache is a fraction of the rows (hits, misses and promotions under both): every row either
+    thread reads is exact, neither raises, and the sidecar serves both afterwards."""
+    import threading
+
+    from tierstore.client.engines.slot_probe import SlotProbe
+
+    data = _tables_a_and_b(tmp_path / "data", 9)
+    with SidecarProcess(tmp_path / "data", dram_budget="256KiB") as sc, Client(sc.socket) as c:
+        layers, probe = _layers(c, ["a"]), SlotProbe(c, "b")
+        said = dict(failed=lambda which, e: f"failed {e}", moved=lambda t, v: f"moved {v}")
+        errors, bad, stop = [], [], threading.Event()
+
+        def stager():
+            rng, scratch = np.random.default_rng(1), RowScratch(WIDTH)
+            while not stop.is_set():
+                ids = rng.integers(0, ROWS, 300)
+                got = read_layers(layers, [ids], [scratch.take(ids.size)], **said)[0]
+                if not np.array_equal(got, data[ids]):
+                    bad.append("a")
+
+        def scheduler():
+            rng = np.random.default_rng(2)
+            while not stop.is_set():
+                ids = rng.integers(0, ROWS, 300)
+                c.prefetch("a", rng.integers(0, ROWS, 64), read=True, steps=4)
+                if not np.array_equal(c.lookup("b", ids), data[ids]):
+                    bad.append("b")
+                assert 0 <= probe.misses(ids) <= ids.size
+
+        def run(f):
+            try:
+                f()
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=run, args=(f,)) for f in (stager, scheduler)]
+        for t in threads:
+            t.start()
+        stop.wait(3.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not errors and not bad, (errors, bad[:3])
+        ids = np.arange(0, ROWS, 3)
+        assert np.array_equal(c.lookup_many({"a": ids, "b": ids})["a"], data[ids])
+        local = c.handle("a").local_reads
+        assert local.rows_cold > 0 and local.rows_resident > 0  # both paths ran under the race
+
+
+def test_a_later_layer_is_read_behind_only_with_misses_to_read(tmp_path):
+    """read_now: the first layer always before the forward; a later one too when its slot-index
+    probe finds all its ids resident ("misses", the stagers' default), behind when some are not;
+    "always" and "never" as named; another name refused."""
+    import time
+
+    from tierstore.client.engines.slot_probe import SlotProbe
+    from tierstore.client.engines.step_reads import check_behind, read_now
+
+    _tables_a_and_b(tmp_path / "data", 4)
+    with SidecarProcess(tmp_path / "data", dram_budget="512KiB") as sc, Client(sc.socket) as c:
+        layers = [SimpleNamespace(probe=SlotProbe(c, t)) for t in ("a", "b", "b")]
+        warm, cold = np.arange(100), np.arange(4000, 4100)
+        deadline = time.monotonic() + 20
+        while layers[1].probe.misses(warm) and time.monotonic() < deadline:  # the sidecar promotes what was read
+            c.lookup("b", warm)
+            c.flush()
+            time.sleep(0.05)
+        assert layers[1].probe.misses(warm) == 0 and layers[1].probe.misses(cold) == cold.size
+        assert read_now("misses", layers, [cold, warm, cold]) == [0, 1]
+        assert read_now("always", layers, [cold, warm, cold]) == [0]
+        assert read_now("never", layers, [cold, warm, cold]) == [0, 1, 2]
+        with pytest.raises(ValueError, match="one of misses, always, never"):
+            check_behind("sometimes")

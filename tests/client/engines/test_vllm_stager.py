@@ -584,7 +584,7 @@ def test_a_steps_layers_are_read_overlapped_under_direct_io_and_land_exact(tmp_p
         layout = vllm_engram.layout(CONFIG)
         embs = [_staged(vllm_world, layout, index) for index in range(len(LAYERS))]
         stager = _stager(served, embs, capacity=24)
-        stager.behind = False  # every layer before the forward: one read of both (the later one behind: elsewhere)
+        stager.behind = "never"  # every layer before the forward: one read of both (the later one behind: elsewhere)
         client = stager.tables[0].client
         sizes = [16, 3, 24, 40, 1, 8]
         table, steps = _token_steps(np.random.default_rng(11), sizes)
