@@ -15,7 +15,9 @@ The control words, int64 in pinned host memory (the device reads and writes them
   COUNT: on a GPU, after a system-scope fence);
 - COUNT: the misses listed, ids in `misses[:COUNT]`;
 - DONE: the step whose rows the host wrote into `rows[:COUNT]` (written after them);
-- FAILED: a step whose fill failed (the error kept on the server, named by `wait`).
+- FAILED: a step whose fill failed (the error kept on the server, named by `wait`);
+- ERROR_STEP, ERROR_CODE: the last step whose device side failed and why (the kernel writes
+  them: kernels/staged_gather.py, which names the words).
 
 Invariants:
 - The device reads a step's rows only once DONE names that step: never the rows of another
@@ -36,15 +38,14 @@ from typing import Callable
 import numpy as np
 
 from tierstore.client.engines import StagingError
+from tierstore.kernels.staged_gather import CONTROL_WORDS, COUNT, DONE, DOORBELL, FAILED
 
-__all__ = ["FillChannel", "FillServer", "ring", "wait", "DOORBELL", "COUNT", "DONE", "FAILED"]
-
-DOORBELL, COUNT, DONE, FAILED = range(4)
+__all__ = ["FillChannel", "FillServer", "ring", "wait"]
 
 
 class FillChannel:
-    """The shared memory of one staged layer's exchange: `control` int64 [4] (the words above,
-    every one -1 before the first step but COUNT), `misses` int64 [capacity] and `rows` uint8
+    """The shared memory of one staged layer's exchange: `control` int64 [CONTROL_WORDS] (the words
+    above, every one -1 before the first step but COUNT), `misses` int64 [capacity] and `rows` uint8
     [capacity, row_bytes], pinned host memory on CUDA (what a kernel reads and writes over UVA),
     plain host memory on a CPU device."""
 
@@ -54,7 +55,7 @@ class FillChannel:
         if capacity <= 0:
             raise ValueError(f"a fill channel of {capacity} misses: it must hold at least one")
         self.capacity, self.row_bytes = capacity, row_bytes
-        self.control = torch.full((4,), -1, dtype=torch.int64, pin_memory=cuda)
+        self.control = torch.full((CONTROL_WORDS,), -1, dtype=torch.int64, pin_memory=cuda)
         self.control[COUNT] = 0
         self.misses = torch.zeros(capacity, dtype=torch.int64, pin_memory=cuda)
         self.rows = torch.zeros((capacity, row_bytes), dtype=torch.uint8, pin_memory=cuda)

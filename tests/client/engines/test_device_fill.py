@@ -11,7 +11,8 @@ import pytest
 
 from tierstore.client.client import Client
 from tierstore.client.engines import StagingError
-from tierstore.client.engines.device_fill import DONE, FillChannel, FillServer, ring, wait
+from tierstore.client.engines.device_fill import FillChannel, FillServer, ring, wait
+from tierstore.kernels.staged_gather import DONE
 from tierstore.ingest.writer import write_version
 from tierstore.sidecar.launcher import SidecarProcess
 
