@@ -28,8 +28,8 @@ from tierstore.client.engines import weight_filter
 from tierstore.table.checkpoint import TensorSource, tensor_digest
 
 __all__ = ["SUPPORTED", "NO_SOCKET", "FEATURES", "Feature", "EngineRefused", "CheckpointMismatch", "CheckpointCheck",
-           "check_shape", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS", "VERIFY_MODES",
-           "FP8_BLOCK"]
+           "check_shape", "check_stage_form", "check_version", "feature", "matrix", "SAMPLE_ROWS", "CHUNK_ROWS",
+           "VERIFY_MODES", "STAGE_FORMS", "FP8_BLOCK"]
 
 # engine -> (distribution name, versions the plugin was written against and tested with: an engine's
 # newest release and the one before, oldest first; client/engines/seams.py holds each one's seams)
@@ -37,6 +37,9 @@ SUPPORTED = {"sglang": ("sglang", ("0.5.23",)), "vllm": ("vllm", ("0.33.0", "0.3
 SAMPLE_ROWS = 4096  # rows of each checkpoint tensor compared under verify "sample"
 CHUNK_ROWS = 65536  # rows compared or hashed at a time under verify "all" (bounded memory at any table size)
 VERIFY_MODES = ("sample", "all", "off")
+# how a staged step's rows reach the device, the first the default (docs/decisions.md, "The simple form is the
+# stagers' default"): read on the host before the forward, or looked up by the device itself (device_fill.py)
+STAGE_FORMS = ("simple", "fast")
 FP8_BLOCK = 32  # fp8 values per ue8m0 scale in a tierstore Engram row
 
 log = logging.getLogger("tierstore.client.engines.checks")
@@ -76,6 +79,18 @@ FEATURES = (
             "ForwardBatch, after one stream wait)", NO_GPU, WORKS),
     Feature("sglang", "speculative decoding (--speculative-algorithm DSPARK, the one V4.1 runs; staged: the "
             "target-verify batch's rows staged at its ForwardBatch, after one stream wait)", NO_GPU, WORKS),
+    Feature("sglang", "the fast form (TIERSTORE_SGLANG_STAGE_FORM=fast: each staged layer's forward probes the slot "
+            "index on the device and gathers its hits, a host thread fills its misses; no host step, the CPU never "
+            "blocks; written for a GPU, run on CPU through the torch reference and Triton's interpreter)",
+            "n/a (sglang reads the arena in place)", WORKS),
+    Feature("sglang", "an extend batch with a decode request's token still on the device (--enable-mixed-chunk "
+            "under the overlap scheduler)", NO_GPU,
+            "the simple form refuses the batch (StagingError: it hashes an extend batch's tokens on the host; run "
+            "without --enable-mixed-chunk); the fast form hashes on the device: not tested"),
+    Feature("sglang", "prefill context parallelism (attn_cp_size > 1)", NO_GPU, REFUSED,
+            "a staged batch's rows are the whole batch's, in its order, and each context-parallel rank hashes the "
+            "whole prompt: run sglang without prefill context parallelism, or serve the tables split-layout "
+            "(tierstore serve --split-layout all) with RAM for them"),
     Feature("sglang", "--load-format dummy", REFUSED, REFUSED,
             "the dummy initialiser writes every parameter and tierstore's arena is mapped read-only: "
             "unset TIERSTORE_SGLANG_SOCKET for dummy-weight runs"),
@@ -105,6 +120,10 @@ FEATURES = (
             "or serve the tables split-layout with RAM for them", ("0.33.0",)),
     Feature("vllm", "speculative decoding (--speculative-config; DSpark for V4.1: staged, the verify step's drafts "
             "read from its input ids)", NO_GPU, WORKS),
+    Feature("vllm", "the fast form (TIERSTORE_VLLM_STAGE_FORM=fast: each staged layer's lookup probes the slot "
+            "index on the device from vLLM's own hash ids and gathers its hits, a host thread fills its misses; no "
+            "host step, the CPU never blocks; written for a GPU, run on CPU through the torch reference and "
+            "Triton's interpreter)", "n/a (vLLM reads the arena in place)", WORKS),
     Feature("vllm", "micro-batching (--enable-dbo, --ubatch-size)", NO_GPU, REFUSED,
             "a staged step's rows are the whole batch's, in its order, and each micro-batch's forward looks up a "
             "part of it: start vLLM without --enable-dbo and --ubatch-size, or serve the tables split-layout with "
@@ -163,6 +182,18 @@ def check_version(engine: str) -> str:
                             f"{have or 'none'}: install {engine} {versions[-1]} (`pip install tierstore[{engine}]`), "
                             f"or unset {NO_SOCKET[engine]} to run {engine} without tierstore")
     return have
+
+
+def check_stage_form(form: str, variable: str) -> str:
+    """`form` if it is one of STAGE_FORMS: "simple" (a staged step's rows read on the host before
+    the forward, after one stream wait where the engine builds the step on the device) or "fast"
+    (client/engines/device_fill.py: the device looks them up itself and the CPU never blocks;
+    written for a GPU, not yet run on one). InvalidArgument naming `variable`, the setting that
+    gave it, otherwise."""
+    if form not in STAGE_FORMS:
+        raise errors.InvalidArgument(f"{variable}={form!r}: use simple (the default: rows read on the host before "
+                                     f"the forward) or fast (the device looks them up: for a GPU)")
+    return form
 
 
 def matrix() -> str:

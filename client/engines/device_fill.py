@@ -38,9 +38,14 @@ from typing import Callable
 import numpy as np
 
 from tierstore.client.engines import StagingError
-from tierstore.kernels.staged_gather import CONTROL_WORDS, COUNT, DONE, DOORBELL, FAILED
+from tierstore.kernels.staged_gather import (CONTROL_WORDS, COUNT, DONE, DOORBELL, ERROR_CODE, ERROR_STEP, FAILED,
+                                             FILL_FAILED, OVERFLOW, TIMED_OUT, staged_gather)
 
-__all__ = ["FillChannel", "FillServer", "ring", "wait"]
+__all__ = ["FillChannel", "FillServer", "DeviceLayer", "device_layers", "ring", "wait", "FILL_TIMEOUT_S",
+           "FAST_TOKENS"]
+
+FILL_TIMEOUT_S = 10.0  # the device's spin on a fill before the step fails (a lost host thread)
+FAST_TOKENS = 8192  # tokens of a step whose misses a layer's fill channel holds, at least (the engines' budget)
 
 
 class FillChannel:
@@ -134,3 +139,75 @@ def wait(channel: FillChannel, step: int, timeout: float, server: FillServer | N
                                f"thread is gone or stuck; DONE names step {int(words[DONE])}): the step stops "
                                f"rather than read another step's rows or wait forever")
         time.sleep(0)
+
+
+_WHY = {TIMED_OUT: "no host thread filled its misses in time (the fill thread is gone or stuck)",
+        FILL_FAILED: "the host thread's read of its misses failed", OVERFLOW: "it missed more rows than the fill "
+        "channel holds"}
+
+
+class DeviceLayer:
+    """One staged layer's fast form: `lookup(ids)` on the device (kernels.staged_gather over the
+    table's slot index and arena, SlotProbe.tensors), its misses filled by a FillServer whose
+    `read(ids)` is the stager's verified read (step_reads.read_layers of this layer).
+
+    capacity: the misses one lookup may list (the channel's rows). The fill guard on the device:
+    a lookup's missed rows are the ones the host wrote for its step (DONE), else POISON; a step
+    whose device side failed (ERROR_STEP) raises StagingError at the layer's next lookup, naming
+    it, before anything more is enqueued (`check`)."""
+
+    def __init__(self, table, read: Callable[[np.ndarray], np.ndarray], device, capacity: int, name: str,
+                 timeout_s: float = FILL_TIMEOUT_S):
+        import torch
+
+        self.device, self.name, self.timeout_s = torch.device(device), name, timeout_s
+        self.index = table.probe.tensors(self.device)
+        self.row_bytes = self.index["arena"].shape[1]
+        self.channel = FillChannel(capacity, self.row_bytes, cuda=self.device.type == "cuda")
+        self.server = FillServer(self.channel, read)
+        self.step = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.miss_at = torch.empty(capacity, dtype=torch.int64, device=self.device)  # a lookup's scratch
+        self.failed = -1  # the last failed step raised
+
+    def lookup(self, ids, out=None):
+        """uint8 [n, row_bytes] rows of int64 ids [n] (on the device; negative: a zero row), in
+        `out` where given. A graph captures it at fixed addresses (the scratch of a lookup of more
+        ids than the channel's capacity is its own). StagingError for an earlier step that failed."""
+        import torch
+
+        self.check()
+        n = ids.shape[0]
+        # more ids than the channel holds misses: scratch of the call's own (a graph's pool keeps it for replays)
+        miss_at = self.miss_at if n <= self.miss_at.shape[0] else torch.empty(n, dtype=torch.int64, device=self.device)
+        if out is None:
+            out = torch.empty((n, self.row_bytes), dtype=torch.uint8, device=self.device)
+        return staged_gather(ids, out, control=self.channel.control, misses=self.channel.misses,
+                             rows=self.channel.rows, step=self.step, status=self.status, miss_at=miss_at,
+                             timeout_s=self.timeout_s, **self.index)
+
+    def check(self) -> None:
+        """StagingError when a step's device side failed since the last check (read from the
+        channel's pinned words: no device sync)."""
+        words = self.channel.words
+        failed = int(words[ERROR_STEP])
+        if failed > self.failed:
+            self.failed = failed
+            code = int(words[ERROR_CODE])
+            why = _WHY.get(code, f"error code {code}")
+            if code == FILL_FAILED and self.server.error is not None:
+                why += f" ({type(self.server.error).__name__}: {self.server.error})"
+            raise StagingError(f"the fast form's lookup of {self.name} failed at its step {failed}: {why}; its "
+                               f"missed rows were poisoned (NaN), never another step's: the step stops")
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def device_layers(tables: list, read_layers: Callable, device, capacity: int, names: list[str]) -> dict:
+    """{id(table): DeviceLayer} of each staged table of `tables` (named names[i] in errors), each
+    channel `capacity` misses, its misses read by `read_layers([table], [ids])[0]` (the stager's
+    verified read). Made with the stager, before any graph is captured: a channel's pinned
+    memory and thread are made outside a capture."""
+    return {id(t): DeviceLayer(t, lambda ids, t=t: read_layers([t], [np.ascontiguousarray(ids)])[0], device,
+                               capacity, name) for t, name in zip(tables, names)}

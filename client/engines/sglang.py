@@ -113,13 +113,18 @@ class SglangConfig:
     stage: which layers tierstore's row stager serves instead of a mapped host table
     (client/engines/sglang_stager.py): "auto" (those whose table is not served split-layout:
     cache mode, tables larger than RAM), "on" (every layer) or "off" (none: every table
-    must be split-layout). TIERSTORE_SGLANG_STAGE also takes 1 / 0 for on / off."""
+    must be split-layout). TIERSTORE_SGLANG_STAGE also takes 1 / 0 for on / off.
+    stage_form: how a staged batch's rows reach the device (TIERSTORE_SGLANG_STAGE_FORM,
+    checks.STAGE_FORMS): "simple" (read on the host before the forward, after
+    one stream wait where the batch is built on the device) or "fast" (each layer's forward looks
+    them up on the device: for a GPU, not yet run on one)."""
 
     socket: str
     prefix: str = ""
     verify: str = "sample"
     timeout: float = 30.0
     stage: str = "auto"
+    stage_form: str = "simple"
 
     def __post_init__(self):
         if self.verify not in checks.VERIFY_MODES:
@@ -129,6 +134,7 @@ class SglangConfig:
             raise errors.InvalidArgument("TIERSTORE_SGLANG_SOCKET is empty; set it to the sidecar's --socket")
         if self.stage not in ("auto", "on", "off"):
             raise errors.InvalidArgument(f"TIERSTORE_SGLANG_STAGE is auto, on (1) or off (0), not {self.stage!r}")
+        checks.check_stage_form(self.stage_form, "TIERSTORE_SGLANG_STAGE_FORM")
 
     @classmethod
     def from_env(cls) -> "SglangConfig | None":
@@ -140,7 +146,8 @@ class SglangConfig:
         return cls(socket=socket, prefix=os.environ.get("TIERSTORE_SGLANG_PREFIX", ""),
                    verify=os.environ.get("TIERSTORE_SGLANG_VERIFY", "sample"),
                    timeout=float(os.environ.get("TIERSTORE_SGLANG_TIMEOUT", "30")),
-                   stage={"1": "on", "0": "off"}.get(stage, stage))
+                   stage={"1": "on", "0": "off"}.get(stage, stage),
+                   stage_form=os.environ.get("TIERSTORE_SGLANG_STAGE_FORM", "simple").strip().lower())
 
     def table(self, layer_id: int) -> str:
         return f"{self.prefix}l{layer_id}"

@@ -79,6 +79,7 @@ import numpy as np
 
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
+from tierstore.client.engines.device_fill import FAST_TOKENS, device_layers
 from tierstore.client.engines.slot_probe import SlotProbe
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
@@ -90,6 +91,10 @@ __all__ = ["RowStager", "StagedTable", "StagedHostTable", "read_layers", "gather
            "init_forward_batch", "Deferred", "DEFERRED", "PendingRows", "close"]
 
 log = logging.getLogger("tierstore.client.engines.sglang")
+
+
+# checks.FEATURES rows this module refuses
+CONTEXT_PARALLEL = "prefill context parallelism (attn_cp_size > 1)"
 
 
 class Deferred:
@@ -228,10 +233,12 @@ class UnstagedForward:
         mode = getattr(forward_batch, "forward_mode", None)
         if indices.shape[0] == 0:
             return self.embed.new_rows(indices)
+        stager = RowStager.current
+        if stager is not None and stager.form == "fast":  # the device looks the rows up itself, graphs included
+            return stager.fast_rows(self.embed, indices)
         if _capturing():
             if mode is not None and mode.is_extend_without_speculative():
                 return self.embed.new_rows(indices).zero_()  # the replay's eager segment reads its staged rows
-            stager = RowStager.current
             graph = mode is not None and (mode.is_decode() or mode.is_target_verify())
             if graph and stager is not None and stager.buffers is not None:
                 return stager.graph_rows(self.embed, indices)
@@ -291,11 +298,16 @@ class RowStager:
     `stage_forward` return and `graph_rows` reads at capture. Batches are
     numbered (`step`); an entry of the buffers carries its batch's number (`tierstore_step` on
     its rows), and `dequant_staged` serves it only while the layer's buffer still holds that
-    batch's rows (StagingBuffers.rows: StagingError otherwise, never another batch's rows)."""
+    batch's rows (StagingBuffers.rows: StagingError otherwise, never another batch's rows).
+
+    behind: step_reads.BEHIND (which later layers are read behind the forward). form:
+    checks.STAGE_FORMS, "simple" (the above) or "fast" (`stage` stages nothing; each layer's
+    forward looks its rows up on the device, `fast_rows`)."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
-    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: str = "misses"):
+    def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: str = "misses",
+                 form: str = "simple"):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
@@ -307,8 +319,10 @@ class RowStager:
         self.cuda = self.device.type == "cuda"
         # the schedule stream waits on the running forward; a side stream's copies overlap it
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # "fast": `stage` stages nothing and each layer's forward looks its rows up on the device (fast_rows)
+        self.form = checks.check_stage_form(form, "TIERSTORE_SGLANG_STAGE_FORM")
         self.buffers = (StagingBuffers(len(self.layers), graph_tokens * self.cols, self.dim, FP8_BLOCK, self.device)
-                        if graph_tokens > 0 else None)
+                        if graph_tokens > 0 and self.form == "simple" else None)
         self._slot = {id(table): i for i, (_, table) in enumerate(self.layers)}  # table -> its buffers' layer
         self.step = 0  # the number of the last batch staged into the buffers
         # which later layers are read on a host thread behind the forward (step_reads.BEHIND); the
@@ -317,6 +331,10 @@ class RowStager:
         self._pool = None
         self._pending: list[PendingRows] = []
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
+        tables = [t for _, t in self.layers]  # the fast form's DeviceLayer of each, by id(table)
+        self._device = (device_layers(tables, read_layers, self.device, max(graph_tokens, FAST_TOKENS) * self.cols,
+                                      [f"sglang's Engram table {t.table}" for t in tables])
+                        if self.form == "fast" else {})
 
     @classmethod
     def from_model(cls, model, hasher, device) -> "RowStager | None":
@@ -342,18 +360,19 @@ class RowStager:
             per_request = 1
         graph_tokens = decode_graph_batch(_published_graph_config()) * per_request
         if cp > 1:
-            raise StagingError("tierstore's row stager does not serve prefill context parallelism (each rank "
-                               "hashes the whole prompt): run sglang without it, or serve the tables "
-                               "split-layout (tierstore serve --split-layout all) with RAM for them")
-        stager = cls(hasher, engrams, device, graph_tokens)
+            raise checks.EngineRefused.of("sglang", CONTEXT_PARALLEL, f"attn_cp_size {cp}")
+        from tierstore.client.engines.sglang import SglangConfig
+
+        config = SglangConfig.from_env()
+        stager = cls(hasher, engrams, device, graph_tokens, form=config.stage_form if config else "simple")
         RowStager.current = stager
         return stager
 
     # ---- a batch ----
     def stage(self, batch):
         mode = batch.forward_mode
-        if mode is None or mode.is_idle() or not batch.reqs:
-            return None
+        if mode is None or mode.is_idle() or not batch.reqs or self.form == "fast":
+            return None  # the fast form: the layer's forward looks its rows up on the device (fast_rows)
         if mode.is_decode():
             spec = getattr(batch, "spec_algorithm", None)
             if (spec is not None and not spec.is_none()) or not self._on_host(batch):
@@ -457,11 +476,24 @@ class RowStager:
         return out
 
     def close(self) -> None:
-        """Wait for the later layers' fills and stop the stager's host thread."""
+        """Wait for the later layers' fills and stop the stager's host threads."""
         self._drain()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        for layer in self._device.values():
+            layer.close()
+        self._device.clear()
+
+    def fast_rows(self, embed, indices):
+        """The fast form's bf16 [*indices.shape, dim] of staged layer `embed` for sglang's own hash
+        ids `indices` [tokens, hash columns] (on the device, read there), looked up by the layer's
+        DeviceLayer (no host step, no device sync: a CUDA graph captures it), dequantised as
+        `dequant_rows` does."""
+        import torch
+
+        rows = self._device[id(embed.tierstore_table)].lookup(indices.reshape(-1).to(torch.int64))
+        return dequant_rows(embed, rows[:, :self.dim].contiguous(), rows[:, self.dim:].contiguous(), indices.shape)
 
     def check(self, embed, rows) -> None:
         """StagingError unless staged rows `rows` that layer `embed` reads are still its batch's:

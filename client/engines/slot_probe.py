@@ -77,7 +77,8 @@ class SlotProbe:
         if index is None:
             raise StaleArena(f"table {self.table} has no slot index to probe on the device (full-resident, served "
                              f"with --no-local-reads, or retired): the fast form stages cache-mode tables with local "
-                             f"reads; use the simple form (unset TIERSTORE_*_STAGE=fast)")
+                             f"reads; use the simple form (TIERSTORE_SGLANG_STAGE_FORM / TIERSTORE_VLLM_STAGE_FORM "
+                             f"simple, the default)")
         device = torch.device(device)
         key = str(device)
         with self._lock:

@@ -111,12 +111,17 @@ class VllmPluginConfig:
         read through tierstore) instead of mapped (TIERSTORE_VLLM_STAGE): "auto" (those whose
         table is not served split-layout, e.g. a cache-mode table larger than --dram-budget),
         "on" (every layer), "off" (none: every table must be split-layout); also 1 / 0.
+    stage_form: how a staged step's rows reach the device (TIERSTORE_VLLM_STAGE_FORM,
+        checks.STAGE_FORMS): "simple" (read on the host before the forward,
+        after one stream wait) or "fast" (each layer's lookup looks them up on the device: for
+        a GPU, not yet run on one).
     """
 
     socket: str
     tables: dict[int, str] = field(default_factory=dict)
     verify: str = "sample"
     stage: str = "auto"
+    stage_form: str = "simple"
 
     def validate(self) -> "VllmPluginConfig":
         if not self.socket:
@@ -126,6 +131,7 @@ class VllmPluginConfig:
                 f"TIERSTORE_VLLM_VERIFY={self.verify!r}; use one of {', '.join(checks.VERIFY_MODES)}")
         if self.stage not in STAGE_MODES:
             raise errors.InvalidArgument(f"TIERSTORE_VLLM_STAGE={self.stage!r}; use auto, on (1) or off (0)")
+        checks.check_stage_form(self.stage_form, "TIERSTORE_VLLM_STAGE_FORM")
         return self
 
     @classmethod
@@ -143,7 +149,8 @@ class VllmPluginConfig:
             tables[int(layer)] = name.strip()
         stage = env.get("TIERSTORE_VLLM_STAGE", "auto").strip().lower()
         return cls(env["TIERSTORE_VLLM_SOCKET"], tables, env.get("TIERSTORE_VLLM_VERIFY", "sample"),
-                   {"1": "on", "0": "off"}.get(stage, stage)).validate()
+                   {"1": "on", "0": "off"}.get(stage, stage),
+                   env.get("TIERSTORE_VLLM_STAGE_FORM", "simple").strip().lower()).validate()
 
 
 class TierstoreEngramTables:
@@ -214,7 +221,7 @@ class TierstoreEngramTables:
             if self._stager is None:
                 if not layers:
                     raise errors.InvalidArgument("tierstore's vLLM plugin stages no Engram layer in this process")
-                self._stager = StepStager(layers, self.graph_tokens, device)
+                self._stager = StepStager(layers, self.graph_tokens, device, form=self.config.stage_form)
             return self._stager
 
     def split_table(self, layer_id: int) -> "SplitTable":

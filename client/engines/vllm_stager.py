@@ -76,6 +76,7 @@ import numpy as np
 from tierstore import errors
 from tierstore.client.engines import StagingError, checks
 from tierstore.client.engines.checks import FP8_BLOCK
+from tierstore.client.engines.device_fill import FAST_TOKENS, device_layers
 from tierstore.client.engines.slot_probe import SlotProbe
 from tierstore.client.engines.staging_buffers import StagingBuffers
 from tierstore.client.engines import step_reads
@@ -188,7 +189,10 @@ class StagedEngramTable:
         tokens, part = indices.shape[0], emb.part_n_hash_cols
         if not tokens * part:
             return
-        weight, scale = stager.rows(self, tokens)
+        if stager.form == "fast":  # the device looks the rows up itself (DeviceLayer)
+            weight, scale = stager.fast_rows(self, indices)
+        else:
+            weight, scale = stager.rows(self, tokens)
         weight, scale = weight.view(tokens, part, self.dim), scale.view(tokens, part, self.dim // FP8_BLOCK)
         if out.dtype == torch.uint8:
             out[..., :self.dim].copy_(weight)
@@ -284,9 +288,11 @@ class StepStager:
     or a second forward of one staged step (a forward vLLM ran without the hook: each layer
     reads a real step's rows once) raises StagingError, never zeros or the last step's rows.
 
-    tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer."""
+    tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer.
+    form: checks.STAGE_FORMS, "simple" (the above) or "fast" (`fast_rows`: the layers look their
+    rows up on the device, no step staged on the host)."""
 
-    def __init__(self, tables: list, capacity: int, device, hasher=None):
+    def __init__(self, tables: list, capacity: int, device, hasher=None, form: str = "simple"):
         import torch
 
         parts = {t.part for t in tables}
@@ -299,8 +305,10 @@ class StepStager:
         self.capacity, self.device = capacity, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # "fast": the runner hook stages nothing and each layer's lookup looks its rows up on the device (fast_rows)
+        self.form = checks.check_stage_form(form, "TIERSTORE_VLLM_STAGE_FORM")
         self.buffers = (StagingBuffers(len(self.tables), capacity * self.part, self.dim, FP8_BLOCK, self.device)
-                        if capacity > 0 else None)
+                        if capacity > 0 and self.form == "simple" else None)
         self.hasher = hasher
         self.step = 0  # the current step's number: 0 before the first
         self.real = False  # whether the current step has tokens (not a dummy forward's)
@@ -313,6 +321,9 @@ class StepStager:
         self._pending: dict = {}
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         self._read = np.zeros(len(self.tables), dtype=np.int64)  # the real step each layer last read
+        self._device = (device_layers(self.tables, read_layers, self.device, max(capacity, FAST_TOKENS) * self.part,
+                                      [f"vLLM's Engram layer {t.layer_id}" for t in self.tables])
+                        if self.form == "fast" else {})  # the fast form's DeviceLayer of each layer, by id(table)
 
     def stage(self, windows: np.ndarray) -> None:
         """Stage the step whose tokens' n-gram windows are `windows` int64 [tokens, max_ngram]
@@ -388,11 +399,14 @@ class StepStager:
         self._pending.clear()
 
     def close(self) -> None:
-        """Wait for the later layers' fills and stop the stager's host thread."""
+        """Wait for the later layers' fills and stop the stager's host threads."""
         self._drain()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        for layer in self._device.values():
+            layer.close()
+        self._device.clear()
 
     def stage_none(self) -> None:
         """A forward whose rows nothing reads (vLLM's profile and dummy runs, a graph capture's):
@@ -458,6 +472,22 @@ class StepStager:
 
     def _hash(self, windows: np.ndarray) -> dict[int, np.ndarray]:
         return hash_windows(self.hasher, windows, [t.layer_id for t in self.tables])
+
+    def fast_rows(self, table: StagedEngramTable, indices: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """The fast form's (fp8 bytes [tokens x part, dim], ue8m0 bytes [..., dim / 32]) of `table`'s
+        layer for vLLM's own hash ids `indices` [tokens, n_hash_cols] (on the device, read there):
+        the rank's heads of its rows, a padded head or an id outside its rows a zero row, as
+        `_engram_lookup_kernel` reads them; looked up by the layer's DeviceLayer (no host step,
+        no device sync: a CUDA graph captures it)."""
+        import torch
+
+        tokens = indices.shape[0]
+        cols = indices[:, table.head_start:min(table.head_start + self.part, table.n_hash_cols)].to(torch.int64)
+        ids = torch.full((tokens, self.part), -1, dtype=torch.int64, device=indices.device)
+        ids[:, :cols.shape[1]] = cols
+        ids = torch.where((ids >= table.vocab[0]) & (ids < table.vocab[1]), ids, -1)
+        rows = self._device[id(table)].lookup(ids.reshape(-1))
+        return rows[:, :self.dim], rows[:, self.dim:]
 
 
 def _padded(weight, scale, n: int, dim: int, device) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -536,6 +566,8 @@ def stage_runner_step(stager: "StepStager", model_state, input_batch, req_states
     scheduled (async scheduling, draft tokens) is staged as vLLM hashes it. A batch of requests
     the runner does not hold (`InputBatch.make_dummy`'s: a profile or padding run) is a step of
     no rows. The hasher is made at the first step."""
+    if stager.form == "fast":
+        return  # the layers look their rows up on the device (StepStager.fast_rows)
     count = input_batch.num_reqs
     if count == 0 or input_batch.req_ids[0] not in req_states.req_id_to_index:
         stager.stage_none()

@@ -39,7 +39,8 @@ def test_every_refused_feature_is_one_a_plugin_raises():
     """Each REFUSED row is named by the plugin that refuses it (the constant it raises with),
     and each name a plugin raises with is a REFUSED row: the matrix cannot list a refusal no
     code makes, nor miss one."""
-    raised = {("sglang", n) for n in (sglang.DUMMY, sglang.PEER_SHARDS, sglang.PER_RANK, sglang.NUMA_SHARED)}
+    raised = {("sglang", n) for n in (sglang.DUMMY, sglang.PEER_SHARDS, sglang.PER_RANK, sglang.NUMA_SHARED,
+                                      sglang_stager.CONTEXT_PARALLEL)}
     raised |= {("vllm", n) for n in (vllm_plugin.HBM_TABLES, vllm_plugin.DUMMY, vllm_stager.RUNNER_V1,
                                      vllm_stager.MICRO_BATCHES, vllm_stager.CONTEXT_PARALLEL, vllm_stager.ENGRAM_DP)}
     listed = {(f.engine, f.name) for f in checks.FEATURES if checks.REFUSED in (f.mapped, f.staged)}

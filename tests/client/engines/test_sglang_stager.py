@@ -456,6 +456,13 @@ def test_stage_is_set_the_sglang_way(monkeypatch):
     monkeypatch.setenv("TIERSTORE_SGLANG_STAGE", "sometimes")
     with pytest.raises(InvalidArgument, match="TIERSTORE_SGLANG_STAGE is auto, on"):
         SglangConfig.from_env()
+    monkeypatch.delenv("TIERSTORE_SGLANG_STAGE")
+    assert SglangConfig.from_env().stage_form == "simple"  # the default: rows read on the host before the forward
+    monkeypatch.setenv("TIERSTORE_SGLANG_STAGE_FORM", " Fast")
+    assert SglangConfig.from_env().stage_form == "fast"
+    monkeypatch.setenv("TIERSTORE_SGLANG_STAGE_FORM", "quick")
+    with pytest.raises(InvalidArgument, match="TIERSTORE_SGLANG_STAGE_FORM='quick': use simple .* or fast"):
+        SglangConfig.from_env()
 
 
 def test_a_row_that_fails_its_checksum_stops_the_step_not_serves_it(tmp_path, sglang_engram, staged, monkeypatch):
@@ -783,3 +790,63 @@ def _dspark():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     return SpeculativeAlgorithm.from_string("DSPARK")
+
+
+def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cache_model, staged, monkeypatch):
+    """The fast form (TIERSTORE_SGLANG_STAGE_FORM=fast, the stager sglang's seam returns): `stage`
+    stages nothing; each staged layer's forward looks up
+    sglang's own hash ids itself (kernels.staged_gather's torch reference on CPU: the slot index
+    probed, hits from the arena, misses filled by the layer's host thread through the fill
+    channel), extend and decode alike: bit-identical to sglang's own module. A step whose fill
+    fails is refused at the layer's next lookup, naming it."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tierstore.client.engines import StagingError
+    from tierstore.client.engines.sglang_stager import RowStager
+
+    from sglang.srt.layers.engram_staging import EngramRowStager
+    from torch import nn
+
+    modules, hasher = staged["modules"], staged["hasher"]
+    monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
+    monkeypatch.setenv("TIERSTORE_SGLANG_STAGE_FORM", "fast")
+    previous = RowStager.current
+    stager = EngramRowStager.from_model(nn.ModuleList([modules[L][1] for L in LAYERS]), hasher, torch.device("cpu"))
+    try:
+        assert RowStager.current is stager
+        assert stager.form == "fast"
+        rng = np.random.default_rng(17)
+        prompts = [rng.integers(0, 512, 36).tolist(), rng.integers(0, 512, 12).tolist()]
+        reqs = [_req(f"f{i}", p) for i, p in enumerate(prompts)]
+        lens = [len(p) for p in prompts]
+        batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=list(lens))
+        text = cache_model["text"]
+        for step in range(DECODE_STEPS + 1):
+            if step:
+                for r, p in zip(reqs, prompts):
+                    r.output_ids.append(p[-step])
+                batch.forward_mode = ForwardMode.DECODE
+                batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+            assert stager.stage(batch) is None
+            input_ids, fb = _forward_batches(reqs, lens, step)
+            hash_ids = hasher(input_ids, fb)
+            x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
+                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            for L, a, b in _own_and_staged(modules, x, hash_ids, fb, input_ids, None):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}, layer {L}"
+        layers = list(stager._device.values())
+        assert len(layers) == len(LAYERS) and all(d.server.filled > 0 for d in layers)  # misses went to the host
+        layers[0].server.read = lambda ids: 1 / 0  # the next fill fails: its missed rows are poisoned
+        input_ids, fb = _forward_batches(reqs, lens, 0)
+        x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"]).to(torch.bfloat16)
+        rows = stager.layers[0][1].rows
+        fresh = torch.from_numpy(np.random.default_rng(1).integers(0, rows, (len(input_ids), hash_ids.shape[-1])))
+        with torch.no_grad():
+            fb.engram_staged_rows = None
+            modules[LAYERS[0]][1](x, fresh, fb, input_ids=input_ids)
+            with pytest.raises(StagingError, match="failed at its step .*ZeroDivisionError"):
+                modules[LAYERS[0]][1](x, fresh, fb, input_ids=input_ids)
+    finally:
+        RowStager.current = previous
+        stager.close()

@@ -100,10 +100,11 @@ def cache_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _installed(cache_model, monkeypatch):
-    """The plugin serving `cache_model`'s sidecar, checking SAMPLE_ROWS rows at load."""
+def _installed(cache_model, monkeypatch, config=None):
+    """The plugin serving `cache_model`'s sidecar (with `config` where given), checking SAMPLE_ROWS
+    rows at load."""
     monkeypatch.setattr(checks, "SAMPLE_ROWS", SAMPLE_ROWS)
-    vllm_plugin.install(vllm_plugin.VllmPluginConfig(cache_model["socket"]))
+    vllm_plugin.install(config or vllm_plugin.VllmPluginConfig(cache_model["socket"]))
     try:
         yield cache_model
     finally:
@@ -878,3 +879,67 @@ def test_stage_is_set_the_sglang_way():
         assert from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE": given}).stage == want
     with pytest.raises(errors.InvalidArgument, match="TIERSTORE_VLLM_STAGE='sometimes'; use auto, on"):
         from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE": "sometimes"})
+    assert from_env({"TIERSTORE_VLLM_SOCKET": "/s"}).stage_form == "simple"  # rows read on the host before the forward
+    assert from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE_FORM": "FAST "}).stage_form == "fast"
+    with pytest.raises(errors.InvalidArgument, match="TIERSTORE_VLLM_STAGE_FORM='quick': use simple .* or fast"):
+        from_env({"TIERSTORE_VLLM_SOCKET": "/s", "TIERSTORE_VLLM_STAGE_FORM": "quick"})
+
+
+@parent
+@pytest.mark.parametrize("shards,rank", [(1, 0), (2, 1)])
+def test_the_fast_form_looks_rows_up_from_vllms_own_hash_ids(cache_model, vllm_world, monkeypatch, shards, rank):
+    """TIERSTORE_VLLM_STAGE_FORM=fast: the runner hook stages nothing; each layer's lookup reads vLLM's
+    own hash ids on the device and looks them up there (kernels.staged_gather's torch reference
+    on CPU: the slot index probed, hits from the arena, misses filled by the layer's host thread),
+    bf16 and packed, for the whole table and the second of two head shards (a padded head): the
+    rank's rows of the table in memory, zero where it owns none (the interpreter child holds
+    the Triton kernel to vLLM's own lookup: test_interp_the_fast_form_is_vllms_own_lookup)."""
+    _fast_form_steps(cache_model, vllm_world, monkeypatch, shards, rank,
+                     lambda plugin, emb, L, ids: _reference(plugin, emb, L, ids))
+
+
+@interp
+def test_interp_the_fast_form_is_vllms_own_lookup(cache_model, vllm_world, monkeypatch):
+    """The fast form through kernels.staged_gather's Triton kernels (Triton's interpreter: probe,
+    ring and spin on the host thread's DONE, fill), for the second of two head shards: bit for
+    bit what vLLM's own lookup (`_engram_lookup_kernel`) writes over the table in memory."""
+    layout = vllm_engram.layout(CONFIG)
+    arrays = cache_model["arrays"]
+    owns = {L: vllm_engram.holding(vllm_world.embedding(layout, index, L, shards=2, rank=1, cpu_offload=False),
+                                   arrays[L]["embed.weight"], arrays[L]["embed.scale"])
+            for index, L in enumerate(LAYERS)}
+
+    def own(plugin, emb, L, ids):
+        want = torch.full((len(ids), emb.part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+        owns[L].lookup(ids, want)
+        return want
+    _fast_form_steps(cache_model, vllm_world, monkeypatch, 2, 1, own, sizes=(4, 26))
+
+
+def _fast_form_steps(cache_model, vllm_world, monkeypatch, shards: int, rank: int, want_of,
+                     sizes=(16, 3, 24, 40, 1)) -> None:
+    """Steps of `sizes` tokens through the fast form's lookups of both layers (bf16 and packed),
+    each held to `want_of(plugin, emb, L, ids)`; some misses filled by the layers' host threads."""
+    layout = vllm_engram.layout(CONFIG)
+    config = vllm_plugin.VllmPluginConfig.from_env({"TIERSTORE_VLLM_SOCKET": cache_model["socket"],
+                                                    "TIERSTORE_VLLM_STAGE_FORM": "fast"})
+    with _installed(cache_model, monkeypatch, config) as plugin:
+        embs = [_staged(vllm_world, layout, index, shards=shards, rank=rank) for index in range(len(LAYERS))]
+        stager = _stager(plugin, embs, capacity=24)
+        try:
+            assert stager.form == "fast"
+            table, steps = _token_steps(np.random.default_rng(23 + shards), list(sizes))
+            for size, (starts, counts) in zip(sizes, steps):
+                for emb, L in zip(embs, LAYERS):
+                    ids = _hash_ids(stager, table, starts, counts, L)
+                    want = want_of(plugin, emb, L, ids)
+                    got = torch.full((size, emb.part_n_hash_cols, 256), 7.0, dtype=torch.bfloat16)
+                    emb.lookup(ids, got)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (L, size)
+                    packed = torch.zeros((size, emb.part_n_hash_cols, 264), dtype=torch.uint8)
+                    emb.lookup(ids, packed)
+                    assert torch.equal(vllm_stager.dequantize(packed, 256).view(torch.int16),
+                                       want.view(torch.int16))
+            assert sum(d.server.filled for d in stager._device.values()) > 0  # misses went to the host threads
+        finally:
+            stager.close()
