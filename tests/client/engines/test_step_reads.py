@@ -121,25 +121,68 @@ def test_a_stagers_thread_and_the_schedulers_share_one_client(tmp_path):
                     bad.append("b")
                 assert 0 <= probe.misses(ids) <= ids.size
 
-        def run(f):
-            try:
-                f()
-            except BaseException as e:  # noqa: BLE001 - the test reports it
-                errors.append(e)
-                stop.set()
-
-        threads = [threading.Thread(target=run, args=(f,)) for f in (stager, scheduler)]
-        for t in threads:
-            t.start()
-        stop.wait(3.0)
-        stop.set()
-        for t in threads:
-            t.join(30)
+        _race([stager, scheduler], stop, errors)
         assert not errors and not bad, (errors, bad[:3])
         ids = np.arange(0, ROWS, 3)
         assert np.array_equal(c.lookup_many({"a": ids, "b": ids})["a"], data[ids])
         local = c.handle("a").local_reads
         assert local.rows_cold > 0 and local.rows_resident > 0  # both paths ran under the race
+
+
+def test_the_forwards_thread_and_the_stagers_thread_read_the_same_rows_through_one_client(tmp_path):
+    """Layer behind: the forward's thread reads a batch's first layer while the stager's host
+    thread reads the later one, both through one Client and over the same ids of the same two
+    tables (the same misses asked by both at once: one read of each, single-flight), against a
+    real sidecar whose cache holds a fraction of the rows: every row either thread gets is the
+    table's, into buffers each thread reuses, and neither raises."""
+    import threading
+
+    data = _tables_a_and_b(tmp_path / "data", 11)
+    with SidecarProcess(tmp_path / "data", dram_budget="256KiB") as sc, Client(sc.socket) as c:
+        layers = _layers(c, ["a", "b"])
+        said = dict(failed=lambda which, e: f"failed {e}", moved=lambda t, v: f"moved {v}")
+        errors, bad, stop, reads = [], [], threading.Event(), {}
+        steps = [np.random.default_rng([5, i]).integers(0, ROWS, 400) for i in range(64)]  # the batches, in turn
+
+        def thread(first: int, name: str):
+            def read():
+                scratch, done = [RowScratch(WIDTH), RowScratch(WIDTH)], 0
+                while not stop.is_set():
+                    ids = steps[done % len(steps)]
+                    order = layers if first == 0 else layers[::-1]  # each thread's first layer is the other's last
+                    got = read_layers(order, [ids, ids[::-1]], [s.take(ids.size) for s in scratch], **said)
+                    if not (np.array_equal(got[0], data[ids]) and np.array_equal(got[1], data[ids[::-1]])):
+                        bad.append((name, done))
+                    done += 1
+                    reads[name] = done
+            return read
+
+        _race([thread(0, "forward"), thread(1, "stager")], stop, errors, seconds=2.0)
+        assert not errors and not bad, (errors, bad[:3])
+        assert min(reads.get("forward", 0), reads.get("stager", 0)) >= 3, reads  # both threads read steps
+        local = c.handle("a").local_reads
+        assert local.rows_cold > 0 and local.rows_resident > 0  # misses and hits both, under the race
+
+
+def _race(fns, stop, errors, seconds: float = 3.0) -> None:
+    """Run each of `fns` on a thread of its own for `seconds` (or until one raises: its error into
+    `errors`), then stop and join them."""
+    import threading
+
+    def run(f):
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in fns]
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join(30)
 
 
 def test_a_later_layer_is_read_behind_only_with_misses_to_read(tmp_path):
