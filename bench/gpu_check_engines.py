@@ -61,6 +61,19 @@ check. A sidecar serves one synthetic fp8-e4m3-ue8m0 table (Engram layer 1) spli
    sglang's loader over the checkpoint with tierstore's loader filter against a model with
    no Engram (its dense stand-in as large as the tables), and without the filter; the check
    is the filtered restart within 1.2x of the one with no Engram.
+9. vLLM's two forms (each release; NOT YET RUN: written on a host without a GPU): over the
+   cache-mode sidecar, a staged layer's step in the simple form (StepStager.stage_ids, then
+   the layer's lookup of the staged rows) and in the fast form (TIERSTORE_VLLM_STAGE_FORM=fast:
+   the lookup alone, kernels/staged_gather.py on the device, misses filled by the layer's
+   host thread) against vLLM's own lookup over its own table resident on the device: each
+   bit for bit against the CPU path, then tokens/s and each form's ratio to vLLM's own. A
+   form whose rows differ, or a fast form whose device side failed during its timed steps,
+   reports no figure and fails the run. Then the fast form's lost host thread: its step's
+   missed rows NaN (never another step's) and StagingError at the layer's next lookup.
+10. sglang's two forms (NOT YET RUN): the same for sglang, against `engram_gather` over
+   sglang's own resident host table (pinned, read over UVA): the simple form's rows gathered
+   into pinned buffers, uploaded on a side stream and dequantised (dequant_rows), the fast
+   form's by RowStager.fast_rows.
 Writes OUT/gpu_check_engines.json (each vLLM release's own report under OUT/vllm-N/) and
 exits 1 if any check fails; without CUDA it says so and exits 2 (nothing was checked). Sized
 to finish, with two vLLM releases, well under the eight minutes of one device run: the vLLM
@@ -106,8 +119,8 @@ HEADS, DIM = 24, 256
 GRAPH_TOKENS = 64  # tokens of the largest captured graph in part 4 (its persistent staging buffers)
 GRAPH_BATCH = 64  # requests of the largest captured decode graph in part 7
 PARTS = ("split arena", "vllm", "sglang", "vllm staged", "vllm runner", "sglang stager", "sglang graph staging",
-         "restart")
-VLLM_PARTS = ("vllm", "vllm staged", "vllm runner")  # run once per vLLM release, each in a child process
+         "restart", "vllm forms", "sglang forms")
+VLLM_PARTS = ("vllm", "vllm staged", "vllm runner", "vllm forms")  # run once per vLLM release, in a child each
 # What --cpu-smoke adds to gpu_check.SMOKE_ENV: vLLM's CPU platform, resolved when vLLM is first imported.
 SMOKE_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 SKIP_NO_CUDA = "skipped on CPU: "
@@ -280,13 +293,16 @@ def check_vllm(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.
     return res
 
 
-def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: int, stage: str = "auto"):
-    """A real ParallelEngramEmbedding over the arena: vLLM config, a TP world of one, the plugin."""
+def _build_vllm_embedding(engram, vllm_plugin, socket: str | None, table: str, rows: int, stage: str = "auto",
+                          stage_form: str = "simple"):
+    """A real ParallelEngramEmbedding over the arena: vLLM config, a TP world of one, the plugin
+    (none where `socket` is None: vLLM's own layer, cpu_offload off)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     vllm_plugin.uninstall()  # a plugin installed for another sidecar keeps its tables otherwise
-    vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}, stage=stage))
+    if socket is not None:
+        vllm_plugin.install(vllm_plugin.VllmPluginConfig(socket, {1: table}, stage=stage, stage_form=stage_form))
     config = VllmConfig()  # vLLM's defaults: async scheduling where the platform has it
     with set_current_vllm_config(config):
         if not ps.model_parallel_is_initialized():
@@ -294,7 +310,7 @@ def _build_vllm_embedding(engram, vllm_plugin, socket: str, table: str, rows: in
                                             distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}")
             ps.initialize_model_parallel(1, 1)
         with vllm_plugin.engram_layer(1):
-            return engram.ParallelEngramEmbedding(rows, DIM, _head_sizes(rows), cpu_offload=True)
+            return engram.ParallelEngramEmbedding(rows, DIM, _head_sizes(rows), cpu_offload=socket is not None)
 
 
 def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.Tensor,
@@ -373,6 +389,191 @@ def check_vllm_staged(socket: str, table: str, rows: int, ids: np.ndarray, want:
             "Triton's interpreter decodes the e4m3 NaN bytes as +-480 and rounds bf16 subnormals otherwise "
             "than the GPU; the count above is the interpreter's")
     vllm_plugin.uninstall()
+    return res
+
+
+def _tokens_per_s(step, tokens: int, rounds: int, device: torch.device) -> float:
+    """Tokens a second of `rounds` calls of step() (a step of `tokens` tokens), the device
+    synchronised around them."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        step()
+    synchronize(device)
+    return tokens * rounds / (time.perf_counter() - t0)
+
+
+def _forms(steps: dict, want: torch.Tensor, tokens: int, device: torch.device, sizes: Sizes,
+           layer=None) -> tuple[dict, dict]:
+    """(checks, tokens/s by name) of each form's step (`steps`: name -> step() returning bf16
+    [tokens, HEADS, DIM]), checked bit for bit against the CPU path `want`, then timed in
+    tokens/s (after that first step: the cache has read its misses). A form whose rows differ,
+    or the fast form whose device side failed during its timed steps (its DeviceLayer
+    `layer`'s error words), gets no figure: its check fails instead."""
+    res: dict = {}
+    rates: dict = {}
+    for name, step in steps.items():
+        res[f"{name}: rows == CPU path"] = same = _same_bits(step().cpu(), want)
+        if same:
+            rates[name] = res[f"{name}: tokens/s"] = _tokens_per_s(step, tokens, sizes.lookup_rounds, device)
+    if layer is not None:
+        from tierstore.client.engines import StagingError
+
+        try:
+            layer.check()
+            res["fast: no step failed on the device"] = True
+        except StagingError as e:
+            res["fast: no step failed on the device"] = False
+            res["fast: the failure"] = str(e)
+            rates.pop("fast", None)
+            res.pop("fast: tokens/s", None)
+    return res, rates
+
+
+def _against_own(rates: dict, device: torch.device) -> dict:
+    """Each form's tokens/s over the engine's own resident table's (`rates["own"]`)."""
+    res = {f"{name} / own": rate / rates["own"] for name, rate in rates.items() if name != "own" and "own" in rates}
+    if device.type != "cuda":
+        res["timings"] = SKIP_NO_CUDA + "the interpreter's and the host's: they mean nothing"
+    return res
+
+
+def _lost_thread(layer, lookup, fresh: torch.Tensor) -> dict:
+    """The fast form's DeviceLayer `layer` with its host thread stopped: a lookup (`lookup(ids)`
+    -> its bf16 rows) of ids `fresh` that miss gives its missed rows NaN (POISON, never another
+    step's rows) and the layer's next lookup raises StagingError naming the step."""
+    from tierstore.client.engines import StagingError
+
+    layer.server.stop()
+    layer.timeout_s = 0.05
+    rows = lookup(fresh)
+    synchronize(rows.device)
+    res = {"a lost host thread: its step's missed rows are NaN": bool(torch.isnan(rows.float()).any())}
+    try:
+        lookup(fresh)
+        res["a lost host thread: StagingError at the layer's next lookup"] = False
+    except StagingError as e:
+        res["a lost host thread: StagingError at the layer's next lookup"] = "failed at its step" in str(e)
+    return res
+
+
+def check_vllm_forms(socket: str, table: str, rows: int, ids: np.ndarray, want: torch.Tensor,
+                     table_packed: np.ndarray, device: torch.device, sizes: Sizes) -> dict:
+    """Part 9 (each release; NOT YET RUN on a GPU): a staged layer's step in each form against
+    vLLM's own lookup over its own table resident on the device (cpu_offload off): the simple
+    form (StepStager.stage_ids, then the layer's lookup of the staged rows) and the fast form
+    (TIERSTORE_VLLM_STAGE_FORM=fast: the lookup alone, on the device), each bit for bit
+    against the CPU path, then tokens/s; and the fast form's lost host thread."""
+    try:
+        from vllm.models.deepseek_v41.common import engram
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"vLLM's Engram module does not import here: {type(e).__name__}: {e}"}
+    from tierstore.client.engines import vllm_plugin
+
+    tokens = ids.shape[0]
+    dev_ids = torch.from_numpy(ids).to(device)
+    out = torch.empty(tokens, HEADS, DIM, dtype=torch.bfloat16, device=device)
+
+    def staged(form: str):
+        """The staged layer and the process's stager under `form` (a plugin installed afresh)."""
+        emb = _build_vllm_embedding(engram, vllm_plugin, socket, table, rows, stage_form=form)
+        vllm_plugin.staged_tables().graph_tokens = GRAPH_TOKENS  # VllmConfig() without a model resolves no sizes
+        return emb, vllm_plugin.staged_tables().step_stager(device)
+
+    with _vllm_on(device, engram):
+        own = _build_vllm_embedding(engram, vllm_plugin, None, table, rows)
+        own.weight = torch.nn.Parameter(torch.from_numpy(table_packed[:, :DIM].copy()).to(device)
+                                        .view(torch.float8_e4m3fn), requires_grad=False)
+        own.weight_scale_inv = torch.nn.Parameter(torch.from_numpy(table_packed[:, DIM:].copy()).to(device),
+                                                  requires_grad=False)
+        simple, stager = staged("simple")
+
+        def simple_step():
+            stager.stage_ids({1: ids})
+            simple.lookup(dev_ids, out)
+            return out
+
+        res, rates = _forms({"own": lambda: (own.lookup(dev_ids, out), out)[1], "simple": simple_step}, want,
+                            tokens, device, sizes)
+        stager.close()
+        fast, stager = staged("fast")
+        try:
+            res["fast: the stager stages nothing on the host"] = stager.form == "fast"
+            layer = next(iter(stager._device.values()))
+            got, fast_rate = _forms({"fast": lambda: (fast.lookup(dev_ids, out), out)[1]}, want, tokens, device,
+                                    sizes, layer)
+            res.update(got)
+            res.update(_against_own({**rates, **fast_rate}, device))
+            res["fast: steps whose misses the host thread filled"] = layer.server.filled
+            fresh = torch.from_numpy(np.random.default_rng(7).permutation(rows)[:ids.size].reshape(ids.shape)
+                                     .astype(np.int32)).to(device)
+            res.update(_lost_thread(layer, lambda i: (fast.lookup(i, out), out)[1], fresh))
+        finally:
+            stager.close()
+    vllm_plugin.uninstall()
+    return res
+
+
+def check_sglang_forms(socket: str, table: str, ids: np.ndarray, want: torch.Tensor, table_packed: np.ndarray,
+                       device: torch.device, sizes: Sizes) -> dict:
+    """Part 10 (NOT YET RUN on a GPU): a staged layer's rows of a step in each form against
+    sglang's own lookup over its own resident host table (pinned: `engram_gather` over UVA; on
+    CPU its torch path, dequant_rows): the simple form (StagedTable.gather into pinned buffers,
+    the side-stream upload, dequant_rows) and the fast form (RowStager.fast_rows: the device
+    looks the rows up), each bit for bit against the CPU path, then tokens/s; and the fast
+    form's lost host thread. The stager's hasher is a stand-in (the fast form reads the
+    engine's hash ids, here the step's ids)."""
+    from tierstore.client.client import Client
+    from tierstore.client.engines.sglang_stager import RowStager, StagedTable, dequant_rows, upload
+
+    cuda = device.type == "cuda"
+    tokens = ids.shape[0]
+    embed = SimpleNamespace(dim=DIM)
+    flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+    dev_flat = torch.from_numpy(flat).to(device)
+    host_w = torch.from_numpy(table_packed[:, :DIM].copy())
+    host_s = torch.from_numpy(table_packed[:, DIM:].copy())
+    if cuda:
+        host_w, host_s = host_w.pin_memory(), host_s.pin_memory()
+    weight = torch.empty((flat.size, DIM), dtype=torch.uint8, pin_memory=cuda)
+    scale = torch.empty((flat.size, DIM // 32), dtype=torch.uint8, pin_memory=cuda)
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def own_step():
+        if not cuda:
+            return dequant_rows(embed, host_w[dev_flat], host_s[dev_flat], ids.shape)
+        from sglang.kernels.ops.embeddings.engram_gather import engram_gather
+
+        out = torch.empty(flat.size, DIM, dtype=torch.bfloat16, device=device)
+        engram_gather(host_w.data_ptr(), host_s.data_ptr(), dev_flat, out, DIM, 32)
+        return out.view(*ids.shape, DIM)
+
+    with Client(socket) as c:
+        staged = StagedTable(c, table)
+
+        def simple_step():
+            staged.gather(flat, weight.numpy(), scale.numpy())
+            if not cuda:
+                return dequant_rows(embed, weight, scale, ids.shape)
+            rows, scales, copied = upload(weight, scale, device, side)
+            torch.cuda.current_stream(device).wait_event(copied)
+            return dequant_rows(embed, rows, scales, ids.shape)
+
+        hasher = SimpleNamespace(max_ngram_size=4, primes=np.zeros((1, 3, HEADS // 3)))  # 24 columns, one layer
+        layer_embed = SimpleNamespace(dim=DIM, tierstore_table=staged)
+        stager = RowStager(hasher, [SimpleNamespace(layer_hash_index=0, embed=layer_embed)], device, form="fast")
+        try:
+            fast_step = lambda: stager.fast_rows(layer_embed, dev_flat.view(ids.shape))  # noqa: E731
+            layer = next(iter(stager._device.values()))
+            res, rates = _forms({"own": own_step, "simple": simple_step, "fast": fast_step}, want, tokens, device,
+                                sizes, layer)
+            res.update(_against_own(rates, device))
+            res["fast: steps whose misses the host thread filled"] = layer.server.filled
+            fresh = torch.from_numpy(np.random.default_rng(8).permutation(staged.rows)[:flat.size]
+                                     .reshape(ids.shape)).to(device)
+            res.update(_lost_thread(layer, lambda i: stager.fast_rows(layer_embed, i), fresh))
+        finally:
+            stager.close()
     return res
 
 
@@ -662,6 +863,7 @@ def main(argv=None) -> int:
                 Client(sc.socket) as c, c.split_table("l1") as split:
             ids = _ids(rng, _head_sizes(rows), tokens)
             want_packed = c.lookup("l1", ids.reshape(-1)).reshape(*ids.shape, DIM + DIM // 32)
+            table_packed = c.lookup("l1", np.arange(rows, dtype=np.int64))  # the engines' own resident tables
             want = _reference(want_packed.reshape(-1, DIM + DIM // 32)).view(*ids.shape, DIM)
             run("split arena", lambda: check_split_arena(split, device))
             run("vllm", lambda: check_vllm(str(sc.socket), "l1", rows, ids, want, want_packed, split, device, sizes))
@@ -672,6 +874,10 @@ def main(argv=None) -> int:
             run("vllm runner", lambda: check_vllm_runner(device, tokens))
             run("sglang stager", lambda: check_sglang_stager(str(sc.socket), "l1", ids, want_packed, device, sizes))
             run("sglang graph staging", lambda: check_sglang_graph_staging(str(sc.socket), "l1", ids, device))
+            run("vllm forms", lambda: check_vllm_forms(str(sc.socket), "l1", rows, ids, want, table_packed, device,
+                                                       sizes))
+            run("sglang forms", lambda: check_sglang_forms(str(sc.socket), "l1", ids, want, table_packed, device,
+                                                           sizes))
         run("restart", lambda: check_restart(Path(d), restart_scale, sizes.restart_rounds))
     if vllm_only:
         from importlib.metadata import version

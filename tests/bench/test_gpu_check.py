@@ -132,8 +132,8 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
         assert set(pages["gather_rows over UVA"]) == {"rows/s 4 KiB", "rows/s 2 MB", "2 MB / 4 KiB"}
 
 
-def test_gpu_check_engines_smoke_runs_all_eight_parts(tmp_path):
-    """Every part, the vLLM ones (2, 4, 5) in a child process under the installed vLLM, their
+def test_gpu_check_engines_smoke_runs_every_part(tmp_path):
+    """Every part, the vLLM ones (2, 4, 5, 9) in a child process under the installed vLLM, their
     checks named by its version; `make test-engines` runs this under each supported release."""
     from importlib.metadata import version
 
@@ -161,6 +161,13 @@ def test_gpu_check_engines_smoke_runs_all_eight_parts(tmp_path):
     assert report["sglang stager"]["staged rows on the device == tierstore rows"] is True
     assert report["sglang graph staging"]["replay of 33 requests == CPU path"] is True
     assert report["sglang graph staging"]["buffers kept their addresses"] is True
+    for name, forms in (("vllm forms", report["vllm forms"]), ("sglang forms", report["sglang forms"])):
+        prefix = f"vLLM {v}: " if name == "vllm forms" else ""
+        for form in ("own", "simple", "fast"):  # each form's rows, bit for bit, then its figure
+            assert forms[f"{prefix}{form}: rows == CPU path"] is True and forms[f"{prefix}{form}: tokens/s"] > 0
+        assert forms[f"{prefix}fast: no step failed on the device"] is True
+        assert forms[f"{prefix}a lost host thread: its step's missed rows are NaN"] is True  # ids that missed
+        assert forms[f"{prefix}a lost host thread: StagingError at the layer's next lookup"] is True
     restart = report["restart"]  # all three restarts ran through sglang's loader; 1/8000 is too small to judge
     assert restart["rounds"] == 1 and all(restart[k]["s"] > 0 for k in ("dense", "filtered", "unfiltered"))
 
