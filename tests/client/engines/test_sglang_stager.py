@@ -138,30 +138,16 @@ def _promoted(socket, steps: int, timeout: float = 10.0) -> dict:
 
 
 def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_misses(cache_model, staged):
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from tierstore.client.engines.sglang_stager import RowStager
 
     stager, hasher, modules = staged["stager"], staged["hasher"], staged["modules"]
     assert isinstance(stager, RowStager)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 512, 40).tolist(), rng.integers(0, 512, 24).tolist()]
-    reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts)]
-    lens = [len(p) for p in prompts]
-    batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=list(lens))
     text = cache_model["text"]
-    for step in range(DECODE_STEPS + 1):
-        if step:  # the token sampled last step, on the host (no overlap scheduler); it repeats the
-            for r, p in zip(reqs, prompts):  # prompt, so later steps' n-grams are the extend's again
-                r.output_ids.append(p[step - 1])
-            batch.forward_mode = ForwardMode.DECODE
-            batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+    # the token sampled last step, on the host (no overlap scheduler); it repeats the prompt, so later
+    # steps' n-grams are the extend's again
+    for step, batch, x, input_ids, fb in _extend_then_decode(hasher, text, 7, (40, 24), "r", lambda p, s: p[s - 1]):
         staged_rows = stager.stage(batch)  # ahead of the forward, as prepare_for_forward does
-        input_ids, fb = _forward_batches(reqs, lens, step)
         hash_ids = hasher(input_ids, fb)  # the forward's own hash (and history commit)
-        x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
-                        generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
         for L, a, b in _own_and_staged(modules, x, hash_ids, fb, input_ids, staged_rows):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}, layer {L}"
             assert not torch.equal(a, x)  # the gate opened: rows were read
@@ -174,6 +160,31 @@ def test_staged_sglang_is_bit_identical_for_extend_and_decode_with_hits_and_miss
         assert s["hits"] > 0 and s["misses"] > 0, s
         local = stager.layers[LAYERS.index(L)][1].client.handle(f"l{L}").local_reads
         assert local.rows_cold > 0 and local.rows_resident > 0  # misses from the segment files, hits from the arena
+
+
+def _extend_then_decode(hasher, text, seed: int, sizes, name: str, sampled):
+    """An extend of prompts of `sizes` random tokens, then DECODE_STEPS decode steps, the token
+    step s samples for prompt p `sampled(p, s)` (on the host): yields (step, its ScheduleBatch,
+    the forward's input x, input ids, ForwardBatch) each step."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 512, n).tolist() for n in sizes]
+    reqs = [_req(f"{name}{i}", p) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0] * len(lens),
+                          extend_lens=list(lens))
+    for step in range(DECODE_STEPS + 1):
+        if step:
+            for r, p in zip(reqs, prompts):
+                r.output_ids.append(sampled(p, step))
+            batch.forward_mode = ForwardMode.DECODE
+            batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+        input_ids, fb = _forward_batches(reqs, lens, step)
+        x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
+                        generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        yield step, batch, x, input_ids, fb
 
 
 def _ready(staged: list) -> list:
@@ -799,9 +810,6 @@ def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cac
     probed, hits from the arena, misses filled by the layer's host thread through the fill
     channel), extend and decode alike: bit-identical to sglang's own module. A step whose fill
     fails is refused at the layer's next lookup, naming it."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from tierstore.client.engines import StagingError
     from tierstore.client.engines.sglang_stager import RowStager
 
@@ -816,29 +824,17 @@ def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cac
     try:
         assert RowStager.current is stager
         assert stager.form == "fast"
-        rng = np.random.default_rng(17)
-        prompts = [rng.integers(0, 512, 36).tolist(), rng.integers(0, 512, 12).tolist()]
-        reqs = [_req(f"f{i}", p) for i, p in enumerate(prompts)]
-        lens = [len(p) for p in prompts]
-        batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, prefix_lens=[0, 0], extend_lens=list(lens))
         text = cache_model["text"]
-        for step in range(DECODE_STEPS + 1):
-            if step:
-                for r, p in zip(reqs, prompts):
-                    r.output_ids.append(p[-step])
-                batch.forward_mode = ForwardMode.DECODE
-                batch.seq_lens_cpu = torch.tensor([n + step for n in lens])
+        for step, batch, x, input_ids, fb in _extend_then_decode(hasher, text, 17, (36, 12), "f",
+                                                                 lambda p, s: p[-s]):
             assert stager.stage(batch) is None
-            input_ids, fb = _forward_batches(reqs, lens, step)
             hash_ids = hasher(input_ids, fb)
-            x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"],
-                            generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
             for L, a, b in _own_and_staged(modules, x, hash_ids, fb, input_ids, None):
                 assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}, layer {L}"
         layers = list(stager._device.values())
         assert len(layers) == len(LAYERS) and all(d.server.filled > 0 for d in layers)  # misses went to the host
         layers[0].server.read = lambda ids: 1 / 0  # the next fill fails: its missed rows are poisoned
-        input_ids, fb = _forward_batches(reqs, lens, 0)
+        input_ids, fb = _forward_batches(batch.reqs, [36, 12], 0)
         x = torch.randn(len(input_ids), text["hc_mult"], text["hidden_size"]).to(torch.bfloat16)
         rows = stager.layers[0][1].rows
         fresh = torch.from_numpy(np.random.default_rng(1).integers(0, rows, (len(input_ids), hash_ids.shape[-1])))
