@@ -447,6 +447,7 @@ BLOCK = 4  # DSpark's verify window: an anchor and 3 drafts
 # the later layer read before the forward, behind layers 1..13, or behind only when its probe finds misses
 # (the stagers' default): each variant's stager `behind` (step_reads.BEHIND)
 VARIANTS = {"before": "never", "behind": "always", "auto": "misses"}
+FAST = "fast"  # the fast form's variant (RowStager form "fast": each layer's forward looks its rows up itself)
 
 
 def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: int, mid_ms: float = MID_MS,
@@ -466,7 +467,11 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
     Each as the stager reads it before the forward (`before`: both layers), with layer 14
     read on the stager's host thread while the forward runs layer 1 and the layers between
     (`behind`), and as the stagers do by default (`auto`: behind only when layer 14's slot-index
-    probe finds misses, step_reads.read_now). `direct_io`: the sidecar serves `--direct-io`
+    probe finds misses, step_reads.read_now), and in the fast form (FAST: `stage` stages nothing;
+    sglang's hasher hashes the batch, which on a GPU is its kernel's work, timed as the stage;
+    each layer's forward looks its rows up itself, kernels.staged_gather's torch reference here,
+    its misses filled by the layer's host thread: on a CPU the lookup is all exposed, and the
+    step's time is what compares: it has no exposed ms). `direct_io`: the sidecar serves `--direct-io`
     (misses read with O_DIRECT from the device, not the page cache: the reads behind hides). A step is its stage (timed: the exposed part) plus its forward: layer 1's
     module, the decoder layers 2..13 between them modelled as `mid_ms` of device time (the host
     sleeps: on a GPU host it waits for them), layer 14's module (its lookup waits for its rows:
@@ -513,13 +518,15 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
                  "dram_budget_bytes": total // CACHE_SHARE, "requests": REQUESTS, "mid_ms": mid_ms,
                  "block": BLOCK, "decode_steps": decode_steps, "rounds": rounds, "direct_io": direct_io}
     kinds = ("off", "overlap", "dspark")
-    times = {(k, v): {"step": [], "stage": [], "exposed": []} for k in kinds for v in VARIANTS}
+    variants = (*VARIANTS, FAST)
+    times = {(k, v): {"step": [], "stage": [], "exposed": []} for k in kinds for v in variants}
     exact = True
     slots = torch.arange(REQUESTS)
     with SidecarProcess(root / "data", dram_budget=str(total // CACHE_SHARE),
                         extra_args=("--direct-io",) if direct_io else ()) as sc:
         fed = [_build_fed(engram, spec, shard, sc.socket, L)[0] for L in DEFAULTS_LAYERS]
         stagers = {v: RowStager(hasher, fed, "cpu", behind=b) for v, b in VARIANTS.items()}
+        stagers[FAST] = RowStager(hasher, fed, "cpu", form="fast")
         try:
             for r in range(rounds):
                 seqs = text[r]
@@ -545,15 +552,18 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
                             batch.seq_lens_cpu = torch.full((REQUESTS,), pos + 1)
                             _, step_fb = _forward_batch(seqs[:, :pos + 1], pos, 1)
                         before_step = hasher.history.clone()
-                        order = list(VARIANTS)[(r + step) % len(VARIANTS):] + list(VARIANTS)[:(r + step) % len(VARIANTS)]
+                        turn = (r + step) % len(variants)
                         outs = {}
-                        for v in order:
+                        for v in variants[turn:] + variants[:turn]:
                             hasher.history.copy_(before_step)
                             stager = stagers[v]
                             RowStager.current = stager
                             waited = stager.waited
                             t = time.perf_counter()
-                            if kind == "off":
+                            hash_ids = None
+                            if v == FAST:  # the model's own hash (the device's, on a GPU); no host step
+                                rows, hash_ids = None, hasher(step_fb.input_ids, step_fb)
+                            elif kind == "off":
                                 rows = stager.stage(batch)
                             else:  # DEFERRED by `stage`, staged at the ForwardBatch
                                 step_fb.engram_staged_rows = DEFERRED
@@ -561,7 +571,7 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
                                                           _TARGET_RUNNER).engram_staged_rows
                             staged_at = time.perf_counter()
                             step_fb.engram_staged_rows = rows
-                            outs[v] = _two_layer_forward(fed, step_fb, spec, mid_ms, r * 1000 + step)
+                            outs[v] = _two_layer_forward(fed, step_fb, spec, mid_ms, r * 1000 + step, hash_ids)
                             done = time.perf_counter()
                             times[(kind, v)]["step"].append(done - t)
                             times[(kind, v)]["stage"].append(staged_at - t)
@@ -581,8 +591,9 @@ def defaults_cell(engram, work: Path, *, vocab: int, rounds: int, decode_steps: 
             sglang_stager.close()
     for (kind, v), t in times.items():
         res[f"{kind}_{v}"] = {"steps_per_s": 1 / statistics.median(t["step"]),
-                              "stage_ms": 1e3 * statistics.median(t["stage"]),
-                              "exposed_ms": 1e3 * statistics.median(t["exposed"])}
+                              "stage_ms": 1e3 * statistics.median(t["stage"])}
+        if v != FAST:  # the fast form's lookups wait inside the forward's layers: only its steps/s compares
+            res[f"{kind}_{v}"]["exposed_ms"] = 1e3 * statistics.median(t["exposed"])
     res["bit_exact"] = bool(exact)
     import shutil
 
@@ -615,19 +626,21 @@ def _verify_forward_batch(ids_2d, positions_2d):
                         spec_info=DFlashVerifyInput(draft_token=ids, positions=pos, draft_token_num=block))
 
 
-def _two_layer_forward(fed: list, fb, spec, mid_ms: float, seed: int):
+def _two_layer_forward(fed: list, fb, spec, mid_ms: float, seed: int, hash_ids=None):
     """Layer 1's staged module, `mid_ms` of the decoder layers between (the device's time, which
-    the host waits out), layer 14's: its output. The hash ids are unread by a staged layer."""
+    the host waits out), layer 14's: its output. `hash_ids` [tokens, layers, columns], sglang's
+    hasher's, are read by the fast form only (None: zeros, which a batch's staged rows ignore)."""
     import torch
 
     tokens = fb.input_ids.shape[0]
     x = torch.randn(tokens, spec.hc_mult, spec.hidden_size,
                     generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    unread = torch.zeros(tokens, spec.columns, dtype=torch.int64)
+    if hash_ids is None:
+        hash_ids = torch.zeros(tokens, len(fed), spec.columns, dtype=torch.int64)
     with torch.no_grad():
-        x = fed[0](x, unread, fb, input_ids=fb.input_ids)
+        x = fed[0](x, hash_ids[:, 0], fb, input_ids=fb.input_ids)
         time.sleep(mid_ms / 1e3)
-        return fed[1](x, unread, fb, input_ids=fb.input_ids)
+        return fed[1](x, hash_ids[:, 1], fb, input_ids=fb.input_ids)
 
 
 # ---- the TP cell ---------------------------------------------------------------------------------
@@ -765,6 +778,7 @@ def engines_line(res: dict) -> str:
                 f"{kind} {d[f'{kind}_before']['steps_per_s']:.0f} steps/s (stage {d[f'{kind}_before']['stage_ms']:.2f} "
                 f"ms), exposed staging ms layer 14 before/behind/auto {d[f'{kind}_before']['exposed_ms']:.2f}/"
                 f"{d[f'{kind}_behind']['exposed_ms']:.2f}/{d[f'{kind}_auto']['exposed_ms']:.2f}"
+                + (f", fast form {d[f'{kind}_{FAST}']['steps_per_s']:.0f} steps/s" if f"{kind}_{FAST}" in d else "")
                 for kind in ("off", "overlap", "dspark")) + f", bit-exact {d['bit_exact']}"
     r = res.get("restart") or {}
     if r:

@@ -44,6 +44,9 @@ def test_bench_engines_records_ratios_bit_exactness_and_the_cache_cell(tmp_path,
             for variant in ("before", "behind"):
                 cell = defaults[f"{kind}_{variant}"]
                 assert cell["steps_per_s"] > 0 and 0 < cell["stage_ms"] <= cell["exposed_ms"]
+            fast = defaults[f"{kind}_fast"]  # the fast form: the same rows (bit_exact), its lookups in the forward
+            assert fast["steps_per_s"] > 0 and fast["stage_ms"] > 0 and "exposed_ms" not in fast
+        assert "fast form" in out
     tp = res["tp"]
     if "skipped" not in tp:  # 8 ranks staging the same batches under --direct-io, from the kernel's read_bytes
         from tierstore.bench.engines import TP_RANKS
