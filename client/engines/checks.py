@@ -87,6 +87,9 @@ FEATURES = (
             "under the overlap scheduler)", NO_GPU,
             "the simple form refuses the batch (StagingError: it hashes an extend batch's tokens on the host; run "
             "without --enable-mixed-chunk); the fast form hashes on the device: not tested"),
+    Feature("sglang", "beam search (a decode batch of more rows than requests)", NO_GPU,
+            "the simple form refuses the batch (StagingError: it stages a decode batch from one window a request); "
+            "the fast form reads the engine's hash ids: not tested"),
     Feature("sglang", "prefill context parallelism (attn_cp_size > 1)", NO_GPU, REFUSED,
             "a staged batch's rows are the whole batch's, in its order, and each context-parallel rank hashes the "
             "whole prompt: run sglang without prefill context parallelism, or serve the tables split-layout "

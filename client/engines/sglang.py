@@ -442,7 +442,7 @@ def _attach_staged(embed, config: SglangConfig, table: str, num_embeddings: int,
     from tierstore.client.engines.sglang_stager import StagedHostTable, StagedTable, UnstagedForward, process_client
 
     try:
-        t = StagedTable(process_client(config.socket, config.timeout), table)
+        t = StagedTable(process_client(config.socket, config.timeout), table, form=config.stage_form)
     except errors.Unavailable as e:
         raise EngineAttachError(f"sglang's Engram table {table} comes from the tierstore sidecar at "
                                 f"{config.socket}, which does not answer ({e}); start it first: `tierstore serve "

@@ -145,14 +145,15 @@ class StagedTable:
     """The tierstore table of one staged layer, read row by row through the sidecar's client.
 
     version is the one served when the layer was built; a read that finds another raises
-    StagingError (the checkpoint's rows were checked against this one)."""
+    StagingError (the checkpoint's rows were checked against this one). form: how the stager
+    gets the layer's rows to the device (checks.STAGE_FORMS; the plugin's config.stage_form)."""
 
-    def __init__(self, client, table: str):
+    def __init__(self, client, table: str, form: str = "simple"):
         h = client.handle(table)
         if h.row_format != "fp8-e4m3-ue8m0":
             raise StagingError(f"tierstore table {table} is {h.row_format}; sglang's Engram rows are "
                                f"fp8-e4m3-ue8m0 (ingest the checkpoint with tierstore ingest-checkpoint)")
-        self.client, self.table = client, table
+        self.client, self.table, self.form = client, table, form
         self.version, self.rows, self.dim = h.version, h.rows, h.row_dim
         self.checkpoint = h.checkpoint  # the tensors the rows were ingested from (CheckpointCheck)
         self.full_resident = h.full_resident
@@ -361,10 +362,7 @@ class RowStager:
         graph_tokens = decode_graph_batch(_published_graph_config()) * per_request
         if cp > 1:
             raise checks.EngineRefused.of("sglang", CONTEXT_PARALLEL, f"attn_cp_size {cp}")
-        from tierstore.client.engines.sglang import SglangConfig
-
-        config = SglangConfig.from_env()
-        stager = cls(hasher, engrams, device, graph_tokens, form=config.stage_form if config else "simple")
+        stager = cls(hasher, engrams, device, graph_tokens, form=engrams[0].embed.tierstore_table.form)
         RowStager.current = stager
         return stager
 

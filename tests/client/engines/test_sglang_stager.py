@@ -68,23 +68,11 @@ def staged(cache_model, sglang_engram):
 
     from sglang.srt.layers.engram_staging import EngramRowStager
 
-    from tierstore.client.engines import checks, sglang_stager
-    from tierstore.client.engines import sglang as ts_sglang
+    from tierstore.client.engines import sglang_stager
 
     assert all(s["mode"] == "cache" for s in _stats(cache_model["socket"]).values())
     own = {L: build_engram(sglang_engram, cache_model, L)[0] for L in LAYERS}
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
-    # the load checks a spread of 64 rows here: 4096 would be most of this small table, where on
-    # V4.1's it is a few in a million, and the cache would start full of them
-    mp.setattr(checks, "SAMPLE_ROWS", 64)
-    ts_sglang.install()
-    try:
-        fed = {L: build_engram(sglang_engram, cache_model, L) for L in LAYERS}
-    finally:
-        mp.undo()
-        for var in HOST_TABLE_VARS:
-            os.environ.pop(var, None)
+    fed = _fed(cache_model, sglang_engram)
     layout = fed[1][1]
     text = cache_model["text"]
     hasher = sglang_engram[0].EngramHasher(layout, cache_model["tokenizer"], text["engram_pad_token_id"],
@@ -94,6 +82,28 @@ def staged(cache_model, sglang_engram):
     stager = EngramRowStager.from_model(model, hasher, torch.device("cpu"))  # sglang's seam, hooked
     yield dict(modules={L: (own[L], fed[L][0]) for L in LAYERS}, stager=stager, hasher=hasher)
     sglang_stager.close()
+
+
+def _fed(cache_model, sglang_engram, **env) -> dict:
+    """{layer: (its Engram module, layout)} built by sglang with the plugin installed over
+    `cache_model`'s sidecar (TIERSTORE_SGLANG_* `env` set while they are built)."""
+    from tierstore.client.engines import checks
+    from tierstore.client.engines import sglang as ts_sglang
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
+    for name, value in env.items():
+        mp.setenv(name, value)
+    # the load checks a spread of 64 rows here: 4096 would be most of this small table, where on
+    # V4.1's it is a few in a million, and the cache would start full of them
+    mp.setattr(checks, "SAMPLE_ROWS", 64)
+    ts_sglang.install()
+    try:
+        return {L: build_engram(sglang_engram, cache_model, L) for L in LAYERS}
+    finally:
+        mp.undo()
+        for var in HOST_TABLE_VARS:
+            os.environ.pop(var, None)
 
 
 def _req(rid: str, tokens) -> object:
@@ -803,7 +813,7 @@ def _dspark():
     return SpeculativeAlgorithm.from_string("DSPARK")
 
 
-def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cache_model, staged, monkeypatch):
+def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cache_model, sglang_engram, staged):
     """The fast form (TIERSTORE_SGLANG_STAGE_FORM=fast, the stager sglang's seam returns): `stage`
     stages nothing; each staged layer's forward looks up
     sglang's own hash ids itself (kernels.staged_gather's torch reference on CPU: the slot index
@@ -816,9 +826,9 @@ def test_the_fast_form_looks_rows_up_from_sglangs_own_hash_ids_bit_identical(cac
     from sglang.srt.layers.engram_staging import EngramRowStager
     from torch import nn
 
-    modules, hasher = staged["modules"], staged["hasher"]
-    monkeypatch.setenv("TIERSTORE_SGLANG_SOCKET", cache_model["socket"])
-    monkeypatch.setenv("TIERSTORE_SGLANG_STAGE_FORM", "fast")
+    hasher = staged["hasher"]
+    fast = _fed(cache_model, sglang_engram, TIERSTORE_SGLANG_STAGE_FORM="fast")  # the layers the plugin builds
+    modules = {L: (staged["modules"][L][0], fast[L][0]) for L in LAYERS}  # (sglang's own, staged: the fast form)
     previous = RowStager.current
     stager = EngramRowStager.from_model(nn.ModuleList([modules[L][1] for L in LAYERS]), hasher, torch.device("cpu"))
     try:
