@@ -45,7 +45,7 @@ __all__ = ["FillChannel", "FillServer", "DeviceLayer", "device_layers", "ring", 
            "FAST_TOKENS"]
 
 FILL_TIMEOUT_S = 10.0  # the device's spin on a fill before the step fails (a lost host thread)
-FAST_TOKENS = 8192  # tokens of a step whose misses a layer's fill channel holds, at least (the engines' budget)
+FAST_TOKENS = 8192  # tokens of a step whose misses a fill channel holds where the engine's step budget is unknown
 
 
 class FillChannel:

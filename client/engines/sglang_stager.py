@@ -303,12 +303,14 @@ class RowStager:
 
     behind: step_reads.BEHIND (which later layers are read behind the forward). form:
     checks.STAGE_FORMS, "simple" (the above) or "fast" (`stage` stages nothing; each layer's
-    forward looks its rows up on the device, `fast_rows`)."""
+    forward looks its rows up on the device, `fast_rows`), its fill channels holding the misses
+    of `step_tokens` tokens (the most a batch runs, `from_model`; FAST_TOKENS where 0), or of
+    `graph_tokens`."""
 
     current: "RowStager | None" = None  # the process's stager, for the scheduler's prefetch hook
 
     def __init__(self, hasher, engrams: list, device, graph_tokens: int = 0, behind: str = "misses",
-                 form: str = "simple"):
+                 form: str = "simple", step_tokens: int = 0):
         import torch
 
         self.hasher, self.device = hasher, torch.device(device)
@@ -333,7 +335,8 @@ class RowStager:
         self._pending: list[PendingRows] = []
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         tables = [t for _, t in self.layers]  # the fast form's DeviceLayer of each, by id(table)
-        self._device = (device_layers(tables, read_layers, self.device, max(graph_tokens, FAST_TOKENS) * self.cols,
+        self._device = (device_layers(tables, read_layers, self.device,
+                                      max(graph_tokens, step_tokens or FAST_TOKENS) * self.cols,
                                       [f"sglang's Engram table {t.table}" for t in tables])
                         if self.form == "fast" else {})
 
@@ -341,7 +344,7 @@ class RowStager:
     def from_model(cls, model, hasher, device) -> "RowStager | None":
         """A RowStager when any Engram layer of `model` is staged by tierstore, else None."""
         from sglang.srt.layers.engram import Engram
-        from sglang.srt.runtime_context import get_parallel, get_spec, max_speculative_num_draft_tokens
+        from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec, max_speculative_num_draft_tokens
 
         engrams = sorted((m for m in model.modules() if isinstance(m, Engram)), key=lambda m: m.layer_hash_index)
         staged = [getattr(m.embed, "tierstore_table", None) is not None for m in engrams]
@@ -360,9 +363,15 @@ class RowStager:
         except ValueError:  # no spec published: a module built outside a server (tests, bench)
             per_request = 1
         graph_tokens = decode_graph_batch(_published_graph_config()) * per_request
+        try:  # the most tokens an extend batch runs: its chunk, at most the prefill budget
+            schedule = get_schedule()
+            step_tokens = max(schedule.chunked_prefill_size or 0, schedule.max_prefill_tokens or 0)
+        except ValueError:  # no schedule published: a module built outside a server (tests, bench)
+            step_tokens = 0
         if cp > 1:
             raise checks.EngineRefused.of("sglang", CONTEXT_PARALLEL, f"attn_cp_size {cp}")
-        stager = cls(hasher, engrams, device, graph_tokens, form=engrams[0].embed.tierstore_table.form)
+        stager = cls(hasher, engrams, device, graph_tokens, form=engrams[0].embed.tierstore_table.form,
+                     step_tokens=step_tokens)
         RowStager.current = stager
         return stager
 

@@ -167,6 +167,7 @@ class TierstoreEngramTables:
         self._split: dict[int, "SplitTable"] = {}
         self._staged: dict[int, "StagedEngramTable"] = {}
         self.graph_tokens = 0  # the persistent staging buffers' tokens (vllm_stager.graph_tokens, set at build)
+        self.step_tokens = 0  # the most tokens a step schedules (vllm_stager.step_tokens, set at build)
         self._stager = None  # the StepStager of the staged layers, made at its first use
         if not self._by_layer:
             for info in self._client.tables():
@@ -221,7 +222,8 @@ class TierstoreEngramTables:
             if self._stager is None:
                 if not layers:
                     raise errors.InvalidArgument("tierstore's vLLM plugin stages no Engram layer in this process")
-                self._stager = StepStager(layers, self.graph_tokens, device, form=self.config.stage_form)
+                self._stager = StepStager(layers, self.graph_tokens, device, form=self.config.stage_form,
+                                          step_tokens=self.step_tokens)
             return self._stager
 
     def split_table(self, layer_id: int) -> "SplitTable":
@@ -373,6 +375,7 @@ def _stage(emb, tables: TierstoreEngramTables, layer_id: int, vllm_config=None):
 
     vllm_stager.check_engine(vllm_config, emb, layer_id)
     tables.graph_tokens = vllm_stager.graph_tokens(vllm_config)
+    tables.step_tokens = vllm_stager.step_tokens(vllm_config)
     staged = tables.staged_table(layer_id)
     checks.check_shape("vllm", layer_id, staged.table, staged.rows, staged.dim, emb.num_embeddings, emb.dim,
                        emb.block_size)

@@ -227,6 +227,13 @@ def dequantize_split(weight: "torch.Tensor", scale: "torch.Tensor", dim: int) ->
 
 
 # ---- the step's rows ----------------------------------------------------------------------------------
+def step_tokens(vllm_config) -> int:
+    """The most tokens vLLM schedules in one step (`scheduler_config.max_num_batched_tokens`):
+    what the fast form's fill channels hold the misses of. 0 without a config (a model built
+    outside vLLM's engine: tests, bench)."""
+    return 0 if vllm_config is None else int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 def graph_tokens(vllm_config) -> int:
     """The largest batch (tokens) vLLM replays in a captured CUDA graph under its resolved
     `vllm_config.compilation_config` (`max_cudagraph_capture_size`, set by VllmConfig's own
@@ -290,9 +297,10 @@ class StepStager:
 
     tables: the staged layers' StagedEngramTables (each bound to its embedding), one per layer.
     form: checks.STAGE_FORMS, "simple" (the above) or "fast" (`fast_rows`: the layers look their
-    rows up on the device, no step staged on the host)."""
+    rows up on the device, no step staged on the host); its fill channels hold the misses of
+    `step_tokens` tokens (`step_tokens(vllm_config)`; FAST_TOKENS where 0), or of `capacity`."""
 
-    def __init__(self, tables: list, capacity: int, device, hasher=None, form: str = "simple"):
+    def __init__(self, tables: list, capacity: int, device, hasher=None, form: str = "simple", step_tokens: int = 0):
         import torch
 
         parts = {t.part for t in tables}
@@ -321,7 +329,8 @@ class StepStager:
         self._pending: dict = {}
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         self._read = np.zeros(len(self.tables), dtype=np.int64)  # the real step each layer last read
-        self._device = (device_layers(self.tables, read_layers, self.device, max(capacity, FAST_TOKENS) * self.part,
+        self._device = (device_layers(self.tables, read_layers, self.device,
+                                      max(capacity, step_tokens or FAST_TOKENS) * self.part,
                                       [f"vLLM's Engram layer {t.layer_id}" for t in self.tables])
                         if self.form == "fast" else {})  # the fast form's DeviceLayer of each layer, by id(table)
 

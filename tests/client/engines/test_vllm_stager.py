@@ -66,6 +66,7 @@ from v41_checkpoint import CONFIG, IMAGE_TOKEN, write_checkpoint  # noqa: E402
 from tierstore import errors  # noqa: E402
 from tierstore.client.client import Client  # noqa: E402
 from tierstore.client.engines import checks, vllm_plugin, vllm_stager  # noqa: E402
+from tierstore.client.engines.device_fill import FAST_TOKENS  # noqa: E402
 from tierstore.ingest.checkpoint import ingest_checkpoint  # noqa: E402
 from tierstore.sidecar.launcher import SidecarProcess  # noqa: E402
 
@@ -671,6 +672,18 @@ def test_graph_tokens_are_vllms_resolved_largest_capture():
 
 
 @parent
+def test_step_tokens_are_vllms_token_budget():
+    """The fast form's fill channels hold the misses of vLLM's step budget (max_num_batched_tokens
+    as its VllmConfig resolved it); none without a config."""
+    from vllm.config import SchedulerConfig
+
+    config = vllm_engram.vllm_config(scheduler_config=SchedulerConfig(
+        max_model_len=256, is_encoder_decoder=False, max_num_batched_tokens=300, max_num_seqs=4,
+        enable_chunked_prefill=True))
+    assert vllm_stager.step_tokens(config) == 300 and vllm_stager.step_tokens(None) == 0
+
+
+@parent
 def test_vllms_defaults_build_and_what_looks_up_part_of_a_step_is_refused_with_the_fix(vllm_world, monkeypatch):
     """vLLM's defaults build a staged layer: async scheduling on and speculative decoding (DSpark,
     and a method keeping the token history on the device) pass the engine checks, since the stager
@@ -927,7 +940,9 @@ def _fast_form_steps(cache_model, vllm_world, monkeypatch, shards: int, rank: in
         embs = [_staged(vllm_world, layout, index, shards=shards, rank=rank) for index in range(len(LAYERS))]
         stager = _stager(plugin, embs, capacity=24)
         try:
-            assert stager.form == "fast"
+            assert stager.form == "fast" and stager.buffers is None  # nothing staged on the host
+            budget = max(24, vllm_plugin.staged_tables().step_tokens or FAST_TOKENS) * embs[0].part_n_hash_cols
+            assert all(d.channel.capacity == budget for d in stager._device.values())  # a step's ids may all miss
             table, steps = _token_steps(np.random.default_rng(23 + shards), list(sizes))
             for size, (starts, counts) in zip(sizes, steps):
                 for emb, L in zip(embs, LAYERS):
