@@ -33,8 +33,9 @@ ALLOWED = {
     "sidecar": {"table", "store", "tiers", "tiers.nvme", "tiers.remote", "cache", "cache.policy", "engine", "proto"},
     "client": {"table", "store", "tiers", "tiers.nvme", "cache", "proto"},
     "client.model": {"client", "kernels", "table", "tiers", "cache.policy"},
-    # engines fed by tierstore: through the client only; table: the checkpoint's headers (checks.CheckpointCheck)
-    "client.engines": {"client", "table"},
+    # engines fed by tierstore: through the client; table: the checkpoint's headers (checks.CheckpointCheck);
+    # kernels and cache: the fast form probes the slot index on the device (staged_gather, slot_probe)
+    "client.engines": {"client", "table", "kernels", "cache"},
     "kernels": {"table"},
 }
 OPEN = {"cli", "bench", "__main__"}  # may import anything of ours
