@@ -68,8 +68,11 @@ class DataLoss(TierstoreError):
 
 
 class ChecksumError(DataLoss):
-    def __init__(self, table: str, version: int, block: int, detail: str = ""):
-        self.table, self.version, self.block = table, version, block
+    """A block or row that failed its checksum (or whose file is missing or cut short): never
+    returned. `block` names the block; `row` the row, where one row's check failed (else None)."""
+
+    def __init__(self, table: str, version: int, block: int, detail: str = "", row: int | None = None):
+        self.table, self.version, self.block, self.row = table, version, block, row
         msg = f"table {table!r} version {version}: checksum mismatch in block {block}"
         super().__init__(msg + (f" ({detail})" if detail else ""))
 

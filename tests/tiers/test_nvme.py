@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tierstore.ingest import writer as ingest
 from tierstore.store.catalog import Catalog
 from tierstore.errors import ChecksumError, IdOutOfRange, InvalidArgument
-from tierstore.tiers.nvme import reader as segment_reader
-from tierstore.tiers.nvme.reader import SegmentReader, default_block_rows
+from tierstore.tiers.nvme import blocks as block_path
+from tierstore.tiers.nvme.blocks import default_block_rows
+from tierstore.tiers.nvme.reader import SegmentReader
 
 ROWS, RB, BR = 1000, 64, 7  # 143 blocks, the last one short (6 rows)
 
@@ -115,7 +116,7 @@ def test_read_range_and_blocks(table):
 
 def test_small_read_groups(table, monkeypatch):
     reader, _, data = table
-    monkeypatch.setattr(segment_reader, "GROUP_BYTES", 3 * BR * RB)
+    monkeypatch.setattr(block_path, "GROUP_BYTES", 3 * BR * RB)
     ids = np.random.default_rng(1).integers(0, ROWS, 400)
     assert np.array_equal(reader.read_rows(ids), data[ids])
     assert np.array_equal(reader.read_range(2, 990), data[2:992])

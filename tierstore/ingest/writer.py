@@ -41,7 +41,8 @@ from tierstore.errors import ChecksumError, DataLoss, InvalidArgument, ResourceE
 from tierstore.ingest.pipeline import Pipeline
 from tierstore.table.formats import RowFormat
 from tierstore.tiers.nvme import rowsum
-from tierstore.tiers.nvme.reader import SegmentReader, default_block_rows
+from tierstore.tiers.nvme.blocks import default_block_rows
+from tierstore.tiers.nvme.reader import SegmentReader
 
 __all__ = ["write_version", "ExpectedBlocks", "SEGMENT_BYTES", "CHUNKS_IN_FLIGHT"]
 
@@ -51,7 +52,7 @@ SEGMENT_BYTES = 1 << 30
 # segment format 1: one uint64 checksum per row (tierstore.tiers.nvme.rowsum), beside the segments
 ROW_SUMS_FILE = "rowsums.u64"
 # A checksum block is read and hashed whole; the default is about BLOCK_TARGET_BYTES
-# (tiers/nvme/reader.py: default_block_rows), this is the most a version may ask for.
+# (tiers/nvme/blocks.py: default_block_rows), this is the most a version may ask for.
 MAX_BLOCK_BYTES = 64 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # Chunks between the source and the end of the read-back (write_version's

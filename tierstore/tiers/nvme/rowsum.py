@@ -51,7 +51,7 @@ import numpy as np
 
 from tierstore.jit import Kernel, inlined, mix64
 
-__all__ = ["ALGO", "ALGOS", "RowKey", "new_salt", "records", "row_sums"]
+__all__ = ["ALGO", "ALGOS", "RowKey", "new_salt", "records", "row_sums", "word_term", "with_id"]
 
 ALGO = "fmix64-v2"  # what writers write
 ALGOS = ("fmix64-v1", "fmix64-v2")  # what readers check
@@ -120,8 +120,9 @@ def _mix(x: np.ndarray, s, k, tmp: np.ndarray) -> np.ndarray:
 
 
 @inlined
-def _word_term(w, skey, kkey):
-    """A row word's term of its row sum (the compiled loops' form of _mix with s, k)."""
+def word_term(w, skey, kkey):
+    """A row word's term of its row sum: the compiled loops' form of _mix with s, k (here and
+    verified_copy.py's placing loops: the one compiled mix)."""
     m1, s29, s32 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(29), np.uint64(32)
     x = (w ^ skey) * m1
     x = (x ^ (x >> s29)) * kkey
@@ -129,7 +130,7 @@ def _word_term(w, skey, kkey):
 
 
 @inlined
-def _with_id(acc, row_id, seed, mix_id):
+def with_id(acc, row_id, seed, mix_id):
     """The words' terms `acc` and the id's term under the key (seed, mix_id): the row sum."""
     m1, m2, gold = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(0x9E3779B97F4A7C15)
     s29, s32 = np.uint64(29), np.uint64(32)
@@ -148,8 +149,8 @@ def _sums_loop(words, ids, skeys, kkeys, seed, mix_id, out):
     for i in range(words.shape[0]):
         acc = np.uint64(0)
         for j in range(words.shape[1]):
-            acc += _word_term(words[i, j], skeys[j], kkeys[j])
-        out[i] = _with_id(acc, ids[i], seed, mix_id)
+            acc += word_term(words[i, j], skeys[j], kkeys[j])
+        out[i] = with_id(acc, ids[i], seed, mix_id)
 
 
 _SUMS = Kernel(_sums_loop, nogil=True)
@@ -205,12 +206,12 @@ def _records_loop(a, b, ids, skeys, kkeys, seed, mix_id, out):
         for j in range(wa):
             w = a[i, j]
             out[i, j] = w
-            acc += _word_term(w, skeys[j], kkeys[j])
+            acc += word_term(w, skeys[j], kkeys[j])
         for j in range(wb):
             w = b[i, j]
             out[i, wa + j] = w
-            acc += _word_term(w, skeys[wa + j], kkeys[wa + j])
-        out[i, wa + wb] = _with_id(acc, ids[i], seed, mix_id)
+            acc += word_term(w, skeys[wa + j], kkeys[wa + j])
+        out[i, wa + wb] = with_id(acc, ids[i], seed, mix_id)
 
 
 _RECORDS = Kernel(_records_loop, nogil=True)

@@ -22,12 +22,9 @@ import numpy as np
 
 from tierstore.jit import Kernel, enabled, inlined, unique_inverse
 from tierstore.tiers.nvme import rowsum
+from tierstore.tiers.nvme.rowsum import with_id, word_term
 
 __all__ = ["kernels", "place_records", "place_verified", "warm"]
-
-_M1, _M2, _GOLD = np.uint64(rowsum._M1), np.uint64(rowsum._M2), np.uint64(rowsum._GOLD)
-_S29, _S32 = np.uint64(29), np.uint64(32)
-
 
 def kernels():
     """True where the compiled kernels run (numba present, TIERSTORE_NO_JIT unset)."""
@@ -38,22 +35,13 @@ def kernels():
 @inlined
 def _copy_summed(src, r, dest, d, words, row_id, skeys, kkeys, seed, mix_id):
     """dest[d, :words] = src[r, :words]; their row sum as row row_id under the key
-    (seed, mix_id) (rowsum.py)."""
+    (seed, mix_id), the mix rowsum.py defines (its compiled terms, once)."""
     acc = np.uint64(0)
     for j in range(words):
         w = src[r, j]
         dest[d, j] = w
-        x = (w ^ skeys[j]) * _M1
-        x = (x ^ (x >> _S29)) * kkeys[j]
-        acc += x ^ (x >> _S32)
-    x = np.uint64(row_id)
-    if mix_id:
-        x = x * _M1
-        x = (x ^ (x >> _S29)) * _GOLD
-        x = x ^ (x >> _S32)
-    x = (x ^ seed) * _M1
-    x = (x ^ (x >> _S29)) * _M2
-    return acc + (x ^ (x >> _S32))
+        acc += word_term(w, skeys[j], kkeys[j])
+    return with_id(acc, row_id, seed, mix_id)
 
 
 def _place_loop(src, row_at, ids, dest, slots, sums, at, skeys, kkeys, seed, mix_id):
