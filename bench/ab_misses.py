@@ -11,7 +11,7 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
   ring   a call's rows through one io_uring over all its segments (main since beb73eb)
   pool   the call cut into 128-row chunks over the reader's thread pool, each chunk on
          its thread's ring (before it): this module switches the reader's ring check
-         off for the block (SegmentReader._fill_many then takes the pool's route)
+         off for the block (SegmentReader.submit then takes the read pool's route)
 `--pair publish`:
   publish8192  a client reads the misses it claimed in the miss flights in parts of
                8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
@@ -74,7 +74,7 @@ def _variant(name: str, side):
     from tierstore.client import client, step_channel
     from tierstore.tiers.nvme import direct_io, reader
 
-    ring, publish, depth = reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH
+    ring, publish, depth = reader.thread_ring, miss_flights.MissFlights.PUBLISH_ROWS, direct_io.READ_DEPTH
     behind, stagger = step_channel.StepChannel._behind, client.LOOKUP_STAGGER
     try:
         side.together = name in ("together", "staggered", "atonce")
@@ -85,12 +85,12 @@ def _variant(name: str, side):
         elif name == "pool":
             reader.thread_ring = lambda: None
         elif name.startswith("publish"):
-            miss_flights.PUBLISH_ROWS = int(name[7:])
+            miss_flights.MissFlights.PUBLISH_ROWS = int(name[7:])
         elif name.startswith("qd"):
             direct_io.READ_DEPTH = int(name[2:])
         yield
     finally:
-        reader.thread_ring, miss_flights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
+        reader.thread_ring, miss_flights.MissFlights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
         step_channel.StepChannel._behind, client.LOOKUP_STAGGER = behind, stagger
         side.together = False
 

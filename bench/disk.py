@@ -6,7 +6,7 @@ Reads of one block size at uniformly random block offsets over the given files
 `randread` with `--direct=1 --ioengine=io_uring --iodepth=qd` measures it;
 depths 32 to 256 by default, and the best of them is the limit. The reads go
 through the io_uring the miss path reads with (tierstore/tiers/nvme/uring.py:
-`Ring.read`, each completion's place taken by the next read at once), so a
+`Ring.submit` and `wait`, each completion's place taken by the next read at once), so a
 miss path short of this figure is short of it above the ring, and a ring short
 of what fio measures shows here too. With `rings=2` the same total depth is
 split over two rings on two threads (is one thread's CPU the limit?). Each
@@ -27,7 +27,7 @@ from tierstore.errors import InvalidArgument
 __all__ = ["DEPTHS", "disk_limit", "best_iops", "burst_limit"]
 
 DEPTHS = (32, 64, 128, 256)
-# a probe's first Ring.read is this many depths of reads; the reads share this many depths of memory
+# a probe's first batch is this many depths of reads; the reads share this many depths of memory
 FIRST_DEPTHS, BUFFER_DEPTHS = 8, 4
 RING_ENTRIES = 256  # a probe ring's entries, as the miss path's (direct_io.thread_ring)
 
@@ -141,7 +141,7 @@ def best_iops(disk: dict, block: int = 512) -> dict | None:
 
 class _Probe:
     """One ring on one thread: `qd` random reads in flight until `seconds` have passed; its
-    reads, seconds and thread CPU seconds. The ring's queue drains once per Ring.read
+    reads, seconds and thread CPU seconds. The ring's queue drains once per batch waited for
     call, so after a first call of FIRST_DEPTHS x qd reads (which gives the rate) the
     second is sized to fill the rest of the time; with `burst`, every call is that many
     reads (burst_limit). The bytes read are never looked at:
@@ -171,7 +171,7 @@ class _Probe:
                 f = np.searchsorted(cum, pick, side="right")
                 off = (pick - (cum[f] - self.held[f])) * self.block
                 addrs = np.resize(self.places, n)
-                res = ring.read(self.fds[f], off, np.full(n, self.block, dtype=np.int64), addrs, depth=self.qd)
+                res = ring.wait(ring.submit(self.fds[f], off, np.full(n, self.block, dtype=np.int64), addrs, depth=self.qd))
                 if (res != self.block).any():
                     bad = int(res[res != self.block][0])
                     raise OSError(-bad if bad < 0 else 5, f"O_DIRECT read of {self.block} B returned {bad}")

@@ -9,8 +9,9 @@ sorted unique ids into random slots of a `dest` arena of rows/10 slots, side by 
 
   old-block    format 1 without its row sums: read_rows on the block path (4 KiB
                block per miss, xxh3 per block in a loop, scratch + copy) + dest[slots] = rows
-  read_into-v1 SegmentReader.read_into on format 1, page-cache mode (records read
-               through the page cache, sums read from the row-sum file beside them)
+  read_into-v1 a batch of misses through the read pipeline (MissBatch: submit, then
+               finish) on format 1, page-cache mode (records read through the page
+               cache, sums read from the row-sum file beside them)
   read_into    the same on format 2 (sums inside the records read)
   read_into-direct   format 2 with direct_io=True (O_DIRECT sector reads)
   mmap         dest[slots] = np.memmap(format 1 file)[ids]: no verification (the baseline)
@@ -56,9 +57,11 @@ def _table(d: Path, rows: int, segment_format: int, row_bytes: int = 256):
 
 def _competitors(d: Path, v, sums, v1, sums1):
     """name -> (open() -> state, run(state, ids, dest, slots), close(state))."""
+    from tierstore.tiers.nvme.miss_batch import MissBatch
     from tierstore.tiers.nvme.reader import SegmentReader
 
     old = dataclasses.replace(v1, row_sums=None)
+    read = lambda r, i, dst, s: MissBatch(r, i, dst, s).submit().finish()  # noqa: E731
     path = d / v1.segments[0]
 
     def mm_open():
@@ -73,12 +76,9 @@ def _competitors(d: Path, v, sums, v1, sums1):
     return {
         "old-block": (lambda: SegmentReader(d, old, sums1), lambda r, i, dst, s: dst.__setitem__(s, r.read_rows(i)),
                       lambda r: r.close()),
-        "read_into-v1": (lambda: SegmentReader(d, v1, sums1), lambda r, i, dst, s: r.read_into(i, dst, s),
-                         lambda r: r.close()),
-        "read_into": (lambda: SegmentReader(d, v, sums), lambda r, i, dst, s: r.read_into(i, dst, s),
-                      lambda r: r.close()),
-        "read_into-direct": (lambda: SegmentReader(d, v, sums, direct_io=True),
-                             lambda r, i, dst, s: r.read_into(i, dst, s), lambda r: r.close()),
+        "read_into-v1": (lambda: SegmentReader(d, v1, sums1), read, lambda r: r.close()),
+        "read_into": (lambda: SegmentReader(d, v, sums), read, lambda r: r.close()),
+        "read_into-direct": (lambda: SegmentReader(d, v, sums, direct_io=True), read, lambda r: r.close()),
         "mmap": (mm_open, mm_run, lambda m: m._mmap.close()),
     }
 

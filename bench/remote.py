@@ -6,7 +6,8 @@ Mooncake's own EngramStore.lookup on the same table and ids.
 Starts a loopback Mooncake cluster (master + 2 store processes), writes one
 fp32 table, publishes it, then times, interleaved round by round (the box is
 noisy), batches of unique random ids (every one a miss: cold rows) read into an
-arena-sized buffer by SegmentReader.read_into and RemoteReader.read_into, and
+arena-sized buffer by a batch of misses through each reader (the read pipeline's
+MissBatch, as the engine reads them: SegmentReader's, RemoteReader's), and
 EngramStore.lookup of the same ids. Then the write-back warm-up of a new host:
 every row read once in batches through a RemoteReader with a local copy (first
 pass: from Mooncake, blocks written back in the background), the write-back
@@ -26,6 +27,13 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["run_bench", "remote_line", "format_remote", "main"]
+
+
+def _read(reader, ids: np.ndarray, arena: np.ndarray, slots: np.ndarray) -> None:
+    """Sorted, distinct `ids` into arena[slots]: one batch of misses, submitted and finished."""
+    from tierstore.tiers.nvme.miss_batch import MissBatch
+
+    MissBatch(reader, ids, arena, slots).submit().finish()
 
 
 def _stats(times: list[float], rows: int) -> dict:
@@ -50,7 +58,7 @@ def _warm_up(store, tv, sums, host: Path, rows: int, batch: int, rng, emb) -> di
             times, fetched, nblocks = [], reader.bytes_read, reader.blocks_fetched
             for ids in batches:
                 slots = np.arange(ids.size)
-                s = time.perf_counter(); reader.read_into(ids, arena, slots); times.append(time.perf_counter() - s)
+                s = time.perf_counter(); _read(reader, ids, arena, slots); times.append(time.perf_counter() - s)
                 assert np.array_equal(arena[:ids.size].view(np.float32), emb[ids]), f"{name}: rows differ"
             asked = sum(np.unique(ids // tv.block_rows).size for ids in batches)
             res[name] = {**_stats(times, 0), "rows_per_s": rows / sum(times),
@@ -124,9 +132,8 @@ def run_bench(out: Path, rows: int = 200_000, dim: int = 64, batch: int = 4096, 
         for r in range(rounds + 2):  # two warm-up rounds, not counted
             ids = np.sort(rng.choice(rows, batch, replace=False)).astype(np.int64)
             t = {}
-            s = time.perf_counter(); local.read_into(ids, arena, slots) if hasattr(local, "read_into") \
-                else local.read_rows(ids, out=arena); t["nvme"] = time.perf_counter() - s
-            s = time.perf_counter(); remote.read_into(ids, arena, slots); t["mooncake"] = time.perf_counter() - s
+            s = time.perf_counter(); _read(local, ids, arena, slots); t["nvme"] = time.perf_counter() - s
+            s = time.perf_counter(); _read(remote, ids, arena, slots); t["mooncake"] = time.perf_counter() - s
             assert np.array_equal(arena.view(np.float32), emb[ids]), "remote rows differ"
             s = time.perf_counter(); got = engram.lookup(ids.reshape(1, -1, 1)); t["engramstore"] = time.perf_counter() - s
             assert np.array_equal(got[0, :, 0], emb[ids]), "EngramStore rows differ"

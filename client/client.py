@@ -11,7 +11,7 @@
 One route per operation and transport (docs/architecture.md):
 - lookup: a TCP client, or `lookup(..., inline=True)`, gets the rows inline over
   gRPC; a client on the sidecar's host (`on_host`) reads them by its table
-  handle's one route, chosen when the handle is made (TableHandle.read): the
+  handle's one route, chosen when the handle is made (TableHandle.begin): the
   mapped arena (full-resident), local reads (cache mode: the slot index, misses
   from the segment files), or a planned copy (cache mode under `serve
   --no-local-reads`).
@@ -49,7 +49,7 @@ from tierstore.proto import tierstore_pb2 as pb
 from tierstore.proto import tierstore_pb2_grpc as pb_grpc
 from tierstore.proto.frames import PlanItem, step_socket_path
 from tierstore.tiers.base import check_ids, check_out
-from tierstore.tiers.nvme.direct_io import thread_ring
+from tierstore.tiers.nvme.miss_batch import MissBatch
 
 __all__ = ["Client", "as_ids"]
 _I8 = np.dtype("<i8")
@@ -239,7 +239,7 @@ class Client:
 
         A TCP client, or inline=True, gets the rows inline over gRPC. A client on
         the sidecar's host reads them itself, by the route its table's handle chose
-        (TableHandle.read): a full-resident table straight from the mapped arena;
+        (TableHandle.begin): a full-resident table straight from the mapped arena;
         a cache-mode table through the slot index (client/local_reads.py), no
         round trip, the sidecar learning the step afterwards; where the sidecar
         offers no local reads (--no-local-reads), a planned and copied step.
@@ -249,7 +249,7 @@ class Client:
             Checked before anything is read (an unfit one is refused untouched); after
             another error its contents are undefined.
         Raises IdOutOfRange / InvalidArgument (bad ids, an unfit `out`), TableNotFound,
-        and what TableHandle.read raises."""
+        and what TableHandle.begin and its batch's finish raise."""
         if inline or not self.on_host:
             arr = as_ids(ids)
             if out is not None:
@@ -260,11 +260,11 @@ class Client:
                 return rows
             out[...] = rows
             return out
-        return self._begin(table, ids, out).end()
+        return self._begin(table, ids, out).finish()
 
-    def _begin(self, table: str, ids, out: np.ndarray | None = None):
-        """TableHandle.begin of checked `ids` (and `out`) on this host (lookup at once; lookup_many
-        a table at a time)."""
+    def _begin(self, table: str, ids, out: np.ndarray | None = None) -> MissBatch:
+        """TableHandle.begin of checked `ids` (and `out`) on this host: lookup finishes it at once,
+        lookup_many a step's tables once all are begun."""
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
@@ -317,24 +317,20 @@ class Client:
             return got
         self.overlapped += 1
         t0 = time.perf_counter()
-        ring = thread_ring()
-        stagger = ring is not None and LOOKUP_STAGGER > 0 and \
-            self._id_seconds * np.size(items[0][1]) >= LOOKUP_STAGGER_FROM_S
+        stagger = LOOKUP_STAGGER > 0 and self._id_seconds * np.size(items[0][1]) >= LOOKUP_STAGGER_FROM_S
         begun, failed = [], []
-        before = ring.queued if ring is not None else 0
         for k, (t, ids) in enumerate(items):
             try:
-                if stagger and k:  # the last table's reads part landed first (its note leaves earlier)
-                    ring.settle(before + int((ring.queued - before) * LOOKUP_STAGGER))
-                before = ring.queued if ring is not None else 0
+                if stagger and begun:  # the last table's reads part landed first (its note leaves earlier)
+                    begun[-1][2].land(LOOKUP_STAGGER)
                 begun.append((k, t, self._begin(t, ids, outs.get(t))))
-            except BaseException as e:  # the tables begun are still ended: their reads are in flight
+            except BaseException as e:  # the tables begun are still finished: their reads are in flight
                 e.table = t
                 failed.append((k, e))
         got = {}
         for k, t, b in begun:
             try:
-                got[t] = b.end()
+                got[t] = b.finish()
             except BaseException as e:
                 e.table = t
                 failed.append((k, e))

@@ -3,26 +3,29 @@
 A Plan costs a round trip (two wake-ups) and the sidecar's CPU for every step,
 however few rows miss. A client on the sidecar's host that wants the rows
 copied out (Client.lookup) needs neither, when the sidecar publishes its slot
-index (tierstore/cache/slot_index.py):
-1. resident rows are copied straight from the mapped arena, each checked
+index (tierstore/cache/slot_index.py). A step is one batch of the read pipeline
+(tiers/nvme/miss_batch.py), its stages here:
+1. probe: resident rows are copied straight from the mapped arena, each checked
    against its slot's sequence lock: a row evicted or rewritten during the
    copy is not used, it is read like a miss;
-2. misses are read from the table's segment files and verified by their row
-   checksums (inside each record, or format 1's row-sum file) in this process (tiers/nvme.SegmentReader, the same code the
-   sidecar runs, with O_DIRECT when it runs with it), when the sidecar offers
-   that (`cold_dir`); under O_DIRECT a row another client on the host is reading at
-   the same time is copied from it instead (tierstore/cache/miss_flights.py:
-   TP ranks staging one batch read each miss once between them); otherwise (Mooncake, versions without row checksums) a
-   step with misses is planned through the sidecar as before;
-3. each step's distinct ids are noted and sent to the sidecar after the fact, in batches
-   and one-way (client/step_channel.py: StepChannel.note): its policy learns the step as if it had
-   been planned and promotes the misses, so the next steps find them resident;
-   the note carries the rows this process read for them, so the sidecar does not
-   read them from disk again (it verifies each against its row sum first). For
-   format 2 a row's sum on disk would cost the sidecar a read of its own, so the note
-   carries whole records, each row with its sum keyed by the version's salt (carried_form
-   "records"; the sidecar takes them only from a peer of its own uid): the records as
-   read and verified, kept by read_into, so no sum is made again here.
+2. claim, submit, finish, verify and place, publish: misses are read from the
+   table's segment files and verified by their row checksums (inside each record,
+   or format 1's row-sum file) in this process (tiers/nvme.SegmentReader, the same
+   code the sidecar runs, with O_DIRECT when it runs with it), when the sidecar
+   offers that (`cold_dir`); under O_DIRECT a row another client on the host is
+   reading at the same time is copied from it instead (tierstore/cache/miss_flights.py:
+   TP ranks staging one batch read each miss once between them); otherwise
+   (Mooncake, versions without row checksums) a step with misses is planned
+   through the sidecar as before;
+3. note: each step's distinct ids are sent to the sidecar after the fact, in
+   batches and one-way (client/step_channel.py: StepChannel.note): its policy
+   learns the step as if it had been planned and promotes the misses, so the next
+   steps find them resident; the note carries the rows this process read for
+   them, in the table's carried form (tierstore/tiers/trust.py), so the sidecar
+   does not read them from disk again (it verifies each first). For format 2 a
+   row's sum on disk would cost the sidecar a read of its own, so the note
+   carries whole records, each row with its sum keyed by the version's salt: the
+   records as read and verified, kept by the batch, so no sum is made again here.
 
 Rows are bit-exact and verified as on the planned path. What it does not give:
 a lease. A kernel that reads the arena by slot later (the GPU gather over UVA)
@@ -43,11 +46,13 @@ from tierstore.cache.miss_flights import MissFlights
 from tierstore.errors import StaleArena, TierstoreError
 from tierstore.cache.slot_index import map_index
 from tierstore.jit import Kernel, compiler_barrier, unique_inverse
+from tierstore.tiers import trust
+from tierstore.tiers.nvme.miss_batch import MissBatch
 
 if TYPE_CHECKING:
     from tierstore.client.table_handle import TableHandle
 
-__all__ = ["LocalReads", "LocalStep", "BusyClock"]
+__all__ = ["LocalReads", "BusyClock"]
 
 log = logging.getLogger("tierstore.client")
 
@@ -57,8 +62,8 @@ class BusyClock:
 
     Client.lookup_many reads a step's tables at once, so their own miss-path seconds
     (LocalReads.cold_seconds) overlap and their sum would count that time twice; this
-    counts it once (`seconds`). Entered as a table's misses start (LocalStep.start) and
-    left as they are placed (LocalStep.end)."""
+    counts it once (`seconds`). Entered as a table's misses' reads start and left as they
+    end (MissBatch's clock)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -70,7 +75,7 @@ class BusyClock:
                 self._since = time.perf_counter()
             self._inside += 1
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         with self._lock:
             self._inside -= 1
             if not self._inside:
@@ -104,32 +109,69 @@ class LocalReads:
         self.cold_seconds = 0.0  # wall time in the miss path (claims, reads, checks): its rate beside the step's
         self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
 
-    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-        """Rows uint8 [len(ids), row_bytes] of int64 `ids` (in range, any order, repeats
-        fine), in `out` where given (C-contiguous: checked by the caller); None when a miss
-        has to be planned through the sidecar (no cold_dir). begin(ids, out).end(), at once."""
-        return self.begin(ids, out).end()
-
-    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> "LocalStep":
-        """read in two halves: the hits copied and the misses' reads started (under O_DIRECT
-        through io_uring: in flight on this thread's ring when this returns); LocalStep.end(),
-        in this thread, finishes them, notes the step and returns what read returns. So a
-        caller starts a step's tables one after another and the device reads one table's
-        misses while the next one's hits are copied (Client.lookup_many)."""
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> MissBatch | None:
+        """A lookup of int64 `ids` (in range, any order, repeats fine) begun: the probe (hits
+        copied into `out`, uint8 [len(ids), row_bytes], C-contiguous: checked by the caller),
+        then the misses' batch (tiers/nvme/miss_batch.py) claimed (the miss flights, under
+        O_DIRECT) and submitted: under io_uring in flight on this thread's ring when this
+        returns. MissBatch.finish(), in this thread, waits for them, verifies and places them,
+        notes the step (`note`) and returns the rows. So a caller begins a step's tables one
+        after another and the device reads one table's misses while the next one's hits are
+        copied (Client.lookup_many). None when the misses have to be planned through the
+        sidecar instead (no cold_dir offered, or its files would not open here): the hits
+        are copied, nothing else is done."""
         if out is None:
             out = np.empty((ids.size, self.row_bytes), dtype=np.uint8)
-        # the probe, then one call that reads each slot's gen, copies and checks it again
-        # (a probe racing the sidecar's writes may miss an id, never finds a wrong slot: slot_map.py)
-        where, asked = _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,
-                                  out.view(np.uint64) if self._words else out, self._seen)
-        step = LocalStep(self, ids, out, where, asked)
+        where, asked = self.probe(ids, out)
+        cold, flights, records = self._cold, None, None
         if where.size:
             cold = self._reader()
             if cold is None:
-                step.planned = True
-                return step
-            step.start(cold)
-        return step
+                return None
+            uniq, inv = unique_inverse(ids[where])
+            got = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
+            # format 2: the misses' records as read ride on the note (no sum made again)
+            if cold.carried.form == trust.RECORDS:
+                records = np.empty((uniq.size, cold.carried.width), dtype=np.uint8)
+            flights = self._flights  # a row another client is reading now is not read again
+        else:
+            uniq, inv, got = where, where, None
+        batch = MissBatch(cold, uniq, got, np.arange(uniq.size), records, clock=self._clock if where.size else None,
+                          note=lambda b: self.note(b, ids, out, where, asked, inv))
+        return batch.claim(flights).submit()
+
+    def probe(self, ids: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The probe stage: the rows the slot index holds READY copied into out, each checked
+        against its slot's sequence lock (a probe racing the sidecar's writes may miss an id,
+        never finds a wrong slot: slot_map.py); (the positions of the others, int64: the
+        misses; the distinct ids of the rows kept)."""
+        return _read_hits(ids, self.map.find(ids), self.gen, self.id_of, self._arena_words,
+                          out.view(np.uint64) if self._words else out, self._seen)
+
+    def note(self, batch: MissBatch, ids, out, where, asked, inv) -> np.ndarray:
+        """The note stage (what MissBatch.finish returns): the misses' rows, verified and
+        placed, copied into `out` at their positions `where`, the step noted to the sidecar
+        (its distinct ids: the kept rows', then the misses'; the misses' rows in the
+        table's carried form, tierstore/tiers/trust.py, so the sidecar promotes them without
+        a disk read), the counts kept; returns `out`."""
+        uniq, carried = batch.ids, None
+        if where.size:
+            self.distinct_device += uniq.size - batch.shared
+            self.cold_seconds += time.perf_counter() - batch.started
+            out[where] = batch.dest[inv]
+            self.distinct_cold += uniq.size
+            # an id both kept and refused in one step, a probe racing a shift, is told twice:
+            # two accesses, a hint
+            asked = np.concatenate([asked, uniq])
+            form = self._cold.carried.form
+            if form:
+                carried = batch.records if form == trust.RECORDS else batch.dest
+        self._note(self.table, self.version, asked, uniq if carried is not None else None, carried)
+        self.distinct_asked += asked.size
+        self.steps += 1
+        self.rows_resident += ids.size - where.size
+        self.rows_cold += where.size
+        return out
 
     def _reader(self):
         """The cold tier's reader, opened on the first miss; None where this process cannot
@@ -168,79 +210,14 @@ class LocalReads:
             self._cold = None
 
 
-class LocalStep:
-    """A LocalReads.begin call: end() once, in the thread that began it."""
-
-    def __init__(self, reads: LocalReads, ids, out, where, asked):
-        self.reads, self.ids, self.out, self.where, self.asked = reads, ids, out, where, asked
-        self.planned, self.pending = False, None
-        self.uniq = self.inv = self.got = self.records = None
-
-    def start(self, cold) -> None:
-        """The misses' distinct ids claimed in the flights (or not) and their reads started."""
-        r = self.reads
-        self.uniq, self.inv = unique_inverse(self.ids[self.where])
-        self.got = np.empty((self.uniq.size, r.row_bytes), dtype=np.uint8)
-        # format 2: the misses' records as read ride on the note (no sum made again)
-        self.records = np.empty((self.uniq.size, cold.record_bytes), dtype=np.uint8) \
-            if cold.carried_form == "records" else None
-        self.t0 = time.perf_counter()
-        self.shared0 = r._flights.rows_shared if r._flights is not None else 0
-        r._clock.__enter__()
-        try:
-            if r._flights is not None:  # a row another client is reading now is not read again
-                self.pending = r._flights.start(self.uniq, self.got, cold, self.records)
-            else:
-                self.pending = cold.start_into(self.uniq, self.got, np.arange(self.uniq.size), records=self.records)
-        except BaseException:
-            r._clock.__exit__()
-            raise
-
-    def end(self) -> np.ndarray | None:
-        r, out, uniq = self.reads, self.out, self.uniq
-        if self.planned:
-            return None
-        asked = self.asked
-        if self.pending is not None:
-            try:
-                self.pending.finish()  # verified; ChecksumError is DATA_LOSS
-            finally:
-                r._clock.__exit__()
-            shared = r._flights.rows_shared - self.shared0 if r._flights is not None else 0
-            r.distinct_device += uniq.size - shared
-            r.cold_seconds += time.perf_counter() - self.t0
-            out[self.where] = self.got[self.inv]
-            r.distinct_cold += uniq.size
-            # the step's distinct ids: the kept rows', then the misses' (an id both kept and refused
-            # in one step, a probe racing a shift, is told twice: two accesses, a hint)
-            asked = np.concatenate([asked, uniq])
-        # the misses' verified rows ride on the note: the sidecar promotes them without a disk read.
-        # Format 2: as records, each row with its sum (the sidecar's copy of the sum is on disk,
-        # a read of its own); a version without row sums: nothing to send
-        got = self.got
-        if uniq is not None:
-            form = r._cold.carried_form
-            if form == "records":
-                got = self.records
-            elif not form:
-                uniq = got = None
-        r._note(r.table, r.version, asked, uniq, got)
-        r.distinct_asked += asked.size
-        r.steps += 1
-        missing = self.where.size
-        r.rows_resident += self.ids.size - missing
-        r.rows_cold += missing
-        return out
-
-
 def _flights(handle: "TableHandle", cold) -> MissFlights | None:
     """The table's miss flights, where the sidecar keeps them (O_DIRECT and rows verified by their
     sums: cache/miss_flights.py) and this process may share misses; None otherwise (each miss read here)."""
-    if cold.direct is None or not cold.carried_form or not miss_flights.usable():
+    if cold.direct is None or not cold.carried.form or not miss_flights.usable():
         return None
-    width = cold.record_bytes if cold.carried_form == "records" else cold.row_bytes
     try:
-        return MissFlights(miss_flights.flights_path(handle.index_path), handle.rows, width, handle.instance)
+        return MissFlights(miss_flights.flights_path(handle.index_path), handle.rows, cold.carried.width,
+                           handle.instance)
     except (OSError, StaleArena):
         return None  # a sidecar that keeps none (an older release): misses are read here, as before
 

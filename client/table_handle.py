@@ -1,7 +1,7 @@
 """TableHandle: what a sidecar client knows about one served table (from DescribeTable), and how it reads it.
 
-A lookup on the sidecar's host reads rows through the handle (TableHandle.read), by
-the one route the handle chose when it was made; see TableHandle.read.
+A lookup on the sidecar's host reads rows through the handle (TableHandle.begin, then
+MissBatch.finish), by the one route the handle chose when it was made; see TableHandle.begin.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tierstore.client.arena_map import MappedArena
 from tierstore.client.local_reads import LocalReads
 from tierstore.proto import tierstore_pb2 as pb
 from tierstore.table.checkpoint import TensorSource
+from tierstore.tiers.nvme.miss_batch import MissBatch
 
 if TYPE_CHECKING:
     import torch
@@ -22,23 +23,6 @@ if TYPE_CHECKING:
     from tierstore.client.client import Client
 
 __all__ = ["TableHandle"]
-
-
-class _Begun:
-    """TableHandle.begin's read: `rows` read already, or a LocalReads step to end (planned
-    instead, by `planned`, where it read nothing)."""
-
-    __slots__ = ("rows", "step", "planned")
-
-    def __init__(self, rows, step=None, planned=None):
-        self.rows, self.step, self.planned = rows, step, planned
-
-    def end(self) -> np.ndarray:
-        if self.step is None:
-            return self.rows
-        step, self.step = self.step, None
-        rows = step.end()
-        return rows if rows is not None else self.planned()
 
 
 class TableHandle:
@@ -69,42 +53,36 @@ class TableHandle:
         self.local_reads: LocalReads | None = None  # the local-reads route's reader, made on its first read
         self._client = client
         self._mapped: MappedArena | None = None
-        # the read route, chosen once (read() says which serves what)
+        # the read route, chosen once (begin() says which serves what)
         self._route = self._take if self.full_resident else self._read_local if self.index_path else self._read_planned
 
-    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows uint8 [n, row_bytes] of int64 `ids` (in range: the caller checked them; any
-        order, repeats fine), bit-exact as stored, in `out` where given (checked by the caller:
-        Client.lookup), read on this host by the route chosen when the handle was made:
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> MissBatch:
+        """A lookup of int64 `ids` (in range: the caller checked them; any order, repeats fine)
+        begun by the route chosen when the handle was made; MissBatch.finish(), in this thread,
+        returns the rows uint8 [n, row_bytes], bit-exact as stored, in `out` where given
+        (checked by the caller: Client.lookup), and raises what the route raises:
 
-        - full-resident: taken straight from the mapped arena (slot == id);
+        - full-resident: taken straight from the mapped arena (slot == id), now;
         - cache mode with local reads (the sidecar published its slot index): resident
           rows copied from the arena and checked against their sequence numbers, misses
-          read from the segment files and verified (client/local_reads.py), the step
-          noted to the sidecar afterwards (StepChannel.note);
+          read from the segment files and verified (client/local_reads.py: in flight when
+          this returns), the step noted to the sidecar as the batch finishes;
         - cache mode without (`serve --no-local-reads`): planned and copied out of the
-          arena under the step's lease (Client.plan, StepPlan.rows).
+          arena under the step's lease (Client.plan, StepPlan.rows), now.
 
         The local-reads route falls back to a planned copy for one call, decided in one place
         (_read_local), in two cases: its reader cannot be made (StaleArena: the index was
         retired meanwhile, so the next lookup describes the table again), or the step
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
         version without row sums; or the segment files would not open here, warned once).
-        Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows)
-        and DataLoss for a miss that fails its checksum. begin(ids, out).end(), at once."""
-        return self.begin(ids, out).end()
-
-    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> "_Begun":
-        """read in two halves: on the local-reads route the hits are copied and the misses'
-        reads started (LocalReads.begin: in flight on this thread's io_uring);
-        end(), in this thread, returns what read returns and raises what it raises. The other
-        routes read at once and end() hands the rows over."""
+        Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows);
+        finish raises DataLoss for a miss that fails its checksum."""
         return self._route(ids, out)
 
-    def _take(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
-        return _Begun(self.mapped.take(ids, out))  # interleaved rows, whatever the arena's layout
+    def _take(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
+        return MissBatch.done(self.mapped.take(ids, out))  # interleaved rows, whatever the arena's layout
 
-    def _read_local(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
+    def _read_local(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
         reads = self.local_reads
         if reads is None:
             try:
@@ -112,13 +90,12 @@ class TableHandle:
                                                          self._client.miss_clock)
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
-        if reads is None:
-            return self._read_planned(ids, out)
-        return _Begun(None, reads.begin(ids, out), lambda: self._read_planned(ids, out).end())
+        batch = reads.begin(ids, out) if reads is not None else None
+        return batch if batch is not None else self._read_planned(ids, out)
 
-    def _read_planned(self, ids: np.ndarray, out: np.ndarray | None) -> "_Begun":
+    def _read_planned(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
         with self._client.plan(self.table, ids) as step:
-            return _Begun(step.rows(out))
+            return MissBatch.done(step.rows(out))
 
     def close(self) -> None:
         """Let the local-reads route's reader go (its segment files, its miss flights)."""

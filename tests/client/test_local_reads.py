@@ -546,7 +546,7 @@ def test_with_direct_io_records_of_another_table_or_version_are_never_placed(tmp
 
 def test_with_direct_io_a_peer_of_another_uid_cannot_place_records(tmp_path):
     """Records carry their own sums, so the sidecar takes them only from a peer of its own
-    uid (who can write the segments anyway). A client of another uid (the step socket
+    uid (who can write the segments anyway: tierstore/tiers/trust.py). A client of another uid (the step socket
     widened by an operator) that sends forged records with consistent sums gets its misses
     read from disk: every client reads the rows as stored."""
     if os.geteuid() != 0:

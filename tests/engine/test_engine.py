@@ -13,25 +13,27 @@ from hypothesis import strategies as st
 
 from tierstore import cpu_token
 from tierstore.errors import InvalidArgument, ResourceExhausted
+from tierstore.tiers import trust
 from tierstore.tiers.nvme.reader import SegmentReader
 
 ROWS = 20_000
 
 
 class FaultyReader(SegmentReader):
-    """The real cold tier, with an I/O error (EIO) or a slow device injected on demand."""
+    """The real cold tier, with an I/O error (EIO) or a slow device injected on demand, where
+    the read pipeline waits for a part's reads (its finish stage)."""
 
     fail_next = 0
     delay_s = 0.0
 
-    def read_into(self, ids, dest, slots):
+    def finish(self, part):
         if self.delay_s:
             with cpu_token.waiting():  # a device read, as the real reader waits on one
                 time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return super().read_into(ids, dest, slots)
+        return super().finish(part)
 
 
 @pytest.fixture
@@ -228,7 +230,7 @@ def test_rows_a_note_carries_are_placed_verified_without_a_disk_read(engine):
     disk: the arena never holds the bad bytes."""
     eng, data = engine
     carried = lambda i: eng.reader.carried_records(i, data[i])  # noqa: E731
-    assert eng.reader.carried_form == "records"
+    assert eng.reader.carried.form == trust.RECORDS
     ids = np.arange(100, 400)
     disk = eng.reader.bytes_read
     assert eng.note_access(ids, np.array([ids.size]), ids[::-1].copy(), carried(ids[::-1])) == ids.size

@@ -3,7 +3,8 @@ format 2: each row with its sum). Whatever a peer of the sidecar's own uid sends
 under the wrong ids, records to a table that takes none, records of a version whose sums
 bind the id alone, steps that do not add up, a frame that claims more rows than it holds),
 no row it did not verify for that place is placed: every client reads the rows as stored,
-and the sidecar keeps serving."""
+and the sidecar keeps serving. The rule under attack is tierstore/tiers/trust.py's (what a
+note may carry, from whom); tests/tiers/test_trust.py states it case by case."""
 from __future__ import annotations
 
 import struct

@@ -3,7 +3,7 @@ the sidecar's uid that claims the rows another client is about to miss and gives
 a time, each just inside WAIT_S, delays that client's lookup by at most WAIT_S in all, however
 many rows it holds (each waited entry's bound runs from the start of the wait; a change of one
 entry never extends the wait on another), and the rows come back bit-exact. Another uid cannot
-open the flights file at all."""
+open the flights file at all (its trust is the step socket's: tierstore/tiers/trust.py)."""
 from __future__ import annotations
 
 import errno

@@ -13,6 +13,7 @@ from tierstore.tiers.remote.publish import fetch_manifest, import_manifest, publ
 from tierstore.tiers.remote.local_copy import BITMAP_NAME, LocalCopy
 from tierstore.tiers.nvme.reader import SegmentReader
 from tierstore.tiers.remote.reader import RemoteReader
+from tierstore.tiers.nvme.miss_batch import MissBatch
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_the_fill_completes_the_copy_into_an_ordinary_local_version(new_host):
         fetched, ids = reader.bytes_read, np.random.default_rng(5).permutation(tv.rows)[:500]
         assert np.array_equal(reader.read_rows(ids), data[ids])  # now the finished copy's row path
         arena = np.zeros((500, tv.row_bytes), np.uint8)
-        reader.read_into(np.sort(ids), arena, np.arange(500)[::-1])
+        MissBatch(reader, np.sort(ids), arena, np.arange(500)[::-1]).submit().finish()  # the engine's way
         assert np.array_equal(arena[::-1], data[np.sort(ids)]) and reader.bytes_read == fetched
     finally:
         reader.close()

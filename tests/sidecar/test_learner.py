@@ -12,6 +12,7 @@ from tierstore import cpu_token
 from tierstore.errors import InvalidArgument
 from tierstore.sidecar import learner as learner_mod
 from tierstore.sidecar.learner import NOTE_QUEUE_STEPS, NOTE_TURN_STEPS, Learner
+from tierstore.tiers import trust
 
 ROWS, SLOTS = 20_000, 2000
 
@@ -100,7 +101,7 @@ def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine
     """The carried rows' budget is shared the same way: client a's rows fill it, client b's
     note keeps its rows and a's oldest note goes without (its ids learned, read from disk)."""
     eng, data = engine
-    assert eng.reader.carried_form == "records"
+    assert eng.reader.carried.form == trust.RECORDS
     carried = lambda i: eng.reader.carried_records(i, data[i])  # noqa: E731  (what a peer of the sidecar's uid carries)
     width = carried(np.arange(1)).shape[1]
     monkeypatch.setattr(learner_mod, "BOUNDS", (1 << 14, 1 << 18, 250 * width))
@@ -112,6 +113,7 @@ def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine
         assert learner.note(eng, b_ids, np.array([b_ids.size]), b_ids, carried(b_ids), trusted=True, source=b"b")
     _until(lambda: eng.counters.local_steps == 4)
     _until(lambda: (eng.slots.lookup(np.concatenate(a + [b_ids])) >= 0).all())
+    _until(lambda: eng.counters.promotions == 400)  # mapped is not filled: the last fill's rows placed
     # a's first note may be the learner's already (its rows no longer in the budget): then a's
     # second goes without, else its first (and its third, which found the budget full); b's rows
     # are placed either way

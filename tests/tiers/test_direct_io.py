@@ -1,6 +1,6 @@
 """Row reads (tiers/nvme/direct_io.py): the compiled span and pread loops against their
 references, and the page-cache path that reads what is cached at once and leaves the
-rest for the ring."""
+rest for the ring (as the read pipeline's submit and finish stages drive it)."""
 import os
 
 import numpy as np
@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tierstore.jit import enabled
 from tierstore.tiers.nvme import direct_io, uring
-from tierstore.tiers.nvme.direct_io import _spans_reference, start_rows
+from tierstore.tiers.nvme.direct_io import Spans, _spans_reference
 
 compiled = pytest.mark.skipif(not enabled(), reason="numba is not available here")
 
@@ -53,6 +53,14 @@ def _buffer(n):
     return np.empty(max(n, 1), np.uint8)
 
 
+def _preads(fd, ids, gap, out):
+    """Rows `ids` pread into out: (bytes read, the first row short or -1)."""
+    spans = Spans(fd, ids, 264, 1, _buffer, gap=gap)
+    total, short = spans.settle()
+    spans.copy_rows(out, short)
+    return total, short
+
+
 @compiled
 @pytest.mark.parametrize("gap", [0, 2048])
 def test_compiled_preads_equal_one_preadv_at_a_time_short_reads_included(segment, monkeypatch, gap):
@@ -61,10 +69,10 @@ def test_compiled_preads_equal_one_preadv_at_a_time_short_reads_included(segment
     for n in (1, 7, 900):
         ids = np.sort(rng.choice(20_003, n, replace=False))  # a few past the end: short
         got = [np.zeros((n, 264), np.uint8) for _ in range(2)]
-        fast = start_rows(fd, ids, 264, 1, _buffer, gap=gap).finish(got[0])
+        fast = _preads(fd, ids, gap, got[0])
         with monkeypatch.context() as m:
             m.setattr(direct_io, "_preads", lambda: None)
-            slow = start_rows(fd, ids, 264, 1, _buffer, gap=gap).finish(got[1])
+            slow = _preads(fd, ids, gap, got[1])
         assert fast == slow
         held = n if fast[1] < 0 else fast[1]
         assert held == np.searchsorted(ids, 20_000) and np.array_equal(got[0][:held], got[1][:held])
@@ -72,25 +80,38 @@ def test_compiled_preads_equal_one_preadv_at_a_time_short_reads_included(segment
 
 
 def test_rows_the_page_cache_holds_are_read_at_once_the_rest_through_the_ring(segment):
-    """nowait: a call whose rows are all cached lands in start_rows (no ring round trip); once
+    """read_cached: a set whose rows are all cached lands at once (no ring round trip); once
     the file is dropped from the page cache, its reads go to the ring and still come back
     bit-exact."""
     fd, data, path = segment
     ring = uring.Ring.open()
     if ring is None or direct_io._preads() is None:
         pytest.skip("no io_uring or no compiled preads here")
+
+    def read(spans):  # what the pipeline's submit and finish do with a set of spans
+        spans.read_cached()
+        todo = spans.short()
+        if todo.size:
+            spans.res[todo] = ring.wait(ring.submit(*spans.ring_reads(todo), keep=spans.scratch))
+        out = np.zeros((ids.size, 264), np.uint8)
+        got = spans.settle()
+        spans.copy_rows(out, got[1])
+        return got, out
+
     try:
         ids = np.arange(0, 20_000, 37)
         os.pread(fd, data.nbytes, 0)  # every page cached
-        reads = start_rows(fd, ids, 264, 1, _buffer, ring, nowait=True)
-        assert reads.landed() and reads.ticket is None
-        out = np.zeros((ids.size, 264), np.uint8)
-        assert reads.finish(out) == (ids.size * 264, -1) and np.array_equal(out, data[ids])
+        spans = Spans(fd, ids, 264, 1, _buffer)
+        spans.read_cached()
+        assert spans.landed
+        got, out = read(spans)
+        assert got == (ids.size * 264, -1) and np.array_equal(out, data[ids])
         os.fsync(fd)  # clean pages, so the advice drops them
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        reads = start_rows(fd, ids, 264, 1, _buffer, ring, nowait=True)
-        assert not reads.landed()  # a cold page: not read without waiting
-        out[:] = 0
-        assert reads.finish(out) == (ids.size * 264, -1) and np.array_equal(out, data[ids])
+        spans = Spans(fd, ids, 264, 1, _buffer)
+        spans.read_cached()
+        assert not spans.landed  # a cold page: not read without waiting
+        got, out = read(spans)
+        assert got == (ids.size * 264, -1) and np.array_equal(out, data[ids])
     finally:
         ring.close()

@@ -1,6 +1,7 @@
-"""SegmentReader.read_into: the engine's miss path (rows verified by their row
-checksum, written straight into arena slots), page-cache and O_DIRECT modes, on
-segment format 2 (each record carries its row sum) and format 1 (a row-sum file)."""
+"""The read pipeline on the NVMe tier (a MissBatch submitted and finished by SegmentReader's
+stages): the miss path of the engine and of local reads (rows verified by their row
+checksum, written straight into their slots), page-cache and O_DIRECT modes, on segment
+format 2 (each record carries its row sum) and format 1 (a row-sum file)."""
 import dataclasses
 import os
 import threading
@@ -15,6 +16,7 @@ from tierstore.store.catalog import Catalog
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.table.formats import RowFormat
 from tierstore.ingest.writer import write_version
+from tierstore.tiers.nvme.miss_batch import MissBatch
 from tierstore.tiers.nvme.reader import SegmentReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +57,11 @@ def _write(data_dir, name, data, fmt="fp32", dim=None, **kw):
                          row_format=fmt, row_dim=dim, **kw)
 
 
+def _read(r, ids, dest, slots, records=None):
+    """Rows `ids` into dest[slots] through the read pipeline: a batch submitted, then finished."""
+    MissBatch(r, ids, dest, slots, records).submit().finish()
+
+
 def _reader(data_dir, tv, **kw):
     with Catalog(data_dir, readonly=True) as cat:
         return SegmentReader(data_dir, tv, cat.checksums(tv.table, tv.number), **kw)
@@ -66,7 +73,7 @@ WIDTHS = [("fp32", 64), ("bf16", 64), ("fp8-e4m3-ue8m0", 256), ("fp16", 3), ("fp
 
 
 @pytest.mark.parametrize("fmt,dim", WIDTHS)
-def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, seg):
+def test_misses_are_bit_exact_for_every_row_width(data_dir, monkeypatch, mode, fmt, dim, seg):
     rb = RowFormat.parse(fmt).row_bytes(dim)
     monkeypatch.setattr(ingest, "SEGMENT_BYTES", 3001 * rb // 4)  # several segments per table
     data = np.random.default_rng(dim).integers(0, 256, (3001, rb), dtype=np.uint8)
@@ -80,19 +87,19 @@ def test_read_into_is_bit_exact_for_every_row_width(data_dir, monkeypatch, mode,
             dest = np.zeros((4000, rb), dtype=np.uint8)
             slots = rng.choice(4000, n, replace=False)
             records = np.zeros((4000, r.carried_records(ids[:1], data[ids[:1]]).shape[1]), dtype=np.uint8)
-            r.read_into(ids, dest, slots, records=records)
+            _read(r, ids, dest, slots, records)
             assert np.array_equal(dest[slots], data[ids])
             untouched = np.setdiff1d(np.arange(4000), slots)
             assert not dest[untouched].any()  # nothing written outside the given slots
             # the records a client carries on its note: as read (format 2, O_DIRECT) or made from
             # the rows, either way the ones carried_records makes, and only at the slots
-            assert np.array_equal(records[slots], r.carried_records(ids, data[ids])), (n, r.carried_form)
+            assert np.array_equal(records[slots], r.carried_records(ids, data[ids])), (n, r.carried.form)
             assert not records[untouched].any()
         assert np.array_equal(r.read_rows(np.array([3000, 0, 0, 17])), data[[3000, 0, 0, 17]])
-        r.read_into(np.zeros(0, np.int64), np.zeros((1, rb), np.uint8), np.zeros(0, np.int64))
+        _read(r, np.zeros(0, np.int64), np.zeros((1, rb), np.uint8), np.zeros(0, np.int64))
 
 
-def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode, seg):
+def test_batches_of_four_threads_at_once(data_dir, make_table, mode, seg):
     tv, data = make_table("t", rows=20_000, row_bytes=256, segment_format=seg)
     dest = np.zeros((20_000, 256), dtype=np.uint8)
     errors = []
@@ -104,7 +111,7 @@ def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode, seg)
                 ids = np.sort(rng.choice(20_000, 1500, replace=False)).astype(np.int64)
                 mine = np.arange(k * 5000, (k + 1) * 5000)  # each thread owns its slots
                 slots = rng.choice(mine, ids.size, replace=False)
-                r.read_into(ids, dest, slots)
+                _read(r, ids, dest, slots)
                 assert np.array_equal(dest[slots], data[ids])
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -119,7 +126,7 @@ def test_concurrent_read_into_from_four_threads(data_dir, make_table, mode, seg)
 
 
 def test_two_tables_started_together_finish_bit_exact_in_either_order(data_dir, make_table, mode, seg):
-    """start_into: a step's two tables begun one after the other (under O_DIRECT through io_uring
+    """Two batches submitted: a step's two tables begun one after the other (under O_DIRECT through io_uring
     both in flight on this thread's ring at once, in several parts each), finished in either
     order: each table's rows, records as carried, and a flipped row raises for its table only,
     after which the other table's rows still land."""
@@ -137,7 +144,7 @@ def test_two_tables_started_together_finish_bit_exact_in_either_order(data_dir, 
             old = reader_mod.RING_BYTES
             reader_mod.RING_BYTES = 1 << 20  # parts of ~1,000 rows: several in flight a table
             try:
-                started = [r.start_into(i, d, np.arange(i.size), records=rec)
+                started = [MissBatch(r, i, d, np.arange(i.size), rec).submit()
                            for r, i, d, rec in zip(readers, ids, dest, records)]
             finally:
                 reader_mod.RING_BYTES = old
@@ -149,7 +156,7 @@ def test_two_tables_started_together_finish_bit_exact_in_either_order(data_dir, 
         _flip(data_dir, tables[0][0], 1234, byte=200)
         ids = np.array([5, 1234, 4000], dtype=np.int64)
         dest = [np.zeros((3, 256), dtype=np.uint8) for _ in readers]
-        started = [r.start_into(ids, d, np.arange(3)) for r, d in zip(readers, dest)]
+        started = [MissBatch(r, ids, d, np.arange(3)).submit() for r, d in zip(readers, dest)]
         with pytest.raises(ChecksumError, match=r"table 'a'.*row 1234"):
             started[0].finish()
         started[1].finish()
@@ -170,11 +177,11 @@ def test_a_corrupt_byte_names_block_and_row_and_spares_every_good_row(data_dir, 
         dest = np.zeros((5000, 256), dtype=np.uint8)
         with pytest.raises(ChecksumError, match=r"table 't' version 1: checksum mismatch in block 77 "
                                                  r"\(row 1234\)") as e:
-            r.read_into(np.array([5, 1234, 4000]), dest, np.array([0, 1, 2]))
+            _read(r, np.array([5, 1234, 4000]), dest, np.array([0, 1, 2]))
         assert e.value.block == 77 and e.value.row == 1234
         # the bad row's block-mates and every other row still serve, bit-exact
         good = np.setdiff1d(np.arange(5000), [1234])
-        r.read_into(good, dest, np.arange(good.size))
+        _read(r, good, dest, np.arange(good.size))
         assert np.array_equal(dest[:good.size], data[good])
         assert r.verify() == [77]
 
@@ -186,11 +193,11 @@ def test_old_version_without_row_sums_verifies_by_block(data_dir, make_table, mo
         assert not r.verifies_rows
         ids = np.array([0, 9, 10, 2999])
         dest = np.zeros((10, 64), dtype=np.uint8)
-        r.read_into(ids, dest, np.array([9, 0, 5, 1]))
+        _read(r, ids, dest, np.array([9, 0, 5, 1]))
         assert np.array_equal(dest[[9, 0, 5, 1]], data[ids])
         _flip(data_dir, tv, 10, byte=3)
         with pytest.raises(ChecksumError, match="block 1"):
-            r.read_into(np.array([9]), dest, np.array([0]))  # row 9 shares row 10's block
+            _read(r, np.array([9]), dest, np.array([0]))  # row 9 shares row 10's block
         assert r.verify() == [1]
 
 
@@ -215,8 +222,8 @@ def test_a_truncated_segment_is_data_loss_not_a_crash(data_dir, make_table, mode
         os.truncate(path, 10 * rec + 100)
         dest = np.zeros((4, 256), dtype=np.uint8)
         with pytest.raises(ChecksumError, match=r"row 74: segment .*seg-00001.bin is truncated"):
-            r.read_into(np.array([64, 73, 74, 500]), dest, np.arange(4))
-        r.read_into(np.array([64, 73, 500]), dest, np.arange(3))
+            _read(r, np.array([64, 73, 74, 500]), dest, np.arange(4))
+        _read(r, np.array([64, 73, 500]), dest, np.arange(3))
         assert np.array_equal(dest[:3], data[[64, 73, 500]])
 
 
@@ -234,7 +241,7 @@ def test_a_fifo_or_directory_in_place_of_a_segment_is_data_loss_and_never_hangs(
         with pytest.raises(ChecksumError, match=f"seg-00002.bin is not a regular file \\({what}\\)"):
             r.read_rows(np.array([130]))
         with pytest.raises(ChecksumError, match="row 140: segment .* is not a regular file"):
-            r.read_into(np.array([3, 140]), np.zeros((2, 256), np.uint8), np.arange(2))
+            _read(r, np.array([3, 140]), np.zeros((2, 256), np.uint8), np.arange(2))
         r.read_rows(np.array([0, 299]))  # other segments serve
 
 
@@ -322,7 +329,7 @@ def test_a_reader_holds_nothing_per_row_in_either_format(data_dir, make_table, s
     with _reader(data_dir, tv) as r:
         ids = np.sort(np.random.default_rng(3).choice(rows, 5000, replace=False))
         dest = np.zeros((5000, 8), np.uint8)
-        r.read_into(ids, dest, np.arange(5000))
+        _read(r, ids, dest, np.arange(5000))
         assert np.array_equal(dest, data[ids])
 
 
@@ -333,8 +340,8 @@ def test_a_row_sum_file_that_shrinks_is_data_loss_not_a_crash(data_dir, make_tab
         r.read_rows(np.arange(10))
         os.truncate(path, 100)  # the sums of rows 0..11 and half of row 12's
         with pytest.raises(ChecksumError, match=r"row 1500: the row checksum file .* is truncated"):
-            r.read_into(np.array([5, 1500]), np.zeros((2, 64), np.uint8), np.arange(2))
-        r.read_into(np.array([3, 11]), np.zeros((2, 64), np.uint8), np.arange(2))
+            _read(r, np.array([5, 1500]), np.zeros((2, 64), np.uint8), np.arange(2))
+        _read(r, np.array([3, 11]), np.zeros((2, 64), np.uint8), np.arange(2))
         assert r.verify() == list(range(12 // tv.block_rows, tv.n_blocks))  # rows 12.. have no sum
 
 
@@ -346,7 +353,7 @@ def test_no_read_maps_a_segment_or_the_row_sum_file(data_dir, make_table, mode, 
     ids = np.sort(np.random.default_rng(2).choice(5000, 700, replace=False))
     with _reader(data_dir, tv, direct_io=mode) as r:
         dest = np.zeros((5000, 64), dtype=np.uint8)
-        r.read_into(ids, dest, ids)
+        _read(r, ids, dest, ids)
         assert np.array_equal(dest[ids], data[ids])
         assert np.array_equal(r.read_rows(ids[::-1]), data[ids[::-1]])
         assert r.place_rows(ids, data[ids], np.arange(ids.size), dest, ids) == -1
@@ -360,6 +367,7 @@ import os, sys, threading, time
 import numpy as np
 from tierstore.errors import ChecksumError
 from tierstore.store.catalog import Catalog
+from tierstore.tiers.nvme.miss_batch import MissBatch
 from tierstore.tiers.nvme.reader import SegmentReader
 data_dir, direct = sys.argv[1], sys.argv[2] == "1"
 with Catalog(data_dir, readonly=True) as cat:
@@ -390,7 +398,7 @@ while time.monotonic() < until:
     ids = np.sort(rng.choice(tv.rows, 400, replace=False))
     dest = np.zeros((400, tv.row_bytes), np.uint8)
     try:
-        r.read_into(ids, dest, np.arange(400))
+        MissBatch(r, ids, dest, np.arange(400)).submit().finish()
         assert np.array_equal(dest, expected[ids]), "a wrong row"
         ok += 1
     except ChecksumError:
@@ -401,7 +409,7 @@ while time.monotonic() < until:
     except ChecksumError:
         lost += 1
 cutter.join()
-r.read_into(ids, dest, np.arange(400))
+MissBatch(r, ids, dest, np.arange(400)).submit().finish()
 assert np.array_equal(dest, expected[ids])
 print(ok, lost)
 """

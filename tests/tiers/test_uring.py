@@ -8,7 +8,24 @@ import pytest
 from tierstore.tiers.nvme import direct_io
 
 from tierstore.tiers.nvme import uring
-from tierstore.tiers.nvme.direct_io import pread_rows, thread_buffer
+from tierstore.tiers.nvme.direct_io import Spans, thread_buffer
+
+
+def _read(ring, fd, offsets, lengths, addrs, depth=None):
+    """One batch of reads submitted and waited for: its results."""
+    return ring.wait(ring.submit(fd, offsets, lengths, addrs, depth))
+
+
+def _rows(fd, offsets, rb, a, out, buffer, ring):
+    """Rows `offsets` into out as the read pipeline reads them (its submit and finish
+    stages): every span on `ring` (or none), what it left short pread; (bytes, first short row)."""
+    spans = Spans(fd, offsets, rb, a, buffer)
+    todo = spans.short()
+    if ring is not None and todo.size:
+        spans.res[todo] = ring.wait(ring.submit(*spans.ring_reads(todo), keep=spans.scratch))
+    got = spans.settle()
+    spans.copy_rows(out, got[1])
+    return got
 
 
 @pytest.fixture
@@ -38,7 +55,7 @@ def test_scattered_spans_read_in_one_call_are_the_files_bytes(ring, file):
         lens = rng.integers(1, 1025, n).astype(np.int64)
         pos = np.concatenate([[0], np.cumsum(lens)[:-1]])
         out = np.zeros(int(lens.sum()), np.uint8)
-        res = ring.read(fd, offs, lens, out.ctypes.data + pos)
+        res = _read(ring, fd, offs, lens, out.ctypes.data + pos)
         want = np.minimum(lens, data.size - offs)
         assert np.array_equal(res, want)
         for o, p, k in zip(offs.tolist(), pos.tolist(), want.tolist()):
@@ -48,18 +65,18 @@ def test_scattered_spans_read_in_one_call_are_the_files_bytes(ring, file):
 def test_a_read_past_the_end_is_short_and_a_bad_descriptor_is_an_errno(ring, file):
     fd, data = file
     out = np.zeros(4096, np.uint8)
-    res = ring.read(fd, np.array([data.size - 100, data.size, data.size + 8192]), np.array([512, 512, 512]),
+    res = _read(ring, fd, np.array([data.size - 100, data.size, data.size + 8192]), np.array([512, 512, 512]),
                     out.ctypes.data + np.array([0, 1024, 2048]))
     assert res.tolist() == [100, 0, 0]
     assert np.array_equal(out[:100], data[-100:])
     bad = os.open(os.devnull, os.O_RDONLY)
     os.close(bad)  # a descriptor number nothing holds now
-    assert ring.read(bad, np.array([0, 512]), np.array([512, 512]), out.ctypes.data + np.array([0, 512])).tolist() \
+    assert _read(ring, bad, np.array([0, 512]), np.array([512, 512]), out.ctypes.data + np.array([0, 512])).tolist() \
         == [-9, -9]
 
 
 @pytest.mark.parametrize("rb,a", [(256, 512), (264, 512), (264, 4096), (6, 1)])
-def test_pread_rows_through_the_ring_equals_one_pread_at_a_time(ring, file, rb, a):
+def test_rows_through_the_ring_equal_one_pread_at_a_time(ring, file, rb, a):
     fd, data = file
     rows = data.size // rb
     rng = np.random.default_rng(rb + a)
@@ -67,8 +84,8 @@ def test_pread_rows_through_the_ring_equals_one_pread_at_a_time(ring, file, rb, 
         local = np.sort(rng.choice(rows + 3, n, replace=False))  # a few past the end: short
         got = [np.zeros((n, rb), np.uint8) for _ in range(2)]
         scratch = [direct_io._Scratch(), direct_io._Scratch()]
-        with_ring = pread_rows(fd, local, rb, a, got[0], lambda k: thread_buffer(scratch[0], k), ring)
-        plain = pread_rows(fd, local, rb, a, got[1], lambda k: thread_buffer(scratch[1], k), None)
+        with_ring = _rows(fd, local, rb, a, got[0], lambda k: thread_buffer(scratch[0], k), ring)
+        plain = _rows(fd, local, rb, a, got[1], lambda k: thread_buffer(scratch[1], k), None)
         assert with_ring == plain
         held = n if plain[1] < 0 else plain[1]
         assert np.array_equal(got[0][:held], got[1][:held])
@@ -76,7 +93,7 @@ def test_pread_rows_through_the_ring_equals_one_pread_at_a_time(ring, file, rb, 
 
 
 @pytest.mark.parametrize("rb,a", [(264, 512), (264, 4096)])
-def test_pread_rows_over_several_files_in_one_ring_call_equals_each_file_alone(ring, tmp_path, rb, a):
+def test_rows_over_several_files_in_one_ring_call_equals_each_file_alone(ring, tmp_path, rb, a):
     """A call's rows over several segments (one descriptor a row) read through one ring are the
     rows each file gives read alone; spans of two files never merge, even at equal offsets; a
     row past one file's end is reported at its own index."""
@@ -94,8 +111,8 @@ def test_pread_rows_over_several_files_in_one_ring_call_equals_each_file_alone(r
         scratch = [direct_io._Scratch(), direct_io._Scratch()]
         got, plain = np.zeros((local.size, rb), np.uint8), np.zeros((local.size, rb), np.uint8)
         fd_of = np.array(fds)[which]
-        assert pread_rows(fd_of, local, rb, a, got, lambda k: thread_buffer(scratch[0], k), ring) == \
-            pread_rows(fd_of, local, rb, a, plain, lambda k: thread_buffer(scratch[1], k), None)
+        assert _rows(fd_of, local, rb, a, got, lambda k: thread_buffer(scratch[0], k), ring) == \
+            _rows(fd_of, local, rb, a, plain, lambda k: thread_buffer(scratch[1], k), None)
         assert np.array_equal(got, plain)
         for k, data in enumerate(files):
             rows = data[:300 * rb].reshape(300, rb)
@@ -104,7 +121,7 @@ def test_pread_rows_over_several_files_in_one_ring_call_equals_each_file_alone(r
         short = local.copy()
         short[90 + 89] = 400
         out = np.zeros_like(got)
-        _, bad = pread_rows(fd_of, short, rb, a, out, lambda k: thread_buffer(scratch[0], k), ring)
+        _, bad = _rows(fd_of, short, rb, a, out, lambda k: thread_buffer(scratch[0], k), ring)
         assert bad == 90 + 89
         assert np.array_equal(out[:90], files[0][:300 * rb].reshape(300, rb)[per[0]])
     finally:
@@ -119,7 +136,7 @@ def test_switched_off_or_refused_means_no_ring(monkeypatch):
 
 @pytest.fixture(params=["compiled", "reference"])
 def loop(request, monkeypatch):
-    """Ring.read through its compiled loop, or through the numpy reference it is checked against."""
+    """Ring.submit and wait through its compiled loop, or through the numpy reference it is checked against."""
     from tierstore.jit import enabled
 
     if request.param == "compiled" and not enabled():
@@ -145,7 +162,7 @@ def test_reads_over_several_files_in_one_call_at_any_depth_are_the_files_bytes(r
         lens = rng.integers(1, 1025, n).astype(np.int64)
         pos = np.concatenate([[0], np.cumsum(lens)[:-1]])
         out = np.zeros(int(lens.sum()), np.uint8)
-        res = ring.read(np.array(fds)[which], offs, lens, out.ctypes.data + pos, depth=depth)
+        res = _read(ring, np.array(fds)[which], offs, lens, out.ctypes.data + pos, depth=depth)
         sizes = np.array([f.size for f in files])[which]
         assert np.array_equal(res, np.clip(sizes - offs, 0, lens))
         for k, o, p, m in zip(which.tolist(), offs.tolist(), pos.tolist(), res.tolist()):
@@ -184,7 +201,7 @@ def test_a_read_that_waits_does_not_hold_up_the_reads_behind_it(ring, file, loop
         t = threading.Thread(target=write_once_the_last_file_read_is_in)
         t.start()
         try:
-            res = ring.read(np.array([r] + [fd] * (n - 1)), offs, lens, out.ctypes.data + np.arange(n) * 512,
+            res = _read(ring, np.array([r] + [fd] * (n - 1)), offs, lens, out.ctypes.data + np.arange(n) * 512,
                             depth=16)
         finally:
             t.join()  # it writes the pipe at the latest after its wait: then nothing is left in flight
@@ -203,9 +220,9 @@ def test_a_depth_out_of_range_or_descriptors_that_do_not_match_are_refused(ring,
     args = (np.array([0, 512]), np.array([512, 512]), out.ctypes.data + np.array([0, 512]))
     for depth in (0, ring.entries + 1):
         with pytest.raises(InvalidArgument, match=rf"queue depth {depth} is outside 1\.\.{ring.entries}"):
-            ring.read(fd, *args, depth=depth)
+            _read(ring, fd, *args, depth=depth)
     with pytest.raises(InvalidArgument, match="3 descriptors for 2 reads"):
-        ring.read(np.array([fd, fd, fd]), *args)
+        _read(ring, np.array([fd, fd, fd]), *args)
     assert not out.any()  # nothing was read
 
 
@@ -236,7 +253,7 @@ def test_batches_submitted_together_are_each_the_files_bytes_in_any_order_of_wai
     with pytest.raises(KeyError):
         ring.wait(tickets[0])
     assert ring._n == 0  # nothing owed: the next batch starts the queue over
-    assert np.array_equal(ring.read(fd, np.array([0]), np.array([512]), outs[0][0].ctypes.data + np.array([0])),
+    assert np.array_equal(_read(ring, fd, np.array([0]), np.array([512]), outs[0][0].ctypes.data + np.array([0])),
                           [512])
 
 

@@ -23,8 +23,8 @@ the first entry of the bucket that is not mid-read is taken by compare-and-swap
 (an atomic cmpxchg, so two clients never both claim one entry) and the client
 reads that row from the device. A bucket whose every entry is mid-read for other
 ids: the client reads the row itself and shares nothing. It reads what it
-claimed in chunks of PUBLISH_ROWS, and after each chunk writes the rows and then
-swaps each word from its claim to even (the swap is ordered after the row
+claimed in parts of at most PUBLISH_ROWS (tiers/nvme/miss_batch.py), and as each
+part is placed writes its rows and then swaps each word from its claim to even (the swap is ordered after the row
 stores, and on x86-64 loads keep order: a reader that sees the even word and,
 after its copy, the same word, copied the whole row). Only then does it wait on
 the rows others claimed, so no two clients ever wait on each other.
@@ -84,7 +84,7 @@ from tierstore.jit import Kernel, enabled
 from tierstore.tiers.dram import map_file_readonly
 from tierstore.tiers.shm_file import create_shm_file
 
-__all__ = ["MissFlightsFile", "MissFlights", "Flight", "flights_path", "flight_entries", "usable", "WAYS"]
+__all__ = ["MissFlightsFile", "MissFlights", "flights_path", "flight_entries", "usable", "WAYS"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"TSFLITE1"
@@ -150,9 +150,10 @@ class MissFlightsFile:
 
 
 class MissFlights:
-    """A client's read-write map of a table version's flights file, and the protocol
-    over it (the module docstring). `read(ids, out, reader)` is the one entry point (`start`, then
-    `Flight.finish`: the same read in two halves)."""
+    """A client's read-write map of a table version's flights file, and the protocol over it
+    (the module docstring), as a batch of misses runs it (tiers/nvme/miss_batch.py): `claim`
+    its misses, `publish` each part it read, `give_up` what it will not, `take` the rows
+    peers read."""
 
     def __init__(self, path: str | Path, rows: int, width: int, instance: str | None = None):
         """StaleArena when the file at `path` is gone or is not this table's (shape, instance)."""
@@ -192,58 +193,50 @@ class MissFlights:
         _SAME.compiled()(self.words, none, none, np.empty(0, np.bool_))
         _POLL.compiled()(self.words, none, none, none, none, flags)
 
-    def read(self, ids: np.ndarray, out: np.ndarray, reader, records: np.ndarray | None = None) -> None:
-        """out[i] = row ids[i] (sorted, distinct, in range int64), verified, each read
-        from the device by this client or by another that missed it at the same time;
-        records[i] (optional, uint8 [n, record_bytes], carried_form "records") its record
-        as a client carries it: as read where this client read it, made from the row where
-        it was copied from another's.
+    # ---- what a batch of misses asks of the flights (tiers/nvme/miss_batch.py: claim, publish, finish) ----
+    MINE = _MINE  # a claim state at or past it: the row is read by the claimer itself
+    PUBLISH_ROWS = PUBLISH_ROWS  # the most rows a claimer reads before it publishes them
 
-        reader: the table's SegmentReader (its start_into, carried_form "records" or
-        "rows", carried_records, place_records / place_rows). Raises what read_into
-        raises (ChecksumError: DATA_LOSS); rows this client claimed are then given up,
-        so the clients waiting on them read them themselves. start(...).finish(), at once."""
-        self.start(ids, out, reader, records).finish()
-
-    def start(self, ids: np.ndarray, out: np.ndarray, reader, records: np.ndarray | None = None) -> "Flight":
-        """read in two halves: the misses claimed and this client's own reads started
-        (SegmentReader.start_into: in flight on this thread's ring under io_uring), in parts
-        of PUBLISH_ROWS; Flight.finish(), in this thread, places and publishes each part as it
-        lands, then copies and waits for the rows others claimed. Raises as read does (the
-        claims given up)."""
+    def claim(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Claim sorted, distinct `ids` in one compiled pass: (state, entry, seen), per id its
+        claim state (READY: a peer published it, WAIT: a peer is reading it, MINE: claimed
+        here, SELF: a full bucket, read here unshared), its entry and the word seen there."""
         n = ids.size
-        state, entry = np.empty(n, dtype=np.int8), np.empty(n, dtype=np.int64)
-        seen = np.empty(n, dtype=np.int64)
+        state, entry, seen = np.empty(n, dtype=np.int8), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         _CLAIM.compiled()(self.words, self.pids, ids, state, entry, seen, self.pid)
-        own = np.flatnonzero(state >= _MINE)  # claimed, or a full bucket: read here
-        mine = state[own] == _MINE
-        self.rows_claimed += int(np.count_nonzero(mine))
-        as_records = reader.carried_form == "records"
-        if as_records and records is None:
-            records = np.empty((n, reader.record_bytes), dtype=np.uint8)  # what this client publishes
-        flight = Flight(self, ids, out, reader, records if as_records else None, state, entry, seen, own, mine)
-        try:
-            for a in range(0, own.size, PUBLISH_ROWS):
-                part = own[a:a + PUBLISH_ROWS]
-                flight.parts.append((a, reader.start_into(ids[part], out, part, records=flight.records)))
-        except BaseException:
-            flight.give_up(0)
-            raise
-        return flight
+        self.rows_claimed += int(np.count_nonzero(state == _MINE))
+        return state, entry, seen
 
-    def _published(self, entry, seen, pub, rows) -> None:
-        """Rows this client read, into its claimed entries, each swapped to READY after its row."""
-        if pub.size:
-            self.rows[entry[pub]] = rows
-            _SWAP.compiled()(self.words, entry[pub], seen[pub], 1)
+    def publish(self, entry: np.ndarray, seen: np.ndarray, rows: np.ndarray) -> None:
+        """Rows this client read and placed, into its claimed entries, each swapped to READY
+        after its row (the swap is ordered after the row stores)."""
+        self.rows[entry] = rows
+        _SWAP.compiled()(self.words, entry, seen, 1)
 
-    def _copy(self, ids, at, entry, seen, out, reader) -> np.ndarray:
-        """Copy the READY entries of ids[at] into out[at], verified; returns the positions
-        not copied (a failed sum, or an entry rewritten during the copy)."""
+    def give_up(self, entry: np.ndarray, seen: np.ndarray) -> None:
+        """Claimed entries swapped back to empty: their waiters read those rows themselves."""
+        if entry.size:
+            _SWAP.compiled()(self.words, entry, seen, 0)
+
+    def take(self, ids, peers, state, entry, seen, dest, dslots, place) -> np.ndarray:
+        """The rows of positions `peers` of `ids` (claimed READY or WAIT) copied into
+        dest[dslots[i]] as they are published, each checked as it is copied (place: the
+        reader's place_carried, tierstore/tiers/trust.py's form) and its word again after;
+        returns the positions that must be read here (a failed check, a word that changed
+        during the copy, a claimer dead or past WAIT_S)."""
+        ready = peers[state[peers] == _READY]
+        missed = [self._copy(ids, ready, entry, seen, dest, dslots, place)]
+        waited = peers[state[peers] == _WAIT]
+        if waited.size:
+            missed.append(self._wait(ids, waited, entry, seen, dest, dslots, place))
+        return np.concatenate(missed)
+
+    def _copy(self, ids, at, entry, seen, dest, dslots, place) -> np.ndarray:
+        """Copy the READY entries of ids[at] into dest[dslots[at]], verified; returns the
+        positions not copied (a failed check, or an entry rewritten during the copy)."""
         if at.size == 0:
             return at
-        place = reader.place_records if reader.carried_form == "records" else reader.place_rows
-        bad = place(ids[at], self.rows, entry[at], out, at)
+        bad = place(ids[at], self.rows, entry[at], dest, dslots[at])
         same = np.empty(at.size, dtype=np.bool_)
         _SAME.compiled()(self.words, entry[at], seen[at], same)
         if bad >= 0:
@@ -251,7 +244,7 @@ class MissFlights:
         self.rows_shared += int(np.count_nonzero(same))
         return at[~same]
 
-    def _wait(self, ids, waited, entry, seen, out, reader) -> np.ndarray:
+    def _wait(self, ids, waited, entry, seen, dest, dslots, place) -> np.ndarray:
         """Wait for the entries others are reading, copying each as it is published; returns
         the positions this client must read itself. Bounded (the module docstring): every entry
         still waited on WAIT_S after the wait began is taken over, so a change of one entry
@@ -269,7 +262,7 @@ class MissFlights:
             if poll(self.words, ids, pending, entry, seen, state):
                 done = pending[state[pending] != _WAIT]
                 mine.append(done[state[done] == _SELF])
-                mine.append(self._copy(ids, done[state[done] == _READY], entry, seen, out, reader))
+                mine.append(self._copy(ids, done[state[done] == _READY], entry, seen, dest, dslots, place))
                 pending = pending[state[pending] == _WAIT]
                 last, checked, nap = now, False, POLL_S
                 lost = pending if now >= deadline else pending[:0]
@@ -297,54 +290,6 @@ class MissFlights:
             self._mmap.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with it
-
-
-class Flight:
-    """A MissFlights.start call: finish() once, in the thread that started it."""
-
-    def __init__(self, flights: MissFlights, ids, out, reader, records, state, entry, seen, own, mine):
-        self.f, self.ids, self.out, self.reader, self.records = flights, ids, out, reader, records
-        self.state, self.entry, self.seen, self.own, self.mine = state, entry, seen, own, mine
-        self.parts: list = []  # (first of own, its SegmentReader.start_into)
-
-    def give_up(self, k: int) -> None:
-        """Parts k.. not placed: their reads waited for, their claimed entries swapped back to
-        empty (their waiters read those rows themselves)."""
-        for _, reading in self.parts[k:]:
-            reading.abandon()
-        a = self.parts[k][0] if k < len(self.parts) else 0  # (start failing: nothing placed yet)
-        give = self.own[a:][self.mine[a:]]
-        if give.size:
-            _SWAP.compiled()(self.f.words, self.entry[give], self.seen[give], 0)
-        self.parts = self.parts[:k]
-
-    def finish(self) -> None:
-        f, ids, out, reader, records = self.f, self.ids, self.out, self.reader, self.records
-        entry, seen, state = self.entry, self.seen, self.state
-        for k, (a, reading) in enumerate(self.parts):
-            try:
-                reading.finish()
-            except BaseException:
-                self.give_up(k)
-                raise
-            part, claimed = self.own[a:a + PUBLISH_ROWS], self.mine[a:a + PUBLISH_ROWS]
-            pub = part[claimed]
-            f._published(entry, seen, pub, records[pub] if records is not None else out[pub])
-        self.parts = []
-        ready = np.flatnonzero(state == _READY)
-        copied = [ready]
-        missed = f._copy(ids, ready, entry, seen, out, reader)
-        waited = np.flatnonzero(state == _WAIT)
-        if waited.size:
-            copied.append(waited)
-            missed = np.concatenate([missed, f._wait(ids, waited, entry, seen, out, reader)])
-        if missed.size:
-            missed.sort()
-            reader.read_into(ids[missed], out, missed, records=records)
-        if records is not None:  # rows copied from another client's records: their records made from the rows
-            took = np.setdiff1d(np.concatenate(copied), missed, assume_unique=True)
-            if took.size:
-                records[took] = reader.carried_records(ids[took], out[took])
 
 
 def _alive(pid: int) -> bool:

@@ -3,9 +3,10 @@ O(arena), and promotes misses in three stages:
 1. reserve (under the lock, O(misses)): hits are pinned, victims come from the
    policy's queues (which skip pinned slots as they walk), the misses' slots
    are mapped, marked FILLING and pinned by their fill;
-2. fill (outside the lock): the cold tier reads and verifies the rows straight
-   into their slots, so another worker's Plan never waits behind this one's
-   disk reads; a step that needs a row another step is filling waits for that
+2. fill (outside the lock): the misses are one batch of the read pipeline
+   (tiers/nvme/miss_batch.py: claim, submit, finish, verify and place), read and
+   verified straight into their slots, so another worker's Plan never waits
+   behind this one's disk reads; a step that needs a row another step is filling waits for that
    fill only;
 3. ready (under the lock): the slots are marked READY and the fill's pins drop.
 Any failure in the fill returns its slots (unmapped, to the free stack) and
@@ -31,6 +32,7 @@ from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.cache.step_copies import StepCopies, step_digest
 from tierstore.jit import unique_inverse
+from tierstore.tiers.nvme.miss_batch import MissBatch
 from tierstore.tiers.nvme.verified_copy import warm
 
 __all__ = ["CacheEngine"]
@@ -81,16 +83,13 @@ class CacheEngine(TableEngine):
         except BaseException:
             self.slots.close()
             raise
-        # what a client's note may carry for its misses (SegmentReader.carried_form): records
-        # (format 2), rows checked against sums read from disk, or nothing
-        self._carried_form = reader.carried_form
         # under O_DIRECT the clients' own misses share nothing (no page cache between them): the
-        # flights file lets a row several clients miss at once be read once (miss_flights.py)
+        # flights file lets a row several clients miss at once be read once (miss_flights.py), each
+        # row in the form a note carries (tierstore/tiers/trust.py)
         self.flights = None
-        if index_path is not None and self._carried_form and reader.direct is not None:
-            width = self.version.record_bytes if self._carried_form == "records" else self.version.row_bytes
+        if index_path is not None and reader.carried.form and reader.direct is not None:
             try:
-                self.flights = MissFlightsFile(flights_path(index_path), self.rows, width, instance)
+                self.flights = MissFlightsFile(flights_path(index_path), self.rows, reader.carried.width, instance)
             except BaseException:
                 self.slots.close()
                 raise
@@ -244,7 +243,7 @@ class CacheEngine(TableEngine):
         return misses
 
     def note_access(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None = None,
-                    rows: np.ndarray | None = None, source: bytes = b"") -> int:
+                    rows: np.ndarray | None = None, source: bytes = b"", trusted: bool = True) -> int:
         """Steps a client on the host served itself (client/local_reads.py), told after the fact in
         batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
         ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
@@ -253,46 +252,47 @@ class CacheEngine(TableEngine):
         miss while the arena has free slots (a free slot is always better than a disk
         read), and past that as planned misses are, unless PolicyConfig.read_admit_freq
         (a doorkeeper, off by default) asks a row seen before. row_ids, rows: rows the client read
-        for its misses (int64 [n], uint8 [n, row_bytes], any order): a promoted miss among
-        them is placed from those bytes, each verified against its row sum in the same
-        pass, instead of read from disk; one that does not match is read from disk
-        instead and counted (note_rows_refused): no row that failed its sum is ever
-        placed. Format 2 carries records instead (rows [n, record_bytes]: each row with
-        its sum, checked against it; a row's sum on disk would cost a read of its own):
-        the caller takes them only from a peer it trusts with the
-        table (served.note: the sidecar's own uid). Rows of another form than the
-        reader's carried_form are ignored: those misses are read from disk, batched,
-        like any miss. Never refused: when the arena is
-        full of leased rows, the misses that do not fit are skipped. source: the client (its
-        conn_id): a step another client sent already, the same batch read by another TP rank,
-        is not learned again (StepCopies); its misses are still promoted. Returns rows
-        promoted. InvalidArgument for bad ids, step ends or rows (nothing is learned then).
+        for its misses (int64 [n], uint8 [n, width], any order) in the table's carried form
+        (tierstore/tiers/trust.py: rows, or format 2's records): a promoted miss among
+        them is placed from those bytes, each verified in the same pass, instead of read
+        from disk; one that does not match is read from disk instead and counted
+        (note_rows_refused): no row that failed its check is ever placed. What trust does
+        not admit from this sender (`trusted`: a peer of the sidecar's uid; in-process
+        callers are the sidecar itself) is left out: those misses are read from disk,
+        batched, like any miss. Never refused: when the arena is full of leased rows, the
+        misses that do not fit are skipped. source: the client (its conn_id): a step
+        another client sent already, the same batch read by another TP rank, is not learned
+        again (StepCopies); its misses are still promoted. Returns rows promoted.
+        InvalidArgument for bad ids, step ends or rows (nothing is learned then):
+        check_note, then learn_note.
 
         Bookkeeping, off the steps' path: learned at most NOTE_CHUNK_IDS ids and
         NOTE_CHUNK_STEPS steps per hold of the lock and the CPU token, each hold taken as
         background work (cpu_token.background), so a plan waits for at most one chunk of
         a note, however many steps it has."""
-        ids, ends, row_ids, rows = self.check_note(ids, ends, row_ids, rows)
+        return self.learn_note(*self.check_note(ids, ends, row_ids, rows, trusted), source=source)
+
+    def learn_note(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None, rows: np.ndarray | None,
+                   source: bytes = b"") -> int:
+        """note_access of a note check_note has passed (the learner checks a note as it arrives
+        and learns it later): its rows, where given, admitted by trust."""
         if ids.size == 0 or not self.enter():
             return 0  # nothing to learn, or freed meanwhile (a version swap)
         try:
             carried = None
-            if row_ids is not None and row_ids.size and self._takes(rows):
+            if row_ids is not None and row_ids.size:
                 with cpu_token.background():
-                    have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_into
+                    have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_misses
                 carried = (have, first.astype(np.int64, copy=False), rows)
             return self._note_access(ids, ends, carried, source)
         finally:
             self.leave()
 
-    def _takes(self, rows: np.ndarray) -> bool:
-        """Rows a note carries are of the form this table's reader places (carried_form)."""
-        width = {"rows": self.version.row_bytes, "records": self.version.record_bytes}.get(self._carried_form)
-        return rows.shape[1] == width
-
-    def check_note(self, ids, ends, row_ids=None, rows=None) -> tuple:
+    def check_note(self, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> tuple:
         """(ids, ends, row_ids, rows) of an access note, validated (note_access); InvalidArgument
-        otherwise. row_ids and rows are None when the note carries no rows."""
+        otherwise. row_ids and rows are None when the note carries no rows, or rows that
+        trust does not admit from this sender (`trusted`: trust.peer_trusted), whose misses
+        are then read from disk."""
         ids = self.check_ids(ids)
         ends = np.asarray(ends, dtype=np.int64).reshape(-1)
         if ends.size == 0 or ends[-1] != ids.size or ends[0] < 0 or np.any(np.diff(ends) < 0):
@@ -308,6 +308,8 @@ class CacheEngine(TableEngine):
                                   f"{rows.dtype} {rows.shape}; rows must be uint8 [{row_ids.size}, "
                                   f"{self.version.row_bytes}] (or records [{row_ids.size}, "
                                   f"{self.version.record_bytes}])")
+        if not self.reader.carried.admits(rows, trusted):
+            return ids, ends, None, None
         return ids, ends, row_ids, rows
 
     def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
@@ -506,10 +508,10 @@ class CacheEngine(TableEngine):
     def _complete(self, fill: Fill | None, waits, carried=None) -> None:
         """Stages 2 and 3: read this step's misses into place, then wait for other steps'
         fills of rows it shares. Raises the fill's error, or _FillFailed (plan again).
-        carried: (sorted row ids, their index in rows, rows) a client already read (_read_into)."""
+        carried: (sorted row ids, their index in rows, rows) a client already read (_read_misses)."""
         if fill is not None:
             try:
-                self._read_into(fill.ids, fill.slots, carried)
+                self._read_misses(fill.ids, fill.slots, carried)
             except BaseException as e:
                 with self._lock:
                     self._drop_fill(fill)  # the fill's pin; the step's goes with its lease
@@ -528,32 +530,21 @@ class CacheEngine(TableEngine):
             if other.error is not None:
                 raise _FillFailed()
 
-    def _read_into(self, ids: np.ndarray, slots: np.ndarray, carried=None) -> None:
-        """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified. The
-        ones in `carried` are placed from those bytes and checked against their row sums in
-        one pass (SegmentReader.place_rows, or place_records for records); if any does not
-        match, all of them are read from disk like the rest."""
-        if carried is not None and ids.size:
-            have_ids, row_at, rows = carried
-            pos = np.minimum(np.searchsorted(have_ids, ids), have_ids.size - 1)
-            have = have_ids[pos] == ids
-            n = int(np.count_nonzero(have))
-            if n:
-                place = self.reader.place_records if self._carried_form == "records" else self.reader.place_rows
-                bad = place(ids[have], rows, row_at[pos[have]], self.arena.rows, slots[have])
-                if bad < 0:
-                    self.counters.note_rows_placed += n
-                    ids, slots = ids[~have], slots[~have]
-                else:
-                    self.counters.note_rows_refused += n
-                    if not self._refused_logged:
-                        self._refused_logged = True
-                        log.warning("table %s: rows a client on the host sent with its access note do not match "
-                                    "their row sums (row %d first); read from disk instead", self.table,
-                                    int(ids[have][bad]))
-            if ids.size == 0:
-                return
-        self.reader.read_into(ids, self.arena.rows, slots)
+    def _read_misses(self, ids: np.ndarray, slots: np.ndarray, carried=None) -> None:
+        """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified: one
+        batch of misses through the read pipeline (tiers/nvme/miss_batch.py), whose claim
+        places the ones in `carried` from those bytes, each checked in the same pass
+        (ColdTier.place_carried, in the form trust admitted); if any does not match, all of
+        them are read from disk like the rest (counted, logged once)."""
+        batch = MissBatch(self.reader, ids, self.arena.rows, slots).claim(carried=carried)
+        self.counters.note_rows_placed += batch.taken
+        if batch.refused:
+            self.counters.note_rows_refused += batch.refused
+            if not self._refused_logged:
+                self._refused_logged = True
+                log.warning("table %s: rows a client on the host sent with its access note do not match "
+                            "their row sums (row %d first); read from disk instead", self.table, batch.refused_first)
+        batch.submit().finish()
 
     def _abandon(self, slots: np.ndarray, fill: Fill | None) -> None:
         """Undo a reservation whose lease was refused (its fill never started)."""

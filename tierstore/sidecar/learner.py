@@ -89,19 +89,17 @@ class Learner:
         The rows a note carries are queued while NOTE_QUEUE_ROW_BYTES allows (made the same
         way), else left out (the misses they were for are then read from disk if promoted).
 
-        trusted: the peer runs as the sidecar's uid (or root; step_server.peer_trusted). Only
-        then are carried records (format 2: each row with its own sum) kept:
-        such a peer can write the segments and the arena itself, so a sum it sends guards
-        against faults, not forgery. Rows checked against the sidecar's own sums are kept
-        from anyone. source: also tells another client's copy of a step apart
+        trusted: the peer runs as the sidecar's uid (or root; trust.peer_trusted): what its note
+        may carry is trust's to say (tierstore/tiers/trust.py: records only from such a peer,
+        rows checked against the sidecar's own sums from anyone), asked once, by the engine's
+        check_note. source: also tells another client's copy of a step apart
         (TableEngine.note_access: it is not learned twice)."""
         size = [int(np.size(ends)), int(np.size(ids)), 0]
         with self._cv:
             if not self._room(engine, source, size, make=False):
                 return False
-        ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows)
-        if rows is not None and not trusted and rows.shape[1] != engine.version.row_bytes:
-            row_ids = rows = None  # records from a peer of another uid: promoted from disk instead
+        # rows trust does not admit from this sender are left out here (tierstore/tiers/trust.py)
+        ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows, trusted)
         with self._cv:
             if not self._room(engine, source, size, make=True):
                 return False
@@ -230,7 +228,7 @@ class Learner:
                 continue
             try:
                 carried = (_joined(row_ids), _joined(rows)) if rows else (None, None)
-                eng.note_access(_joined(ids), _joined(ends), *carried, source=source)
+                eng.learn_note(_joined(ids), _joined(ends), *carried, source=source)
             except Exception:  # noqa: BLE001 - a hint; the next step's note may well work
                 log.exception("learning the local steps of table %s failed", eng.table)
 

@@ -68,25 +68,14 @@ from tierstore.proto.frames import (COUNT, ERROR, HELLO, HELLO_REQ, HELLO_RESP, 
                                 encode_error, encode_plan_results, parse_note, parse_plan, send_frame,
                                 spin_seconds)
 from tierstore.sidecar.listeners import UNIX_PATH_MAX
+from tierstore.tiers import trust
 
-__all__ = ["StepServer", "StepHandler", "ReceiveBudget", "FRAME_TIMEOUT_S", "peer_trusted"]
+__all__ = ["StepServer", "StepHandler", "ReceiveBudget", "FRAME_TIMEOUT_S"]
 
 log = logging.getLogger("tierstore.sidecar.step_server")
 HELLO_TIMEOUT_S = 10.0      # a connection that never says HELLO gives its slot back
 FRAME_TIMEOUT_S = 10.0      # a frame begun must be whole this long after its first byte; also the budget's wait
 SEND_TIMEOUT_S = 60         # seconds a reply may wait for a client that does not read it
-
-
-def peer_trusted(sock: socket.socket) -> bool:
-    """The process at the other end of a unix socket runs as this process's effective uid
-    or as root (SO_PEERCRED, read once at accept): it can write whatever this process can
-    (segments, arenas), so the bytes it vouches for need no more than a fault check. The
-    step socket is born 0600, so only such peers connect unless an operator widened it."""
-    try:
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (OSError, AttributeError):  # not a unix socket, or no SO_PEERCRED here
-        return False
-    return uid in (0, os.geteuid())
 
 
 class StepHandler(Protocol):
@@ -101,7 +90,7 @@ class StepHandler(Protocol):
     note: steps the client read itself (proto.frames.NoteItem), a NOTE frame; never
           answered, so errors are the handler's to log (a handler with no policy ignores
           them). `items[i].ids` is valid during the call. trusted: the peer runs as the
-          sidecar's uid or root (peer_trusted).
+          sidecar's uid or root (tierstore/tiers/trust.py: peer_trusted).
     """
 
     def plan(self, conn_id: bytes, items: list[PlanItem], release: list[int]) -> list: ...
@@ -298,7 +287,7 @@ class StepServer:
     # -- one connection ----------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
-        conn_id, trusted = None, peer_trusted(sock)
+        conn_id, trusted = None, trust.peer_trusted(sock)
         # HELLO-sized until HELLO: nobody unauthenticated makes the sidecar hold more
         reader = FrameReader(sock, HELLO_REQ.size, budget=self.budget, frame_timeout_s=FRAME_TIMEOUT_S)
         try:

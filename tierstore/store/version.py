@@ -64,7 +64,7 @@ class TableVersion:
     id in this version only: a row of another table or version, or at another
     id, fails its check wherever it is put. None in versions written before it
     (fmix64-v1, the id alone): their sums are checked only where they are
-    stored, never taken from a client (SegmentReader.carried_form).
+    stored, never taken from a client (tierstore/tiers/trust.py).
 
     Block checksums (xxh3-64) cover the on-disk bytes of ``block_rows``
     records (the last block may be short), in either format.

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.errors import IdOutOfRange, InvalidArgument
+from tierstore.tiers import trust
 from tierstore.jit import first_outside
 
 __all__ = ["ColdTier", "Tier", "check_ids", "check_out", "gather_by_block"]
@@ -106,17 +107,17 @@ class ColdTier(Tier):
     Attributes the engines and the sidecar read: `checksums` (uint64 [n_blocks], the block
     checksums), `bytes_read` (bytes read from the tier so far), `direct` (None unless
     misses bypass the page cache, O_DIRECT), `verifies_rows` (each row is checked against
-    its own row sum; else rows verify by their block), `carried_form` (what a local
-    client's note may carry for the misses it read: "rows", "records" or "" for nothing;
-    see SegmentReader), `cold_dir` (where a client on the host may read the misses itself).
-    The defaults are a tier that offers none of it: a note carries nothing, nothing
-    carried is placed."""
+    its own row sum; else rows verify by their block), `carried` (what a local client's
+    note carries for the misses it read, and what the sidecar takes from whom:
+    tierstore/tiers/trust.py), `cold_dir` (where a client on the host may read the misses
+    itself). The defaults are a tier that offers none of it: a note carries nothing,
+    nothing carried is placed."""
 
     checksums: np.ndarray
     bytes_read: int = 0
     direct = None
     verifies_rows: bool = False
-    carried_form: str = ""
+    carried: trust.Carried = trust.NONE
 
     @property
     def cold_dir(self) -> Path | None:
@@ -125,9 +126,27 @@ class ColdTier(Tier):
         (rows that verify only by block, rows not on this host)."""
         return None
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
-        """Rows `ids` verified and written to dest[slots]."""
-        dest[slots] = self.read_rows(ids)
+    # ---- the read pipeline's stages (tiers/nvme/miss_batch.py): by default, read at submit ----
+    def submit(self, batch, at: np.ndarray):
+        """The submit stage: rows batch.ids[at] read, verified and written to
+        batch.dest[batch.slots[at]]; yields the parts left in flight (by default none: the
+        rows are read here, at once)."""
+        if at.size:
+            batch.dest[batch.slots[at]] = self.read_rows(batch.ids[at])
+        yield from ()
+
+    def finish(self, part) -> None:
+        """The finish stage: a part's reads waited for."""
+
+    def place(self, part, batch) -> tuple[int, str]:
+        """The verify and place stage: (position of its first bad row or -1, why)."""
+        return -1, ""
+
+    def abandon(self, part) -> None:
+        """A part that will not be placed: its reads waited for, its buffers given back."""
+
+    def land(self, batch, share: float) -> None:
+        """`share` of a batch's reads landed (MissBatch.land)."""
 
     def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, start + n) as uint8 [n, row_bytes], verified; into `out` when given."""
@@ -137,16 +156,10 @@ class ColdTier(Tier):
         """What the tier holds in DRAM to check rows (block checksums, format 1's row sums)."""
         return (self.checksums,)
 
-    def place_rows(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
-                   slots: np.ndarray) -> int:
-        """Write src[row_at[i]], row ids[i] as a client read it, into dest[slots[i]], each
-        verified against its row sum (carried_form "rows"). Returns the index of the first
-        row that fails, or -1 when all pass; a tier that cannot verify rows fails them all
-        (0), so nothing unverified is ever placed."""
-        return 0 if ids.size else -1
-
-    def place_records(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
+    def place_carried(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
                       slots: np.ndarray) -> int:
-        """As place_rows for records (row and row sum, carried_form "records"), each checked
-        against the sum it carries; by default every record fails (0)."""
+        """Write src[row_at[i]], row ids[i] as a client read it and carries it (`carried`), into
+        dest[slots[i]], each verified. Returns the index of the first row that fails, or -1
+        when all pass; a tier that carries nothing fails them all (0), so nothing unverified
+        is ever placed."""
         return 0 if ids.size else -1

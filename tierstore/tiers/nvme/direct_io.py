@@ -1,17 +1,21 @@
 """Row reads: each row's bytes read into a scratch buffer, never touched through a map.
 
-`start_rows` / `pread_rows` read rows at computed offsets of one file or several
-into a scratch buffer, rows whose spans touch with one read, and place them into
-the caller's rows; a file that ends early (cut short while it is read included) is
-a short read the caller names, never a signal. Spans are the rows' own bytes
-through the page cache (alignment 1, the reader's default mode), or with
-`--direct-io` the aligned sectors that hold each row, read around the page cache
-(512 B for a 256-B row on a 512-B-sector disk, where the block path reads its
-whole checksum block), so the cold tier is not cached twice (page cache + arena).
-With io_uring (uring.py) a call's reads, over all the segments they fall in, go
-through one ring in the calling thread, kept at its depth until the last; without
-it, one pread at a time a thread, and the reader spreads a call over its pool so
-the device sees a queue (preadv drops the GIL).
+`Spans` are the reads of a set of rows at computed offsets of one file or several: rows
+whose spans touch share one read, and each row's place in the scratch is kept, so the
+rows are placed from where they land. A file that ends early (cut short while it is read
+included) is a short read the caller names, never a signal. Spans are the rows' own bytes
+through the page cache (alignment 1, the reader's default mode), or with `--direct-io`
+the aligned sectors that hold each row, read around the page cache (512 B for a 256-B row
+on a 512-B-sector disk, where the block path reads its whole checksum block), so the
+cold tier is not cached twice (page cache + arena).
+
+How a set of spans is read is the read pipeline's business (miss_batch.py: its submit
+and finish stages, in SegmentReader): through the page cache, first here without waiting
+(`read_cached`: what the page cache holds copied at once, one compiled loop); what is
+left, and every O_DIRECT read, on the calling thread's io_uring (uring.py, `thread_ring`)
+or, where there is none, `pread` one at a time a thread (the reader spreads a batch over
+its pool so the device sees a queue; preadv drops the GIL). `settle` preads what came
+back short and says which row its file did not hold whole.
 
 `DirectFiles` opens a version's segments O_DIRECT. Alignment is the device's
 logical sector size: tried at 512 B, then 4 KiB. A filesystem that refuses
@@ -34,8 +38,7 @@ from tierstore.jit import Kernel
 from tierstore.tiers.nvme import uring
 from tierstore.tiers.nvme.uring import Ring
 
-__all__ = ["DirectFiles", "RowReads", "pread_rows", "probe_alignment", "row_buffer", "part_starts", "start_rows",
-           "thread_buffer", "thread_ring", "warm"]
+__all__ = ["DirectFiles", "Spans", "read_now", "probe_alignment", "part_starts", "thread_buffer", "thread_ring", "warm"]
 
 _ALIGNS = (512, 4096)
 # reads a thread's ring keeps in flight (its entries): one thread reads a step's tables through its
@@ -63,57 +66,8 @@ def probe_alignment(fd: int, path) -> int:
         buf.close()
 
 
-def pread_rows(fd, offsets: np.ndarray, rb: int, a: int, out: np.ndarray, buffer,
-               ring: Ring | None = None) -> tuple[int, int]:
-    """pread rows `offsets` (row numbers of the file at fd, rows of rb bytes) into
-    out[:len(offsets)], reading the `a`-aligned spans that hold them (a = 1: exactly
-    the rows); rows whose spans touch share one pread. fd: one descriptor, or an int
-    array giving each row its own (rows of several files read in one call); the
-    offsets are sorted within each file and one file's rows are contiguous. buffer(n)
-    gives an a-aligned scratch of >= n bytes. With a `ring` every span is read in
-    flight together (one system call); a span it did not read in full is pread
-    again. Returns (bytes read, index of the first row its file did not hold in
-    full, or -1). start_rows(...).finish(out), at once."""
-    return start_rows(fd, offsets, rb, a, buffer, ring).finish(out)
-
-
-def start_rows(fd, offsets: np.ndarray, rb: int, a: int, buffer, ring: Ring | None = None,
-               release=None, gap: int = 0, nowait: bool = False) -> "RowReads":
-    """pread_rows in two halves: the spans are worked out and, with a `ring`, submitted to it
-    (the call returns while the device reads them); RowReads.finish(out) waits for them in
-    the same thread, preads what is left and places the rows (or RowReads.finish_in_place,
-    which leaves them in the scratch). The scratch buffer(n) gives must stay the call's
-    until finish; `release(scratch)` is called once finish is done with it (the caller's
-    pool takes it back). gap: rows whose spans lie within `gap` bytes of each other share
-    one read too, the bytes between read and left unused (a read through the page cache
-    costs about what copying a few KiB does). nowait (reads through the page cache, with
-    a ring): each span is first read here without waiting (preadv2 RWF_NOWAIT, one
-    compiled loop): what the page cache holds is copied at once, and only the rest goes
-    to the ring, so a call whose rows are cached costs no ring round trip."""
-    fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
-    n = int(offsets.size)
-    off = offsets * rb
-    spans = np.empty((4, n), dtype=np.int64)  # per read: descriptor, file offset, length, scratch position
-    pos = np.empty(n, dtype=np.int64)  # per row: its scratch position
-    k = _SPANS.compiled()
-    if k is not None:
-        runs, nbytes = k(fds, off, rb, a, gap, spans, pos)
-    else:
-        runs, nbytes = _spans_reference(fds, off, rb, a, gap, spans, pos)
-    spans = spans[:, :runs]
-    flat = buffer(int(nbytes))
-    reads = RowReads(rb, a, off, pos, spans, flat, ring, release)
-    if ring is not None and runs:
-        todo = None
-        if nowait and runs > 1 and _NOWAIT_OK and _preads() is not None:
-            reads.pread(np.arange(runs), _RWF_NOWAIT)
-            todo = np.flatnonzero(reads.res != spans[2])
-        reads.submit(todo)
-    return reads
-
-
 def part_starts(fd, offsets: np.ndarray, rb: int, a: int, gap: int, nbytes: int) -> np.ndarray:
-    """Where to cut rows `offsets` (start_rows' arguments) into parts whose scratch is each
+    """Where to cut rows `offsets` (Spans' arguments) into parts whose scratch is each
     about `nbytes` at most (one row's span more): the index of each part's first row but
     the first's (int64, ascending; empty for one part)."""
     n = int(offsets.size)
@@ -224,26 +178,51 @@ def _preads():
     return _PREADS.compiled() if _X86_64_LINUX else None
 
 
-class RowReads:
-    """A start_rows call's spans, in flight on its ring (or to be pread): finish(out) or
-    finish_in_place() once."""
+class Spans:
+    """The reads of rows `offsets` (row numbers of the file at fd, rows of rb bytes): per read
+    (`table`, int64 [4, reads]) its descriptor, file offset, length and place in `scratch`,
+    the `a`-aligned span(s) of its rows (a = 1: exactly the rows), rows whose spans lie
+    within `gap` bytes of each other in one file sharing it; per row its place (`pos`); per
+    read its result (`res`: bytes read, or -errno; -1 not yet). fd: one descriptor, or an
+    int array giving each row its own (rows of several files in one set); the offsets are
+    sorted within each file and one file's rows are contiguous. buffer(n) gives an
+    a-aligned scratch of >= n bytes, `release(scratch)` takes it back (release()).
 
-    def __init__(self, rb, a, off, pos, spans, flat, ring, release):
-        self.rb, self.a, self.off, self.pos, self.spans, self.flat = rb, a, off, pos, spans, flat
-        self.ring, self.release, self.ticket, self._sent = ring, release, None, None
-        self.res = np.full(spans.shape[1], -1, dtype=np.int64)  # per read: bytes read, or -errno; -1: not yet
+    A plain record of reads and their results: who reads them (the read pipeline's submit
+    and finish, on a ring, or pread) keeps them in flight; `landed` says every read is whole."""
 
-    def submit(self, todo: np.ndarray | None = None) -> None:
-        """Reads `todo` (default: all) put in flight on the ring (one read alone: left for finish)."""
-        sp = self.spans if todo is None else self.spans[:, todo]
-        if sp.shape[1] > 1:
-            self.ticket = self.ring.submit(sp[0], sp[1], sp[2], self.flat.ctypes.data + sp[3],
-                                           min(READ_DEPTH, self.ring.entries), keep=self.flat)
-            self._sent = todo
+    __slots__ = ("rb", "a", "pos", "table", "scratch", "res", "_release")
 
+    def __init__(self, fd, offsets: np.ndarray, rb: int, a: int, buffer, release=None, gap: int = 0):
+        fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
+        n = int(offsets.size)
+        table = np.empty((4, n), dtype=np.int64)
+        self.pos = np.empty(n, dtype=np.int64)
+        k = _SPANS.compiled()
+        runs, nbytes = (k or _spans_reference)(fds, offsets * rb, rb, a, gap, table, self.pos)
+        self.rb, self.a, self.table = rb, a, table[:, :runs]
+        self.scratch, self._release = buffer(int(nbytes)), release
+        self.res = np.full(runs, -1, dtype=np.int64)
+
+    @property
     def landed(self) -> bool:
-        """Every read is done (start_rows' nowait reads found them all in the page cache)."""
-        return self.ticket is None and bool((self.res == self.spans[2]).all())
+        return bool((self.res == self.table[2]).all())
+
+    def short(self) -> np.ndarray:
+        """The reads not whole yet (not read, short, failed)."""
+        return np.flatnonzero(self.res != self.table[2])
+
+    def ring_reads(self, todo: np.ndarray) -> tuple:
+        """Reads `todo` as Ring.submit takes them: (descriptors, offsets, lengths, addresses)."""
+        t = self.table[:, todo]
+        return t[0], t[1], t[2], self.scratch.ctypes.data + t[3]
+
+    def read_cached(self) -> None:
+        """Every read tried here without waiting on the device (preadv2 RWF_NOWAIT, one compiled
+        loop): what the page cache holds is read at once, the rest left short for a read that
+        may wait. Nothing where that cannot be asked (no compiled preads, refused once)."""
+        if self.res.size > 1 and _NOWAIT_OK and _preads() is not None:
+            self.pread(np.arange(self.res.size), _RWF_NOWAIT)
 
     def pread(self, todo: np.ndarray, flags: int = 0) -> None:
         """Reads `todo` done here, one at a time (compiled: _preads_loop; else os.preadv), into res."""
@@ -251,12 +230,12 @@ class RowReads:
         k = _preads()
         if k is not None:
             call, err = uring._compiled_call()
-            if k(call, err, np.empty(2, dtype=np.int64), self.spans, self.flat, todo, self.res, self.a, flags):
+            if k(call, err, np.empty(2, dtype=np.int64), self.table, self.scratch, todo, self.res, self.a, flags):
                 _NOWAIT_OK = False
             return
-        buf = memoryview(self.flat)
+        buf = memoryview(self.scratch)
         for r in todo.tolist():
-            f, o, n, p = (int(x) for x in self.spans[:, r])
+            f, o, n, p = (int(x) for x in self.table[:, r])
             got = os.preadv(f, [buf[p:p + n]], o)
             while 0 < got < n and got % self.a == 0:  # read on, as _preads_loop does
                 more = os.preadv(f, [buf[p + got:p + n]], o + got)
@@ -265,54 +244,11 @@ class RowReads:
                 got += more
             self.res[r] = got
 
-    def finish(self, out: np.ndarray) -> tuple[int, int]:
-        """Rows into out[:n]: (bytes read, index of the first row its file did not hold in full, or -1)."""
-        try:
-            total, short, src, at = self.finish_in_place()
-            k = at.size if short < 0 else short
-            out[:k] = src[at[:k]]  # fancy indexing walks a strided view (np.take would copy it whole)
-            return total, short
-        finally:
-            self.abandon()
-
-    def finish_in_place(self) -> tuple[int, int, np.ndarray, np.ndarray]:
-        """The reads waited for (and what the ring left short pread), the rows left where they
-        landed: (bytes read, index of the first row its file did not hold in full or -1,
-        src, at), row i being src[at[i]] (rows before the short one only). src is uint8
-        [*, rb] over this call's scratch, its rows 8-byte aligned wherever rb and the
-        alignment allow (so the compiled placing takes it as words): use it, then
-        abandon() gives the scratch back. OSError for a read that failed."""
-        total, short = self._read()
-        # every row starts at a multiple of g in the scratch: its rows as windows g bytes apart
-        rb, flat = self.rb, self.flat
-        g = rb if self.a == 1 else math.gcd(rb, self.a)
-        if g == rb and flat.size >= rb:
-            src = flat[:flat.size // rb * rb].reshape(-1, rb)
-        else:
-            src = np.lib.stride_tricks.as_strided(flat, shape=((flat.size - rb) // g + 1, rb), strides=(g, 1),
-                                                  writeable=False)
-        return total, short, src, self.pos // g
-
-    def abandon(self) -> None:
-        """Wait for the reads still in flight and give the scratch back (nothing placed)."""
-        if self.ticket is not None:
-            ticket, self.ticket = self.ticket, None
-            self.ring.wait(ticket)
-        if self.release is not None and self.flat is not None:
-            self.release(self.flat)
-        self.flat = None
-
-    def _read(self) -> tuple[int, int]:
-        """Wait for the ring, pread what is not read in full: (bytes read, first short row or -1)."""
-        sp, res = self.spans, self.res
-        if self.ticket is not None:
-            ticket, self.ticket = self.ticket, None
-            got = self.ring.wait(ticket)
-            if self._sent is None:
-                res[:] = got
-            else:
-                res[self._sent] = got
-        redo = np.flatnonzero(res != sp[2])  # not read, short, failed: pread says why
+    def settle(self) -> tuple[int, int]:
+        """What is not read whole pread here (its file may have ended): (bytes read, index of
+        the first row its file did not hold in full, or -1). OSError for a read that failed."""
+        sp, res = self.table, self.res
+        redo = self.short()
         if redo.size:
             self.pread(redo)
             failed = redo[res[redo] < 0]
@@ -328,6 +264,45 @@ class RowReads:
                     break
         return total, short
 
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src, at): row i is src[at[i]], where it landed. src is uint8 [*, rb] over the
+        scratch, its rows 8-byte aligned wherever rb and the alignment allow (so the compiled
+        placing takes it as words)."""
+        rb, flat = self.rb, self.scratch
+        g = rb if self.a == 1 else math.gcd(rb, self.a)  # every row starts at a multiple of g
+        if g == rb and flat.size >= rb:
+            src = flat[:flat.size // rb * rb].reshape(-1, rb)
+        else:
+            src = np.lib.stride_tricks.as_strided(flat, shape=((flat.size - rb) // g + 1, rb), strides=(g, 1),
+                                                  writeable=False)
+        return src, self.pos // g
+
+    def copy_rows(self, out: np.ndarray, short: int) -> None:
+        """Rows before `short` (-1: all) into out[:k]."""
+        src, at = self.rows()
+        k = at.size if short < 0 else short
+        out[:k] = src[at[:k]]  # fancy indexing walks a strided view (np.take would copy it whole)
+
+    def release(self) -> None:
+        """The scratch given back (once; nothing may read it after)."""
+        if self._release is not None and self.scratch is not None:
+            self._release(self.scratch)
+        self.scratch = None
+
+
+def read_now(fd, offsets: np.ndarray, rb: int, out: np.ndarray, gap: int = 0) -> tuple[int, int]:
+    """Rows `offsets` of the file at fd read here through the page cache, without a ring (what
+    is cached at once, the rest pread), into out[:n]: (bytes read, the first row its file did
+    not hold in full or -1). For small reads beside the read pipeline (row sums)."""
+    spans = Spans(fd, offsets, rb, 1, spare_buffer, give_back, gap)
+    try:
+        spans.read_cached()
+        total, short = spans.settle()
+        spans.copy_rows(out, short)
+        return total, short
+    finally:
+        spans.release()
+
 
 def warm() -> None:
     """Compile (or load from the disk cache) the span and pread loops and the ring's, now: a
@@ -335,8 +310,7 @@ def warm() -> None:
     uring.warm()
     fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        out = np.empty((2, 8), dtype=np.uint8)
-        start_rows(fd, np.array([0, 9]), 8, 1, lambda n: np.empty(max(n, 1), np.uint8)).finish(out)
+        read_now(fd, np.array([0, 9]), 8, np.empty((2, 8), dtype=np.uint8))
     finally:
         os.close(fd)
 
@@ -356,9 +330,6 @@ def thread_buffer(scratch: _Scratch, nbytes: int) -> np.ndarray:
     if scratch.buf is None or scratch.buf.size < nbytes:
         scratch.buf = _aligned(max(nbytes, 1 << 20))
     return scratch.buf
-
-
-_ROWS = _Scratch()
 
 
 class _Rings(threading.local):
@@ -401,15 +372,9 @@ def give_back(buf: np.ndarray) -> None:
         _SPARES.bufs.append(buf)
 
 
-def row_buffer(n: int, row_bytes: int) -> np.ndarray:
-    """This thread's reusable uint8 [n, row_bytes] buffer for one chunk of rows
-    (its own: pread_rows's `buffer` scratch is another)."""
-    return thread_buffer(_ROWS, n * row_bytes)[:n * row_bytes].reshape(n, row_bytes)
-
-
 class DirectFiles:
     """O_DIRECT descriptors of one version's segments (`fds`) and the alignment their reads
-    need (`align`), for start_rows.
+    need (`align`), for Spans.
 
     paths: segment paths (None for a segment that is missing or not a regular file).
     Raises InvalidArgument when the filesystem refuses O_DIRECT.

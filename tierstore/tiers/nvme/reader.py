@@ -3,29 +3,28 @@
 Addresses are computed (row i's record sits at a fixed offset). A record is
 the row followed by its per-row checksum (segment format 2, the default:
 tierstore.store.version.TableVersion), or the row alone with the checksums in
-a separate row-sum file (format 1, older versions). Two read paths:
+a separate row-sum file (format 1, older versions): record_format.py. Two read paths:
 
-- Rows (`read_into`, and `read_rows` on top of it), for versions that carry a
-  per-row checksum (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads
-  only its record, verified in one compiled pass against the sum the record
-  carries (format 2: nothing per row is held in memory) or the one read beside it
-  from the row-sum file (format 1), and written into the caller's arena slots.
-  A call's records are read into a scratch buffer (direct_io.start_rows) and
-  placed from where they land: through the page cache by default (each record's
-  own bytes, records a few KiB apart in one read), or with `direct_io=True` with
-  O_DIRECT (the aligned sectors of each row, direct_io.py), so the cold tier is
-  not cached twice. Through the page cache a call's reads are first tried
-  without waiting (what the page cache holds is copied at once, in one compiled
-  loop, and placed part by part while its scratch is cache-hot); what must wait
-  on the device, and every O_DIRECT read, goes through the calling thread's one
-  io_uring, in parts (`start_into` submits them and returns, so a caller keeps
-  several calls' reads in flight at once), or, where there is no io_uring,
-  through the pool's preads.
-- Blocks (`read_range`, `iter_blocks`, `disk_blocks`, `verify`, and rows of versions
-  written before row checksums existed): one pread per run of neighbouring
-  blocks, each checked against its xxh3-64 in the catalog over the on-disk
-  bytes (a record's row and sum alike); format 2 records are then
-  de-interleaved into rows by one strided copy.
+- Rows (the read pipeline's submit, finish and place stages, miss_batch.py; and
+  `read_rows` on top of it), for versions that carry a per-row checksum
+  (tierstore.tiers.nvme.rowsum, written at ingest): each miss reads only its
+  record, verified in one compiled pass against the sum the record carries
+  (format 2: nothing per row is held in memory) or the one read beside it from
+  the row-sum file (format 1), and written into the caller's slots. A batch's
+  records are read into scratch buffers (direct_io.Spans) and placed from where
+  they land: through the page cache by default (each record's own bytes, records
+  a few KiB apart in one read), or with `direct_io=True` with O_DIRECT (the
+  aligned sectors of each row), so the cold tier is not cached twice. Through the
+  page cache a batch's reads are first tried without waiting (what the page cache
+  holds is copied at once, in one compiled loop, and placed part by part while
+  its scratch is cache-hot); what must wait on the device, and every O_DIRECT
+  read, goes through the calling thread's one io_uring, in parts (submit returns
+  while the device reads them, so a caller keeps several batches' reads in flight
+  at once), or, where there is no io_uring, through the read pool's preads.
+- Blocks (blocks.py: `read_range`, `iter_blocks`, `disk_blocks`, `verify`, and
+  rows of versions written before row checksums existed): one pread per run of
+  neighbouring blocks, each checked against its xxh3-64 in the catalog over the
+  on-disk bytes (a record's row and sum alike).
 
 A row or block that does not match raises ChecksumError, never returned; a
 missing, truncated or non-regular segment reads as corrupt, naming it.
@@ -46,15 +45,17 @@ import numpy as np
 
 from tierstore import cpu_token
 from tierstore.store.catalog import BlockChecksums, TableVersion
-from tierstore.errors import InvalidArgument
-from tierstore.tiers.nvme import rowsum
+from tierstore.errors import ChecksumError, InvalidArgument
+from tierstore.tiers import trust
+from tierstore.tiers.nvme import direct_io, rowsum
 from tierstore.tiers.base import ColdTier, check_ids, check_out
 from tierstore.tiers.nvme.blocks import Blocks, read_pool
 from tierstore.tiers.nvme.record_format import RecordFormat
 from tierstore.tiers.nvme.segment_files import SUM_BYTES, SegmentFiles
-from tierstore.tiers.nvme.verified_copy import place_records, place_verified
-from tierstore.tiers.nvme.direct_io import (RowReads, _Scratch, give_back, part_starts, spare_buffer, start_rows,
-                                            thread_buffer, thread_ring, warm)
+from tierstore.tiers.nvme.verified_copy import place_verified
+from tierstore.tiers.nvme.direct_io import (Spans, _Scratch, give_back, part_starts, spare_buffer, thread_buffer,
+                                            thread_ring, warm)
+from tierstore.tiers.nvme.miss_batch import MissBatch, Part
 
 log = logging.getLogger(__name__)
 
@@ -68,66 +69,18 @@ READ_TASKS, ROWS_PER_TASK, CHUNK_ROWS = 32, 64, 128
 # (8,192 rows of 264 B on 512-B sectors, 1,024 on 4 KiB ones); a bigger call is several parts,
 # all in flight on the thread's ring at once
 RING_BYTES = 8 << 20
-# through the page cache a part's reads are tried at once (start_into) and, where the page cache
+# through the page cache a part's reads are tried at once (submit) and, where the page cache
 # held them, placed before the next part is read: small enough that its scratch is still in the
 # CPU's cache then
 PAGE_CACHE_PART_BYTES = 1 << 20
 _SUMS = _Scratch()  # this thread's buffer of format 1 row sums as read
 
 
-class _Part:
-    """Rows ids[a:b] of a read_into call, their reads in flight on the thread's ring or to
-    be pread when finished: their records (`rows`) and, format 1, their sums from the
-    row-sum file (`sums`). SegmentReader._place_part finishes it once;
-    abandon() waits for what is still in flight (its reads write the scratch until they end)."""
-
-    __slots__ = ("a", "b", "rows", "sums")
-
-    def __init__(self, a: int, b: int, rows: RowReads, sums: RowReads | None):
-        self.a, self.b, self.rows, self.sums = a, b, rows, sums
-
-    def landed(self) -> bool:
-        """Every read of the part is done already (start_rows read it all without waiting)."""
-        return self.rows.landed() and (self.sums is None or self.sums.landed())
-
-    def abandon(self) -> None:
-        self.rows.abandon()
-        if self.sums is not None:
-            self.sums.abandon()
-
-
-class Reading:
-    """A SegmentReader.start_into call: rows read and placed (`results`) or in flight on this
-    thread's ring (`parts`). finish() once, in the thread that started it: the parts waited for in
-    order, verified and placed; records made where they were not read; the bytes counted;
-    ChecksumError for the first bad row. Where finishing fails part-way, the parts not
-    finished are still waited for (their reads write buffers until they end) before the
-    error passes."""
-
-    def __init__(self, reader: "SegmentReader", ids, dest, slots, records, results: list, parts=()):
-        self.reader, self.ids, self.dest, self.slots, self.records = reader, ids, dest, slots, records
-        self.results, self.parts = results, list(parts)
-
-    def finish(self) -> None:
-        r, ids, dest, slots, records = self.reader, self.ids, self.dest, self.slots, self.records
-        read = records if r._records_read else None
-        parts, self.parts = self.parts, []
-        try:
-            for part in parts:
-                self.results.append(r._place_part(part, ids, dest, slots, read))
-        finally:
-            for part in parts:
-                part.abandon()  # finished ones: nothing left
-        if records is not None and ids.size and not r._records_read:
-            records[slots] = r.carried_records(ids, dest[slots])
-        r._report(ids, self.results)
-
-    def abandon(self) -> None:
-        """Nothing more placed (rows the page cache held may be placed already: the call's dest
-        rows hold anything): the reads still in flight waited for (their buffers given back)."""
-        parts, self.parts = self.parts, []
-        for part in parts:
-            part.abandon()
+def _pread_parts(parts: list) -> None:
+    """A pool task: every span of `parts` pread (what is short is read on at finish)."""
+    for part in parts:
+        for spans in part.spans:
+            spans.pread(np.arange(spans.res.size))
 
 
 class SegmentReader(ColdTier):
@@ -179,10 +132,12 @@ class SegmentReader(ColdTier):
             raise
         self.direct, self.row_sums_error = self.files.direct, self.files.row_sums_error
         self.verifies_rows, self.row_key = self.format.verifies_rows, key
+        # what a client on the host carries for the misses it read (tierstore/tiers/trust.py)
+        self.carried = trust.Carried.of(verifies_rows=self.verifies_rows, sums_in_records=self.format.sums_in_records,
+                                        binds_version=key.binds_version, direct=self.direct is not None,
+                                        row_bytes=self.row_bytes, record_bytes=self.record_bytes)
         self._lock = threading.Lock()
         self._rows_read = 0
-        # read_into's records are the records as read (no sum made again): carried_form "records"
-        self._records_read = self.carried_form == "records"
 
     @property
     def bytes_read(self) -> int:
@@ -203,146 +158,167 @@ class SegmentReader(ColdTier):
         if not self.verifies_rows:
             return self.blocks.read_rows(flat, out)
         if flat.size == 1 or np.all(flat[1:] > flat[:-1]):  # already sorted and unique: no bounce
-            self.read_into(flat, out, np.arange(flat.size))
+            MissBatch(self, flat, out, np.arange(flat.size)).submit().finish()
             return out
         uniq, inv = np.unique(flat, return_inverse=True)
         tmp = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)
-        self.read_into(uniq, tmp, np.arange(uniq.size))
+        MissBatch(self, uniq, tmp, np.arange(uniq.size)).submit().finish()
         np.take(tmp, inv.reshape(-1), axis=0, out=out, mode="clip")  # in range; "raise" would buffer
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
-                  records: np.ndarray | None = None) -> None:
-        """Write row ids[i] into dest[slots[i]], each row verified; the engine's miss path.
-
-        ids: int64, sorted, unique and in range (not re-checked: the engine
-            validated them at the edge).
-        dest: writable uint8 [capacity, row_bytes] (the arena view).
-        slots: integer [len(ids)], distinct rows of dest.
-        records: optional writable uint8 [capacity, W] (W the width carried_records gives:
-            record_bytes in format 2): records[slots[i]] = row ids[i]'s record as a client
-            carries it (carried_records). With sums in the records (carried_form
-            "records") the verified records as read, so no sum is computed again;
-            elsewhere made from the rows.
-        Thread-safe: call concurrently on one reader, no lock needed.
-        Raises ChecksumError (DATA_LOSS: table, version, block and row) when any
-        row fails verification or its segment (or format 1's row-sum file) is
-        missing/truncated/not a file, truncated while read included; dest rows of
-        that call may then hold anything (free those slots).
-        OSError passes through. start_into(...).finish(), at once.
-        """
-        self.start_into(ids, dest, slots, records).finish()
-
-    def start_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
-                   records: np.ndarray | None = None) -> "Reading":
-        """read_into in two halves. Through io_uring, the rows' reads are submitted to this
-        thread's ring and this returns while the device (or the page cache) serves them;
-        Reading.finish(), in this thread, waits, verifies and places them and raises what
-        read_into raises. So a caller puts several calls' reads in flight (a step's tables)
-        and works on one while the next is read, the queue never draining between them.
-        Through the page cache, each part is first read here without waiting (the rows the
-        page cache holds) and, when that read it all, placed at once, while its scratch is
-        still in the CPU's cache; only the rest waits on the ring. Without io_uring the
-        rows are pread here (by the pool, for many) and finish() places nothing more.
-        Raises ChecksumError for a segment that is not there, before any read."""
-        n = int(ids.size)
-        if n == 0:
-            return Reading(self, ids, dest, slots, records, [])
+    # ---- the read pipeline's stages on this tier (miss_batch.py) ----
+    def submit(self, batch: MissBatch, at: np.ndarray):
+        """The submit stage: the reads of rows batch.ids[at] (sorted positions) started, one Part
+        at a time (a generator: the batch places a part the page cache held whole before the
+        next is read, its scratch still in the CPU's cache). With io_uring, all of them over
+        all their segments go through this thread's one ring, in parts of RING_BYTES of spans
+        (PAGE_CACHE_PART_BYTES through the page cache, each first read here without waiting:
+        what the page cache holds needs no ring); without it, the parts are pread on the read
+        pool. Each part has a scratch of its own (spare_buffer), so several are in flight at
+        once. A version without row sums is read here by its blocks, placed, and yields
+        nothing. ChecksumError for a segment that is not there, before any read."""
+        ids = batch.ids[at]
+        if ids.size == 0:
+            return
         if not self.verifies_rows:  # a version written before row checksums: verify whole blocks
-            dest[slots] = self.blocks.read_rows(ids, np.empty((n, self.row_bytes), dtype=np.uint8))
-            return Reading(self, ids, dest, slots, None, [])  # nothing carried: no row sums
+            batch.dest[batch.slots[at]] = self.blocks.read_rows(ids, np.empty((ids.size, self.row_bytes), np.uint8))
+            return
         self.files.check_present(ids)
+        fds, offs = self.files.where(ids)
         ring = thread_ring()
         if ring is None:
-            return Reading(self, ids, dest, slots, records,
-                           self._read_many(ids, dest, slots, records if self._records_read else None))
-        # a call's rows over all its segments through this thread's one ring, in parts of
-        # RING_BYTES of spans (PAGE_CACHE_PART_BYTES through the page cache), all submitted
-        # now: the ring stays at its depth to the last read, one drain a call (or a step, for
-        # a caller that starts its tables first)
-        fds, offs = self.files.where(ids)
+            yield from self._pool_parts(ids, fds, offs, at)
+            return
+        cached = self.direct is None  # through the page cache: what it holds is read at once
         cuts = part_starts(fds, offs, self.record_bytes, self.files.align, self.files.gap,
-                           RING_BYTES if self.direct is not None else PAGE_CACHE_PART_BYTES).tolist()
-        parts, results, read = [], [], records if self._records_read else None
+                           PAGE_CACHE_PART_BYTES if cached else RING_BYTES).tolist()
+        start = ring.queued
+        for a, b in zip([0] + cuts, cuts + [ids.size]):
+            part = self._part(ids, fds, offs, at, a, b)
+            try:
+                for spans in part.spans:
+                    if cached:
+                        spans.read_cached()
+                    todo = spans.short()
+                    if todo.size > 1:  # one read alone: left for finish to pread
+                        depth = min(direct_io.READ_DEPTH, ring.entries)
+                        part.tickets.append((spans, todo, ring.submit(*spans.ring_reads(todo), depth,
+                                                                      keep=spans.scratch)))
+            except BaseException:
+                self.abandon(part)
+                raise
+            batch.queued = (start if batch.queued is None else batch.queued[0], ring.queued)
+            yield part
+
+    def _part(self, ids, fds, offs, at, a: int, b: int) -> Part:
+        """The spans of rows ids[a:b] (records, then format 1's sums), nothing read yet."""
+        rows = Spans(fds[a:b] if fds.size > 1 else fds, offs[a:b], self.record_bytes, self.files.align, spare_buffer,
+                     give_back, self.files.gap)
         try:
-            for a, b in zip([0] + cuts, cuts + [n]):
-                part = self._start_part(ids, fds, offs, a, b, ring)
-                if not part.landed():
-                    parts.append(part)
-                    continue
-                try:  # read whole by now (the page cache held it): placed while its bytes are cache-hot
-                    results.append(self._place_part(part, ids, dest, slots, read))
-                finally:
-                    part.abandon()  # its scratch is the next part's
+            sums = self.format.sum_spans(ids[a:b])
         except BaseException:
-            for p in parts:
-                p.abandon()
+            rows.release()
             raise
-        return Reading(self, ids, dest, slots, records, results, parts)
+        return Part(at[a:b], [rows] if sums is None else [rows, sums])
 
-    def _report(self, ids: np.ndarray, results: list) -> None:
-        """Count the bytes a call read; ChecksumError for its first bad row."""
-        with self._lock:
-            self._rows_read += sum(r[0] for r in results)
-        bad = [r[1:] for r in results if r[1] >= 0]
-        if bad:
-            i, why = min(bad)
-            raise self.files.error(int(ids[i]), why)
-
-    def _start_part(self, ids: np.ndarray, fds: np.ndarray, offs: np.ndarray, a: int, b: int, ring) -> _Part:
-        """The reads of rows ids[a:b] (sorted, in segments that are there; fds, offs: _where(ids))
-        started: submitted to `ring`, or with ring None to be pread when the part is placed.
-        Each has a scratch of its own (spare_buffer), so several parts may be in flight at once."""
-        cached = self.direct is None  # through the page cache: what it holds is read at once, no ring
-        rows = start_rows(fds[a:b] if fds.size > 1 else fds, offs[a:b], self.record_bytes, self.files.align,
-                          spare_buffer, ring, give_back, self.files.gap, cached)
-        try:
-            sums = self.format.start_sums(ids[a:b], ring)
-        except BaseException:
-            rows.abandon()
-            raise
-        return _Part(a, b, rows, sums)
-
-    def _place_part(self, part: _Part, ids, dest, slots, records) -> tuple[int, int, str]:
-        """A part's rows, once read, verified and placed into dest[slots[a:b]], their records as
-        read into records[slots] (given under carried_form "records"); (bytes read, index of
-        the first bad row or -1, why: "" for a row that fails its sum)."""
-        a, b = part.a, part.b
-        nbytes, short, src, at = part.rows.finish_in_place()  # placed from where they landed: no copy
-        if short >= 0:
-            return nbytes, a + short, self.files.gone(int(ids[a + short]))
-        sums = None
-        if part.sums is not None:
-            got = thread_buffer(_SUMS, SUM_BYTES * (b - a))[:SUM_BYTES * (b - a)].reshape(b - a, SUM_BYTES)
-            _, short = part.sums.finish(got)
-            if short >= 0:
-                return nbytes, a + short, self.format.sums_short(int(ids[a + short]))
-            sums = got.view("<u8").reshape(-1)
-        bad = self.format.place(src, at, ids[a:b], dest, slots[a:b], sums)
-        if bad < 0 and records is not None:
-            records[slots[a:b]] = src[at]  # verified by _place: each its row and the sum keyed by its id
-        return nbytes, (a + bad if bad >= 0 else -1), ""
-
-    def _read_part(self, ids, fds, offs, a: int, b: int, dest, slots, records) -> tuple[int, int, str]:
-        """Rows ids[a:b] pread, verified and placed, at once (_place_part's result)."""
-        part = self._start_part(ids, fds, offs, a, b, None)
-        try:
-            return self._place_part(part, ids, dest, slots, records)
-        finally:
-            part.abandon()  # its scratch given back
-
-    def _read_many(self, ids, dest, slots, records) -> list[tuple[int, int, str]]:
-        """Without io_uring: rows in chunks of CHUNK_ROWS, pread one at a time a thread, over
-        the pool's threads when there are many (the device sees a queue only across them)."""
+    def _pool_parts(self, ids, fds, offs, at):
+        """Without io_uring: parts of CHUNK_ROWS, pread on the read pool by at most READ_TASKS
+        tasks of at least ROWS_PER_TASK rows (a pread at a time a thread: the device sees a
+        queue only across threads, and the compiled preads drop the GIL)."""
         n = int(ids.size)
-        chunks = [(a, min(a + CHUNK_ROWS, n)) for a in range(0, n, CHUNK_ROWS)]
-        k = max(1, min(READ_TASKS, len(chunks), n // ROWS_PER_TASK))
-        fds, offs = self.files.where(ids)
-        run = lambda part: [self._read_part(ids, fds, offs, a, b, dest, slots, records) for a, b in part]
+        parts = [self._part(ids, fds, offs, at, a, min(a + CHUNK_ROWS, n)) for a in range(0, n, CHUNK_ROWS)]
+        k = max(1, min(READ_TASKS, len(parts), n // ROWS_PER_TASK))
+        groups = [parts[i::k] for i in range(k)]
+        try:
+            for group in groups:
+                task = read_pool().submit(_pread_parts, group)
+                for part in group:
+                    part.task = task
+        except BaseException:
+            for part in parts:
+                self.abandon(part)
+            raise
+        yield from parts
+
+    def finish(self, part: Part) -> None:
+        """The finish stage: a part's reads waited for (its ring batches, or its pool task), the
+        CPU token given up meanwhile (cpu_token.waiting). OSError where io_uring_enter failed."""
         with cpu_token.waiting():  # reads that may wait on the device: other plans compute meanwhile
-            if k > 1:
-                return [r for rs in read_pool().map(run, [chunks[i::k] for i in range(k)]) for r in rs]
-            return run(chunks)
+            if part.task is not None:
+                task, part.task = part.task, None
+                task.result()
+            if part.tickets:
+                ring = thread_ring()
+                while part.tickets:
+                    spans, todo, ticket = part.tickets.pop(0)
+                    spans.res[todo] = ring.wait(ticket)
+
+    def place(self, part: Part, batch: MissBatch) -> tuple[int, str]:
+        """The verify and place stage: a finished part's rows (what the ring left short pread
+        now) checked against their sums and written to batch.dest[batch.slots[at]] from where
+        they landed, their records as read into batch.records where it asks (trust.RECORDS);
+        the part's scratch given back. (position of the first row that failed or -1, why:
+        its file cut short, or "" for a row that fails its sum). OSError for a read that failed."""
+        at = part.at
+        ids = batch.ids[at]
+        nbytes = 0
+        try:
+            rows = part.spans[0]
+            got, short = rows.settle()
+            nbytes += got
+            if short >= 0:
+                return int(at[short]), self.files.gone(int(ids[short]))
+            sums = None
+            if len(part.spans) > 1:
+                k = at.size
+                buf = thread_buffer(_SUMS, SUM_BYTES * k)[:SUM_BYTES * k].reshape(k, SUM_BYTES)
+                got, short = part.spans[1].settle()
+                if short >= 0:
+                    return int(at[short]), self.format.sums_short(int(ids[short]))
+                part.spans[1].copy_rows(buf, -1)
+                sums = buf.view("<u8").reshape(-1)
+            src, row_at = rows.rows()
+            slots = batch.slots[at]
+            bad = self.format.place(src, row_at, ids, batch.dest, slots, sums)
+            if bad >= 0:
+                return int(at[bad]), ""
+            if batch.records is not None and self.carried.form == trust.RECORDS:
+                batch.records[slots] = src[row_at]  # verified by place: each its row and the sum keyed by its id
+            return -1, ""
+        finally:
+            with self._lock:
+                self._rows_read += nbytes
+            for spans in part.spans:
+                spans.release()
+
+    def abandon(self, part: Part) -> None:
+        """A part that will not be placed: its reads still in flight waited for (they write its
+        scratch until they end), then its scratch given back. Never raises."""
+        task, part.task = part.task, None
+        if task is not None:
+            try:
+                task.result()
+            except BaseException:  # noqa: BLE001 - abandoning: its error is not this one's
+                pass
+        while part.tickets:
+            _, _, ticket = part.tickets.pop(0)
+            try:
+                thread_ring().wait(ticket)
+            except (OSError, KeyError):
+                pass  # the ring is broken: closing it (with its thread) cancels what is left
+        for spans in part.spans:
+            spans.release()
+
+    def land(self, batch: MissBatch, share: float) -> None:
+        """`share` of batch's reads on this thread's ring landed (MissBatch.land)."""
+        ring = thread_ring()
+        if ring is not None and batch.queued is not None:
+            q0, q1 = batch.queued
+            ring.settle(q0 + int((q1 - q0) * share))
+
+    def row_error(self, row: int, why: str = "") -> ChecksumError:
+        """The ChecksumError of `row` (SegmentFiles.error): a batch raises it for its first bad row."""
+        return self.files.error(row, why)
 
     @property
     def cold_dir(self) -> Path | None:
@@ -350,67 +326,46 @@ class SegmentReader(ColdTier):
         then reads its misses from the same segment files), else None."""
         return self.data_dir if self.verifies_rows else None
 
-    @property
-    def carried_form(self) -> str:
-        """How a client on the host hands the sidecar the misses it read and verified, so the
-        sidecar promotes them without reading them again: "records", each row with its row
-        sum as read (format 2, whose sum on disk would cost the sidecar a read of its own:
-        place_records; the sidecar takes records only from a peer with its own uid, who can
-        write the segments anyway: served.note), and only where the sums are keyed by the
-        version's salt (fmix64-v2), so a record of another table or version fails; "rows",
-        checked against sums the sidecar reads itself (place_rows: format 1's row-sum
-        file, 8 B a row; a format 2 version written before row_salt, through the page
-        cache); "" for a version without row sums, or a format 2 version under O_DIRECT
-        written before row_salt (its misses are read from disk: nothing the sidecar did
-        not verify for this place is ever placed)."""
-        if not self.verifies_rows:
-            return ""
-        if self.format.sums_in_records and self.row_key.binds_version:
-            return "records"
-        return "" if self.format.sums_in_records and self.direct is not None else "rows"
-
     def carried_records(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The format 2 records (row, padding, row sum) of verified rows uint8 [n, row_bytes]
-        stored as `ids` (int64 [n]), as a client carries them (carried_form "records")."""
+        stored as `ids` (int64 [n]), as a client carries them (trust.RECORDS)."""
         return self.format.carried_records(ids, rows)
 
-    def place_records(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
+    def place_carried(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
                       slots: np.ndarray) -> int:
-        """Write the row of record src[row_at[i]] into dest[slots[i]], each checked against
-        the sum its record carries for row ids[i] of this version: a damaged record fails,
-        and so does a genuine record of another id, table or version (its sum is keyed by
-        another salt, rowsum.RowKey). The sum comes with the record: the caller vouches
-        for whoever sent it (the sidecar only for a peer of its own uid). src: uint8 [*,
-        record_bytes]; ids, row_at, slots: int64 [n]. Returns the index of the first record
-        that fails, or -1; every record fails for a table without row sums in its records keyed
-        by its salt (fmix64-v1 binds the id alone: a record would pass at any version)."""
+        """Write src[row_at[i]], row ids[i] as a client on the host read it and carries it in
+        this version's form (`carried`, tierstore/tiers/trust.py, which admitted it), into
+        dest[slots[i]], each checked in the same pass: a record (trust.RECORDS) against the
+        sum it carries, keyed by this version's salt, so a damaged record fails and so does
+        a genuine record of another id, table or version; a bare row (trust.ROWS) against
+        the sum on disk (place_rows). src: uint8 [*, carried.width]; ids, row_at, slots:
+        int64 [n]. Returns the index of the first that fails, or -1; every one fails where
+        the version carries nothing. ChecksumError as place_rows raises it."""
         if ids.size == 0:
             return -1
-        if not (self.verifies_rows and self.format.sums_in_records and self.row_key.binds_version) or src.ndim != 2 \
-                or src.shape[1] != self.record_bytes:
-            return 0
-        return place_records(src, row_at, ids, dest, slots, self.row_key)
+        if self.carried.form == trust.RECORDS:
+            return self.format.place(src, row_at, ids, dest, slots)
+        if self.carried.form == trust.ROWS:
+            return self.place_rows(ids, src, row_at, dest, slots)
+        return 0
 
     def place_rows(self, ids: np.ndarray, src: np.ndarray, row_at: np.ndarray, dest: np.ndarray,
                    slots: np.ndarray) -> int:
         """Write src[row_at[i]], row ids[i] as someone else read it, into dest[slots[i]], each
-        row verified against its row sum in the same pass (verified_copy.place_verified):
-        the sidecar promotes the rows a client on the host read without reading the rows again.
+        row verified against its row sum in the same pass (verified_copy.place_verified).
 
         ids: int64, in range (the engine checked them); src: uint8 [*, row_bytes];
         row_at, slots: int64 [len(ids)]. Returns the index of the first row that does
         not match its row sum, or -1 when all do; after a mismatch the rows of this
         call in dest may hold anything (the caller reads them from disk instead).
         Every row mismatches for a version without row sums: nothing unverified is
-        ever placed. The sums are read from disk, never taken from the client: format
+        ever placed. The sums are read from disk, never taken from the sender: format
         2's from the records' last words (pages the client's read has just brought into
-        the page cache), format 1's from the row-sum file; with O_DIRECT format 2's are
-        not cached, and the client carries whole records instead (carried_form,
-        place_records). ChecksumError when a segment or the row-sum file is not there
-        or ends before a row's sum."""
+        the page cache), format 1's from the row-sum file. ChecksumError when a segment
+        or the row-sum file is not there or ends before a row's sum."""
         if ids.size == 0:
             return -1
-        if not self.verifies_rows or src.ndim != 2 or src.shape[1] != self.row_bytes:
+        if not self.verifies_rows:
             return 0
         order = np.argsort(ids, kind="stable")
         sums = np.empty(ids.size, dtype=np.uint64)

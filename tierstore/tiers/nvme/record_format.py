@@ -17,7 +17,7 @@ import numpy as np
 
 from tierstore.store.version import TableVersion
 from tierstore.tiers.nvme import rowsum
-from tierstore.tiers.nvme.direct_io import RowReads, give_back, spare_buffer, start_rows, thread_ring
+from tierstore.tiers.nvme.direct_io import Spans, give_back, read_now, spare_buffer
 from tierstore.tiers.nvme.segment_files import PAGE_CACHE_GAP, SUM_BYTES, SegmentFiles
 from tierstore.tiers.nvme.verified_copy import place_records, place_verified
 
@@ -39,15 +39,14 @@ class RecordFormat:
         self.records_are_rows = not self.sums_in_records
         self.verifies_rows = self.sums_in_records or files.sums_fd is not None
 
-    # ---- the row path: a part's sums, and its rows verified as they are placed ----
-    def start_sums(self, ids: np.ndarray, ring) -> RowReads | None:
-        """The row sums of sorted `ids` read beside their records (format 1: from the row-sum
-        file, through the page cache, started on `ring` or to be pread at finish); None in
-        format 2, whose records carry them."""
+    # ---- the row path (the read pipeline): a part's sums, and its rows verified as they are placed ----
+    def sum_spans(self, ids: np.ndarray) -> Spans | None:
+        """The reads of the row sums of sorted `ids`, made to be read beside their records
+        (format 1: from the row-sum file, through the page cache); None in format 2, whose
+        records carry them."""
         if self.sums_in_records:
             return None
-        return start_rows(self.files.sums_fd, ids, SUM_BYTES, 1, spare_buffer, ring, give_back, PAGE_CACHE_GAP,
-                          True)
+        return Spans(self.files.sums_fd, ids, SUM_BYTES, 1, spare_buffer, give_back, PAGE_CACHE_GAP)
 
     def sums_short(self, row: int) -> str:
         """Why the stored sum of `row` could not be read (a read of it came back short)."""
@@ -72,7 +71,7 @@ class RecordFormat:
         read through the page cache: format 1's row-sum file, or format 2's records' last words."""
         out = np.empty((ids.size, SUM_BYTES), dtype=np.uint8)
         if not self.sums_in_records:
-            _, short = self.start_sums(ids, thread_ring()).finish(out)
+            _, short = read_now(self.files.sums_fd, ids, SUM_BYTES, out, PAGE_CACHE_GAP)
             return out.view("<u8").reshape(-1), short
         # a record's sum is its last 8-B word, and records are whole words: word k of its segment
         seg, at = self.files.segment_of(ids)
@@ -82,8 +81,7 @@ class RecordFormat:
         n = int(gone[0]) if gone.size else ids.size
         short = -1
         if n:
-            _, short = start_rows(fds[:n], at[:n] * words + words - 1, SUM_BYTES, 1, spare_buffer, thread_ring(),
-                                  give_back, PAGE_CACHE_GAP, True).finish(out)
+            _, short = read_now(fds[:n], at[:n] * words + words - 1, SUM_BYTES, out, PAGE_CACHE_GAP)
         return out.view("<u8").reshape(-1), short if short >= 0 or n == ids.size else n
 
     def stored_sums(self, ids: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ term t is what binds a sum to the place it is stored:
 - "fmix64-v1" (versions written before `row_salt`): t(id) = f(id, SEED, M2),
   the id alone: a row of another table or version at the same id passes.
   Readers check such versions' sums where they are stored (the segments, the
-  row-sum file), never a sum someone else carries (SegmentReader.carried_form).
+  row-sum file), never a sum someone else carries (tierstore/tiers/trust.py).
 
 So, in either algorithm:
 - any change confined to one 8-byte word (a single bit flip, a changed word)

@@ -7,7 +7,7 @@ An io_uring takes the reads of a call in few `io_uring_enter`s, every read
 with its own descriptor if the caller likes (the disk probe reads over all of
 a table's segments in one call).
 
-A call's reads are kept at a queue depth (`Ring.read`'s `depth`, at most the
+A call's reads are kept at a queue depth (`Ring.submit`'s `depth`, at most the
 ring's entries): as completions come back, the next reads take their places,
 so the device sees a steady queue however many reads the call has, never a
 batch that drains to its slowest read before the next batch starts. That loop
@@ -129,9 +129,10 @@ class Ring:
     free up, until that batch's reads are all done, and returns their results. So a
     caller with several batches (a step's tables, a table's parts) submits them all
     and waits for each in turn, working on the one that landed while the device reads
-    the next, and the device's queue does not drain between them. `read` is one batch,
-    submitted and waited for. A batch's memory stays the caller's to keep alive and
-    unmoved until its wait returns (`keep=` hands the ring references to hold until then)."""
+    the next, and the device's queue does not drain between them. A batch's memory stays
+    the caller's to keep alive and unmoved until its wait returns (`keep=` hands the ring
+    references to hold until then). The read pipeline's submit and finish stages are its
+    users (tiers/nvme/miss_batch.py, SegmentReader), and the disk probe (bench/disk.py)."""
 
     def __init__(self, entries: int = 256):
         params = _Params()
@@ -206,23 +207,16 @@ class Ring:
                     log.info("io_uring unavailable (%s): O_DIRECT rows are read one pread at a time", e)
             return None
 
-    def read(self, fd, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
-             depth: int | None = None) -> np.ndarray:
-        """Read lengths[i] bytes at offsets[i] of descriptor fd (an int, or an int array
-        giving each read its own) into memory at addrs[i], `depth` reads in flight (default
-        and most: the ring's entries; a completion's place is taken by the next read at
-        once, compiled). Returns each read's result: bytes read (short at the end of a
-        file) or -errno. The memory must stay alive and unmoved until this returns.
-        InvalidArgument for a depth out of range or fds that do not match the reads;
-        OSError when io_uring_enter itself fails (then close the ring)."""
-        return self.wait(self.submit(fd, offsets, lengths, addrs, depth))
-
     def submit(self, fd, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
                depth: int | None = None, keep=None) -> int:
-        """Queue the reads `read` takes (the same arguments) as one batch and put what the
+        """Queue lengths[i] bytes at offsets[i] of descriptor fd (an int, or an int array
+        giving each read its own) into memory at addrs[i] as one batch, and put what the
         depth allows in flight, without waiting; returns the batch's ticket for `wait`.
-        `depth` holds for the whole queue from now on; `keep`: held until the batch's wait
-        returns (the buffers its reads write). Raises as `read` does."""
+        `depth`: reads in flight at most, for the whole queue from now on (default and
+        most: the ring's entries; a completion's place is taken by the next read at once,
+        compiled). The memory must stay alive and unmoved until the batch's wait returns
+        (`keep`: held until then). InvalidArgument for a depth out of range or fds that do
+        not match the reads; OSError when io_uring_enter itself fails (then close the ring)."""
         n = int(np.size(offsets))
         depth = self.entries if depth is None else int(depth)
         if not 1 <= depth <= self.entries:
@@ -244,8 +238,8 @@ class Ring:
         return ticket
 
     def wait(self, ticket: int) -> np.ndarray:
-        """The results of batch `ticket` (as `read` returns them), once all its reads are
-        done; the queue is kept at its depth meanwhile. OSError when io_uring_enter
+        """The results of batch `ticket`, once all its reads are done: each read's bytes read
+        (short at the end of a file) or -errno; the queue is kept at its depth meanwhile. OSError when io_uring_enter
         fails (then close the ring); KeyError for a ticket not submitted or already waited."""
         lo, hi, _ = self._batches[ticket]
         if self._left[ticket]:
@@ -379,7 +373,7 @@ def warm() -> None:
     fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
     try:
         buf = np.empty(16, dtype=np.uint8)
-        ring.read(fd, np.zeros(2, np.int64), np.full(2, 8, np.int64), buf.ctypes.data + np.array([0, 8]))
+        ring.wait(ring.submit(fd, np.zeros(2, np.int64), np.full(2, 8, np.int64), buf.ctypes.data + np.array([0, 8])))
     finally:
         os.close(fd)
         ring.close()

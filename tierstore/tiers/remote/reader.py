@@ -182,18 +182,34 @@ class RemoteReader(ColdTier):
             self._gather(flat, lambda sel, rows: out.__setitem__(sel, rows))
         return out
 
-    def read_into(self, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray) -> None:
-        """Rows `ids` straight into dest[slots] (the arena), no intermediate array."""
-        flat = check_ids(ids, self.rows, self.table)
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if self._finished_reader() is not None:
-            if flat.size > 1 and not np.all(flat[1:] > flat[:-1]):  # its row path wants sorted unique ids
-                dest[slots] = self._done.read_rows(flat)
-            elif flat.size:
-                self._done.read_into(flat, dest, slots)
-            return
-        if flat.size:
-            self._gather(flat, lambda sel, rows: dest.__setitem__(slots[sel], rows))
+    def submit(self, batch, at: np.ndarray):
+        """The read pipeline's submit stage (tiers/nvme/miss_batch.py): once the local copy is
+        complete, its SegmentReader's (parts in flight on this thread's ring); until then
+        the rows batch.ids[at] fetched block by block, verified, straight into
+        batch.dest[batch.slots[at]], and nothing left in flight."""
+        done = self._finished_reader()
+        if done is not None:
+            yield from done.submit(batch, at)
+        elif at.size:
+            ids, slots = batch.ids[at], batch.slots[at]
+            self._gather(ids, lambda sel, rows: batch.dest.__setitem__(slots[sel], rows))
+
+    # the parts submit left in flight are the local copy's reader's
+    def finish(self, part) -> None:
+        self._done.finish(part)
+
+    def place(self, part, batch) -> tuple[int, str]:
+        return self._done.place(part, batch)
+
+    def abandon(self, part) -> None:
+        self._done.abandon(part)
+
+    def land(self, batch, share: float) -> None:
+        if self._done is not None:
+            self._done.land(batch, share)
+
+    def row_error(self, row: int, why: str = ""):
+        return self._done.row_error(row, why)
 
     def read_range(self, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, start + n) (full-mode load), verified block by block."""
