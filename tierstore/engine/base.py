@@ -7,7 +7,7 @@ builds the engine of that mode:
 - CacheEngine (cache.py): the arena caches `capacity` rows under a policy
   (tierstore/cache/policy), promoting misses from the cold tier with leases.
 This base holds what both share: validation at the edge, refusal of blocks
-online verification found corrupt, counters and stats.
+online verification found corrupt and their re-check (bad_blocks.py), counters and stats.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.errors import ChecksumError
 from tierstore.cache.leases import LeaseTable
+from tierstore.engine.bad_blocks import CORRUPT, UNREADABLE, BadBlocks
 from tierstore.tiers.base import ColdTier, check_ids
 from tierstore.tiers.dram import Arena
 from tierstore.tiers.pages import huge_page_bytes
@@ -76,7 +76,7 @@ class TableEngine:
         self.capacity = arena.slots       # the arena's slots: every slot is below it (leases.LeasedEngine)
         self.verifier = None                          # tierstore.engine.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
-        self.bad_blocks = np.zeros(0, dtype=np.int64)  # cold blocks online verification found corrupt
+        self.bad_blocks = BadBlocks(version)          # cold blocks online verification found corrupt, or suspects
         self.recorder = recorder                      # tierstore.sidecar.trace_recorder.TraceRecorder (serve --record-trace)
         self.retired = False                          # replaced by another version; freed when unleased
         self.freed = False                            # set (under the lock) once the sidecar may free it
@@ -86,19 +86,10 @@ class TableEngine:
     def check_ids(self, ids) -> np.ndarray:
         return check_ids(ids, self.rows, self.table)
 
-    def _refuse_bad_blocks(self, ids: np.ndarray) -> None:
-        """DATA_LOSS for ids in a block online verification found corrupt (never a silent wrong row)."""
-        hit = np.isin(ids // self.version.block_rows, self.bad_blocks)
-        if hit.any():
-            block = int(ids[np.argmax(hit)] // self.version.block_rows)
-            raise ChecksumError(self.table, self.version.number, block,
-                                "found by online verification; re-ingest or import a good copy")
-
     def _edge(self, ids) -> np.ndarray:
         """Validate a request's ids, refuse corrupt blocks, record the trace: every Plan's first step."""
         ids = self.check_ids(ids)
-        if self.bad_blocks.size:
-            self._refuse_bad_blocks(ids)
+        self.bad_blocks.refuse(ids)
         if self.recorder is not None and ids.size:
             self.recorder.record(self.table, np.unique(ids), n_ids=self.rows)
         return ids
@@ -144,9 +135,40 @@ class TableEngine:
             self._active -= 1
 
     # ---- online verification (the verifier thread; never the hot path) ---------
-    def _mark_bad(self, block: int) -> None:
-        with self._lock:
-            self.bad_blocks = np.union1d(self.bad_blocks, [block])
+    def _judge(self, block: int, found: list, n_rows: int) -> np.ndarray | None:
+        """Read cold `block` whole (BadBlocks.judge) after a read of it failed: its verified rows
+        when it reads and checks; else None, and the block marked (CORRUPT: `n_rows` counted
+        mismatched and the find added to `found`, when newly marked) or a suspect
+        (UNREADABLE: a short read or EIO is no verdict)."""
+        verdict, rows, why = self.bad_blocks.judge(self.reader, block)
+        if verdict == CORRUPT and self._mark_bad(block):
+            self.verify_counters.mismatches["nvme"] += n_rows
+            found.append(("nvme", block, None, why))
+        elif verdict == UNREADABLE:
+            self.bad_blocks.suspect(block)
+            self.verify_counters.unreadable += 1
+        return rows
+
+    def recheck_blocks(self, before: float) -> list[tuple]:
+        """Each verifier pass: the marked and suspect blocks judged before `before` (the pass's
+        start, time.monotonic: BadBlocks.due) judged again; one that reads and checks is lifted
+        and serves again (_lift), one whose bytes fail is marked. Returns the new finds, as
+        verify_rows does."""
+        found: list = []
+        for block in self.bad_blocks.due(before):
+            rows = self._judge(block, found, 0)
+            if rows is not None:
+                self._lift(block, rows)
+        return found
+
+    def _mark_bad(self, block: int) -> bool:
+        """Refuse `block` from now on (BadBlocks.mark); whether it is newly marked."""
+        return self.bad_blocks.mark(block)
+
+    def _lift(self, block: int, rows: np.ndarray) -> None:
+        """`block` (its verified rows `rows`) serves again."""
+        if self.bad_blocks.lift(block):
+            self.verify_counters.lifted += 1
 
     # ---- introspection ------------------------------------------------------
     def _occupancy(self) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from tierstore import cpu_token
 from tierstore.engine.base import Placement, TableEngine
-from tierstore.errors import ChecksumError, InvalidArgument, ResourceExhausted, VersionNotFound
+from tierstore.errors import ChecksumError, DataLoss, InvalidArgument, ResourceExhausted, VersionNotFound
 from tierstore.jit import distinct, strictly_increasing
 from tierstore.cache.policy import make_policy
 from tierstore.cache.miss_flights import MissFlightsFile, flights_path
@@ -54,7 +54,11 @@ HOT_SET_CHUNK_SLOTS = 1 << 16
 
 
 class _FillFailed(Exception):
-    """Another step's fill of a row this step needs failed: plan again."""
+    """Another step's fill of a row this step needs failed (`error`, its fill's): plan again."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 class CacheEngine(TableEngine):
@@ -145,7 +149,10 @@ class CacheEngine(TableEngine):
         reservation and before any read (a refusal gives the reservation back, _abandon);
         None leaves them pinned for the caller to unpin. A fill of another step that fails
         sends the step round again (its pins dropped first), at most PLAN_ATTEMPTS times;
-        then ResourceExhausted saying `again`."""
+        then DataLoss when the last of those fills failed on the cold tier's bytes (a corrupt
+        or cut-short block: planning again would not help), else ResourceExhausted, both
+        saying `again`."""
+        failed = None
         for _ in range(PLAN_ATTEMPTS):
             slots, fill, waits, misses = self._reserve(uniq, lease=True, source=lease[1] if lease else b"")
             held = None
@@ -167,6 +174,10 @@ class CacheEngine(TableEngine):
                     self.unpin(slots)
                 if not isinstance(e, _FillFailed):
                     raise
+                failed = e.error
+        if isinstance(failed, DataLoss):
+            raise DataLoss(f"table {self.table!r}: rows this step needs kept failing to load ({failed}); "
+                           f"{again}") from failed
         raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; {again}")
 
     def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, conn_id: bytes = b"") -> int:
@@ -528,7 +539,7 @@ class CacheEngine(TableEngine):
             with cpu_token.waiting():
                 other.wait()
             if other.error is not None:
-                raise _FillFailed()
+                raise _FillFailed(other.error)
 
     def _read_misses(self, ids: np.ndarray, slots: np.ndarray, carried=None) -> None:
         """Stage 2: rows `ids` into `slots` (FILLING: no reader uses them yet), verified: one
@@ -595,36 +606,57 @@ class CacheEngine(TableEngine):
             self.slots.unpin(slots)
 
     # ---- online verification (the verifier thread; never the hot path) ---------
-    def _mark_bad(self, block: int) -> None:
+    def _mark_bad(self, block: int) -> bool:
         """A bad cold block is refused from now on (TableEngine._mark_bad); its resident rows'
         gen goes odd too, so a local reader (which does not ask the sidecar) misses them,
         reads the block and gets DATA_LOSS as a Plan does. They stay mapped (a running step
-        may hold a lease on them) until evicted."""
-        super()._mark_bad(block)
-        br = self.version.block_rows
+        may hold a lease on them) until evicted, or until a re-check lifts the mark (_lift)."""
+        if not super()._mark_bad(block):
+            return False
         with self._lock:
-            slots = self.slots.lookup(np.arange(block * br, min((block + 1) * br, self.rows), dtype=np.int64))
+            slots = self._block_slots(block)
             self.slots.gen[slots[slots >= 0]] |= np.uint32(1)
+        return True
+
+    def _lift(self, block: int, rows: np.ndarray) -> None:
+        """A marked block that reads and checks again serves again: its resident rows that the
+        mark left gen odd (mapped, no fill in flight holds them) get its verified `rows`
+        written over them and gen even again, as a repair in place ends; then the mark goes."""
+        with self._lock:
+            slots = self._block_slots(block)
+            held = np.flatnonzero(slots >= 0)
+            s = slots[held]
+            filling = [f.slots for f in self._fills.values()]
+            left = ((self.slots.gen[s] & 1) == 1) & ~np.isin(s, np.concatenate(filling) if filling else [])
+            s, held = s[left], held[left]
+            if s.size:
+                self.arena.rows[s] = rows[held]
+                self.slots.end_write(s)
+        super()._lift(block, rows)
+
+    def _block_slots(self, block: int) -> np.ndarray:
+        """(lock held) The slot of each row of `block`, -1 where it is not resident."""
+        br = self.version.block_rows
+        return self.slots.lookup(np.arange(block * br, min((block + 1) * br, self.rows), dtype=np.int64))
 
     def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
         """Check sampled served rows: their cold block's checksum, and the arena copy
-        against the verified disk copy (repaired in place when it differs)."""
-        found, vc = [], self.verify_counters
+        against the verified disk copy (repaired in place when it differs). A failed read is
+        judged block by block (TableEngine._judge): a short read or EIO is no verdict."""
+        found, vc, br = [], self.verify_counters, self.version.block_rows
         vc.checked["nvme"] += ids.size
         try:
             disk = self.reader.read_rows(ids)  # one batched, verified read: the common case
-        except ChecksumError:
+        except (ChecksumError, OSError):
             disk, ok = np.empty((ids.size, self.version.row_bytes), np.uint8), np.ones(ids.size, bool)
-            blocks = ids // self.version.block_rows
+            blocks = ids // br
             for b in np.unique(blocks).tolist():  # pinpoint every bad block of the sample
                 sel = blocks == b
-                try:
-                    disk[sel] = self.reader.read_rows(ids[sel])
-                except ChecksumError as e:
+                rows = self._judge(b, found, int(sel.sum()))
+                if rows is None:
                     ok &= ~sel
-                    vc.mismatches["nvme"] += int(sel.sum())
-                    self._mark_bad(b)
-                    found.append(("nvme", b, None, str(e)))
+                else:
+                    disk[sel] = rows[ids[sel] - b * br]
             ids, slots, disk = ids[ok], slots[ok], disk[ok]
         with self._lock:
             st = self.slots

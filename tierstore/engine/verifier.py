@@ -5,8 +5,11 @@ on the hot path: one binomial draw and one index pick). A background thread
 then checks each sampled row two ways:
 
 - nvme tier: the row's block is read from the segment files and its xxh3 is
-  checked against the catalog. A mismatch marks the block bad: from then on a
-  Plan touching it gets DATA_LOSS, even for rows still resident in DRAM.
+  checked against the catalog. A mismatch of bytes read whole marks the block bad:
+  from then on a Plan touching it gets DATA_LOSS, even for rows still resident in
+  DRAM. A read that came back short or failed (a file cut short, EIO) is no
+  verdict: the block is re-checked on later passes (bad_blocks.py), and so is every
+  marked block, lifted once its bytes check again.
 - dram tier: the arena copy is compared with the verified disk copy. A
   mismatch (memory corruption, a stray writer) is repaired in place.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +40,8 @@ class VerifyCounters:
     checked: dict = field(default_factory=lambda: {"dram": 0, "nvme": 0})
     mismatches: dict = field(default_factory=lambda: {"dram": 0, "nvme": 0})
     dropped: int = 0  # samples not checked because the queue was full
+    unreadable: int = 0  # cold block reads that came back short or failed (no verdict: bad_blocks.py)
+    lifted: int = 0  # marked blocks that read and checked again, served again
 
 
 class Verifier:
@@ -43,8 +49,9 @@ class Verifier:
 
     sample() (an engine's plan or note, any thread) hands it a random share of (id, slot)
     pairs and never blocks: a full queue drops them (the engine's verify_counters.dropped).
-    Each pass the thread checks them (engine.verify_rows) and scrubs `fraction` of the
-    blocks of every full-resident engine in `engines` (engine.scrub_blocks); the first
+    Each pass the thread checks them (engine.verify_rows), scrubs `fraction` of the
+    blocks of every full-resident engine in `engines` (engine.scrub_blocks) and re-checks
+    every engine's marked and suspect blocks (engine.recheck_blocks); the first
     mismatch per table and tier is logged. `engines` is set by whoever serves them
     (sidecar/versions.py: ServedVersions._serve, as each engine starts serving); the
     verifier never builds or frees one. fraction 0 disables it (sample returns at once, no
@@ -99,8 +106,9 @@ class Verifier:
             engine.verify_counters.dropped += k
 
     def run_once(self) -> None:
-        """Check everything queued, and scrub the full-resident arenas (one pass)."""
-        queued: dict = {}
+        """Check everything queued, scrub the full-resident arenas, re-check the blocks found
+        bad or unreadable before this pass (one pass)."""
+        start, queued = time.monotonic(), {}
         while True:
             try:
                 engine, ids, slots = self._queue.get_nowait()
@@ -120,6 +128,10 @@ class Verifier:
                 blocks = self._rng.choice(nb, size=min(k, nb), replace=False)
                 with cpu_token.background():
                     found = engine.scrub_blocks(blocks)
+                self._report(engine, found)
+            if engine.bad_blocks.waiting:
+                with cpu_token.background():
+                    found = engine.recheck_blocks(start)
                 self._report(engine, found)
 
     def _report(self, engine, found: list) -> None:

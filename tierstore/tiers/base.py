@@ -3,7 +3,8 @@
 `read_rows` is the one method a tier must provide; `check_ids`, `check_out`
 and `gather_by_block` are the shared pieces tiers build it from. `ColdTier` is
 what the engines call on the tier a version's rows are read from (the segment
-files, the remote store): nothing else of a reader is looked up.
+files, the remote store): nothing else of a reader is looked up. `ShortRead` is
+a read that could not judge the bytes (they were not all there).
 """
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.errors import IdOutOfRange, InvalidArgument
+from tierstore.errors import ChecksumError, IdOutOfRange, InvalidArgument
 from tierstore.tiers import trust
 from tierstore.jit import first_outside
 
-__all__ = ["ColdTier", "Tier", "check_ids", "check_out", "gather_by_block"]
+__all__ = ["ColdTier", "ShortRead", "Tier", "check_ids", "check_out", "gather_by_block"]
+
+
+class ShortRead(ChecksumError):
+    """A block whose bytes did not all come back: its file is missing or cut short (a `cp`
+    over a segment truncates it first). DATA_LOSS to whoever asked (it travels as
+    ChecksumError: tierstore.errors.wire_name), but no verdict on the bytes: once the file
+    is whole again the same block may read and check (tierstore/engine/bad_blocks.py)."""
 
 
 def check_ids(ids, rows: int, table: str = "") -> np.ndarray:

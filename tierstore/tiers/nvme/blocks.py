@@ -20,7 +20,7 @@ import xxhash
 
 from tierstore.errors import ChecksumError, InvalidArgument
 from tierstore.store.catalog import BlockChecksums
-from tierstore.tiers.base import check_out, gather_by_block
+from tierstore.tiers.base import ShortRead, check_out, gather_by_block
 from tierstore.tiers.nvme.record_format import RecordFormat
 from tierstore.tiers.nvme.segment_files import SegmentFiles
 
@@ -83,9 +83,9 @@ class Blocks:
 
     def read(self, blocks: np.ndarray, buf: memoryview) -> None:
         """Read sorted unique `blocks` into `buf` (block j at j * block_bytes) and verify each;
-        adjacent blocks in one segment are read with one pread. ChecksumError for a block that
-        is missing, short or fails its catalog checksum (saying when the catalog is the
-        damaged part: _blame)."""
+        adjacent blocks in one segment are read with one pread. ShortRead for a block whose
+        file is missing or short, ChecksumError for one that fails its catalog checksum
+        (saying when the catalog is the damaged part: _blame)."""
         seg = blocks // self._per_seg
         brk = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(seg) != 0)) + 1
         starts = np.concatenate([[0], brk])
@@ -109,8 +109,8 @@ class Blocks:
         v = self.version
         if failed:
             s, first_block, got = min(failed, key=lambda f: f[1])
-            raise ChecksumError(v.table, v.number, first_block + got // self.block_bytes,
-                                f"segment {v.segments[s]} is {self.files.why[s] or 'truncated'}")
+            raise ShortRead(v.table, v.number, first_block + got // self.block_bytes,
+                            f"segment {v.segments[s]} is {self.files.why[s] or 'truncated'}")
         expect = self.checksums[blocks].tolist()
         h, bb = xxhash.xxh3_64_intdigest, self.block_bytes
         for j, (e, n) in enumerate(zip(expect, lens.tolist())):
