@@ -61,6 +61,38 @@ def test_an_io_error_while_promoting_gives_every_slot_back(engine):
     assert np.array_equal(rows, data[1000:2500])
 
 
+def test_a_prefetch_whose_read_fails_reads_nothing_raises_nothing_and_gives_its_slots_back(engine, step):
+    eng, data = engine
+    eng.reader.fail_next = 1  # EIO
+    assert eng.prefetch(np.arange(300, 400)) == 0
+    assert eng.slots.n_pinned == 0 and eng.slots.resident == 0
+    eng.slots.check()
+    res, rows = step(eng, np.arange(300, 400))  # the step reads them itself
+    assert res.misses == 100 and np.array_equal(rows, data[300:400])
+
+
+@pytest.mark.parametrize("fails", ["admitted", "victims"])
+def test_a_reserve_that_fails_part_way_gives_back_every_pin_and_slot_it_took(engine, monkeypatch, fails):
+    """Whatever fails inside a reservation (here the policy, made to raise where it admits the
+    misses or picks victims), its hits' pins and its misses' slots come back: nothing pinned,
+    no slot lost off the free stack, and the same step plans afterwards."""
+    eng, data = engine
+    _plan(eng, np.arange(eng.capacity))  # a full arena: the next misses need victims
+    eng.leases.release_client(b"c")
+    ids = np.arange(eng.capacity - 100, eng.capacity + 200)  # 100 hits, 200 misses
+
+    def broken(*a, **k):
+        raise MemoryError("injected")
+    monkeypatch.setattr(eng.policy, fails, broken)
+    with pytest.raises(MemoryError):
+        eng.plan(ids, ttl_s=30.0, conn_id=b"c")
+    assert eng.slots.n_pinned == 0 and len(eng.leases) == 0, "the failed reserve left pins or a lease"
+    eng.slots.check()
+    monkeypatch.undo()
+    res, rows = _plan(eng, ids)
+    assert np.array_equal(rows, data[ids])
+
+
 def test_a_step_waits_for_the_fill_of_a_row_it_shares_and_reads_it_whole(engine):
     eng, data = engine
     eng.reader.delay_s = 0.3

@@ -188,7 +188,9 @@ class CacheEngine(TableEngine):
         admitted later; default PolicyConfig.expect_steps, at most
         max_expect_steps); with `read`, missing rows are promoted now, without a
         lease. Returns rows read. Never refuses for lack of room: when the
-        arena is full of leased rows, the ids that do not fit are skipped.
+        arena is full of leased rows, the ids that do not fit are skipped; a read
+        that fails (a corrupt block, EIO) reads nothing and raises nothing here
+        (_promote): the step that reads those rows reports it.
         InvalidArgument for bad ids or steps (check_prefetch), before anything is hinted.
         Reading a deep queue ahead costs hit ratio in a small arena (`bench
         cache`: ours+queue16 against ours+queue16-read): pass read=False for
@@ -239,8 +241,10 @@ class CacheEngine(TableEngine):
 
     def _promote(self, miss: np.ndarray, carried=None) -> int:
         """Read sorted, unique `miss` into the arena without a lease; rows read, 0 when
-        the arena has no room (leased) or the read failed (a step reading them reports it).
-        carried: rows a client already read (_complete)."""
+        the arena has no room (leased) or the read failed: a corrupt or cut-short block
+        (ChecksumError) or an I/O error (OSError, EIO) is no error of a prefetch, a note or a
+        warm start (their slots are given back, _complete); a step reading those rows
+        reports it. carried: rows a client already read (_complete)."""
         if miss.size == 0:
             return 0
         try:
@@ -249,7 +253,7 @@ class CacheEngine(TableEngine):
             return 0
         try:
             self._complete(fill, (), carried=carried)
-        except (_FillFailed, ChecksumError):
+        except (_FillFailed, ChecksumError, OSError):
             return 0
         return misses
 
@@ -488,28 +492,47 @@ class CacheEngine(TableEngine):
                 raise ResourceExhausted(
                     f"table {self.table!r}: one step needs {n_miss} new rows but the arena holds {self.capacity}; "
                     f"raise --dram-budget or plan smaller steps")
-            waits = ()
-            if n_filling:
-                filling = hit_slots[st.is_filling(hit_slots)]
-                waits = self._fills_of(filling)
-            fill = None
-            if n_miss:
-                try:
+            new, done = None, []  # the misses' slots once claimed; what was done to them so far
+            try:
+                waits = ()
+                if n_filling:
+                    filling = hit_slots[st.is_filling(hit_slots)]
+                    waits = self._fills_of(filling)
+                fill = None
+                if n_miss:
                     new = self._claim(n_miss)
-                except ResourceExhausted:
-                    st.unpin(hit_slots)
-                    raise
-                hit = slots >= 0
-                miss_ids = uniq[~hit]
-                fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
-                st.assign(new, miss_ids)
-                st.pin(new, times=2)  # one for the step, one for the fill
-                self.policy.admitted(new, miss_ids)
-                self._fills[fill.fill_id] = fill
-                slots[~hit] = new
+                    hit = slots >= 0
+                    miss_ids = uniq[~hit]
+                    fill = Fill(next(self._fill_ids) % (2**31 - 1) + 1, miss_ids, new)
+                    st.assign(new, miss_ids)
+                    done.append("assigned")
+                    st.pin(new, times=2)  # one for the step, one for the fill
+                    done.append("pinned")
+                    self.policy.admitted(new, miss_ids)
+                    self._fills[fill.fill_id] = fill
+                    slots[~hit] = new
+            except BaseException:
+                self._unreserve(hit_slots, new, done)
+                raise
             if admit_only:
                 st.unpin(slots)  # a prefetch holds only its fill's pins
         return slots, fill, waits, n_miss
+
+    def _unreserve(self, hit_slots: np.ndarray, new: np.ndarray | None, done: list) -> None:
+        """(lock held) Undo a reservation that failed part-way: the hits' pins given back, and the
+        misses' slots, if claimed, unmapped where assigned, their pins dropped where taken,
+        freed and forgotten by the policy, so no pin and no slot is lost (SlotTable.check)."""
+        st = self.slots
+        st.unpin(hit_slots)
+        if new is None:
+            return
+        if "assigned" in done:
+            st.unmap(new)
+        if "pinned" in done:
+            st.unpin(new)
+            st.unpin(new)
+            self.policy.forget(new)
+        st.put_free(new)
 
     def _fills_of(self, filling: np.ndarray) -> list[Fill]:
         """(lock held) The fills in flight that hold FILLING `filling` (a waiter of each): a search
@@ -684,8 +707,10 @@ class CacheEngine(TableEngine):
             return got
         try:
             victims = np.asarray(self.policy.victims(need, st.pins), dtype=np.int64)
-        except ResourceExhausted:
-            st.put_free(got)
+        except BaseException as e:
+            st.put_free(got)  # the free slots taken go back whatever failed
+            if not isinstance(e, ResourceExhausted):
+                raise
             self.counters.lease_refusals += 1
             raise ResourceExhausted(
                 f"table {self.table!r}: the arena's {self.capacity} slots are leased by running steps; "
