@@ -7,7 +7,7 @@ fraction of the table's rows through
   again with one step of lookahead (rows the next step reads are not evictable),
   and with a request queue of QUEUE_STEPS steps ("ours+queue16"): a serving
   engine's scheduler admits work that many steps before it runs and calls
-  `TableEngine.prefetch(ids, read=False)` with its ids once, at admission
+  `Hints.prefetch(ids, read=False)` with its ids once, at admission
   (resident rows get `CachePolicy.expect`); "ours+queue16-read" also reads the
   missing rows in then (read=True), and those reads count as misses, so every
   ratio is "accesses not read from the cold tier" and compares with the
@@ -100,7 +100,7 @@ def replay(trace: Trace, capacity: int, config: PolicyConfig | None = None, look
     lookahead: steps whose ids are known ahead; their resident rows are not
         evicted while that leaves enough victims (an upper bound on hints).
     queue: steps admitted before they run; each step's ids are prefetched once,
-        `queue` steps ahead, as TableEngine.prefetch(ids, read=queue_read) does,
+        `queue` steps ahead, as Hints.prefetch(ids, read=queue_read) does,
         kept as long as the engines' plugins keep them (step_reads.queued_hint):
         resident rows get `expect`; with queue_read, missing rows are read in
         then, without a lease. Rows read by a prefetch count as misses, so the
@@ -192,7 +192,7 @@ class _Sim:
         self._fill(miss, slots[hit], protect)
 
     def prefetch(self, ids: np.ndarray, wait: int) -> None:
-        """TableEngine.prefetch of a request that runs after `wait` steps: its rows hinted for as
+        """Hints.prefetch of a request that runs after `wait` steps: its rows hinted for as
         long as the engines' plugins hint them (step_reads.queued_hint, one step's run); with
         `read`, the missing ones read in."""
         slots = self.slot_of[ids]

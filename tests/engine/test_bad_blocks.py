@@ -51,7 +51,7 @@ def test_a_segment_cut_short_is_no_verdict_and_its_block_is_rechecked_until_whol
     seg.write_bytes(whole)  # put back
     _pass(eng, ids[:0])
     assert eng.bad_blocks.waiting == 0 and eng.bad_blocks.marked.size == 0
-    with eng._lock:
+    with eng.lock:
         eng.slots.check()
 
 
@@ -78,7 +78,7 @@ def test_bytes_that_fail_are_refused_naming_the_row_until_put_back(cached):
     assert eng.bad_blocks.marked.size == 0 and eng.bad_blocks.waiting == 0 and eng.verify_counters.lifted == 1
     assert eng.slots.is_ready(slots).all()  # served again from the arena, the right bytes
     assert np.array_equal(eng.lookup(ids), data[ids])
-    with eng._lock:
+    with eng.lock:
         eng.slots.check()
 
 

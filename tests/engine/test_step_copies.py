@@ -27,11 +27,11 @@ def test_a_hint_lasts_its_steps_when_every_tp_rank_reads_each_step(cache_engines
     (more than the arena holds) that two ranks each read, locally (noted) or by plan; a step
     counted once per rank would have ended the hint after 10 of them."""
     eng, data = cache_engines(ROWS, SLOTS)
-    eng.prefetch(HINTED, read=True, steps=20)
+    eng.hints.prefetch(HINTED, read=True, steps=20)
     for ids in _fresh_steps(15):
         for rank in (b"rank0", b"rank1"):
             if path == "noted":
-                eng.note_access(ids, np.array([ids.size]), source=rank)
+                eng.notes.access(ids, np.array([ids.size]), source=rank)
             else:
                 eng.plan(ids, ttl_s=30.0, conn_id=rank)
                 eng.leases.release_client(rank)
@@ -46,9 +46,9 @@ def test_a_step_counts_one_access_per_engine_step_and_a_clients_own_repeat_count
     eng, _ = cache_engines(ROWS, SLOTS)
     ids = _fresh_steps(1, 300)[0]
     for rank, order in ((b"rank0", ids), (b"rank1", ids[::-1].copy()), (b"rank2", np.roll(ids, 7))):
-        eng.note_access(order, np.array([ids.size]), source=rank)  # three ranks, each its own order
+        eng.notes.access(order, np.array([ids.size]), source=rank)  # three ranks, each its own order
     assert (eng.policy.sketch.estimate(ids) == 1).mean() > 0.95  # a few share a counter with another id
-    eng.note_access(ids, np.array([ids.size]), source=b"rank0")  # rank 0 reads them again: a second access
+    eng.notes.access(ids, np.array([ids.size]), source=b"rank0")  # rank 0 reads them again: a second access
     assert (eng.policy.sketch.estimate(ids) == 2).mean() > 0.95
 
 
@@ -60,9 +60,9 @@ def test_a_copy_trailing_by_more_than_the_window_is_learned(cache_engines, monke
     eng, _ = cache_engines(ROWS, SLOTS)
     steps = _fresh_steps(6, 100)
     for ids in steps:
-        eng.note_access(ids, np.array([ids.size]), source=b"rank0")
-    eng.note_access(steps[0], np.array([steps[0].size]), source=b"rank1")  # 6 steps late
-    eng.note_access(steps[-1], np.array([steps[-1].size]), source=b"rank1")  # in the window: a copy
+        eng.notes.access(ids, np.array([ids.size]), source=b"rank0")
+    eng.notes.access(steps[0], np.array([steps[0].size]), source=b"rank1")  # 6 steps late
+    eng.notes.access(steps[-1], np.array([steps[-1].size]), source=b"rank1")  # in the window: a copy
     assert (eng.policy.sketch.estimate(steps[0]) >= 2).mean() > 0.95
     assert (eng.policy.sketch.estimate(steps[-1]) == 1).mean() > 0.95
 

@@ -1,6 +1,6 @@
 """Learner: local reads' notes queued per client and learned in turn, in process over a real
 cache-mode engine. The queue's bounds are shrunk where a test fills them; the learner thread is
-held up by holding the CPU token (its note_access computes as background work)."""
+held up by holding the CPU token (its Notes.learn computes as background work)."""
 from __future__ import annotations
 
 import time

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierstore.cache.leases import LeaseTable
+from tierstore.cache.policy.config import PolicyConfig
 from tierstore.engine.bad_blocks import CORRUPT, UNREADABLE, BadBlocks
 from tierstore.tiers.base import ColdTier, check_ids
 from tierstore.tiers.dram import Arena
 from tierstore.tiers.pages import huge_page_bytes
+from tierstore.engine.hints import Hints
 from tierstore.engine.verifier import VerifyCounters
 
 __all__ = ["TableEngine", "Placement", "Counters"]
@@ -47,7 +49,7 @@ class Counters:
     lookups: int = 0
     fill_waits: int = 0
     prefetched: int = 0
-    local_steps: int = 0  # steps clients on the host read themselves, told by note_access
+    local_steps: int = 0  # steps clients on the host read themselves, told by access notes (Notes.access)
     # of those, steps the sidecar dropped unlearned (learner.py): it was behind, or their client held the
     # most of the learner's queue while others' notes waited (Stats notes_dropped: the two together)
     notes_behind: int = 0
@@ -72,7 +74,7 @@ class TableEngine:
         self.arena = arena
         self.leases = leases
         self.counters = Counters()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()       # the table lock: every writer of the slot table and the policy holds it
         self.capacity = arena.slots       # the arena's slots: every slot is below it (leases.LeasedEngine)
         self.verifier = None                          # tierstore.engine.verifier.Verifier, set by the sidecar
         self.verify_counters = VerifyCounters()
@@ -81,6 +83,7 @@ class TableEngine:
         self.retired = False                          # replaced by another version; freed when unleased
         self.freed = False                            # set (under the lock) once the sidecar may free it
         self._active = 0                              # plans running now (a retired engine waits for them)
+        self.hints = Hints(self, PolicyConfig())      # prefetch hints (hints.py); cache mode: by its policy's config
 
     # ---- requests -----------------------------------------------------------
     def check_ids(self, ids) -> np.ndarray:
@@ -116,7 +119,7 @@ class TableEngine:
     def try_free(self) -> bool:
         """Whether nothing runs in the engine now; if so it is marked freed (under the lock),
         so a late note or prefetch that has not entered yet finds it gone (enter())."""
-        with self._lock:
+        with self.lock:
             if self._active:
                 return False
             self.freed = True
@@ -124,14 +127,14 @@ class TableEngine:
 
     def enter(self) -> bool:
         """Count one request as running (busy), unless the engine is freed: False then."""
-        with self._lock:
+        with self.lock:
             if self.freed:
                 return False
             self._active += 1
             return True
 
     def leave(self) -> None:
-        with self._lock:
+        with self.lock:
             self._active -= 1
 
     # ---- online verification (the verifier thread; never the hot path) ---------

@@ -12,8 +12,10 @@ O(arena), and promotes misses in three stages:
 Any failure in the fill returns its slots (unmapped, to the free stack) and
 ends the step's lease: nothing leaks, no half-written row is ever served.
 
-One cohesive thing (a little over the house's 300 lines): the three stages share the
-slot table's invariants and read best in one file.
+Promotion without a lease (promote: the same three stages, no step to pin for) serves
+the jobs that stand beside the plan: access notes (notes.py, `notes`), prefetch hints
+(hints.py, `hints`) and the warm start (warm, hot_set); online verification's repairs
+of the arena and the bad-block marks it keeps are verify_rows and bad_blocks.py.
 """
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ import numpy as np
 from tierstore import cpu_token
 from tierstore.engine.base import Placement, TableEngine
 from tierstore.errors import ChecksumError, DataLoss, InvalidArgument, ResourceExhausted, VersionNotFound
-from tierstore.jit import distinct, strictly_increasing
+from tierstore.jit import strictly_increasing
 from tierstore.cache.policy import make_policy
 from tierstore.cache.miss_flights import MissFlightsFile, flights_path
 from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.cache.step_copies import StepCopies, step_digest
+from tierstore.engine.hints import Hints
+from tierstore.engine.notes import Notes
 from tierstore.jit import unique_inverse
 from tierstore.tiers.nvme.miss_batch import MissBatch
 from tierstore.tiers.nvme.verified_copy import warm
@@ -41,12 +45,6 @@ log = logging.getLogger("tierstore.engine.cache")
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
-# access notes are learned at most this many ids, and this many steps, per hold of the table
-# lock and the CPU token (note_access): a step costs the policy's work even when it has one id
-NOTE_CHUNK_IDS = 16384
-NOTE_CHUNK_STEPS = 16
-# prefetch hints are taken this many ids per hold of the table lock and the CPU token (background work)
-HINT_CHUNK_IDS = 16384
 # a warm start promotes this many rows per step of its own (warm); a hot set is read this
 # many slots per hold of the lock (hot_set): planned steps wait on the lock and the CPU token
 WARM_CHUNK_ROWS = 4096
@@ -98,7 +96,9 @@ class CacheEngine(TableEngine):
                 self.slots.close()
                 raise
         self._fills: dict[int, Fill] = {}
-        self._copies = StepCopies()  # the same step from each TP rank: learned once (lock held)
+        self.copies = StepCopies()  # the same step from each TP rank: learned once (lock held)
+        self.notes = Notes(self)  # steps clients on the host served themselves (notes.py)
+        self.hints = Hints(self, self.policy.config)  # rows queued requests will read (hints.py)
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
@@ -180,66 +180,7 @@ class CacheEngine(TableEngine):
                            f"{again}") from failed
         raise ResourceExhausted(f"table {self.table!r}: rows this step needs kept failing to load; {again}")
 
-    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, conn_id: bytes = b"") -> int:
-        """Rows a queued request will read: the scheduler calls this once, at admission.
-
-        All are hinted to the policy for `steps` steps, about the request's wait
-        (CachePolicy.expect: kept over others until then, resident now or
-        admitted later; default PolicyConfig.expect_steps, at most
-        max_expect_steps); with `read`, missing rows are promoted now, without a
-        lease. Returns rows read. Never refuses for lack of room: when the
-        arena is full of leased rows, the ids that do not fit are skipped; a read
-        that fails (a corrupt block, EIO) reads nothing and raises nothing here
-        (_promote): the step that reads those rows reports it.
-        InvalidArgument for bad ids or steps (check_prefetch), before anything is hinted.
-        Reading a deep queue ahead costs hit ratio in a small arena (`bench
-        cache`: ours+queue16 against ours+queue16-read): pass read=False for
-        requests more than a step or two from running. Hinting the whole queue
-        again each step (read=False) protects more (ours+queue16-rehint).
-
-        A hint costs O(its ids), whatever is pending, and at most
-        HINT_CHUNK_IDS ids are hinted per hold of the table lock and the CPU
-        token, taken as background work (cpu_token.background), so a plan waits
-        for at most one chunk of a hint, never behind a long one; its first
-        2 x capacity ids are used (more could not all be kept). conn_id: the hinting client's id;
-        its pending ids are bounded per client (PolicyConfig.pending_client_share)."""
-        ids, steps = self.check_prefetch(ids, steps)
-        ids = ids[:2 * self.capacity]
-        if ids.size == 0 or not self.enter():
-            return 0
-        try:
-            read_in = 0
-            for a in range(0, ids.size, HINT_CHUNK_IDS):
-                with cpu_token.background():
-                    read_in += self._prefetch_unique(np.unique(ids[a:a + HINT_CHUNK_IDS]), read, steps, conn_id)
-            return read_in
-        finally:
-            self.leave()
-
-    def check_prefetch(self, ids, steps: int | None) -> tuple[np.ndarray, int]:
-        """(ids, steps) of a prefetch, validated (steps None: the policy's default); InvalidArgument otherwise."""
-        return self.check_ids(ids), self.policy.config.hint_steps(steps)
-
-    @property
-    def max_prefetch_steps(self) -> int:
-        """The longest hint check_prefetch accepts (PolicyConfig.max_expect_steps)."""
-        return self.policy.config.max_expect_steps
-
-    def _prefetch_unique(self, uniq: np.ndarray, read: bool, steps: int, conn_id: bytes) -> int:
-        with self._lock:
-            slots = self.slots.lookup(uniq)
-            miss = uniq[slots < 0]
-            # kept for the request: resident rows, and missing ones once read in (here, or by another step)
-            self.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, conn_id)
-            # read ahead no more than the policy can keep until then (free slots evict nothing:
-            # fill them regardless), and leave room for steps
-            ahead = max(self.policy.protect_room(), self.slots.n_free)
-            room = max(0, min(self.capacity - 2 * self.slots.n_pinned, ahead)) if read else 0
-        misses = self._promote(miss[:room])
-        self.counters.prefetched += misses
-        return misses
-
-    def _promote(self, miss: np.ndarray, carried=None) -> int:
+    def promote(self, miss: np.ndarray, carried=None) -> int:
         """Read sorted, unique `miss` into the arena without a lease; rows read, 0 when
         the arena has no room (leased) or the read failed: a corrupt or cut-short block
         (ChecksumError) or an I/O error (OSError, EIO) is no error of a prefetch, a note or a
@@ -257,122 +198,6 @@ class CacheEngine(TableEngine):
             return 0
         return misses
 
-    def note_access(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None = None,
-                    rows: np.ndarray | None = None, source: bytes = b"", trusted: bool = True) -> int:
-        """Steps a client on the host served itself (client/local_reads.py), told after the fact in
-        batches: `ids` of consecutive steps, step k being ids[ends[k-1]:ends[k]], each step's
-        ids distinct (the client dedupes; a repeat counts twice, as two accesses would). The
-        policy learns each step as if it had been planned (hits touched), and the rows that
-        missed are promoted without a lease, so the next steps find them resident: every
-        miss while the arena has free slots (a free slot is always better than a disk
-        read), and past that as planned misses are, unless PolicyConfig.read_admit_freq
-        (a doorkeeper, off by default) asks a row seen before. row_ids, rows: rows the client read
-        for its misses (int64 [n], uint8 [n, width], any order) in the table's carried form
-        (tierstore/tiers/trust.py: rows, or format 2's records): a promoted miss among
-        them is placed from those bytes, each verified in the same pass, instead of read
-        from disk; one that does not match is read from disk instead and counted
-        (note_rows_refused): no row that failed its check is ever placed. What trust does
-        not admit from this sender (`trusted`: a peer of the sidecar's uid; in-process
-        callers are the sidecar itself) is left out: those misses are read from disk,
-        batched, like any miss. Never refused: when the arena is full of leased rows, the
-        misses that do not fit are skipped. source: the client (its conn_id): a step
-        another client sent already, the same batch read by another TP rank, is not learned
-        again (StepCopies); its misses are still promoted. Returns rows promoted.
-        InvalidArgument for bad ids, step ends or rows (nothing is learned then):
-        check_note, then learn_note.
-
-        Bookkeeping, off the steps' path: learned at most NOTE_CHUNK_IDS ids and
-        NOTE_CHUNK_STEPS steps per hold of the lock and the CPU token, each hold taken as
-        background work (cpu_token.background), so a plan waits for at most one chunk of
-        a note, however many steps it has."""
-        return self.learn_note(*self.check_note(ids, ends, row_ids, rows, trusted), source=source)
-
-    def learn_note(self, ids: np.ndarray, ends: np.ndarray, row_ids: np.ndarray | None, rows: np.ndarray | None,
-                   source: bytes = b"") -> int:
-        """note_access of a note check_note has passed (the learner checks a note as it arrives
-        and learns it later): its rows, where given, admitted by trust."""
-        if ids.size == 0 or not self.enter():
-            return 0  # nothing to learn, or freed meanwhile (a version swap)
-        try:
-            carried = None
-            if row_ids is not None and row_ids.size:
-                with cpu_token.background():
-                    have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_misses
-                carried = (have, first.astype(np.int64, copy=False), rows)
-            return self._note_access(ids, ends, carried, source)
-        finally:
-            self.leave()
-
-    def check_note(self, ids, ends, row_ids=None, rows=None, trusted: bool = False) -> tuple:
-        """(ids, ends, row_ids, rows) of an access note, validated (note_access); InvalidArgument
-        otherwise. row_ids and rows are None when the note carries no rows, or rows that
-        trust does not admit from this sender (`trusted`: trust.peer_trusted), whose misses
-        are then read from disk."""
-        ids = self.check_ids(ids)
-        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
-        if ends.size == 0 or ends[-1] != ids.size or ends[0] < 0 or np.any(np.diff(ends) < 0):
-            raise InvalidArgument(f"table {self.table!r}: access note of {ids.size} ids needs non-decreasing step "
-                                  f"ends that finish at {ids.size}, got {ends.size} ends")
-        if rows is None or row_ids is None or not np.size(row_ids):
-            return ids, ends, None, None
-        row_ids = self.check_ids(row_ids)
-        rows = np.asarray(rows)
-        widths = {self.version.row_bytes, self.version.record_bytes}  # rows, or format 2's records
-        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[0] != row_ids.size or rows.shape[1] not in widths:
-            raise InvalidArgument(f"table {self.table!r}: an access note carries {row_ids.size} row ids and rows "
-                                  f"{rows.dtype} {rows.shape}; rows must be uint8 [{row_ids.size}, "
-                                  f"{self.version.row_bytes}] (or records [{row_ids.size}, "
-                                  f"{self.version.record_bytes}])")
-        if not self.reader.carried.admits(rows, trusted):
-            return ids, ends, None, None
-        return ids, ends, row_ids, rows
-
-    def _note_access(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
-        """note_access after its checks, a few steps at a time: the lock and the CPU token are
-        held for at most NOTE_CHUNK_STEPS steps of at most NOTE_CHUNK_IDS ids (or one longer
-        step), as background work (planned steps of every worker wait on both)."""
-        read, a = 0, 0
-        while a < ends.size:
-            start = int(ends[a - 1]) if a else 0
-            b = int(np.searchsorted(ends, start + NOTE_CHUNK_IDS, side="right"))
-            b = max(a + 1, min(a + NOTE_CHUNK_STEPS, b))
-            with cpu_token.background():
-                read += self._note_steps(ids[start:int(ends[b - 1])], ends[a:b] - start, carried, source)
-            a = b
-        return read
-
-    def _note_steps(self, ids: np.ndarray, ends: np.ndarray, carried=None, source: bytes = b"") -> int:
-        """Steps ids[ends[k-1]:ends[k]], each step's ids distinct (repeats across steps are
-        further accesses): learned under the lock (but another client's copies), then the
-        admitted misses promoted."""
-        st, starts = self.slots, np.concatenate([[0], ends[:-1]]).tolist()
-        digests = [step_digest(ids[a:b]) for a, b in zip(starts, ends.tolist())]
-        with self._lock:
-            learned = np.ones(ids.size, bool)
-            for a, b, digest in zip(starts, ends.tolist(), digests):
-                if b > a and not self._copies.first(digest, source):
-                    learned[a:b] = False
-                    self.counters.steps_copied += 1
-                elif b > a:
-                    self.policy.record(ids[a:b])
-                    if self.recorder is not None:
-                        self.recorder.record(self.table, ids[a:b], n_ids=self.rows)
-            slots = st.lookup(ids)
-            hit = slots >= 0
-            hit_slots = slots[hit].astype(np.int64, copy=False)
-            if hit_slots.size:
-                self.policy.touch(slots[hit & learned].astype(np.int64, copy=False))
-                if self.verifier is not None:  # rows clients read locally are re-verified too
-                    self.verifier.sample(self, ids[hit], hit_slots)
-            c = self.counters
-            c.local_steps += ends.size
-            c.hits += hit_slots.size
-            c.misses += ids.size - hit_slots.size
-            miss = self._admitted_misses(np.sort(distinct(ids[~hit])))  # sorted, for the cold tier
-            room = max(0, self.capacity - 2 * st.n_pinned)  # leave room for planned steps
-        # the client has just read these rows: their bytes (carried), or at least their pages
-        return self._promote(miss[:room], carried=carried)
-
     def hot_set(self) -> tuple[np.ndarray, np.ndarray]:
         """The resident rows, hottest first: (ids int64, counts uint8), counts the policy's
         frequency estimates, ties in slot order. What a restart promotes again (warm).
@@ -383,7 +208,7 @@ class CacheEngine(TableEngine):
         st = self.slots
         ids, counts = [], []
         for a in range(0, self.capacity, HOT_SET_CHUNK_SLOTS):
-            with cpu_token.background(), self._lock:
+            with cpu_token.background(), self.lock:
                 b = min(self.capacity, a + HOT_SET_CHUNK_SLOTS)
                 got = st.id_of[a:b][st.is_ready(slice(a, b))].astype(np.int64)
                 ids.append(got)
@@ -420,7 +245,7 @@ class CacheEngine(TableEngine):
                 if not self.enter():
                     break
                 try:
-                    with self._lock:
+                    with self.lock:
                         room = self.slots.n_free
                         if room == 0:
                             break
@@ -430,29 +255,13 @@ class CacheEngine(TableEngine):
                             self.policy.sketch.add(*_unique_max(chunk, counts[a:a + chunk.size]))
                             self.policy.sketch.recorded = recorded
                         miss = np.unique(chunk[self.slots.lookup(chunk) < 0])
-                    got = self._promote(miss)
+                    got = self.promote(miss)
                 finally:
                     self.leave()
             a += chunk.size
             read += got
             self.counters.warmed += got
         return read
-
-    def _admitted_misses(self, miss: np.ndarray) -> np.ndarray:
-        """(lock held) The misses of noted steps to promote, order kept: all of them while the
-        free slots take them; otherwise the doorkeeper's (PolicyConfig.read_admit_freq: seen
-        before, this access included) and, while free slots are left, the others in id
-        order. The filter applies only to rows that need a victim: a one-hit wonder never
-        displaces a resident row, but never leaves a slot empty either. The free count is
-        this moment's: a planned step taking slots before the promotion evicts for a few."""
-        free, gate = self.slots.n_free, self.policy.config.read_admit_freq
-        if gate <= 1 or miss.size <= free:
-            return miss
-        passed = self.policy.sketch.estimate(miss) >= gate
-        spare = free - int(np.count_nonzero(passed))
-        if spare > 0:
-            passed |= np.cumsum(~passed) <= spare
-        return miss[passed]
 
     def close(self) -> None:
         """Remove the shared slot index and miss flights (the arena is the sidecar's to close)."""
@@ -468,7 +277,7 @@ class CacheEngine(TableEngine):
         Returns (slots int64 [U], Fill of the misses or None, fills of other steps to wait for, n_miss).
         Every returned slot is pinned once for the caller (unless admit_only)."""
         st, digest = self.slots, None if admit_only else step_digest(uniq)
-        with self._lock:
+        with self.lock:
             # hits pinned at once: also keeps this step's hits through its own evictions
             try:
                 slots, hit_slots, n_filling = st.lookup_pin(uniq)
@@ -478,7 +287,7 @@ class CacheEngine(TableEngine):
             n_miss = uniq.size - hit_slots.size
             if not admit_only:
                 self.counters.plans += 1
-                if self._copies.first(digest, source):
+                if self.copies.first(digest, source):
                     self.policy.record(uniq)
                     if hit_slots.size:
                         self.policy.touch(hit_slots)
@@ -547,11 +356,11 @@ class CacheEngine(TableEngine):
             try:
                 self._read_misses(fill.ids, fill.slots, carried)
             except BaseException as e:
-                with self._lock:
+                with self.lock:
                     self._drop_fill(fill)  # the fill's pin; the step's goes with its lease
                 fill.finish(e)
                 raise
-            with self._lock:
+            with self.lock:
                 self.slots.ready(fill.slots)
                 self.slots.unpin(fill.slots)
                 del self._fills[fill.fill_id]
@@ -582,7 +391,7 @@ class CacheEngine(TableEngine):
 
     def _abandon(self, slots: np.ndarray, fill: Fill | None) -> None:
         """Undo a reservation whose lease was refused (its fill never started)."""
-        with self._lock:
+        with self.lock:
             self.slots.unpin(slots)
             if fill is not None:
                 self._drop_fill(fill)
@@ -625,7 +434,7 @@ class CacheEngine(TableEngine):
                 self.leave()
 
     def unpin(self, slots: np.ndarray) -> None:
-        with self._lock:
+        with self.lock:
             self.slots.unpin(slots)
 
     # ---- online verification (the verifier thread; never the hot path) ---------
@@ -636,7 +445,7 @@ class CacheEngine(TableEngine):
         may hold a lease on them) until evicted, or until a re-check lifts the mark (_lift)."""
         if not super()._mark_bad(block):
             return False
-        with self._lock:
+        with self.lock:
             slots = self._block_slots(block)
             self.slots.gen[slots[slots >= 0]] |= np.uint32(1)
         return True
@@ -645,7 +454,7 @@ class CacheEngine(TableEngine):
         """A marked block that reads and checks again serves again: its resident rows that the
         mark left gen odd (mapped, no fill in flight holds them) get its verified `rows`
         written over them and gen even again, as a repair in place ends; then the mark goes."""
-        with self._lock:
+        with self.lock:
             slots = self._block_slots(block)
             held = np.flatnonzero(slots >= 0)
             s = slots[held]
@@ -681,7 +490,7 @@ class CacheEngine(TableEngine):
                 else:
                     disk[sel] = rows[ids[sel] - b * br]
             ids, slots, disk = ids[ok], slots[ok], disk[ok]
-        with self._lock:
+        with self.lock:
             st = self.slots
             still = (st.id_of[slots] == ids) & st.is_ready(slots)  # a slot may hold another row by now
             s, d = slots[still], disk[still]

@@ -15,14 +15,10 @@ import numpy as np
 import xxhash
 
 from tierstore import cpu_token
-from tierstore.cache.policy.config import PolicyConfig
 from tierstore.engine.base import Placement, TableEngine
 from tierstore.tiers.nvme import rowsum
 
 __all__ = ["FullEngine"]
-
-_HINTS = PolicyConfig()  # a full table keeps no hints, but checks them as a cache-mode table would
-
 
 class FullEngine(TableEngine):
     full = True
@@ -70,21 +66,6 @@ class FullEngine(TableEngine):
         """Validate `ids`: every row is resident at slot == id."""
         with cpu_token.hold():
             return self._validated(self._edge(ids))
-
-    def prefetch(self, ids: np.ndarray, read: bool = True, steps: int | None = None, conn_id: bytes = b"") -> int:
-        """Nothing to read ahead: every row is resident (the arguments are checked as in cache mode)."""
-        self.check_prefetch(ids, steps)
-        return 0
-
-    def check_prefetch(self, ids, steps: int | None) -> tuple[np.ndarray, int]:
-        """(ids, steps) of a prefetch, validated by the rules a cache-mode table applies (its
-        default PolicyConfig), so a client's hint is refused alike whatever the table's mode."""
-        return self.check_ids(ids), _HINTS.hint_steps(steps)
-
-    @property
-    def max_prefetch_steps(self) -> int:
-        """The longest hint check_prefetch accepts."""
-        return _HINTS.max_expect_steps
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows [n, row_bytes] copied out of the arena (inline path)."""

@@ -3,7 +3,7 @@
 A client on the host (client/local_reads.py) reads resident rows without asking the
 sidecar, then sends a note of what it read over the step socket. The note is
 checked at once and queued; one thread ("learner") hands the queued notes to their
-engines' policies (TableEngine.note_access), which learn them as background work
+engines' policies (Notes.access), which learn them as background work
 (cpu_token.background): a plan waits for at most one chunk of a note.
 
 Fair between clients (a client is one step-socket connection, its conn_id): each
@@ -80,7 +80,7 @@ class Learner:
 
     def note(self, engine: TableEngine, ids, ends, row_ids=None, rows=None, trusted: bool = False,
              source: bytes = b"") -> bool:
-        """Queue steps client `source` (its conn_id) read itself (TableEngine.note_access) for the
+        """Queue steps client `source` (its conn_id) read itself (Notes.access) for the
         learner thread, after checking them (InvalidArgument). False when the note is dropped:
         it does not fit the queue and its sender holds the most of it (module docstring), so
         while the sidecar is behind its policy learns from a sample of the steps, and no
@@ -92,14 +92,14 @@ class Learner:
         trusted: the peer runs as the sidecar's uid (or root; trust.peer_trusted): what its note
         may carry is trust's to say (tierstore/tiers/trust.py: records only from such a peer,
         rows checked against the sidecar's own sums from anyone), asked once, by the engine's
-        check_note. source: also tells another client's copy of a step apart
-        (TableEngine.note_access: it is not learned twice)."""
+        Notes.check. source: also tells another client's copy of a step apart
+        (Notes.access: it is not learned twice)."""
         size = [int(np.size(ends)), int(np.size(ids)), 0]
         with self._cv:
             if not self._room(engine, source, size, make=False):
                 return False
         # rows trust does not admit from this sender are left out here (tierstore/tiers/trust.py)
-        ids, ends, row_ids, rows = engine.check_note(ids, ends, row_ids, rows, trusted)
+        ids, ends, row_ids, rows = engine.notes.check(ids, ends, row_ids, rows, trusted)
         with self._cv:
             if not self._room(engine, source, size, make=True):
                 return False
@@ -196,7 +196,7 @@ class Learner:
         return turn
 
     def _loop(self) -> None:
-        """The clients in turn, each turn's notes of one engine in one note_access call."""
+        """The clients in turn, each turn's notes of one engine in one Notes.learn call."""
         try:  # bookkeeping yields to readers: on a busy host the policy learns from a sample
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LEARNER_NICE)
         except (AttributeError, OSError):
@@ -228,7 +228,7 @@ class Learner:
                 continue
             try:
                 carried = (_joined(row_ids), _joined(rows)) if rows else (None, None)
-                eng.learn_note(_joined(ids), _joined(ends), *carried, source=source)
+                eng.notes.learn(_joined(ids), _joined(ends), *carried, source=source)
             except Exception:  # noqa: BLE001 - a hint; the next step's note may well work
                 log.exception("learning the local steps of table %s failed", eng.table)
 

@@ -36,7 +36,7 @@ class Prefetcher:
     def submit(self, engine: TableEngine, ids, read: bool = True, steps: int | None = None,
                conn_id: bytes = b"") -> int:
         """Promote ids in the background; read=False only hints them to the policy, for
-        `steps` (TableEngine.prefetch). Returns the ids queued: all of them, or 0 when the
+        `steps` (Hints.prefetch). Returns the ids queued: all of them, or 0 when the
         queue already holds PREFETCH_QUEUE requests or PREFETCH_QUEUE_IDS ids (the hint is
         dropped) or the table is held whole (nothing to promote).
 
@@ -45,7 +45,7 @@ class Prefetcher:
         if ids.size > MAX_HINT_IDS:
             raise InvalidArgument(f"a prefetch hint of {ids.size} ids for table {engine.table!r}; at most "
                                   f"{MAX_HINT_IDS} ids a hint: hint the rows of one queued request")
-        ids, steps = engine.check_prefetch(ids, steps)
+        ids, steps = engine.hints.check(ids, steps)
         if engine.full or ids.size == 0:
             return 0
         with self._lock:
@@ -61,7 +61,7 @@ class Prefetcher:
     def _run(self, engine: TableEngine, ids, read: bool, steps: int, conn_id: bytes) -> None:
         try:
             if not engine.retired:
-                engine.prefetch(ids, read=read, steps=steps, conn_id=conn_id)
+                engine.hints.prefetch(ids, read=read, steps=steps, conn_id=conn_id)
         except Exception:  # noqa: BLE001 - a hint; a bad block surfaces when a step reads it
             log.debug("prefetch of %d ids in %s failed", ids.size, engine.table, exc_info=True)
         finally:

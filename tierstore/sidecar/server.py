@@ -149,7 +149,7 @@ class GrpcService(pb_grpc.TierstoreServicer):
         return pb.TableInfo(
             table=v.table, version=v.number, rows=v.rows, row_format=v.row_format, row_dim=v.row_dim,
             row_bytes=v.row_bytes, spec_json=json.dumps(v.spec) if v.spec else "",
-            layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.max_prefetch_steps,
+            layer_id=-1 if v.layer_id is None else v.layer_id, max_prefetch_steps=eng.hints.max_steps,
             checkpoint_json=_checkpoint_json(v),
             arena=pb.Arena(path=str(eng.arena.path), slots=eng.arena.slots, full_resident=eng.full,
                            size_bytes=eng.arena.size, instance=self.served.instance,

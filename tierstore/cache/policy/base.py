@@ -124,7 +124,7 @@ class CachePolicy:
         the hinting client's id: pending ids are bounded per client and in all
         (PolicyConfig.pending_share), the ids past a bound are dropped. A
         soft hint: hinted rows are kept over others until then, but unlike a pin
-        it never makes victims() fail. TableEngine.prefetch calls it once, when
+        it never makes victims() fail. Hints.prefetch calls it once, when
         a request is admitted. Say when the request will run: a hint that
         outlives its use keeps rows nobody reads, and gains less the longer it
         overstays (docs/decisions.md, "How long a hint lasts").

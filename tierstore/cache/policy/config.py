@@ -68,7 +68,7 @@ class PolicyConfig:
         half: as many ids as the arena has slots in arenas up to 64 Ki slots).
     hint_clients: clients with ids pending at once; a hint from one more is
         dropped until another's hints run out.
-    read_admit_freq: a miss a client on the host read itself (TableEngine.note_access:
+    read_admit_freq: a miss a client on the host read itself (Notes.access:
         the row is already served, so promoting it is optional) that needs a
         victim is promoted only once the sketch has counted it this many times,
         this access included: a doorkeeper in front of S3-FIFO's probation. 1
