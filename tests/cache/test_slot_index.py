@@ -351,7 +351,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: set(self.ready.values()) - set(self.writing))
     @rule(data=st.data())
     def begin_rewrite(self, data):
-        """A repair in place (verify_rows): gen odd, then other bytes for a while."""
+        """A repair in place (CacheRepair.verify_rows): gen odd, then other bytes for a while."""
         s = data.draw(st.sampled_from(sorted(set(self.ready.values()) - set(self.writing))))
         self.st.begin_write(np.array([s]))
         self.arena[s] = 255
@@ -368,7 +368,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: set(self.ready.values()) - set(self.writing))
     @rule(data=st.data())
     def mark_bad(self, data):
-        """A READY row of a cold block found bad: gen odd (the engine's _mark_bad), mapped still."""
+        """A READY row of a cold block found bad: gen odd (CacheRepair.mark), mapped still."""
         x = data.draw(st.sampled_from(sorted(x for x, s in self.ready.items() if s not in self.writing)))
         self.st.gen[self.ready[x]] |= np.uint32(1)
         self.bad[x] = self.ready.pop(x)

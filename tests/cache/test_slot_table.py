@@ -62,7 +62,7 @@ MACHINE = settings(max_examples=40, stateful_step_count=30, deadline=None, deran
 
 class SlotTableMachine(RuleBasedStateMachine):
     """The slot table's public operations in the orders the engine makes them (its `_claim`,
-    `_reserve`, `_complete`, `_drop_fill`, `_mark_bad`, `verify_rows`), one operation a rule,
+    `_reserve`, `_complete`, `_drop_fill`, `CacheRepair.mark`, `CacheRepair.verify_rows`), one operation a rule,
     against a model of every slot; check() after each, given the fills in flight and the
     slots claimed off the free stack."""
 
@@ -187,7 +187,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._in("ready"))
     @rule(data=st.data())
     def mark_bad(self, data):
-        """A READY row of a cold block found bad: gen odd, as the engine's _mark_bad does."""
+        """A READY row of a cold block found bad: gen odd, as CacheRepair.mark does."""
         slots = self._some(data, self._in("ready"))
         self.table.gen[slots] |= np.uint32(1)
         self._become(slots, "bad")

@@ -94,11 +94,11 @@ def test_a_full_table_scrub_takes_a_short_read_for_no_verdict(make_table, data_d
         seg = data_dir / tv.segments[0]
         whole = seg.read_bytes()
         seg.write_bytes(b"")
-        assert eng.scrub_blocks(np.array([0, 4])) == []
+        assert eng.repair.scrub_blocks(np.array([0, 4])) == []
         assert eng.bad_blocks.marked.size == 0 and eng.bad_blocks.waiting == 2
         assert np.array_equal(eng.lookup(np.arange(tv.rows)), data)
         seg.write_bytes(whole)
-        assert eng.recheck_blocks(time.monotonic()) == [] and eng.bad_blocks.waiting == 0
+        assert eng.repair.recheck(time.monotonic()) == [] and eng.bad_blocks.waiting == 0
     finally:
         arena.close(unlink=True)
         cold.close()

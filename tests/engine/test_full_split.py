@@ -35,7 +35,7 @@ def test_a_split_full_engine_serves_and_repairs_the_catalogs_rows(data_dir):
         arena.split_rows.weight[17, 0] ^= 0x01  # and one in another row's weights
         bad = eng.verify_arena(sums)
         assert len(bad) == 2
-        found = eng.scrub_blocks(np.array(bad))
+        found = eng.repair.scrub_blocks(np.array(bad))
         assert sorted(f[2] for f in found) == [17, 1234]  # the rows repaired, named
         assert np.array_equal(arena.split_rows.weight, rows[:, :256])
         assert np.array_equal(arena.split_rows.scale, rows[:, 256:])

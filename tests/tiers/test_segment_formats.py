@@ -109,7 +109,7 @@ def test_a_full_arena_is_checked_against_block_checksums_of_either_format(tmp_pa
         arena.rows[5000, 3] ^= 1
         blk = 5000 // tv.block_rows
         assert eng.verify_arena(sums) == [blk]
-        found = eng.scrub_blocks(np.array([blk, blk + 1]))
+        found = eng.repair.scrub_blocks(np.array([blk, blk + 1]))
         assert [(tier, b) for tier, b, *_ in found] == [("dram", blk)] and np.array_equal(arena.rows, data)
     finally:
         arena.close(unlink=True)

@@ -7,7 +7,9 @@ builds the engine of that mode:
 - CacheEngine (cache.py): the arena caches `capacity` rows under a policy
   (tierstore/cache/policy), promoting misses from the cold tier with leases.
 This base holds what both share: validation at the edge, refusal of blocks
-online verification found corrupt and their re-check (bad_blocks.py), counters and stats.
+online verification found corrupt (bad_blocks.py), counters and stats. Each mode's
+engine has a `repair` (repair.py: what online verification does to it) and `hints`
+(hints.py); cache mode `notes` too (notes.py).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 
 from tierstore.cache.leases import LeaseTable
 from tierstore.cache.policy.config import PolicyConfig
-from tierstore.engine.bad_blocks import CORRUPT, UNREADABLE, BadBlocks
+from tierstore.engine.bad_blocks import BadBlocks
 from tierstore.tiers.base import ColdTier, check_ids
 from tierstore.tiers.dram import Arena
 from tierstore.tiers.pages import huge_page_bytes
@@ -136,42 +138,6 @@ class TableEngine:
     def leave(self) -> None:
         with self.lock:
             self._active -= 1
-
-    # ---- online verification (the verifier thread; never the hot path) ---------
-    def _judge(self, block: int, found: list, n_rows: int) -> np.ndarray | None:
-        """Read cold `block` whole (BadBlocks.judge) after a read of it failed: its verified rows
-        when it reads and checks; else None, and the block marked (CORRUPT: `n_rows` counted
-        mismatched and the find added to `found`, when newly marked) or a suspect
-        (UNREADABLE: a short read or EIO is no verdict)."""
-        verdict, rows, why = self.bad_blocks.judge(self.reader, block)
-        if verdict == CORRUPT and self._mark_bad(block):
-            self.verify_counters.mismatches["nvme"] += n_rows
-            found.append(("nvme", block, None, why))
-        elif verdict == UNREADABLE:
-            self.bad_blocks.suspect(block)
-            self.verify_counters.unreadable += 1
-        return rows
-
-    def recheck_blocks(self, before: float) -> list[tuple]:
-        """Each verifier pass: the marked and suspect blocks judged before `before` (the pass's
-        start, time.monotonic: BadBlocks.due) judged again; one that reads and checks is lifted
-        and serves again (_lift), one whose bytes fail is marked. Returns the new finds, as
-        verify_rows does."""
-        found: list = []
-        for block in self.bad_blocks.due(before):
-            rows = self._judge(block, found, 0)
-            if rows is not None:
-                self._lift(block, rows)
-        return found
-
-    def _mark_bad(self, block: int) -> bool:
-        """Refuse `block` from now on (BadBlocks.mark); whether it is newly marked."""
-        return self.bad_blocks.mark(block)
-
-    def _lift(self, block: int, rows: np.ndarray) -> None:
-        """`block` (its verified rows `rows`) serves again."""
-        if self.bad_blocks.lift(block):
-            self.verify_counters.lifted += 1
 
     # ---- introspection ------------------------------------------------------
     def _occupancy(self) -> tuple[int, int]:

@@ -14,8 +14,8 @@ ends the step's lease: nothing leaks, no half-written row is ever served.
 
 Promotion without a lease (promote: the same three stages, no step to pin for) serves
 the jobs that stand beside the plan: access notes (notes.py, `notes`), prefetch hints
-(hints.py, `hints`) and the warm start (warm, hot_set); online verification's repairs
-of the arena and the bad-block marks it keeps are verify_rows and bad_blocks.py.
+(hints.py, `hints`) and the warm start (warm, hot_set); online verification's checks
+and repairs are repair.py's (`repair`).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.cache.step_copies import StepCopies, step_digest
 from tierstore.engine.hints import Hints
 from tierstore.engine.notes import Notes
+from tierstore.engine.repair import CacheRepair
 from tierstore.jit import unique_inverse
 from tierstore.tiers.nvme.miss_batch import MissBatch
 from tierstore.tiers.nvme.verified_copy import warm
@@ -99,6 +100,7 @@ class CacheEngine(TableEngine):
         self.copies = StepCopies()  # the same step from each TP rank: learned once (lock held)
         self.notes = Notes(self)  # steps clients on the host served themselves (notes.py)
         self.hints = Hints(self, self.policy.config)  # rows queued requests will read (hints.py)
+        self.repair = CacheRepair(self)  # online verification's checks and repairs (repair.py)
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
@@ -343,6 +345,11 @@ class CacheEngine(TableEngine):
             self.policy.forget(new)
         st.put_free(new)
 
+    def filling_slots(self) -> np.ndarray:
+        """(lock held) The slots of every fill in flight."""
+        slots = [f.slots for f in self._fills.values()]
+        return np.concatenate(slots) if slots else np.zeros(0, np.int64)
+
     def _fills_of(self, filling: np.ndarray) -> list[Fill]:
         """(lock held) The fills in flight that hold FILLING `filling` (a waiter of each): a search
         of the few fills in flight, so no slot carries its fill's id."""
@@ -436,75 +443,6 @@ class CacheEngine(TableEngine):
     def unpin(self, slots: np.ndarray) -> None:
         with self.lock:
             self.slots.unpin(slots)
-
-    # ---- online verification (the verifier thread; never the hot path) ---------
-    def _mark_bad(self, block: int) -> bool:
-        """A bad cold block is refused from now on (TableEngine._mark_bad); its resident rows'
-        gen goes odd too, so a local reader (which does not ask the sidecar) misses them,
-        reads the block and gets DATA_LOSS as a Plan does. They stay mapped (a running step
-        may hold a lease on them) until evicted, or until a re-check lifts the mark (_lift)."""
-        if not super()._mark_bad(block):
-            return False
-        with self.lock:
-            slots = self._block_slots(block)
-            self.slots.gen[slots[slots >= 0]] |= np.uint32(1)
-        return True
-
-    def _lift(self, block: int, rows: np.ndarray) -> None:
-        """A marked block that reads and checks again serves again: its resident rows that the
-        mark left gen odd (mapped, no fill in flight holds them) get its verified `rows`
-        written over them and gen even again, as a repair in place ends; then the mark goes."""
-        with self.lock:
-            slots = self._block_slots(block)
-            held = np.flatnonzero(slots >= 0)
-            s = slots[held]
-            filling = [f.slots for f in self._fills.values()]
-            left = ((self.slots.gen[s] & 1) == 1) & ~np.isin(s, np.concatenate(filling) if filling else [])
-            s, held = s[left], held[left]
-            if s.size:
-                self.arena.rows[s] = rows[held]
-                self.slots.end_write(s)
-        super()._lift(block, rows)
-
-    def _block_slots(self, block: int) -> np.ndarray:
-        """(lock held) The slot of each row of `block`, -1 where it is not resident."""
-        br = self.version.block_rows
-        return self.slots.lookup(np.arange(block * br, min((block + 1) * br, self.rows), dtype=np.int64))
-
-    def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
-        """Check sampled served rows: their cold block's checksum, and the arena copy
-        against the verified disk copy (repaired in place when it differs). A failed read is
-        judged block by block (TableEngine._judge): a short read or EIO is no verdict."""
-        found, vc, br = [], self.verify_counters, self.version.block_rows
-        vc.checked["nvme"] += ids.size
-        try:
-            disk = self.reader.read_rows(ids)  # one batched, verified read: the common case
-        except (ChecksumError, OSError):
-            disk, ok = np.empty((ids.size, self.version.row_bytes), np.uint8), np.ones(ids.size, bool)
-            blocks = ids // br
-            for b in np.unique(blocks).tolist():  # pinpoint every bad block of the sample
-                sel = blocks == b
-                rows = self._judge(b, found, int(sel.sum()))
-                if rows is None:
-                    ok &= ~sel
-                else:
-                    disk[sel] = rows[ids[sel] - b * br]
-            ids, slots, disk = ids[ok], slots[ok], disk[ok]
-        with self.lock:
-            st = self.slots
-            still = (st.id_of[slots] == ids) & st.is_ready(slots)  # a slot may hold another row by now
-            s, d = slots[still], disk[still]
-            bad = np.any(self.arena.rows[s] != d, axis=1)
-            vc.checked["dram"] += int(s.size)
-            if bad.any():
-                st.begin_write(s[bad])  # local readers reject what they copy meanwhile
-                self.arena.rows[s[bad]] = d[bad]
-                st.end_write(s[bad])
-                vc.mismatches["dram"] += int(bad.sum())
-                block = int(ids[still][bad][0] // self.version.block_rows)
-                found.append(("dram", block, int(s[bad][0]),
-                              f"{int(bad.sum())} arena rows differed from the verified disk copy; repaired"))
-        return found
 
     # ---- internals (called with the lock held) --------------------------------
     def _claim(self, k: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Full mode: the whole table in the arena in id order (slot == id), verified at load.
 
 A Plan only validates: nothing is ever evicted, so nothing needs a lease. The
-verifier scrubs arena blocks against the catalog and repairs them from disk.
+verifier scrubs arena blocks against the catalog and repairs them from disk
+(repair.py, FullRepair: the engine's `repair`).
 
 The arena is interleaved or split (tiers/dram.py: all weights, then all
 scales, as the engines keep a table); this engine reads and writes it through
@@ -16,12 +17,17 @@ import xxhash
 
 from tierstore import cpu_token
 from tierstore.engine.base import Placement, TableEngine
+from tierstore.engine.repair import FullRepair
 from tierstore.tiers.nvme import rowsum
 
 __all__ = ["FullEngine"]
 
 class FullEngine(TableEngine):
     full = True
+
+    def __init__(self, version, reader, arena, *, leases, recorder=None):
+        super().__init__(version, reader, arena, leases=leases, recorder=recorder)
+        self.repair = FullRepair(self)  # online verification's scrub (repair.py)
 
     # ---- loading ------------------------------------------------------------
     def load_full(self, chunk_rows: int = 1 << 16, progress=None) -> None:
@@ -48,12 +54,12 @@ class FullEngine(TableEngine):
         for a in range(0, v.n_blocks, group):
             z = min(a + group, v.n_blocks)
             lo, hi = a * br, min(z * br, self.rows)
-            raw = memoryview(self._stored(lo, hi)).cast("B")
+            raw = memoryview(self.stored(lo, hi)).cast("B")
             want = checksums[a:z].tolist()
             bad += [a + j for j, off in enumerate(range(0, len(raw), bb)) if h(raw[off:off + bb]) != want[j]]
         return bad
 
-    def _stored(self, lo: int, hi: int, rows: np.ndarray | None = None) -> np.ndarray:
+    def stored(self, lo: int, hi: int, rows: np.ndarray | None = None) -> np.ndarray:
         """Arena rows [lo, hi) (`rows`: already read interleaved) as the segments store
         them (what block checksums cover)."""
         rows = self.arena.range(lo, hi) if rows is None else rows
@@ -74,27 +80,6 @@ class FullEngine(TableEngine):
         self.bad_blocks.refuse(ids)
         self.counters.hits += ids.size
         return self.arena.take(ids)
-
-    # ---- online verification --------------------------------------------------
-    def scrub_blocks(self, blocks: np.ndarray) -> list[tuple]:
-        """Full mode: hash arena blocks against the catalog, read the same cold blocks
-        (verified); repair an arena block from disk, mark a corrupt cold block bad (a cold
-        block that reads short is no verdict: TableEngine._judge)."""
-        found, vc, br = [], self.verify_counters, self.version.block_rows
-        sums = self.reader.checksums
-        for b in np.sort(blocks).tolist():
-            lo, hi = b * br, min((b + 1) * br, self.rows)
-            vc.checked["nvme"] += hi - lo
-            disk = self._judge(b, found, hi - lo)
-            vc.checked["dram"] += hi - lo
-            held = self.arena.range(lo, hi)
-            if xxhash.xxh3_64_intdigest(self._stored(lo, hi, held)) == int(sums[b]) or disk is None:
-                continue
-            diff = np.any(held != disk, axis=1)
-            self.arena.put(lo, disk)
-            vc.mismatches["dram"] += int(diff.sum())
-            found.append(("dram", b, lo + int(np.argmax(diff)), f"{int(diff.sum())} arena rows repaired from disk"))
-        return found
 
     def _occupancy(self) -> tuple[int, int]:
         return self.rows, 0

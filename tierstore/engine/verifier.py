@@ -49,9 +49,10 @@ class Verifier:
 
     sample() (an engine's plan or note, any thread) hands it a random share of (id, slot)
     pairs and never blocks: a full queue drops them (the engine's verify_counters.dropped).
-    Each pass the thread checks them (engine.verify_rows), scrubs `fraction` of the
-    blocks of every full-resident engine in `engines` (engine.scrub_blocks) and re-checks
-    every engine's marked and suspect blocks (engine.recheck_blocks); the first
+    Each pass the thread checks them (engine.repair.verify_rows: repair.py), scrubs
+    `fraction` of the blocks of every full-resident engine in `engines`
+    (repair.scrub_blocks) and re-checks every engine's marked and suspect blocks
+    (repair.recheck); the first
     mismatch per table and tier is logged. `engines` is set by whoever serves them
     (sidecar/versions.py: ServedVersions._serve, as each engine starts serving); the
     verifier never builds or frees one. fraction 0 disables it (sample returns at once, no
@@ -119,7 +120,7 @@ class Verifier:
             ids = np.concatenate([p[0] for p in parts])
             slots = np.concatenate([p[1] for p in parts])
             with cpu_token.background():
-                found = engine.verify_rows(ids, slots)
+                found = engine.repair.verify_rows(ids, slots)
             self._report(engine, found)
         for engine in self.engines:
             if engine.full:
@@ -127,11 +128,11 @@ class Verifier:
                 k = max(1, int(round(nb * self.fraction)))
                 blocks = self._rng.choice(nb, size=min(k, nb), replace=False)
                 with cpu_token.background():
-                    found = engine.scrub_blocks(blocks)
+                    found = engine.repair.scrub_blocks(blocks)
                 self._report(engine, found)
             if engine.bad_blocks.waiting:
                 with cpu_token.background():
-                    found = engine.recheck_blocks(start)
+                    found = engine.repair.recheck(start)
                 self._report(engine, found)
 
     def _report(self, engine, found: list) -> None:
