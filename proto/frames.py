@@ -233,7 +233,7 @@ class FrameReader:
       never to a declared length ahead of them; up to SCRATCH (a HELLO while `limit` is
       HELLO-sized) it is every reader's base, a bytearray; beyond it an anonymous mapping
       (_buffer), resident only where bytes arrived and returned to the OS when dropped;
-    - with a `budget` (reserve(nbytes, wait_s), release(nbytes)), capacity beyond
+    - with a `budget` (reserve(nbytes, wait_s), give_back(nbytes)), capacity beyond
       SCRATCH is reserved from it before the buffer grows there, and given back by
       recycle() and close(): `reserved` is always len(buf) - SCRATCH, or 0 below it;
     - with `frame_timeout_s`, a frame begun must be whole that many seconds after its
@@ -403,13 +403,13 @@ class FrameReader:
     def _settle(self) -> None:
         keep = min(self.reserved, max(0, len(self.buf) - SCRATCH))
         if self.budget is not None and self.reserved > keep:
-            self.budget.release(self.reserved - keep)
+            self.budget.give_back(self.reserved - keep)
         self.reserved = keep
 
     def close(self) -> None:
         """Give the budget back everything this reader holds (its connection has ended)."""
         if self.budget is not None and self.reserved:
-            self.budget.release(self.reserved)
+            self.budget.give_back(self.reserved)
         self.reserved = 0
         _drop(self.buf)
         self.buf, self.start, self.end = bytearray(), 0, 0

@@ -35,7 +35,7 @@ def test_slot_table_operations_match_the_reference(numpy_path):
         out = []
         for step in range(40):
             ids = np.unique(rng.integers(0, 1000, 30))
-            slots, hit, filling = st.lookup_pin(ids)
+            slots, hit, filling = st.find_pin(ids)
             miss = ids[slots < 0]
             new = st.take_free(miss.size)
             if new.size < miss.size:  # evict unpinned residents, as the engine's victims would
@@ -45,7 +45,7 @@ def test_slot_table_operations_match_the_reference(numpy_path):
             miss = miss[:new.size]
             st.assign(new, miss)
             st.pin(new, times=2)
-            out.append((slots.copy(), filling, st.n_pinned, st.lookup(np.arange(1000)), st.is_filling(np.arange(64))))
+            out.append((slots.copy(), filling, st.n_pinned, st.find(np.arange(1000)), st.is_filling(np.arange(64))))
             st.unpin(hit)
             st.unpin(new)
             st.unpin(new)
@@ -55,7 +55,7 @@ def test_slot_table_operations_match_the_reference(numpy_path):
     state = rng.bit_generator.state
     compiled = run()
     rng.bit_generator.state = state
-    numpy_path(slots_mod, "_PIN", "_LOOKUP_PIN", "_TAKE", "_PUT")
+    numpy_path(slots_mod, "_PIN", "_FIND_PIN", "_TAKE", "_PUT")
     numpy_path(slot_map, "_FIND", "_INSERT", "_DELETE")
     reference = run()
     steps_c, pins_c, pinned_c = compiled

@@ -1,7 +1,7 @@
 """Compiled versions of the Plan path's small loops, with the numpy reference kept.
 
 A Plan of a decode step (a few hundred ids) runs dozens of small array
-operations: slot lookup, pins, the sketch's conservative update, the policy's
+operations: finding slots, pins, the sketch's conservative update, the policy's
 hit marks. Each numpy call pays a fixed dispatch cost before it touches a byte,
 and at a few hundred ids that cost, not the data, is most of a step's control
 path. One compiled loop per operation pays it once (docs/decisions.md,

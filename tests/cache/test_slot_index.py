@@ -63,7 +63,7 @@ def test_gen_is_even_only_while_a_slot_holds_a_ready_row(table):
     st.end_write(slots[:1])
     assert not st.gen[slots[0]] & 1
     st.unmap(slots[1:2])
-    assert st.gen[slots[1]] & 1 and st.id_of[slots[1]] == -1 and st.lookup([6])[0] == -1
+    assert st.gen[slots[1]] & 1 and st.id_of[slots[1]] == -1 and st.find([6])[0] == -1
 
 
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
@@ -111,7 +111,7 @@ def test_a_client_maps_the_index_read_only_and_checks_it(table):
     st, arena, path = table
     _fill(st, arena, [42])
     gen, id_of, slot_map = map_index(path, CAP, ROWS, "inst0")
-    s = st.lookup([42])[0]
+    s = st.find([42])[0]
     assert slot_map.find([42])[0] == s and id_of[s] == 42 and gen[s] % 2 == 0
     with pytest.raises(ValueError):
         slot_map.table[0] = 0  # read-only

@@ -35,21 +35,21 @@ def test_a_slot_is_empty_filling_then_ready_and_empty_again():
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
 def test_a_pin_past_the_most_a_slot_counts_is_refused_and_changes_nothing(path, numpy_path):
     if path == "numpy":
-        numpy_path(slots_mod, "_PIN", "_LOOKUP_PIN")
+        numpy_path(slots_mod, "_PIN", "_FIND_PIN")
     table, slots = _filled([5, 9])
     table.ready(slots)
     table.pin(slots[:1], times=PIN_MAX - 1)
-    got, hit, filling = table.lookup_pin(np.array([5, 9, 11]))  # slot of 5 reaches PIN_MAX
+    got, hit, filling = table.find_pin(np.array([5, 9, 11]))  # slot of 5 reaches PIN_MAX
     assert filling == 0 and np.array_equal(hit, slots) and table.pins[slots[0]] == PIN_MAX
     before = (table.pins.copy(), table.n_pinned)
     with pytest.raises(PinsSaturated, match="release finished steps") as e:
-        table.lookup_pin(np.array([5, 9]))
+        table.find_pin(np.array([5, 9]))
     assert isinstance(e.value, ResourceExhausted)  # the engine's lease refusal
     with pytest.raises(PinsSaturated):
         table.pin(slots)
     assert np.array_equal(table.pins, before[0]) and table.n_pinned == before[1], "a refused pin changed a count"
     table.unpin(slots[:1])  # one lease ends: the row is pinned again, no wrap to 0
-    table.lookup_pin(np.array([5]))
+    table.find_pin(np.array([5]))
     assert table.pins[slots[0]] == PIN_MAX and table.n_pinned == 2
 
 
@@ -151,10 +151,10 @@ class SlotTableMachine(RuleBasedStateMachine):
         self._become(fill.slots, "ready" if ok else "free")
 
     @rule(ids=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True))
-    def lookup_pin(self, ids):
+    def find_pin(self, ids):
         """A step: its resident rows pinned once."""
         ids = np.sort(np.array(ids, np.int64))
-        slots, hit, filling = self.table.lookup_pin(ids)
+        slots, hit, filling = self.table.find_pin(ids)
         want = np.array([self.slot_of.get(x, -1) for x in ids.tolist()])
         assert slots.tolist() == want.tolist()
         assert sorted(hit.tolist()) == sorted(want[want >= 0].tolist())
@@ -199,7 +199,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         gen, id_of = table.gen.copy(), table.id_of.copy()
         assert table.n_free == len(self.stack) and table.pins.tolist() == self.pins.tolist()
         assert table.n_pinned == np.count_nonzero(self.pins)
-        assert table.lookup(np.arange(ROWS)).tolist() == [self.slot_of.get(x, -1) for x in range(ROWS)]
+        assert table.find(np.arange(ROWS)).tolist() == [self.slot_of.get(x, -1) for x in range(ROWS)]
         assert table.is_ready(np.arange(CAP)).tolist() == [s == "ready" for s in self.state]
         assert table.is_filling(np.arange(CAP)).tolist() == [s in ("filling", "writing", "bad") for s in self.state]
         # the seqlock: gen never goes back, and a slot whose gen stayed even holds the same row
@@ -212,7 +212,7 @@ class SlotTableMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
 def test_the_slot_table_keeps_its_invariants_through_the_engines_operations(path, numpy_path):
     if path == "numpy":
-        numpy_path(slots_mod, "_PIN", "_LOOKUP_PIN", "_TAKE", "_PUT", "_STACK")
+        numpy_path(slots_mod, "_PIN", "_FIND_PIN", "_TAKE", "_PUT", "_STACK")
         numpy_path(slot_map_mod, "_FIND", "_INSERT", "_DELETE")
     run_state_machine_as_test(SlotTableMachine, settings=MACHINE)
 

@@ -33,7 +33,7 @@ def _pass(eng, ids) -> None:
     """One verifier pass that samples every one of `ids` (their slots as the engine holds them)."""
     v = Verifier(1.0)
     v.engines = [eng]
-    v.sample(eng, ids, eng.slots.lookup(ids).astype(np.int64))
+    v.sample(eng, ids, eng.slots.find(ids).astype(np.int64))
     v.run_once()
 
 
@@ -69,7 +69,7 @@ def test_bytes_that_fail_are_refused_naming_the_row_until_put_back(cached):
                                             f"\\(row {ids[0]}") as e:
         eng.lookup(ids)  # refused though resident
     assert (e.value.table, e.value.block, e.value.row) == (v.table, block, int(ids[0]))
-    slots = eng.slots.lookup(ids).astype(np.int64)
+    slots = eng.slots.find(ids).astype(np.int64)
     assert not eng.slots.is_ready(slots).any()  # gen odd: a local reader misses them too
     _pass(eng, ids[:0])  # re-checked, the bytes still wrong: marked still, counted once
     assert eng.bad_blocks.marked.tolist() == [block] and eng.verify_counters.mismatches["nvme"] == ids.size

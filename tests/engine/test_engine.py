@@ -210,7 +210,7 @@ def test_a_row_pinned_as_often_as_a_slot_counts_refuses_the_next_lease(engine):
     eng, data = engine
     _plan(eng, np.arange(100))
     eng.leases.release_client(b"c")
-    slot = int(eng.slots.lookup(np.array([7]))[0])
+    slot = int(eng.slots.find(np.array([7]))[0])
     eng.slots.pin(np.array([slot]), times=PIN_MAX - 1)  # as if that many other steps leased it
     res, rows = _plan(eng, np.arange(5, 10))  # the last pin the slot can count
     assert np.array_equal(rows, data[5:10]) and eng.slots.pins[slot] == PIN_MAX

@@ -21,7 +21,7 @@ def test_rows_a_queued_request_reads_outlive_others(engine, step):
     assert eng.hints.prefetch(np.arange(300), read=False) == 0  # a hint: nothing read
     for lo in range(5000, 6700, 340):  # other traffic evicts 1,700 rows
         step(eng, np.arange(lo, lo + 340))
-    held = eng.slots.lookup(np.arange(600)) >= 0
+    held = eng.slots.find(np.arange(600)) >= 0
     # the queued request's rows stayed (without the hint: none), the others left (bar a few
     # of the traffic's rows the sketch took for seen before, sent to main and kept longer)
     assert held[:300].all() and np.count_nonzero(held[300:]) <= 15

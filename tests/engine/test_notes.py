@@ -61,7 +61,7 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
     assert eng.notes.access(ids, ends) == ids.size  # an empty arena takes every one
     c = eng.counters
     assert (c.local_steps, c.hits + c.misses, c.plans, c.evictions) == (12, ids.size, 0, 0)
-    slots = eng.slots.lookup(ids)
+    slots = eng.slots.find(ids)
     assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[ids])
     assert not (eng.slots.gen[slots] & 1).any() and eng.slots.n_pinned == 0
     more = order[720:2300]  # more distinct rows than the 1,280 free slots left: those fill up, none evicts
@@ -71,7 +71,7 @@ def test_access_notes_fill_free_slots_at_once_and_the_doorkeeper_guards_eviction
     first = eng.notes.access(fresh, np.array([fresh.size]))  # seen by 2 x 4 counters a slot: a few in 100)
     assert first == c.evictions == int(np.count_nonzero(eng.policy.sketch.estimate(fresh) >= 2)) <= 15
     assert eng.notes.access(fresh, np.array([fresh.size])) == fresh.size - first  # seen twice: worth a victim
-    assert c.evictions == fresh.size and np.array_equal(eng.arena.rows[eng.slots.lookup(fresh)], data[fresh])
+    assert c.evictions == fresh.size and np.array_equal(eng.arena.rows[eng.slots.find(fresh)], data[fresh])
     with pytest.raises(InvalidArgument):
         eng.notes.access(ids, ends - 1)  # ends that do not cover the ids
     assert eng.counters.local_steps == 15
@@ -89,17 +89,17 @@ def test_rows_a_note_carries_are_placed_verified_without_a_disk_read(engine):
     disk = eng.reader.bytes_read
     assert eng.notes.access(ids, np.array([ids.size]), ids[::-1].copy(), carried(ids[::-1])) == ids.size
     assert eng.reader.bytes_read == disk, "rows the note carried were read from disk again"
-    assert np.array_equal(eng.arena.rows[eng.slots.lookup(ids)], data[ids])
+    assert np.array_equal(eng.arena.rows[eng.slots.find(ids)], data[ids])
     assert (eng.counters.note_rows_placed, eng.counters.note_rows_refused) == (ids.size, 0)
     bad_ids = np.arange(1000, 1050)
     rows = carried(bad_ids)
     rows[7, 3] ^= 0x10  # one flipped bit in row 1007
     assert eng.notes.access(bad_ids, np.array([bad_ids.size]), bad_ids, rows) == bad_ids.size
     assert eng.counters.note_rows_refused == bad_ids.size and eng.reader.bytes_read > disk
-    assert np.array_equal(eng.arena.rows[eng.slots.lookup(bad_ids)], data[bad_ids])
+    assert np.array_equal(eng.arena.rows[eng.slots.find(bad_ids)], data[bad_ids])
     part = np.arange(2000, 2100)  # rows for half the misses: the other half read from disk
     assert eng.notes.access(part, np.array([part.size]), part[:50], carried(part[:50])) == part.size
-    assert np.array_equal(eng.arena.rows[eng.slots.lookup(part)], data[part])
+    assert np.array_equal(eng.arena.rows[eng.slots.find(part)], data[part])
     assert eng.counters.note_rows_placed == ids.size + 50
     with pytest.raises(InvalidArgument, match="uint8"):
         eng.notes.access(part, np.array([part.size]), part, data[part][:, :32])  # rows of the wrong width

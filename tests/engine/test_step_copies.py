@@ -35,7 +35,7 @@ def test_a_hint_lasts_its_steps_when_every_tp_rank_reads_each_step(cache_engines
             else:
                 eng.plan(ids, ttl_s=30.0, conn_id=rank)
                 eng.leases.release_client(rank)
-    slots = eng.slots.lookup(HINTED)
+    slots = eng.slots.find(HINTED)
     assert (slots >= 0).all(), f"{np.count_nonzero(slots < 0)} of the hinted rows were evicted before their request"
     assert np.array_equal(eng.arena.rows[slots], data[HINTED])
     counted = eng.counters.local_steps if path == "noted" else eng.counters.plans

@@ -69,7 +69,7 @@ def test_a_client_filling_the_queue_gives_way_to_another_clients_note(engine, le
         assert (eng.counters.notes_behind, eng.counters.notes_over_share) == (64, 64)
     learned = sent * 64 - 64 + b_ends.size
     _until(lambda: eng.counters.local_steps == learned)
-    slots = eng.slots.lookup(b_ids)
+    slots = eng.slots.find(b_ids)
     assert (slots >= 0).all() and np.array_equal(eng.arena.rows[slots], data[b_ids])
     assert eng.stats()["notes_dropped"] == 128
 
@@ -94,7 +94,7 @@ def test_clients_are_learned_in_turn(engine, learner, tmp_path):
     before_b = int(np.argmax(steps == b_ids.size))
     assert steps[before_b] == b_ids.size and steps.size == 7 * 2048 + 1
     assert before_b <= 2 * NOTE_TURN_STEPS, f"b's note waited for {before_b} of a's steps"
-    assert np.array_equal(eng.arena.rows[eng.slots.lookup(b_ids)], data[b_ids])
+    assert np.array_equal(eng.arena.rows[eng.slots.find(b_ids)], data[b_ids])
 
 
 def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine, learner, monkeypatch):
@@ -112,7 +112,7 @@ def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine
             assert learner.note(eng, ids, np.array([ids.size]), ids, carried(ids), trusted=True, source=b"a")
         assert learner.note(eng, b_ids, np.array([b_ids.size]), b_ids, carried(b_ids), trusted=True, source=b"b")
     _until(lambda: eng.counters.local_steps == 4)
-    _until(lambda: (eng.slots.lookup(np.concatenate(a + [b_ids])) >= 0).all())
+    _until(lambda: (eng.slots.find(np.concatenate(a + [b_ids])) >= 0).all())
     _until(lambda: eng.counters.promotions == 400)  # mapped is not filled: the last fill's rows placed
     # a's first note may be the learner's already (its rows no longer in the budget): then a's
     # second goes without, else its first (and its third, which found the budget full); b's rows
@@ -120,4 +120,4 @@ def test_rows_past_the_budget_are_left_out_of_the_client_holding_the_most(engine
     assert eng.counters.note_rows_placed in (200, 300), eng.counters.note_rows_placed
     assert eng.stats()["notes_dropped"] == 0  # rows left out, never a note
     for ids in a + [b_ids]:
-        assert np.array_equal(eng.arena.rows[eng.slots.lookup(ids)], data[ids])
+        assert np.array_equal(eng.arena.rows[eng.slots.find(ids)], data[ids])

@@ -133,17 +133,18 @@ class SlotTable:
     def resident(self) -> int:
         return self.capacity - self.n_free
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each id (int64; -1: not resident). Lock held: exact."""
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id (int64; -1: not resident). Lock held: exact. (Finding gives
+        slots; a lookup, in this code, gives rows.)"""
         return self.map.find(ids)
 
-    def lookup_pin(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def find_pin(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The slot of each id (-1: not resident), the resident ones pinned once.
 
         ids: unique. Returns (slots int64, hit slots, how many of them may be FILLING: see
         is_filling). PinsSaturated if a hit slot counts PIN_MAX pins already (none pinned)."""
         slots = self.map.find(ids)
-        k = _LOOKUP_PIN.compiled()
+        k = _FIND_PIN.compiled()
         if k is not None:
             n_hit, newly, filling = k(slots, self.pins, self.gen, PIN_MAX)
             if n_hit < 0:
@@ -323,7 +324,7 @@ def _pin_loop(pins, slots, times, most):
     return delta
 
 
-def _lookup_pin_loop(slots, pins, gen, most):
+def _find_pin_loop(slots, pins, gen, most):
     """Pin the found slots (>= 0) once: (hits, newly pinned, hits with gen odd), or (-1, 0, 0),
     nothing pinned, if one counts `most` pins already."""
     for i in range(slots.shape[0]):
@@ -371,5 +372,5 @@ def _stack_loop(id_of, top, n, seen):
     return n, s
 
 
-_PIN, _LOOKUP_PIN, _TAKE, _PUT, _STACK = (Kernel(f) for f in (_pin_loop, _lookup_pin_loop, _take_loop, _put_loop,
+_PIN, _FIND_PIN, _TAKE, _PUT, _STACK = (Kernel(f) for f in (_pin_loop, _find_pin_loop, _take_loop, _put_loop,
                                                                _stack_loop))

@@ -256,7 +256,7 @@ class CacheEngine(TableEngine):
                             recorded = self.policy.sketch.recorded
                             self.policy.sketch.add(*_unique_max(chunk, counts[a:a + chunk.size]))
                             self.policy.sketch.recorded = recorded
-                        miss = np.unique(chunk[self.slots.lookup(chunk) < 0])
+                        miss = np.unique(chunk[self.slots.find(chunk) < 0])
                     got = self.promote(miss)
                 finally:
                     self.leave()
@@ -282,7 +282,7 @@ class CacheEngine(TableEngine):
         with self.lock:
             # hits pinned at once: also keeps this step's hits through its own evictions
             try:
-                slots, hit_slots, n_filling = st.lookup_pin(uniq)
+                slots, hit_slots, n_filling = st.find_pin(uniq)
             except PinsSaturated:
                 self.counters.lease_refusals += 1
                 raise

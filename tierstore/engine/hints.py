@@ -78,7 +78,7 @@ class Hints:
     def _prefetch_unique(self, uniq: np.ndarray, read: bool, steps: int, conn_id: bytes) -> int:
         e = self.engine
         with e.lock:
-            slots = e.slots.lookup(uniq)
+            slots = e.slots.find(uniq)
             miss = uniq[slots < 0]
             # kept for the request: resident rows, and missing ones once read in (here, or by another step)
             e.policy.expect(slots[slots >= 0].astype(np.int64, copy=False), miss, steps, conn_id)

@@ -136,7 +136,7 @@ class Notes:
                     e.policy.record(ids[a:b])
                     if e.recorder is not None:
                         e.recorder.record(e.table, ids[a:b], n_ids=e.rows)
-            slots = st.lookup(ids)
+            slots = st.find(ids)
             hit = slots >= 0
             hit_slots = slots[hit].astype(np.int64, copy=False)
             if hit_slots.size:

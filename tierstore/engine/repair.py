@@ -104,7 +104,7 @@ class CacheRepair(Repair):
         """(lock held) The slot of each row of `block`, -1 where it is not resident."""
         e = self.engine
         br = e.version.block_rows
-        return e.slots.lookup(np.arange(block * br, min((block + 1) * br, e.rows), dtype=np.int64))
+        return e.slots.find(np.arange(block * br, min((block + 1) * br, e.rows), dtype=np.int64))
 
     def verify_rows(self, ids: np.ndarray, slots: np.ndarray) -> list[tuple]:
         """Check sampled served rows: their cold block's checksum, and the arena copy

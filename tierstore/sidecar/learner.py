@@ -152,14 +152,14 @@ class Learner:
         ROW_BYTES the rows of its oldest note that carries some left out."""
         if d == ROW_BYTES:
             note = next(n for n in q.notes if n[4] is not None)
-            self._release(q, (0, 0, note[4].nbytes))
+            self._give_back(q, (0, 0, note[4].nbytes))
             note[3] = note[4] = None
             return
         eng, ids, ends, _, rows = q.notes.popleft()
-        self._release(q, (ends.size, ids.size, 0 if rows is None else rows.nbytes))
+        self._give_back(q, (ends.size, ids.size, 0 if rows is None else rows.nbytes))
         self._dropped(eng, ends.size, over_share=True)
 
-    def _release(self, q: _Queue, size) -> None:
+    def _give_back(self, q: _Queue, size) -> None:
         for d in (STEPS, IDS, ROW_BYTES):
             q.held[d] -= size[d]
             self._held[d] -= size[d]
@@ -186,11 +186,11 @@ class Learner:
             cut = int(ends[k - 1])
             if k == ends.size:
                 q.notes.popleft()
-                self._release(q, (k, cut, 0 if rows is None else rows.nbytes))
+                self._give_back(q, (k, cut, 0 if rows is None else rows.nbytes))
                 turn.append((eng, ids, ends, row_ids, rows))
             else:
                 note[1], note[2] = ids[cut:], ends[k:] - cut
-                self._release(q, (k, cut, 0))
+                self._give_back(q, (k, cut, 0))
                 turn.append((eng, ids[:cut], ends[:k], row_ids, rows))
             steps, n_ids = steps + k, n_ids + cut
         return turn

@@ -142,7 +142,8 @@ class ReceiveBudget:
                 self._queue.remove(ticket)
                 self._cv.notify_all()  # the next in line may fit now
 
-    def release(self, nbytes: int) -> None:
+    def give_back(self, nbytes: int) -> None:
+        """Return `nbytes` reserved (a buffer shrunk, or its request handled)."""
         with self._cv:
             self.held -= nbytes
             self._cv.notify_all()
