@@ -79,3 +79,43 @@ def test_corrupt_arena_bytes_are_repaired_by_the_scrub(table, free_port, metric)
         assert np.array_equal(c.lookup("v", np.arange(ROWS)), rows)  # repaired in place
         # the counter moves inside the scrub, the log line follows it: wait, do not race it
         assert _wait(lambda: "mismatch in table 'v'" in sc.log())
+
+
+def _counter(port, name: str) -> float:
+    """Counter `name` of the sidecar's one table (its _total line)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return float(next(ln for ln in text.splitlines() if ln.startswith(f"{name}_total{{")).rsplit(" ", 1)[1])
+
+
+def test_a_segment_cut_short_is_no_verdict_and_a_flipped_byte_put_back_serves_again(table, free_port, metric):
+    """A cold block the verifier cannot read whole (its segment cut short, as `cp` over it does
+    first) is counted unreadable and refuses nothing; a block whose bytes fail is refused until
+    the good bytes are back, then served again (tierstore_verify_lifted_blocks)."""
+    d, tv, rows = table
+    port = free_port()
+    seg = d / tv.segments[0]
+    whole = seg.read_bytes()
+    extra = ["--verify-sample", "1.0", "--metrics-port", port]
+    with SidecarProcess(d, dram_budget="100KiB", extra_args=extra) as sc, Client(sc.socket) as c:
+        ids = np.arange(2000, 2006)
+        with c.plan("v", ids) as step:  # resident and correct
+            assert np.array_equal(step.rows(), rows[ids])
+        seg.write_bytes(b"")
+        with c.plan("v", ids) as step:  # served from the arena; the verifier's read comes back short
+            assert np.array_equal(step.rows(), rows[ids])
+        assert _wait(lambda: _counter(port, "tierstore_verify_unreadable_blocks") > 0)
+        with c.plan("v", ids) as step:  # no verdict: still served
+            assert np.array_equal(step.rows(), rows[ids])
+        flipped = bytearray(whole)
+        flipped[2003 * tv.record_bytes + 5] ^= 0x10
+        seg.write_bytes(bytes(flipped))  # back, but one byte rotted
+        assert _wait(lambda: metric(port, "tierstore_verify_mismatches", "nvme") > 0)
+        with pytest.raises(errors.DataLoss, match=f"block {2003 // tv.block_rows}"):
+            with c.plan("v", ids) as step:
+                step.rows()
+        seg.write_bytes(whole)  # a good copy put back
+        assert _wait(lambda: _counter(port, "tierstore_verify_lifted_blocks") > 0)
+        with c.plan("v", ids) as step:
+            assert np.array_equal(step.rows(), rows[ids])

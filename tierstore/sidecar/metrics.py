@@ -61,13 +61,18 @@ class _EngineCollector:
                                       labels=["table", "tier"])
         bad = CounterMetricFamily("tierstore_verify_mismatches", "Rows online verification found corrupt",
                                   labels=["table", "tier"])
+        unreadable = CounterMetricFamily("tierstore_verify_unreadable_blocks", "Cold block reads online verification "
+                                         "could not judge (short or failed): re-checked, not refused", labels=["table"])
+        lifted = CounterMetricFamily("tierstore_verify_lifted_blocks", "Blocks marked bad whose bytes checked again: "
+                                     "served again", labels=["table"])
         for eng in list(self.served.engines.values()):
             vc = eng.verify_counters
             for tier in ("dram", "nvme"):
                 checked.add_metric([eng.table, tier], vc.checked[tier])
                 bad.add_metric([eng.table, tier], vc.mismatches[tier])
-        yield checked
-        yield bad
+            unreadable.add_metric([eng.table], vc.unreadable)
+            lifted.add_metric([eng.table], vc.lifted)
+        yield from (checked, bad, unreadable, lifted)
         for eng in list(self.served.engines.values()):
             s = eng.stats()
             t = s["table"]
