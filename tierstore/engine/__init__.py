@@ -1,7 +1,9 @@
 """Engines: one per served table version. The base (base.py) holds what both modes
 share; FullEngine (full.py) serves a table held whole in the arena, CacheEngine
-(cache.py) one whose arena caches a share of its rows; the verifier (verifier.py)
-re-checks served rows off the hot path. `make_engine` picks the mode.
+(cache.py) one whose arena caches a share of its rows. Beside serving, each engine
+has its prefetch hints (hints.py) and its repairs (repair.py, with the bad-block
+marks of bad_blocks.py); a cache-mode one its access notes (notes.py). The verifier
+(verifier.py) re-checks served rows off the hot path. `make_engine` picks the mode.
 """
 from tierstore.engine.base import Counters, Placement, TableEngine
 from tierstore.engine.cache import CacheEngine
