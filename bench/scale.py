@@ -135,7 +135,7 @@ def _lookup_bench(eng, rows: int, fresh: np.ndarray, step: int, rounds: int, rng
     per_row[st.id_of[held]] = np.flatnonzero(held).astype(np.int32)
     looser = SlotMap(SlotMap.empty_table(eng.capacity, LOOSER_LOAD), st.id_of, eng.capacity)
     looser.insert(st.id_of[held], np.flatnonzero(held))
-    fns = [("map", st.lookup), ("looser", looser.find), ("array", per_row.take)]
+    fns = [("map", st.find), ("looser", looser.find), ("array", per_row.take)]
     times = {f"{how}_{kind}": [] for how, _ in fns for kind in ("hit", "miss")}
     for r in range(rounds + 1):
         ids = {"hit": np.sort(st.id_of[rng.choice(np.flatnonzero(held), step, replace=False)]).astype(np.int64),
