@@ -2,7 +2,7 @@
 size of the arena, not of the table (O(slots), never O(rows)).
 
 The table holds SLOTS, not ids: entry = (tag << slot_bits) | slot, the key
-implicit in `id_of[slot]` (the slot table's slot -> id array, which a lookup
+implicit in `id_of[slot]` (the slot table's slot -> id array, which a find
 reads to confirm a match), all ones for an empty entry. `tag` is the rest of
 the entry's bits, taken from the id's hash, so a probe reads `id_of` (a cache
 miss of its own) only for an entry whose tag matches. capacity < 2^slot_bits,
@@ -18,7 +18,7 @@ probe reads `id_of` only on a tag match (docs/decisions.md, "The slot map's load
 Writers hold the engine's lock (one writer). Readers (a client on the host, see
 slot_index.py) read the table with no lock while the writer inserts and
 shifts, and this is why that can only cost a miss, never a wrong row:
-- a lookup returns slot s only if `id_of[s] == id` when it read it; the local
+- find returns slot s only if `id_of[s] == id` when it read it; the local
   reader then checks that `gen[s]` was even before that and is unchanged after
   its copy (slot_index.py), so whatever the table said, the row it keeps was
   row `id` for the whole copy. The table is only a hint of where to look;
@@ -28,7 +28,7 @@ shifts, and this is why that can only cost a miss, never a wrong row:
   the id a miss, which it reads from disk, exact;
 - a probe is bounded (by twice the table's size), so a reader never loops,
   whatever it sees mid-shift.
-The writer's own lookups run under the lock on a consistent table: exact.
+The writer's own finds run under the lock on a consistent table: exact.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class Notes:
             carried = None
             if row_ids is not None and row_ids.size:
                 with cpu_token.background():
-                    have, first = np.unique(row_ids, return_index=True)  # sorted, for the lookup in _read_misses
+                    have, first = np.unique(row_ids, return_index=True)  # sorted: _read_misses finds each id in them
                 carried = (have, first.astype(np.int64, copy=False), rows)
             return self._learn_chunks(ids, ends, carried, source)
         finally:

@@ -174,7 +174,7 @@ class Learner:
     def _turn(self, q: _Queue) -> list:
         """(lock held) The next client's turn: its oldest notes, at most NOTE_TURN_STEPS steps of
         at most NOTE_TURN_IDS ids (at least one step), a note past that split at a step (its
-        rows go with both parts: they are looked up by id)."""
+        rows go with both parts: each is found by its id)."""
         turn, steps, n_ids = [], 0, 0
         while q.notes and steps < NOTE_TURN_STEPS:
             note = q.notes[0]
