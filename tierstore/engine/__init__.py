@@ -2,7 +2,8 @@
 share; FullEngine (full.py) serves a table held whole in the arena, CacheEngine
 (cache.py) one whose arena caches a share of its rows. Beside serving, each engine
 has its prefetch hints (hints.py) and its repairs (repair.py, with the bad-block
-marks of bad_blocks.py); a cache-mode one its access notes (notes.py). The verifier
+marks of bad_blocks.py); a cache-mode one its access notes (notes.py) and its hot
+set (hot_set.py). The verifier
 (verifier.py) re-checks served rows off the hot path. `make_engine` picks the mode.
 """
 from tierstore.engine.base import Counters, Placement, TableEngine

@@ -57,7 +57,7 @@ class Counters:
     notes_behind: int = 0
     notes_over_share: int = 0
     notes_refused: int = 0  # notes refused as malformed (ids out of range, bad step ends)
-    warmed: int = 0  # rows a warm start promoted (CacheEngine.warm)
+    warmed: int = 0  # rows a warm start promoted (HotSet.warm)
     note_rows_placed: int = 0  # promoted from the rows a note carried (no disk read)
     note_rows_refused: int = 0  # rows a note carried that failed their row sums (read from disk instead)
     steps_copied: int = 0  # planned or noted steps another client sent first (a TP rank's copy): not learned again

@@ -14,8 +14,8 @@ ends the step's lease: nothing leaks, no half-written row is ever served.
 
 Promotion without a lease (promote: the same three stages, no step to pin for) serves
 the jobs that stand beside the plan: access notes (notes.py, `notes`), prefetch hints
-(hints.py, `hints`) and the warm start (warm, hot_set); online verification's checks
-and repairs are repair.py's (`repair`).
+(hints.py, `hints`) and the warm start (hot_set.py, `hot_set`); online verification's
+checks and repairs are repair.py's (`repair`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from tierstore import cpu_token
 from tierstore.engine.base import Placement, TableEngine
-from tierstore.errors import ChecksumError, DataLoss, InvalidArgument, ResourceExhausted, VersionNotFound
+from tierstore.errors import ChecksumError, DataLoss, ResourceExhausted, VersionNotFound
 from tierstore.jit import strictly_increasing
 from tierstore.cache.policy import make_policy
 from tierstore.cache.miss_flights import MissFlightsFile, flights_path
@@ -34,6 +34,7 @@ from tierstore.cache.slot_index import SlotIndexFile
 from tierstore.cache.slot_table import Fill, PinsSaturated, SlotTable
 from tierstore.cache.step_copies import StepCopies, step_digest
 from tierstore.engine.hints import Hints
+from tierstore.engine.hot_set import HotSet
 from tierstore.engine.notes import Notes
 from tierstore.engine.repair import CacheRepair
 from tierstore.jit import unique_inverse
@@ -46,10 +47,6 @@ log = logging.getLogger("tierstore.engine.cache")
 
 # a step waiting on another step's fill that failed plans again (bounded)
 PLAN_ATTEMPTS = 3
-# a warm start promotes this many rows per step of its own (warm); a hot set is read this
-# many slots per hold of the lock (hot_set): planned steps wait on the lock and the CPU token
-WARM_CHUNK_ROWS = 4096
-HOT_SET_CHUNK_SLOTS = 1 << 16
 
 
 class _FillFailed(Exception):
@@ -101,6 +98,7 @@ class CacheEngine(TableEngine):
         self.notes = Notes(self)  # steps clients on the host served themselves (notes.py)
         self.hints = Hints(self, self.policy.config)  # rows queued requests will read (hints.py)
         self.repair = CacheRepair(self)  # online verification's checks and repairs (repair.py)
+        self.hot_set = HotSet(self)  # the resident rows recorded, and promoted again at a start (hot_set.py)
         self._refused_logged = False  # a client's rows that failed their row sums: logged once
         self._fill_ids = itertools.count(1)
 
@@ -199,71 +197,6 @@ class CacheEngine(TableEngine):
         except (_FillFailed, ChecksumError, OSError):
             return 0
         return misses
-
-    def hot_set(self) -> tuple[np.ndarray, np.ndarray]:
-        """The resident rows, hottest first: (ids int64, counts uint8), counts the policy's
-        frequency estimates, ties in slot order. What a restart promotes again (warm).
-
-        Read HOT_SET_CHUNK_SLOTS slots per hold of the lock, so planned steps wait at most
-        one chunk; the rows resident throughout are all there, a row promoted or evicted
-        meanwhile may or may not be (it is a hint)."""
-        st = self.slots
-        ids, counts = [], []
-        for a in range(0, self.capacity, HOT_SET_CHUNK_SLOTS):
-            with cpu_token.background(), self.lock:
-                b = min(self.capacity, a + HOT_SET_CHUNK_SLOTS)
-                got = st.id_of[a:b][st.is_ready(slice(a, b))].astype(np.int64)
-                ids.append(got)
-                counts.append(np.minimum(self.policy.sketch.estimate(got), 255).astype(np.uint8))
-        ids, counts = np.concatenate(ids), np.concatenate(counts)
-        order = np.argsort(-counts.astype(np.int16), kind="stable")
-        return ids[order], counts[order]
-
-    def warm(self, ids: np.ndarray, counts: np.ndarray | None = None, stop=None) -> int:
-        """Promote `ids` (hottest first: a recorded hot_set() or a profile's hot list) into
-        free slots, WARM_CHUNK_ROWS at a time, without a lease; returns rows read.
-
-        Only free slots are filled: a row a step brought in since the start is newer
-        evidence than the hint and is not evicted for it (free slots are counted as each
-        chunk starts; steps that take some meanwhile may cost a few rows); it ends once the
-        arena is full, the ids run out, `stop` (a threading.Event) is set, or the engine
-        is retired. `counts` (the recorded frequency estimates) seed the policy's sketch
-        first, so the rows are kept as they were before the restart (main queue), not
-        treated as one-hit wonders. Rows come from the cold tier, verified as any miss
-        (a chunk whose read fails is skipped: a step reading those rows reports it).
-        Planned steps never wait for the warm-up: each chunk holds the lock and the CPU
-        token as background work (cpu_token.background), as a step's own promotion would,
-        after the plans waiting for them. InvalidArgument for ids out of range."""
-        ids = self.check_ids(ids)
-        if counts is not None:
-            counts = np.asarray(counts, dtype=np.int64).ravel()
-            if counts.shape != ids.shape:
-                raise InvalidArgument(f"table {self.table!r}: warm needs one count per id")
-        read = a = 0
-        while a < ids.size:
-            if self.retired or (stop is not None and stop.is_set()):
-                break
-            with cpu_token.background():
-                if not self.enter():
-                    break
-                try:
-                    with self.lock:
-                        room = self.slots.n_free
-                        if room == 0:
-                            break
-                        chunk = ids[a:a + min(WARM_CHUNK_ROWS, room)]
-                        if counts is not None:  # seeds, not accesses: no step toward halving
-                            recorded = self.policy.sketch.recorded
-                            self.policy.sketch.add(*_unique_max(chunk, counts[a:a + chunk.size]))
-                            self.policy.sketch.recorded = recorded
-                        miss = np.unique(chunk[self.slots.find(chunk) < 0])
-                    got = self.promote(miss)
-                finally:
-                    self.leave()
-            a += chunk.size
-            read += got
-            self.counters.warmed += got
-        return read
 
     def close(self) -> None:
         """Remove the shared slot index and miss flights (the arena is the sidecar's to close)."""
@@ -473,11 +406,3 @@ class CacheEngine(TableEngine):
         flights = self.flights.nbytes if self.flights is not None else 0
         return super().metadata_bytes() + self.slots.held_bytes + self.policy.held_bytes() + flights
 
-
-def _unique_max(ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct ids (the sketch takes each once per call), each with its largest count."""
-    order = np.lexsort((-counts, ids))
-    ids, counts = ids[order], counts[order]
-    first = np.ones(ids.size, dtype=bool)
-    first[1:] = ids[1:] != ids[:-1]
-    return ids[first], counts[first]

@@ -1,10 +1,10 @@
 """WarmStart: a cache-mode arena that starts where the last sidecar left off.
 
 The sidecar records each cache-mode table's hot set (its resident rows, hottest
-first: CacheEngine.hot_set) to the data directory every `hot_set_interval_s`
+first: HotSet.record) to the data directory every `hot_set_interval_s`
 and when it stops (tierstore/store/hot_set.py: per table version, written
 atomically). A start promotes the recorded set in the background, hottest first,
-into free slots only (CacheEngine.warm); without one, the `--profile` hot list
+into free slots only (HotSet.warm); without one, the `--profile` hot list
 of the table is the seed. Serving does not wait: the sidecar says SERVING before
 the warm-up begins, and plans, local reads and the learner run beside it.
 
@@ -86,7 +86,7 @@ class WarmStart:
             if eng.full or eng.retired or id(eng) in self._warming:
                 continue
             try:
-                ids, counts = eng.hot_set()
+                ids, counts = eng.hot_set.record()
                 save_hot_set(self.data_dir, eng.version, ids, counts)
             except OSError as e:
                 if id(eng) not in self._unwritable:
@@ -137,6 +137,6 @@ class WarmStart:
         if source is None or eng.retired:
             return
         t0 = time.monotonic()
-        n = eng.warm(ids[:eng.capacity], None if counts is None else counts[:eng.capacity], self._stop)
+        n = eng.hot_set.warm(ids[:eng.capacity], None if counts is None else counts[:eng.capacity], self._stop)
         log.info("table %s v%d: warm start from %s: %d of %d rows promoted in %.2fs", v.table, v.number,
                  source, n, min(ids.size, eng.capacity), time.monotonic() - t0)

@@ -1,4 +1,4 @@
-"""CacheEngine.hot_set and CacheEngine.warm: what a restart records and promotes again."""
+"""HotSet.record and HotSet.warm: what a restart records and promotes again."""
 from __future__ import annotations
 
 import threading
@@ -22,7 +22,7 @@ def test_the_hot_set_is_the_resident_rows_hottest_first(new_engine, step):
     for _ in range(6):
         step(eng, hot)
     step(eng, warm)
-    ids, counts = eng.hot_set()
+    ids, counts = eng.hot_set.record()
     assert np.array_equal(np.sort(ids), np.concatenate([hot, warm]))
     # the rows read six times lead (bar the few warm ones whose sketch counters they share)
     assert len(set(ids[:hot.size].tolist()) & set(hot.tolist())) >= 0.97 * hot.size
@@ -33,9 +33,9 @@ def test_a_warm_engine_hits_from_its_first_step(new_engine, step):
     eng, data = new_engine()
     for _ in range(4):
         step(eng, np.arange(SLOTS))
-    ids, counts = eng.hot_set()
+    ids, counts = eng.hot_set.record()
     fresh, _ = new_engine()
-    assert fresh.warm(ids, counts) == SLOTS
+    assert fresh.hot_set.warm(ids, counts) == SLOTS
     res, rows = step(fresh, np.arange(SLOTS))
     assert res.hits == SLOTS and np.array_equal(rows, data[:SLOTS])
     # the recorded counts seed the policy: the rows are known as often read, not as new
@@ -46,7 +46,7 @@ def test_warm_fills_free_slots_only(new_engine, step):
     eng, data = new_engine()
     served = np.arange(5000, 5000 + SLOTS - 500)
     step(eng, served)  # rows a step brought in before the warm-up ran
-    assert eng.warm(np.arange(SLOTS)) == 500  # the free slots, hottest first
+    assert eng.hot_set.warm(np.arange(SLOTS)) == 500  # the free slots, hottest first
     res, rows = step(eng, served)
     assert res.hits == served.size and np.array_equal(rows, data[served])
     res, _ = step(eng, np.arange(500))
@@ -57,5 +57,5 @@ def test_warm_stops_when_told(new_engine):
     eng, _ = new_engine()
     stop = threading.Event()
     stop.set()
-    assert eng.warm(np.arange(SLOTS), stop=stop) == 0
+    assert eng.hot_set.warm(np.arange(SLOTS), stop=stop) == 0
     assert eng.stats()["resident"] == 0
