@@ -72,6 +72,7 @@ def steps(a):
         except errors.TierstoreError as e:
             st["errors"][type(e).__name__] = st["errors"].get(type(e).__name__, 0) + 1
             st["last_error"] = str(e)[:300]
+            st.setdefault("first_error", {}).setdefault(type(e).__name__, str(e)[:300])
             continue
         if not np.array_equal(rows, expected[ids]):
             bad = np.flatnonzero((rows != expected[ids]).any(axis=1))

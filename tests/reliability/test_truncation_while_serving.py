@@ -27,6 +27,7 @@ ROWS = 60_000  # x 64 B rows: one segment of about 4.3 MB of records
 CLIENTS = 6
 ATTACK_S = 4.0
 DATA_LOSS = {"DataLoss", "ChecksumError"}  # a planned step's error, a local read's
+ROOM = "are leased by running steps"  # a step refused for room (CacheEngine._claim)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,9 @@ def _cp_over_itself(seg, until: float) -> int:
 def test_a_segment_cut_and_restored_while_clients_read_kills_nothing_and_serves_again(
         table, tmp_path, workers, sidecars, attack):
     data, exp_path, seg = table
-    sc = sidecars(data, "64KiB")  # online verification at its default sample
+    # online verification at its default sample; 2,048 slots, so six clients' steps and their
+    # lingering releases (client/step_channel.py) are seldom refused for room
+    sc = sidecars(data, "128KiB")
     stop = tmp_path / "stop"
     # each client reads every other step itself (local reads: its misses from the segment file)
     # and plans the others through the sidecar, a third of them inline
@@ -92,10 +95,18 @@ def test_a_segment_cut_and_restored_while_clients_read_kills_nothing_and_serves_
     stop.touch()
     results = workers.finish()  # a wrong row ends a worker with 3
     errors = {k: v for r in results for k, v in r["errors"].items()}
-    assert set(errors) <= DATA_LOSS and all(r["unavailable"] == 0 for r in results), results
+    # a step may also be refused for room (typed, nothing read): while the learner promotes a note's
+    # misses, their fills' pins and six clients' leases can hold every slot (CacheEngine._claim)
+    room = [r.get("first_error", {}).get("ResourceExhausted") for r in results]
+    assert set(errors) <= DATA_LOSS | {"ResourceExhausted"} and all(r["unavailable"] == 0 for r in results), \
+        [r.get("first_error") for r in results]
+    assert all(m is None or ROOM in m for m in room), room
     assert errors, f"no step failed in {cuts} cuts: the attack did not reach a read"
     assert sc.proc.poll() is None
     refused = _every_row_served(sc.socket, np.load(exp_path))
+    with Client(sc.socket) as c:
+        stats = c.stats()["tables"][0]
+    assert (int(stats["leased_slots"]), int(stats["leases_active"])) == (0, 0), stats  # every pin given back
     judged = "could not be read whole" in sc.log()  # the verifier met a cut (bad_blocks.py)
     print(f"{attack.__name__}: {cuts} cuts, {CLIENTS} clients, steps ok "
           f"{sum(r['ok'] for r in results)}, DataLoss {sum(errors.values())}, verifier met a cut: {judged}, "
