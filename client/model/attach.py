@@ -89,7 +89,7 @@ class EngramAttachment:
         for lid, layer in self.layers.items():
             uniq = np.unique(rows[lid])
             if layer.hbm_cache is not None:
-                uniq = uniq[layer.hbm_cache.lookup(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
+                uniq = uniq[layer.hbm_cache.find(uniq, count=False) < 0]  # rows the HBM tier holds need no DRAM slot
             layer.source.prefetch(layer.table, uniq, read=read, steps=steps)
             asked += uniq.size
         return asked

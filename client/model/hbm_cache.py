@@ -112,11 +112,11 @@ class HBMCache:
     def resident(self) -> int:
         return int((self.id_at >= 0).sum())
 
-    # ---- lookups -----------------------------------------------------------
+    # ---- finding slots -----------------------------------------------------------
     def _check(self, ids) -> np.ndarray:
         return check_ids(ids.cpu() if isinstance(ids, torch.Tensor) else ids, self.n_ids, self.table or "?")
 
-    def lookup(self, ids, count: bool = True) -> np.ndarray:
+    def find(self, ids, count: bool = True) -> np.ndarray:
         """int64 cache slot of each id (flattened), -1 where absent; counts hits/misses."""
         ids = self._check(ids)
         slots = self.slot_of[ids].astype(np.int64)

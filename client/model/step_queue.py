@@ -74,7 +74,7 @@ class StepQueue:
         cache_slots = miss = None
         ask = unique
         if cache is not None:
-            cache_slots = cache.lookup(unique)
+            cache_slots = cache.find(unique)
             miss = cache_slots < 0
             ask = unique[miss]
             counts = torch.bincount(inverse, minlength=unique.size).numpy()

@@ -42,11 +42,11 @@ def test_hits_and_misses_give_bit_identical_output(src):
 
 def test_lookup_and_seed(src):
     cache = HBMCache(4, SPEC.row_bytes, "cpu", N, table="l1")
-    assert (cache.lookup([1, 2, 3]) == -1).all() and cache.misses == 3
+    assert (cache.find([1, 2, 3]) == -1).all() and cache.misses == 3
     ids = np.array([9, 5, 9, 7, 2, 1])  # hottest first, a duplicate, more than capacity
     n = cache.seed(ids, src.rows("l1")[ids])
     assert n == 4 and cache.resident == 4
-    np.testing.assert_array_equal(cache.lookup([9, 5, 7, 2, 1, 3]), [0, 1, 2, 3, -1, -1])
+    np.testing.assert_array_equal(cache.find([9, 5, 7, 2, 1, 3]), [0, 1, 2, 3, -1, -1])
     assert torch.equal(cache.rows, src.rows("l1")[[9, 5, 7, 2]])
 
 
@@ -57,9 +57,9 @@ def test_refresh_admits_hot_ids_and_evicts_cold(src):
     assert cache.maybe_refresh(src) == 0  # one step observed, refresh_every=2
     cache.observe([50, 60], counts=[5, 1])
     assert cache.maybe_refresh(src) == 2  # 50, 51 replace the cold 12, 11; 60 does not beat 10 (read again)
-    slots = cache.lookup([10, 50])
+    slots = cache.find([10, 50])
     assert (slots >= 0).all()
-    assert (cache.lookup([11, 12]) == -1).sum() == 2
+    assert (cache.find([11, 12]) == -1).sum() == 2
     assert torch.equal(cache.rows[slots], src.rows("l1")[[10, 50]])
     held = cache.id_at[cache.id_at >= 0]
     assert (cache.slot_of[held] == np.flatnonzero(cache.id_at >= 0)).all()
@@ -73,7 +73,7 @@ def test_a_profiles_head_outlasts_one_off_reads(src):
     for _ in range(40):  # rows read every step for a while outweigh its prior, tail first
         cache.observe([50, 51])
         cache.maybe_refresh(src)
-    assert (cache.lookup([10, 11, 50, 51], count=False) >= 0).all()
+    assert (cache.find([10, 11, 50, 51], count=False) >= 0).all()
 
 
 def test_a_row_read_about_as_often_as_the_one_it_would_replace_is_not_copied(src):
@@ -95,13 +95,13 @@ def test_refresh_waits_for_prepared_steps(src):
         cache.seed([3], src.rows("l1")[[3]])
     layer.reset()
     assert cache.pins == 0 and cache.maybe_refresh(src) == 1
-    assert cache.lookup([7], count=False)[0] >= 0
+    assert cache.find([7], count=False)[0] >= 0
 
 
 def test_bad_input(src):
     cache = HBMCache(4, SPEC.row_bytes, "cpu", N, table="l1")
     with pytest.raises(IdOutOfRange, match=f"table 'l1' has {N} rows; id {N} is out of range"):
-        cache.lookup([N])
+        cache.find([N])
     with pytest.raises(InvalidArgument, match=r"rows must be uint8 \[2, 33\]"):
         cache.seed([1, 2], np.zeros((2, 8), np.uint8))
     with pytest.raises(SpecMismatch, match="HBMCache holds"):
@@ -150,10 +150,10 @@ def test_refresh_traffic_is_bounded_per_step(src):
 def test_cache_follows_a_topic_change(src):
     cache = HBMCache(20, SPEC.row_bytes, "cpu", N, table="l1", refresh_every=1, refresh_bytes=None, half_life=4)
     for ids in [np.arange(20)] * 10 + [np.arange(100, 120)] * 10:
-        cache.lookup(ids)
+        cache.find(ids)
         cache.observe(ids)
         cache.maybe_refresh(src)
-    assert (cache.lookup(np.arange(100, 120), count=False) >= 0).all()
+    assert (cache.find(np.arange(100, 120), count=False) >= 0).all()
 
 
 def test_attachment_reports_per_tier_stats(src):
