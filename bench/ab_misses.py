@@ -17,7 +17,11 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
                8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
   publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
 `--pair depth`:
-  qd128, qd256 reads a ring keeps in flight for a call (direct_io.READ_DEPTH; 512 on main)
+  qd1024, qd512 reads a thread's ring keeps in flight (direct_io.READ_DEPTH; 1024 on main)
+`--pair ahead`:
+  ahead        a prefill step's next chunk read ahead, in flight across the calls
+               (lookup_many's `ahead`)
+  none         each step's misses read in its own call (bench large's way)
 `--pair tables`:
   together     a step's two tables read overlapped (Client.lookup_many: each begun in turn,
                its misses in flight on the calling thread's ring while the next table's
@@ -62,9 +66,9 @@ from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
 DISK_SECONDS = 1.0  # the disk probe after the steps, per queue depth (--disk-seconds)
-PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd128", "qd256"),
+PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd1024", "qd512"),
          "tables": ("together", "apart"), "notes": ("flusher", "step"),
-         "stagger": ("staggered", "atonce")}
+         "stagger": ("staggered", "atonce"), "ahead": ("ahead", "none")}
 
 
 @contextlib.contextmanager
@@ -77,7 +81,8 @@ def _variant(name: str, side):
     ring, publish, depth = reader.thread_ring, miss_flights.MissFlights.PUBLISH_ROWS, direct_io.READ_DEPTH
     behind, stagger = step_channel.StepChannel._behind, client.LOOKUP_STAGGER
     try:
-        side.together = name in ("together", "staggered", "atonce")
+        side.together = name in ("together", "staggered", "atonce", "ahead", "none")
+        side.ahead = name == "ahead"
         if name == "atonce":
             client.LOOKUP_STAGGER = 0.0
         if name == "step":
@@ -88,11 +93,14 @@ def _variant(name: str, side):
             miss_flights.MissFlights.PUBLISH_ROWS = int(name[7:])
         elif name.startswith("qd"):
             direct_io.READ_DEPTH = int(name[2:])
+            direct_io._RINGS.tried = False  # this thread's ring made again at that depth
         yield
     finally:
         reader.thread_ring, miss_flights.MissFlights.PUBLISH_ROWS, direct_io.READ_DEPTH = ring, publish, depth
         step_channel.StepChannel._behind, client.LOOKUP_STAGGER = behind, stagger
-        side.together = False
+        side.together, side.ahead = False, False
+        if name.startswith("qd"):
+            direct_io._RINGS.tried = False
 
 
 def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps: int = 40,
@@ -121,8 +129,12 @@ def run(data_dir, table_gib: float, budget: int, *, seed: int = 1, prefill_steps
                 with _variant(variant, side):
                     before = [sum(getattr(r, k) for r in reads()) for k in counters] + [clock.seconds]
                     t0, c0 = time.perf_counter(), time.process_time()
-                    for i, step in enumerate(steps[a:a + size]):
-                        got = side.get(step)
+                    block = steps[a:a + size]
+                    for i, step in enumerate(block):
+                        # a prefill's next chunk is known a step ahead (bench large reads it so)
+                        ahead = block[i + 1] if side.ahead and phase == "steady_prefill" and i + 1 < len(block) \
+                            else None
+                        got = side.get(step, ahead)
                         if i == 0:
                             t_check, c_check = time.perf_counter(), time.process_time()
                             wrong += sum(int((g != _read_rows(data_dir, v, ids)).any(axis=1).sum())

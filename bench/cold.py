@@ -11,7 +11,9 @@ Competitors (same ids, same table, medians of rounds):
                     reason, where the filesystem refuses O_DIRECT
   tierstore-local   the same (--direct-io where the filesystem allows it) read by
                     Client.lookup: local reads, misses read and verified by the
-                    client, the sidecar told each step after the fact
+                    client, the sidecar told each step after the fact; each batch's
+                    ids are known a batch ahead (lookup's `ahead`, as a queued
+                    prefill's are): its misses read behind the batch before's
   mmap-cold         np.memmap of the segment files (MADV_RANDOM) in a child process
 
 Hit ratios: the sidecars' (unique ids per Plan found in the arena); tierstore-local's
@@ -53,7 +55,7 @@ import numpy as np
 from tierstore.bench.cache import replay_steps
 from tierstore.bench.lookup import (
     _Arena,
-    _Lookup,
+    _ReadAhead,
     check_same_rows,
     close_all,
     run_rounds,
@@ -206,7 +208,7 @@ class _Competitors:
         self.child = MmapChild(cache_dir, version, stream)
         closers.append(self.child.close)
         self.fns = {"dram": _Arena(self.dram, "cold").get, "tierstore-cold": _Arena(self.cold[1], "cold", piece).get,
-                    "mmap-cold": self.child.get, "tierstore-local": _Lookup(self.local[1], "cold").get}
+                    "mmap-cold": self.child.get, "tierstore-local": _ReadAhead(self.local[1], "cold", stream).get}
         self.sides = {"tierstore-cold": self.cold, "tierstore-local": self.local}
         if self.direct is not None:
             self.fns["tierstore-direct"] = _Arena(self.direct[1], "cold", piece).get

@@ -77,6 +77,7 @@ __all__ = ["run_large_bench", "LargeOptions", "large_tables", "text_phases", "la
 PRESET = "deepseek-v4.1-flash"
 PREFILL_TOKENS, DECODE_STREAMS = 4096, 128
 PHASES = ("cold_prefill", "cold_decode", "warmup", "steady_prefill", "steady_decode")
+AHEAD_PHASES = ("cold_prefill", "warmup", "steady_prefill")  # steps whose next step's ids are known
 COMPETITORS = ("tierstore-direct", "tierstore-cached", "mmap", "mmap-capped")
 UNITS = {"rows_per_s": "rows/s (distinct ids per layer per step, summed)", "p50_ms": "ms per step",
          "p99_ms": "ms per step", "iops": "reads/s", "hit_ratio": "fraction of distinct ids per step and layer "
@@ -240,13 +241,17 @@ class _TierstoreSide:
 
     # a step's tables read through Client.lookup_many (overlapped where the misses wait on
     # the device under O_DIRECT, staggered where a table's read is long; in turn otherwise),
-    # or one lookup a table in turn (ab_misses --pair tables sets this per block)
-    together = True
+    # or one lookup a table in turn (ab_misses --pair tables sets this per block); `ahead`:
+    # a prefill step's next chunk read ahead (lookup_many's `ahead`; ab_misses --pair ahead)
+    together, ahead = True, False
 
-    def get(self, step):
+    def get(self, step, ahead=None):
+        """The step's rows, each table's; `ahead`: the next step's ids where known (a prefill's
+        next chunk), read behind this step's (Client.lookup_many's `ahead`)."""
+        after = dict(zip(self.tables, ahead)) if ahead is not None and self.ahead else {}
         if not self.together:
-            return [self.client.lookup(t, ids) for t, ids in zip(self.tables, step)]
-        return list(self.client.lookup_many(dict(zip(self.tables, step))).values())
+            return [self.client.lookup(t, ids, ahead=after.get(t)) for t, ids in zip(self.tables, step)]
+        return list(self.client.lookup_many(dict(zip(self.tables, step)), ahead=after or None).values())
 
     def snapshot(self) -> dict:
         from tierstore.bench.lookup import _learned_stats
@@ -271,7 +276,7 @@ class _MmapSide:
             self.close()
             raise
 
-    def get(self, step):
+    def get(self, step, ahead=None):
         return [c.get(ids) for c, ids in zip(self.children, step)]
 
     def rows(self, step):
@@ -308,8 +313,11 @@ def _run_phases(name, side, phases, reference, seg_paths, progress, forward_s: f
                     t = time.perf_counter()
                     time.sleep(forward_s)
                     forward += time.perf_counter() - t
+                # a prefill's next chunk is known a step ahead (a queued prefill's: read ahead only
+                # where the side does); a decode step's ids come from the step before's forward
+                ahead = phases[p][i + 1] if p in AHEAD_PHASES and i + 1 < len(phases[p]) else None
                 t = time.perf_counter()
-                got = side.get(step)
+                got = side.get(step, ahead)
                 lat.append(time.perf_counter() - t)
                 rows += sum(ids.size for ids in step)
                 if i == 0 and p in reference and not isinstance(side, _MmapSide):

@@ -209,6 +209,19 @@ class _Lookup:
         return self.client.lookup(self.table, ids, out=self.out.take(ids.size))
 
 
+class _ReadAhead(_Lookup):
+    """Client.lookup with the next batch's ids as `ahead` (known a step ahead, as a queued
+    prefill's next chunk is): its misses read behind this batch's, the device's queue never
+    drained between the calls. `stream`: every batch, in the order they are read."""
+
+    def __init__(self, client, table: str, stream: list):
+        super().__init__(client, table)
+        self._next = {id(a): b for a, b in zip(stream, stream[1:])}
+
+    def get(self, ids):
+        return self.client.lookup(self.table, ids, out=self.out.take(ids.size), ahead=self._next.get(id(ids)))
+
+
 class _Prefetching(_Lookup):
     """arena-cache with request-level prefetch: while batch k is read, batch k+1's ids
     have already been handed to the sidecar (as a scheduler would at admission)."""

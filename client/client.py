@@ -234,7 +234,8 @@ class Client:
                 out[it.table] = StepPlan(self, h, arr, pending, k, inverse)
         return out
 
-    def lookup(self, table: str, ids, inline: bool | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    def lookup(self, table: str, ids, inline: bool | None = None, out: np.ndarray | None = None,
+               ahead=None) -> np.ndarray:
         """Rows uint8 [n, row_bytes] for `ids`, bit-exact as stored.
 
         A TCP client, or inline=True, gets the rows inline over gRPC. A client on
@@ -248,8 +249,14 @@ class Client:
             costs its page faults and cold cache lines (client/row_scratch.py).
             Checked before anything is read (an unfit one is refused untouched); after
             another error its contents are undefined.
+        ahead: the ids of this thread's next lookup of the table, where known (a queued
+            prefill's next chunk): on the local-reads route their misses are read first and
+            kept in flight across the calls, so the device's queue does not drain between
+            them, and the next call copies those rows instead of reading them (a hint: rows
+            it does not use are let go; checked like `ids`).
         Raises IdOutOfRange / InvalidArgument (bad ids, an unfit `out`), TableNotFound,
         and what TableHandle.begin and its batch's finish raise."""
+        after = self._ahead(table, ahead)
         if inline or not self.on_host:
             arr = as_ids(ids)
             if out is not None:
@@ -260,21 +267,30 @@ class Client:
                 return rows
             out[...] = rows
             return out
-        return self._begin(table, ids, out).finish()
+        return self._begin(table, ids, out, after).finish()
 
-    def _begin(self, table: str, ids, out: np.ndarray | None = None) -> MissBatch:
-        """TableHandle.begin of checked `ids` (and `out`) on this host: lookup finishes it at once,
-        lookup_many a step's tables once all are begun."""
+    def _ahead(self, table: str, ids) -> np.ndarray | None:
+        """A lookup's `ahead` ids checked (IdOutOfRange, InvalidArgument), or None."""
+        if ids is None:
+            return None
+        self._check_open()
+        arr = as_ids(ids)
+        check_ids(arr, self.handle(table).rows, table)
+        return arr
+
+    def _begin(self, table: str, ids, out: np.ndarray | None = None, ahead: np.ndarray | None = None) -> MissBatch:
+        """TableHandle.begin of checked `ids` (and `out`; `ahead`, checked) on this host: lookup
+        finishes it at once, lookup_many a step's tables once all are begun."""
         self._check_open()
         arr = as_ids(ids)
         h = self.handle(table)
         check_ids(arr, h.rows, table)
         if out is not None:
             check_out(out, arr.size, h.row_bytes, table)
-        return h.begin(arr, out)
+        return h.begin(arr, out, ahead)
 
-    def lookup_many(self, tables: dict, inline: bool | None = None,
-                    out: dict | None = None) -> dict[str, np.ndarray]:
+    def lookup_many(self, tables: dict, inline: bool | None = None, out: dict | None = None,
+                    ahead: dict | None = None) -> dict[str, np.ndarray]:
         """lookup() for every table of a step ({table: ids}): {table: rows}, in the dict's order.
 
         On the sidecar's host, with every table's misses read with O_DIRECT (`serve
@@ -294,23 +310,34 @@ class Client:
         once the next step probed first (prefill hit -0.004 at the 1/6-scale table). Through
         the page cache the tables are read in turn (a begin reads there). A TCP client, or
         inline=True, asks for the tables in turn. out: {table: buffer}, lookup's `out` for any
-        of the tables. Raises what lookup raises, after every table begun has ended
-        (the first error in the dict's order), its `table` attribute the table whose read
-        raised it (an engine names the layer); InvalidArgument when `tables` or `out` is not
-        a mapping."""
-        for what, m in (("{table: ids}", tables), ("out={table: buffer}", {} if out is None else out)):
+        of the tables. ahead: {table: ids}, lookup's `ahead` for any of the tables (the next
+        step's misses in flight across the calls, every table's), all checked before any
+        table is read. Raises what lookup raises, after every table begun has ended (the
+        first error in the dict's order), its `table` attribute the table whose read raised
+        it (an engine names the layer); InvalidArgument when `tables`, `out` or `ahead` is
+        not a mapping."""
+        for what, m in (("{table: ids}", tables), ("out={table: buffer}", {} if out is None else out),
+                        ("ahead={table: ids}", {} if ahead is None else ahead)):
             if not isinstance(m, Mapping):
                 raise errors.InvalidArgument(f"lookup_many takes {what}, got {type(m).__name__}")
-        outs = out or {}
-        extra = [t for t in outs if t not in tables]
-        if extra:
-            raise errors.InvalidArgument(f"lookup_many's out names table(s) {extra} that the step does not read")
+        outs, aheads = out or {}, ahead or {}
+        for what, m in (("out", outs), ("ahead", aheads)):
+            extra = [t for t in m if t not in tables]
+            if extra:
+                raise errors.InvalidArgument(f"lookup_many's {what} names table(s) {extra} that the step does not read")
+        checked = {}
+        for t, a in aheads.items():  # every table's `ahead` checked before any table is read
+            try:
+                checked[t] = self._ahead(t, a)
+            except BaseException as e:
+                e.table = t
+                raise
         items = list(tables.items())
         if inline or not self.on_host or len(items) < 2 or not self._all_direct(items):
             got = {}
             for t, ids in items:
                 try:
-                    got[t] = self.lookup(t, ids, inline, outs.get(t))
+                    got[t] = self.lookup(t, ids, inline, outs.get(t), checked.get(t))
                 except BaseException as e:
                     e.table = t
                     raise
@@ -323,7 +350,7 @@ class Client:
             try:
                 if stagger and begun:  # the last table's reads part landed first (its note leaves earlier)
                     begun[-1][2].land(LOOKUP_STAGGER)
-                begun.append((k, t, self._begin(t, ids, outs.get(t))))
+                begun.append((k, t, self._begin(t, ids, outs.get(t), checked.get(t))))
             except BaseException as e:  # the tables begun are still finished: their reads are in flight
                 e.table = t
                 failed.append((k, e))

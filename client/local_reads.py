@@ -108,18 +108,49 @@ class LocalReads:
         self.distinct_device = 0  # of distinct_cold, those this process read from the segment files itself
         self.cold_seconds = 0.0  # wall time in the miss path (claims, reads, checks): its rate beside the step's
         self._flights = None  # MissFlights under O_DIRECT (cache/miss_flights.py), opened with the reader
+        self._mine = threading.local()  # per thread: `last`, its last step's batch (begin copies rows from it)
+        self._closed = False
 
-    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> MissBatch | None:
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None,
+              ahead: np.ndarray | None = None) -> MissBatch | None:
         """A lookup of int64 `ids` (in range, any order, repeats fine) begun: the probe (hits
         copied into `out`, uint8 [len(ids), row_bytes], C-contiguous: checked by the caller),
-        then the misses' batch (tiers/nvme/miss_batch.py) claimed (the miss flights, under
-        O_DIRECT) and submitted: under io_uring in flight on this thread's ring when this
-        returns. MissBatch.finish(), in this thread, waits for them, verifies and places them,
-        notes the step (`note`) and returns the rows. So a caller begins a step's tables one
-        after another and the device reads one table's misses while the next one's hits are
-        copied (Client.lookup_many). None when the misses have to be planned through the
-        sidecar instead (no cold_dir offered, or its files would not open here): the hits
-        are copied, nothing else is done."""
+        then the misses' batch (tiers/nvme/miss_batch.py) claimed (rows this thread read for
+        the table's last step, or read ahead for this one, copied from those batches; the
+        miss flights, under O_DIRECT) and submitted: under io_uring in flight on this
+        thread's ring when this returns. MissBatch.finish(), in this thread, waits for them,
+        verifies and places them, notes the step (`note`) and returns the rows. So a caller
+        begins a step's tables one after another and the device reads one table's misses
+        while the next one's hits are copied (Client.lookup_many).
+
+        ahead: the next step's ids (int64, in range), known ahead (a queued prefill's next
+        chunk): their misses, bar this step's, are read as a batch of their own, submitted
+        behind this step's reads and left in flight on this thread's ring, so the device
+        has the next step's reads while this step's are placed and between the calls; this
+        thread's next begin of the table claims its rows from it (copied at its finish). A
+        hint: rows found resident by then are not used, and a begin from another thread
+        does not see it. Until then it is this thread's (_ThreadAhead), never holding its
+        ring entries and scratch past its reads: a begin of any table on the thread
+        finishes it once they have landed.
+
+        None when the misses have to be planned through the sidecar instead (no cold_dir
+        offered, or its files would not open here): the hits are copied, nothing else is done."""
+        queued = _AHEAD.reap(self)
+        last, self._mine.last = getattr(self._mine, "last", None), None
+        batch = None
+        try:
+            batch = self._begin(ids, out, ([last] if last is not None else []) + queued)
+        finally:  # a batch read ahead that this step copies nothing from is let go once landed
+            used = batch.kept_from if batch is not None else []
+            for b in queued:
+                if not any(b is u for u in used):
+                    _AHEAD.add(None, b)
+        if batch is not None and ahead is not None and ahead.size:
+            _AHEAD.add(self, self._read_ahead(ahead, batch))
+        return batch
+
+    def _begin(self, ids: np.ndarray, out: np.ndarray | None, kept: list) -> MissBatch | None:
+        """begin's probe, claim (rows of the `kept` batches claimed from them) and submit."""
         if out is None:
             out = np.empty((ids.size, self.row_bytes), dtype=np.uint8)
         where, asked = self.probe(ids, out)
@@ -138,7 +169,30 @@ class LocalReads:
             uniq, inv, got = where, where, None
         batch = MissBatch(cold, uniq, got, np.arange(uniq.size), records, clock=self._clock if where.size else None,
                           note=lambda b: self.note(b, ids, out, where, asked, inv))
-        return batch.claim(flights).submit()
+        return batch.claim(flights, kept=kept).submit()
+
+    def _read_ahead(self, ids: np.ndarray, step: MissBatch) -> MissBatch | None:
+        """The misses of `ids` (the slot index probed without copies: a hint needs no more) that
+        this `step` does not read (the next step copies those from it), read into a batch of
+        their own: submitted now, claimed by this thread's next begin of the table. None
+        where there is nothing to read, or this process reads no misses; a batch that
+        cannot start is let go (a hint: the next step reads those rows itself, and raises
+        there)."""
+        cold = self._reader()
+        if cold is None:
+            return None
+        uniq = np.unique(ids[self.map.find(ids) < 0])
+        uniq = uniq[~np.isin(uniq, step.ids, assume_unique=True)]
+        if uniq.size == 0:
+            return None
+        records = np.empty((uniq.size, cold.carried.width), dtype=np.uint8) if cold.carried.form == trust.RECORDS \
+            else None
+        batch = MissBatch(cold, uniq, np.empty((uniq.size, self.row_bytes), dtype=np.uint8), np.arange(uniq.size),
+                          records)
+        try:
+            return batch.claim().submit()
+        except (TierstoreError, OSError):
+            return None
 
     def probe(self, ids: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The probe stage: the rows the slot index holds READY copied into out, each checked
@@ -156,7 +210,8 @@ class LocalReads:
         a disk read), the counts kept; returns `out`."""
         uniq, carried = batch.ids, None
         if where.size:
-            self.distinct_device += uniq.size - batch.shared
+            self._mine.last = batch  # its rows, for this thread's next step's misses
+            self.distinct_device += uniq.size - batch.shared - batch.kept
             self.cold_seconds += time.perf_counter() - batch.started
             out[where] = batch.dest[inv]
             self.distinct_cold += uniq.size
@@ -202,12 +257,58 @@ class LocalReads:
         return self._cold
 
     def close(self) -> None:
+        """Let the reader, the flights and the kept batches go; this thread's read ahead is
+        abandoned now, another thread's by that thread's next begin of any table (its reads are
+        on that thread's ring) or with the thread."""
+        self._closed, self._mine = True, threading.local()
+        _AHEAD.reap(self)
         if self._flights is not None:
             self._flights.close()
             self._flights = None
         if self._cold is not None:
             self._cold.close()
             self._cold = None
+
+
+class _ThreadAhead(threading.local):
+    """A thread's batches read ahead (LocalReads.begin's `ahead`), each with its reader, until
+    that reader's next begin on the thread claims it (reader None: a batch no step claimed,
+    let go). Their reads are on this thread's ring, and the ring's queue starts again only
+    once every batch on it is waited for, so the next begin of any table on the thread
+    finishes a batch whose reads have landed (nothing waited for: its scratch given back),
+    lets go one no step wants, and abandons one whose reader is closed."""
+
+    def __init__(self):
+        self.batches: list[tuple[LocalReads | None, MissBatch]] = []
+
+    def add(self, reads: LocalReads | None, batch: MissBatch | None) -> None:
+        if batch is not None:
+            self.batches.append((reads, batch))
+
+    def reap(self, reads: LocalReads) -> list[MissBatch]:
+        """`reads`' batches, taken; the others finished or let go as above."""
+        mine, keep = [], []
+        for r, b in self.batches:
+            if r is reads and not r._closed:
+                mine.append(b)
+            elif r is None or r._closed:
+                if r is not None or b.landed():
+                    b.abandon()
+                else:
+                    keep.append((r, b))
+            elif not b.finished and b.landed():
+                try:
+                    b.finish()
+                    keep.append((r, b))
+                except (TierstoreError, OSError):
+                    pass  # a hint: the step that asks reads those rows itself, and raises there
+            else:
+                keep.append((r, b))
+        self.batches = keep
+        return mine
+
+
+_AHEAD = _ThreadAhead()
 
 
 def _flights(handle: "TableHandle", cold) -> MissFlights | None:

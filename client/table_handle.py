@@ -56,7 +56,7 @@ class TableHandle:
         # the read route, chosen once (begin() says which serves what)
         self._route = self._take if self.full_resident else self._read_local if self.index_path else self._read_planned
 
-    def begin(self, ids: np.ndarray, out: np.ndarray | None = None) -> MissBatch:
+    def begin(self, ids: np.ndarray, out: np.ndarray | None = None, ahead: np.ndarray | None = None) -> MissBatch:
         """A lookup of int64 `ids` (in range: the caller checked them; any order, repeats fine)
         begun by the route chosen when the handle was made; MissBatch.finish(), in this thread,
         returns the rows uint8 [n, row_bytes], bit-exact as stored, in `out` where given
@@ -75,14 +75,17 @@ class TableHandle:
         retired meanwhile, so the next lookup describes the table again), or the step
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
         version without row sums; or the segment files would not open here, warned once).
+        ahead: the next step's ids (checked by the caller), known ahead: on the local-reads
+        route their misses are read first and kept in flight for this thread's next
+        lookup (LocalReads.begin); on the others, nothing (a hint).
         Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows);
         finish raises DataLoss for a miss that fails its checksum."""
-        return self._route(ids, out)
+        return self._route(ids, out, ahead)
 
-    def _take(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
+    def _take(self, ids: np.ndarray, out: np.ndarray | None, ahead=None) -> MissBatch:
         return MissBatch.done(self.mapped.take(ids, out))  # interleaved rows, whatever the arena's layout
 
-    def _read_local(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
+    def _read_local(self, ids: np.ndarray, out: np.ndarray | None, ahead=None) -> MissBatch:
         reads = self.local_reads
         if reads is None:
             try:
@@ -90,10 +93,10 @@ class TableHandle:
                                                          self._client.miss_clock)
             except errors.StaleArena:
                 pass  # the index is gone with its arena: this call is planned
-        batch = reads.begin(ids, out) if reads is not None else None
+        batch = reads.begin(ids, out, ahead) if reads is not None else None
         return batch if batch is not None else self._read_planned(ids, out)
 
-    def _read_planned(self, ids: np.ndarray, out: np.ndarray | None) -> MissBatch:
+    def _read_planned(self, ids: np.ndarray, out: np.ndarray | None, ahead=None) -> MissBatch:
         with self._client.plan(self.table, ids) as step:
             return MissBatch.done(step.rows(out))
 

@@ -29,7 +29,8 @@ def v41_data(tmp_path_factory):
                                                    ("publish", ("publish1024", "publish8192"), ["--swap"]),
                                                    ("tables", ("apart", "together"), ["--swap"]),
                                                    ("notes", ("flusher", "step"), []),
-                                                   ("stagger", ("staggered", "atonce"), [])])
+                                                   ("stagger", ("staggered", "atonce"), []),
+                                                   ("ahead", ("none", "ahead"), ["--swap"])])
 def test_ab_misses_reads_both_ways_bit_exact_and_reports_each(v41_data, pair, variants, order):
     data = v41_data
     shutil.rmtree(data / "hot_sets", ignore_errors=True)  # the last pair's sidecar recorded its arena

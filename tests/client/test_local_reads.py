@@ -633,6 +633,79 @@ def test_lookup_many_reads_a_steps_tables_at_once_exactly_and_each_is_learned(tm
 
 
 
+@pytest.mark.parametrize("flag", ["page-cache", "--direct-io"])
+def test_the_next_steps_misses_read_ahead_serve_it_exactly_without_a_read_of_its_own(tmp_path, flag):
+    """lookup(..., ahead=next ids) and lookup_many(..., ahead=): the next step's misses are read
+    behind this step's (their batch in flight on the calling thread's ring across the calls),
+    and the next call copies those rows instead of reading them: no device read of its own,
+    every row bit-exact, each step noted with its misses as ever. A call from another thread
+    reads its own misses, exactly; closing the client abandons a read ahead no step took,
+    leaving nothing on the thread's ring."""
+    from tierstore.tiers.nvme.direct_io import thread_ring
+
+    d = tmp_path / "data"
+    data = {t: _write(d, seed=k, table=t) for k, t in enumerate(("a", "b"))}
+    sc = direct_sidecar(d) if flag == "--direct-io" else SidecarProcess(d, dram_budget="1MiB").start()
+    try:
+        with Client(sc.socket) as c:
+            # steps share no id: none is resident when the next step's misses are read ahead
+            steps = list(np.random.default_rng(9).permutation(ROWS)[:600 * 9].reshape(9, 600))
+            for k, ids in enumerate(steps[:5]):
+                reads = c.handle("a").local_reads
+                device = reads.distinct_device if reads is not None else 0
+                assert np.array_equal(c.lookup("a", ids, ahead=steps[k + 1]), data["a"][ids])
+                if k:  # read ahead by the call before: none of its misses read now
+                    assert c.handle("a").local_reads.distinct_device == device, f"step {k} read its misses again"
+            # steps[5] was read ahead for "a"; another thread asks for it: read there, exactly
+            got = {}
+            other = threading.Thread(target=lambda: got.update(x=c.lookup("a", steps[5])))
+            other.start()
+            other.join()
+            assert np.array_equal(got["x"], data["a"][steps[5]])
+            got = c.lookup_many({"a": steps[6], "b": steps[7]}, ahead={"a": steps[7], "b": steps[8]})
+            assert np.array_equal(got["a"], data["a"][steps[6]]) and np.array_equal(got["b"], data["b"][steps[7]])
+            device = {t: c.handle(t).local_reads.distinct_device for t in ("a", "b")}
+            got = c.lookup_many({"a": steps[7], "b": steps[8]})
+            assert np.array_equal(got["a"], data["a"][steps[7]]) and np.array_equal(got["b"], data["b"][steps[8]])
+            assert {t: c.handle(t).local_reads.distinct_device for t in ("a", "b")} == device, "read again"
+            c.lookup("a", steps[0], ahead=steps[8])  # a read ahead no step takes
+            ring = thread_ring()
+            for k in range(5):  # lookups of another table finish it once landed: the ring's queue empties
+                assert np.array_equal(c.lookup("b", steps[k]), data["b"][steps[k]])
+                if ring is None or ring.queued == 0:
+                    break
+            assert ring is None or ring.queued == 0, "a read ahead held the ring's queue"
+            c.lookup("a", steps[1], ahead=steps[2])  # one left for close
+            c.flush()
+            assert _wait(c, "local_steps", 10, table="a")["local_steps"] == 10  # each call noted once
+        ring = thread_ring()
+        assert ring is None or ring.queued == 0, "a read ahead left on the ring after close"
+    finally:
+        sc.cleanup()
+
+
+def test_a_bad_ahead_is_refused_before_anything_is_read(served):
+    """ahead ids out of range, not integers, or for a table the step does not read: the typed
+    error, and nothing read or noted for the call (the ids asked for are not read either)."""
+    sc, c, data = served
+    ids = np.arange(0, ROWS, 97)
+    c.lookup("t", ids[:10])
+    reads = c.handle("t").local_reads
+    before = (reads.steps, reads.distinct_device)
+    for bad in ([ROWS], [-1], np.array([0.5])):
+        with pytest.raises((errors.IdOutOfRange, errors.InvalidArgument)):
+            c.lookup("t", ids, ahead=bad)
+        with pytest.raises((errors.IdOutOfRange, errors.InvalidArgument)) as e:
+            c.lookup_many({"t": ids}, ahead={"t": bad})
+        assert e.value.table == "t"
+    with pytest.raises(errors.InvalidArgument, match="names table"):
+        c.lookup_many({"t": ids}, ahead={"u": ids})
+    with pytest.raises(errors.InvalidArgument, match="ahead"):
+        c.lookup_many({"t": ids}, ahead=[ids])
+    assert (reads.steps, reads.distinct_device) == before
+    assert np.array_equal(c.lookup("t", ids, ahead=ids[::-1]), data[ids])
+
+
 def test_the_miss_clock_counts_overlapping_paths_once():
     """Client.miss_clock: two tables' miss paths at once count their overlap once."""
     from tierstore.client.local_reads import BusyClock

@@ -153,6 +153,10 @@ class ColdTier(Tier):
     def abandon(self, part) -> None:
         """A part that will not be placed: its reads waited for, its buffers given back."""
 
+    def landed(self, part) -> bool:
+        """Every read of a part done, asked without waiting (MissBatch.landed)."""
+        return True
+
     def land(self, batch, share: float) -> None:
         """`share` of a batch's reads landed (MissBatch.land)."""
 

@@ -41,12 +41,10 @@ from tierstore.tiers.nvme.uring import Ring
 __all__ = ["DirectFiles", "Spans", "read_now", "probe_alignment", "part_starts", "thread_buffer", "thread_ring", "warm"]
 
 _ALIGNS = (512, 4096)
-# reads a thread's ring keeps in flight (its entries): one thread reads a step's tables through its
-# one ring (Client.lookup_many), and the device's queue must outlast the CPU work between its
-# waits (the next table's hits copied, a landed part placed). 512 against 256 in ab_misses
-# blocks, both orders: prefill misses/s +0.8% / 0.0%, decode +2.6% / +0.8% (at 256 prefill lost
-# 2-2.5% to the threaded reads it replaced); for the threaded reads 512 was within the noise
-READ_DEPTH = 512
+# reads a thread's ring keeps in flight (its entries): one thread reads a step's tables, and the
+# next step's misses read ahead, through its one ring, and the device's queue must outlast the CPU
+# work between its waits (docs/decisions.md, "The ring's depth")
+READ_DEPTH = 1024
 
 
 def probe_alignment(fd: int, path) -> int:

@@ -10,11 +10,13 @@ misses here, the same way:
 probe    the caller's: the client copies its hits from the arena through the slot
          index, the sidecar pins its hits in the slot table; what it did not find is the
          batch (`ids`: sorted, distinct) and where each row goes (dest[slots]).
-claim    which ids this reader reads itself. Rows a peer is reading now are taken from it
-         (the miss flights, cache/miss_flights.py: TP ranks missing one batch read each
-         row once between them), and rows a client already read and carried on its note
-         are placed from those bytes, each checked (tierstore/tiers/trust.py says which
-         form); the rest are the batch's own.
+claim    which ids this reader reads itself. Rows an earlier batch of the table holds or
+         is reading (the last step's, or one read ahead: Client.lookup's `ahead`) are
+         copied from it at finish; rows a peer is reading now are taken from it (the miss flights,
+         cache/miss_flights.py: TP ranks missing one batch read each row once between
+         them); rows a client already read and carried on its note are placed from those
+         bytes, each checked (tierstore/tiers/trust.py says which form); the rest are the
+         batch's own.
 submit   the reads of its own ids put in flight, in parts (the tier's submit: on the
          calling thread's io_uring, reads the page cache holds done at once, or on the
          read pool where there is no io_uring). Returns while the device reads, so a
@@ -76,8 +78,8 @@ class MissBatch:
         ends (client/local_reads.BusyClock), or None.
 
     Counts what it did: `taken` (rows a note carried, placed), `refused` (rows a note carried
-    that failed: read instead), `shared` (rows copied from peers), `started` (when submit
-    began, perf_counter)."""
+    that failed: read instead), `shared` (rows copied from peers), `kept` (rows copied from
+    earlier batches), `started` (when submit began, perf_counter)."""
 
     def __init__(self, tier, ids: np.ndarray, dest: np.ndarray, slots: np.ndarray,
                  records: np.ndarray | None = None, *, note: Callable | None = None, clock=None):
@@ -87,9 +89,11 @@ class MissBatch:
         self.flights = None  # cache/miss_flights.MissFlights, where the claim shares the misses
         self.own = None  # positions this reader reads (None: all)
         self.queued = None  # (first, end) of its reads' places in the ring's queue (the tier's submit sets it)
-        self.taken, self.refused, self.refused_first, self.shared = 0, 0, -1, 0
+        self.taken, self.refused, self.refused_first, self.shared, self.kept = 0, 0, -1, 0, 0
+        self.finished = False  # finish returned (its rows placed and verified)
         self.started = 0.0
         self._claims = None  # (state, entry, seen) of the flights' claim
+        self._kept_from: list[tuple] = []  # (batch, positions here, slots there) of the kept rows
         self._unpublished = None  # bool [n]: claimed here and not yet published
         self._bad: list[tuple[int, str]] = []  # (position, why) of rows that failed
         self._clocked = False
@@ -102,23 +106,40 @@ class MissBatch:
         return cls(None, none, None, none, note=lambda _: rows)
 
     # ---- the stages, in order ----
-    def claim(self, flights=None, carried: tuple | None = None) -> "MissBatch":
-        """Which rows this reader reads. carried: (sorted ids, their index in rows, rows) a
-        client read and its note carries (admitted by trust): those of the batch are placed
-        now, checked (tier.place_carried); if one fails, all of them are read instead
-        (`refused`). flights: claim the rest there (MissFlights.claim); the rows another
-        client is reading are taken from it at finish."""
+    def claim(self, flights=None, carried: tuple | None = None, kept=()) -> "MissBatch":
+        """Which rows this reader reads. kept: batches of this table this thread read before or
+        has in flight (the last step's, one read ahead: LocalReads), finished or not: the
+        rows they hold are copied from them at finish (verified as they were placed), with
+        their records (`kept` counts them; `kept_from` says which batches gave any). carried:
+        (sorted ids, their index in rows, rows) a client read and its note carries
+        (admitted by trust): those of the batch are placed now, checked
+        (tier.place_carried); if one fails, all of them are read instead (`refused`).
+        flights: claim the rest there (MissFlights.claim); the rows another client is
+        reading are taken from it at finish."""
         n = self.ids.size
         own = np.ones(n, dtype=bool)
+        for b in kept:
+            at = np.flatnonzero(own)
+            if at.size == 0:
+                break
+            if b.ids.size == 0:
+                continue
+            pos = np.minimum(np.searchsorted(b.ids, self.ids[at]), b.ids.size - 1)
+            hit = b.ids[pos] == self.ids[at]
+            if hit.any():
+                self._kept_from.append((b, at[hit], b.slots[pos[hit]]))
+                own[at[hit]] = False
+                self.kept += int(np.count_nonzero(hit))
         if carried is not None and n:
             have_ids, row_at, rows = carried
             pos = np.minimum(np.searchsorted(have_ids, self.ids), have_ids.size - 1)
-            have = have_ids[pos] == self.ids
+            have = (have_ids[pos] == self.ids) & own
             k = int(np.count_nonzero(have))
             if k:
                 bad = self.tier.place_carried(self.ids[have], rows, row_at[pos[have]], self.dest, self.slots[have])
                 if bad < 0:
-                    self.taken, own = k, ~have
+                    self.taken = k
+                    own &= ~have
                 else:
                     self.refused, self.refused_first = k, int(self.ids[have][bad])
         if flights is not None and n:
@@ -156,7 +177,8 @@ class MissBatch:
 
     def finish(self):
         """Each part waited for (tier.finish), verified and placed (tier.place) and published,
-        in order; then the rows peers claimed taken (or read here), records made where asked,
+        in order; then the rows kept from earlier batches copied (each finished first), the
+        rows peers claimed taken (or read here), records made where asked,
         and the caller's note run: its result returned. ChecksumError (DATA_LOSS) for the
         first row that failed, OSError for a read that did, the batch abandoned first."""
         try:
@@ -165,13 +187,19 @@ class MissBatch:
             if self._bad:
                 pos, why = min(self._bad)
                 raise self.tier.row_error(int(self.ids[pos]), why)
+            self._take_kept()
             took = self._take_shared() if self.flights is not None else None
             self._make_records(took)
         except BaseException:
             self.abandon()
             raise
         self._leave_clock()
+        self.finished = True
         return self._note(self) if self._note is not None else None
+
+    def landed(self) -> bool:
+        """Every read of the batch is done (its finish waits for nothing), asked without waiting."""
+        return all(self.tier.landed(part) for part in self.parts)
 
     def land(self, share: float) -> None:
         """Wait until `share` of this batch's reads on the ring have landed (the rest stay in
@@ -185,6 +213,10 @@ class MissBatch:
         parts, self.parts = self.parts, []
         for part in parts:
             self.tier.abandon(part)
+        kept, self._kept_from = self._kept_from, []
+        for b, _, _ in kept:
+            if not b.finished:
+                b.abandon()
         if self._unpublished is not None and self._unpublished.any():
             at, state, entry, seen = self._claims
             give = np.flatnonzero(self._unpublished[at])
@@ -214,6 +246,30 @@ class MissBatch:
             rows = self.records[self.slots[mine]] if self.records is not None else self.dest[self.slots[mine]]
             self.flights.publish(entry[k], seen[k], rows)
             self._unpublished[mine] = False
+
+    @property
+    def kept_from(self) -> list["MissBatch"]:
+        """The earlier batches the claim copies rows from (until finish has copied them)."""
+        return [b for b, _, _ in self._kept_from]
+
+    def _take_kept(self) -> None:
+        """The rows the claim found in earlier batches copied from them, each batch finished
+        first where it is not; the rows of one that fails are read here, as a batch of their own
+        (and fail here, the same way, if they are bad)."""
+        while self._kept_from:  # each taken off once it is ended (abandon ends the rest)
+            b, mine, theirs = self._kept_from[0]
+            try:
+                if not b.finished:
+                    b.finish()
+            except Exception:  # noqa: BLE001 - its rows are read again here: their error is raised here
+                self._kept_from.pop(0)
+                self.kept -= mine.size
+                MissBatch(self.tier, self.ids[mine], self.dest, self.slots[mine], self.records).submit().finish()
+                continue
+            self._kept_from.pop(0)
+            self.dest[self.slots[mine]] = b.dest[theirs]
+            if self.records is not None and b.records is not None:
+                self.records[self.slots[mine]] = b.records[theirs]
 
     def _take_shared(self) -> np.ndarray:
         """The rows peers published or are reading, copied (each checked) as they are published;

@@ -309,6 +309,12 @@ class SegmentReader(ColdTier):
         for spans in part.spans:
             spans.release()
 
+    def landed(self, part: Part) -> bool:
+        """Every read of `part` done (its pool task, its ring batches), asked without waiting."""
+        if part.task is not None and not part.task.done():
+            return False
+        return not part.tickets or all(thread_ring().done(ticket) for _, _, ticket in part.tickets)
+
     def land(self, batch: MissBatch, share: float) -> None:
         """`share` of batch's reads on this thread's ring landed (MissBatch.land)."""
         ring = thread_ring()

@@ -251,6 +251,14 @@ class Ring:
             self._state[:] = 0
         return res
 
+    def done(self, ticket: int) -> bool:
+        """Whether every read of batch `ticket` is done (what has landed reaped, nothing waited
+        for; its results stay for its wait). KeyError for a ticket not submitted or waited."""
+        self._batches[ticket]
+        if self._left[ticket]:
+            self._pump(-1)
+        return not self._left[ticket]
+
     @property
     def queued(self) -> int:
         """Reads queued so far (the queue starts again at 0 once a wait leaves nothing owed)."""

@@ -204,6 +204,9 @@ class RemoteReader(ColdTier):
     def abandon(self, part) -> None:
         self._done.abandon(part)
 
+    def landed(self, part) -> bool:
+        return self._done.landed(part)
+
     def land(self, batch, share: float) -> None:
         if self._done is not None:
             self._done.land(batch, share)
