@@ -1,6 +1,7 @@
 """The io_uring behind O_DIRECT row reads: every span read in one call, bit for
 bit what pread reads, short reads and errors reported per span."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -274,6 +275,27 @@ def test_reads_of_later_batches_go_on_while_an_earlier_one_is_waited_for(ring, f
     assert ring._left[tb] < n  # the second batch's reads were in flight with the first's
     assert np.array_equal(ring.wait(tb), lens)
     assert np.array_equal(b.reshape(n, 512)[::-1], a.reshape(n, 512))
+
+
+def test_done_says_a_batch_has_landed_without_waiting_and_its_wait_still_gets_the_results(ring, file, loop):
+    """Ring.done(ticket): False while reads are in flight (asked without blocking), True once
+    every read of the batch is done; its wait then returns at once with the results (the bytes
+    read), and a waited ticket is a KeyError (the read pipeline reaps a batch read ahead so)."""
+    fd, data = file
+    n = 300
+    offs = (np.arange(n, dtype=np.int64) * 4096) % (data.size - 512)
+    lens = np.full(n, 512, dtype=np.int64)
+    out = np.zeros(n * 512, np.uint8)
+    t = ring.submit(fd, offs, lens, out.ctypes.data + np.arange(n) * 512, depth=64, keep=out)
+    deadline = time.monotonic() + 10
+    while not ring.done(t):
+        assert time.monotonic() < deadline, "a batch of 300 reads never landed"
+    assert np.array_equal(ring.wait(t), lens)
+    for o, k in zip(offs.tolist(), range(n)):
+        assert np.array_equal(out[k * 512:(k + 1) * 512], data[o:o + 512])
+    assert ring._n == 0  # nothing owed: the queue starts over
+    with pytest.raises(KeyError):
+        ring.done(t)
 
 
 def test_a_ring_closed_with_reads_in_flight_waits_for_them_first(file, loop):

@@ -253,10 +253,11 @@ class Ring:
 
     def done(self, ticket: int) -> bool:
         """Whether every read of batch `ticket` is done (what has landed reaped, nothing waited
-        for; its results stay for its wait). KeyError for a ticket not submitted or waited."""
+        for; its results stay for its wait). The numpy reference, which reads a batch only when
+        it is waited for, reads it whole here. KeyError for a ticket not submitted or waited."""
         self._batches[ticket]
         if self._left[ticket]:
-            self._pump(-1)
+            self._pump(-1 if _READ.compiled() is not None else ticket)
         return not self._left[ticket]
 
     @property
