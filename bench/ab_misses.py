@@ -17,7 +17,7 @@ steps in blocks, the blocks dealt in turn to two ways of reading a call's misses
                8,192 rows, its waiters seeing each part as it lands (main since 00c2ed0)
   publish1024  in parts of 1,024 (before it: each part fills and drains its ring)
 `--pair depth`:
-  qd512, qd1024 reads a thread's ring keeps in flight (direct_io.READ_DEPTH; 512 on main)
+  qd1024, qd512 reads a thread's ring keeps in flight (direct_io.READ_DEPTH; 1024 on main)
 `--pair ahead`:
   ahead        a prefill step's next chunk read ahead, in flight across the calls
                (lookup_many's `ahead`)
@@ -66,7 +66,7 @@ from tierstore.errors import InvalidArgument
 from tierstore.sidecar.config import parse_size
 
 DISK_SECONDS = 1.0  # the disk probe after the steps, per queue depth (--disk-seconds)
-PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd512", "qd1024"),
+PAIRS = {"ring": ("ring", "pool"), "publish": ("publish8192", "publish1024"), "depth": ("qd1024", "qd512"),
          "tables": ("together", "apart"), "notes": ("flusher", "step"),
          "stagger": ("staggered", "atonce"), "ahead": ("ahead", "none")}
 

@@ -44,7 +44,7 @@ _ALIGNS = (512, 4096)
 # reads a thread's ring keeps in flight (its entries): one thread reads a step's tables, and the
 # next step's misses read ahead, through its one ring, and the device's queue must outlast the CPU
 # work between its waits (docs/decisions.md, "The ring's depth")
-READ_DEPTH = 512
+READ_DEPTH = 1024
 
 
 def probe_alignment(fd: int, path) -> int:
