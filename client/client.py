@@ -250,10 +250,11 @@ class Client:
             Checked before anything is read (an unfit one is refused untouched); after
             another error its contents are undefined.
         ahead: the ids of this thread's next lookup of the table, where known (a queued
-            prefill's next chunk): on the local-reads route their misses are read first and
-            kept in flight across the calls, so the device's queue does not drain between
-            them, and the next call copies those rows instead of reading them (a hint: rows
-            it does not use are let go; checked like `ids`).
+            prefill's next chunk): on the local-reads route their misses are read behind
+            this call's and kept in flight across the calls, so the device's queue does not
+            drain between them, and the next call copies those rows instead of reading them
+            (a hint: rows it does not use are let go, and another thread's lookup does not
+            see them; checked like `ids`, before anything is read).
         Raises IdOutOfRange / InvalidArgument (bad ids, an unfit `out`), TableNotFound,
         and what TableHandle.begin and its batch's finish raise."""
         after = self._ahead(table, ahead)

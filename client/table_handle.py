@@ -76,8 +76,8 @@ class TableHandle:
         has misses and this process reads none itself (no cold_dir offered: Mooncake, a
         version without row sums; or the segment files would not open here, warned once).
         ahead: the next step's ids (checked by the caller), known ahead: on the local-reads
-        route their misses are read first and kept in flight for this thread's next
-        lookup (LocalReads.begin); on the others, nothing (a hint).
+        route their misses are read behind this step's and kept in flight for this
+        thread's next lookup (LocalReads.begin); on the others, nothing (a hint).
         Raises what the planned route raises (ResourceExhausted, Unavailable, StaleRows);
         finish raises DataLoss for a miss that fails its checksum."""
         return self._route(ids, out, ahead)
