@@ -241,17 +241,20 @@ class SegmentReader(ColdTier):
         yield from parts
 
     def finish(self, part: Part) -> None:
-        """The finish stage: a part's reads waited for (its ring batches, or its pool task), the
-        CPU token given up meanwhile (cpu_token.waiting). OSError where io_uring_enter failed."""
-        with cpu_token.waiting():  # reads that may wait on the device: other plans compute meanwhile
-            if part.task is not None:
-                task, part.task = part.task, None
+        """The finish stage: a part's reads waited for (its ring batches, or its pool task). The
+        CPU token is given up only for a pool task (cpu_token.waiting): a ring wait keeps it, so
+        the sidecar's fills do not run side by side and pin a small arena's slots all at once
+        (planned steps were refused ResourceExhausted so: tests/reliability/
+        test_truncation_while_serving.py). OSError where io_uring_enter failed."""
+        if part.task is not None:
+            task, part.task = part.task, None
+            with cpu_token.waiting():  # reads on the pool's threads: other plans compute meanwhile
                 task.result()
-            if part.tickets:
-                ring = thread_ring()
-                while part.tickets:
-                    spans, todo, ticket = part.tickets.pop(0)
-                    spans.res[todo] = ring.wait(ticket)
+        if part.tickets:
+            ring = thread_ring()
+            while part.tickets:
+                spans, todo, ticket = part.tickets.pop(0)
+                spans.res[todo] = ring.wait(ticket)
 
     def place(self, part: Part, batch: MissBatch) -> tuple[int, str]:
         """The verify and place stage: a finished part's rows (what the ring left short pread
