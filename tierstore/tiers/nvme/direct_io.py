@@ -184,14 +184,14 @@ class Spans:
     read its result (`res`: bytes read, or -errno; -1 not yet). fd: one descriptor, or an
     int array giving each row its own (rows of several files in one set); the offsets are
     sorted within each file and one file's rows are contiguous. buffer(n) gives an
-    a-aligned scratch of >= n bytes, `release(scratch)` takes it back (release()).
+    a-aligned scratch of >= n bytes, `give_back(scratch)` takes it back (give_back()).
 
     A plain record of reads and their results: who reads them (the read pipeline's submit
     and finish, on a ring, or pread) keeps them in flight; `landed` says every read is whole."""
 
-    __slots__ = ("rb", "a", "pos", "table", "scratch", "res", "_release")
+    __slots__ = ("rb", "a", "pos", "table", "scratch", "res", "_give_back")
 
-    def __init__(self, fd, offsets: np.ndarray, rb: int, a: int, buffer, release=None, gap: int = 0):
+    def __init__(self, fd, offsets: np.ndarray, rb: int, a: int, buffer, give_back=None, gap: int = 0):
         fds = np.atleast_1d(np.asarray(fd, dtype=np.int64))
         n = int(offsets.size)
         table = np.empty((4, n), dtype=np.int64)
@@ -199,7 +199,7 @@ class Spans:
         k = _SPANS.compiled()
         runs, nbytes = (k or _spans_reference)(fds, offsets * rb, rb, a, gap, table, self.pos)
         self.rb, self.a, self.table = rb, a, table[:, :runs]
-        self.scratch, self._release = buffer(int(nbytes)), release
+        self.scratch, self._give_back = buffer(int(nbytes)), give_back
         self.res = np.full(runs, -1, dtype=np.int64)
 
     @property
@@ -281,10 +281,10 @@ class Spans:
         k = at.size if short < 0 else short
         out[:k] = src[at[:k]]  # fancy indexing walks a strided view (np.take would copy it whole)
 
-    def release(self) -> None:
+    def give_back(self) -> None:
         """The scratch given back (once; nothing may read it after)."""
-        if self._release is not None and self.scratch is not None:
-            self._release(self.scratch)
+        if self._give_back is not None and self.scratch is not None:
+            self._give_back(self.scratch)
         self.scratch = None
 
 
@@ -299,7 +299,7 @@ def read_now(fd, offsets: np.ndarray, rb: int, out: np.ndarray, gap: int = 0) ->
         spans.copy_rows(out, short)
         return total, short
     finally:
-        spans.release()
+        spans.give_back()
 
 
 def warm() -> None:

@@ -53,7 +53,7 @@ class Part:
     """Batch positions `at` (sorted) whose reads the tier started together and ends together:
     its reads (`spans`: the records', then format 1's row sums'), their ring batches
     (`tickets`: (spans, reads, ticket)) or their pool task (`task`). A plain record: the
-    tier's submit makes it, its finish waits for it, its place uses and releases it."""
+    tier's submit makes it, its finish waits for it, its place uses and gives it back."""
 
     __slots__ = ("at", "spans", "tickets", "task")
 
@@ -228,7 +228,7 @@ class MissBatch:
     def _end(self, part: Part) -> None:
         """finish -> verify and place -> publish, for one part."""
         self.tier.finish(part)
-        bad, why = self.tier.place(part, self)  # releases the part's scratch, whatever happens
+        bad, why = self.tier.place(part, self)  # gives the part's scratch back, whatever happens
         self.parts.remove(part)
         if bad >= 0:
             self._bad.append((bad, why))

@@ -217,7 +217,7 @@ class SegmentReader(ColdTier):
         try:
             sums = self.format.sum_spans(ids[a:b])
         except BaseException:
-            rows.release()
+            rows.give_back()
             raise
         return Part(at[a:b], [rows] if sums is None else [rows, sums])
 
@@ -292,7 +292,7 @@ class SegmentReader(ColdTier):
             with self._lock:
                 self._rows_read += nbytes
             for spans in part.spans:
-                spans.release()
+                spans.give_back()
 
     def abandon(self, part: Part) -> None:
         """A part that will not be placed: its reads still in flight waited for (they write its
@@ -310,7 +310,7 @@ class SegmentReader(ColdTier):
             except (OSError, KeyError):
                 pass  # the ring is broken: closing it (with its thread) cancels what is left
         for spans in part.spans:
-            spans.release()
+            spans.give_back()
 
     def landed(self, part: Part) -> bool:
         """Every read of `part` done (its pool task, its ring batches), asked without waiting."""
