@@ -123,7 +123,7 @@ def run_hbm_drift(trace: Trace | None = None, capacity: float = 0.02, window: in
         for i in range(lo, hi):
             step = trace.step(i)
             for c in caches.values():
-                c.lookup(step)
+                c.find(step)
                 c.observe(step)
                 c.maybe_refresh(src)
         n = max(1, ids.size)

@@ -87,7 +87,7 @@ def run_two_level(traces: list[Trace], hbm: float = 0.005, dram: float = 0.02, c
     for i in range(min(t.steps for t in traces)):
         for w, (t, c) in enumerate(zip(traces, caches)):
             ids = t.step(i)
-            miss = ids[c.lookup(ids) < 0]
+            miss = ids[c.find(ids) < 0]
             reads += ids.size
             before = d.reads - d.hits
             if miss.size:
