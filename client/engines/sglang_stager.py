@@ -331,7 +331,7 @@ class RowStager:
         # which later layers are read on a host thread behind the forward (step_reads.BEHIND); the
         # thread, made at the first such batch; their fills not yet waited
         self.behind = step_reads.check_behind(behind)
-        self._pool = None
+        self._host = step_reads.HostThread()
         self._pending: list[PendingRows] = []
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         tables = [t for _, t in self.layers]  # the fast form's DeviceLayer of each, by id(table)
@@ -446,11 +446,7 @@ class RowStager:
         for i, entry in zip(now, fill(ids, now, n)):
             staged[self.layers[i][0]] = entry
         for i in (i for i in slots if i not in now):
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-stage")
-            pending = PendingRows(self, self._pool.submit(fill, ids, [i], n))
+            pending = PendingRows(self, self._host.submit(fill, ids, [i], n))
             self._pending.append(pending)
             staged[self.layers[i][0]] = (pending, None, None)
         return staged
@@ -485,12 +481,7 @@ class RowStager:
     def close(self) -> None:
         """Wait for the later layers' fills and stop the stager's host threads."""
         self._drain()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-        for layer in self._device.values():
-            layer.close()
-        self._device.clear()
+        self._host.close(self._device)
 
     def fast_rows(self, embed, indices):
         """The fast form's bf16 [*indices.shape, dim] of staged layer `embed` for sglang's own hash

@@ -101,6 +101,33 @@ def read_now(behind: str, layers: list, ids: list) -> list[int]:
     return [0] + [i for i in range(1, len(layers)) if layers[i].probe.misses(ids[i]) == 0]
 
 
+class HostThread:
+    """A stager's host thread: later Engram layers' fills run on it while the forward runs the
+    layers before them (one worker, started on the first fill, so a stager that never reads
+    behind starts none)."""
+
+    def __init__(self):
+        self._pool = None
+
+    def submit(self, fn, *args):
+        """fn(*args) on the host thread: its Future."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-stage")
+        return self._pool.submit(fn, *args)
+
+    def close(self, device_layers: dict) -> None:
+        """Stop the thread (its fills already waited for) and close the stager's device layers
+        (device_fill.DeviceLayer: their fill servers' threads)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        for layer in device_layers.values():
+            layer.close()
+        device_layers.clear()
+
+
 def queued_hint(wait_steps: int, run_steps: int = 1, read: bool | None = None) -> tuple[bool, int]:
     """How the rows of a queued request are hinted: (read its misses now, steps the hint lasts).
 

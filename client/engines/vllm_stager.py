@@ -325,7 +325,7 @@ class StepStager:
         # which later layers are read on a host thread behind the forward (step_reads.BEHIND); the
         # thread, made at the first such step; each later layer's fill
         self.behind = "misses"
-        self._pool = None
+        self._host = step_reads.HostThread()
         self._pending: dict = {}
         self.waited = 0.0  # seconds the forward's lookups waited for later layers' fills
         self._read = np.zeros(len(self.tables), dtype=np.int64)  # the real step each layer last read
@@ -362,11 +362,7 @@ class StepStager:
         for i, own in zip(now, self._fill(wanted, now, n, buffered)):
             self._own[i] = own
         for i in (i for i in slots if i not in now):
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-stage")
-            self._pending[i] = self._pool.submit(self._fill, wanted, [i], n, buffered)
+            self._pending[i] = self._host.submit(self._fill, wanted, [i], n, buffered)
         self.tokens = tokens
 
     def _fill(self, wanted: list, slots: list[int], n: int, buffered: bool) -> list:
@@ -410,12 +406,7 @@ class StepStager:
     def close(self) -> None:
         """Wait for the later layers' fills and stop the stager's host threads."""
         self._drain()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-        for layer in self._device.values():
-            layer.close()
-        self._device.clear()
+        self._host.close(self._device)
 
     def stage_none(self) -> None:
         """A forward whose rows nothing reads (vLLM's profile and dummy runs, a graph capture's):

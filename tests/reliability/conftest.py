@@ -16,6 +16,7 @@ import pytest
 
 from tierstore.table.formats import encode_rows
 from tierstore.ingest.writer import write_version
+from tierstore.client.client import Client
 from tierstore.sidecar.launcher import SidecarProcess
 
 WORKER = Path(__file__).with_name("_worker.py")
@@ -208,6 +209,15 @@ class SlowPeers:
         for line in self.proc.stdout:
             self.status = json.loads(line)
 
+    def hold(self, n: int, seconds: float = 2.0) -> None:
+        """Wait until `n` connections are open (15 s at most: a server out of fds takes no more),
+        then hold them `seconds`."""
+        deadline = time.monotonic() + 15
+        while self.status.get("opened", 0) < n and time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            time.sleep(0.05)
+        time.sleep(seconds)
+
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -236,6 +246,48 @@ def timed(fn) -> tuple[float, str]:
         return time.monotonic() - t0, "ok"
     except Exception as e:  # noqa: BLE001 - what a user would see is the finding
         return time.monotonic() - t0, repr(e)[:200]
+
+
+class Planner:
+    """A thread planning 64 random ids of table "t" every 5 ms through its own client, each
+    plan's rows checked against `expected`: `plans` done, `failures` (each repr) seen. A
+    with-block starts it and returns once its first plan is done (or failed); leaving stops it."""
+
+    def __init__(self, socket, expected: np.ndarray):
+        self.socket, self.expected = socket, expected
+        self.plans, self.failures = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(0)
+        with Client(self.socket, timeout=5) as c:
+            while not self._stop.is_set():
+                ids = rng.integers(0, self.expected.shape[0], 64)
+                try:
+                    with c.plan("t", ids) as s:
+                        assert np.array_equal(s.rows(), self.expected[ids])
+                    self.plans += 1
+                except Exception as e:  # noqa: BLE001 - every failure is the finding
+                    self.failures.append(repr(e))
+                time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        while self.plans == 0 and not self.failures:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def rows_served(socket, expected: np.ndarray, ids, **client) -> None:
+    """A new client (Client(socket, **client)) looks `ids` of table "t" up and gets `expected`'s rows."""
+    ids = np.asarray(ids)
+    with Client(socket, **{"timeout": 5, **client}) as c:
+        assert np.array_equal(c.lookup("t", ids), expected[ids])
 
 
 @pytest.fixture
@@ -270,5 +322,6 @@ def rel():
 
     return SimpleNamespace(write_table=write_table, proc_status=proc_status, reset_peak_rss=reset_peak_rss,
                            mappers_of=mappers_of, my_shm_segments=my_shm_segments, SlowPeers=SlowPeers,
-                           sockets_of=sockets_of, timed=timed, HTTP_REQUEST=HTTP_REQUEST,
+                           sockets_of=sockets_of, timed=timed, Planner=Planner, rows_served=rows_served,
+                           HTTP_REQUEST=HTTP_REQUEST,
                            HTTP2_PREFACE=HTTP2_PREFACE)

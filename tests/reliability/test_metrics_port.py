@@ -5,14 +5,11 @@ succeeding, a new client connects, and an honest scrape is answered."""
 from __future__ import annotations
 
 import resource
-import threading
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
-from tierstore.client.client import Client
 
 pytestmark = pytest.mark.reliability
 ROWS = 4000
@@ -36,59 +33,34 @@ def test_idle_and_slowloris_connections_to_the_metrics_port_take_nothing_clients
     sc = sidecars(tmp_path / "data", "128KiB", "--metrics-port", port)  # a cache: plans take leases
     pid = sc.proc.pid
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, resource.prlimit(pid, resource.RLIMIT_NOFILE)[1]))
-    stop, failures, plans = threading.Event(), [], [0]
-
-    def plan_loop():
-        rng = np.random.default_rng(0)
-        with Client(sc.socket, timeout=5) as c:
-            while not stop.is_set():
-                ids = rng.integers(0, ROWS, 64)
-                try:
-                    with c.plan("t", ids) as s:
-                        assert np.array_equal(s.rows(), expected[ids])
-                    plans[0] += 1
-                except Exception as e:  # noqa: BLE001 - every failure is the finding
-                    failures.append(repr(e))
-                time.sleep(0.005)
-
     def new_client():
-        with Client(sc.socket, timeout=5) as c:
-            ids = np.array([0, 7, ROWS - 1])
-            assert np.array_equal(c.lookup("t", ids), expected[ids])
+        rel.rows_served(sc.socket, expected, [0, 7, ROWS - 1])
 
     def scrape():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "tierstore_plans_total" in text
 
-    planner = threading.Thread(target=plan_loop)
-    planner.start()
     attack = None
-    try:
-        while plans[0] == 0 and not failures:
-            time.sleep(0.01)
-        before = rel.sockets_of(pid)
-        attack = rel.SlowPeers(port, conns, 120)
-        deadline = time.monotonic() + 15  # (a server out of fds takes no more)
-        while attack.status.get("opened", 0) < conns and time.monotonic() < deadline:
-            assert attack.proc.poll() is None, attack.proc.stderr.read()
-            time.sleep(0.05)
-        time.sleep(2.0)  # the attack held a while
-        held = rel.sockets_of(pid) - before
-        joined, scraped = rel.timed(new_client), rel.timed(scrape)
-        time.sleep(1.0)
-        during = dict(attack.status)
-        attack.stop()
-        time.sleep(REQUEST_TIMEOUT_S + 0.5)
-        after = rel.sockets_of(pid) - before
-    finally:
-        stop.set()
-        planner.join(30)
-        if attack is not None:
+    with rel.Planner(sc.socket, expected) as planner:
+        try:
+            before = rel.sockets_of(pid)
+            attack = rel.SlowPeers(port, conns, 120)
+            attack.hold(conns)
+            held = rel.sockets_of(pid) - before
+            joined, scraped = rel.timed(new_client), rel.timed(scrape)
+            time.sleep(1.0)
+            during = dict(attack.status)
             attack.stop()
+            time.sleep(REQUEST_TIMEOUT_S + 0.5)
+            after = rel.sockets_of(pid) - before
+        finally:
+            if attack is not None:
+                attack.stop()
+    plans, failures = planner.plans, planner.failures
     print(f"{conns} connections from another uid at soft fd limit {soft}: {during}; sidecar sockets +{held} "
-          f"(+{after} after); {plans[0]} plans, {len(failures)} failed; a new client {joined[1]} in "
+          f"(+{after} after); {plans} plans, {len(failures)} failed; a new client {joined[1]} in "
           f"{joined[0]:.2f} s, a scrape {scraped[1]} in {scraped[0]:.2f} s")
-    assert not failures, f"{len(failures)} of {plans[0] + len(failures)} plans failed: {failures[:3]}"
+    assert not failures, f"{len(failures)} of {plans + len(failures)} plans failed: {failures[:3]}"
     assert held <= MAX_CONNECTIONS + 2, f"the attack holds {held} of the sidecar's sockets"
     assert after <= 2, f"{after} sockets still held once the attack ended"
     assert joined[1] == "ok" and joined[0] < 2, joined

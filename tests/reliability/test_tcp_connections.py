@@ -6,7 +6,6 @@ stop, a TCP client with the token is served."""
 from __future__ import annotations
 
 import resource
-import threading
 import time
 from concurrent import futures
 
@@ -45,60 +44,35 @@ def test_unfinished_tcp_handshakes_take_nothing_the_unix_clients_need(tmp_path, 
         resource.setrlimit(resource.RLIMIT_NOFILE, mine)
     pid, cap = sc.proc.pid, max_tcp_connections(soft)
     assert resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] == soft
-    stop, failures, plans = threading.Event(), [], [0]
-
-    def plan_loop():
-        rng = np.random.default_rng(0)
-        with Client(sc.socket, timeout=5) as c:
-            while not stop.is_set():
-                ids = rng.integers(0, ROWS, 64)
-                try:
-                    with c.plan("t", ids) as s:
-                        assert np.array_equal(s.rows(), expected[ids])
-                    plans[0] += 1
-                except Exception as e:  # noqa: BLE001 - every failure is the finding
-                    failures.append(repr(e))
-                time.sleep(0.005)
-
     def new_client():
-        with Client(sc.socket, timeout=5) as c:
-            ids = np.array([0, 7, ROWS - 1])
-            assert np.array_equal(c.lookup("t", ids), expected[ids])
+        rel.rows_served(sc.socket, expected, [0, 7, ROWS - 1])
 
     def tcp_client():
         with Client(target=f"127.0.0.1:{port}", token=TOKEN, timeout=10) as c:
             ids = np.array([1, 8, ROWS - 2])
             assert np.array_equal(c.lookup("t", ids), expected[ids])
 
-    planner = threading.Thread(target=plan_loop)
-    planner.start()
     attack = None
-    try:
-        while plans[0] == 0 and not failures:
-            time.sleep(0.01)
-        before = rel.sockets_of(pid)
-        attack = rel.SlowPeers(port, conns, 120, rel.HTTP2_PREFACE)
-        deadline = time.monotonic() + 15
-        while attack.status.get("opened", 0) < conns and time.monotonic() < deadline:
-            assert attack.proc.poll() is None, attack.proc.stderr.read()
-            time.sleep(0.05)
-        time.sleep(2.0)  # the attack held a while
-        held = rel.sockets_of(pid) - before
-        joined = rel.timed(new_client)
-        during = dict(attack.status)
-        attack.stop()
-        time.sleep(HANDSHAKE_TIMEOUT_S + 1.0)
-        after = rel.sockets_of(pid) - before
-        served = rel.timed(tcp_client)
-    finally:
-        stop.set()
-        planner.join(30)
-        if attack is not None:
+    with rel.Planner(sc.socket, expected) as planner:
+        try:
+            before = rel.sockets_of(pid)
+            attack = rel.SlowPeers(port, conns, 120, rel.HTTP2_PREFACE)
+            attack.hold(conns)
+            held = rel.sockets_of(pid) - before
+            joined = rel.timed(new_client)
+            during = dict(attack.status)
             attack.stop()
+            time.sleep(HANDSHAKE_TIMEOUT_S + 1.0)
+            after = rel.sockets_of(pid) - before
+            served = rel.timed(tcp_client)
+        finally:
+            if attack is not None:
+                attack.stop()
+    plans, failures = planner.plans, planner.failures
     print(f"{conns} unfinished TCP handshakes from another uid at soft fd limit {soft} (cap {cap}): {during}; "
-          f"sidecar sockets +{held} (+{after} after); {plans[0]} plans, {len(failures)} failed; a new client "
+          f"sidecar sockets +{held} (+{after} after); {plans} plans, {len(failures)} failed; a new client "
           f"{joined[1]} in {joined[0]:.2f} s; then a TCP client {served[1]} in {served[0]:.2f} s")
-    assert not failures, f"{len(failures)} of {plans[0] + len(failures)} plans failed: {failures[:3]}"
+    assert not failures, f"{len(failures)} of {plans + len(failures)} plans failed: {failures[:3]}"
     assert held <= cap + 2, f"the attack holds {held} of the sidecar's sockets (cap {cap})"
     assert after <= 2, f"{after} sockets still held once the attack ended"
     assert joined[1] == "ok" and joined[0] < 2, joined
